@@ -1,0 +1,105 @@
+"""Build the compiled parts of skippy_wire.
+
+Extensions (each one compiled concept, see docs/development.md):
+  skippy_wire._codec    Cython activation-codec kernels
+  skippy_wire._frame    Cython stage-message framing
+  skippy_wire._backend  Cython binding of the C/C++ ggml stage backend (skippy_wire/_stage)
+
+SKIPPY_WIRE_PUREPYTHON=1 builds none of them (the pure-Python twin is then the only
+implementation). SKIPPY_WIRE_BUILD_ONLY=_codec,_frame limits a development build to the
+named extensions.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+HERE = Path(__file__).resolve().parent
+PKG = HERE / "skippy_wire"
+
+# Portable by default: no -march=native (SIMD paths are chosen at run time by CPU feature).
+OPT_FLAGS = ["-O3", "-fno-strict-aliasing"]
+if os.environ.get("SKIPPY_WIRE_DEBUG_BUILD"):
+    OPT_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer"]
+if os.environ.get("SKIPPY_WIRE_ASAN"):
+    OPT_FLAGS = OPT_FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer"]
+ASAN_LINK = ["-fsanitize=address"] if os.environ.get("SKIPPY_WIRE_ASAN") else []
+
+
+def _libggml_root() -> Path:
+    """Locate the libggml-python wheel (headers in include/, shared libraries in lib64/)."""
+    spec = importlib.util.find_spec("libggml")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the build needs the PyPI package libggml-python (pip install libggml-python)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def codec_extension() -> Extension:
+    return Extension(
+        "skippy_wire._codec",
+        sources=["skippy_wire/_codec.pyx"],
+        extra_compile_args=OPT_FLAGS,
+        extra_link_args=ASAN_LINK,
+    )
+
+
+def frame_extension() -> Extension:
+    return Extension(
+        "skippy_wire._frame",
+        sources=["skippy_wire/_frame.pyx"],
+        extra_compile_args=OPT_FLAGS,
+        extra_link_args=ASAN_LINK,
+    )
+
+
+def backend_extension() -> Extension:
+    ggml = _libggml_root()
+    stage_sources = sorted(str(p.relative_to(HERE)) for p in (PKG / "_stage").glob("*.c*"))
+    return Extension(
+        "skippy_wire._backend",
+        sources=["skippy_wire/_backend.pyx", *stage_sources],
+        include_dirs=[str(ggml / "include"), str(PKG / "_stage")],
+        library_dirs=[str(ggml / "lib64")],
+        libraries=["ggml-base", "ggml-cpu"],
+        language="c++",
+        extra_compile_args=OPT_FLAGS + ["-std=c++17"],
+        # The installed extension finds the wheel's libraries next to it in site-packages;
+        # the in-tree build also records the absolute path (skippy_wire/__init__ preloads as
+        # a last resort, see _ggml_preload).
+        extra_link_args=ASAN_LINK
+        + ["-Wl,-rpath,$ORIGIN/../libggml/lib64", f"-Wl,-rpath,{ggml / 'lib64'}"],
+    )
+
+
+EXTENSIONS = {
+    "_codec": (PKG / "_codec.pyx", codec_extension),
+    "_frame": (PKG / "_frame.pyx", frame_extension),
+    "_backend": (PKG / "_backend.pyx", backend_extension),
+}
+
+
+def extensions():
+    if os.environ.get("SKIPPY_WIRE_PUREPYTHON"):
+        print("skippy_wire: pure-Python build (no compiled extensions)", file=sys.stderr)
+        return []
+    only = {n.strip() for n in os.environ.get("SKIPPY_WIRE_BUILD_ONLY", "").split(",") if n.strip()}
+    chosen = [make() for name, (src, make) in EXTENSIONS.items() if src.exists() and (not only or name in only)]
+    from Cython.Build import cythonize
+
+    import numpy
+
+    for ext in chosen:
+        ext.include_dirs.append(numpy.get_include())
+        ext.define_macros.append(("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"))
+    print("skippy_wire: compiled build of " + ", ".join(e.name for e in chosen), file=sys.stderr)
+    return cythonize(
+        chosen,
+        compiler_directives={"language_level": "3", "embedsignature": True},
+        quiet=True,
+    )
+
+
+setup(ext_modules=extensions())

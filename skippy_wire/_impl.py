@@ -1,0 +1,42 @@
+"""Which implementation of the kernels is live: the compiled one or the pure-Python twin.
+
+On CPython the compiled extensions are required; ``SKIPPY_WIRE_IMPL=python`` forces the
+twin (``skippy_wire._reference``).  A failed import of a compiled module is an error,
+never a silent fallback to the slow path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from types import ModuleType
+
+IMPLEMENTATIONS = ("cython", "python")
+
+
+def _choose() -> str:
+    requested = os.environ.get("SKIPPY_WIRE_IMPL", "").strip().lower()
+    if requested and requested not in IMPLEMENTATIONS:
+        raise ImportError(f"SKIPPY_WIRE_IMPL must be one of {IMPLEMENTATIONS}, not {requested!r}")
+    if requested:
+        return requested
+    return "cython" if platform.python_implementation() == "CPython" else "python"
+
+
+IMPLEMENTATION = _choose()
+
+
+def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleType:
+    """Return the module implementing ``concept`` ("codec" or "frame")."""
+    if implementation == "python":
+        return importlib.import_module(f"skippy_wire._reference.{concept}")
+    if implementation == "cython":
+        try:
+            return importlib.import_module(f"skippy_wire._{concept}")
+        except ImportError as exc:
+            raise ImportError(
+                f"the compiled module skippy_wire._{concept} is not built ({exc}); "
+                "build it with `pip install -e .` or set SKIPPY_WIRE_IMPL=python"
+            ) from exc
+    raise ValueError(f"unknown implementation {implementation!r}")
