@@ -16,3 +16,15 @@ from .dtypes import (
 from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 
 # --- public re-exports of each concept module (one block per module) ---
+from .codec import (
+    bf16_view,
+    decode_activation,
+    encode_activation,
+    encode_f32_activation_payload,
+    f16_view,
+    is_bf16_exact,
+    is_f16_exact,
+    select_and_encode_lossless,
+    select_lossless_codec,
+)
+from .codec import activation_f32_bytes, activation_shape, activation_wire_bytes
