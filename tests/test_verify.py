@@ -1,0 +1,188 @@
+"""The exhaustive verifier (``skippy-wire verify-exhaustive``): partial runs and mutants.
+
+The full 2^32 run is CI's job (.ci/run); here the verifier runs on the interesting
+neighbourhoods of the f32 space, and must catch deliberately broken kernels.
+"""
+
+from __future__ import annotations
+
+import io
+import types
+
+import numpy as np
+import pytest
+
+from skippy_wire import verify
+from skippy_wire._impl import IMPLEMENTATION, kernel_module
+from skippy_wire.errors import InvalidDataError
+
+#: Neighbourhoods where the rules change: zero and subnormals, f16 subnormal/normal
+#: boundary, 1.0, the f16 overflow tie (65520 = 0x477ff000), the bf16 overflow tie
+#: (0x7f7f8000), infinity/NaN, and the same on the negative side.
+EDGES = [0x00000000, 0x00800000, 0x33000000, 0x38800000, 0x3F800000, 0x477FF000, 0x47800000,
+         0x7F7F8000, 0x7F800000, 0x7FC00000, 0x80000000, 0xC77FF000, 0xFF7F8000, 0xFF800000]
+SPAN = 1 << 12
+
+
+def _around(edge: int) -> tuple[int, int]:
+    start = max(0, edge - SPAN // 2)
+    return start, min(SPAN, (1 << 32) - start)
+
+
+@pytest.mark.parametrize("edge", EDGES, ids=[f"0x{e:08x}" for e in EDGES])
+def test_kernels_clean_around_edges(impl, edge):
+    result = verify.check_chunk(*_around(edge), impl=impl)
+    assert result.mismatches == 0, "\n".join(m.render() for m in result.first)
+
+
+def test_decode16_clean(impl):
+    result = verify.check_decode16(impl)
+    assert result.mismatches == 0, "\n".join(m.render() for m in result.first)
+    assert result.stats["patterns16"] == 2 << 16
+
+
+def test_cli_partial_run(capsys):
+    impl = IMPLEMENTATION
+    rc = verify.main(["--impl", impl, "--start", "0x477fe000", "--limit", "8192", "--chunk", "4096", "--workers", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "mismatches: 0" in out
+    assert "0x477fe000..0x477fffff" in out
+
+
+def test_cli_two_workers(capsys):
+    rc = verify.main(["--impl", "python", "--start", "0x7f7f0000", "--limit", "0x4000", "--chunk", "0x1000", "--workers", "2"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "with 2 worker(s)" in captured.out
+    assert "100.0%" in captured.err  # the progress bar reached the end, on stderr
+
+
+def test_cli_rejects_bad_range():
+    with pytest.raises(SystemExit):
+        verify.main(["--start", "0xffffffff", "--limit", "2"])
+
+
+def test_progress_bar_plain_text():
+    stream = io.StringIO()
+    bar = verify.Progress(100, stream=stream)
+    bar.update(50, 0)
+    bar.update(100, 3)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[-1].startswith("[" + "#" * 30 + "] 100.0%")
+    assert lines[-1].endswith("mismatches 3")
+
+
+# --------------------------------------------------------------------------- mutants
+
+
+def _mutant(**overrides):
+    """The reference kernels with some functions replaced."""
+    ref = kernel_module("codec", "python")
+    names = ("f32_bits_to_bf16_bits", "f32_bits_to_f16_bits", "bf16_bits_to_f32_bits", "f16_bits_to_f32_bits",
+             "encode_activation", "decode_activation", "is_bf16_exact", "is_f16_exact")
+    ns = types.SimpleNamespace(**{n: getattr(ref, n) for n in names})
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    return ns, ref
+
+
+def _checks(result) -> set[str]:
+    return set(result.by_check)
+
+
+def test_mutant_bf16_truncation_is_caught():
+    ns, _ = _mutant(f32_bits_to_bf16_bits=lambda b: (b >> np.uint32(16)).astype(np.uint16))
+    result = verify.check_chunk(0x3F800000, 1 << 16, kernel=ns)
+    assert result.mismatches > 0
+    assert {"bf16-raw-spec", "bf16-raw-oracle"} <= _checks(result)
+
+
+def test_mutant_f16_nan_policy_is_caught():
+    def conv(b):
+        out = kernel_module("codec", "python").f32_bits_to_f16_bits(b)
+        nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        out[nan] = 0x7E00  # ggml's quiet NaN instead of the protocol's 0x7c01 | sign
+        return out
+
+    ns, _ = _mutant(f32_bits_to_f16_bits=conv)
+    result = verify.check_chunk(0x7FC00000, 4096, kernel=ns)
+    assert "f16-raw" in _checks(result)
+
+
+def test_mutant_f16_range_off_by_one_is_caught():
+    """An encoder that only rejects |x| >= 65536 (accepting the 65520 tie)."""
+    ns, ref = _mutant()
+
+    def encode(codec, t, n, payload, flags):
+        bits = np.frombuffer(bytes(payload), dtype="<u4")
+        mag = bits & np.uint32(0x7FFFFFFF)
+        if codec == verify.CODEC_F16 and (mag < 0x7F800000).all() and ((mag >= 0x477FF000) & (mag < 0x47800000)).any():
+            keep = np.where((mag >= 0x477FF000) & (mag < 0x47800000), np.uint32(0x477FE000) | (bits & np.uint32(0x80000000)), bits)
+            return ref.encode_activation(codec, t, n, keep.astype("<u4").tobytes(), flags)
+        return ref.encode_activation(codec, t, n, payload, flags)
+
+    ns.encode_activation = encode
+    result = verify.check_chunk(0x477FE000, 8192, kernel=ns)
+    assert "f16-encode-error" in _checks(result)
+
+
+def test_mutant_wrong_error_text_is_caught():
+    ns, ref = _mutant()
+
+    def encode(codec, t, n, payload, flags):
+        try:
+            return ref.encode_activation(codec, t, n, payload, flags)
+        except InvalidDataError as exc:
+            if str(exc) == verify.MSG_BF16_RANGE:
+                raise InvalidDataError("BF16 activation value out of range") from None
+            raise
+
+    ns.encode_activation = encode
+    result = verify.check_chunk(0x7F7F0000, 1 << 16, kernel=ns)
+    assert "bf16-encode-error" in _checks(result)
+
+
+def test_mutant_wrong_encode_result_is_located():
+    """A wrong byte inside the one-call encode of the in-range subset names its input."""
+    ns, ref = _mutant()
+
+    def encode(codec, t, n, payload, flags):
+        wire = bytearray(ref.encode_activation(codec, t, n, payload, flags))
+        bits = np.frombuffer(bytes(payload), dtype="<u4")
+        hit = np.flatnonzero(bits == 0x3F812345)
+        for i in hit:
+            wire[2 * i] ^= 1
+        return bytes(wire)
+
+    ns.encode_activation = encode
+    result = verify.check_chunk(0x3F810000, 1 << 16, kernel=ns)
+    bad = [m for m in result.first if m.check in ("bf16-encode", "f16-encode")]
+    assert bad and all(m.x == 0x3F812345 for m in bad)
+
+
+def test_mutant_exactness_predicate_is_caught():
+    """is_f16_exact that forgets subnormals become zero (calls them exact)."""
+    ns, ref = _mutant()
+
+    def is_f16_exact(payload):
+        bits = np.frombuffer(bytes(payload), dtype="<u4")
+        sub = ((bits & np.uint32(0x7F800000)) == 0) & ((bits & np.uint32(0x7FFFFF)) != 0)
+        return ref.is_f16_exact(bits[~sub].tobytes())
+
+    ns.is_f16_exact = is_f16_exact
+    result = verify.check_chunk(0x00000000, 4096, kernel=ns)
+    assert {"f16-exact", "f16-exact-tail"} & _checks(result)
+
+
+def test_mutant_missing_finiteness_check_is_caught():
+    ns, ref = _mutant()
+
+    def encode(codec, t, n, payload, flags):
+        bits = np.frombuffer(bytes(payload), dtype="<u4")
+        return ref.f32_bits_to_bf16_bits(bits.astype(np.uint32)).astype("<u2").tobytes()
+
+    ns.encode_activation = encode
+    result = verify.check_chunk(0x7F800000, 4096, kernel=ns)
+    assert "bf16-encode-error" in _checks(result)
