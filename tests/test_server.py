@@ -1,0 +1,415 @@
+"""The stage server with a fake runtime: execution, forwarding, sessions and faults.
+
+Stages run in-process (a listening thread each) on 127.0.0.1 with port 0; the driver side
+is :class:`skippy_wire.pipeline.PipelineClient`.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from skippy_wire.dtypes import ActivationCodec, CodecPolicy
+from skippy_wire.pipeline import PipelineClient, PipelineError
+from skippy_wire.server import StageServer, parse_address, stage_config
+
+N_EMBD = 8
+N_LAYER = 6
+VOCAB = 97
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.token_count = 0
+        self.history: list[int] = []
+        self.freed = False
+
+
+class FakeBackend:
+    """A deterministic stand-in for a stage runtime.
+
+    Source: a token embeds to small multiples of 1/4 (exact in bf16 and f16).  Each owned
+    layer adds ``layer + 1`` plus a quarter of the number of tokens seen before.  The
+    terminal stage predicts ``(sum of the last row + len(history)) mod VOCAB``.
+    """
+
+    def __init__(self, layer_start: int, layer_end: int, stage_index: int = 0, *, scale: float = 0.25) -> None:
+        self.layer_start, self.layer_end, self.stage_index = layer_start, layer_end, stage_index
+        self.n_embd = N_EMBD
+        self.is_source = layer_start == 0
+        self.is_terminal = layer_end == N_LAYER
+        self.scale = scale
+        self.sessions: list[FakeSession] = []
+
+    def create_session(self) -> FakeSession:
+        session = FakeSession()
+        self.sessions.append(session)
+        return session
+
+    def free_session(self, session: FakeSession) -> None:
+        session.freed = True
+
+    def trim(self, session: FakeSession, n: int) -> None:
+        session.token_count = n
+        del session.history[n:]
+
+    def _run(self, session, tokens, activation):
+        if self.is_source:
+            rows = np.array([[(t % 16) * self.scale + j * 0.25 for j in range(N_EMBD)] for t in tokens], np.float32)
+        else:
+            rows = np.frombuffer(bytes(activation), np.float32).reshape(len(tokens), N_EMBD).copy()
+        for layer in range(self.layer_start, self.layer_end):
+            rows += np.float32(layer + 1 + 0.25 * session.token_count)
+        session.token_count += len(tokens)
+        session.history.extend(tokens)
+        if self.is_terminal:
+            return int(rows[-1].sum() + len(session.history)) % VOCAB, None
+        from skippy_wire.forwarding import ActivationDescV1, ActivationDType, ActivationFrameV1
+
+        payload = rows.astype("<f4").tobytes()
+        desc = ActivationDescV1(version=1, dtype=ActivationDType.F32, layout=1,
+                                producer_stage_index=self.stage_index, layer_start=self.layer_start,
+                                layer_end=self.layer_end, token_count=len(tokens), sequence_count=1,
+                                payload_bytes=len(payload), flags=0)
+        return -1, ActivationFrameV1(desc=desc, payload=payload)
+
+    def prefill(self, session, tokens, activation, state_flags, *, sample, sampling):
+        token, frame = self._run(session, list(tokens), activation)
+        return (token if sample else -1), frame
+
+    def decode(self, session, token, activation, state_flags, *, sampling):
+        return self._run(session, [token], activation)
+
+
+def fake_reference(prompt, max_tokens, chunk=4):
+    """The fake model as one stage owning every layer."""
+    backend = FakeBackend(0, N_LAYER)
+    session = backend.create_session()
+    token = None
+    for start in range(0, len(prompt), chunk):
+        token, _ = backend.prefill(session, prompt[start:start + chunk], b"", 0, sample=True, sampling=None)
+    out = [token]
+    while len(out) < max_tokens:
+        token, _ = backend.decode(session, token, b"", 0, sampling=None)
+        out.append(token)
+    return out
+
+
+class Chain:
+    """In-process stage servers (threads) wired stage 0 -> ... -> terminal."""
+
+    def __init__(self, splits, codec="raw-f32-v1", policy="fixed", *, io_timeout=5.0, reply_timeout=5.0,
+                 capture=None, backends=None) -> None:
+        self.servers: list[StageServer] = []
+        self.events: list[dict] = []
+        self.backends = []
+        downstream = None
+        for index in reversed(range(len(splits))):
+            start, end = splits[index]
+            backend = backends[index] if backends else FakeBackend(start, end, index)
+            self.backends.insert(0, backend)
+            server = StageServer(
+                backend, stage_config(index, start, end, codec, policy), downstream=downstream,
+                io_timeout=io_timeout, reply_timeout=reply_timeout, events=self.events.append,
+                capture=f"{capture}/hop{index + 1}" if capture and downstream else None)
+            server.start()
+            self.servers.insert(0, server)
+            downstream = server.address
+
+    @property
+    def entry(self):
+        return self.servers[0].address
+
+    def close(self):
+        for server in self.servers:
+            server.shutdown()
+
+
+@pytest.fixture
+def chain_factory():
+    chains = []
+
+    def make(*args, **kwargs):
+        chain = Chain(*args, **kwargs)
+        chains.append(chain)
+        return chain
+
+    yield make
+    for chain in chains:
+        chain.close()
+
+
+PROMPT = [5, 9, 13, 2, 7, 11, 3]
+
+
+@pytest.mark.parametrize("splits", [[(0, 6)], [(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]], ids=["1", "2", "3"])
+@pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("bf16-rne-v1", "fixed"),
+                                          ("f16-rne-v1", "fixed"), ("raw-f32-v1", "auto-lossless-v1")])
+def test_chain_matches_one_stage(chain_factory, splits, codec, policy):
+    chain = chain_factory(splits, codec, policy)
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        result = client.generate(PROMPT, max_tokens=12, chunk_size=4)
+    assert result.tokens == fake_reference(PROMPT, 12)
+    assert result.prefill_messages == 2 and result.decode_messages == 11
+    # Stop freed every stage's session and reported its traffic.
+    deadline = time.monotonic() + 5
+    while len(chain.events) < len(splits) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(e["stage"] for e in chain.events) == list(range(len(splits)))
+    assert all(s.freed for b in chain.backends for s in b.sessions)
+    for event in chain.events:
+        if event["stage"] < len(splits) - 1:
+            assert event["forwarded_messages"] == 13  # 2 prefill chunks + 11 decodes
+            chosen = set(event["codec_counts"])
+            assert chosen == ({"bf16-rne-v1"} if policy == "auto-lossless-v1" else {codec})
+
+
+def test_stop_ends_the_session_not_the_connection(chain_factory):
+    chain = chain_factory([(0, 3), (3, 6)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        first = client.generate(PROMPT, max_tokens=5, chunk_size=4, session_id=1)
+        second = client.generate(PROMPT, max_tokens=5, chunk_size=4, session_id=2, request_id=2)
+    assert first.tokens == second.tokens == fake_reference(PROMPT, 5)
+    assert [len(b.sessions) for b in chain.backends] == [2, 2]
+
+
+def test_auto_lossless_falls_back_to_raw_for_inexact_values(chain_factory):
+    backends = [FakeBackend(0, 3, 0, scale=1.0 / 3.0), FakeBackend(3, 6, 1, scale=1.0 / 3.0)]
+    chain = chain_factory([(0, 3), (3, 6)], "raw-f32-v1", "auto-lossless-v1", backends=backends)
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        client.generate(PROMPT, max_tokens=3, chunk_size=8)
+    deadline = time.monotonic() + 5
+    while not chain.events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stage0 = next(e for e in chain.events if e["stage"] == 0)
+    assert "raw-f32-v1" in stage0["codec_counts"]
+
+
+def test_configure_generation_reaches_the_terminal_stage(chain_factory):
+    from skippy_wire.messages import SamplingConfig
+
+    seen = []
+
+    class Recording(FakeBackend):
+        def prefill(self, session, tokens, activation, state_flags, *, sample, sampling):
+            seen.append(sampling)
+            return super().prefill(session, tokens, activation, state_flags, sample=sample, sampling=sampling)
+
+    chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Recording(3, 6, 1)])
+    sampling = SamplingConfig(flags=1, seed=42, top_k=40)
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        from skippy_wire.messages import StageWireMessage
+
+        reply = client.request(StageWireMessage.configure_generation(1, 1, len(PROMPT), sampling, '{"x": 1}'))
+        assert int(reply.kind) == 1
+        client.generate(PROMPT, max_tokens=2, chunk_size=8, session_id=1)
+    assert seen[-1].seed == 42 and seen[-1].top_k == 40
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def _raw_connect(address):
+    sock = socket.create_connection(address, timeout=5)
+    assert sock.recv(4) == b"\x59\x44\x52\x53"  # READY
+    return sock
+
+
+def _wait_closed(sock, timeout=5.0) -> bool:
+    """True once the server closed the connection (recv returns b"")."""
+    sock.settimeout(timeout)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _prefill_bytes():
+    from skippy_wire.frame import write_stage_message
+    from skippy_wire.pipeline import prefill_messages
+
+    return write_stage_message(next(prefill_messages(PROMPT, 16, 1, 1)))
+
+
+def _still_serves(chain):
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, caplog):
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    sock = _raw_connect(chain.entry)
+    sock.sendall(_prefill_bytes()[:50])
+    sock.close()
+    deadline = time.monotonic() + 5
+    while "in the middle of a message" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "peer disconnected in the middle of a message" in caplog.text
+    _still_serves(chain)
+
+
+def test_garbage_is_logged_and_closed(chain_factory, caplog):
+    chain = chain_factory([(0, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    sock = _raw_connect(chain.entry)
+    sock.sendall(struct.pack("<i", 12) + b"\xab" * 200)  # kind 12 is unknown
+    assert _wait_closed(sock)
+    sock.close()
+    assert "malformed stage message (InvalidData: unknown stage message kind)" in caplog.text
+    _still_serves(chain)
+
+
+def test_stalled_peer_times_out(chain_factory, caplog):
+    chain = chain_factory([(0, 6)], io_timeout=0.3)
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    sock = _raw_connect(chain.entry)
+    sock.sendall(_prefill_bytes()[:30])
+    assert _wait_closed(sock)
+    sock.close()
+    assert "stalled" in caplog.text
+    _still_serves(chain)
+
+
+def test_unsupported_kind_closes_the_connection(chain_factory, caplog):
+    from skippy_wire.frame import write_stage_message
+    from skippy_wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+
+    chain = chain_factory([(0, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    sock = _raw_connect(chain.entry)
+    kind = WireMessageKind.STATE_EXPORT
+    sock.sendall(write_stage_message(StageWireMessage(kind, 0, 0, StageStateHeader.new(kind), 1, 1)))
+    assert _wait_closed(sock)
+    sock.close()
+    assert "unsupported stage message kind STATE_EXPORT" in caplog.text
+
+
+def test_downstream_failure_reaches_the_driver(chain_factory):
+    chain = chain_factory([(0, 3), (3, 6)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        client.generate(PROMPT, max_tokens=2, chunk_size=4)
+        chain.servers[1].shutdown()  # the terminal stage drops its connections
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.generate(PROMPT, max_tokens=2, chunk_size=4, session_id=2)
+
+
+def test_downstream_stall_reaches_the_driver(chain_factory):
+    class Stalling(FakeBackend):
+        def decode(self, *args, **kwargs):
+            time.sleep(3)
+            return super().decode(*args, **kwargs)
+
+    chain = chain_factory([(0, 3), (3, 6)], reply_timeout=0.5,
+                          backends=[FakeBackend(0, 3, 0), Stalling(3, 6, 1)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.generate(PROMPT, max_tokens=3, chunk_size=4)
+        assert time.monotonic() - started < 8
+
+
+def _fake_stage(behaviour):
+    """A listening socket that sends READY, then ``behaviour(conn)``; returns (address, close)."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    conns = []
+
+    def serve():
+        conn, _ = listener.accept()
+        conns.append(conn)
+        conn.sendall(b"\x59\x44\x52\x53")
+        behaviour(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def close():
+        for conn in conns:
+            conn.close()
+        listener.close()
+
+    return listener.getsockname()[:2], close
+
+
+def test_driver_times_out_on_a_silent_stage():
+    address, close = _fake_stage(lambda conn: time.sleep(5))
+    try:
+        with PipelineClient(*address, timeout=0.5) as client:
+            started = time.monotonic()
+            with pytest.raises(PipelineError, match="no answer to ConfigureGeneration within 0.5 s"):
+                client.generate(PROMPT, max_tokens=2)
+            assert time.monotonic() - started < 4
+    finally:
+        close()
+
+
+def test_driver_reports_a_closed_stage():
+    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.close()))
+    try:
+        with PipelineClient(*address, timeout=5) as client:
+            with pytest.raises(PipelineError, match="closed the connection during ConfigureGeneration"):
+                client.generate(PROMPT, max_tokens=2)
+    finally:
+        close()
+
+
+def test_driver_reports_a_garbage_reply():
+    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)))
+    try:
+        with PipelineClient(*address, timeout=5) as client:
+            with pytest.raises(PipelineError, match="malformed reply .*unknown stage reply kind"):
+                client.generate(PROMPT, max_tokens=2)
+    finally:
+        close()
+
+
+def test_driver_reports_a_refused_connection():
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()[:2]
+    listener.close()
+    with pytest.raises(PipelineError, match="cannot connect to stage 0"):
+        PipelineClient(*address, timeout=2)
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def test_server_rejects_inconsistent_configuration():
+    with pytest.raises(ValueError, match="needs --downstream"):
+        StageServer(FakeBackend(0, 3), stage_config(0, 0, 3, "raw-f32-v1", "fixed"))
+    with pytest.raises(ValueError, match="cannot have a downstream"):
+        StageServer(FakeBackend(3, 6, 1), stage_config(1, 3, 6, "raw-f32-v1", "fixed"), downstream=("127.0.0.1", 1))
+    with pytest.raises(ValueError, match="incompatible with configured codec"):
+        StageServer(FakeBackend(0, 6), stage_config(0, 0, 6, "f16-rne-v1", "auto-lossless-v1"))
+
+
+def test_stage_config_maps_identities():
+    config = stage_config(1, 4, 8, "bf16-rne-v1", "fixed")
+    assert config.activation_codec == ActivationCodec.BF16_RNE_V1
+    assert config.activation_codec_policy == CodecPolicy.FIXED
+    assert (config.stage_index, config.layer_start, config.layer_end) == (1, 4, 8)
+
+
+def test_parse_address():
+    assert parse_address("127.0.0.1:9000") == ("127.0.0.1", 9000)
+    assert parse_address("tcp://localhost:1") == ("localhost", 1)
+    with pytest.raises(ValueError):
+        parse_address("nope")
+
+
+def test_serve_cli_reports_bad_arguments(capsys):
+    from skippy_wire.server import main
+
+    assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
+    assert "--stage-index is required" in capsys.readouterr().err
