@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import io
 import struct
 import sys
 from pathlib import Path
@@ -165,27 +164,24 @@ def describe_reply(reply, offset: int, size: int, index: int) -> list[str]:
 def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = None, all_values: bool = False,
             out: TextIO = sys.stdout, name: str = "") -> int:
     """Print every record of ``data``; returns the number of records, raises WireError/EOFError."""
-    from .frame import read_reply, read_stage_message
-
-    stream = io.BytesIO(data)
     if replies is None:
         replies = data[:4] == READY_BYTES or "replies" in Path(name).name
     index = 0
-    if replies and data[:4] == READY_BYTES:
-        print("#0 @0 READY (magic 0x53524459, 4 bytes)", file=out)
-        stream.seek(4)
-        index = 1
-    while stream.tell() < len(data):
-        offset = stream.tell()
+    records = iter_records(data, replies=replies, n_embd=n_embd)
+    while True:
+        offset = records.offset
         try:
-            if replies:
-                record = read_reply(stream)
-                lines = describe_reply(record, offset, stream.tell() - offset, index)
+            item = next(records, None)
+            if item is None:
+                break
+            _, record, size, width = item
+            if record is READY:
+                lines = ["#0 @0 READY (magic 0x53524459, 4 bytes)"]
+            elif replies:
+                lines = describe_reply(record, offset, size, index)
             else:
-                width = n_embd or (infer_n_embd(data[offset:offset + 80]) if len(data) - offset >= 80 else None)
-                record = read_stage_message(stream, width or 1)
                 wire = struct.unpack_from("<i", data, offset + 60)[0]
-                lines = describe_message(record, offset, stream.tell() - offset, index, width,
+                lines = describe_message(record, offset, size, index, width,
                                          all_values=all_values, wire_activation_bytes=wire)
         except (WireError, EOFError) as exc:
             kind = getattr(exc, "kind", type(exc).__name__)
@@ -232,20 +228,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def iter_records(data: bytes, *, replies: bool, n_embd: int | None = None) -> Iterator[tuple[int, object]]:
-    """(offset, record) for every record of ``data`` (for tests and scripts)."""
-    from .frame import read_reply, read_stage_message
+READY = object()
 
-    stream = io.BytesIO(data)
-    if replies and data[:4] == READY_BYTES:
-        stream.seek(4)
-    while stream.tell() < len(data):
-        offset = stream.tell()
-        if replies:
-            yield offset, read_reply(stream)
+
+class iter_records:
+    """Iterate ``(offset, record, size, n_embd)`` over ``data``; ``record`` is the
+    :data:`READY` sentinel for a leading READY magic in the reply direction.  ``offset``
+    (the attribute) is where the next record starts."""
+
+    def __init__(self, data: bytes, *, replies: bool, n_embd: int | None = None) -> None:
+        self.data, self.replies, self.n_embd, self.offset = data, replies, n_embd, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from .frame import read_reply_from_buffer, read_stage_message_from_buffer
+
+        data, offset = self.data, self.offset
+        if offset >= len(data):
+            raise StopIteration
+        width = None
+        if self.replies and offset == 0 and data[:4] == READY_BYTES:
+            record, size = READY, 4
+        elif self.replies:
+            record, size = read_reply_from_buffer(data, offset=offset)
         else:
-            width = n_embd or infer_n_embd(data[offset:offset + 80]) or 1
-            yield offset, read_stage_message(stream, width)
+            width = self.n_embd or (infer_n_embd(data[offset:offset + 80]) if len(data) - offset >= 80 else None)
+            record, size = read_stage_message_from_buffer(data, width or 1, offset=offset)
+        self.offset = offset + size
+        return offset, record, size, width
 
 
 if __name__ == "__main__":

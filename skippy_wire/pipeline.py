@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import io
 import json
 import logging
 import os
@@ -319,21 +318,6 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
-class _Recorder(io.RawIOBase):
-    def __init__(self, sock: socket.socket, capture) -> None:
-        self.sock, self.capture, self.count = sock, capture, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        n = self.sock.recv_into(buf)
-        self.count += n
-        if self.capture is not None and n:
-            self.capture.write(bytes(memoryview(buf)[:n]))
-        return n
-
-
 class PipelineClient:
     """A persistent connection to stage 0 (TCP_NODELAY; one write per message).
 
@@ -344,33 +328,28 @@ class PipelineClient:
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None) -> None:
-        from .frame import recv_ready
+        from .server import _Peer
 
         self.address = f"{host}:{port}"
         self.timeout = timeout
-        self._cap_out = self._cap_in = None
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if capture:
-            self._cap_out = open(f"{capture}-messages.bin", "wb")
-            self._cap_in = open(f"{capture}-replies.bin", "wb")
-        self._raw = _Recorder(self.sock, self._cap_in)
-        self._reader = io.BufferedReader(self._raw, 1 << 16)
-        self.sent_bytes = 0
-        self._guard(lambda: recv_ready(self._reader), "READY handshake")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._peer = _Peer(sock, str(capture) if capture else None)
+        self._guard(self._peer.recv_ready, "READY handshake")
+
+    @property
+    def sent_bytes(self) -> int:
+        return self._peer.sent
 
     @property
     def received_bytes(self) -> int:
-        return self._raw.count
+        return self._peer.received
 
     def close(self) -> None:
-        for f in (self._cap_out, self._cap_in):
-            if f is not None:
-                f.close()
-        self.sock.close()
+        self._peer.close()
 
     def __enter__(self) -> "PipelineClient":
         return self
@@ -393,17 +372,15 @@ class PipelineClient:
 
     def request(self, msg, what: str | None = None):
         """Send one message and return its reply (a ``StageReply``)."""
-        from .frame import read_reply, write_stage_message
+        from .frame import write_stage_message
 
         data = write_stage_message(msg)
         what = what or f"{msg.kind.name} (session {msg.session_id})"
 
         def exchange():
-            self.sock.sendall(data)
-            self.sent_bytes += len(data)
-            if self._cap_out is not None:
-                self._cap_out.write(data)
-            return read_reply(self._reader)
+            self._peer.sock.settimeout(self.timeout)
+            self._peer.send(data)
+            return self._peer.read_reply()
 
         return self._guard(exchange, what)
 
@@ -411,7 +388,12 @@ class PipelineClient:
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
                  on_token: Callable[[int], None] | None = None, request_id: int = 1,
                  session_id: int = 1) -> GenerationResult:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids)."""
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
+
+        ``sampling`` (a ``messages.SamplingConfig``; None = greedy) travels once, in
+        ConfigureGeneration, which every stage keeps for the session; prefill and decode
+        messages carry no sampling block.
+        """
         from .messages import StageWireMessage
 
         if not prompt:
@@ -423,7 +405,7 @@ class PipelineClient:
                 request_id, session_id, len(prompt), sampling, None), "ConfigureGeneration"), ack=True)
             started = time.perf_counter()
             token = None
-            for msg in prefill_messages(prompt, chunk_size, request_id, session_id, sampling):
+            for msg in prefill_messages(prompt, chunk_size, request_id, session_id):
                 reply = self.request(msg)
                 result.prefill_messages += 1
                 result.reply_stats.append(reply.stats)
@@ -441,14 +423,12 @@ class PipelineClient:
                 if len(result.tokens) >= max_tokens:
                     break
                 reply = self.request(decode_message(token, pos, len(result.tokens) - 1, len(prompt),
-                                                    request_id, session_id, sampling))
+                                                    request_id, session_id))
                 result.decode_messages += 1
                 token = self._expect(reply, ack=False)
                 pos += 1
             result.decode_s = time.perf_counter() - started
-            self._expect(self.request(StageWireMessage.stop_with_identity(request_id, session_id)
-                                      if hasattr(StageWireMessage, "stop_with_identity")
-                                      else _stop(request_id, session_id), "Stop"), ack=True)
+            self._expect(self.request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
         finally:
             result.sent_bytes = self.sent_bytes - sent0
             result.received_bytes = self.received_bytes - recv0
@@ -463,14 +443,6 @@ class PipelineClient:
         if kind not in (2, 3):
             raise PipelineError(f"stage 0 at {self.address}: expected a predicted token, got reply kind {kind}")
         return int(reply.predicted)
-
-
-def _stop(request_id: int, session_id: int):
-    from .messages import StageWireMessage
-
-    msg = StageWireMessage.stop()
-    msg.request_id, msg.session_id = request_id, session_id
-    return msg
 
 
 def prefill_messages(prompt: list[int], chunk_size: int, request_id: int, session_id: int, sampling=None):

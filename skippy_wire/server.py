@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from .dtypes import ActivationCodec, CodecPolicy
 from .errors import UnexpectedEofError, WireError
+from .messages import READY_BYTES
 
 log = logging.getLogger("skippy_wire.server")
 
@@ -179,28 +180,71 @@ class _Session:
     stats: SessionStats = field(default_factory=SessionStats)
 
 
-class _CountingReader(io.RawIOBase):
-    """A raw reader over a socket that counts bytes and can tee them to a capture file."""
+class WireReader:
+    """Reads whole messages or replies off a socket through the ``*_from_buffer`` parsers.
+
+    Unparsed bytes stay in a tail for the next call (a peer may pipeline), a short parse
+    asks for exactly the bytes it still needs, and every received byte is counted (and
+    teed to ``capture`` when given).  ``read()`` returns None on a clean close between
+    records and raises ``UnexpectedEofError`` on a close in the middle of one.
+    """
 
     def __init__(self, sock: socket.socket, capture=None) -> None:
-        self._sock = sock
+        self.sock = sock
         self.count = 0
+        self._buf = bytearray()
         self._capture = capture
+        self._chunk = bytearray(1 << 16)
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        n = self._sock.recv_into(buf)
-        self.count += n
-        if self._capture is not None and n:
-            self._capture.write(bytes(memoryview(buf)[:n]))
-            self._capture.flush()
+    def _recv(self) -> int:
+        n = self.sock.recv_into(self._chunk)
+        if n:
+            self.count += n
+            self._buf += memoryview(self._chunk)[:n]
+            if self._capture is not None:
+                self._capture.write(memoryview(self._chunk)[:n])
+                self._capture.flush()
         return n
+
+    def read_exact(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            if not self._recv():
+                raise UnexpectedEofError()
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        return data
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        """Block until at least one byte is buffered (False on a clean close)."""
+        if self._buf:
+            return True
+        self.sock.settimeout(timeout)
+        try:
+            return self._recv() > 0
+        except ConnectionResetError:
+            return False
+
+    def read(self, parse: Callable):
+        """``parse(bytes) -> (record, consumed)`` raising UnexpectedEofError(.needed) when short."""
+        need = 1
+        while True:
+            while len(self._buf) < need:
+                if not self._recv():
+                    if not self._buf:
+                        return None
+                    raise UnexpectedEofError()
+            try:
+                record, consumed = parse(bytes(self._buf))
+            except UnexpectedEofError as exc:
+                needed = getattr(exc, "needed", None)
+                need = needed if needed and needed > len(self._buf) else len(self._buf) + 1
+                continue
+            del self._buf[:consumed]
+            return record
 
 
 class _Peer:
-    """One end of a TCP connection: one write per message, buffered counted reads."""
+    """One end of a TCP connection: one write per message, a :class:`WireReader` to read."""
 
     def __init__(self, sock: socket.socket, capture_prefix: str | None = None) -> None:
         self.sock = sock
@@ -208,13 +252,12 @@ class _Peer:
         if capture_prefix:
             self._cap_out = open(capture_prefix + "-messages.bin", "wb")
             self._cap_in = open(capture_prefix + "-replies.bin", "wb")
-        self._raw = _CountingReader(sock, self._cap_in)
-        self.reader = io.BufferedReader(self._raw, 1 << 16)
+        self.reader = WireReader(sock, self._cap_in)
         self.sent = 0
 
     @property
     def received(self) -> int:
-        return self._raw.count
+        return self.reader.count
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -222,6 +265,19 @@ class _Peer:
         if self._cap_out is not None:
             self._cap_out.write(data)
             self._cap_out.flush()
+
+    def read_reply(self):
+        from .frame import read_reply_from_buffer
+
+        reply = self.reader.read(read_reply_from_buffer)
+        if reply is None:
+            raise UnexpectedEofError()
+        return reply
+
+    def recv_ready(self) -> None:
+        from .frame import recv_ready
+
+        recv_ready(self.reader.read_exact(4))
 
     def close(self) -> None:
         for f in (self._cap_out, self._cap_in):
@@ -355,11 +411,9 @@ class StageServer:
         downstream: _Peer | None = None
         sessions: dict[int, _Session] = {}
         try:
-            from .frame import send_ready
-
             if self.downstream is not None:
                 downstream = self._open_downstream(seq)
-            upstream.send(_reply_bytes(send_ready))
+            upstream.send(READY_BYTES)
             log.info("%s: ready", name)
             while not self._stop.is_set():
                 msg = self._read_message(upstream, name)
@@ -389,8 +443,6 @@ class StageServer:
                 self._connections.discard(sock)
 
     def _open_downstream(self, seq: int) -> _Peer:
-        from .frame import recv_ready
-
         host, port = self.downstream
         try:
             sock = connect(host, port, timeout=self.reply_timeout)
@@ -399,7 +451,8 @@ class StageServer:
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = _Peer(sock, capture)
         try:
-            recv_ready(peer.reader)
+            peer.sock.settimeout(self.reply_timeout)
+            peer.recv_ready()
         except (WireError, OSError) as exc:
             peer.close()
             raise StageError(f"downstream {host}:{port} did not send READY: {exc}") from exc
@@ -407,19 +460,19 @@ class StageServer:
 
     def _read_message(self, peer: _Peer, name: str):
         """Read one message; None on a clean close between messages."""
-        from .frame import read_stage_message
+        from .frame import read_stage_message_from_buffer
 
-        peer.sock.settimeout(self.idle_timeout)
         try:
-            first = peer.reader.peek(1)
+            if not peer.reader.wait_readable(self.idle_timeout):
+                return None
         except (socket.timeout, TimeoutError):
             raise StageError(f"idle for more than {self.idle_timeout} s") from None
-        except ConnectionResetError:
-            return None
-        if not first:
-            return None
         peer.sock.settimeout(self.io_timeout)
-        return read_stage_message(peer.reader, self.backend.n_embd, self.codec, self.policy)
+        n_embd, codec, policy = self.backend.n_embd, self.codec, self.policy
+        msg = peer.reader.read(lambda data: read_stage_message_from_buffer(data, n_embd, codec, policy))
+        if msg is None:
+            raise UnexpectedEofError()
+        return msg
 
     # -- execution -----------------------------------------------------------------------
 
@@ -515,14 +568,12 @@ class StageServer:
         return self._exchange(msg, write_stage_message(msg), downstream, session, None, 0)
 
     def _exchange(self, msg, data: bytes, downstream: _Peer, session, compute_us, activation_bytes) -> bytes:
-        from .frame import read_reply
-
         started = time.perf_counter()
         try:
             downstream.sock.settimeout(self.reply_timeout)
             downstream.send(data)
             written = time.perf_counter()
-            reply = read_reply(downstream.reader)
+            reply = downstream.read_reply()
         except (socket.timeout, TimeoutError):
             raise StageError(
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent no reply within "
@@ -580,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (omit on the last stage)")
     p.add_argument("--activation-codec", default="raw-f32-v1",
                    choices=[c.identity for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
+    p.add_argument("--activation-codec-policy", default="fixed", choices=list(POLICIES))
     p.add_argument("--ctx-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
@@ -595,12 +646,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+POLICIES = {"fixed": CodecPolicy.FIXED, "auto-lossless-v1": CodecPolicy.AUTO_LOSSLESS_V1}
+
+
 def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str, policy: str):
+    """A forwarding StageConfig from the CLI identities (e.g. "bf16-rne-v1", "fixed")."""
     from .forwarding import StageConfig
 
+    if policy not in POLICIES:
+        raise ValueError(f"unknown activation codec policy {policy!r}")
     return StageConfig(stage_index=stage_index, layer_start=layer_start, layer_end=layer_end,
                        activation_codec=ActivationCodec.from_identity(codec),
-                       activation_codec_policy=CodecPolicy.from_identity(policy))
+                       activation_codec_policy=POLICIES[policy])
 
 
 def _print_event(event: dict) -> None:

@@ -203,11 +203,7 @@ def test_configure_generation_reaches_the_terminal_stage(chain_factory):
     chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Recording(3, 6, 1)])
     sampling = SamplingConfig(flags=1, seed=42, top_k=40)
     with PipelineClient(*chain.entry, timeout=10) as client:
-        from skippy_wire.messages import StageWireMessage
-
-        reply = client.request(StageWireMessage.configure_generation(1, 1, len(PROMPT), sampling, '{"x": 1}'))
-        assert int(reply.kind) == 1
-        client.generate(PROMPT, max_tokens=2, chunk_size=8, session_id=1)
+        client.generate(PROMPT, max_tokens=2, chunk_size=8, sampling=sampling)
     assert seen[-1].seed == 42 and seen[-1].top_k == 40
 
 
