@@ -19,6 +19,7 @@ raises.  A failed native call carries ``.status`` and renders as upstream does,
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -224,6 +225,27 @@ def _unpack_parts(view: memoryview, offset: int) -> list:
     ]
 
 
+def llama_residual_identity(n_embd: int) -> bytes:
+    """The backend's part identity of the llama residual stream (skippy_stage.h, item 3):
+    SHA-256 of ``"skippy_wire/llama/residual/<n_embd>/f32"``."""
+    return hashlib.sha256(f"skippy_wire/llama/residual/{n_embd}/f32".encode()).digest()
+
+
+def frontier_identity_of(parts: Sequence[ActivationPartDesc]) -> bytes:
+    """The backend's frontier identity over a part list (skippy_stage.h, item 3): SHA-256 of
+    ``"skippy_wire/frontier/v1" || u32 count || per part: identity, u32 ggml_type, u32 rank,
+    i32 token_axis, i64 of every non-token dimension`` (all little-endian)."""
+    digest = hashlib.sha256(b"skippy_wire/frontier/v1")
+    digest.update(struct.pack("<I", len(parts)))
+    for part in parts:
+        digest.update(bytes(part.identity))
+        digest.update(struct.pack("<IIi", part.ggml_type, part.rank, part.token_axis))
+        for axis, dimension in enumerate(part.dimensions[: part.rank]):
+            if axis != part.token_axis:
+                digest.update(struct.pack("<q", dimension))
+    return digest.digest()
+
+
 @dataclass
 class ActivationDesc:
     """Version-2 activation frame descriptor (2120-byte C struct).
@@ -287,17 +309,21 @@ class ActivationDesc:
         producer_stage_index: int = 0,
         layer_start: int = 0,
         layer_end: int = 0,
-        identity: bytes = _ZERO_IDENTITY,
-        frontier_identity: bytes = _ZERO_IDENTITY,
+        identity: Optional[bytes] = None,
+        frontier_identity: Optional[bytes] = None,
     ) -> "ActivationDesc":
-        """A single F32 part ``[n_embd, token_count]`` (token axis 1), token-major rows."""
+        """A single F32 part ``[n_embd, token_count]`` (token axis 1), token-major rows.
+
+        Identities default to the backend's llama residual identities."""
         payload_bytes = 4 * n_embd * token_count
         parts = _default_parts()
         parts[0] = ActivationPartDesc(
-            identity=identity, ggml_type=GGML_TYPE_F32, rank=2, token_axis=1,
+            identity=llama_residual_identity(n_embd) if identity is None else identity, ggml_type=GGML_TYPE_F32, rank=2, token_axis=1,
             dimensions=(n_embd, token_count, 0, 0), byte_strides=(4, 4 * n_embd, 0, 0),
             payload_offset=0, payload_bytes=payload_bytes,
         )
+        if frontier_identity is None:
+            frontier_identity = frontier_identity_of(parts[:1])
         return cls(
             version=ACTIVATION_FRAME_VERSION, producer_stage_index=producer_stage_index,
             layer_start=layer_start, layer_end=layer_end, token_count=token_count,
@@ -635,7 +661,7 @@ def frame_from_wire(
     One F32 part ``[n_embd, token_count]``, token axis 1.  ``flags`` are v1 frame flags;
     sideband planes are not supported by this backend, so non-zero flags are rejected.
     ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
-    frontier identities when the backend checks them.
+    frontier identities; without it they are the backend's llama residual identities.
     """
     if flags:
         raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
@@ -646,7 +672,7 @@ def frame_from_wire(
             f"activation payload length {len(data)} does not match {token_count} tokens x "
             f"{n_embd} f32 ({expected} bytes)"
         )
-    identity = frontier = _ZERO_IDENTITY
+    identity = frontier = None
     if boundary is not None:
         parts = boundary.active_parts()
         identity, frontier = parts[0].identity, boundary.frontier_identity

@@ -201,8 +201,11 @@ class StageModel:
         return ActivationBoundaryDesc.from_bytes(raw)
 
     def close(self) -> None:
-        """Drop the native model (sessions keep it alive until they are closed too)."""
-        self._native = None
+        """Free the native model (sessions keep it alive until they are closed too)."""
+        native, self._native = self._native, None
+        close = getattr(native, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> "StageModel":
         return self

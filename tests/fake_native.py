@@ -31,6 +31,8 @@ from skippy_wire.activation import (
     ActivationPartDesc,
     GGML_TYPE_F32,
     NativeMtpDraft,
+    frontier_identity_of,
+    llama_residual_identity,
 )
 
 STATUS_OK = 0
@@ -47,8 +49,6 @@ ACTIVATION_BOUNDARY_DESC_BYTES = 2088
 SAMPLING_CONFIG_BYTES = 2352
 MTP_DRAFT_BYTES = 56
 
-IDENTITY = bytes(range(32))
-FRONTIER = bytes(reversed(range(32)))
 EMPTY_DESC = ActivationDesc.empty().to_bytes()
 NO_DRAFT = NativeMtpDraft.pack(False)
 
@@ -124,10 +124,10 @@ class FakeModel:
         return FakeSession(self)
 
     def _boundary(self):
-        desc = ActivationDesc.f32_rows(self.n_embd, 0, identity=IDENTITY, frontier_identity=FRONTIER)
-        part = desc.parts[0]
-        part.dimensions = (self.n_embd, -1, 0, 0)
-        return ActivationBoundaryDesc(2, 1, FRONTIER, desc.parts).to_bytes()
+        desc = ActivationDesc.f32_rows(self.n_embd, 0)
+        desc.parts[0].dimensions = (self.n_embd, -1, 0, 0)
+        desc.parts[0].byte_strides = (4, 4 * self.n_embd, 0, 0)
+        return ActivationBoundaryDesc(2, 1, desc.frontier_identity, desc.parts).to_bytes()
 
     def input_activation_boundary(self):
         return None if self.is_source else self._boundary()
@@ -174,6 +174,8 @@ class FakeSession:
         model = self.model
         if not tokens:
             raise _Failure(STATUS_INVALID_ARGUMENT, "session and at least one token are required")
+        if any(not 0 <= t < model.n_vocab for t in tokens):
+            raise _Failure(STATUS_INVALID_ARGUMENT, "token id out of range")
         if positions is not None and len(positions) != len(tokens):
             raise _Failure(STATUS_INVALID_ARGUMENT, "position count does not match token count")
         if sampling is not None and len(sampling) != SAMPLING_CONFIG_BYTES:
@@ -188,6 +190,10 @@ class FakeSession:
         if desc.layer_end != model.layer_start:
             raise _Failure(STATUS_INVALID_ARGUMENT,
                            f"input frame ends at layer {desc.layer_end}, stage starts at {model.layer_start}")
+        if (desc.version != 2 or desc.part_count != 1
+                or desc.parts[0].identity != llama_residual_identity(model.n_embd)
+                or desc.frontier_identity != frontier_identity_of(desc.parts[:1])):
+            raise _Failure(STATUS_INVALID_ARGUMENT, "input frame does not match this stage's activation boundary")
         if desc.token_count != len(tokens):
             raise _Failure(STATUS_INVALID_ARGUMENT, "input frame token count does not match")
         if len(input_payload or b"") != desc.payload_bytes or desc.payload_bytes != 4 * model.n_embd * len(tokens):
@@ -215,7 +221,6 @@ class FakeSession:
         desc = ActivationDesc.f32_rows(
             model.n_embd, len(rows), producer_stage_index=model.stage_index,
             layer_start=model.layer_start, layer_end=model.layer_end,
-            identity=IDENTITY, frontier_identity=FRONTIER,
         )
         payload = struct.pack(f"<{len(rows) * model.n_embd}f", *[v for r in rows for v in r])
         return desc.to_bytes(), payload, rows
@@ -301,8 +306,7 @@ class FakeSession:
             return STATUS_BUFFER_TOO_SMALL, "output buffer too small", EMPTY_DESC, b"", required
         rows = self.last_rows[-token_count:]
         desc = ActivationDesc.f32_rows(model.n_embd, token_count, producer_stage_index=model.stage_index,
-                                       layer_start=model.layer_start, layer_end=model.layer_end,
-                                       identity=IDENTITY, frontier_identity=FRONTIER)
+                                       layer_start=model.layer_start, layer_end=model.layer_end)
         payload = struct.pack(f"<{token_count * model.n_embd}f", *[v for r in rows for v in r])
         return STATUS_OK, None, desc.to_bytes(), payload, len(payload)
 
