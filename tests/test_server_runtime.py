@@ -1,0 +1,58 @@
+"""The server's runtime adapter (``RuntimeBackend``) over ``skippy_wire.runtime`` with the
+fake native module: split stages behind TCP give the tokens of one whole stage."""
+
+from __future__ import annotations
+
+import pytest
+
+import fake_native
+from skippy_wire.pipeline import PipelineClient
+from skippy_wire.runtime import StageModel
+from skippy_wire.server import RuntimeBackend, StageServer, stage_config
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def _open(start, end, index):
+    model = StageModel.open("fake:model", start, end, stage_index=index, lane_count=4,
+                            backend=fake_native.module())
+    return RuntimeBackend(model)
+
+
+def _reference(max_tokens, chunk):
+    model = StageModel.open("fake:model", 0, None, lane_count=1, backend=fake_native.module())
+    session = model.create_session()
+    token = None
+    for start in range(0, len(PROMPT), chunk):
+        if start + chunk >= len(PROMPT):
+            token, _ = session.prefill_chunk_frame_sampled(PROMPT[start:start + chunk], None)
+        else:
+            session.prefill_chunk_frame(PROMPT[start:start + chunk])
+    out = [token]
+    while len(out) < max_tokens:
+        token, _ = session.decode_step_frame_sampled(token, None)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("splits", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["1", "2", "3"])
+@pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("bf16-rne-v1", "fixed"),
+                                          ("raw-f32-v1", "auto-lossless-v1")])
+def test_runtime_stages_match_one_stage(splits, codec, policy):
+    servers = []
+    try:
+        downstream = None
+        for index in reversed(range(len(splits))):
+            start, end = splits[index]
+            server = StageServer(_open(start, end, index), stage_config(index, start, end, codec, policy),
+                                 downstream=downstream, io_timeout=5, reply_timeout=5)
+            server.start()
+            servers.insert(0, server)
+            downstream = server.address
+        with PipelineClient(*servers[0].address, timeout=10) as client:
+            result = client.generate(PROMPT, max_tokens=10, chunk_size=3)
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert result.tokens == _reference(10, 3)
+    assert len(result.tokens) == 10
