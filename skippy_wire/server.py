@@ -686,8 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event)
-    except (OSError, ValueError, WireError) as exc:
-        print(f"skippy-wire serve: {exc}", file=sys.stderr)
+    except (OSError, ValueError, WireError, ImportError, RuntimeError) as exc:
+        print(f"skippy-wire serve: cannot start stage {stage_index}: {exc}", file=sys.stderr)
         return 1
     bound_host, bound_port = server.address
     log.info("stage %d: layers %d..%d of %s, codec %s, policy %s, %d threads, listening on %s:%d%s",

@@ -1,0 +1,193 @@
+"""The pipeline driver: layer splits, streaming, summaries, and real stage processes.
+
+Process tests run ``skippy-wire serve`` children on 127.0.0.1 (port 0) and always
+terminate them; every wait is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.pipeline import (
+    GenerationResult,
+    PipelineClient,
+    PipelineError,
+    TextStreamer,
+    format_summary,
+    generate_local,
+    launch_pipeline,
+    merge_session_events,
+    model_shape,
+    split_layers,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_split_layers_is_even_and_contiguous():
+    assert split_layers(30, 2) == [(0, 15), (15, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]
+    assert split_layers(5, 1) == [(0, 5)]
+    for bad in (0, 6):
+        with pytest.raises(ValueError):
+            split_layers(5, bad)
+
+
+class _Tok:
+    """A toy tokenizer whose ids are characters; 0 is end-of-generation."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def is_eog(self, token):
+        return token == 0
+
+
+def test_text_streamer_prints_only_new_text():
+    out = io.StringIO()
+    streamer = TextStreamer(_Tok(), out)
+    for ch in "hi there":
+        streamer.push(ord(ch))
+    streamer.push(0)
+    streamer.finish()
+    assert out.getvalue() == "hi there\n"
+
+
+def test_summary_reports_rates_hops_codecs_and_encode_time():
+    result = GenerationResult([1, 2, 3, 4], [5, 6, 7], prefill_s=0.5, decode_s=0.25, prefill_messages=1,
+                              decode_messages=2, sent_bytes=1000, received_bytes=700)
+    stage0 = [{"event": "session", "stage": 0, "forwarded_messages": 3, "messages": 5,
+               "forwarded_bytes": {"bf16-rne-v1": 300, "raw-f32-v1": 400},
+               "activation_bytes": {"bf16-rne-v1": 100, "raw-f32-v1": 200},
+               "codec_counts": {"bf16-rne-v1": 2, "raw-f32-v1": 1}, "encode_ms": 0.3, "compute_ms": 9.0}]
+    stage1 = [{"event": "session", "stage": 1, "forwarded_messages": 0, "messages": 5, "compute_ms": 8.0}]
+    text = format_summary(result, [stage0, stage1], stages=2, model="m.gguf", codec="raw-f32-v1",
+                          policy="auto-lossless-v1", threads=2)
+    assert "prefill: 4 tokens in 500.0 ms = 8.0 tok/s" in text
+    assert "decode:  2 tokens in 250.0 ms = 8.0 tok/s" in text
+    assert "hop 0 driver->stage 0: sent 1.0 KiB" in text
+    assert "hop 1 stage 0->stage 1" in text and "bf16-rne-v1 0.3 KiB in 2 frames" in text
+    assert "codec chosen: bf16-rne-v1 2x (67%), raw-f32-v1 1x (33%)" in text
+    assert "activation encode: 0.30 ms total, 100.0 us/frame" in text
+
+
+def test_merge_session_events_sums_counters():
+    merged = merge_session_events([{"event": "session", "stage": 0, "messages": 2, "codec_counts": {"a": 1}},
+                                   {"event": "session", "stage": 0, "messages": 3, "codec_counts": {"a": 2, "b": 1}}])
+    assert merged == {"messages": 5, "codec_counts": {"a": 3, "b": 1}}
+
+
+def test_startup_failure_is_reported_and_cleaned_up(tmp_path):
+    with pytest.raises(PipelineError, match="exited with status"):
+        launch_pipeline(tmp_path / "missing.gguf", 2, layers=[(0, 2), (2, 4)], startup_timeout=60,
+                        log_dir=tmp_path)
+    assert "cannot start stage 1" in (tmp_path / "stage1.log").read_text()
+
+
+# -- real stage processes over the tiny random llama -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from skippy_wire.models import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+PROMPT = [1, 10, 20, 30, 40, 50, 60, 70, 80]
+
+
+def _pipeline_tokens(model, stages, codec="raw-f32-v1", policy="fixed", max_tokens=12, chunk=4, **kwargs):
+    with launch_pipeline(model, stages, codec=codec, policy=policy, threads=1, startup_timeout=60,
+                         **kwargs) as cluster:
+        with PipelineClient(*cluster.entry, timeout=30) as client:
+            result = client.generate(PROMPT, max_tokens=max_tokens, chunk_size=chunk)
+        events = cluster.session_events(wait=5)
+        procs = [s.popen for s in cluster.stages]
+    assert all(p.poll() is not None for p in procs), "stage processes must be terminated"
+    return result, events
+
+
+def test_two_stage_processes_match_one_in_process_stage(tiny_model):
+    assert model_shape(tiny_model) == (4, 64)
+    result, events = _pipeline_tokens(tiny_model, 2)
+    local = generate_local(tiny_model, PROMPT, max_tokens=12, chunk_size=4, threads=1)
+    assert result.tokens == local.tokens
+    assert len(result.tokens) == 12
+    assert events[0][0]["codec_counts"] == {"raw-f32-v1": 3 + 11}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("bf16-rne-v1", "fixed"),
+                                          ("raw-f32-v1", "auto-lossless-v1")])
+def test_process_pipelines_match_one_stage(tiny_model, stages, codec, policy):
+    result, events = _pipeline_tokens(tiny_model, stages, codec, policy)
+    local = generate_local(tiny_model, PROMPT, max_tokens=12, chunk_size=4, threads=1)
+    assert result.tokens == local.tokens
+    for stage_events in events[:-1]:
+        chosen = set(stage_events[0]["codec_counts"])
+        assert chosen <= ({"raw-f32-v1", "bf16-rne-v1", "f16-rne-v1"} if policy != "fixed" else {codec})
+
+
+def test_killed_stage_fails_the_request_with_a_reason(tiny_model):
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60, reply_timeout=10) as cluster:
+        with PipelineClient(*cluster.entry, timeout=20) as client:
+            client.generate(PROMPT, max_tokens=2, chunk_size=4)
+            cluster.stages[1].popen.send_signal(signal.SIGKILL)
+            cluster.stages[1].popen.wait(10)
+            started = time.monotonic()
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.generate(PROMPT, max_tokens=4, chunk_size=4, session_id=2)
+            assert time.monotonic() - started < 15
+        # Stage 0 keeps serving: a new connection fails cleanly (its downstream is gone).
+        with pytest.raises(PipelineError, match="READY handshake"):
+            PipelineClient(*cluster.entry, timeout=20)
+        assert cluster.stages[0].popen.poll() is None
+
+
+def test_capture_files_can_be_inspected(tiny_model, tmp_path):
+    from skippy_wire.inspect import main as inspect_main
+
+    _pipeline_tokens(tiny_model, 2, "bf16-rne-v1", max_tokens=3, capture_dir=tmp_path)
+    assert (tmp_path / "hop1-messages.bin").stat().st_size > 0
+    assert inspect_main([str(tmp_path / "hop1-messages.bin")]) == 0
+    assert inspect_main([str(tmp_path / "hop1-replies.bin")]) == 0
+
+
+# -- the CLI with the real SmolLM2 -------------------------------------------------------------
+
+
+def _cli(*args, timeout=240):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "skippy_wire", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.slow
+def test_run_without_arguments_generates_through_two_stages():
+    proc = _cli()
+    assert proc.returncode == 0, proc.stderr
+    assert "summary: 2 stage processes" in proc.stdout
+    assert "decode:" in proc.stdout and "tok/s" in proc.stdout
+    assert "wire hop 1 stage 0->stage 1" in proc.stdout
+    assert "codec chosen: raw-f32-v1" in proc.stdout
+    assert "stage 1: layers 15..30 listening" in proc.stderr
+
+
+@pytest.mark.slow
+def test_run_check_with_auto_lossless_exits_0():
+    proc = _cli("run", "The capital of France is", "--max-tokens", "16", "--check",
+                "--activation-codec-policy", "auto-lossless-v1", "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check: OK" in proc.stdout
+    assert "Paris" in proc.stdout
