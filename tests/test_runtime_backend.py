@@ -1,0 +1,299 @@
+"""The runtime adapter over the real ggml backend (``skippy_wire._backend``) and the tiny
+random llama GGUF (runtime.md section 6.2): split stages agree with one stage, the
+BUFFER_TOO_SMALL retry works natively, bad input is a clear exception."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+backend = pytest.importorskip("skippy_wire._backend", reason="the compiled stage backend is not built")
+models = pytest.importorskip("skippy_wire.models")
+
+from skippy_wire import runtime as rt  # noqa: E402
+from skippy_wire.activation import (  # noqa: E402
+    ActivationDesc,
+    ActivationFrame,
+    PartialBatchExecution,
+    RuntimeSamplingConfig,
+    StageRuntimeError,
+    Status,
+    frame_from_wire,
+)
+from skippy_wire.runtime import (  # noqa: E402
+    DecodeFrameBatchRequest,
+    IterationBatchPhase,
+    IterationBatchRequest,
+    StageModel,
+)
+
+PROMPT = [1, 10, 20, 30, 40]
+#: Greedy per-row arg-max of the tiny model for PROMPT (runtime.md section 6.2).
+REFERENCE_ROWS = [221, 181, 221, 92, 56]
+N_LAYER = 4
+N_EMBD = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama-f32.gguf"
+    models.write_tiny_llama_gguf(path, file_type="f32")
+    return str(path)
+
+
+def open_stage(path, start, end, **kwargs):
+    kwargs.setdefault("n_threads", 2)
+    kwargs.setdefault("ctx_size", 64)
+    return StageModel.open(path, start, end, **kwargs)
+
+
+class Pipeline:
+    """Stages ``[0, c1), [c1, c2), ..., [ck, n_layer)`` run in sequence through frames."""
+
+    def __init__(self, path, cuts, **kwargs):
+        bounds = [0, *cuts, N_LAYER]
+        self.models = [open_stage(path, s, e, stage_index=i, **kwargs)
+                       for i, (s, e) in enumerate(zip(bounds, bounds[1:]))]
+        self.sessions = [m.create_session() for m in self.models]
+
+    def _through(self, tokens, step):
+        frame = None
+        for index, (model, session) in enumerate(zip(self.models, self.sessions)):
+            inp = None
+            if frame is not None:
+                inp = frame_from_wire(frame.payload, len(tokens), model.n_embd, index - 1,
+                                      self.models[index - 1].layer_start, model.layer_start)
+            token, frame = step(session, inp)
+        return token
+
+    def prefill(self, tokens, sampling=None):
+        return self._through(tokens, lambda s, inp: s.prefill_chunk_frame_sampled(tokens, sampling, inp))
+
+    def decode(self, token, sampling=None):
+        return self._through([token], lambda s, inp: s.decode_step_frame_sampled(token, sampling, inp))
+
+    def verify(self, tokens):
+        return self._through(tokens, lambda s, inp: s.verify_tokens_frame(tokens, inp)[::2])
+
+    def trim(self, n):
+        for session in self.sessions:
+            session.trim_session(n)
+
+
+def greedy_run(pipeline, steps=4):
+    tokens = [pipeline.prefill(PROMPT)]
+    for _ in range(steps):
+        tokens.append(pipeline.decode(tokens[-1]))
+    return tokens
+
+
+def test_open_reports_the_stage(tiny):
+    whole = open_stage(tiny, 0, None)
+    assert (whole.n_layer, whole.n_embd, whole.n_vocab) == (N_LAYER, N_EMBD, 256)
+    assert whole.is_source and whole.is_terminal
+    first, last = open_stage(tiny, 0, 2), open_stage(tiny, 2, 4, stage_index=1)
+    assert (first.is_source, first.is_terminal, last.is_source, last.is_terminal) == (True, False, False, True)
+    assert first.input_activation_boundary() is None and last.output_activation_boundary() is None
+    assert first.output_activation_boundary().raw_f32_width("output") == N_EMBD
+    assert last.input_activation_boundary().raw_f32_width("input") == N_EMBD
+    session = first.create_session()
+    assert session.terminal_stage is False and session.batched_activation_exports is True
+
+
+def test_whole_model_matches_the_reference_rows(tiny):
+    session = open_stage(tiny, 0, None).create_session()
+    predicted, draft, frame = session.verify_tokens_frame(PROMPT)
+    assert predicted == REFERENCE_ROWS
+    assert draft is None and frame.payload == b"" and session.token_count == 5
+
+
+@pytest.mark.parametrize("cuts", [[1], [2], [3], [1, 3], [1, 2, 3]])
+def test_split_stages_match_one_stage(tiny, cuts):
+    expected = greedy_run(Pipeline(tiny, []))
+    assert expected[0] == REFERENCE_ROWS[-1]
+    assert greedy_run(Pipeline(tiny, cuts)) == expected
+
+
+@pytest.mark.parametrize("cuts", [[], [2]])
+def test_split_verify_matches_and_trim_replays(tiny, cuts):
+    whole = Pipeline(tiny, [])
+    split = Pipeline(tiny, cuts)
+    first = whole.prefill(PROMPT[:2])
+    assert split.prefill(PROMPT[:2]) == first
+    window = PROMPT[2:]
+    assert split.verify(window) == whole.verify(window) == REFERENCE_ROWS[2:]
+    for session in split.sessions:
+        assert session.token_count == 5
+        session.retire_verify_checkpoint(2, 3)
+    split.trim(3)
+    assert split.decode(PROMPT[3]) == REFERENCE_ROWS[3]
+    assert split.decode(PROMPT[4]) == REFERENCE_ROWS[4]
+
+
+def test_prefill_in_chunks_matches_one_chunk(tiny):
+    session = open_stage(tiny, 0, None).create_session()
+    session.prefill_chunk_frame(PROMPT[:3])
+    token, _ = session.prefill_chunk_frame_sampled(PROMPT[3:], None)
+    assert token == REFERENCE_ROWS[-1] and session.token_count == 5
+    assert session.sample_current(None) == token
+
+
+def test_buffer_too_small_retry_against_the_native_backend(tiny):
+    model = open_stage(tiny, 0, 2)
+    session = model.create_session()
+    native = session._raw
+    status, message, _, payload, required, _ = native.prefill_chunk_frame(PROMPT, capacity=0)
+    assert status == Status.BUFFER_TOO_SMALL and message
+    assert required == 4 * N_EMBD * len(PROMPT) and payload == b""
+    assert native.position == 0  # nothing executed
+    frame = session.prefill_chunk_frame(PROMPT, output_capacity=1)
+    assert session.token_count == 5 and native.position == 5
+    assert len(frame.payload) == frame.desc.payload_bytes == required
+    copy = session.copy_output_activation_frame(2)
+    assert copy.payload == frame.payload[-2 * 4 * N_EMBD:]
+    big = session.decode_step_frame(3, output_capacity=10_000)[1]
+    assert len(big.payload) == 4 * N_EMBD
+
+
+def test_bad_layer_ranges_are_clear_errors(tiny):
+    with pytest.raises(StageRuntimeError, match="layer_start must be less than layer_end"):
+        open_stage(tiny, 3, 3)
+    with pytest.raises(StageRuntimeError) as info:
+        open_stage(tiny, 0, N_LAYER + 1)
+    assert info.value.status is Status.INVALID_ARGUMENT
+    with pytest.raises(StageRuntimeError) as info:
+        open_stage(tiny + ".missing", 0, None)
+    assert info.value.status in (Status.IO_ERROR, Status.MODEL_ERROR)
+
+
+def test_mismatched_frames_are_clear_errors(tiny):
+    first = open_stage(tiny, 0, 2).create_session()
+    second = open_stage(tiny, 2, None, stage_index=1).create_session()
+    out = first.prefill_chunk_frame(PROMPT)
+    wrong_edge = frame_from_wire(out.payload, 5, N_EMBD, 0, 0, 1)
+    with pytest.raises(StageRuntimeError) as info:
+        second.prefill_chunk_frame(PROMPT, wrong_edge)
+    assert info.value.status is Status.INVALID_ARGUMENT
+    wrong_count = frame_from_wire(out.payload[: 4 * N_EMBD * 4], 4, N_EMBD, 0, 0, 2)
+    with pytest.raises(StageRuntimeError) as info:
+        second.prefill_chunk_frame(PROMPT, wrong_count)
+    assert info.value.status is Status.INVALID_ARGUMENT
+    with pytest.raises(StageRuntimeError) as info:
+        second.prefill_chunk_frame(PROMPT)  # a downstream stage needs its activation
+    assert info.value.status is Status.INVALID_ARGUMENT
+    with pytest.raises(StageRuntimeError) as info:
+        first.decode_step_frame(7, out)  # the source stage takes tokens, not activations
+    assert info.value.status is Status.INVALID_ARGUMENT
+    broken = ActivationFrame(out.desc, out.payload[:-4])
+    with pytest.raises(StageRuntimeError, match="does not match descriptor payload_bytes"):
+        second.prefill_chunk_frame(PROMPT, broken)
+    assert first.token_count == 5 and second.token_count == 0
+
+
+def test_too_long_prompt_is_a_clear_error(tiny):
+    session = open_stage(tiny, 0, None, ctx_size=8).create_session()
+    with pytest.raises(StageRuntimeError) as info:
+        session.prefill_chunk_frame(list(range(1, 10)))
+    assert info.value.status is Status.RUNTIME_ERROR
+    assert session.token_count == 0
+    with pytest.raises(StageRuntimeError) as info:
+        session.prefill_chunk_frame([1, 999])
+    assert info.value.status is Status.INVALID_ARGUMENT
+
+
+def test_native_rejects_null_sessions_without_serial_fallback(tiny):
+    first = rt.StageSession._from_native(None, backend, terminal_stage=False, batched_activation_exports=True)
+    second = rt.StageSession._from_native(None, backend, terminal_stage=False, batched_activation_exports=True)
+    request = lambda s: IterationBatchRequest(s, [7], sample_last=True, phase=IterationBatchPhase.DECODE)  # noqa: E731
+    with pytest.raises(StageRuntimeError) as info:
+        rt.iteration_batch_sampled([request(first), request(second)])
+    assert "InvalidArgument" in str(info.value)
+    assert not isinstance(info.value, PartialBatchExecution)
+    assert (first.token_count, second.token_count) == (0, 0)
+
+
+def test_iteration_batch_matches_individual_sessions(tiny):
+    model = open_stage(tiny, 0, None, lane_count=3)
+    a, b, c = (model.create_session() for _ in range(3))
+    output = rt.iteration_batch_sampled([
+        IterationBatchRequest(a, PROMPT, sample_last=True),
+        IterationBatchRequest(b, PROMPT[:3], sample_last=False),
+        IterationBatchRequest(c, PROMPT[:2], positions=[0, 1], sample_last=True),
+    ])
+    assert [(s.request_index, s.predicted_token) for s in output.samples] == [(0, REFERENCE_ROWS[4]), (2, REFERENCE_ROWS[1])]
+    assert (a.token_count, b.token_count, c.token_count) == (5, 3, 2)
+    output = rt.iteration_batch_sampled([
+        IterationBatchRequest(b, PROMPT[3:4], positions=[3], sample_last=True, phase=IterationBatchPhase.DECODE),
+        IterationBatchRequest(c, PROMPT[2:3], sample_last=True, phase=IterationBatchPhase.DECODE),
+    ])
+    assert [s.predicted_token for s in output.samples] == [REFERENCE_ROWS[3], REFERENCE_ROWS[2]]
+
+
+def test_iteration_batch_on_an_exporting_stage_retries_buffers(tiny):
+    model = open_stage(tiny, 0, 2, lane_count=2)
+    a, b = model.create_session(), model.create_session()
+    output = rt.iteration_batch_sampled([IterationBatchRequest(a, PROMPT), IterationBatchRequest(b, PROMPT[:2])])
+    assert [len(f.payload) for f in output.request_outputs] == [5 * 4 * N_EMBD, 2 * 4 * N_EMBD]
+    single = open_stage(tiny, 0, 2).create_session().prefill_chunk_frame(PROMPT)
+    assert output.request_outputs[0].payload == single.payload
+    assert output.samples == []
+
+
+def test_decode_batch_matches_serial_decodes(tiny):
+    model = open_stage(tiny, 0, None, lane_count=2)
+    a, b = model.create_session(), model.create_session()
+    a.prefill_chunk_frame(PROMPT[:3])
+    b.prefill_chunk_frame(PROMPT[:4])
+    outputs = rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(a, PROMPT[3]),
+                                                 DecodeFrameBatchRequest(b, PROMPT[4])])
+    assert [o.predicted_token for o in outputs] == [REFERENCE_ROWS[3], REFERENCE_ROWS[4]]
+    assert (a.token_count, b.token_count) == (4, 5)
+    # The serial path (forced by a stage that cannot batch exports) gives the same result.
+    exporting = open_stage(tiny, 0, 2, lane_count=2)
+    x, y = exporting.create_session(), exporting.create_session()
+    x.batched_activation_exports = False
+    x.prefill_chunk_frame(PROMPT[:1])
+    outputs = rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(x, PROMPT[1]),
+                                                 DecodeFrameBatchRequest(y, PROMPT[0])])
+    assert [o.predicted_token for o in outputs] == [-1, -1]
+    assert (x.token_count, y.token_count) == (2, 1)
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model = open_stage(tiny, 0, None, lane_count=2)
+    config = RuntimeSamplingConfig(enabled=True, seed=1234, temperature=0.8, top_k=40)
+    runs = []
+    for _ in range(2):
+        session = model.create_session()
+        token, _ = session.prefill_chunk_frame_sampled(PROMPT, config)
+        tokens = [token]
+        for _ in range(5):
+            token, _ = session.decode_step_frame_sampled(token, config)
+            tokens.append(token)
+        runs.append(tokens)
+        session.close()
+    assert runs[0] == runs[1]
+    assert all(0 <= t < 256 for t in runs[0])
+    greedy = model.create_session()
+    assert greedy.prefill_chunk_frame_sampled(PROMPT, RuntimeSamplingConfig(enabled=False))[0] == REFERENCE_ROWS[-1]
+
+
+def test_wire_sampling_config_is_accepted(tiny):
+    messages = pytest.importorskip("skippy_wire.messages")
+    session = open_stage(tiny, 0, None).create_session()
+    token, _ = session.prefill_chunk_frame_sampled(PROMPT, messages.SamplingConfig())  # disabled: greedy
+    assert token == REFERENCE_ROWS[-1]
+
+
+def test_output_frame_converts_for_forwarding(tiny):
+    forwarding = pytest.importorskip("skippy_wire.forwarding")
+    first = open_stage(tiny, 0, 2).create_session()
+    frame = first.prefill_chunk_frame(PROMPT)
+    v1 = rt.frame_to_v1(frame)
+    assert v1.desc.dtype == forwarding.ActivationDType.F32
+    assert v1.desc.layout == forwarding.ActivationLayout.TOKEN_MAJOR
+    assert (v1.desc.token_count, v1.desc.payload_bytes, v1.desc.layer_end) == (5, 5 * 4 * N_EMBD, 2)
+    values = struct.unpack(f"<{5 * N_EMBD}f", v1.payload)
+    assert all(v == v for v in values)  # finite rows, no NaN
+    assert ActivationDesc.from_bytes(frame.desc.to_bytes()) == frame.desc
