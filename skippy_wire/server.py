@@ -206,6 +206,11 @@ class WireReader:
                 self._capture.flush()
         return n
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed."""
+        return len(self._buf)
+
     def read_exact(self, n: int) -> bytes:
         while len(self._buf) < n:
             if not self._recv():
@@ -416,11 +421,13 @@ class StageServer:
             upstream.send(READY_BYTES)
             log.info("%s: ready", name)
             while not self._stop.is_set():
+                before = upstream.received - upstream.reader.buffered
                 msg = self._read_message(upstream, name)
                 if msg is None:
                     log.info("%s: closed by peer", name)
                     break
-                reply = self._handle(msg, sessions, upstream, downstream)
+                size = upstream.received - upstream.reader.buffered - before
+                reply = self._handle(msg, sessions, size, downstream)
                 upstream.send(reply)
         except UnexpectedEofError:
             log.error("%s: peer disconnected in the middle of a message; closing", name)
@@ -476,7 +483,7 @@ class StageServer:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _handle(self, msg, sessions: dict, upstream: _Peer, downstream: _Peer | None) -> bytes:
+    def _handle(self, msg, sessions: dict, size: int, downstream: _Peer | None) -> bytes:
         from .frame import send_reply_ack, send_reply_predicted
         from .messages import WireMessageKind as K
 
@@ -484,6 +491,7 @@ class StageServer:
         session = sessions.get(msg.session_id)
         if session is not None:
             session.stats.messages += 1
+            session.stats.received_bytes += size
         if kind == K.STOP:
             reply = self._relay(msg, downstream, session) if downstream else _reply_bytes(send_reply_ack)
             if session is not None:
@@ -494,6 +502,7 @@ class StageServer:
                 session = _Session(self.backend.create_session())
             sessions[msg.session_id] = session
             session.stats.messages += 1
+            session.stats.received_bytes += size
         if kind == K.CONFIGURE_GENERATION:
             session.sampling = msg.sampling
             session.chat_metadata = msg.chat_sampling_metadata
