@@ -22,7 +22,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
 
@@ -742,4 +742,18 @@ def _is_token_major(part: ActivationPartDesc) -> bool:
     return True
 
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in {"annotations", "enum", "struct", "dataclass", "field", "Any", "Iterable", "Optional", "Sequence"}]
+__all__ = [
+    "ACTIVATION_BOUNDARY_DESC_BYTES", "ACTIVATION_BOUNDARY_DESC_VERSION", "ACTIVATION_DESC_BYTES",
+    "ACTIVATION_FLAG_GEMMA3N_ALTUP", "ACTIVATION_FLAG_INKLING_MTP_EMBD", "ACTIVATION_FLAG_RWKV7_V_FIRST",
+    "ACTIVATION_FRAME_VERSION", "ACTIVATION_IDENTITY_BYTES", "ACTIVATION_MAX_DIMS", "ACTIVATION_MAX_PARTS",
+    "ACTIVATION_PART_DESC_BYTES", "ACTIVATION_PART_OPTIONAL", "GGML_TYPE_BF16", "GGML_TYPE_F16",
+    "GGML_TYPE_F32", "GGML_TYPE_I32", "MAX_DRY_SEQUENCE_BREAKER_BYTES", "MAX_DRY_SEQUENCE_BREAKERS",
+    "MAX_LOGIT_BIAS", "MAX_SAMPLERS", "MTP_DRAFT_BYTES", "NATIVE_MTP_MAX_DRAFT_TOKENS",
+    "SAMPLER_IDS", "SAMPLING_CONFIG_BYTES", "SAMPLING_CONFIG_VERSION", "SAMPLING_FLAG_ENABLED",
+    "SAMPLING_FLAG_IGNORE_EOS",
+    "ActivationBoundaryDesc", "ActivationDesc", "ActivationFrame", "ActivationFrameError",
+    "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution", "RuntimeSamplingConfig",
+    "SamplingConfigError", "StageRuntimeError", "Status",
+    "format_status_error", "frame_from_wire", "frame_to_v1", "frontier_identity_of",
+    "llama_residual_identity", "sampling_to_bytes",
+]

@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .activation import *  # noqa: F401,F403  (re-exported public types)
+from .activation import __all__ as _activation_all
 from .activation import (
     ACTIVATION_BOUNDARY_DESC_BYTES,
     NATIVE_MTP_MAX_DRAFT_TOKENS,
@@ -733,6 +734,16 @@ def _decode_batch_one_at_a_time(requests: List[DecodeFrameBatchRequest]) -> List
         outputs.append(DecodeFrameBatchOutput(predicted, output))
     return outputs
 
+
+__all__ = [
+    *_activation_all,
+    "MAX_BUFFER_RETRIES", "StageModel", "StageSession", "IterationBatchPhase", "IterationPhase",
+    "DecodeFrameBatchRequest", "IterationBatchRequest", "DecodeFrameBatchOutput", "IterationSample",
+    "IterationBatchOutput", "iteration_batch_sampled", "decode_step_frame_batch_sampled",
+    "collect_iteration_samples", "validate_serial_decode_request", "frame_has_optional_parts",
+    "exporting_stage_requires_one_request", "iteration_request_requires_one_at_a_time",
+    "decode_request_requires_one_at_a_time", "iteration_request_should_emit_sample",
+]
 
 # Upstream spells these as associated functions of StageSession.
 StageSession.iteration_batch_sampled = staticmethod(iteration_batch_sampled)  # type: ignore[attr-defined]
