@@ -128,8 +128,8 @@ class StageProcess:
         self._stderr = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.log_path = log_path
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "skippy_wire", "serve", *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
+            [sys.executable, "-m", "skippy_wire", "serve", "--exit-on-stdin-eof", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
             start_new_session=True,
         )
         _LIVE.add(self)
@@ -184,8 +184,9 @@ class StageProcess:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(timeout)
-        if self.popen.stdout:
-            self.popen.stdout.close()
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            if pipe:
+                pipe.close()
         if self._stderr not in (None, subprocess.DEVNULL):
             self._stderr.close()
         _LIVE.discard(self)

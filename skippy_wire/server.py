@@ -651,8 +651,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the downstream reply (default %(default)s)")
     p.add_argument("--capture", default=None,
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin")
+    p.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="exit when stdin closes (the driver holds it open, so stages die with it)")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _exit_on_stdin_eof() -> None:
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        finally:
+            log.info("stdin closed: the parent is gone, exiting")
+            os._exit(0)
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
 POLICIES = {"fixed": CodecPolicy.FIXED, "auto-lossless-v1": CodecPolicy.AUTO_LOSSLESS_V1}
@@ -678,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
+    if args.exit_on_stdin_eof:
+        _exit_on_stdin_eof()
     stage_index = args.stage_index
     if stage_index is None:
         if args.layer_start != 0:
