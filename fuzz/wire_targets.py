@@ -248,7 +248,7 @@ def seed_inputs(directory: Path | None = None):
     out = []
     frame_path, bad_path = d / "frame.jsonl", d / "malformed.jsonl"
     if frame_path.exists():
-        for line in frame_path.open():
+        for line in frame_path.read_text().splitlines():
             case = json.loads(line)
             if case["write"]["ok"]:
                 data = bytes.fromhex(case["write"]["hex"])
@@ -256,7 +256,7 @@ def seed_inputs(directory: Path | None = None):
                 for sel in (frame_sel, round_sel):
                     out.append(bytes([sel, _frame_opt(case["n_embd"], codec)]) + data)
     if bad_path.exists():
-        for line in bad_path.open():
+        for line in bad_path.read_text().splitlines():
             case = json.loads(line)
             out.append(bytes([frame_sel, _frame_opt(case["n_embd"], None)]) + bytes.fromhex(case["bytes_hex"]))
     reply_sel = Targets.TARGETS.index(Targets.reply_read)
