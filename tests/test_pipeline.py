@@ -191,3 +191,41 @@ def test_run_check_with_auto_lossless_exits_0():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check: OK" in proc.stdout
     assert "Paris" in proc.stdout
+
+
+def test_stages_exit_when_the_driver_dies(tiny_model, tmp_path):
+    script = (
+        "import sys, time\n"
+        "from skippy_wire.pipeline import launch_pipeline\n"
+        f"cluster = launch_pipeline({str(tiny_model)!r}, 2, threads=1, startup_timeout=60)\n"
+        "print(' '.join(str(s.popen.pid) for s in cluster.stages), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        driver.kill()
+        driver.wait(10)
+        deadline = time.monotonic() + 15
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.05)
+        assert not alive, f"stage processes {alive} outlived their driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
