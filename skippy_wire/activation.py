@@ -187,6 +187,12 @@ class ActivationPartDesc:
     def is_optional(self) -> bool:
         return bool(self.flags & ACTIVATION_PART_OPTIONAL)
 
+    def __repr__(self) -> str:
+        return (f"ActivationPartDesc(identity={bytes(self.identity)[:4].hex()}.., ggml_type={self.ggml_type}, "
+                f"rank={self.rank}, token_axis={self.token_axis}, flags={self.flags}, "
+                f"dimensions={tuple(self.dimensions)}, byte_strides={tuple(self.byte_strides)}, "
+                f"payload_offset={self.payload_offset}, payload_bytes={self.payload_bytes})")
+
     def to_bytes(self) -> bytes:
         if len(self.identity) != ACTIVATION_IDENTITY_BYTES:
             raise ActivationFrameError(f"activation part identity must be {ACTIVATION_IDENTITY_BYTES} bytes")
@@ -264,6 +270,14 @@ class ActivationDesc:
     payload_bytes: int = 0
     frontier_identity: bytes = _ZERO_IDENTITY
     parts: list = field(default_factory=_default_parts)
+
+    def __repr__(self) -> str:
+        shown = list(self.parts[: min(self.part_count, len(self.parts))])
+        return (f"ActivationDesc(version={self.version}, producer_stage_index={self.producer_stage_index}, "
+                f"layer_start={self.layer_start}, layer_end={self.layer_end}, token_count={self.token_count}, "
+                f"sequence_count={self.sequence_count}, part_count={self.part_count}, "
+                f"payload_bytes={self.payload_bytes}, frontier_identity={bytes(self.frontier_identity)[:4].hex()}.., "
+                f"parts={shown!r})")
 
     @classmethod
     def empty(cls) -> "ActivationDesc":
@@ -414,6 +428,9 @@ class ActivationFrame:
 
     desc: ActivationDesc
     payload: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"ActivationFrame(desc={self.desc!r}, payload=<{memoryview(self.payload).nbytes} bytes>)"
 
     def validate_payload_len(self) -> None:
         """Checked before every native call that takes this frame as input (section 1.4)."""

@@ -20,6 +20,8 @@ from skippy_wire.activation import (  # noqa: E402
     StageRuntimeError,
     Status,
     frame_from_wire,
+    frontier_identity_of,
+    llama_residual_identity,
 )
 from skippy_wire.runtime import (  # noqa: E402
     DecodeFrameBatchRequest,
@@ -97,6 +99,11 @@ def test_open_reports_the_stage(tiny):
     assert first.input_activation_boundary() is None and last.output_activation_boundary() is None
     assert first.output_activation_boundary().raw_f32_width("output") == N_EMBD
     assert last.input_activation_boundary().raw_f32_width("input") == N_EMBD
+    # frame_from_wire's default identities are the backend's (skippy_stage.h, item 3).
+    boundary = last.input_activation_boundary()
+    assert boundary.parts[0].identity == llama_residual_identity(N_EMBD)
+    assert boundary.frontier_identity == frontier_identity_of(boundary.active_parts())
+    assert boundary.frontier_identity == frame_from_wire(bytes(4 * N_EMBD), 1, N_EMBD, 0, 0, 2).desc.frontier_identity
     session = first.create_session()
     assert session.terminal_stage is False and session.batched_activation_exports is True
 
