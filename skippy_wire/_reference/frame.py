@@ -49,6 +49,8 @@ from ..messages import (
     WireReplyKind,
     f32_bits,
     f32_from_bits,
+    I32_MAX,
+    I32_MIN,
     out_of_range_error,
     reply_out_of_range_error,
 )
@@ -172,6 +174,8 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     ``expected_codec`` None accepts every codec (``read_stage_message``); otherwise the wire
     codec must satisfy ``policy.permits(expected_codec, wire_codec)`` (section 8.3).
     """
+    if not (I32_MIN <= n_embd <= I32_MAX):
+        raise InvalidInputError("n_embd does not fit in i32")
     cur = _Cursor(data, offset)
     # 1. kind
     kind = _KINDS.get(cur.i32())
@@ -264,10 +268,6 @@ def _readonly_bytes_view(values):
 
 
 # --- writing -----------------------------------------------------------------------------
-class _Partial(Exception):
-    pass
-
-
 def _fail(error: WireError, out: bytearray) -> WireError:
     error.partial = bytes(out)
     return error
@@ -307,10 +307,17 @@ def _write_sampling(out: bytearray, s: SamplingConfig) -> None:
             out += _u32.pack(1 if value else 0)
 
 
-def _byte_view(buf) -> memoryview:
-    view = memoryview(buf)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
+def _byte_view(buf, name: str) -> memoryview:
+    """A flat byte view of a C-contiguous bytes-like object (both implementations raise the
+    same InvalidInputError for anything else)."""
+    try:
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name} must be a C-contiguous bytes-like object") from None
     return view
 
 
@@ -322,7 +329,8 @@ def write_stage_message(msg: StageWireMessage) -> bytes:
     except WireError as error:
         raise _fail(error, out)
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        raise _fail(out_of_range_error(msg), out) from None
+        # A value the wire cannot represent; no partial output is defined for it.
+        raise out_of_range_error(msg) from None
     return bytes(out)
 
 
@@ -347,7 +355,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
     if msg.chat_sampling_metadata is not None:
         flags |= StateFlags.CHAT_SAMPLING_METADATA
     # 5. activation byte count; Stop is not in the writer's activation-less list (4.6)
-    activation = _byte_view(msg.activation)
+    activation = _byte_view(msg.activation, "activation")
     if kind in ACTIVATIONLESS_WRITE_KINDS or state.source_stage_index < 0:
         if len(activation):
             raise InvalidInputError("activationless stage message contains activation payload")
@@ -375,7 +383,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
         out += raw
     # 9.
     if kind == WireMessageKind.STATE_IMPORT:
-        raw = _byte_view(msg.raw_bytes)
+        raw = _byte_view(msg.raw_bytes, "raw_bytes")
         if msg.token_count < 0 or msg.token_count != len(raw):
             raise InvalidInputError("state import raw byte count mismatch")
         if msg.token_count > MAX_STAGE_STATE_IMPORT_BYTES:
@@ -396,7 +404,7 @@ def write_reply(reply: StageReply) -> bytes:
     except WireError as error:
         raise _fail(error, out)
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        raise _fail(reply_out_of_range_error(reply), out) from None
+        raise reply_out_of_range_error(reply) from None
     return bytes(out)
 
 
