@@ -310,3 +310,25 @@ def test_output_frame_converts_for_forwarding(tiny):
     values = struct.unpack(f"<{5 * N_EMBD}f", v1.payload)
     assert all(v == v for v in values)  # finite rows, no NaN
     assert ActivationDesc.from_bytes(frame.desc.to_bytes()) == frame.desc
+
+
+def test_f16_model_splits_match_one_stage(tmp_path):
+    path = str(models.write_tiny_llama_gguf(tmp_path / "tiny-f16.gguf", file_type="f16"))
+    expected = greedy_run(Pipeline(path, []), steps=3)
+    assert greedy_run(Pipeline(path, [2]), steps=3) == expected
+
+
+@pytest.mark.slow
+def test_smollm2_two_stage_split_predicts_paris():
+    try:
+        path = str(models.smollm2_path())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    first = StageModel.open(path, 0, 15, n_threads=2, ctx_size=64)
+    last = StageModel.open(path, 15, None, stage_index=1, n_threads=2, ctx_size=64)
+    a, b = first.create_session(), last.create_session()
+    out = a.prefill_chunk_frame(prompt)
+    frame = frame_from_wire(out.payload, 5, first.n_embd, 0, 0, 15, boundary=last.input_activation_boundary())
+    predicted, _, _ = b.verify_tokens_frame(prompt, frame)
+    assert predicted == [29, 282, 260, 314, 7042]  # runtime.md section 5.3; 7042 = "ĠParis"
