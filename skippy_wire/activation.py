@@ -126,6 +126,11 @@ class SamplingConfigError(StageRuntimeError, ValueError):
     """A sampling configuration cannot be encoded into the native struct."""
 
 
+class StageArgumentError(StageRuntimeError, ValueError):
+    """An argument cannot be represented in the native call (the Rust types rule these out:
+    a token id outside i32, a negative count or capacity)."""
+
+
 class PartialBatchExecution(StageRuntimeError):
     """A batch that executed one request at a time and then failed part way through.
 
@@ -770,7 +775,7 @@ __all__ = [
     "SAMPLING_FLAG_IGNORE_EOS",
     "ActivationBoundaryDesc", "ActivationDesc", "ActivationFrame", "ActivationFrameError",
     "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution", "RuntimeSamplingConfig",
-    "SamplingConfigError", "StageRuntimeError", "Status",
+    "SamplingConfigError", "StageArgumentError", "StageRuntimeError", "Status",
     "format_status_error", "frame_from_wire", "frame_to_v1", "frontier_identity_of",
     "llama_residual_identity", "sampling_to_bytes",
 ]

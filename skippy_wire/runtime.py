@@ -38,6 +38,7 @@ from .activation import (
     ActivationFrameError,
     NativeMtpDraft,
     PartialBatchExecution,
+    StageArgumentError,
     StageRuntimeError,
     Status,
     sampling_to_bytes,
@@ -79,12 +80,29 @@ def _output_frame(desc: bytes, payload: bytes, out_bytes: int) -> ActivationFram
     return ActivationFrame(ActivationDesc.from_bytes(desc), bytes(payload[:out_bytes]))
 
 
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _i32(value: Any, what: str) -> int:
+    number = int(value)
+    if not _I32_MIN <= number <= _I32_MAX:
+        raise StageArgumentError(f"{what} {number} does not fit in i32")
+    return number
+
+
+def _count(value: Any, what: str) -> int:
+    number = int(value)
+    if not 0 <= number <= U64_MAX:
+        raise StageArgumentError(f"{what} {number} is not a valid unsigned count")
+    return number
+
+
 def _tokens(token_ids: Sequence[int]) -> List[int]:
-    return [int(token) for token in token_ids]
+    return [_i32(token, "token id") for token in token_ids]
 
 
 def _positions(positions: Optional[Sequence[int]]) -> Optional[List[int]]:
-    return [int(p) for p in positions] if positions else None
+    return [_i32(p, "position") for p in positions] if positions is not None and len(positions) else None
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -272,7 +290,7 @@ class StageSession:
         Native reports ``out_bytes`` before executing anything, so a retry is safe.  A
         BUFFER_TOO_SMALL whose required size is not larger is a hard error.
         """
-        capacity = int(output_capacity)
+        capacity = _count(output_capacity, "output capacity")
         for _ in range(MAX_BUFFER_RETRIES + 1):
             result = call(capacity)
             status, message, out_bytes = result[0], result[1], result[4]
@@ -348,7 +366,7 @@ class StageSession:
         desc, payload = _raw_input(input)
         raw_sampling = sampling_to_bytes(sampling)
         native = self._native()
-        token = int(token_id)
+        token = _i32(token_id, "token id")
         result = self._run_with_retry(
             lambda capacity: native.decode_step_frame_sampled(
                 token, sampling=raw_sampling, input_desc=desc, input_payload=payload, capacity=capacity,
@@ -395,7 +413,7 @@ class StageSession:
         desc, payload = _raw_input(input)
         raw_sampling = sampling_to_bytes(sampling)
         tokens = _tokens(token_ids)
-        max_draft = min(int(max_draft_tokens), NATIVE_MTP_MAX_DRAFT_TOKENS)
+        max_draft = min(_count(max_draft_tokens, "max draft tokens"), NATIVE_MTP_MAX_DRAFT_TOKENS)
         native = self._native()
         result = self._run_with_retry(
             lambda capacity: native.verify_tokens_frame_sampled(
@@ -419,9 +437,10 @@ class StageSession:
         """Re-read the last ``token_count`` output rows; the session does not move."""
         if token_count == 0:
             raise StageRuntimeError("copy_output_activation_frame requires at least one token")
+        token_count = _count(token_count, "token count")
         native = self._native()
         result = self._run_with_retry(
-            lambda capacity: native.copy_output_activation_frame(int(token_count), capacity=capacity),
+            lambda capacity: native.copy_output_activation_frame(token_count, capacity=capacity),
             output_capacity,
         )
         _, _, out_desc, out_payload, out_bytes = result
@@ -436,15 +455,17 @@ class StageSession:
 
     def trim_session(self, token_count: int) -> None:
         """Truncate to ``token_count`` tokens (must not exceed the current count)."""
-        status, message = self._native().trim(int(token_count))
+        token_count = _count(token_count, "token count")
+        status, message = self._native().trim(token_count)
         _ensure_ok(status, message)
-        self.token_count = int(token_count)
+        self.token_count = token_count
 
     trim = trim_session
 
     def retire_verify_checkpoint(self, token_start: int, token_count: int) -> None:
         """Drop the checkpoint of a fully accepted verify window ``[start, start+count)``."""
-        status, message = self._native().retire_verify_checkpoint(int(token_start), int(token_count))
+        status, message = self._native().retire_verify_checkpoint(
+            _count(token_start, "token start"), _count(token_count, "token count"))
         _ensure_ok(status, message)
 
     def reset(self) -> None:
@@ -695,7 +716,7 @@ def _decode_batch_native(requests: List[DecodeFrameBatchRequest], capacities: Li
     if not requests:
         return []
     sessions = [request.session._raw for request in requests]
-    token_ids = [int(request.token_id) for request in requests]
+    token_ids = [_i32(request.token_id, "token id") for request in requests]
     samplings = [sampling_to_bytes(request.sampling) for request in requests]
     inputs = [_raw_input(request.input) for request in requests]
     descs_in = [desc for desc, _ in inputs]

@@ -613,3 +613,18 @@ def test_frame_to_v1():
     assert (desc.producer_stage_index, desc.layer_start, desc.layer_end) == (0, 0, 2)
     assert (desc.token_count, desc.sequence_count, desc.payload_bytes, desc.flags) == (2, 1, 32, 0)
     assert bytes(v1.payload) == frame.payload
+
+
+def test_unrepresentable_arguments_are_value_errors():
+    session = open_stage().create_session()
+    for call in (lambda: session.prefill_chunk_frame([2**31]),
+                 lambda: session.decode_step_frame(-(2**31) - 1),
+                 lambda: session.prefill_chunk_frame_with_positions([1], [2**40]),
+                 lambda: session.trim_session(-1),
+                 lambda: session.retire_verify_checkpoint(-1, 1),
+                 lambda: session.copy_output_activation_frame(-2),
+                 lambda: session.prefill_chunk_frame([1], output_capacity=-1)):
+        with pytest.raises(rt.StageArgumentError) as info:
+            call()
+        assert isinstance(info.value, ValueError) and isinstance(info.value, StageRuntimeError)
+    assert FAKE.calls == [] and session.token_count == 0
