@@ -13,15 +13,25 @@ Layout and check order: wire-format.md sections 4.4 (writer), 4.5 (reader), 11.2
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_DECREF
+from cpython.dict cimport PyDict_Copy
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int32_t, uint32_t, int64_t, uint64_t, uint8_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memcmp
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
     object PyMemoryView_FromObject(object)
+    object PyMemoryView_FromMemory(char*, Py_ssize_t, int)
+    int PyBUF_READ
+    bint PyBytes_CheckExact(object)
+    Py_ssize_t PyBytes_GET_SIZE(object)
     object PyFloat_FromDouble(double)
+    ctypedef struct PyTypeObject:
+        PyObject* (*tp_new)(PyTypeObject*, PyObject*, PyObject*)
+    Py_ssize_t Py_REFCNT(object)
+    int PyObject_GenericSetDict(object, object, void*) except -1
     double PyFloat_AS_DOUBLE(object)
     bint PyFloat_CheckExact(object)
 
@@ -69,7 +79,28 @@ cdef tuple _REPLY_KINDS = (None, WireReplyKind.ACK, WireReplyKind.PREDICTED_TOKE
 cdef tuple _CODECS = (None,) + tuple(ActivationCodec(i) for i in range(1, 5))
 cdef object _STOP = WireMessageKind.STOP
 cdef object _STATE_IMPORT = WireMessageKind.STATE_IMPORT
-cdef object _new = object.__new__
+cdef tuple _NO_ARGS = ()
+# Attribute-dict templates: copying a full-sized dict and overwriting its values avoids
+# the resizes of growing a fresh dict field by field (the dominant cost of a read).
+cdef dict _SAMPLING_KEYS = dict.fromkeys([name for name, _ in _m.SAMPLING_WIRE_ORDER])
+cdef dict _MESSAGE_KEYS = dict.fromkeys(["kind", "pos_start", "token_count", "state", "request_id", "session_id",
+                                         "sampling", "chat_sampling_metadata", "tokens", "positions",
+                                         "activation", "raw_bytes"])
+cdef dict _STATE_KEYS = dict.fromkeys(["version", "seq_id", "phase", "flags", "checkpoint_generation",
+                                       "prompt_token_count", "decode_step", "current_token",
+                                       "source_stage_index", "activation_codec"])
+
+
+cdef inline object _instance(type cls, dict values):
+    """A plain-class instance with ``values`` as its attribute dict, built without running
+    the dataclass ``__init__`` (fields arrive already validated and converted)."""
+    cdef PyObject* raw = (<PyTypeObject*>cls).tp_new(<PyTypeObject*>cls, <PyObject*>_NO_ARGS, NULL)
+    if raw == NULL:
+        raise MemoryError()
+    obj = <object>raw  # takes a second reference ...
+    Py_DECREF(obj)     # ... and drops the one tp_new returned
+    PyObject_GenericSetDict(obj, values, NULL)
+    return obj
 
 _codec_module = None
 
@@ -174,6 +205,11 @@ cdef class _ReadOnlyBytes:
         pass
 
 
+cdef object _readonly_view(object values):
+    cdef _ReadOnlyBytes exporter = _ReadOnlyBytes.__new__(_ReadOnlyBytes, values)
+    return PyMemoryView_FromObject(exporter)
+
+
 # --- activation sizes (sections 5.1-5.3), inline to keep the header walk call-free ---------
 cdef uint64_t _elements(int32_t token_count, int32_t n_embd, int32_t flags, uint64_t* rows) except? 0:
     if token_count < 0 or n_embd <= 0:
@@ -242,6 +278,34 @@ cdef list rd_i32_list(Cur* c, Py_ssize_t n):
     return out
 
 
+cdef class _StringListCache:
+    """The last string list seen at one place of the sampling block, with its wire bytes:
+    senders repeat the same sampler chain in every message, so a byte compare replaces
+    the UTF-8 decodes (the returned list is always a fresh copy)."""
+
+    cdef bytes raw
+    cdef list values
+
+
+cdef _StringListCache _BREAKERS_CACHE = _StringListCache()
+cdef _StringListCache _SAMPLERS_CACHE = _StringListCache()
+
+
+cdef list rd_strings_cached(Cur* c, uint32_t maximum, _StringListCache cache):
+    cdef Py_ssize_t start = c.pos, n
+    cdef list values
+    if cache.raw is not None:
+        n = len(cache.raw)
+        if n <= c.end - c.pos and memcmp(c.p + c.pos, PyBytes_AS_STRING(cache.raw), n) == 0:
+            c.pos += n
+            return list(cache.values)
+    values = rd_strings(c, maximum)
+    if c.pos - start <= 1024:
+        cache.raw = PyBytes_FromStringAndSize(<const char*>(c.p + start), c.pos - start)
+        cache.values = list(values)
+    return values
+
+
 cdef list rd_strings(Cur* c, uint32_t maximum):
     cdef uint32_t count = rd_u32(c)
     cdef uint32_t i, length
@@ -264,7 +328,7 @@ cdef list rd_strings(Cur* c, uint32_t maximum):
 
 cdef object rd_sampling(Cur* c):
     """Section 4.3 in wire order, straight into the instance dict."""
-    cdef dict d = {}
+    cdef dict d = PyDict_Copy(_SAMPLING_KEYS)
     cdef uint32_t count, i
     cdef int32_t token
     d["flags"] = rd_u32(c)
@@ -293,30 +357,34 @@ cdef object rd_sampling(Cur* c):
     d["dry_base"] = f32_obj(rd_u32(c))
     d["dry_allowed_length"] = rd_i32(c)
     d["dry_penalty_last_n"] = rd_i32(c)
-    d["dry_sequence_breakers"] = rd_strings(c, MAX_BREAKERS)
+    d["dry_sequence_breakers"] = rd_strings_cached(c, MAX_BREAKERS, _BREAKERS_CACHE)
     d["xtc_probability"] = f32_obj(rd_u32(c))
     d["xtc_threshold"] = f32_obj(rd_u32(c))
     d["mirostat_mode"] = rd_i32(c)
     d["mirostat_entropy"] = f32_obj(rd_u32(c))
     d["mirostat_learning_rate"] = f32_obj(rd_u32(c))
-    d["samplers"] = rd_strings(c, MAX_SAMPLERS)
+    d["samplers"] = rd_strings_cached(c, MAX_SAMPLERS, _SAMPLERS_CACHE)
     d["ignore_eos"] = rd_u32(c) != 0
-    obj = _new(SamplingConfig)
-    obj.__dict__ = d
-    return obj
+    return _instance(SamplingConfig, d)
 
 
 cdef object _message(object kind, int32_t pos_start, int32_t token_count, object state,
                      uint64_t request_id, uint64_t session_id, object sampling, object metadata,
                      object tokens, object positions, object activation, object raw_bytes):
-    obj = _new(StageWireMessage)
-    obj.__dict__ = {
-        "kind": kind, "pos_start": pos_start, "token_count": token_count, "state": state,
-        "request_id": request_id, "session_id": session_id, "sampling": sampling,
-        "chat_sampling_metadata": metadata, "tokens": tokens, "positions": positions,
-        "activation": activation, "raw_bytes": raw_bytes,
-    }
-    return obj
+    cdef dict d = PyDict_Copy(_MESSAGE_KEYS)
+    d["kind"] = kind
+    d["pos_start"] = pos_start
+    d["token_count"] = token_count
+    d["state"] = state
+    d["request_id"] = request_id
+    d["session_id"] = session_id
+    d["sampling"] = sampling
+    d["chat_sampling_metadata"] = metadata
+    d["tokens"] = tokens
+    d["positions"] = positions
+    d["activation"] = activation
+    d["raw_bytes"] = raw_bytes
+    return _instance(StageWireMessage, d)
 
 
 def read_stage_message_from_buffer(data, n_embd_obj, expected_codec=None, int policy=0, Py_ssize_t offset=0):
@@ -325,26 +393,31 @@ def read_stage_message_from_buffer(data, n_embd_obj, expected_codec=None, int po
     Same contract as the reference twin; a short buffer raises UnexpectedEofError whose
     ``needed`` is the byte count (from ``offset``) required at that point.
     """
-    if not (-2147483648 <= n_embd_obj <= 2147483647):
+    cdef long long n_embd_ll = n_embd_obj
+    if n_embd_ll < -2147483648 or n_embd_ll > 2147483647:
         raise InvalidInputError("n_embd does not fit in i32")
-    cdef int32_t n_embd = n_embd_obj
     cdef Py_buffer view
+    if PyBytes_CheckExact(data):  # common case: no buffer export needed
+        if offset < 0 or offset > PyBytes_GET_SIZE(data):
+            raise ValueError("offset outside the buffer")
+        return _read_message(<const uint8_t*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data),
+                             <int32_t>n_embd_ll, expected_codec, policy, offset)
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         if offset < 0 or offset > view.len:
             raise ValueError("offset outside the buffer")
-        return _read_message(data, &view, n_embd, expected_codec, policy, offset)
+        return _read_message(<const uint8_t*>view.buf, view.len, <int32_t>n_embd_ll, expected_codec, policy, offset)
     finally:
         PyBuffer_Release(&view)
 
 
-cdef tuple _read_message(object data, Py_buffer* view, int32_t n_embd, object expected_codec, int policy,
-                         Py_ssize_t offset):
+cdef tuple _read_message(const uint8_t* buf, Py_ssize_t length, int32_t n_embd, object expected_codec,
+                         int policy, Py_ssize_t offset):
     cdef Cur c
-    c.p = <const uint8_t*>view.buf
+    c.p = buf
     c.pos = offset
     c.start = offset
-    c.end = view.len
+    c.end = length
     cdef int32_t kind_id, pos_start, token_count, tsc, psc, codec_id, wire_count, flags, source
     cdef int32_t h[9]
     cdef uint64_t request_id, session_id, expected_bytes = 0
@@ -401,12 +474,18 @@ cdef tuple _read_message(object data, Py_buffer* view, int32_t n_embd, object ex
         # 7d: the decoded f32 size; shape already validated, no overflow possible
         if <uint64_t>token_count * (2 if flags & F_DOUBLING else 1) * <uint64_t>n_embd * 4 > MAX_DECODED:
             raise InvalidDataError("decoded activation payload byte count exceeds maximum")
-    state = _new(StageStateHeader)
-    state.__dict__ = {
-        "version": h[0], "seq_id": h[1], "phase": h[2], "flags": flags, "checkpoint_generation": h[4],
-        "prompt_token_count": h[5], "decode_step": h[6], "current_token": h[7], "source_stage_index": source,
-        "activation_codec": codec,
-    }
+    cdef dict sd = PyDict_Copy(_STATE_KEYS)
+    sd["version"] = h[0]
+    sd["seq_id"] = h[1]
+    sd["phase"] = h[2]
+    sd["flags"] = flags
+    sd["checkpoint_generation"] = h[4]
+    sd["prompt_token_count"] = h[5]
+    sd["decode_step"] = h[6]
+    sd["current_token"] = h[7]
+    sd["source_stage_index"] = source
+    sd["activation_codec"] = codec
+    state = _instance(StageStateHeader, sd)
     # 8.
     sampling = rd_sampling(&c) if flags & F_SAMPLING else None
     # 9.
@@ -450,10 +529,15 @@ cdef tuple _read_message(object data, Py_buffer* view, int32_t n_embd, object ex
     # 15. decode from a view of the input: the only copy of the payload
     activation = b""
     if expected_bytes:
-        wire = PyMemoryView_FromObject(data)[c.pos:c.pos + <Py_ssize_t>expected_bytes]
-        values = _codec().decode_activation(codec_id, token_count, n_embd, wire, flags)
-        wire.release()
-        activation = PyMemoryView_FromObject(_ReadOnlyBytes(values))
+        # A view of the caller's buffer, valid while this call holds that buffer; released
+        # right after the decode, which returns an array owning its memory.
+        wire = PyMemoryView_FromMemory(<char*>(c.p + c.pos), <Py_ssize_t>expected_bytes, PyBUF_READ)
+        try:
+            values = _codec().decode_activation(codec_id, token_count, n_embd, wire, flags)
+        finally:
+            if Py_REFCNT(wire) > 1:  # something kept the view: invalidate it
+                wire.release()
+        activation = _readonly_view(values)
         c.pos += <Py_ssize_t>expected_bytes
     return _message(kind, pos_start, token_count, state, request_id, session_id, sampling, metadata,
                     tokens, positions, activation, b""), c.pos - c.start
