@@ -98,6 +98,7 @@ class ChunkResult:
     first: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     by_check: dict = field(default_factory=dict)
+    cpu: float = 0.0  # CPU seconds spent on this chunk
 
     def add(self, check: str, x: int, expected, got) -> None:
         self.mismatches += 1
@@ -105,11 +106,15 @@ class ChunkResult:
         if len(self.first) < KEEP:
             self.first.append(Mismatch(check, int(x), _fmt(expected), _fmt(got)))
 
-    def add_array(self, check: str, xs: np.ndarray, expected: np.ndarray, got: np.ndarray, width: int) -> None:
-        """Record every position where ``expected != got`` (arrays aligned with ``xs``)."""
-        bad = np.flatnonzero(expected != got)
-        if bad.size == 0:
+    def add_array(self, check: str, xs: np.ndarray, expected: np.ndarray, got: np.ndarray, width: int,
+                  where: np.ndarray | None = None) -> None:
+        """Record every position (within ``where``) where ``expected != got``."""
+        diff = expected != got
+        if where is not None:
+            diff &= where
+        if not diff.any():
             return
+        bad = np.flatnonzero(diff)
         self.mismatches += int(bad.size)
         self.by_check[check] = self.by_check.get(check, 0) + int(bad.size)
         for i in bad[: max(0, KEEP - len(self.first))]:
@@ -184,7 +189,7 @@ def _expect_error(kernel, codec: int, payload: np.ndarray, text: str):
     from .errors import InvalidDataError
 
     try:
-        wire = kernel.encode_activation(codec, 1, int(payload.size), payload.tobytes(), 0)
+        wire = kernel.encode_activation(codec, 1, int(payload.size), _buf(payload), 0)
     except InvalidDataError as exc:
         if type(exc) is InvalidDataError and str(exc) == text:
             return None
@@ -208,15 +213,25 @@ def _first_failing(kernel, codec: int, values: np.ndarray) -> int:
     return lo
 
 
+def _first_last(mask: np.ndarray) -> tuple[int, int] | None:
+    if not mask.any():
+        return None
+    return int(mask.argmax()), int(mask.size - 1 - mask[::-1].argmax())
+
+
 def _picks(mask: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarray:
     """Indices where ``mask`` holds: every boundary of a run, first/last, random samples."""
-    idx = np.flatnonzero(mask)
-    if idx.size == 0:
-        return idx
-    edges = np.flatnonzero(np.diff(mask.astype(np.int8)) != 0)
+    fl = _first_last(mask)
+    if fl is None:
+        return np.zeros(0, dtype=np.int64)
+    edges = np.flatnonzero(mask[1:] != mask[:-1])
     # edges[k] is the last index before a change: keep the side that is in the mask.
-    cand = np.concatenate([edges, edges + 1, idx[:1], idx[-1:], rng.choice(idx, size=min(samples, idx.size), replace=False)])
-    cand = np.unique(cand)
+    probe = rng.integers(0, mask.size, size=16 * samples)
+    probe = probe[mask[probe]][:samples]
+    if probe.size < samples:  # a sparse mask: draw from its members
+        idx = np.flatnonzero(mask)
+        probe = rng.choice(idx, size=min(samples, idx.size), replace=False)
+    cand = np.unique(np.concatenate([edges, edges + 1, np.array(fl), probe]))
     return cand[mask[cand]]
 
 
@@ -278,10 +293,10 @@ def _check_codec(
         if bad is not None:
             res.add(f"{name}-encode-chunk", bits[0], repr(whole_text), bad)
         # Order: an out-of-range value before a non-finite one still reports non-finite.
-        rng_idx = np.flatnonzero(finite & rule_range)
-        nf_idx = np.flatnonzero(~finite)
-        if rng_idx.size and nf_idx.size:
-            pair = np.array([bits[rng_idx[0]], bits[nf_idx[-1]]], dtype=np.uint32)
+        rng_fl = _first_last(finite & rule_range)
+        nf_fl = _first_last(~finite)
+        if rng_fl and nf_fl:
+            pair = np.array([bits[rng_fl[0]], bits[nf_fl[1]]], dtype=np.uint32)
             bad = _expect_error(kernel, codec, pair, MSG_NONFINITE)
             if bad is not None:
                 res.add(f"{name}-encode-order", pair[0], repr(MSG_NONFINITE), bad)
@@ -332,6 +347,7 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
         from ._impl import kernel_module
 
         kernel = kernel_module("codec", impl)
+    cpu0 = time.process_time()
     res = ChunkResult(start, count)
     rng = np.random.default_rng(start)
     bits = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32)
@@ -347,7 +363,7 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
         # --- raw conversions, every element.
         got = np.asarray(kernel.f32_bits_to_bf16_bits(bits))
         spec = spec_bf16_bits(bits)
-        res.add_array("bf16-raw-spec", bits[~nan], spec[~nan], got[~nan], 4)
+        res.add_array("bf16-raw-spec", bits, spec, got, 4, where=~nan)
         # NaN: the project's policy (dtypes.py) keeps a NaN a NaN of the same sign, where
         # the spec's bias formula can carry a NaN into infinity or zero; compare by class.
         if nan.any():
@@ -355,9 +371,9 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
             want_class = ((bits[nan] >> np.uint32(16)) & np.uint32(0x8000)).astype(np.uint16) | np.uint16(1)
             got_class = (g & np.uint16(0x8000)) | ((g & np.uint16(0x7FFF)) > np.uint16(0x7F80)).astype(np.uint16)
             res.add_array("bf16-raw-nan-class", bits[nan], want_class, got_class, 4)
-        res.add_array("bf16-raw-oracle", bits[finite], o_bf16[finite], got[finite], 4)
+        res.add_array("bf16-raw-oracle", bits, o_bf16, got, 4, where=finite)
         # The spec formula and the oracle agree on every finite value (a self-check).
-        res.add_array("bf16-spec-vs-oracle", bits[finite], o_bf16[finite], spec[finite], 4)
+        res.add_array("bf16-spec-vs-oracle", bits, o_bf16, spec, 4, where=finite)
 
         got = np.asarray(kernel.f32_bits_to_f16_bits(bits))
         want = np.where(nan, spec_f16_nan_bits(bits), o_f16)
@@ -372,6 +388,7 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
         _check_codec(res, kernel, "bf16", CODEC_BF16, bits, f, finite, o_bf16, mag >= np.uint32(BF16_RANGE_BITS), MSG_BF16_RANGE, ex_bf16, kernel.is_bf16_exact, rng, samples)
         _check_codec(res, kernel, "f16", CODEC_F16, bits, f, finite, o_f16, mag >= np.uint32(F16_RANGE_BITS), MSG_F16_RANGE, ex_f16, kernel.is_f16_exact, rng, samples)
     res.bump("patterns", count)
+    res.cpu = time.process_time() - cpu0
     return res
 
 
@@ -556,6 +573,9 @@ def main(argv=None) -> int:
     end = args.start + args.limit - 1
     print(f"verify-exhaustive: impl={args.impl} patterns 0x{args.start:08x}..0x{end:08x} ({args.limit}) "
           f"in {elapsed:.1f} s with {workers} worker(s)")
+    cpu = sum(r.cpu for r in results)
+    print(f"cpu: {cpu:.1f} s in the checks ({cpu / max(elapsed, 1e-9):.2f} cores busy on average; "
+          f"about {cpu / workers:.0f} s of wall time on {workers} idle core(s))")
     print("checked: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
     print(f"mismatches: {mismatches}" + ("" if not by_check else " (" + ", ".join(f"{k}={v}" for k, v in sorted(by_check.items())) + ")"))
     for m in first[: args.show]:
