@@ -113,6 +113,9 @@ class StageRuntimeError(RuntimeError):
         self.message = message
         super().__init__(message if status is None else format_status_error(status, message))
 
+    def __reduce__(self):
+        return (type(self), (self.message, self.status))
+
     @classmethod
     def from_native(cls, status: int, message: Optional[str]) -> "StageRuntimeError":
         return cls(message or "", Status.from_code(status))
@@ -144,6 +147,9 @@ class PartialBatchExecution(StageRuntimeError):
         self.error = error
         super().__init__(f"batch executed {executed} request(s) before failing: {error}")
         self.__cause__ = error
+
+    def __reduce__(self):
+        return (type(self), (self.executed, self.error))
 
 
 # --- descriptors ------------------------------------------------------------------------------

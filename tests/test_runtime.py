@@ -628,3 +628,13 @@ def test_unrepresentable_arguments_are_value_errors():
             call()
         assert isinstance(info.value, ValueError) and isinstance(info.value, StageRuntimeError)
     assert FAKE.calls == [] and session.token_count == 0
+
+
+def test_errors_pickle_with_their_fields():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(StageRuntimeError.from_native(2, "bad")))
+    assert (error.status, error.message, str(error)) == (Status.INVALID_ARGUMENT, "bad", "InvalidArgument: bad")
+    partial = pickle.loads(pickle.dumps(PartialBatchExecution(3, StageRuntimeError("boom"))))
+    assert partial.executed == 3 and str(partial) == "batch executed 3 request(s) before failing: boom"
+    assert isinstance(pickle.loads(pickle.dumps(SamplingConfigError("x"))), SamplingConfigError)
