@@ -332,3 +332,37 @@ def test_smollm2_two_stage_split_predicts_paris():
     frame = frame_from_wire(out.payload, 5, first.n_embd, 0, 0, 15, boundary=last.input_activation_boundary())
     predicted, _, _ = b.verify_tokens_frame(prompt, frame)
     assert predicted == [29, 282, 260, 314, 7042]  # runtime.md section 5.3; 7042 = "ĠParis"
+
+
+@pytest.mark.parametrize("codec_name", ["RAW_F32_V1", "BF16_RNE_V1"])
+def test_output_frame_survives_forwarding_over_the_wire(tiny, ref, codec_name):
+    """Stage 0 output -> frame_to_v1 -> forwarded_stage_message -> wire bytes -> read ->
+    frame_from_wire -> stage 1: the raw codec reproduces the one-stage token exactly; a
+    lossy codec still runs (same shapes, valid token)."""
+    forwarding = pytest.importorskip("skippy_wire.forwarding")
+    messages = pytest.importorskip("skippy_wire.messages")
+    frame_mod = pytest.importorskip("skippy_wire.frame")
+    from skippy_wire.dtypes import ActivationCodec
+
+    codec = getattr(ActivationCodec, codec_name)
+    first = open_stage(tiny, 0, 2, stage_index=0)
+    last = open_stage(tiny, 2, None, stage_index=1)
+    a, b = first.create_session(), last.create_session()
+    out = a.prefill_chunk_frame(PROMPT)
+    kind = messages.WireMessageKind.PREFILL_EMBD
+    incoming = messages.StageWireMessage(kind=kind, pos_start=0, token_count=len(PROMPT),
+                                         state=messages.StageStateHeader.new(kind), tokens=list(PROMPT))
+    config = forwarding.StageConfig(stage_index=0, layer_start=0, layer_end=2, activation_codec=codec)
+    forwarded = forwarding.forwarded_stage_message(config, incoming, rt.frame_to_v1(out), first.n_embd)
+    wire = frame_mod.write_stage_message(forwarded)
+    received = frame_mod.read_stage_message(wire, last.n_embd, codec)
+    frame = frame_from_wire(received.activation_f32_payload(), received.token_count, last.n_embd,
+                            received.state.source_stage_index, 0, last.layer_start,
+                            received.state.activation_frame_flags,
+                            boundary=last.input_activation_boundary())
+    token, _ = b.prefill_chunk_frame_sampled(list(received.tokens), None, frame)
+    if codec_name == "RAW_F32_V1":
+        assert frame.payload == out.payload
+        assert token == ref[-1]
+    else:
+        assert 0 <= token < 256
