@@ -38,10 +38,15 @@ def _libggml_root() -> Path:
 
 
 def codec_extension() -> Extension:
+    # The C kernels live in _codec_kernels.h; AVX2/F16C variants are compiled per function
+    # with __attribute__((target)) and picked at run time, so the default flags stay
+    # portable.  -fno-math-errno lets floor() inline in the S8 loop (no errno is read).
     return Extension(
         "skippy_wire._codec",
         sources=["skippy_wire/_codec.pyx"],
-        extra_compile_args=OPT_FLAGS,
+        depends=["skippy_wire/_codec_kernels.h"],
+        include_dirs=[str(PKG)],
+        extra_compile_args=OPT_FLAGS + ["-fno-math-errno"],
         extra_link_args=ASAN_LINK,
     )
 

@@ -16,6 +16,7 @@ Conventions shared with ``skippy_wire._codec`` (same names, signatures, behaviou
 
 from __future__ import annotations
 
+import operator
 import struct
 
 import numpy as np
@@ -56,17 +57,16 @@ def _checked_mul(a: int, b: int, text: str) -> int:
 
 
 def _codec_id(codec: int) -> int:
-    if not isinstance(codec, int):
-        raise TypeError(f"codec must be an int wire id, not {type(codec).__name__}")
+    codec = operator.index(codec)
     if codec not in (RAW_F32_V1, F16_RNE_V1, BF16_RNE_V1, S8_ROW_F32_RNE_V1):
         raise _err("unknown stage activation codec")  # 6.1: ids 0, 5, ... are invalid
     return int(codec)
 
 
 def _dims(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, int]:
-    for value in (token_count, n_embd, state_flags):
-        if not isinstance(value, int):
-            raise TypeError(f"activation dimensions and flags must be ints, not {type(value).__name__}")
+    token_count = operator.index(token_count)
+    n_embd = operator.index(n_embd)
+    state_flags = operator.index(state_flags)
     if not (_I32_MIN <= token_count <= _I32_MAX and _I32_MIN <= n_embd <= _I32_MAX):
         raise InvalidInputError(DIMENSION_RANGE)
     return int(token_count), int(n_embd), int(state_flags)
