@@ -80,6 +80,7 @@ cdef tuple _CODECS = (None,) + tuple(ActivationCodec(i) for i in range(1, 5))
 cdef object _STOP = WireMessageKind.STOP
 cdef object _STATE_IMPORT = WireMessageKind.STATE_IMPORT
 cdef tuple _NO_ARGS = ()
+cdef object _tuple_new = tuple.__new__
 # Attribute-dict templates: copying a full-sized dict and overwriting its values avoids
 # the resizes of growing a fresh dict field by field (the dominant cost of a read).
 cdef dict _SAMPLING_KEYS = dict.fromkeys([name for name, _ in _m.SAMPLING_WIRE_ORDER])
@@ -344,10 +345,13 @@ cdef object rd_sampling(Cur* c):
     count = rd_u32(c)
     if count > MAX_LOGIT_BIAS:
         raise InvalidDataError("logit bias count exceeds maximum")
-    biases = []
+    need(c, 8 * count)  # entries carry no checks: wait for all of them at once
+    biases = PyList_New(count)
     for i in range(count):
-        token = rd_i32(c)
-        biases.append(LogitBias(token, f32_obj(rd_u32(c))))
+        pair = _tuple_new(LogitBias, (ld_i32(c.p + c.pos), f32_obj(ld_u32(c.p + c.pos + 4))))
+        Py_INCREF(pair)
+        PyList_SET_ITEM(biases, i, pair)
+        c.pos += 8
     d["logit_bias"] = biases
     d["typical_p"] = f32_obj(rd_u32(c))
     d["top_nsigma"] = f32_obj(rd_u32(c))

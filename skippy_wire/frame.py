@@ -195,9 +195,13 @@ class StageMessageDecoder:
                 self._need = 4
         except WireError as error:
             self.error = error
+            # The error's traceback may still reference a view of the buffer; never resize
+            # that buffer again (it is dead anyway: the decoder is failed).
+            self._buf = bytearray()
+            self._pos = 0
             if not out:
                 raise
-        finally:
+        else:
             self._compact()
         return out
 

@@ -67,6 +67,12 @@ _CODECS = {c.value: c for c in ActivationCodec}
 
 
 # --- reading -----------------------------------------------------------------------------
+def _eof(needed: int) -> UnexpectedEofError:
+    error = UnexpectedEofError()
+    error.needed = needed
+    return error
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over a byte view; never reads past ``end``."""
 
@@ -83,9 +89,9 @@ class _Cursor:
         # A length is checked against the bytes actually present before anything is sliced
         # or allocated from it (STYLE: check before allocation).
         if n > self.end - self.pos:
-            error = UnexpectedEofError()
-            error.needed = self.pos - self.start + n
-            raise error
+            # (no local name for the exception: a frame -> exception -> traceback cycle
+            # would keep this cursor's view of the caller's bytearray exported)
+            raise _eof(self.pos - self.start + n)
 
     def take(self, n: int) -> memoryview:
         self.need(n)
@@ -155,6 +161,7 @@ def _read_sampling(cur: _Cursor) -> SamplingConfig:
             count = cur.u32()
             if count > MAX_STAGE_LOGIT_BIAS:
                 raise InvalidDataError("logit bias count exceeds maximum")
+            cur.need(8 * count)  # entries carry no checks: wait for all of them at once
             biases = []
             for _ in range(count):
                 token = cur.i32()
