@@ -339,7 +339,11 @@ class PipelineClient:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._peer = _Peer(sock, str(capture) if capture else None)
-        self._guard(self._peer.recv_ready, "READY handshake")
+        try:
+            self._guard(self._peer.recv_ready, "READY handshake")
+        except BaseException:
+            self._peer.close()
+            raise
 
     @property
     def sent_bytes(self) -> int:
