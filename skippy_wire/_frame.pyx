@@ -709,8 +709,7 @@ def write_stage_message(msg):
     try:
         return _write_message(out, msg)
     except WireError as error:
-        if out.data is not None:
-            error.partial = out.partial()
+        error.partial = out.partial() if out.data is not None else b""
         raise
     except (OverflowError, TypeError, ValueError, AttributeError, AssertionError):
         # A value the wire cannot represent: let the twin walk the message so that the
@@ -841,8 +840,7 @@ def write_reply(reply):
     try:
         return _write_reply(out, reply)
     except WireError as error:
-        if out.data is not None:
-            error.partial = out.partial()
+        error.partial = out.partial() if out.data is not None else b""
         raise
     except (OverflowError, TypeError, ValueError, AttributeError, AssertionError):
         from ._reference import frame as twin

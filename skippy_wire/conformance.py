@@ -365,7 +365,9 @@ def _files(paths: list[str]) -> list[Path]:
     return found
 
 
-def run(paths: list[str], impl: str, *, max_report: int = 10, out=sys.stdout, verbose: bool = False) -> tuple[int, int]:
+def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose: bool = False) -> tuple[int, int]:
+    """Run every case under ``paths``; print failures and the summary; return (passed, failed)."""
+    out = sys.stdout if out is None else out
     runner = Runner(impl)
     passed = failed = 0
     per_group: dict[str, list[int]] = {}
