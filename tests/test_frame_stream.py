@@ -1,0 +1,213 @@
+"""The incremental decoder (``StageMessageDecoder``) and stream readers: any split of the
+input, many messages per feed, bounded buffering of hostile lengths, kept errors."""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import pytest
+
+from skippy_wire import codec, frame
+from skippy_wire.conformance import message_to_case
+from skippy_wire.dtypes import ActivationCodec
+from skippy_wire.errors import InvalidDataError, UnexpectedEofError
+from skippy_wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind as K
+
+BF16 = ActivationCodec.BF16_RNE_V1
+
+
+def messages() -> list[StageWireMessage]:
+    st = StageStateHeader.new(K.DECODE_EMBD)
+    st.source_stage_index, st.activation_codec = 0, BF16
+    act = codec.encode_activation(BF16, 1, 4, struct.pack("<4f", 1, 2, 3, 4))
+    return [
+        StageWireMessage(K.DECODE_EMBD, 3, 1, st, 1, 2, SamplingConfig(seed=5), None, [9], [], act),
+        StageWireMessage.configure_generation(1, 2, 7, SamplingConfig(samplers=["top_k"]), '{"a":"é"}'),
+        StageWireMessage(K.STATE_IMPORT, 0, 3, StageStateHeader.new(K.STATE_IMPORT), 1, 2, raw_bytes=b"xyz"),
+        StageWireMessage(K.PREFILL_EMBD, 0, 2, StageStateHeader.new(K.PREFILL_EMBD), 1, 2, tokens=[1, 2], positions=[5, 6]),
+        StageWireMessage.stop(1, 2),
+    ]
+
+
+def stream_bytes(impl) -> tuple[bytes, list[dict]]:
+    msgs = messages()
+    data = b"".join(frame.write_stage_message(m, impl=impl) for m in msgs)
+    want = [message_to_case(frame.read_stage_message_from_buffer(frame.write_stage_message(m), 4)[0]) for m in msgs]
+    return data, want
+
+
+def decode_all(decoder, chunks) -> list[dict]:
+    out = []
+    for chunk in chunks:
+        out += [message_to_case(m) for m in decoder.feed(chunk)]
+    decoder.close()
+    return out
+
+
+def test_one_byte_at_a_time(impl):
+    data, want = stream_bytes(impl)
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    got, ends = [], []
+    for i in range(len(data)):
+        new = decoder.feed(data[i : i + 1])
+        if new:
+            ends.append(i + 1)
+        got += [message_to_case(m) for m in new]
+    decoder.close()
+    assert got == want
+    # each message is delivered by the feed that completes it, not later
+    sizes = [len(frame.write_stage_message(m)) for m in messages()]
+    assert ends == [sum(sizes[: k + 1]) for k in range(len(sizes))]
+
+
+def test_every_split_point(impl):
+    data, want = stream_bytes(impl)
+    for split in range(len(data) + 1):
+        decoder = frame.StageMessageDecoder(4, impl=impl)
+        assert decode_all(decoder, [data[:split], data[split:]]) == want, split
+
+
+def test_many_messages_per_feed_and_buffer_types(impl):
+    data, want = stream_bytes(impl)
+    for wrap in (bytes, bytearray, memoryview):
+        decoder = frame.StageMessageDecoder(4, impl=impl)
+        assert decode_all(decoder, [wrap(data * 50)]) == want * 50
+        assert decoder.buffered == 0
+
+
+def test_iter_stage_messages_over_a_stream(impl):
+    data, want = stream_bytes(impl)
+    got = [message_to_case(m) for m in frame.iter_stage_messages(io.BytesIO(data * 3), 4, impl=impl)]
+    assert got == want * 3
+    with pytest.raises(UnexpectedEofError):
+        list(frame.iter_stage_messages(io.BytesIO(data[:-1]), 4, impl=impl))
+
+
+def test_close_with_a_partial_message_is_eof(impl):
+    data, _ = stream_bytes(impl)
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    decoder.feed(data[:100])
+    with pytest.raises(UnexpectedEofError, match="^failed to fill whole buffer$"):
+        decoder.close()
+    with pytest.raises(UnexpectedEofError):  # and it is kept
+        decoder.feed(b"")
+
+
+def test_fatal_error_is_kept_and_earlier_messages_are_delivered(impl):
+    data, want = stream_bytes(impl)
+    garbage = struct.pack("<i", 10) + bytes(30)  # legacy kind 10
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    got = decoder.feed(data + garbage + data)
+    assert [message_to_case(m) for m in got] == want  # messages before the error come first
+    assert isinstance(decoder.error, InvalidDataError)
+    for _ in range(2):
+        with pytest.raises(InvalidDataError, match="^unknown stage message kind$"):
+            decoder.feed(data)  # the error is raised by the next feed, and every later one
+    with pytest.raises(InvalidDataError):
+        decoder.close()
+
+
+def test_error_without_earlier_messages_is_raised_at_once(impl):
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    st = StageStateHeader.new(K.DECODE_EMBD)
+    st.version = 14
+    bad = frame.write_stage_message(StageWireMessage(K.DECODE_EMBD, state=st))
+    with pytest.raises(InvalidDataError, match="^unsupported stage state version$"):
+        decoder.feed(bad[:60])  # the version is checked as soon as the header is in
+    assert decoder.error is not None
+
+
+def _prefix(kind, state, tsc=0, count=0, token_count=0):
+    return struct.pack("<5i10iiQQ", int(kind), 0, token_count, tsc, 0, state.version, state.seq_id, state.phase,
+                       state.flags, state.checkpoint_generation, state.prompt_token_count, state.decode_step,
+                       state.current_token, state.source_stage_index, int(state.activation_codec), count, 1, 2)
+
+
+@pytest.mark.parametrize("hostile,text,stop", [
+    ("metadata", "chat sampling metadata length exceeds maximum", 84),
+    ("tokens", "token sideband count exceeds maximum", 80),
+    ("state_import", "state import byte count exceeds maximum", 80),
+    ("activation", "activation payload byte count exceeds maximum", 64),  # checked before the ids (4.5 step 5)
+])
+def test_hostile_lengths_fail_before_their_payload_is_buffered(impl, hostile, text, stop):
+    st = StageStateHeader.new(K.PREFILL_EMBD)
+    if hostile == "metadata":
+        st.flags = int(StateFlags.CHAT_SAMPLING_METADATA)
+        head = _prefix(K.CONFIGURE_GENERATION, st) + struct.pack("<I", 0xFFFFFFFF)
+    elif hostile == "tokens":
+        head = _prefix(K.PREFILL_EMBD, st, tsc=2**31 - 1)
+    elif hostile == "state_import":
+        head = _prefix(K.STATE_IMPORT, st, token_count=2**31 - 1)
+    else:
+        st.source_stage_index = 0
+        head = _prefix(K.PREFILL_EMBD, st, count=2**31 - 1)
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    fed = 0
+    with pytest.raises(InvalidDataError) as info:
+        for i in range(len(head)):  # byte by byte: fails on the byte that completes the field
+            fed += 1
+            decoder.feed(head[i : i + 1])
+    assert str(info.value) == text and fed == stop
+    # the same through a stream reader: it stops right after the offending header
+    stream = io.BytesIO(head + bytes(1000))
+    with pytest.raises(InvalidDataError):
+        frame.read_stage_message(stream, 4, impl=impl)
+    assert stream.tell() == stop
+
+
+def test_decoder_limit_rejects_a_large_but_legal_message_early(impl):
+    st = StageStateHeader.new(K.PREFILL_EMBD)
+    st.source_stage_index = 0
+    n = 100_000
+    head = _prefix(K.PREFILL_EMBD, st, count=4 * n, token_count=1)
+    decoder = frame.StageMessageDecoder(n, max_message_bytes=4096, impl=impl)
+    with pytest.raises(InvalidDataError, match="over the decoder limit of 4096"):
+        decoder.feed(head)
+    assert decoder.buffered == 0
+    # without the limit, the decoder waits for the payload
+    decoder = frame.StageMessageDecoder(n, impl=impl)
+    assert decoder.feed(head) == [] and decoder.buffered == len(head)
+
+
+class TrickleReader(io.RawIOBase):
+    """A stream returning at most 3 bytes per read (like a socket), recording read sizes."""
+
+    def __init__(self, data):
+        self.inner = io.BytesIO(data)
+        self.sizes = []
+
+    def read(self, n=-1):
+        self.sizes.append(n)
+        return self.inner.read(min(n, 3))
+
+
+def test_stream_reader_handles_short_reads_and_bounds_each_read(impl):
+    data, want = stream_bytes(impl)
+    reader = TrickleReader(data)
+    got = [message_to_case(frame.read_stage_message(reader, 4, impl=impl)) for _ in want]
+    assert got == want and reader.inner.read() == b""
+    big = StageWireMessage(K.STATE_IMPORT, 0, 3 << 20, StageStateHeader.new(K.STATE_IMPORT), raw_bytes=bytes(3 << 20))
+    reader = CountingSizes(frame.write_stage_message(big, impl=impl))
+    assert frame.read_stage_message(reader, 4, impl=impl).raw_bytes == bytes(3 << 20)
+    assert max(reader.sizes) <= frame.STREAM_CHUNK_BYTES
+
+
+class CountingSizes(io.RawIOBase):
+    def __init__(self, data):
+        self.inner = io.BytesIO(data)
+        self.sizes = []
+
+    def read(self, n=-1):
+        self.sizes.append(n)
+        return self.inner.read(n)
+
+
+def test_stream_reader_never_allocates_from_an_unchecked_length(impl):
+    """A StateImport header claiming 512 MiB followed by 10 bytes: the reader asks for at
+    most one chunk at a time and fails at EOF having buffered only what arrived."""
+    st = StageStateHeader.new(K.STATE_IMPORT)
+    reader = CountingSizes(_prefix(K.STATE_IMPORT, st, token_count=512 << 20) + bytes(10))
+    with pytest.raises(UnexpectedEofError):
+        frame.read_stage_message(reader, 4, impl=impl)
+    assert max(reader.sizes) <= frame.STREAM_CHUNK_BYTES
