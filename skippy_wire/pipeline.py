@@ -60,21 +60,60 @@ class PipelineError(RuntimeError):
 # --------------------------------------------------------------------------------------
 
 
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
 def model_shape(path: str | Path) -> tuple[int, int]:
-    """``(n_layer, n_embd)`` read from the GGUF metadata (no weights are loaded)."""
-    from gguf import GGUFReader
+    """``(n_layer, n_embd)`` from the GGUF metadata.
 
-    reader = GGUFReader(str(path), "r")
-    arch_field = reader.get_field("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    Reads the key/value section only as far as it must (the architecture keys come before
+    the tokenizer's large arrays), so it costs milliseconds, not a parse of every tensor.
+    """
+    import struct
 
-    def scalar(key: str) -> int:
-        f = reader.get_field(f"{arch}.{key}")
-        if f is None:
-            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return int(f.parts[f.data[0]][0])
+    def read(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError(f"{path}: truncated GGUF metadata")
+        return struct.unpack(fmt, data)[0]
 
-    return scalar("block_count"), scalar("embedding_length")
+    def string(f) -> str:
+        return f.read(read(f, "<Q")).decode("utf-8", "replace")
+
+    def skip(f, vtype: int) -> None:
+        if vtype in _GGUF_SCALARS:
+            f.seek(struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+        elif vtype == 8:
+            f.seek(read(f, "<Q"), 1)
+        elif vtype == 9:
+            etype, count = read(f, "<I"), read(f, "<Q")
+            if etype in _GGUF_SCALARS:
+                f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), 1)
+            else:
+                for _ in range(count):
+                    skip(f, etype)
+        else:
+            raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+    values: dict[str, object] = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        read(f, "<I")
+        read(f, "<Q")
+        for _ in range(read(f, "<Q")):
+            key, vtype = string(f), read(f, "<I")
+            if vtype in _GGUF_SCALARS:
+                values[key] = read(f, _GGUF_SCALARS[vtype])
+            elif vtype == 8:
+                values[key] = string(f)
+            else:
+                skip(f, vtype)
+            arch = values.get("general.architecture")
+            if arch and f"{arch}.block_count" in values and f"{arch}.embedding_length" in values:
+                return int(values[f"{arch}.block_count"]), int(values[f"{arch}.embedding_length"])
+    raise ValueError(f"{path}: GGUF metadata lacks the block count or embedding length")
 
 
 def split_layers(n_layer: int, stages: int) -> list[tuple[int, int]]:
@@ -244,7 +283,9 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     if layers is None:
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)
-    threads = threads or max(1, os.cpu_count() or 1)
+    from .server import default_threads
+
+    threads = threads or default_threads()
     log_dir = Path(log_dir) if log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -493,8 +534,10 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
 
     if layers is None:
         layers = (0, model_shape(model)[0])
+    from .server import default_threads
+
     stage = StageModel.open(model, layers[0], layers[1], stage_index=0, ctx_size=ctx_size,
-                            n_threads=threads or os.cpu_count())
+                            n_threads=threads or default_threads())
     session = stage.create_session()
     result = GenerationResult(list(prompt))
     started = time.perf_counter()
@@ -547,7 +590,7 @@ def merge_session_events(events: list[dict]) -> dict:
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
                    model: str, codec: str, policy: str, threads: int) -> str:
     lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
-             f"{Path(model).name}, codec {codec}, policy {policy}, {threads} threads per stage"]
+             f"{Path(model).name}, codec {codec}, policy {policy}, {threads} thread{'s' if threads != 1 else ''} per stage"]
     ttft = result.prefill_s
     lines.append(f"  prefill: {len(result.prompt_tokens)} tokens in {result.prefill_s * 1000:.1f} ms "
                  f"= {result.prefill_tok_s:.1f} tok/s ({result.prefill_messages} messages; "
@@ -602,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads per stage (default: 1; ggml threads spin, see docs/pipeline.md)")
     p.add_argument("--ctx-size", type=int, default=512)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--check", action="store_true",
@@ -627,15 +671,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model = Path(args.model) if args.model else default_model()
-        from .models import Tokenizer
-
-        tokenizer = Tokenizer.from_gguf(model)
-        prompt = tokenizer.encode(args.prompt)
         n_layer, n_embd = model_shape(model)
-        progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}; prompt {len(prompt)} tokens")
     except (OSError, ValueError, ImportError) as exc:
         print(f"skippy-wire run: {exc}", file=sys.stderr)
         return 1
+    progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}; {args.stages} stage processes")
+    # The tokenizer loads while the stage processes start.
+    tokenizer_box: dict = {}
+
+    def load_tokenizer() -> None:
+        try:
+            from .models import Tokenizer
+
+            tokenizer_box["tokenizer"] = Tokenizer.from_gguf(model)
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            tokenizer_box["error"] = exc
+
+    loader = threading.Thread(target=load_tokenizer, name="tokenizer", daemon=True)
+    loader.start()
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
@@ -644,9 +697,15 @@ def main(argv: list[str] | None = None) -> int:
         with launch_pipeline(model, args.stages, codec=args.activation_codec, policy=args.activation_codec_policy,
                              threads=args.threads, ctx_size=args.ctx_size, capture_dir=args.capture,
                              log_dir=args.log_dir, reply_timeout=args.timeout, on_progress=progress) as cluster:
+            loader.join()
+            if "error" in tokenizer_box:
+                print(f"skippy-wire run: cannot load the tokenizer: {tokenizer_box['error']}", file=sys.stderr)
+                return 1
+            tokenizer = tokenizer_box["tokenizer"]
+            prompt = tokenizer.encode(args.prompt)
             with PipelineClient(*cluster.entry, timeout=args.timeout,
                                 capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
-                progress("generating")
+                progress(f"generating: prompt {len(prompt)} tokens, up to {args.max_tokens} new tokens")
                 streamer = TextStreamer(tokenizer, sys.stdout)
                 sys.stdout.write(args.prompt)
                 sys.stdout.flush()

@@ -624,10 +624,16 @@ def _encode_reply(reply) -> bytes:
 # --------------------------------------------------------------------------------------
 
 
-def default_threads(stages: int = 1) -> int:
-    """All cores: a pipeline runs one stage at a time, so stages do not compete for them."""
-    del stages
-    return max(1, os.cpu_count() or 1)
+def default_threads() -> int:
+    """Compute threads per stage when not given: 1.
+
+    ggml's CPU threads meet at a spinning barrier after every graph node, so a
+    multi-threaded stage collapses as soon as the cores are oversubscribed (another stage,
+    another process): on the 2 shared cores of the CI machine SmolLM2 decodes at ~60 tok/s
+    with 1 thread and under 1 tok/s with 2 threads while other jobs run.  ``--threads``
+    raises it on a machine with cores to spare.
+    """
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -642,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=[c.identity for c in ActivationCodec])
     p.add_argument("--activation-codec-policy", default="fixed", choices=list(POLICIES))
     p.add_argument("--ctx-size", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: 1, see default_threads)")
     p.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message (default %(default)s)")
     p.add_argument("--idle-timeout", type=float, default=None,
