@@ -26,7 +26,7 @@ import enum
 import struct
 import sys
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from .dtypes import ActivationCodec, activation_payload_multiplier_from_state_flags
 from .errors import WireError

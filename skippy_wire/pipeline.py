@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .dtypes import ActivationCodec, CodecPolicy
+from .dtypes import ActivationCodec
 from .errors import UnexpectedEofError, WireError
 
 log = logging.getLogger("skippy_wire.pipeline")
@@ -727,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             tokenizer = tokenizer_box["tokenizer"]
             prompt = tokenizer.encode(args.prompt)
+            if len(prompt) + args.max_tokens > args.ctx_size:
+                print(f"skippy-wire run: {len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed "
+                      f"--ctx-size {args.ctx_size}", file=sys.stderr)
+                return 2
             with PipelineClient(*cluster.entry, timeout=args.timeout,
                                 capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
                 progress(f"generating: prompt {len(prompt)} tokens, up to {args.max_tokens} new tokens")

@@ -438,6 +438,8 @@ class StageServer:
         except (StageError, ConnectionError, OSError) as exc:
             if not self._stop.is_set():
                 log.error("%s: %s; closing", name, exc)
+        except RuntimeError as exc:  # the runtime's StageRuntimeError (e.g. context full)
+            log.error("%s: stage runtime error: %s; closing", name, exc)
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
             log.exception("%s: unexpected error (%s); closing", name, exc)
         finally:

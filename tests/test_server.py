@@ -409,3 +409,18 @@ def test_serve_cli_reports_bad_arguments(capsys):
 
     assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
     assert "--stage-index is required" in capsys.readouterr().err
+
+
+def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, caplog):
+    class Full(FakeBackend):
+        def decode(self, *args, **kwargs):
+            raise RuntimeError("RuntimeError: context full")
+
+    chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Full(3, 6, 1)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError, match="closed the connection during DECODE_EMBD"):
+            client.generate(PROMPT, max_tokens=3, chunk_size=4)
+    assert "stage runtime error: RuntimeError: context full" in caplog.text
+    assert all(s.freed for b in chain.backends for s in b.sessions)
+    _raw_connect(chain.entry).close()  # the listener is still up: a new connection gets READY
