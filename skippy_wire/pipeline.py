@@ -294,6 +294,9 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     procs: list[StageProcess] = []
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # The children run the very package the driver imported, installed or not.
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
         downstream = None
         for index in reversed(range(len(layers))):
