@@ -106,3 +106,15 @@ def test_capture_of_a_running_chain_can_be_inspected(tmp_path):
     kinds = [int(m.kind) for _, m, _, _ in hop1]
     assert kinds == [14, 1, 4, 2, 2, 2, 3]
     assert all(int(m.state.activation_codec) == 3 for _, m, _, _ in hop1 if int(m.kind) in (1, 2, 4))
+
+
+def test_cli_reads_stdin(monkeypatch, capsys):
+    import sys
+
+    class Stdin:
+        buffer = io.BytesIO(_stream(_messages()))
+
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    assert main(["-", "--messages", "--values"]) == 0
+    out = capsys.readouterr().out
+    assert "values: [1, -2.5, 0.5, 3, 0.25, -1]" in out and "3 records" in out
