@@ -162,8 +162,10 @@ def describe_reply(reply, offset: int, size: int, index: int) -> list[str]:
 
 
 def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = None, all_values: bool = False,
-            out: TextIO = sys.stdout, name: str = "") -> int:
-    """Print every record of ``data``; returns the number of records, raises WireError/EOFError."""
+            out: TextIO | None = None, name: str = "") -> int:
+    """Print every record of ``data`` to ``out`` (default stdout); returns the number of
+    records, raises :class:`DissectError` at the first malformed or truncated one."""
+    out = out or sys.stdout
     if replies is None:
         replies = data[:4] == READY_BYTES or "replies" in Path(name).name
     index = 0
