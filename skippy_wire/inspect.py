@@ -226,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"skippy-wire inspect: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `skippy-wire inspect FILE | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     print(f"{count} records, {len(data)} bytes")
     return 0
 
