@@ -229,3 +229,20 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_stage_process_survives_garbage_and_logs_it(tiny_model, tmp_path):
+    import socket
+
+    with launch_pipeline(tiny_model, 1, threads=1, startup_timeout=60, log_dir=tmp_path) as cluster:
+        sock = socket.create_connection(cluster.entry, timeout=10)
+        try:
+            assert sock.recv(4) == b"\x59\x44\x52\x53"
+            sock.sendall(b"\x63\x00\x00\x00" + b"\xff" * 100)
+            assert sock.recv(1) == b""  # closed by the stage
+        finally:
+            sock.close()
+        with PipelineClient(*cluster.entry, timeout=30) as client:
+            assert len(client.generate(PROMPT, max_tokens=3).tokens) == 3
+    log = (tmp_path / "stage0.log").read_text()
+    assert "malformed stage message (InvalidData: unknown stage message kind); closing" in log
