@@ -34,6 +34,8 @@ cdef extern from "Python.h":
     int PyObject_GenericSetDict(object, object, void*) except -1
     double PyFloat_AS_DOUBLE(object)
     bint PyFloat_CheckExact(object)
+    bint PyLong_Check(object)
+    object PyNumber_Index(object)
 
 from .dtypes import ActivationCodec, CodecPolicy, LOSSLESS_CODECS
 from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
@@ -434,14 +436,14 @@ cdef tuple _read_message(const uint8_t* buf, Py_ssize_t length, int32_t n_embd, 
     if kind is None:
         raise InvalidDataError("unknown stage message kind")
     # 2. counts (validated in steps 11-12)
-    need(&c, 16)
+    # (nothing is checked before the codec id: wait for all 56 bytes at once)
+    need(&c, 56)
     pos_start = ld_i32(c.p + c.pos)
     token_count = ld_i32(c.p + c.pos + 4)
     tsc = ld_i32(c.p + c.pos + 8)
     psc = ld_i32(c.p + c.pos + 12)
     c.pos += 16
     # 3. header: nine words, then the codec id (checked before the version, 3.1)
-    need(&c, 36)
     for i in range(9):
         h[i] = ld_i32(c.p + c.pos + 4 * i)
     c.pos += 36
@@ -604,14 +606,30 @@ cdef class _Out:
         return result
 
 
+# Wire integers accept ints and integer-likes (``__index__``: IntEnum, numpy ints), never
+# floats; anything else falls back to the twin, which names the field (see write_*).
+cdef inline object _idx(object v):
+    return v if PyLong_Check(v) else PyNumber_Index(v)
+
+
 cdef inline uint32_t as_i32(object v) except? 0xFFFFFFFF:
-    cdef int32_t x = v
+    cdef int32_t x = _idx(v)
     return <uint32_t>x
 
 
 cdef inline uint32_t as_u32(object v) except? 0xFFFFFFFF:
-    cdef uint32_t x = v
+    cdef uint32_t x = _idx(v)
     return x
+
+
+cdef inline uint64_t as_u64(object v) except? 0xFFFFFFFFFFFFFFFF:
+    cdef uint64_t x = _idx(v)
+    return x
+
+
+cdef inline uint64_t as_i64(object v) except? 0xFFFFFFFFFFFFFFFF:
+    cdef int64_t x = _idx(v)
+    return <uint64_t>x
 
 
 cdef int _write_i32_seq(_Out out, object seq, Py_ssize_t n) except -1:
@@ -725,9 +743,9 @@ cdef object _write_message(_Out out, object msg):
     cdef Py_ssize_t ntok, npos, cap, meta_n = 0
     cdef const char* meta_p = NULL
     cdef uint32_t flags
-    cdef int32_t kind = msg.kind
-    cdef int32_t pos_start = msg.pos_start
-    cdef int32_t token_count = msg.token_count
+    cdef int32_t kind = <int32_t>as_i32(msg.kind)
+    cdef int32_t pos_start = <int32_t>as_i32(msg.pos_start)
+    cdef int32_t token_count = <int32_t>as_i32(msg.token_count)
     tokens = msg.tokens
     positions = msg.positions
     ntok = len(tokens)
@@ -800,8 +818,8 @@ cdef object _write_message(_Out out, object msg):
         out.u32(as_i32(sd["source_stage_index"]))
         out.u32(as_i32(sd["activation_codec"]))
         out.u32(<uint32_t>count)
-        out.u64(<uint64_t>msg.request_id)
-        out.u64(<uint64_t>msg.session_id)
+        out.u64(as_u64(msg.request_id))
+        out.u64(as_u64(msg.session_id))
         # 7.
         if sampling is not None:
             _write_sampling(out, sampling)
@@ -869,10 +887,10 @@ cdef object _write_reply(_Out out, object reply):
         out.u32(1)
         out.u32(<uint32_t>nd)
         _write_i32_seq(out, draft.token_ids, nd)
-        out.u64(<uint64_t><int64_t>draft.proposal_compute_us)
+        out.u64(as_i64(draft.proposal_compute_us))
     stats = reply.stats
     for name in _m._STATS_FIELDS:
-        out.u64(<uint64_t><int64_t>getattr(stats, name))
+        out.u64(as_i64(getattr(stats, name)))
     return out.finish()
 
 

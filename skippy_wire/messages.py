@@ -20,6 +20,7 @@ Representation choices:
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Optional, Sequence
@@ -629,8 +630,8 @@ def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
 
     def bad(value: Any, lo: int, hi: int) -> bool:
         try:
-            return not (lo <= int(value) <= hi)
-        except (TypeError, ValueError):
+            return not (lo <= operator.index(value) <= hi)
+        except TypeError:
             return True
 
     checks = [("kind", msg.kind, I32_MIN, I32_MAX), ("pos_start", msg.pos_start, I32_MIN, I32_MAX),
@@ -654,8 +655,8 @@ def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
 def reply_out_of_range_error(reply: StageReply) -> InvalidInputError:
     def bad(value: Any, lo: int, hi: int) -> bool:
         try:
-            return not (lo <= int(value) <= hi)
-        except (TypeError, ValueError):
+            return not (lo <= operator.index(value) <= hi)
+        except TypeError:
             return True
 
     checks = [("kind", reply.kind, I32_MIN, I32_MAX), ("predicted", reply.predicted, I32_MIN, I32_MAX)]

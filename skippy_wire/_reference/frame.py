@@ -17,6 +17,7 @@ upstream would already have emitted as ``partial`` on the exception.
 
 from __future__ import annotations
 
+import operator
 import struct
 
 from ..dtypes import ActivationCodec, CodecPolicy, LOSSLESS_CODECS
@@ -188,7 +189,9 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     kind = _KINDS.get(cur.i32())
     if kind is None:
         raise InvalidDataError("unknown stage message kind")
-    # 2. counts, validated later (steps 11-12)
+    # 2. counts, validated later (steps 11-12).  Nothing is checked between here and the
+    # codec id, so the walk waits for those 56 bytes at once (this only shapes ``needed``).
+    cur.need(56)
     pos_start = cur.i32()
     token_count = cur.i32()
     token_sideband_count = cur.i32()
@@ -209,6 +212,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     if wire_count > MAX_STAGE_ACTIVATION_BYTES:
         raise InvalidDataError("activation payload byte count exceeds maximum")
     # 6.
+    cur.need(16)
     request_id = cur.u64()
     session_id = cur.u64()
     # 7. activation admission, before any variable-length part is read
@@ -342,7 +346,7 @@ def write_stage_message(msg: StageWireMessage) -> bytes:
 
 
 def _write_message(out: bytearray, msg: StageWireMessage) -> None:
-    kind = int(msg.kind)
+    kind = operator.index(msg.kind)  # integers (or __index__), never floats
     # 1.
     out += struct.pack("<iii", kind, msg.pos_start, msg.token_count)
     # 2.-3.
@@ -356,11 +360,12 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
     out += _i32.pack(len(positions))
     # 4. the writer owns the SAMPLING / CHAT_SAMPLING_METADATA bits
     state = msg.state
-    flags = state.flags & ~(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
+    # plain ints: inverting an IntFlag would only cover its named bits
+    flags = operator.index(state.flags) & ~int(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
     if msg.sampling is not None:
-        flags |= StateFlags.SAMPLING
+        flags |= int(StateFlags.SAMPLING)
     if msg.chat_sampling_metadata is not None:
-        flags |= StateFlags.CHAT_SAMPLING_METADATA
+        flags |= int(StateFlags.CHAT_SAMPLING_METADATA)
     # 5. activation byte count; Stop is not in the writer's activation-less list (4.6)
     activation = _byte_view(msg.activation, "activation")
     if kind in ACTIVATIONLESS_WRITE_KINDS or state.source_stage_index < 0:
@@ -376,7 +381,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
         "<10iiQQ",
         state.version, state.seq_id, state.phase, int(flags), state.checkpoint_generation,
         state.prompt_token_count, state.decode_step, state.current_token, state.source_stage_index,
-        int(state.activation_codec), count, msg.request_id, msg.session_id,
+        operator.index(state.activation_codec), count, msg.request_id, msg.session_id,
     )
     # 7.
     if msg.sampling is not None:
@@ -419,7 +424,7 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
     tokens = reply.predicted_tokens
     if len(tokens) > MAX_STAGE_PREDICTED_TOKENS:
         raise InvalidInputError("too many predicted tokens")
-    out += struct.pack("<iii", int(reply.kind), reply.predicted, len(tokens))
+    out += struct.pack("<iii", operator.index(reply.kind), reply.predicted, len(tokens))
     out += struct.pack(f"<{len(tokens)}i", *tokens)
     out += _i32.pack(reply.window.window_id)
     draft = reply.native_mtp_draft

@@ -1,0 +1,198 @@
+"""The compiled framing (``_frame``) and the reference twin agree on random input: the same
+bytes, the same decoded message and consumed count, or the same error class and text
+(and, for short input, the same ``needed``; for failed writes, the same partial output).
+
+Random bytes only ever raise WireError subclasses, never anything else."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from skippy_wire._impl import kernel_module
+from skippy_wire.conformance import message_to_case
+from skippy_wire.dtypes import ActivationCodec
+from skippy_wire.errors import WireError
+from skippy_wire.messages import (
+    F32,
+    NativeMtpDraft,
+    SamplingConfig,
+    StageReply,
+    StageReplyStats,
+    StageReplyWindow,
+    StageStateHeader,
+    StageWireMessage,
+    WireMessageKind,
+    WireReplyKind,
+)
+
+CY = kernel_module("frame", "cython")
+PY = kernel_module("frame", "python")
+CODEC = kernel_module("codec", "python")
+
+i32 = st.integers(-(2**31), 2**31 - 1)
+small_i32 = st.one_of(st.integers(-3, 8), i32)
+u64 = st.integers(0, 2**64 - 1)
+f32_values = st.one_of(
+    st.floats(width=32, allow_nan=False),
+    st.integers(0, 2**32 - 1).map(F32),  # arbitrary bit patterns, NaNs included
+)
+texts = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
+
+
+def outcome(fn, *args):
+    try:
+        result = fn(*args)
+    except WireError as exc:
+        return ("err", type(exc), str(exc), getattr(exc, "needed", None), getattr(exc, "partial", None))
+    if isinstance(result, tuple) and isinstance(result[0], StageWireMessage):
+        return ("ok", message_to_case(result[0]), result[1])
+    if isinstance(result, tuple) and isinstance(result[0], StageReply):
+        return ("ok", result[0], result[1])
+    return ("ok", bytes(result))
+
+
+def read_both(data: bytes, n_embd: int, expected, policy: int):
+    a = outcome(CY.read_stage_message_from_buffer, data, n_embd, expected, policy, 0)
+    b = outcome(PY.read_stage_message_from_buffer, data, n_embd, expected, policy, 0)
+    assert a == b, (data.hex(), n_embd, expected, policy)
+    return a
+
+
+expectations = st.sampled_from([(None, 0), (1, 0), (2, 0), (3, 0), (4, 0), (1, 1)])
+n_embds = st.one_of(st.sampled_from([1, 2, 4, 0, -1]), st.integers(-5, 64))
+
+
+@given(data=st.binary(max_size=400), n_embd=n_embds, exp=expectations)
+def test_random_bytes_into_the_reader(data, n_embd, exp):
+    read_both(data, n_embd, *exp)
+
+
+@given(data=st.binary(max_size=64), offset=st.integers(0, 64))
+def test_random_bytes_at_an_offset(data, offset):
+    assume(offset <= len(data))
+    a = outcome(CY.read_stage_message_from_buffer, bytearray(data), 2, None, 0, offset)
+    b = outcome(PY.read_stage_message_from_buffer, memoryview(data), 2, None, 0, offset)
+    assert a == b
+
+
+@st.composite
+def samplings(draw):
+    if draw(st.booleans()):
+        return None
+    return SamplingConfig(
+        flags=draw(st.integers(0, 3)), seed=draw(st.integers(0, 2**32 - 1)), temperature=draw(f32_values),
+        top_p=draw(f32_values), top_k=draw(small_i32), penalty_last_n=draw(small_i32),
+        logit_bias=draw(st.lists(st.tuples(i32, f32_values), max_size=4)),
+        dry_base=draw(f32_values), dry_sequence_breakers=draw(st.lists(texts, max_size=10)),
+        samplers=draw(st.lists(st.sampled_from(["top_k", "temperature", "x" * 64, "é" * 33, ""]), max_size=18)),
+        ignore_eos=draw(st.booleans()),
+    )
+
+
+@st.composite
+def stage_messages(draw):
+    kind = draw(st.sampled_from(list(WireMessageKind)))
+    state = StageStateHeader.new(kind)
+    state.source_stage_index = draw(st.sampled_from([-1, 0, 3]))
+    state.flags = draw(st.sampled_from([0, 0x40, 0x80, 0x100, 0x140, 0x28, 0x11, -1]))
+    state.activation_codec = draw(st.sampled_from(list(ActivationCodec)))
+    state.seq_id, state.decode_step = draw(small_i32), draw(small_i32)
+    token_count = draw(st.integers(0, 3))
+    width = draw(st.integers(1, 4))
+    activation = b""
+    if draw(st.booleans()):
+        values = draw(st.lists(st.floats(-100, 100, width=32), min_size=token_count * width * 2,
+                               max_size=token_count * width * 2))
+        payload = struct.pack(f"<{len(values)}f", *values)
+        try:
+            activation = CODEC.encode_activation(int(state.activation_codec), token_count, width,
+                                                 payload[: len(payload) // (1 if state.flags & 0x140 else 2)], state.flags)
+        except WireError:
+            activation = payload
+    if draw(st.booleans()):
+        activation = draw(st.binary(max_size=12))
+    raw = b""
+    if kind == WireMessageKind.STATE_IMPORT:
+        raw = draw(st.binary(max_size=6))
+        token_count = draw(st.sampled_from([len(raw), len(raw) + 1]))
+    msg = StageWireMessage(
+        kind, draw(small_i32), token_count, state, draw(u64), draw(u64), draw(samplings()),
+        draw(st.one_of(st.none(), texts)), draw(st.lists(i32, max_size=4)), draw(st.lists(i32, max_size=3)),
+        activation, raw,
+    )
+    return msg, width
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(case=stage_messages())
+def test_random_messages_write_and_read_alike(case):
+    msg, width = case
+    written = outcome(CY.write_stage_message, msg)
+    assert written == outcome(PY.write_stage_message, msg)
+    if written[0] == "ok":
+        data = written[1]
+        assert len(data) == msg.estimated_wire_bytes()
+        for exp in ((None, 0), (int(msg.state.activation_codec), 0), (1, 1)):
+            read_both(data, width, *exp)
+            read_both(data + b"\x00" * 3, width, *exp)
+
+
+@given(case=stage_messages(), edits=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.integers(0, 500), word=st.sampled_from([-1, 0, 1, 2**31 - 1, -(2**31), 1048577, 536870913]))
+def test_mutated_valid_frames_read_alike(case, edits, cut, word):
+    msg, width = case
+    try:
+        data = bytearray(PY.write_stage_message(msg))
+    except WireError:
+        return
+    for pos, value in edits:
+        if pos < len(data):
+            data[pos] ^= value
+    read_both(bytes(data), width, None, 0)
+    read_both(bytes(data[:cut]), width, int(msg.state.activation_codec), 0)
+    slot = (edits[0][0] % 20) * 4  # one of the twenty prefix words overwritten
+    if slot + 4 <= len(data):
+        data[slot : slot + 4] = struct.pack("<i", word)
+        read_both(bytes(data), width, 1, 1)
+
+
+@st.composite
+def replies(draw):
+    draft = None
+    if draw(st.booleans()):
+        draft = NativeMtpDraft(draw(st.lists(i32, max_size=4)), draw(st.integers(-(2**63), 2**63 - 1)))
+    stats = StageReplyStats(*draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=27, max_size=27)))
+    return StageReply(draw(st.sampled_from(list(WireReplyKind))), draw(i32), draw(st.lists(i32, max_size=5)),
+                      StageReplyWindow(draw(i32)), draft, stats)
+
+
+@given(reply=replies(), cut=st.integers(0, 300), flip=st.integers(0, 299))
+def test_replies_alike(reply, cut, flip):
+    data = outcome(CY.write_reply, reply)
+    assert data == outcome(PY.write_reply, reply) and data[0] == "ok"
+    raw = bytearray(data[1])
+    assert outcome(CY.read_reply_from_buffer, bytes(raw), 0) == ("ok", reply, len(raw))
+    assert outcome(PY.read_reply_from_buffer, bytes(raw[:cut]), 0) == outcome(CY.read_reply_from_buffer, bytes(raw[:cut]), 0)
+    if flip < len(raw):
+        raw[flip] ^= 0xFF
+        assert outcome(PY.read_reply_from_buffer, bytes(raw), 0) == outcome(CY.read_reply_from_buffer, bytes(raw), 0)
+
+
+@given(data=st.binary(max_size=300))
+def test_random_bytes_into_the_reply_reader(data):
+    assert outcome(PY.read_reply_from_buffer, data, 0) == outcome(CY.read_reply_from_buffer, data, 0)
+
+
+@given(value=st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.none()),
+       field=st.sampled_from(["pos_start", "token_count", "request_id", "session_id", "tokens", "kind"]))
+def test_unrepresentable_values_fail_alike(value, field):
+    msg = StageWireMessage(WireMessageKind.PREFILL_EMBD, state=StageStateHeader.new(WireMessageKind.PREFILL_EMBD))
+    setattr(msg, field, [value] if field == "tokens" else value)
+    a, b = outcome(CY.write_stage_message, msg), outcome(PY.write_stage_message, msg)
+    if a[0] == "err" or b[0] == "err":
+        assert a[:3] == b[:3]
+    else:
+        assert a == b
