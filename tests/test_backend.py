@@ -41,7 +41,7 @@ def ref(tiny_path):
 
 
 def open_model(path, **kw):
-    kw.setdefault("n_threads", 1)  # the tiny graphs gain nothing from threads; CI cores are shared
+    kw.setdefault("n_threads", 2)
     return B.Model(path, **kw)
 
 
@@ -152,7 +152,7 @@ def test_abi_constants_and_struct_sizes():
 def test_model_attributes(tiny_path):
     m = open_model(tiny_path, layer_start=1, layer_end=3, stage_index=2, ctx_size=64, lane_count=3, n_batch=7)
     assert (m.n_layer, m.n_embd, m.n_vocab, m.n_ctx) == (N_LAYER, N_EMBD, N_VOCAB, 64)
-    assert (m.layer_start, m.layer_end, m.stage_index, m.lane_count, m.n_batch, m.n_threads) == (1, 3, 2, 3, 7, 1)
+    assert (m.layer_start, m.layer_end, m.stage_index, m.lane_count, m.n_batch, m.n_threads) == (1, 3, 2, 3, 7, 2)
     assert m.architecture == "llama" and not m.is_source and not m.is_terminal and m.batched_activation_exports
     full = open_model(tiny_path)
     assert full.layer_end == N_LAYER and full.is_source and full.is_terminal

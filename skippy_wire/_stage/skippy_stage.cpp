@@ -302,6 +302,9 @@ struct skippy_model {
     uint8_t part_identity[32] = {};
     uint8_t frontier_identity[32] = {};
 
+    double weight_elems = 0;  // elements of the owned weights, for the thread heuristic
+    int threads_now = 0;      // threads currently set on the backend
+
     std::mutex compute_mutex;  // graph_meta + galloc are shared by the model's sessions
     std::mutex lane_mutex;
     std::vector<bool> lane_used;
@@ -578,6 +581,7 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
         ggml_set_name(t, w.name.c_str());
         *w.slot = t;
         loads.push_back({id, t});
+        m->weight_elems += (double) ggml_nelements(t);
     }
     if (m->is_terminal && !has_output) m->output = m->tok_embd;  // tied head
 
@@ -585,6 +589,7 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     m->backend = ggml_backend_cpu_init();
     if (!m->backend) return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml CPU backend init failed");
     ggml_backend_cpu_set_n_threads(m->backend, m->n_threads);
+    m->threads_now = m->n_threads;
     m->wbuf = ggml_backend_alloc_ctx_tensors(m->wctx, m->backend);
     if (!m->wbuf) return err(SKIPPY_STATUS_RUNTIME_ERROR, "cannot allocate weight memory");
 
@@ -868,6 +873,13 @@ result execute(skippy_session * s, const int32_t * tokens, size_t n, const int32
         const bool last_chunk = done + c == n;
         const uint64_t base = s->n_past + done;
         for (size_t i = 0; i < c; i++) s->cell_pos[base + i] = pos[done + i];
+        // Tiny graphs (under ~4M weight multiply-adds) lose more to ggml's spinning thread
+        // barriers than they gain, and collapse when the cores are oversubscribed.
+        const int want_threads = m->weight_elems * (double) c < 4e6 ? 1 : m->n_threads;
+        if (want_threads != m->threads_now) {
+            ggml_backend_cpu_set_n_threads(m->backend, want_threads);
+            m->threads_now = want_threads;
+        }
         logit_rows clr = logit_rows::none;
         float * lout = nullptr;
         if (m->is_terminal && lr == logit_rows::all) {
