@@ -61,21 +61,27 @@ def frame_extension() -> Extension:
 
 
 def backend_extension() -> Extension:
+    import sysconfig
+
     ggml = _libggml_root()
     stage_sources = sorted(str(p.relative_to(HERE)) for p in (PKG / "_stage").glob("*.c*"))
+    # Where ggml's shared libraries are at run time: next to the installed extension
+    # ($ORIGIN/..), in this interpreter's site-packages (an editable/in-tree build made
+    # under pip's build isolation, whose own libggml copy is deleted afterwards), and where
+    # the build found them.  skippy_wire._ggml.preload() is the last resort.
+    rpaths = ["$ORIGIN/../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
+    if str(ggml / "lib64") not in rpaths:
+        rpaths.append(str(ggml / "lib64"))
     return Extension(
         "skippy_wire._backend",
         sources=["skippy_wire/_backend.pyx", *stage_sources],
+        depends=[str(PKG / "_stage" / "skippy_stage.h")],
         include_dirs=[str(ggml / "include"), str(PKG / "_stage")],
         library_dirs=[str(ggml / "lib64")],
         libraries=["ggml-base", "ggml-cpu"],
         language="c++",
         extra_compile_args=OPT_FLAGS + ["-std=c++17"],
-        # The installed extension finds the wheel's libraries next to it in site-packages;
-        # the in-tree build also records the absolute path (skippy_wire/__init__ preloads as
-        # a last resort, see _ggml_preload).
-        extra_link_args=ASAN_LINK
-        + ["-Wl,-rpath,$ORIGIN/../libggml/lib64", f"-Wl,-rpath,{ggml / 'lib64'}"],
+        extra_link_args=ASAN_LINK + [f"-Wl,-rpath,{r}" for r in rpaths],
     )
 
 

@@ -574,3 +574,13 @@ def test_log_callback_receives_ggml_messages(tmp_path):
     finally:
         B.set_log_callback(None)
     assert lines  # gguf's reader explains why it failed
+
+
+def test_ggml_preload_helper():
+    from skippy_wire import _ggml
+
+    root = _ggml.libggml_root()
+    assert (root / "lib64" / "libggml-base.so.0").is_file() and (root / "include" / "ggml.h").is_file()
+    _ggml.preload()
+    _ggml.preload()  # idempotent
+    assert _ggml.load_backend() is B
