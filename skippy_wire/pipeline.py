@@ -747,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as exc:
         print(f"\nskippy-wire run: request failed: {exc}", file=sys.stderr)
         return 1
+    print()
     print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
                          policy=args.activation_codec_policy, threads=cluster.threads))
     if args.capture:
