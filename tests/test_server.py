@@ -424,3 +424,42 @@ def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, capl
     assert "stage runtime error: RuntimeError: context full" in caplog.text
     assert all(s.freed for b in chain.backends for s in b.sessions)
     _raw_connect(chain.entry).close()  # the listener is still up: a new connection gets READY
+
+
+def test_trim_session_reaches_every_stage(chain_factory):
+    from skippy_wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+    from skippy_wire.pipeline import prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    kind = WireMessageKind.TRIM_SESSION
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        for msg in prefill_messages(PROMPT, 16, 1, 5):
+            client.request(msg)
+        reply = client.request(StageWireMessage(kind, 3, 0, StageStateHeader.new(kind), 1, 5))
+        assert int(reply.kind) == 1
+        assert [b.sessions[0].token_count for b in chain.backends] == [3, 3]
+        client.request(StageWireMessage.stop(1, 5))
+
+
+def test_concurrent_connections_each_get_their_own_chain(chain_factory):
+    import threading
+
+    chain = chain_factory([(0, 2), (2, 4), (4, 6)])
+    results, errors = {}, []
+
+    def run(session_id):
+        try:
+            with PipelineClient(*chain.entry, timeout=20) as client:
+                results[session_id] = client.generate(PROMPT, max_tokens=20, chunk_size=3,
+                                                      session_id=session_id).tokens
+        except Exception as exc:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    expected = fake_reference(PROMPT, 20, chunk=3)
+    assert results == {1: expected, 2: expected, 3: expected}
