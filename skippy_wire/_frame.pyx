@@ -281,31 +281,26 @@ cdef list rd_i32_list(Cur* c, Py_ssize_t n):
     return out
 
 
-cdef class _StringListCache:
-    """The last string list seen at one place of the sampling block, with its wire bytes:
-    senders repeat the same sampler chain in every message, so a byte compare replaces
-    the UTF-8 decodes (the returned list is always a fresh copy)."""
+# The last string list read at each of the two places of the sampling block, as one
+# (wire bytes, values) tuple: senders repeat the same sampler chain, so a byte compare
+# replaces the UTF-8 decodes (the returned list is always a fresh copy).
+cdef list _string_caches = [None, None]
 
+
+cdef list rd_strings_cached(Cur* c, uint32_t maximum, int slot):
+    cdef tuple entry = _string_caches[slot]
     cdef bytes raw
-    cdef list values
-
-
-cdef _StringListCache _BREAKERS_CACHE = _StringListCache()
-cdef _StringListCache _SAMPLERS_CACHE = _StringListCache()
-
-
-cdef list rd_strings_cached(Cur* c, uint32_t maximum, _StringListCache cache):
     cdef Py_ssize_t start = c.pos, n
     cdef list values
-    if cache.raw is not None:
-        n = len(cache.raw)
-        if n <= c.end - c.pos and memcmp(c.p + c.pos, PyBytes_AS_STRING(cache.raw), n) == 0:
+    if entry is not None:
+        raw = <bytes>entry[0]
+        n = len(raw)
+        if n <= c.end - c.pos and memcmp(c.p + c.pos, PyBytes_AS_STRING(raw), n) == 0:
             c.pos += n
-            return list(cache.values)
+            return list(<list>entry[1])
     values = rd_strings(c, maximum)
     if c.pos - start <= 1024:
-        cache.raw = PyBytes_FromStringAndSize(<const char*>(c.p + start), c.pos - start)
-        cache.values = list(values)
+        _string_caches[slot] = (PyBytes_FromStringAndSize(<const char*>(c.p + start), c.pos - start), list(values))
     return values
 
 
@@ -363,15 +358,50 @@ cdef object rd_sampling(Cur* c):
     d["dry_base"] = f32_obj(rd_u32(c))
     d["dry_allowed_length"] = rd_i32(c)
     d["dry_penalty_last_n"] = rd_i32(c)
-    d["dry_sequence_breakers"] = rd_strings_cached(c, MAX_BREAKERS, _BREAKERS_CACHE)
+    d["dry_sequence_breakers"] = rd_strings_cached(c, MAX_BREAKERS, 0)
     d["xtc_probability"] = f32_obj(rd_u32(c))
     d["xtc_threshold"] = f32_obj(rd_u32(c))
     d["mirostat_mode"] = rd_i32(c)
     d["mirostat_entropy"] = f32_obj(rd_u32(c))
     d["mirostat_learning_rate"] = f32_obj(rd_u32(c))
-    d["samplers"] = rd_strings_cached(c, MAX_SAMPLERS, _SAMPLERS_CACHE)
+    d["samplers"] = rd_strings_cached(c, MAX_SAMPLERS, 1)
     d["ignore_eos"] = rd_u32(c) != 0
     return _instance(SamplingConfig, d)
+
+
+# The last sampling block read, as one (wire bytes, field values) tuple replaced atomically
+# (threads never see a mismatched pair).  A session repeats the same block in every
+# message, so a byte compare replaces the field walk; the result is a fresh instance with
+# fresh lists (the values themselves are immutable).
+cdef tuple _sampling_cache = None
+
+
+cdef object rd_sampling_cached(Cur* c):
+    global _sampling_cache
+    cdef tuple entry = _sampling_cache
+    cdef bytes raw
+    cdef dict values, d
+    cdef Py_ssize_t n, start = c.pos
+    if entry is not None:
+        raw = <bytes>entry[0]
+        values = <dict>entry[1]
+        n = len(raw)
+        if n <= c.end - c.pos and memcmp(c.p + c.pos, PyBytes_AS_STRING(raw), n) == 0:
+            # identical bytes parse identically (the block is self-delimiting)
+            c.pos += n
+            d = PyDict_Copy(values)
+            d["logit_bias"] = list(<list>values["logit_bias"])
+            d["dry_sequence_breakers"] = list(<list>values["dry_sequence_breakers"])
+            d["samplers"] = list(<list>values["samplers"])
+            return _instance(SamplingConfig, d)
+    sampling = rd_sampling(c)
+    if c.pos - start <= 4096:
+        d = PyDict_Copy(sampling.__dict__)
+        d["logit_bias"] = list(d["logit_bias"])
+        d["dry_sequence_breakers"] = list(d["dry_sequence_breakers"])
+        d["samplers"] = list(d["samplers"])
+        _sampling_cache = (PyBytes_FromStringAndSize(<const char*>(c.p + start), c.pos - start), d)
+    return sampling
 
 
 cdef object _message(object kind, int32_t pos_start, int32_t token_count, object state,
@@ -493,7 +523,7 @@ cdef tuple _read_message(const uint8_t* buf, Py_ssize_t length, int32_t n_embd, 
     sd["activation_codec"] = codec
     state = _instance(StageStateHeader, sd)
     # 8.
-    sampling = rd_sampling(&c) if flags & F_SAMPLING else None
+    sampling = rd_sampling_cached(&c) if flags & F_SAMPLING else None
     # 9.
     metadata = None
     if flags & F_CHAT:

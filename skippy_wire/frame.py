@@ -170,29 +170,20 @@ class StageMessageDecoder:
         return len(self._buf) - self._pos
 
     def feed(self, chunk) -> list[StageWireMessage]:
+        """Take the next bytes of the stream; return the messages they complete."""
         if self.error is not None:
             raise self.error
-        if chunk:
-            self._buf += chunk
         out: list[StageWireMessage] = []
         try:
-            while len(self._buf) - self._pos >= self._need:
-                try:
-                    message, consumed = self._parse(self._buf, self.n_embd, self._expected, self._policy, self._pos)
-                except UnexpectedEofError as error:
-                    needed = getattr(error, "needed", None)
-                    if needed is None:  # not a short tail: a genuine error
-                        raise
-                    if self.max_message_bytes is not None and needed > self.max_message_bytes:
-                        raise InvalidDataError(
-                            f"stage message needs at least {needed} bytes, over the decoder limit of "
-                            f"{self.max_message_bytes}"
-                        ) from None
-                    self._need = needed
-                    break
-                out.append(message)
-                self._pos += consumed
-                self._need = 4
+            if self._pos == len(self._buf):
+                # No pending tail: parse straight from the caller's chunk (no copy of whole
+                # messages into the buffer) and keep only the incomplete tail.
+                end = self._drain(chunk, 0, out) if len(chunk) >= self._need else 0
+                self._buf = bytearray(memoryview(chunk)[end:]) if end < len(chunk) else bytearray()
+                self._pos = 0
+            else:
+                self._buf += chunk
+                self._pos = self._drain(self._buf, self._pos, out)
         except WireError as error:
             self.error = error
             # The error's traceback may still reference a view of the buffer; never resize
@@ -204,6 +195,29 @@ class StageMessageDecoder:
         else:
             self._compact()
         return out
+
+    def _drain(self, data, pos: int, out: list) -> int:
+        """Parse complete messages from ``data`` at ``pos``; return where the tail starts."""
+        parse, n_embd, expected, policy = self._parse, self.n_embd, self._expected, self._policy
+        end = len(data)
+        while end - pos >= self._need:
+            try:
+                message, consumed = parse(data, n_embd, expected, policy, pos)
+            except UnexpectedEofError as error:
+                needed = getattr(error, "needed", None)
+                if needed is None:  # not a short tail: a genuine error
+                    raise
+                if self.max_message_bytes is not None and needed > self.max_message_bytes:
+                    raise InvalidDataError(
+                        f"stage message needs at least {needed} bytes, over the decoder limit of "
+                        f"{self.max_message_bytes}"
+                    ) from None
+                self._need = needed
+                break
+            out.append(message)
+            pos += consumed
+            self._need = 4
+        return pos
 
     def _compact(self) -> None:
         # Drop the consumed head once it dominates the buffer (amortised O(1) per byte).

@@ -435,3 +435,26 @@ def test_reader_reports_needed_bytes_for_a_short_buffer(impl):
         e = err(impl, data[:cut], 2)
         assert isinstance(e, UnexpectedEofError) and str(e) == "failed to fill whole buffer"
         assert cut < e.needed <= len(data)
+
+
+def test_repeated_sampling_blocks_decode_to_independent_objects(impl):
+    """Readers may reuse the decode of a repeated sampling block; results stay independent
+    and a block that differs in any byte is decoded afresh."""
+    s = SamplingConfig(seed=1, logit_bias=[(5, 0.5)], samplers=["top_k", "temperature"])
+    data = frame.write_stage_message(StageWireMessage.configure_generation(1, 2, 0, s), impl=impl)
+    a = frame.read_stage_message(data, 2, impl=impl)
+    b = frame.read_stage_message(data, 2, impl=impl)
+    assert a.sampling == b.sampling and a.sampling is not b.sampling
+    a.sampling.samplers.append("x")
+    a.sampling.logit_bias.clear()
+    a.sampling.dry_sequence_breakers.clear()
+    c = frame.read_stage_message(data, 2, impl=impl)
+    assert c.sampling.samplers == ["top_k", "temperature"] and c.sampling.logit_bias == [(5, 0.5)]
+    assert c.sampling.dry_sequence_breakers == ["\n", ":", '"', "*"]
+    for changed in (SamplingConfig(seed=1, logit_bias=[(5, 0.5)], samplers=["top_k", "temperaturf"]),
+                    SamplingConfig(seed=1, logit_bias=[(5, 0.5)], samplers=["top_k"])):
+        other = frame.write_stage_message(StageWireMessage.configure_generation(1, 2, 0, changed), impl=impl)
+        assert frame.read_stage_message(other, 2, impl=impl).sampling.samplers == changed.samplers
+    # a truncated copy of a cached block is still a short read
+    with pytest.raises(UnexpectedEofError):
+        frame.read_stage_message(data[:-1], 2, impl=impl)
