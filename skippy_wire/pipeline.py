@@ -29,10 +29,12 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -719,11 +721,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
+    # Stage logs always go somewhere, so a failed request can quote the stage's reason.
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         with launch_pipeline(model, args.stages, codec=args.activation_codec, policy=args.activation_codec_policy,
                              threads=args.threads, ctx_size=args.ctx_size, capture_dir=args.capture,
-                             log_dir=args.log_dir, reply_timeout=args.timeout, on_progress=progress) as cluster:
+                             log_dir=log_dir, reply_timeout=args.timeout, on_progress=progress) as cluster:
             loader.join()
             if "error" in tokenizer_box:
                 print(f"skippy-wire run: cannot load the tokenizer: {tokenizer_box['error']}", file=sys.stderr)
@@ -746,7 +750,12 @@ def main(argv: list[str] | None = None) -> int:
             events = cluster.session_events()
     except PipelineError as exc:
         print(f"\nskippy-wire run: request failed: {exc}", file=sys.stderr)
+        for line in stage_errors(log_dir):
+            print(f"  {line}", file=sys.stderr)
         return 1
+    finally:
+        if not args.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
     print()
     print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
                          policy=args.activation_codec_policy, threads=cluster.threads))
@@ -767,6 +776,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check: OK, {len(result.tokens)} tokens identical to one in-process stage "
               f"(in-process decode {local.decode_tok_s:.1f} tok/s)")
     return 0
+
+
+def stage_errors(log_dir: Path, limit: int = 3) -> list[str]:
+    """The last ERROR lines of every ``stageK.log`` under ``log_dir``."""
+    lines = []
+    for path in sorted(Path(log_dir).glob("stage*.log")):
+        errors = [line for line in path.read_text(errors="replace").splitlines() if " ERROR " in line]
+        lines += [f"{path.stem}: {line}" for line in errors[-limit:]]
+    return lines
 
 
 class TextStreamer:

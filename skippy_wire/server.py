@@ -592,6 +592,10 @@ class StageServer:
         except (UnexpectedEofError, ConnectionError) as exc:
             raise StageError(
                 f"downstream {self.downstream[0]}:{self.downstream[1]} closed the connection ({exc})") from None
+        except WireError as exc:
+            raise StageError(
+                f"downstream {self.downstream[0]}:{self.downstream[1]} sent a malformed reply "
+                f"({exc.kind}: {exc})") from None
         done = time.perf_counter()
         if session is not None:
             session.stats.downstream_wait_ms += (done - started) * 1000.0
