@@ -23,6 +23,7 @@ The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
 
 from __future__ import annotations
 
+import io
 from typing import Any, Iterable, Optional, Sequence
 
 from . import _impl
@@ -111,10 +112,33 @@ def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *, 
     return k.read_stage_message_from_buffer(data_or_stream, n_embd, expected, pol, 0)[0]
 
 
+_ZEROS = memoryview(bytes(STREAM_CHUNK_BYTES))
+
+
 def _read_exactly(stream, buf: bytearray, total: int) -> None:
-    """Grow ``buf`` to ``total`` bytes from ``stream`` in bounded reads; EOF -> UnexpectedEof."""
+    """Grow ``buf`` to ``total`` bytes from ``stream`` in reads of at most
+    STREAM_CHUNK_BYTES (so a hostile length costs at most what actually arrived);
+    end of input first -> UnexpectedEofError.  Uses ``readinto`` when the stream has it,
+    so the bytes are copied once, straight into ``buf``."""
+    readinto = getattr(stream, "readinto", None)
     while len(buf) < total:
-        chunk = stream.read(min(total - len(buf), STREAM_CHUNK_BYTES))
+        want = min(total - len(buf), STREAM_CHUNK_BYTES)
+        if readinto is not None:
+            start = len(buf)
+            buf += _ZEROS[:want]
+            try:
+                with memoryview(buf) as view, view[start:] as tail:
+                    got = readinto(tail)
+            except (NotImplementedError, io.UnsupportedOperation):
+                readinto = None  # e.g. a RawIOBase subclass implementing only read()
+                got = 0
+            del buf[start + (got or 0) :]
+            if readinto is None:
+                continue
+            if not got:
+                raise UnexpectedEofError()
+            continue
+        chunk = stream.read(want)
         if not chunk:
             raise UnexpectedEofError()
         buf += chunk

@@ -458,3 +458,36 @@ def test_repeated_sampling_blocks_decode_to_independent_objects(impl):
     # a truncated copy of a cached block is still a short read
     with pytest.raises(UnexpectedEofError):
         frame.read_stage_message(data[:-1], 2, impl=impl)
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    del result
+    return peak
+
+
+@pytest.mark.parametrize("source", ["bytes", "bytearray", "stream"])
+def test_a_read_copies_the_payload_at_most_once(source):
+    """Compiled path (a performance property; the twin's codec decodes through Python
+    lists): reading a 4 MiB raw activation allocates one payload-sized block (the decoded
+    array) from a buffer; a stream read additionally gathers the message bytes once."""
+    impl = "cython"
+    n = 1 << 20
+    st = state_for(K.DECODE_EMBD, source_stage_index=0)
+    data = frame.write_stage_message(StageWireMessage(K.DECODE_EMBD, 0, 1, st, activation=bytes(4 * n)), impl=impl)
+    if source == "stream":
+        peak = _peak_bytes(lambda: frame.read_stage_message(io.BytesIO(data), n, impl=impl))
+        assert peak < 2.5 * 4 * n, peak
+    else:
+        buf = data if source == "bytes" else bytearray(data)
+        peak = _peak_bytes(lambda: frame.read_stage_message(buf, n, impl=impl))
+        assert 4 * n <= peak < 1.25 * 4 * n, peak
