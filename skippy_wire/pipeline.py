@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -604,9 +605,13 @@ def _merged_reply_stats(stats_list):
 
 
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
-                   model: str, codec: str, policy: str, threads: int) -> str:
-    lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
-             f"{Path(model).name}, codec {codec}, policy {policy}, {threads} thread{'s' if threads != 1 else ''} per stage"]
+                   model: str, codec: str, policy: str, threads: int, connected: str | None = None) -> str:
+    if connected:
+        lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
+    else:
+        lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
+                 f"{Path(model).name}, codec {codec}, policy {policy}, "
+                 f"{threads} thread{'s' if threads != 1 else ''} per stage"]
     ttft = result.prefill_s
     lines.append(f"  prefill: {len(result.prompt_tokens)} tokens in {result.prefill_s * 1000:.1f} ms "
                  f"= {result.prefill_tok_s:.1f} tok/s ({result.prefill_messages} "
@@ -683,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", default=None, metavar="DIR",
                    help="record every hop's bytes to DIR/hopK-{messages,replies}.bin (see `skippy-wire inspect`)")
     p.add_argument("--log-dir", default=None, help="write each stage's log to DIR/stageK.log")
+    p.add_argument("--connect", default=None, metavar="HOST:PORT",
+                   help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
+                        "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -704,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(f"skippy-wire run: {exc}", file=sys.stderr)
         return 1
-    progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}; {args.stages} stage processes")
+    progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}"
+             + ("" if args.connect else f"; {args.stages} stage processes"))
     # The tokenizer loads while the stage processes start.
     tokenizer_box: dict = {}
 
@@ -723,11 +732,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
     # Stage logs always go somewhere, so a failed request can quote the stage's reason.
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM unwinds like Ctrl-C, so the stage processes are terminated on the way out.
+    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        with launch_pipeline(model, args.stages, codec=args.activation_codec, policy=args.activation_codec_policy,
-                             threads=args.threads, ctx_size=args.ctx_size, capture_dir=args.capture,
-                             log_dir=log_dir, reply_timeout=args.timeout, on_progress=progress) as cluster:
+        if args.connect:
+            from .server import parse_address
+
+            cluster, entry = contextlib.nullcontext(), parse_address(args.connect)
+            progress(f"using the running pipeline at {args.connect}")
+        else:
+            cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
+                                      policy=args.activation_codec_policy, threads=args.threads,
+                                      ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
+                                      reply_timeout=args.timeout, on_progress=progress)
+            entry = cluster.entry
+        with cluster:
             loader.join()
             if "error" in tokenizer_box:
                 print(f"skippy-wire run: cannot load the tokenizer: {tokenizer_box['error']}", file=sys.stderr)
@@ -738,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skippy-wire run: {len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed "
                       f"--ctx-size {args.ctx_size}", file=sys.stderr)
                 return 2
-            with PipelineClient(*cluster.entry, timeout=args.timeout,
+            with PipelineClient(*entry, timeout=args.timeout,
                                 capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
                 progress(f"generating: prompt {len(prompt)} tokens, up to {args.max_tokens} new tokens")
                 streamer = TextStreamer(tokenizer, sys.stdout)
@@ -747,18 +766,22 @@ def main(argv: list[str] | None = None) -> int:
                 result = client.generate(prompt, max_tokens=args.max_tokens, chunk_size=args.chunk_size,
                                          is_eog=tokenizer.is_eog, on_token=streamer.push)
                 streamer.finish()
-            events = cluster.session_events()
+            events = cluster.session_events() if not args.connect else None
     except PipelineError as exc:
         print(f"\nskippy-wire run: request failed: {exc}", file=sys.stderr)
         for line in stage_errors(log_dir):
             print(f"  {line}", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         if not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     print()
+    from .server import default_threads
+
     print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
-                         policy=args.activation_codec_policy, threads=cluster.threads))
+                         policy=args.activation_codec_policy, threads=args.threads or default_threads(),
+                         connected=args.connect))
     if args.capture:
         print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
     if args.check:

@@ -254,3 +254,15 @@ def test_stage_errors_quotes_the_last_error_lines(tmp_path):
     (tmp_path / "stage0.log").write_text("t stage[1] INFO ready\nt stage[1] ERROR connection 1: boom; closing\n")
     (tmp_path / "stage1.log").write_text("t stage[2] INFO ready\n")
     assert stage_errors(tmp_path) == ["stage0: t stage[1] ERROR connection 1: boom; closing"]
+
+
+def test_run_connects_to_running_stages(tiny_model, capsys):
+    from skippy_wire.pipeline import main
+
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
+        address = "%s:%d" % cluster.entry
+        assert main(["hello", "--connect", address, "--model", str(tiny_model), "--max-tokens", "5",
+                     "--check", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"summary: the pipeline at {address}, tiny.gguf" in out
+    assert "check: OK, 5 tokens identical" in out
