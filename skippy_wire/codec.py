@@ -17,9 +17,10 @@ the compiled implementation runs with the GIL released.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import ml_dtypes
 import numpy as np
@@ -60,6 +61,9 @@ MAX_ACTIVATION_BYTES = 536_870_912
 #: MAX_STAGE_DECODED_ACTIVATION_BYTES: cap on an activation once expanded to f32.
 MAX_DECODED_ACTIVATION_BYTES = 536_870_912
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # bytes, bytearray, memoryview, array, ndarray, ...
+
 CodecLike = Union[ActivationCodec, int]
 
 _kernels: ModuleType | None = None
@@ -74,18 +78,19 @@ def kernels() -> ModuleType:
 
 
 def _codec_id(codec: CodecLike) -> int:
-    # bool is an int subclass but never a codec id.
-    if isinstance(codec, bool) or not isinstance(codec, int):
-        raise TypeError(f"codec must be an ActivationCodec or int wire id, not {type(codec).__name__}")
+    # bool is an int subclass but never a codec id; numpy integers are fine.
+    if isinstance(codec, bool):
+        raise TypeError("codec must be an ActivationCodec or int wire id, not bool")
+    codec = operator.index(codec)
     if codec not in (1, 2, 3, 4):
         raise InvalidDataError("unknown stage activation codec")  # 6.1
     return int(codec)
 
 
 def _int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    return int(value)
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    return operator.index(value)
 
 
 def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tuple[int, int, int]:
@@ -126,7 +131,7 @@ def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state
     )
 
 
-def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload, state_flags: int = 0) -> bytes:
+def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0) -> bytes:
     """Encode an f32 activation frame for the wire (wire-format.md 7.1 and 6.2).
 
     Parameters:
@@ -151,7 +156,7 @@ def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload, 
     )
 
 
-def encode_f32_activation_payload(token_count: int, n_embd: int, payload, state_flags: int = 0) -> bytes:
+def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0) -> bytes:
     """Raw f32 encode with the f32 size checks first (wire-format.md 7.2).
 
     Returns the payload bytes unchanged.  Raises as :func:`encode_activation`; a zero
@@ -162,7 +167,7 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload, state_
     )
 
 
-def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire, state_flags: int = 0) -> np.ndarray:
+def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buffer, state_flags: int = 0) -> np.ndarray:
     """Decode an activation wire payload (wire-format.md 7.4 and 6.3).
 
     Returns a new 1-D ``float32`` array (it owns its memory) with every value, bit
@@ -186,7 +191,7 @@ def _permitted(permitted: Iterable[CodecLike]) -> list[int]:
 def select_lossless_codec(
     token_count: int,
     n_embd: int,
-    payload,
+    payload: Buffer,
     state_flags: int = 0,
     permitted: Iterable[CodecLike] = LOSSLESS_CODECS,
 ) -> ActivationCodec:
@@ -210,7 +215,7 @@ def select_lossless_codec(
 def select_and_encode_lossless(
     token_count: int,
     n_embd: int,
-    payload,
+    payload: Buffer,
     state_flags: int = 0,
     permitted: Iterable[CodecLike] = LOSSLESS_CODECS,
 ) -> tuple[ActivationCodec, bytes]:
@@ -222,7 +227,7 @@ def select_and_encode_lossless(
     return ActivationCodec(codec), wire
 
 
-def is_bf16_exact(payload) -> bool:
+def is_bf16_exact(payload: Buffer) -> bool:
     """Whether every f32 of ``payload`` survives a bf16 round trip bit for bit.
 
     NaN and infinity are never exact; -0.0 is; an f32 subnormal is exact only when its
@@ -232,7 +237,7 @@ def is_bf16_exact(payload) -> bool:
     return kernels().is_bf16_exact(payload)
 
 
-def is_f16_exact(payload) -> bool:
+def is_f16_exact(payload: Buffer) -> bool:
     """Whether every f32 of ``payload`` survives an f16 round trip bit for bit.
 
     NaN and infinity are never exact, nor is any f32 subnormal or any |x| >= 65520;
@@ -241,7 +246,7 @@ def is_f16_exact(payload) -> bool:
     return kernels().is_f16_exact(payload)
 
 
-def _wire_bytes_view(wire) -> np.ndarray:
+def _wire_bytes_view(wire: Buffer) -> np.ndarray:
     if isinstance(wire, np.ndarray):
         if not wire.flags.c_contiguous:
             raise InvalidInputError("payload must be a C-contiguous buffer")
@@ -252,14 +257,14 @@ def _wire_bytes_view(wire) -> np.ndarray:
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
 
 
-def _half_view(wire, dtype) -> np.ndarray:
+def _half_view(wire: Buffer, dtype: np.dtype) -> np.ndarray:
     raw = _wire_bytes_view(wire)
     if raw.nbytes % 2:
         raise InvalidDataError("activation payload size mismatch")
     return raw.view(dtype)
 
 
-def bf16_view(wire) -> np.ndarray:
+def bf16_view(wire: Buffer) -> np.ndarray:
     """Zero-copy ``ml_dtypes.bfloat16`` view of a BF16 wire payload (no value checks).
 
     The view shares memory with ``wire`` (read-only for ``bytes``).  Raises
@@ -268,7 +273,7 @@ def bf16_view(wire) -> np.ndarray:
     return _half_view(wire, np.dtype(ml_dtypes.bfloat16))  # little-endian hosts only, as numpy itself
 
 
-def f16_view(wire) -> np.ndarray:
+def f16_view(wire: Buffer) -> np.ndarray:
     """Zero-copy ``numpy.float16`` view of an F16 wire payload (no value checks).
 
     Raises :class:`InvalidDataError` "activation payload size mismatch" for an odd
