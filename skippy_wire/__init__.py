@@ -28,3 +28,32 @@ from .codec import (
     select_lossless_codec,
 )
 from .codec import activation_f32_bytes, activation_shape, activation_wire_bytes
+# framing (messages, frame, forwarding)
+from .messages import (
+    READY_MAGIC,
+    STAGE_STATE_VERSION,
+    F32,
+    NativeMtpDraft,
+    SamplingConfig,
+    StageReply,
+    StageReplyStats,
+    StageReplyWindow,
+    StageStateHeader,
+    StageWireMessage,
+    StateFlags,
+    WireMessageKind,
+    WireReplyKind,
+    WireStagePhase,
+)
+from .frame import (
+    StageMessageDecoder,
+    read_reply,
+    read_stage_message,
+    read_stage_message_from_buffer,
+    recv_ready,
+    send_ready,
+    write_reply,
+    write_stage_message,
+    write_stage_message_to,
+)
+from .forwarding import StageConfig, forwarded_stage_message, forwarded_stage_message_timed

@@ -118,3 +118,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def frame_rows(opts=None):
+    """Producer for ``skippy-wire bench`` (see ``skippy_wire.bench.ROW_PRODUCERS``): the
+    rows above as ``bench.Row`` (time per operation, message bytes) plus the two issue #3
+    goals as ``bench.Ratio``."""
+    from .bench import Ratio, Row
+
+    budget = 0.15 if getattr(opts, "quick", False) else 0.5
+    for row in rows(budget_s=budget):
+        nbytes = int(row["size"].rsplit("(", 1)[1].split()[0])
+        per_op = 1.0 / row["ours"]
+        yield Row(row["op"], f"1x{N_EMBD}", f"skippy_wire ({row['impl']})", per_op, nbytes)
+        yield Row(row["op"], f"1x{N_EMBD}", "reference twin (python)", 1.0 / row["reference"], nbytes)
+        if row["met"] is not None:
+            yield Ratio(f"{row['op']} vs reference twin", row["ratio"], ROUND_TRIP_GOAL_RATIO)
+            yield Ratio(f"{row['op']} messages/s vs {ROUND_TRIP_GOAL_OPS:,}/s", row["ours"] / ROUND_TRIP_GOAL_OPS, 1.0,
+                        f"{row['ours']:,.0f}/s")
+
+
+#: Picked up by ``skippy_wire.bench`` (``python -m skippy_wire bench``).
+ROW_PRODUCERS = [frame_rows]
