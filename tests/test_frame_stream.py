@@ -211,3 +211,41 @@ def test_stream_reader_never_allocates_from_an_unchecked_length(impl):
     with pytest.raises(UnexpectedEofError):
         frame.read_stage_message(reader, 4, impl=impl)
     assert max(reader.sizes) <= frame.STREAM_CHUNK_BYTES
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from skippy_wire.errors import WireError  # noqa: E402
+
+
+def sequential(impl, data: bytes, n_embd: int):
+    """Reference behaviour: read messages back to back from the whole buffer."""
+    out, pos = [], 0
+    while pos < len(data):
+        try:
+            msg, used = frame.read_stage_message_from_buffer(data, n_embd, offset=pos, impl=impl)
+        except WireError as exc:
+            return out, (type(exc), str(exc))
+        out.append(message_to_case(msg))
+        pos += used
+    return out, None
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # `impl` is a plain name
+@given(picks=st.lists(st.integers(0, 4), max_size=6), noise=st.binary(max_size=40),
+       cuts=st.lists(st.integers(0, 2000), max_size=8), n_embd=st.sampled_from([4, 2, 0]))
+def test_decoder_agrees_with_sequential_reads_under_any_split(impl, picks, noise, cuts, n_embd):
+    pool = messages()
+    data = b"".join(frame.write_stage_message(pool[i], impl=impl) for i in picks) + noise
+    want, want_error = sequential(impl, data, n_embd)
+    decoder = frame.StageMessageDecoder(n_embd, impl=impl)
+    got, error = [], None
+    bounds = sorted({0, len(data), *[c % (len(data) + 1) for c in cuts]})
+    try:
+        for a, b in zip(bounds, bounds[1:]):
+            got += [message_to_case(m) for m in decoder.feed(data[a:b])]
+        decoder.close()
+    except WireError as exc:
+        error = (type(exc), str(exc))
+    assert got == want
+    assert error == want_error
