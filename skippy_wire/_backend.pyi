@@ -88,7 +88,7 @@ class Model:
     def input_activation_boundary(self) -> Optional[bytes]: ...
     def output_activation_boundary(self) -> Optional[bytes]: ...
     def close(self) -> None:
-        """Free the native model (sessions keep it alive until they are closed too)."""
+        """Release the native model; open sessions keep it alive until they are closed."""
 
 class Session:
     @property

@@ -8,6 +8,7 @@ structs (ActivationDesc, SamplingConfig) travel as bytes.  The GIL is released a
 every native execution call.
 """
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -380,8 +381,7 @@ cdef class Model:
             raise ValueError("Model is closed")
 
     def close(self):
-        if self.live_sessions:
-            raise RuntimeError(f"Model has {self.live_sessions} open session(s); close them first")
+        """Release the native model; open sessions keep it alive until they close."""
         if self.ptr != NULL:
             skippy_model_free(self.ptr)
             self.ptr = NULL
@@ -452,6 +452,7 @@ cdef class Model:
                 f"{self.info.layer_end}) of {self.info.n_layer}>")
 
 
+@cython.no_gc_clear  # __dealloc__ needs _model (its lane counter) even inside a collected cycle
 cdef class Session:
     cdef skippy_session_t * ptr
     cdef Model _model
@@ -701,8 +702,8 @@ def iteration_batch_sampled(requests, capacities, size_t sampled_capacity):
         keep.append(p)
         mismatch = _payload_mismatch(<_Blob> db, p)
         if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes()] * n,
-                    [b""] * n, [0] * n, [], [])
+            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes() for _ in range(n)],
+                    [b"" for _ in range(n)], [0 for _ in range(n)], [], [])
         reqs[i].input_payload = p.ptr
         reqs[i].sample_last = bool(sample_last)
         caps[i] = capacities[i]
@@ -765,8 +766,8 @@ def decode_step_frame_batch_sampled(sessions, token_ids, samplings, input_descs,
         keep.extend((b, d, p))
         mismatch = _payload_mismatch(d, p)
         if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes()] * n,
-                    [b""] * n, [0] * n, [])
+            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes() for _ in range(n)],
+                    [b"" for _ in range(n)], [0 for _ in range(n)], [])
         samps[i] = <const skippy_sampling_config *> b.ptr
         descs[i] = <const skippy_activation_desc *> d.ptr
         pays[i] = p.ptr

@@ -12,6 +12,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdarg>
@@ -272,6 +273,21 @@ struct stage_layer {
     ggml_tensor * w_down = nullptr;
 };
 
+// The last built graph of a model, kept for reuse while the shape stays the same.
+struct graph_cache {
+    ggml_context * ctx = nullptr;  // lives in skippy_model::graph_meta
+    ggml_cgraph * gf = nullptr;
+    const skippy_session * session = nullptr;
+    int n = 0, n_kv = 0, lr = -1;
+    ggml_tensor * inp_tokens = nullptr;
+    ggml_tensor * inp_rows = nullptr;
+    ggml_tensor * inp_pos = nullptr;
+    ggml_tensor * inp_cells = nullptr;
+    ggml_tensor * inp_mask = nullptr;
+    ggml_tensor * out_x = nullptr;
+    ggml_tensor * out_logits = nullptr;
+};
+
 struct skippy_model {
     // hyper-parameters (from GGUF)
     std::string arch;
@@ -305,7 +321,9 @@ struct skippy_model {
     double weight_elems = 0;  // elements of the owned weights, for the thread heuristic
     int threads_now = 0;      // threads currently set on the backend
 
-    std::mutex compute_mutex;  // graph_meta + galloc are shared by the model's sessions
+    std::atomic<int> refs{1};  // the owner's handle + one per live session
+    graph_cache cache;         // guarded by compute_mutex
+    std::mutex compute_mutex;  // graph_meta, galloc and cache are shared by the model's sessions
     std::mutex lane_mutex;
     std::vector<bool> lane_used;
 };
@@ -339,6 +357,7 @@ namespace {
 
 void model_destroy(skippy_model * m) {
     if (!m) return;
+    if (m->cache.ctx) ggml_free(m->cache.ctx);
     if (m->galloc) ggml_gallocr_free(m->galloc);
     if (m->wbuf) ggml_backend_buffer_free(m->wbuf);
     if (m->wctx) ggml_free(m->wctx);
@@ -733,38 +752,46 @@ result check_room(const skippy_session * s, size_t n) {
 
 enum class logit_rows { none, last, all };
 
-// One graph evaluation of n rows at cache cells [base, base + n).  Writes exported rows to
-// out_rows (non-terminal, n * n_embd floats) and logits to out_logits (terminal; 1 or n rows).
-result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in_rows,
-                  const int32_t * pos, int n, uint64_t base, logit_rows lr, void * out_rows,
-                  float * out_logits) {
+// KV views cover n_kv rounded up to this many cells, so consecutive decode steps have the
+// same graph shape and reuse the built + allocated graph (the extra cells are masked).
+constexpr int KV_PAD = 64;
+
+// Builds the stage graph for n rows over n_kv cache cells into the model's cached slot.
+// The graph depends only on (session KV tensors, n, n_kv, logit rows); the cache position
+// enters through input tensors (row indices, positions, mask), never through view offsets.
+result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
     skippy_model * m = s->model;
-    const int n_kv = (int) base + n;
+    graph_cache & g = m->cache;
+    if (g.ctx) {
+        ggml_free(g.ctx);
+        g = graph_cache();
+    }
     const int hd = m->head_dim;
     const int64_t n_embd_kv = (int64_t) m->n_head_kv * hd;
-
     ggml_init_params ip = {/*.mem_size =*/m->graph_meta.size(), /*.mem_buffer =*/m->graph_meta.data(),
                            /*.no_alloc =*/true};
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml_init failed for the graph");
-    struct ctx_guard { ggml_context * c; ~ctx_guard() { ggml_free(c); } } cg{ctx};
+    g.ctx = ctx;
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, m->graph_nodes, false);
+    g.gf = gf;
 
-    ggml_tensor * inp_tokens = nullptr, * inp_rows = nullptr;
     ggml_tensor * x;
     if (m->is_source) {
-        inp_tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-        ggml_set_input(inp_tokens);
-        x = ggml_get_rows(ctx, m->tok_embd, inp_tokens);
+        g.inp_tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+        ggml_set_input(g.inp_tokens);
+        x = ggml_get_rows(ctx, m->tok_embd, g.inp_tokens);
     } else {
-        inp_rows = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m->n_embd, n);
-        ggml_set_input(inp_rows);
-        x = inp_rows;
+        g.inp_rows = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m->n_embd, n);
+        ggml_set_input(g.inp_rows);
+        x = g.inp_rows;
     }
-    ggml_tensor * inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
-    ggml_set_input(inp_pos);
-    ggml_tensor * inp_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n);
-    ggml_set_input(inp_mask);
+    g.inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    ggml_set_input(g.inp_pos);
+    g.inp_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
+    ggml_set_input(g.inp_cells);
+    g.inp_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n);
+    ggml_set_input(g.inp_mask);
     const float kq_scale = 1.0f / sqrtf((float) hd);
 
     for (size_t li = 0; li < m->layers.size(); li++) {
@@ -777,23 +804,22 @@ result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in
         ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hd, m->n_head_kv, n);
         ggml_tensor * v = ggml_mul_mat(ctx, L.wv, cur);
         // llama GGUF: RoPE mode NORMAL (adjacent pairs), runtime.md §5.3.
-        q = ggml_rope_ext(ctx, q, inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
+        q = ggml_rope_ext(ctx, q, g.inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
                           m->freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
-        k = ggml_rope_ext(ctx, k, inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
+        k = ggml_rope_ext(ctx, k, g.inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
                           m->freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
 
-        // Store this chunk's K/V at cells [base, base+n); the CPU backend runs nodes in
-        // graph order, so expanding the copies first makes the cache reads below see them.
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_embd_kv, n),
-                                               ggml_view_2d(ctx, kc, n_embd_kv, n, kc->nb[1], base * kc->nb[1])));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, v, ggml_view_2d(ctx, vc, n_embd_kv, n, vc->nb[1], base * vc->nb[1])));
+        // Store this chunk's K/V in cells inp_cells; the CPU backend runs nodes in graph
+        // order, so expanding the stores first makes the cache reads below see them.
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, k, n_embd_kv, n), g.inp_cells));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, v, g.inp_cells));
 
         ggml_tensor * kv_k = ggml_view_3d(ctx, kc, hd, m->n_head_kv, n_kv, (size_t) hd * sizeof(float), kc->nb[1], 0);
         ggml_tensor * kv_v = ggml_view_3d(ctx, vc, hd, m->n_head_kv, n_kv, (size_t) hd * sizeof(float), vc->nb[1], 0);
         ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);     // [hd, n, n_head]
         ggml_tensor * kp = ggml_permute(ctx, kv_k, 0, 2, 1, 3);  // [hd, n_kv, n_head_kv]
         ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);            // [n_kv, n, n_head]; GQA by broadcast
-        kq = ggml_soft_max_ext(ctx, kq, inp_mask, kq_scale, 0.0f);
+        kq = ggml_soft_max_ext(ctx, kq, g.inp_mask, kq_scale, 0.0f);
         ggml_tensor * vt = ggml_cont(ctx, ggml_permute(ctx, kv_v, 1, 2, 0, 3));  // [n_kv, hd, n_head_kv]
         ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                            // [hd, n, n_head]
         cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), (int64_t) hd * m->n_head, n);
@@ -806,35 +832,61 @@ result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.w_down, cur));
     }
 
-    ggml_tensor * out_x = nullptr, * out_logits_t = nullptr;
     if (!m->is_terminal) {
-        out_x = x;
-        ggml_set_output(out_x);
-        ggml_build_forward_expand(gf, out_x);
+        g.out_x = x;
+        ggml_set_output(x);
+        ggml_build_forward_expand(gf, x);
     } else if (lr != logit_rows::none) {
         ggml_tensor * h = x;
         if (lr == logit_rows::last && n > 1) {
             h = ggml_view_2d(ctx, x, m->n_embd, 1, x->nb[1], (size_t) (n - 1) * x->nb[1]);
         }
         h = ggml_mul(ctx, ggml_rms_norm(ctx, h, m->eps), m->output_norm);
-        out_logits_t = ggml_mul_mat(ctx, m->output, h);
-        ggml_set_output(out_logits_t);
-        ggml_build_forward_expand(gf, out_logits_t);
+        g.out_logits = ggml_mul_mat(ctx, m->output, h);  // only the rows that are needed
+        ggml_set_output(g.out_logits);
+        ggml_build_forward_expand(gf, g.out_logits);
     } else {
         ggml_build_forward_expand(gf, x);
     }
-
     if (!ggml_gallocr_alloc_graph(m->galloc, gf)) {
+        ggml_free(g.ctx);
+        g = graph_cache();
         return err(SKIPPY_STATUS_RUNTIME_ERROR, "cannot allocate the compute graph");
     }
-    if (inp_tokens) ggml_backend_tensor_set(inp_tokens, tokens, 0, sizeof(int32_t) * n);
-    if (inp_rows) ggml_backend_tensor_set(inp_rows, in_rows, 0, 4ull * m->n_embd * n);
-    ggml_backend_tensor_set(inp_pos, pos, 0, sizeof(int32_t) * n);
+    g.session = s;
+    g.n = n;
+    g.n_kv = n_kv;
+    g.lr = (int) lr;
+    return {};
+}
+
+// One graph evaluation of n rows at cache cells [base, base + n).  Writes exported rows to
+// out_rows (non-terminal, n * n_embd floats) and logits to out_logits (terminal; 1 or n rows).
+result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in_rows,
+                  const int32_t * pos, int n, uint64_t base, logit_rows lr, void * out_rows,
+                  float * out_logits) {
+    skippy_model * m = s->model;
+    const int n_used = (int) base + n;
+    const int n_kv = std::min(m->ctx_size, (n_used + KV_PAD - 1) / KV_PAD * KV_PAD);
+    graph_cache & g = m->cache;
+    if (!(g.ctx && g.session == s && g.n == n && g.n_kv == n_kv && g.lr == (int) lr)) {
+        result r = build_graph(s, n, n_kv, lr);
+        if (!r.is_ok()) return r;
+    }
+    if (g.inp_tokens) ggml_backend_tensor_set(g.inp_tokens, tokens, 0, sizeof(int32_t) * n);
+    if (g.inp_rows) ggml_backend_tensor_set(g.inp_rows, in_rows, 0, 4ull * m->n_embd * n);
+    ggml_backend_tensor_set(g.inp_pos, pos, 0, sizeof(int32_t) * n);
     {
-        // causal mask by position: cell j visible to row i iff pos(j) <= pos(i)
-        float * mask = static_cast<float *>(inp_mask->data);
+        std::vector<int64_t> cells(n);
+        for (int i = 0; i < n; i++) cells[i] = (int64_t) base + i;
+        ggml_backend_tensor_set(g.inp_cells, cells.data(), 0, sizeof(int64_t) * n);
+    }
+    {
+        // causal mask by position: cell j < n_used is visible to row i iff pos(j) <= pos(i);
+        // padding cells j >= n_used are never visible
+        float * mask = static_cast<float *>(g.inp_mask->data);
         std::vector<float> host;
-        if (!ggml_backend_buffer_is_host(inp_mask->buffer)) {
+        if (!ggml_backend_buffer_is_host(g.inp_mask->buffer)) {
             host.resize((size_t) n_kv * n);
             mask = host.data();
         }
@@ -842,15 +894,16 @@ result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in
         for (int i = 0; i < n; i++) {
             float * row = mask + (size_t) i * n_kv;
             const int32_t pi = pos[i];
-            for (int j = 0; j < n_kv; j++) row[j] = s->cell_pos[j] <= pi ? 0.0f : ninf;
+            for (int j = 0; j < n_used; j++) row[j] = s->cell_pos[j] <= pi ? 0.0f : ninf;
+            for (int j = n_used; j < n_kv; j++) row[j] = ninf;
         }
-        if (!host.empty()) ggml_backend_tensor_set(inp_mask, host.data(), 0, host.size() * sizeof(float));
+        if (!host.empty()) ggml_backend_tensor_set(g.inp_mask, host.data(), 0, host.size() * sizeof(float));
     }
-    if (ggml_backend_graph_compute(m->backend, gf) != GGML_STATUS_SUCCESS) {
+    if (ggml_backend_graph_compute(m->backend, g.gf) != GGML_STATUS_SUCCESS) {
         return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml graph compute failed");
     }
-    if (out_x && out_rows) ggml_backend_tensor_get(out_x, out_rows, 0, ggml_nbytes(out_x));
-    if (out_logits_t && out_logits) ggml_backend_tensor_get(out_logits_t, out_logits, 0, ggml_nbytes(out_logits_t));
+    if (g.out_x && out_rows) ggml_backend_tensor_get(g.out_x, out_rows, 0, ggml_nbytes(g.out_x));
+    if (g.out_logits && out_logits) ggml_backend_tensor_get(g.out_logits, out_logits, 0, ggml_nbytes(g.out_logits));
     return {};
 }
 
@@ -1178,7 +1231,10 @@ enum skippy_status skippy_model_open(const char * path, const struct skippy_stag
     return ok(out_error);
 }
 
-void skippy_model_free(skippy_model_t * model) { model_destroy(model); }
+void skippy_model_free(skippy_model_t * model) {
+    // Sessions keep the model alive, so any free order is safe.
+    if (model && model->refs.fetch_sub(1) == 1) model_destroy(model);
+}
 
 void skippy_model_get_info(const skippy_model_t * m, struct skippy_model_info * out) {
     if (!m || !out) return;
@@ -1253,6 +1309,7 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
     if (!s->kbuf) return release("cannot allocate the KV cache");
     ggml_backend_buffer_clear(s->kbuf, 0);  // masked cells must never hold NaN bit patterns
     s->cell_pos.assign(m->ctx_size, 0);
+    m->refs.fetch_add(1);
     *out_session = s;
     return ok(out_error);
 }
@@ -1260,6 +1317,14 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
 enum skippy_status skippy_session_free(skippy_session_t * s, struct skippy_error ** out_error) {
     if (!s) return ok(out_error);
     skippy_model * m = s->model;
+    {
+        // the cached graph points at this session's KV tensors
+        std::lock_guard<std::mutex> lock(m->compute_mutex);
+        if (m->cache.session == s) {
+            ggml_free(m->cache.ctx);
+            m->cache = graph_cache();
+        }
+    }
     if (s->kbuf) ggml_backend_buffer_free(s->kbuf);
     if (s->kctx) ggml_free(s->kctx);
     {
@@ -1267,6 +1332,7 @@ enum skippy_status skippy_session_free(skippy_session_t * s, struct skippy_error
         m->lane_used[s->lane] = false;
     }
     delete s;
+    if (m->refs.fetch_sub(1) == 1) model_destroy(m);
     return ok(out_error);
 }
 

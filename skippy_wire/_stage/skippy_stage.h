@@ -65,9 +65,12 @@
  *    context room, capacities; BUFFER_TOO_SMALL reports every request's size), then run
  *    the requests one after another inside C.  Samples are compact: one
  *    {request index, token} per request with sample_last on a terminal stage.
- * 8. Threads: n_threads 0 = physical cores.  One model serialises its computes with an
- *    internal mutex; different models (stages) run in parallel.  One call per session at a
- *    time.  Logging: ggml's log goes to the callback set with skippy_stage_log_set; the
+ * 8. Lifetime: a session keeps its model alive; skippy_model_free and skippy_session_free may
+ *    come in any order (the model is destroyed with its last handle).
+ *    Threads: n_threads 0 = physical cores; graphs under ~4M weight multiply-adds run on
+ *    one thread (ggml's spinning barriers cost more than they save there).  One model
+ *    serialises its computes with an internal mutex; different models (stages) run in
+ *    parallel.  One call per session at a time.  Logging: ggml's log goes to the callback set with skippy_stage_log_set; the
  *    default drops everything.
  *
  * Status codes, feature bits and struct layouts are those of upstream skippy ABI
