@@ -516,6 +516,7 @@ class StageServer:
         if kind not in (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD, K.DECODE_EMBD):
             raise StageError(f"unsupported stage message kind {K(kind).name} ({kind})")
 
+        self._check_position(msg, session)
         sampling = msg.sampling if msg.sampling is not None else session.sampling
         tokens = list(msg.tokens)
         if self.backend.is_source and len(tokens) != msg.token_count:
@@ -541,6 +542,23 @@ class StageServer:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
         return self._forward(msg, frame, session, downstream, compute_us)
+
+    def _check_position(self, msg, session: _Session) -> None:
+        """``pos_start`` against the session's token count.
+
+        A decode position is authoritative (wire-format.md 12): one behind the session
+        (e.g. after a rejected draft) trims the session back to it.  A prefill chunk must
+        start exactly where the session ends.  Anything else is a driver error.
+        """
+        have = getattr(session.runtime, "token_count", None)
+        if have is None or msg.pos_start == have:
+            return
+        if int(msg.kind) == 2 and 0 <= msg.pos_start < have:
+            with self._runtime_lock:
+                self.backend.trim(session.runtime, msg.pos_start)
+            return
+        raise StageError(f"{msg.kind.name} at position {msg.pos_start}, but session {msg.session_id} "
+                         f"holds {have} tokens")
 
     def _own_stats(self, kind: int, compute_us: int, token_count: int):
         """Prefill compute observation of this stage (wire-format.md 11.3)."""

@@ -463,3 +463,24 @@ def test_concurrent_connections_each_get_their_own_chain(chain_factory):
     assert not errors
     expected = fake_reference(PROMPT, 20, chunk=3)
     assert results == {1: expected, 2: expected, 3: expected}
+
+
+def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_factory, caplog):
+    from skippy_wire.pipeline import decode_message, prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        for msg in prefill_messages(PROMPT, 16, 1, 1):
+            first = client.request(msg).predicted
+        a = client.request(decode_message(first, len(PROMPT), 0, len(PROMPT), 1, 1)).predicted
+        # Decode the same position again: the stages rewind to it and agree with themselves.
+        again = client.request(decode_message(first, len(PROMPT), 0, len(PROMPT), 1, 1)).predicted
+        assert again == a
+        assert [b.sessions[0].token_count for b in chain.backends] == [len(PROMPT) + 1] * 2
+    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        gap = next(prefill_messages(PROMPT, 16, 1, 1))
+        gap.pos_start = 3
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(gap)
+    assert "PREFILL_FINAL_EMBD at position 3, but session 1 holds 0 tokens" in caplog.text
