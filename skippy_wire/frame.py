@@ -112,17 +112,23 @@ def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *, 
     return k.read_stage_message_from_buffer(data_or_stream, n_embd, expected, pol, 0)[0]
 
 
+#: First read size of a stream reader; later reads grow with the bytes already received
+#: (doubling, up to STREAM_CHUNK_BYTES), so memory follows what actually arrives.
+STREAM_FIRST_CHUNK_BYTES = 64 * 1024
 _ZEROS = memoryview(bytes(STREAM_CHUNK_BYTES))
 
 
 def _read_exactly(stream, buf: bytearray, total: int) -> None:
-    """Grow ``buf`` to ``total`` bytes from ``stream`` in reads of at most
-    STREAM_CHUNK_BYTES (so a hostile length costs at most what actually arrived);
-    end of input first -> UnexpectedEofError.  Uses ``readinto`` when the stream has it,
-    so the bytes are copied once, straight into ``buf``."""
+    """Grow ``buf`` to ``total`` bytes from ``stream``; end of input first ->
+    UnexpectedEofError.
+
+    Bounded memory: each read asks for at most max(64 KiB, bytes received so far) and
+    never more than STREAM_CHUNK_BYTES, so a hostile length costs at most about twice what
+    actually arrived.  ``readinto`` is used when the stream has it (the bytes are copied
+    once, straight into ``buf``)."""
     readinto = getattr(stream, "readinto", None)
     while len(buf) < total:
-        want = min(total - len(buf), STREAM_CHUNK_BYTES)
+        want = min(total - len(buf), STREAM_CHUNK_BYTES, max(STREAM_FIRST_CHUNK_BYTES, len(buf)))
         if readinto is not None:
             start = len(buf)
             buf += _ZEROS[:want]
