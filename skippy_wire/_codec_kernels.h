@@ -388,35 +388,102 @@ enum { SKW_S8_OK = 0, SKW_S8_BAD_SCALE = 1, SKW_S8_VALUE_RANGE = 2, SKW_S8_RESER
 SKW_INLINE float skw_f32_from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 SKW_INLINE uint32_t skw_bits_from_f32(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
 
-/* round_half_to_even_i8 of 6.7: floor, fraction, ties to the even neighbour, clamp. */
-SKW_INLINE int32_t skw_round_half_even_i8(double x)
+/* Largest |v| of a row as a bit pattern: for non-negative floats the integer order is
+ * the float order, so an integer max (which vectorises) finds max_abs exactly. */
+SKW_INLINE uint32_t skw_body_s8_max_abs(const uint8_t *in, size_t cols)
 {
-    double fl = floor(x);
-    double fr = x - fl; /* exact */
-    double r = fr < 0.5 ? fl : (fr > 0.5 ? fl + 1.0 : (((int64_t)fl & 1) ? fl + 1.0 : fl));
-    r = r < -127.0 ? -127.0 : r;
-    r = r > 127.0 ? 127.0 : r;
-    return (int32_t)r;
+    uint32_t m = 0;
+    for (size_t c = 0; c < cols; c++) {
+        uint32_t a = skw_ld32(in + 4 * c) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
 }
+
+/* Quantise one row with its scale; nonzero when some f32(q) * scale overflows.  Written
+ * without early exits so that it vectorises; the caller locates the first failure. */
+SKW_INLINE int skw_body_s8_quantize(const uint8_t *in, uint8_t *out, size_t cols, double scale)
+{
+    uint32_t bad = 0;
+    for (size_t c = 0; c < cols; c++) {
+        double x = (double)skw_f32_from_bits(skw_ld32(in + 4 * c)) / scale;
+        double fl = floor(x);
+        double fr = x - fl; /* exact */
+        double half = fl * 0.5;
+        double up = fl + 1.0;
+        double r = fr < 0.5 ? fl : (fr > 0.5 ? up : (floor(half) == half ? fl : up)); /* ties to even */
+        r = r < -127.0 ? -127.0 : r;
+        r = r > 127.0 ? 127.0 : r;
+        int32_t q = (int32_t)r;
+        bad |= skw_non_finite32(skw_bits_from_f32((float)((double)q * scale))); /* f32(q) * scale, rounded once */
+        out[c] = (uint8_t)(int8_t)q;
+    }
+    return bad != 0;
+}
+
+static uint32_t skw_s8_max_abs_portable(const uint8_t *in, size_t cols) { return skw_body_s8_max_abs(in, cols); }
+static int skw_s8_quantize_portable(const uint8_t *in, uint8_t *out, size_t cols, double scale)
+{
+    return skw_body_s8_quantize(in, out, cols, scale);
+}
+#ifdef SKW_X86_DISPATCH
+SKW_AVX2 static uint32_t skw_s8_max_abs_avx2(const uint8_t *in, size_t cols)
+{
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i m = _mm256_setzero_si256();
+    size_t c = 0;
+    for (; c + 8 <= cols; c += 8)
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)(in + 4 * c)), abs_mask));
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)(void *)lanes, m);
+    uint32_t best = skw_body_s8_max_abs(in + 4 * c, cols - c);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    return best;
+}
+
+/* Four values at a time in double: the f64 quotient, vroundpd with an explicit
+ * round-to-nearest-even immediate (ties to even, independent of MXCSR, the same result
+ * as the floor/fraction rule), clamp, and the overflow check on f32(q) * scale. */
+SKW_AVX2 static int skw_s8_quantize_avx2(const uint8_t *in, uint8_t *out, size_t cols, double scale)
+{
+    const __m256d vs = _mm256_set1_pd(scale);
+    const __m256d lo = _mm256_set1_pd(-127.0), hi = _mm256_set1_pd(127.0);
+    const __m128i exp32 = _mm_set1_epi32(0x7f800000);
+    __m128i bad = _mm_setzero_si128();
+    size_t c = 0;
+    for (; c + 4 <= cols; c += 4) {
+        __m128 v = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(const void *)(in + 4 * c)));
+        __m256d x = _mm256_div_pd(_mm256_cvtps_pd(v), vs);
+        __m256d r = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_pd(_mm256_max_pd(r, lo), hi);
+        __m128 prod = _mm256_cvtpd_ps(_mm256_mul_pd(r, vs)); /* exact product, rounded once */
+        bad = _mm_or_si128(bad, _mm_cmpeq_epi32(_mm_and_si128(_mm_castps_si128(prod), exp32), exp32));
+        __m128i q = _mm256_cvtpd_epi32(r); /* integral values: exact */
+        __m128i q8 = _mm_packs_epi16(_mm_packs_epi32(q, q), q); /* |q| <= 127: no saturation */
+        uint32_t w = (uint32_t)_mm_cvtsi128_si32(q8);
+        memcpy(out + c, &w, 4);
+    }
+    int b = !_mm_testz_si128(bad, bad);
+    return skw_body_s8_quantize(in + 4 * c, out + c, cols - c, scale) | b;
+}
+#endif
 
 /* Encode rows x cols finite f32 (the caller has already rejected non-finite input).
  * Returns -1, or the element index of the first failure with *kind set. */
 static ptrdiff_t skw_encode_s8(const uint8_t *src, uint8_t *dst, size_t rows, size_t cols, int *kind)
 {
+    uint32_t (*max_abs_of)(const uint8_t *, size_t) = SKW_PICK(skw_s8_max_abs);
+    int (*quantize)(const uint8_t *, uint8_t *, size_t, double) = SKW_PICK(skw_s8_quantize);
     for (size_t r = 0; r < rows; r++) {
         const uint8_t *in = src + 4 * cols * r;
         uint8_t *out = dst + (cols + 4) * r;
-        float max_abs = 0.0f;
-        for (size_t c = 0; c < cols; c++) {
-            float v = skw_f32_from_bits(skw_ld32(in + 4 * c) & 0x7fffffffu);
-            max_abs = v > max_abs ? v : max_abs;
-        }
+        uint32_t max_abs = max_abs_of(in, cols);
         uint32_t scale_bits;
-        if (max_abs == 0.0f) {
+        if (max_abs == 0) {
             scale_bits = 0x3f800000u; /* an all-zero row uses scale 1.0 */
         } else {
             /* f32(RNE of the f64 quotient), then max(scale, smallest positive subnormal) */
-            scale_bits = skw_bits_from_f32((float)((double)max_abs / 127.0));
+            scale_bits = skw_bits_from_f32((float)((double)skw_f32_from_bits(max_abs) / 127.0));
             if ((scale_bits & 0x7fffffffu) == 0) scale_bits = 1u;
         }
         if (skw_non_finite32(scale_bits) || (scale_bits & 0x80000000u) || scale_bits == 0) {
@@ -425,15 +492,14 @@ static ptrdiff_t skw_encode_s8(const uint8_t *src, uint8_t *dst, size_t rows, si
         }
         double scale = (double)skw_f32_from_bits(scale_bits);
         skw_st32(out, scale_bits);
-        for (size_t c = 0; c < cols; c++) {
-            double x = (double)skw_f32_from_bits(skw_ld32(in + 4 * c)) / scale;
-            int32_t q = skw_round_half_even_i8(x);
-            /* f32(q) * scale: exact in double, rounded once to f32 */
-            if (skw_non_finite32(skw_bits_from_f32((float)((double)q * scale)))) {
-                *kind = SKW_S8_VALUE_RANGE;
-                return (ptrdiff_t)(cols * r + c);
+        if (quantize(in, out + 4, cols, scale)) {
+            for (size_t c = 0; c < cols; c++) { /* locate the first value out of range */
+                uint8_t q;
+                if (skw_body_s8_quantize(in + 4 * c, &q, 1, scale)) {
+                    *kind = SKW_S8_VALUE_RANGE;
+                    return (ptrdiff_t)(cols * r + c);
+                }
             }
-            out[4 + c] = (uint8_t)(int8_t)q;
         }
     }
     return -1;

@@ -159,3 +159,45 @@ def test_simd_and_portable_paths_agree_on_long_buffers():
                 finally:
                     _codec._set_simd(previous)
             assert results[0] == results[1], f"n={n}"
+
+
+def _s8_rows(seed: int, cols: int) -> np.ndarray:
+    """Rows that stress S8: random scales, exact half-way quotients, tiny subnormal rows,
+    zero rows, and rows whose f32(q) * scale overflows at varying positions."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.standard_normal(cols).astype(np.float32) * np.float32(10.0 ** rng.integers(-30, 30))]
+    ties = (rng.integers(-254, 255, cols) / 2).astype(np.float32)
+    ties[0] = 127.0  # scale exactly 1.0, so every k + 0.5 is a tie
+    rows += [ties, np.zeros(cols, np.float32), np.arange(cols, dtype=np.uint32).view(np.float32)]
+    over = rng.standard_normal(cols).astype(np.float32)
+    over[rng.integers(cols)] = np.float32(3.4028235e38)
+    rows.append(over)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("cols", [1, 3, 4, 5, 8, 13, 64])
+def test_s8_paths_and_twin_agree(cols):
+    """S8 on the SIMD path (vroundpd), the portable path and the reference twin."""
+    from skippy_wire._impl import kernel_module
+
+    ref = kernel_module("codec", "python")
+    kernels = [("python", ref)]
+    if IMPLEMENTATION == "cython":
+        kernels.append(("cython", kernel_module("codec", "cython")))
+    for seed in range(6):
+        data = _s8_rows(seed, cols)
+        for r in range(data.shape[0]):
+            row = np.ascontiguousarray(data[r])
+            results = set()
+            for name, k in kernels:
+                modes = [True, False] if name == "cython" else [None]
+                for mode in modes:
+                    previous = k._set_simd(mode) if mode is not None else None
+                    try:
+                        results.add(k.encode_activation(4, 1, cols, row, 0))
+                    except InvalidDataError as exc:
+                        results.add(str(exc))
+                    finally:
+                        if mode is not None:
+                            k._set_simd(previous)
+            assert len(results) == 1, (cols, seed, r, results)
