@@ -204,6 +204,10 @@ class StageMessageDecoder:
         if self.error is not None:
             raise self.error
         out: list[StageWireMessage] = []
+        if not isinstance(chunk, (bytes, bytearray)):
+            chunk = memoryview(chunk)
+            if chunk.format != "B" or chunk.ndim != 1:
+                chunk = chunk.cast("B")
         try:
             if self._pos == len(self._buf):
                 # No pending tail: parse straight from the caller's chunk (no copy of whole
