@@ -81,6 +81,10 @@ cdef tuple _REPLY_KINDS = (None, WireReplyKind.ACK, WireReplyKind.PREDICTED_TOKE
 cdef tuple _CODECS = (None,) + tuple(ActivationCodec(i) for i in range(1, 5))
 cdef object _STOP = WireMessageKind.STOP
 cdef object _STATE_IMPORT = WireMessageKind.STATE_IMPORT
+cdef int raise_current() except -1:
+    return -1  # returning the error value with the exception set propagates it
+
+
 cdef tuple _NO_ARGS = ()
 cdef object _tuple_new = tuple.__new__
 # Attribute-dict templates: copying a full-sized dict and overwriting its values avoids
@@ -98,8 +102,8 @@ cdef inline object _instance(type cls, dict values):
     """A plain-class instance with ``values`` as its attribute dict, built without running
     the dataclass ``__init__`` (fields arrive already validated and converted)."""
     cdef PyObject* raw = (<PyTypeObject*>cls).tp_new(<PyTypeObject*>cls, <PyObject*>_NO_ARGS, NULL)
-    if raw == NULL:
-        raise MemoryError()
+    if raw == NULL:  # tp_new set the exception
+        raise_current()
     obj = <object>raw  # takes a second reference ...
     Py_DECREF(obj)     # ... and drops the one tp_new returned
     PyObject_GenericSetDict(obj, values, NULL)
@@ -759,7 +763,7 @@ def write_stage_message(msg):
     except WireError as error:
         error.partial = out.partial() if out.data is not None else b""
         raise
-    except (OverflowError, TypeError, ValueError, AttributeError, AssertionError):
+    except (OverflowError, TypeError, ValueError, AttributeError):
         # A value the wire cannot represent: let the twin walk the message so that the
         # error (class, text, and which check comes first) is exactly the reference's.
         from ._reference import frame as twin
@@ -890,7 +894,7 @@ def write_reply(reply):
     except WireError as error:
         error.partial = out.partial() if out.data is not None else b""
         raise
-    except (OverflowError, TypeError, ValueError, AttributeError, AssertionError):
+    except (OverflowError, TypeError, ValueError, AttributeError):
         from ._reference import frame as twin
         return twin.write_reply(reply)
 
