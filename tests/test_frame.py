@@ -491,3 +491,15 @@ def test_a_read_copies_the_payload_at_most_once(source):
         buf = data if source == "bytes" else bytearray(data)
         peak = _peak_bytes(lambda: frame.read_stage_message(buf, n, impl=impl))
         assert 4 * n <= peak < 1.25 * 4 * n, peak
+
+
+def test_compiled_framing_is_live():
+    """On CPython the compiled kernels are the default (no silent fallback to the twin)."""
+    import platform
+
+    from skippy_wire._impl import IMPLEMENTATION
+
+    compiled = frame.kernels("cython")
+    assert compiled.__name__ == "skippy_wire._frame" and not compiled.__file__.endswith(".py")
+    if platform.python_implementation() == "CPython" and IMPLEMENTATION == "cython":
+        assert frame.kernels() is compiled
