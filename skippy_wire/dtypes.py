@@ -80,10 +80,15 @@ class CodecPolicy(enum.IntEnum):
     def rust_name(self) -> str:
         return "Fixed" if self is CodecPolicy.FIXED else "AutoLosslessV1"
 
+    @property
+    def serde_name(self) -> str:
+        """The upstream serde string: ``"fixed"`` or ``"auto-lossless-v1"``."""
+        return "fixed" if self is CodecPolicy.FIXED else "auto-lossless-v1"
+
     @classmethod
-    def from_identity(cls, text: str) -> "CodecPolicy":
+    def from_serde_name(cls, text: str) -> "CodecPolicy":
         for policy in cls:
-            if policy.identity(ActivationCodec.RAW_F32_V1) == text:
+            if policy.serde_name == text:
                 return policy
         raise ValueError(f"unknown activation codec policy {text!r}")
 
