@@ -7,6 +7,9 @@ crash; libFuzzer then writes the input to ``crash-*`` and stops.
 
     # 10 million inputs, one core, seeded from the golden vectors:
     nice -n 10 .venv/bin/python fuzz/fuzz_wire.py -runs=10000000 fuzz/corpus
+    # the compiled readers alone, uninstrumented (fast; the 10M-input run):
+    FUZZ_MODE=compiled FUZZ_INSTRUMENT=0 FUZZ_KEEP_GOING=1 nice -n 10 \
+        .venv/bin/python fuzz/fuzz_wire.py -runs=10000000 fuzz/corpus
     # or a time budget:
     .venv/bin/python fuzz/fuzz_wire.py -max_total_time=600 fuzz/corpus
     # replay one input:
@@ -33,7 +36,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-with atheris.instrument_imports(include=["skippy_wire", "wire_targets"]):
+#: FUZZ_INSTRUMENT=0: no Python coverage instrumentation (faster; libFuzzer then mutates
+#: the seed corpus without coverage feedback, which is what it gets from the compiled
+#: kernels in any case).
+if os.environ.get("FUZZ_INSTRUMENT", "1") == "1":
+    with atheris.instrument_imports(include=["skippy_wire", "wire_targets"]):
+        import wire_targets
+else:
     import wire_targets
 
 TARGETS = wire_targets.Targets()
