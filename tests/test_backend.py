@@ -584,3 +584,34 @@ def test_ggml_preload_helper():
     _ggml.preload()
     _ggml.preload()  # idempotent
     assert _ggml.load_backend() is B
+
+
+def test_decode_across_kv_padding_boundaries(tiny_path, ref):
+    # KV views are padded to 64 cells and the graph is reused while the shape holds;
+    # crossing 64 and ending at ctx_size exercises both the rebuild and the clamp.
+    tokens = [(7 * i + 3) % N_VOCAB for i in range(70)]
+    s = open_model(tiny_path, ctx_size=70).create_session()
+    run_prefill(s, tokens[:60])
+    want = ref.forward(tokens)
+    for i in range(60, 70):
+        run_decode(s, tokens[i])
+        got = np.frombuffer(s.copy_logits()[2], dtype=np.float32)
+        assert np.max(np.abs(got - want[i])) < 1e-3, i
+
+
+def test_model_and_session_free_in_any_order(tiny_path):
+    import gc
+
+    m = open_model(tiny_path, lane_count=2)
+    s = m.create_session()
+    m.close()  # the session keeps the native model alive
+    assert run_prefill(s, PROMPT)[2] >= 0
+    with pytest.raises(ValueError):
+        m.create_session()
+    s.close()
+    for _ in range(5):  # a cycle collected as a whole
+        m = open_model(tiny_path, lane_count=2)
+        box = [m, m.create_session(), m.create_session()]
+        box.append(box)
+        del m, box
+        gc.collect()

@@ -303,6 +303,7 @@ struct skippy_model {
 
     // ggml handles (freed in reverse order)
     ggml_backend_t backend = nullptr;
+    ggml_threadpool_t threadpool = nullptr;  // persistent workers (n_threads > 1)
     ggml_context * wctx = nullptr;
     ggml_backend_buffer_t wbuf = nullptr;
     ggml_gallocr_t galloc = nullptr;
@@ -362,6 +363,7 @@ void model_destroy(skippy_model * m) {
     if (m->wbuf) ggml_backend_buffer_free(m->wbuf);
     if (m->wctx) ggml_free(m->wctx);
     if (m->backend) ggml_backend_free(m->backend);
+    if (m->threadpool) ggml_threadpool_free(m->threadpool);
     delete m;
 }
 
@@ -609,6 +611,14 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     if (!m->backend) return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml CPU backend init failed");
     ggml_backend_cpu_set_n_threads(m->backend, m->n_threads);
     m->threads_now = m->n_threads;
+    if (m->n_threads > 1) {
+        // A persistent pool instead of threads created per graph.  poll 0: idle workers
+        // sleep, so one stage's pool does not spin while another stage in the process runs.
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(m->n_threads);
+        tpp.poll = 0;
+        m->threadpool = ggml_threadpool_new(&tpp);
+        if (m->threadpool) ggml_backend_cpu_set_threadpool(m->backend, m->threadpool);
+    }
     m->wbuf = ggml_backend_alloc_ctx_tensors(m->wctx, m->backend);
     if (!m->wbuf) return err(SKIPPY_STATUS_RUNTIME_ERROR, "cannot allocate weight memory");
 
