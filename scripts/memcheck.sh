@@ -7,7 +7,8 @@
 #
 # The tree is copied to $MEMCHECK_DIR (default /tmp/skippy_memcheck) and built there, so the
 # working tree's optimised extensions are left alone.  Only the compiled implementation's
-# tests run (-k "not python"), with few hypothesis examples (MEMCHECK_EXAMPLES, default 25).
+# tests run (-k "not python", -m "not slow"), with few hypothesis examples (MEMCHECK_EXAMPLES,
+# default 25).
 # Under valgrind, PYTHONMALLOC=malloc makes every Python allocation visible, and
 # scripts/valgrind-python.supp removes CPython's own uninitialised-value noise (never an
 # invalid read/write, never a frame inside an extension).  Leak checking is off: CPython
@@ -27,8 +28,11 @@ EXTS="${MEMCHECK_EXTENSIONS:-_codec,_frame,_backend}"
 EXAMPLES="${MEMCHECK_EXAMPLES:-25}"
 SUPP="$ROOT/scripts/valgrind-python.supp"
 
-DEFAULT_TESTS=(tests/test_vectors_codec.py tests/test_fuzz_codec.py tests/test_fuzz_frame.py tests/test_limits.py)
-for t in "$ROOT"/tests/test_frame*.py "$ROOT"/tests/test_vectors_frame*.py "$ROOT"/tests/test_codec*.py "$ROOT"/tests/test_backend.py; do
+# The tests that drive the compiled code: codec, framing (and replies), backend, fuzz, limits.
+DEFAULT_TESTS=()
+for t in "$ROOT"/tests/test_codec*.py "$ROOT"/tests/test_vectors_*.py "$ROOT"/tests/test_frame*.py \
+         "$ROOT"/tests/test_parity*.py "$ROOT"/tests/test_replies.py "$ROOT"/tests/test_fuzz_*.py \
+         "$ROOT"/tests/test_limits.py "$ROOT"/tests/test_backend.py; do
     [ -e "$t" ] && DEFAULT_TESTS+=("tests/$(basename "$t")")
 done
 if [ "$#" -gt 0 ]; then TESTS=("$@"); else TESTS=("${DEFAULT_TESTS[@]}"); fi
@@ -63,9 +67,11 @@ def pytest_configure(config):
     settings.load_profile("memcheck")
 EOF
 
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p _memcheck_profile -k "not python" "${TESTS[@]}")
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p _memcheck_profile -m "not slow" -k "not python" "${TESTS[@]}")
 LOG="$DIR/memcheck.log"
 export PYTHONPATH="$DIR${PYTHONPATH:+:$PYTHONPATH}" SKIPPY_WIRE_IMPL=cython PYTHONDONTWRITEBYTECODE=1
+# The copy is not beside ../shared: point the tests at the golden vectors explicitly.
+export SKIPPY_WIRE_VECTORS="${SKIPPY_WIRE_VECTORS:-$(cd "$ROOT/.." && pwd)/shared/vectors/public}"
 status=0
 case "$TOOL" in
 valgrind)
