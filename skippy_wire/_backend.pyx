@@ -324,10 +324,21 @@ cdef object _payload_mismatch(_Blob desc, _Payload payload):
     return None
 
 
-cdef bytes _out_payload(bytearray buf, size_t n, int status):
-    if status != SKIPPY_STATUS_OK:
+cdef bytes _new_payload(size_t capacity):
+    """A bytes object native may fill before anyone else sees it (saves a copy)."""
+    return PyBytes_FromStringAndSize(NULL, capacity)
+
+
+cdef char * _payload_ptr(bytes buf):
+    return PyBytes_AS_STRING(buf) if len(buf) else NULL
+
+
+cdef bytes _out_payload(bytes buf, size_t n, int status):
+    if status != SKIPPY_STATUS_OK or n == 0:
         return b""
-    return bytes(memoryview(buf)[:n])
+    if <size_t> len(buf) == n:
+        return buf
+    return buf[:n]
 
 
 # ---- model / session --------------------------------------------------------------------
@@ -505,8 +516,8 @@ cdef class Session:
         if mismatch is not None:
             return (SKIPPY_STATUS_INVALID_ARGUMENT, mismatch, _empty_desc_bytes(), b"", 0, -1)
         cdef skippy_activation_desc out_desc
-        cdef bytearray buf = bytearray(capacity)
-        cdef char * bufp = <char *> buf if capacity else NULL
+        cdef bytes buf = _new_payload(capacity)
+        cdef char * bufp = _payload_ptr(buf)
         cdef size_t out_bytes = 0
         cdef int32_t predicted = -1
         cdef skippy_error * e = NULL
@@ -536,8 +547,8 @@ cdef class Session:
         if mismatch is not None:
             return (SKIPPY_STATUS_INVALID_ARGUMENT, mismatch, _empty_desc_bytes(), b"", 0, -1)
         cdef skippy_activation_desc out_desc
-        cdef bytearray buf = bytearray(capacity)
-        cdef char * bufp = <char *> buf if capacity else NULL
+        cdef bytes buf = _new_payload(capacity)
+        cdef char * bufp = _payload_ptr(buf)
         cdef size_t out_bytes = 0
         cdef int32_t predicted = -1
         cdef skippy_error * e = NULL
@@ -569,8 +580,8 @@ cdef class Session:
         predicted.resize(tcap if tcap else 1)
         cdef size_t n_pred = 0
         cdef skippy_activation_desc out_desc
-        cdef bytearray buf = bytearray(capacity)
-        cdef char * bufp = <char *> buf if capacity else NULL
+        cdef bytes buf = _new_payload(capacity)
+        cdef char * bufp = _payload_ptr(buf)
         cdef size_t out_bytes = 0
         cdef skippy_error * e = NULL
         cdef skippy_status st
@@ -588,8 +599,8 @@ cdef class Session:
     def copy_output_activation_frame(self, size_t token_count, size_t capacity=0):
         self._check()
         cdef skippy_activation_desc out_desc
-        cdef bytearray buf = bytearray(capacity)
-        cdef char * bufp = <char *> buf if capacity else NULL
+        cdef bytes buf = _new_payload(capacity)
+        cdef char * bufp = _payload_ptr(buf)
         cdef size_t out_bytes = 0
         cdef skippy_error * e = NULL
         cdef skippy_status st
@@ -707,9 +718,9 @@ def iteration_batch_sampled(requests, capacities, size_t sampled_capacity):
         reqs[i].input_payload = p.ptr
         reqs[i].sample_last = bool(sample_last)
         caps[i] = capacities[i]
-        buf = bytearray(caps[i])
+        buf = _new_payload(caps[i])
         bufs.append(buf)
-        out_ptrs[i] = <void *> (<char *> buf) if caps[i] else NULL
+        out_ptrs[i] = <void *> _payload_ptr(buf)
     cdef skippy_error * e = NULL
     cdef skippy_status st
     with nogil:
@@ -772,9 +783,9 @@ def decode_step_frame_batch_sampled(sessions, token_ids, samplings, input_descs,
         descs[i] = <const skippy_activation_desc *> d.ptr
         pays[i] = p.ptr
         caps[i] = capacities[i]
-        buf = bytearray(caps[i])
+        buf = _new_payload(caps[i])
         bufs.append(buf)
-        out_ptrs[i] = <void *> (<char *> buf) if caps[i] else NULL
+        out_ptrs[i] = <void *> _payload_ptr(buf)
     cdef skippy_error * e = NULL
     cdef skippy_status st
     with nogil:

@@ -690,6 +690,9 @@ result validate_request(const skippy_session * s, const int32_t * tokens, size_t
                        strf("token id %d at index %zu is outside the vocabulary [0, %d)", tokens[i], i, m->n_vocab));
         }
     }
+    if (!positions && position_count > 0) {
+        return err(SKIPPY_STATUS_INVALID_ARGUMENT, "position_count is set but positions is NULL");
+    }
     if (positions && position_count > 0) {
         if (position_count != n) {
             return err(SKIPPY_STATUS_INVALID_ARGUMENT,
