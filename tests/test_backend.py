@@ -615,3 +615,43 @@ def test_model_and_session_free_in_any_order(tiny_path):
         box.append(box)
         del m, box
         gc.collect()
+
+
+@pytest.mark.parametrize("cut", [None, 2], ids=["terminal", "exporting"])
+def test_batched_graph_equals_single_sessions(tiny_path, cut):
+    # Batches run as one multi-session graph; every session must see exactly what it
+    # would see alone (rows, logits, positions), including different cache lengths.
+    prompts = [PROMPT, PROMPT[:2], [7, 8, 9, 10, 11, 12, 13]]
+    m = open_model(tiny_path, layer_end=cut or N_LAYER, lane_count=3)
+    batch = [m.create_session() for _ in prompts]
+    alone = [open_model(tiny_path, layer_end=cut or N_LAYER).create_session() for _ in prompts]
+
+    def outputs(session):
+        if m.is_terminal:
+            return np.frombuffer(session.copy_logits()[2], dtype=np.float32)
+        st, msg, d, p, n = session.copy_output_activation_frame(1, capacity=4 * N_EMBD)
+        return np.frombuffer(p, dtype=np.float32)
+
+    reqs = [(s, t, None, None, None, None, True) for s, t in zip(batch, prompts)]
+    st, msg, _, pays, need, idx, pred = B.iteration_batch_sampled(reqs, [0] * 3, 3)
+    if st == B.STATUS_BUFFER_TOO_SMALL:  # exporting stage: retry with the reported sizes
+        st, msg, _, pays, _, idx, pred = B.iteration_batch_sampled(reqs, need, 3)
+    assert st == OK, msg
+    singles = [run_prefill(s, t) for s, t in zip(alone, prompts)]
+    for r in range(3):
+        assert np.max(np.abs(outputs(batch[r]) - outputs(alone[r]))) < 1e-4
+        if m.is_terminal:
+            assert pred[r] == singles[r][2] and idx[r] == r
+        else:
+            assert np.max(np.abs(np.frombuffer(pays[r], np.float32) - np.frombuffer(singles[r][1], np.float32))) < 1e-4
+    tokens = [3, 4, 5]
+    for step in range(3):
+        caps = [0] * 3 if m.is_terminal else [4 * N_EMBD] * 3
+        st, msg, _, _, _, predicted = B.decode_step_frame_batch_sampled(batch, tokens, [None] * 3, [None] * 3,
+                                                                        [None] * 3, caps, 3)
+        assert st == OK, msg
+        for r in range(3):
+            run_decode(alone[r], tokens[r])
+            assert np.max(np.abs(outputs(batch[r]) - outputs(alone[r]))) < 1e-4, (step, r)
+        tokens = [t + 1 for t in tokens]
+    assert [s.position for s in batch] == [len(p) + 3 for p in prompts]
