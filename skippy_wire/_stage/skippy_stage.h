@@ -26,9 +26,8 @@
  *      (d) build the graph, compute (GIL released by the binding);
  *      (e) copy outputs, sample (terminal: last row; verify: every row), then advance
  *          n_past and the token history.
- *    So on any non-OK status the session is unchanged (exception: a batch whose compute
- *    fails after earlier requests already ran; those requests keep their progress — the
- *    same as upstream, see runtime.md §1.6).
+ *    So on any non-OK status the session is unchanged (exception: a batch larger than n_batch
+ *    rows whose compute fails after earlier requests ran; see item 7).
  * 3. Frames (runtime.md §2.3): v2 ActivationDesc with ONE part: F32, rank 2, token_axis 1,
  *    dims [n_embd, n_tokens], strides [4, 4*n_embd], payload_offset 0, flags 0; the payload
  *    is the residual stream after the producer's last layer, token-major F32 rows.
@@ -62,9 +61,12 @@
  *    n <= n_past, sets n_past = n, cuts history and drops the last logits/rows if n moved.
  *    MTP is not implemented: drafts come back with version 1, available = false.
  * 7. Batches validate every request first (non-NULL distinct sessions of one model, frames,
- *    context room, capacities; BUFFER_TOO_SMALL reports every request's size), then run
- *    the requests one after another inside C.  Samples are compact: one
- *    {request index, token} per request with sample_last on a terminal stage.
+ *    context room, capacities; BUFFER_TOO_SMALL reports every request's size).  When all
+ *    rows fit in n_batch they run as ONE graph (weight matmuls over all rows, attention per
+ *    session over its own cache) and either every session advances or none does; larger
+ *    batches run request by request (a compute failure then keeps earlier requests'
+ *    progress).  Samples are compact: one {request index, token} per request with
+ *    sample_last on a terminal stage, in request order.
  * 8. Lifetime: a session keeps its model alive; skippy_model_free and skippy_session_free may
  *    come in any order (the model is destroyed with its last handle).
  *    Threads: n_threads 0 = physical cores; graphs under ~4M weight multiply-adds run on
