@@ -425,6 +425,7 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
     cdef const uint8_t *src
     cdef uint8_t *dst
     cdef cnp.ndarray out
+    cdef cnp.npy_intp dims[1]
     cdef bint nogil_
     _acquire(wire, &view)
     try:
@@ -442,7 +443,8 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
             _raise(st)
         # Only now, with the size checked against the 512 MiB caps, allocate.
         n = <size_t>s.elements
-        out = np.empty(<Py_ssize_t>n, dtype=np.float32)
+        dims[0] = <cnp.npy_intp>n
+        out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
         src = <const uint8_t *>view.buf
         dst = <uint8_t *>cnp.PyArray_DATA(out)
         nogil_ = <size_t>view.len >= _nogil_threshold

@@ -1,6 +1,6 @@
 """Activation codecs: encode, decode, size and lossless selection (wire-format.md 5-8).
 
-This module validates and coerces arguments, then calls the live kernel implementation
+This module documents the API and calls the live kernel implementation
 (``skippy_wire._codec`` or, under ``SKIPPY_WIRE_IMPL=python``, the pure-Python twin
 ``skippy_wire._reference.codec``).  The compiled module is looked up on first use, so
 importing this module never fails; calling it without the extension built raises
@@ -10,6 +10,11 @@ Payloads are any C-contiguous buffer (``bytes``, ``bytearray``, ``memoryview``,
 ``array.array``, numpy arrays of any dtype) read as raw little-endian f32 bytes; they may
 be misaligned.  A non-contiguous buffer raises :class:`InvalidInputError`.
 
+Arguments are checked by the kernels themselves, identically in both implementations:
+codecs and dimensions accept anything with ``__index__`` (``ActivationCodec``, numpy
+integers), an unknown codec id raises "unknown stage activation codec", a non-integer
+``TypeError``.
+
 Every protocol error is an :class:`~skippy_wire.errors.InvalidDataError` whose text is
 the exact upstream message, raised in the upstream check order.  Payload-sized work in
 the compiled implementation runs with the GIL released.
@@ -17,7 +22,6 @@ the compiled implementation runs with the GIL released.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from types import ModuleType
 from typing import TYPE_CHECKING, Union
@@ -77,22 +81,6 @@ def kernels() -> ModuleType:
     return _kernels
 
 
-def _codec_id(codec: CodecLike) -> int:
-    # bool is an int subclass but never a codec id; numpy integers are fine.
-    if isinstance(codec, bool):
-        raise TypeError("codec must be an ActivationCodec or int wire id, not bool")
-    codec = operator.index(codec)
-    if codec not in (1, 2, 3, 4):
-        raise InvalidDataError("unknown stage activation codec")  # 6.1
-    return int(codec)
-
-
-def _int(name: str, value: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not bool")
-    return operator.index(value)
-
-
 def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tuple[int, int, int]:
     """Rows and columns of a frame (wire-format.md 5.1).
 
@@ -105,7 +93,7 @@ def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tup
     ``token_count < 0`` or ``n_embd <= 0``; :class:`InvalidInputError` when a dimension
     does not fit in an i32.
     """
-    return kernels().activation_shape(_int("token_count", token_count), _int("n_embd", n_embd), _int("state_flags", state_flags))
+    return kernels().activation_shape(token_count, n_embd, state_flags)
 
 
 def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int = 0) -> int:
@@ -116,7 +104,7 @@ def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int = 0) ->
     Raises :class:`InvalidDataError` "negative activation dimensions" (a negative
     dimension) or an overflow text.
     """
-    return kernels().activation_f32_bytes(_int("token_count", token_count), _int("n_embd", n_embd), _int("state_flags", state_flags))
+    return kernels().activation_f32_bytes(token_count, n_embd, state_flags)
 
 
 def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state_flags: int = 0) -> int:
@@ -127,7 +115,7 @@ def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state
     byte count exceeds maximum" (over 512 MiB).
     """
     return kernels().activation_wire_bytes(
-        _codec_id(codec), _int("token_count", token_count), _int("n_embd", n_embd), _int("state_flags", state_flags)
+        codec, token_count, n_embd, state_flags
     )
 
 
@@ -152,7 +140,7 @@ def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: 
     non-contiguous payload.
     """
     return kernels().encode_activation(
-        _codec_id(codec), _int("token_count", token_count), _int("n_embd", n_embd), payload, _int("state_flags", state_flags)
+        codec, token_count, n_embd, payload, state_flags
     )
 
 
@@ -163,7 +151,7 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer
     ``n_embd`` passes the size check and then fails with "negative activation dimensions".
     """
     return kernels().encode_f32_activation_payload(
-        _int("token_count", token_count), _int("n_embd", n_embd), payload, _int("state_flags", state_flags)
+        token_count, n_embd, payload, state_flags
     )
 
 
@@ -180,12 +168,8 @@ def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buf
     finite and positive", "S8 activation payload contains reserved -128 value".
     """
     return kernels().decode_activation(
-        _codec_id(codec), _int("token_count", token_count), _int("n_embd", n_embd), wire, _int("state_flags", state_flags)
+        codec, token_count, n_embd, wire, state_flags
     )
-
-
-def _permitted(permitted: Iterable[CodecLike]) -> list[int]:
-    return [_codec_id(c) for c in permitted]
 
 
 def select_lossless_codec(
@@ -207,7 +191,7 @@ def select_lossless_codec(
     """
     return ActivationCodec(
         kernels().select_lossless_codec(
-            _int("token_count", token_count), _int("n_embd", n_embd), payload, _int("state_flags", state_flags), _permitted(permitted)
+            token_count, n_embd, payload, state_flags, permitted
         )
     )
 
@@ -222,7 +206,7 @@ def select_and_encode_lossless(
     """:func:`select_lossless_codec` and :func:`encode_activation` in one pass over the
     payload where possible.  Returns ``(codec, encoded bytes)``; raises as the two do."""
     codec, wire = kernels().select_and_encode_lossless(
-        _int("token_count", token_count), _int("n_embd", n_embd), payload, _int("state_flags", state_flags), _permitted(permitted)
+        token_count, n_embd, payload, state_flags, permitted
     )
     return ActivationCodec(codec), wire
 
