@@ -46,7 +46,7 @@ def codec_extension() -> Extension:
         sources=["skippy_wire/_codec.pyx"],
         depends=["skippy_wire/_codec_kernels.h"],
         include_dirs=[str(PKG)],
-        extra_compile_args=OPT_FLAGS + ["-fno-math-errno"],
+        extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
         extra_link_args=ASAN_LINK,
     )
 
