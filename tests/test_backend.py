@@ -655,3 +655,24 @@ def test_batched_graph_equals_single_sessions(tiny_path, cut):
             assert np.max(np.abs(outputs(batch[r]) - outputs(alone[r]))) < 1e-4, (step, r)
         tokens = [t + 1 for t in tokens]
     assert [s.position for s in batch] == [len(p) + 3 for p in prompts]
+
+
+def test_mutated_descriptors_never_crash(tiny_path):
+    # Any byte of the descriptor's header and part may be wrong: native answers with a
+    # status, and only an exactly valid frame moves the session.
+    a = open_model(tiny_path, layer_end=2).create_session()
+    b = open_model(tiny_path, layer_start=2).create_session()
+    d, p, _ = run_prefill(a, PROMPT)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        bad = bytearray(d)
+        for _ in range(int(rng.integers(1, 4))):
+            bad[int(rng.integers(0, 72 + 128))] = int(rng.integers(0, 256))
+        payload_bytes = struct.unpack_from("<Q", bad, 32)[0]
+        payload = p if payload_bytes == len(p) else p[: min(len(p), payload_bytes)]
+        before = b.position
+        st, msg, *_ = b.prefill_chunk_frame(PROMPT, sample=True, input_desc=bytes(bad), input_payload=payload)
+        assert st in (OK, B.STATUS_INVALID_ARGUMENT), msg
+        assert b.position == before + (len(PROMPT) if st == OK else 0)
+        if st == OK:
+            b.reset()
