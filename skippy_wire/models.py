@@ -133,25 +133,75 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>"}
 
 
-def _field_scalar(reader, key):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return f.parts[f.data[0]][0].item()
+# GGUF value types (gguf.h): scalar struct formats; 8 = string, 9 = array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def _field_strings(reader, key) -> Optional[list[str]]:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
+def read_gguf_metadata(path: PathLike, prefix: str = "") -> dict:
+    """Key/value metadata of a GGUF file whose key starts with ``prefix``.
 
+    A small bounds-checked reader of the header and KV section only (gguf.h layout; all
+    little-endian): ``gguf.GGUFReader`` builds a numpy view per array element, which takes
+    seconds for a 49k-token vocabulary.  Strings decode as UTF-8 (invalid bytes replaced),
+    arrays become lists.
+    """
+    import mmap
+    import struct
 
-def _field_ints(reader, key) -> Optional[list[int]]:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return [int(f.parts[i][0]) for i in f.data]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            end = len(buf)
+            pos = 0
+
+            def take(n: int) -> int:
+                nonlocal pos
+                if n < 0 or n > end - pos:
+                    raise ValueError(f"{path}: GGUF metadata is truncated at byte {pos}")
+                start = pos
+                pos += n
+                return start
+
+            def unpack(fmt: str):
+                size = struct.calcsize(fmt)
+                return struct.unpack_from(fmt, buf, take(size))[0]
+
+            def string() -> str:
+                n = unpack("<Q")
+                start = take(n)
+                return bytes(buf[start : start + n]).decode("utf-8", "replace")
+
+            def value(vtype: int, depth: int = 0):
+                if vtype in _GGUF_SCALARS:
+                    return unpack(_GGUF_SCALARS[vtype])
+                if vtype == 8:
+                    return string()
+                if vtype == 9 and depth == 0:
+                    etype, count = unpack("<I"), unpack("<Q")
+                    if etype in _GGUF_SCALARS:
+                        fmt = _GGUF_SCALARS[etype]
+                        size = struct.calcsize(fmt)
+                        start = take(size * count)
+                        return list(struct.unpack_from(f"<{count}{fmt[1]}", buf, start))
+                    return [value(etype, depth + 1) for _ in range(count)]
+                raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+            if bytes(buf[take(4) : 4]) != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file")
+            version = unpack("<I")
+            if version < 2:
+                raise ValueError(f"{path}: GGUF version {version} is not supported")
+            unpack("<Q")  # tensor count
+            n_kv = unpack("<Q")
+            out = {}
+            for _ in range(n_kv):
+                key = string()
+                v = value(unpack("<I"))
+                if key.startswith(prefix):
+                    out[key] = v
+            return out
+        finally:
+            buf.release()
 
 
 class Tokenizer:
@@ -235,27 +285,23 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: PathLike) -> "Tokenizer":
-        """Read ``tokenizer.ggml.*`` from a GGUF file (memory-mapped; tensors are not read)."""
-        import gguf
-
-        r = gguf.GGUFReader(str(path), "r")
-        model = _field_strings(r, "tokenizer.ggml.model")
-        tokens = _field_strings(r, "tokenizer.ggml.tokens")
+        """Read ``tokenizer.ggml.*`` from a GGUF file (metadata only; tensors are not read)."""
+        kv = read_gguf_metadata(path, "tokenizer.")
+        model, tokens = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.tokens")
         if not model or not tokens:
             raise ValueError(f"{path} has no tokenizer.ggml.model / tokenizer.ggml.tokens")
-        pre = _field_strings(r, "tokenizer.ggml.pre")
 
         def opt_int(key):
-            v = _field_scalar(r, key)
+            v = kv.get(key)
             return None if v is None else int(v)
 
-        add_bos = _field_scalar(r, "tokenizer.ggml.add_bos_token")
+        add_bos = kv.get("tokenizer.ggml.add_bos_token")
         return cls(
-            model=model[0] if isinstance(model, list) else model,
-            pre=pre[0] if pre else None,
+            model=model,
+            pre=kv.get("tokenizer.ggml.pre"),
             tokens=tokens,
-            token_types=_field_ints(r, "tokenizer.ggml.token_type") or [],
-            merges=_field_strings(r, "tokenizer.ggml.merges"),
+            token_types=kv.get("tokenizer.ggml.token_type") or [],
+            merges=kv.get("tokenizer.ggml.merges"),
             bos_id=opt_int("tokenizer.ggml.bos_token_id"),
             eos_id=opt_int("tokenizer.ggml.eos_token_id"),
             eot_id=opt_int("tokenizer.ggml.eot_token_id"),

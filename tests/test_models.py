@@ -65,3 +65,20 @@ def test_smollm2_tokenizer():
     assert ids[0] == 1 and ids[-1] == 2  # control tokens are matched as one token each
     assert ids[3:8] == [tk.encode(d)[0] for d in "12345"]  # smollm splits single digits
     assert tk.decode(ids) == "<|im_start|>user\n12345 héllo<|im_end|>"
+
+
+def test_read_gguf_metadata(tmp_path):
+    p = models.write_tiny_llama_gguf(tmp_path / "t.gguf")
+    kv = models.read_gguf_metadata(p)
+    assert kv["general.architecture"] == "llama" and kv["llama.block_count"] == 4
+    assert kv["llama.attention.head_count_kv"] == 2 and abs(kv["llama.attention.layer_norm_rms_epsilon"] - 1e-5) < 1e-9
+    assert kv["tokenizer.ggml.tokens"][:4] == ["<unk>", "<s>", "</s>", "<0x00>"]
+    assert kv["tokenizer.ggml.token_type"][:4] == [2, 3, 3, 6]
+    assert set(models.read_gguf_metadata(p, "tokenizer.")) >= {"tokenizer.ggml.model", "tokenizer.ggml.bos_token_id"}
+    head = p.read_bytes()[:300]
+    (tmp_path / "cut.gguf").write_bytes(head)
+    with pytest.raises(ValueError, match="truncated"):
+        models.read_gguf_metadata(tmp_path / "cut.gguf")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUX" + head[4:])
+    with pytest.raises(ValueError, match="not a GGUF"):
+        models.read_gguf_metadata(tmp_path / "bad.gguf")
