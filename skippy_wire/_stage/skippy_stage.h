@@ -72,8 +72,10 @@
  *    Threads: n_threads 0 = physical cores; graphs under ~4M weight multiply-adds run on
  *    one thread (ggml's spinning barriers cost more than they save there).  One model
  *    serialises its computes with an internal mutex; different models (stages) run in
- *    parallel.  One call per session at a time.  Logging: ggml's log goes to the callback set with skippy_stage_log_set; the
- *    default drops everything.
+ *    parallel.  One call per session at a time.  The last built graph is reused while its
+ *    shape (session, rows, KV length padded to 64 cells, logit rows) holds.
+ *    Logging: ggml's log goes to the callback set with skippy_stage_log_set; the default
+ *    drops everything.
  *
  * Status codes, feature bits and struct layouts are those of upstream skippy ABI
  * (runtime.md §2–§3); sizes and offsets are static_assert'ed in skippy_stage.cpp.
