@@ -67,6 +67,7 @@ NOGIL_THRESHOLD = 32768
 cdef size_t _nogil_threshold = 32768
 
 NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
+OBJECT_ARRAY = "payload must not be an array of Python objects"
 DIMENSION_RANGE = "activation dimensions must fit in an i32"
 BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
@@ -182,6 +183,8 @@ cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) e
 
 cdef int _acquire(object obj, Py_buffer *view) except -1:
     """Raw bytes of any C-contiguous buffer; one rule for everything else."""
+    if isinstance(obj, cnp.ndarray) and (<cnp.ndarray>obj).dtype.hasobject:
+        raise InvalidInputError(OBJECT_ARRAY)  # numpy would export the object pointers
     try:
         PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
     except TypeError:

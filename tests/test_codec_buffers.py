@@ -92,3 +92,12 @@ def test_zero_dimensional_and_empty_buffers(codec_impl):
     assert codec_impl.encode_activation(3, 1, 1, np.float32(2.0), 0) == b"\x00\x40"
     assert codec_impl.encode_activation(3, 0, 4, np.empty((0, 4), np.float32), 0) == b""
     assert codec_impl.decode_activation(2, 0, 4, b"", 0).shape == (0,)
+
+
+def test_object_arrays_are_refused(codec_impl):
+    """numpy would export an object array's pointers as its bytes; both impls refuse."""
+    for arr in (np.array([1.0, 2.0], dtype=object), np.array([(1.0, None)], dtype=[("a", "f4"), ("b", "O")])):
+        with pytest.raises(InvalidInputError, match="^payload must not be an array of Python objects$"):
+            codec_impl.encode_activation(1, 1, 2, arr, 0)
+        with pytest.raises(InvalidInputError):
+            codec_impl.is_f16_exact(arr)

@@ -36,6 +36,7 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _ROW_DOUBLING = 0x040 | 0x100  # RWKV7_V_FIRST_SIDEBAND | INKLING_MTP_EMBD_SIDEBAND (2.4)
 
 NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
+OBJECT_ARRAY = "payload must not be an array of Python objects"
 DIMENSION_RANGE = "activation dimensions must fit in an i32"
 BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
@@ -77,6 +78,8 @@ def _byte_view(payload) -> memoryview:
     if isinstance(payload, np.ndarray):
         # numpy cannot export some dtypes (e.g. ml_dtypes bfloat16) through the buffer
         # protocol, so take the raw bytes through a uint8 view of the same memory.
+        if payload.dtype.hasobject:
+            raise InvalidInputError(OBJECT_ARRAY)  # its buffer would be the object pointers
         if not payload.flags.c_contiguous:
             raise InvalidInputError(NON_CONTIGUOUS)
         return memoryview(payload.reshape(-1).view(np.uint8))
