@@ -4,10 +4,13 @@ exactly the single-threaded results."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
+from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError
 
 COLS = 1024
@@ -48,3 +51,36 @@ def test_concurrent_calls_match_serial_results(codec_impl, impl):
         for _ in range(2):
             parallel = list(pool.map(lambda job: _work(codec_impl, *job), inputs * 2))
             assert parallel == serial * 2
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
+def test_compiled_kernels_release_the_gil_on_large_payloads():
+    """While one thread is inside a long compiled call, another Python thread runs.
+
+    A spinner thread counts in pure Python; the main thread reads the count just before
+    and just after an S8 encode of a large frame.  With the GIL released the spinner
+    advances during the call; with the GIL held it could not run at all.  Scheduling on
+    a busy machine can delay the spinner, so any of a few calls may show it."""
+    k = kernel_module("codec", "cython")
+    x = np.random.default_rng(5).standard_normal((1024, 2048), dtype=np.float32)
+    count = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        advanced = []
+        for _ in range(5):
+            before = count[0]
+            k.encode_activation(4, 1024, 2048, x, 0)
+            advanced.append(count[0] - before)
+            if advanced[-1] > 0:
+                break
+    finally:
+        stop.set()
+        spinner.join()
+    assert any(a > 0 for a in advanced), advanced
