@@ -66,11 +66,11 @@ Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
 
 
 def _best(fn: Callable[[], object], repeat: int, min_time: float) -> float:
-    """Best seconds per call: timeit's autorange picks the loop count, then ``repeat``
-    rounds (the minimum is the least disturbed by other processes)."""
+    """Best seconds per call over ``repeat`` rounds of about ``min_time`` seconds each
+    (the minimum is the least disturbed by other processes)."""
     timer = timeit.Timer(fn)
-    number, _ = timer.autorange()
-    number = max(1, int(number * min_time / 0.2))
+    once = max(timer.timeit(number=1), 1e-7)
+    number = max(1, int(min_time / once))
     return min(timer.repeat(repeat=repeat, number=number)) / number
 
 

@@ -1,0 +1,38 @@
+"""Smoke tests of the codec commands: ``skippy-wire demo`` and ``skippy-wire bench``."""
+
+from __future__ import annotations
+
+from skippy_wire import bench, demo
+
+
+def test_demo_reports_every_codec_and_the_lossless_choice(capsys):
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    for identity in ("raw-f32-v1", "f16-rne-v1", "bf16-rne-v1", "s8-row-f32-rne-v1"):
+        assert out.count(identity) >= 2
+    # The raw frame is not exact in any compact codec; its bf16-rounded copy is.
+    assert "lossless choice: raw-f32-v1" in out
+    assert "lossless choice: bf16-rne-v1" in out
+
+
+def test_demo_frame_is_deterministic():
+    a, b = demo.residual_stream(), demo.residual_stream()
+    assert a.shape == (demo.TOKENS, demo.N_EMBD) and a.tobytes() == b.tobytes()
+
+
+def test_bench_runs_and_prints_ratio_rows(capsys, monkeypatch):
+    # A tiny judged size keeps this a smoke test; no timing is asserted.
+    monkeypatch.setattr(bench, "JUDGED", (1, 64))
+    monkeypatch.setattr(bench, "ROW_PRODUCERS", [bench.codec_rows])
+    monkeypatch.setattr(bench, "_all_producers", lambda: list(bench.ROW_PRODUCERS))
+    assert bench.main(["--sizes", "1x64", "--repeat", "1", "--min-time", "0.001", "--no-threads"]) == 0
+    out = capsys.readouterr().out
+    for op in ("encode bf16", "encode f16", "select+encode (bf16-exact)", "decode bf16", "decode f16"):
+        assert f"{op} vs " in out
+    assert "goals met" in out
+
+
+def test_bench_ratio_marks_goals():
+    assert bench.Ratio("x", 1.6, 1.5).met and not bench.Ratio("x", 1.4, 1.5).met
+    row = bench.Row("op", "1x1", "impl", 2e-6, 4000)
+    assert abs(row.gbps - 2.0) < 1e-9
