@@ -28,14 +28,6 @@ EXTS="${MEMCHECK_EXTENSIONS:-_codec,_frame,_backend}"
 EXAMPLES="${MEMCHECK_EXAMPLES:-25}"
 SUPP="$ROOT/scripts/valgrind-python.supp"
 
-# The tests that drive the compiled code: codec, framing (and replies), backend, fuzz, limits.
-DEFAULT_TESTS=()
-for t in "$ROOT"/tests/test_codec*.py "$ROOT"/tests/test_vectors_*.py "$ROOT"/tests/test_frame*.py \
-         "$ROOT"/tests/test_parity*.py "$ROOT"/tests/test_replies.py "$ROOT"/tests/test_fuzz_*.py \
-         "$ROOT"/tests/test_limits.py "$ROOT"/tests/test_backend.py; do
-    [ -e "$t" ] && DEFAULT_TESTS+=("tests/$(basename "$t")")
-done
-if [ "$#" -gt 0 ]; then TESTS=("$@"); else TESTS=("${DEFAULT_TESTS[@]}"); fi
 
 if [ "${MEMCHECK_REUSE:-0}" = 1 ] && [ -f "$DIR/.built-$TOOL" ]; then
     echo "== memcheck ($TOOL): reusing the build in $DIR (MEMCHECK_REUSE=1)"
@@ -57,6 +49,15 @@ env "${BUILD_ENV[@]}" "$PY" setup.py build_ext --inplace >"$DIR/build.log" 2>&1 
 ls skippy_wire/*.so
 touch "$DIR/.built-$TOOL"
 fi
+
+# The tests that drive the compiled code: codec, framing (and replies), backend, fuzz, limits
+# (listed from the copy, which is what runs).
+DEFAULT_TESTS=()
+for t in tests/test_codec*.py tests/test_vectors_*.py tests/test_frame*.py tests/test_parity*.py \
+         tests/test_replies.py tests/test_fuzz_*.py tests/test_limits.py tests/test_backend.py; do
+    [ -e "$t" ] && DEFAULT_TESTS+=("$t")
+done
+if [ "$#" -gt 0 ]; then TESTS=("$@"); else TESTS=("${DEFAULT_TESTS[@]}"); fi
 
 # Fewer hypothesis examples: a plugin loaded after conftest's own profile choice.
 cat >"$DIR/_memcheck_profile.py" <<EOF
