@@ -182,6 +182,14 @@ def test_logits_match_numpy_reference(request, fixture, tol):
     assert preds == [int(t) for t in want.argmax(axis=1)]
 
 
+@pytest.mark.parametrize("fixture", ["tiny_path", "tiny_f16_path"])
+def test_tiny_model_reproduces_the_spec_reference_rows(request, fixture):
+    # runtime.md 6.2: greedy per-row outputs of [1, 10, 20, 30, 40], F32 and F16 alike.
+    s = open_model(request.getfixturevalue(fixture)).create_session()
+    _, _, preds = run_verify(s, [1, 10, 20, 30, 40])
+    assert preds == [221, 181, 221, 92, 56]
+
+
 def test_exported_rows_match_numpy_residual(tiny_path, ref):
     for cut in (1, 2, 3):
         s = open_model(tiny_path, layer_end=cut).create_session()
