@@ -164,7 +164,8 @@ def test_sampling_limits_are_inclusive():
 
 
 def test_sampling_from_wire_config():
-    messages = pytest.importorskip("skippy_wire.messages")
+    from skippy_wire import messages
+
     wire = messages.SamplingConfig(flags=3, seed=9, temperature=0.5, top_k=7, logit_bias=[(3, 1.0)])
     config = RuntimeSamplingConfig.from_wire(wire)
     assert config.enabled and config.ignore_eos
@@ -601,7 +602,8 @@ def test_frame_from_wire_copies_boundary_identities():
 
 
 def test_frame_to_v1():
-    forwarding = pytest.importorskip("skippy_wire.forwarding")
+    from skippy_wire import forwarding
+
     session = open_stage(0, 2, stage_index=0).create_session()
     frame = session.prefill_chunk_frame([1, 2])
     v1 = rt.frame_to_v1(frame)

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-backend = pytest.importorskip("skippy_wire._backend", reason="the compiled stage backend is not built")
-models = pytest.importorskip("skippy_wire.models")
-
+from skippy_wire import _backend as backend  # noqa: F401  (a missing build is a failure, never a skip)
+from skippy_wire import forwarding, messages, models
+from skippy_wire import frame as frame_mod
 from skippy_wire import runtime as rt  # noqa: E402
 from skippy_wire.activation import (  # noqa: E402
     ActivationDesc,
@@ -293,14 +293,12 @@ def test_seeded_sampling_is_reproducible(tiny, ref):
 
 
 def test_wire_sampling_config_is_accepted(tiny, ref):
-    messages = pytest.importorskip("skippy_wire.messages")
     session = open_stage(tiny, 0, None).create_session()
     token, _ = session.prefill_chunk_frame_sampled(PROMPT, messages.SamplingConfig())  # disabled: greedy
     assert token == ref[-1]
 
 
 def test_output_frame_converts_for_forwarding(tiny):
-    forwarding = pytest.importorskip("skippy_wire.forwarding")
     first = open_stage(tiny, 0, 2).create_session()
     frame = first.prefill_chunk_frame(PROMPT)
     v1 = rt.frame_to_v1(frame)
@@ -320,10 +318,7 @@ def test_f16_model_splits_match_one_stage(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_two_stage_split_predicts_paris():
-    try:
-        path = str(models.smollm2_path())
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    path = str(models.smollm2_path())  # raises with the install command when the model is missing
     prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
     first = StageModel.open(path, 0, 15, n_threads=2, ctx_size=64)
     last = StageModel.open(path, 15, None, stage_index=1, n_threads=2, ctx_size=64)
@@ -339,9 +334,6 @@ def test_output_frame_survives_forwarding_over_the_wire(tiny, ref, codec_name):
     """Stage 0 output -> frame_to_v1 -> forwarded_stage_message -> wire bytes -> read ->
     frame_from_wire -> stage 1: the raw codec reproduces the one-stage token exactly; a
     lossy codec still runs (same shapes, valid token)."""
-    forwarding = pytest.importorskip("skippy_wire.forwarding")
-    messages = pytest.importorskip("skippy_wire.messages")
-    frame_mod = pytest.importorskip("skippy_wire.frame")
     from skippy_wire.dtypes import ActivationCodec
 
     codec = getattr(ActivationCodec, codec_name)
