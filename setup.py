@@ -97,7 +97,13 @@ def extensions():
         print("skippy_wire: pure-Python build (no compiled extensions)", file=sys.stderr)
         return []
     only = {n.strip() for n in os.environ.get("SKIPPY_WIRE_BUILD_ONLY", "").split(",") if n.strip()}
-    chosen = [make() for name, (src, make) in EXTENSIONS.items() if src.exists() and (not only or name in only)]
+    unknown = only - EXTENSIONS.keys()
+    if unknown:
+        raise SystemExit(f"SKIPPY_WIRE_BUILD_ONLY names unknown extensions: {sorted(unknown)}")
+    missing = [str(src) for src, _ in EXTENSIONS.values() if not src.exists()]
+    if missing:
+        raise SystemExit(f"missing extension sources: {missing}")
+    chosen = [make() for name, (_, make) in EXTENSIONS.items() if not only or name in only]
     from Cython.Build import cythonize
 
     import numpy

@@ -5,8 +5,10 @@ Numeric policy of each codec, in short (docs/numerics.md has the long form):
 * ``RAW_F32_V1`` carries the f32 bit patterns unchanged (NaN payloads, infinities, -0.0,
   subnormals).
 * ``F16_RNE_V1`` / ``BF16_RNE_V1`` round to nearest, ties to even, on the integer bit
-  pattern.  Encoding rejects non-finite input and values that round to infinity.  The f16
-  helper maps NaN to ``0x7c01 | sign`` (payload dropped); bf16 keeps the top 16 bits.
+  pattern.  Encoding rejects non-finite input and values that round to infinity.  The raw
+  f16 conversion maps NaN to ``0x7c01 | sign`` (payload dropped, as upstream); the raw bf16
+  conversion keeps a NaN's top 16 bits and sets the quiet bit (upstream's bias formula
+  could carry a NaN into infinity; encode never reaches either, it rejects NaN first).
 * ``S8_ROW_F32_RNE_V1`` stores each row as an f32 scale plus int8 values in [-127, 127].
 """
 
