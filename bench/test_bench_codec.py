@@ -28,6 +28,21 @@ def test_encode_bf16(benchmark, impl, size, payloads):
     _record(benchmark, impl, p, out == p.bf16.tobytes())
 
 
+def test_encode_bf16_out(benchmark, impl, size, payloads):
+    """As test_encode_bf16, into one reused ``out=`` buffer (no per-call allocation)."""
+    benchmark.group = "encode-bf16-out"
+    p = payloads
+    if impl == "oracle":
+        buf = np.empty(p.f32.shape, dtype=ml_dtypes.bfloat16)
+        benchmark(np.copyto, buf, p.f32, casting="unsafe")
+        out = buf.tobytes()
+    else:
+        k = kernel_module("codec", impl)
+        buf = bytearray(p.f32.nbytes // 2)
+        out = bytes(benchmark(k.encode_activation, 3, p.tokens, p.n_embd, p.f32, 0, out=buf))
+    _record(benchmark, impl, p, out == p.bf16.tobytes())
+
+
 def test_encode_f16(benchmark, impl, size, payloads):
     """f32 -> f16 with the upstream checks (oracle: numpy astype(float16))."""
     benchmark.group = "encode-f16"

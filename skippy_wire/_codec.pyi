@@ -4,9 +4,12 @@ The pure-Python twin ``skippy_wire._reference.codec`` has the same functions wit
 same signatures.  Codecs are wire ids (1..4); payloads are any C-contiguous buffer read
 as little-endian f32 bytes.  Errors are ``skippy_wire.errors`` classes with the exact
 upstream texts.  Payload-sized work releases the GIL from ``NOGIL_THRESHOLD`` bytes.
+``encode_activation(..., out=buf)`` writes into a caller's writable buffer instead and
+returns a memoryview of the encoded bytes at its start.
 """
 
 from collections.abc import Iterable
+from typing import overload
 
 from typing_extensions import Buffer
 
@@ -21,11 +24,18 @@ OBJECT_ARRAY: str
 DIMENSION_RANGE: str
 BITS_DTYPE_U32: str
 BITS_DTYPE_U16: str
+OUT_NON_CONTIGUOUS: str
+OUT_READ_ONLY: str
+OUT_OBJECT_ARRAY: str
+OUT_OVERLAP: str
 
 def activation_shape(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, int]: ...
 def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int) -> int: ...
 def activation_wire_bytes(codec: int, token_count: int, n_embd: int, state_flags: int) -> int: ...
-def encode_activation(codec: int, token_count: int, n_embd: int, payload: Buffer, state_flags: int) -> bytes: ...
+@overload
+def encode_activation(codec: int, token_count: int, n_embd: int, payload: Buffer, state_flags: int, *, out: None = None) -> bytes: ...
+@overload
+def encode_activation(codec: int, token_count: int, n_embd: int, payload: Buffer, state_flags: int, *, out: Buffer) -> memoryview: ...
 def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer, state_flags: int) -> bytes: ...
 def decode_activation(codec: int, token_count: int, n_embd: int, wire: Buffer, state_flags: int) -> npt.NDArray[np.float32]: ...
 def select_lossless_codec(token_count: int, n_embd: int, payload: Buffer, state_flags: int, permitted: Iterable[int]) -> int: ...

@@ -71,6 +71,10 @@ OBJECT_ARRAY = "payload must not be an array of Python objects"
 DIMENSION_RANGE = "activation dimensions must fit in an i32"
 BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
+OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
+OUT_READ_ONLY = "out must be a writable buffer"
+OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
+OUT_OVERLAP = "out must not overlap the payload"
 
 # Status codes of the size checks; _raise maps each to its exact upstream text.
 cdef enum Status:
@@ -302,28 +306,65 @@ def activation_wire_bytes(codec, token_count, n_embd, state_flags):
 # --------------------------------------------------------------------------- encode
 
 
-cdef bytes _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssize_t nbytes):
-    """6.2 steps 3-5 on a payload whose length already matches the shape."""
+cdef int _open_out(object out, Py_buffer *ob, uint64_t size, const uint8_t *src,
+                   Py_ssize_t nbytes, uint8_t **dst) except -1:
+    """Acquire ``out`` into ``ob`` for writing ``size`` bytes: C-contiguous, writable, big
+    enough and not overlapping the payload (the kernels read the payload after writing)."""
+    if isinstance(out, cnp.ndarray) and (<cnp.ndarray>out).dtype.hasobject:
+        raise InvalidInputError(OUT_OBJECT_ARRAY)  # writing would clobber object pointers
+    try:
+        PyObject_GetBuffer(out, ob, PyBUF_SIMPLE)
+    except TypeError:
+        raise
+    except Exception:
+        raise InvalidInputError(OUT_NON_CONTIGUOUS) from None
+    cdef const uint8_t *o = <const uint8_t *>ob.buf
+    try:
+        if ob.readonly:
+            raise InvalidInputError(OUT_READ_ONLY)
+        if <uint64_t>ob.len < size:
+            raise InvalidInputError(_out_too_small(ob.len, size))
+        if size and nbytes and o < src + nbytes and src < o + size:
+            raise InvalidInputError(OUT_OVERLAP)
+    except BaseException:
+        PyBuffer_Release(ob)
+        raise
+    dst[0] = <uint8_t *>ob.buf
+    return 0
+
+
+def _out_too_small(have, need):
+    return f"out buffer too small: {have} bytes for an encoded size of {need} bytes"
+
+
+cdef object _out_result(object out, uint64_t size):
+    """A flat unsigned-byte memoryview of exactly the first ``size`` bytes of ``out``."""
+    if isinstance(out, cnp.ndarray):
+        # some dtypes (ml_dtypes bfloat16) have no buffer format: view them as bytes.
+        view = memoryview(out.reshape(-1).view(np.uint8))
+    else:
+        view = memoryview(out)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    return view[:size]
+
+
+cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssize_t nbytes, object out=None):
+    """6.2 steps 3-5 on a payload whose length already matches the shape.
+
+    Returns new bytes, or with ``out`` a memoryview of its first encoded bytes.  ``out``
+    is checked exactly where the bytes would be allocated, after every upstream check
+    that precedes writing; an encode error found while converting (F16/BF16 range, S8
+    row) may leave ``out`` partially written."""
     cdef uint64_t out_size = 0
     cdef size_t n = <size_t>s.elements
     cdef bint nogil_ = <size_t>nbytes >= _nogil_threshold
     cdef int bad = 0, st, kind = 0
     cdef Py_ssize_t idx
-    cdef bytes out
-    cdef uint8_t *dst
-
-    if codec == RAW_F32_V1:  # bit-exact, NaN payloads included (6.4)
-        st = _encoded_bytes(codec, s, &out_size)
-        if st:
-            _raise(st)
-        out = PyBytes_FromStringAndSize(NULL, nbytes)
-        dst = <uint8_t *>PyBytes_AS_STRING(out)
-        if nogil_:
-            with nogil:
-                memcpy(dst, src, nbytes)
-        else:
-            memcpy(dst, src, nbytes)
-        return out
+    cdef object result = None
+    cdef uint8_t *dst = NULL
+    cdef Py_buffer ob
+    cdef bint held = False
 
     if codec == S8_ROW_F32_RNE_V1:
         # 6.2 step 3 over the whole array, before any conversion.
@@ -334,53 +375,64 @@ cdef bytes _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssi
             idx = skw_find_non_finite32(src, n)
         if idx >= 0:
             _raise(E_NOT_FINITE)
-        st = _encoded_bytes(codec, s, &out_size)  # 6.2 step 4, before allocating
-        if st:
-            _raise(st)
-        out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>out_size)
-        dst = <uint8_t *>PyBytes_AS_STRING(out)
-        if nogil_:
-            with nogil:
-                idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-        else:
-            idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-        if idx >= 0:
-            _raise(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
-        return out
-
-    # F16 / BF16: one fused pass converts and OR-accumulates the checks; only when it
-    # reports a problem are the errors located, in upstream order (any non-finite value
-    # anywhere first, then the first value that rounds to infinity).
-    st = _encoded_bytes(codec, s, &out_size)
+    st = _encoded_bytes(codec, s, &out_size)  # 6.2 step 4, before allocating
     if st:
         _raise(st)
-    out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>out_size)
-    dst = <uint8_t *>PyBytes_AS_STRING(out)
-    if codec == BF16_RNE_V1:
-        if nogil_:
-            with nogil:
-                bad = skw_encode_bf16(src, dst, n)
-        else:
-            bad = skw_encode_bf16(src, dst, n)
+    if out is None:
+        result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>out_size)
+        dst = <uint8_t *>PyBytes_AS_STRING(result)
     else:
-        if nogil_:
-            with nogil:
-                bad = skw_encode_f16(src, dst, n)
+        _open_out(out, &ob, out_size, src, nbytes, &dst)
+        held = True
+    try:
+        if codec == RAW_F32_V1:  # bit-exact, NaN payloads included (6.4)
+            if nogil_:
+                with nogil:
+                    memcpy(dst, src, nbytes)
+            else:
+                memcpy(dst, src, nbytes)
+        elif codec == S8_ROW_F32_RNE_V1:
+            if nogil_:
+                with nogil:
+                    idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            else:
+                idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            if idx >= 0:
+                _raise(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
         else:
-            bad = skw_encode_f16(src, dst, n)
-    if bad:
-        if skw_find_non_finite32(src, n) >= 0:
-            _raise(E_NOT_FINITE)
-        if codec == BF16_RNE_V1:
-            if skw_find_bf16_overflow(src, n) >= 0:
-                _raise(E_BF16_RANGE)
-        elif skw_find_f16_overflow(src, n) >= 0:
-            _raise(E_F16_RANGE)
-    return out
+            # F16 / BF16: one fused pass converts and OR-accumulates the checks; only when
+            # it reports a problem are the errors located, in upstream order (any
+            # non-finite value anywhere first, then the first value that rounds to infinity).
+            if codec == BF16_RNE_V1:
+                if nogil_:
+                    with nogil:
+                        bad = skw_encode_bf16(src, dst, n)
+                else:
+                    bad = skw_encode_bf16(src, dst, n)
+            else:
+                if nogil_:
+                    with nogil:
+                        bad = skw_encode_f16(src, dst, n)
+                else:
+                    bad = skw_encode_f16(src, dst, n)
+            if bad:
+                if skw_find_non_finite32(src, n) >= 0:
+                    _raise(E_NOT_FINITE)
+                if codec == BF16_RNE_V1:
+                    if skw_find_bf16_overflow(src, n) >= 0:
+                        _raise(E_BF16_RANGE)
+                elif skw_find_f16_overflow(src, n) >= 0:
+                    _raise(E_F16_RANGE)
+        if held:
+            result = _out_result(out, out_size)
+    finally:
+        if held:
+            PyBuffer_Release(&ob)
+    return result
 
 
-def encode_activation(codec, token_count, n_embd, payload, state_flags):
-    """Encode an f32 frame (7.1, then the common procedure of 6.2)."""
+def encode_activation(codec, token_count, n_embd, payload, state_flags, *, out=None):
+    """Encode an f32 frame (7.1, then the common procedure of 6.2); into ``out`` when given."""
     cdef int c = _codec_id(codec)
     cdef Py_buffer view
     cdef Dims d
@@ -392,7 +444,7 @@ def encode_activation(codec, token_count, n_embd, payload, state_flags):
         st = _f32_input(&d, view.len, &s)
         if st:
             _raise(st)
-        return _encode_checked(c, &s, <const uint8_t *>view.buf, view.len)
+        return _encode_checked(c, &s, <const uint8_t *>view.buf, view.len, out)
     finally:
         PyBuffer_Release(&view)
 

@@ -119,7 +119,15 @@ def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state
     )
 
 
-def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0) -> bytes:
+def encode_activation(
+    codec: CodecLike,
+    token_count: int,
+    n_embd: int,
+    payload: Buffer,
+    state_flags: int = 0,
+    *,
+    out: Buffer | None = None,
+) -> bytes | memoryview:
     """Encode an f32 activation frame for the wire (wire-format.md 7.1 and 6.2).
 
     Parameters:
@@ -128,8 +136,13 @@ def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: 
         payload: C-contiguous buffer holding ``rows * n_embd`` little-endian f32 values,
             primary rows first, then the sideband rows.
         state_flags: the state flag word (default 0).
+        out: optional writable C-contiguous buffer (``bytearray``, writable
+            ``memoryview``, numpy array of any dtype; its byte length counts) of at least
+            :func:`activation_wire_bytes` bytes, not overlapping ``payload``.  Reusing one
+            avoids allocating (and page-faulting) a new result per call.
 
-    Returns the encoded bytes.
+    Returns the encoded bytes; with ``out``, a flat unsigned-byte ``memoryview`` of
+    exactly the encoded bytes, written at the start of ``out`` (the rest is untouched).
 
     Raises :class:`InvalidDataError` with the upstream text, in upstream order:
     "negative activation dimensions", "decoded activation byte count overflow",
@@ -138,9 +151,17 @@ def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: 
     value is out of range" (|x| >= 65520), "BF16 activation value is out of range",
     "S8 activation value is out of range"; :class:`InvalidInputError` for a
     non-contiguous payload.
+
+    ``out`` is checked where the result would otherwise be allocated: after the size
+    checks (and, for S8, the finiteness scan), before anything is written.  It raises
+    :class:`InvalidInputError` "out must be a C-contiguous buffer", "out must be a
+    writable buffer", "out buffer too small: H bytes for an encoded size of N bytes",
+    "out must not overlap the payload" or "out must not be an array of Python objects".
+    A value error found while converting (F16/BF16 range or non-finite, S8 range) may
+    leave ``out`` partially written.
     """
     return kernels().encode_activation(
-        codec, token_count, n_embd, payload, state_flags
+        codec, token_count, n_embd, payload, state_flags, out=out
     )
 
 

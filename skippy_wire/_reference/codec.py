@@ -40,6 +40,10 @@ OBJECT_ARRAY = "payload must not be an array of Python objects"
 DIMENSION_RANGE = "activation dimensions must fit in an i32"
 BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
+OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
+OUT_READ_ONLY = "out must be a writable buffer"
+OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
+OUT_OVERLAP = "out must not overlap the payload"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -322,16 +326,72 @@ def _s8_encode_row(values: tuple[int, ...], out: bytearray) -> None:
         out.append(q & 0xFF)
 
 
-def _encode_values(codec: int, rows: int, columns: int, elements: int, view: memoryview) -> bytes:
+def _out_too_small(have: int, need: int) -> str:
+    return f"out buffer too small: {have} bytes for an encoded size of {need} bytes"
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def _out_view(out, size: int, payload: memoryview) -> memoryview:
+    """A flat writable byte view of ``out``, checked in the compiled module's order:
+    object array, contiguity, writability, size, overlap with the payload."""
+    if isinstance(out, np.ndarray):
+        if out.dtype.hasobject:
+            raise InvalidInputError(OUT_OBJECT_ARRAY)  # writing would clobber object pointers
+        if not out.flags.c_contiguous:
+            raise InvalidInputError(OUT_NON_CONTIGUOUS)
+        if not out.flags.writeable:
+            raise InvalidInputError(OUT_READ_ONLY)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+    else:
+        view = memoryview(out)
+        if not view.c_contiguous:
+            raise InvalidInputError(OUT_NON_CONTIGUOUS)
+        if view.readonly:
+            raise InvalidInputError(OUT_READ_ONLY)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    if view.nbytes < size:
+        raise InvalidInputError(_out_too_small(view.nbytes, size))
+    if size and payload.nbytes:
+        o, p = _address(view), _address(payload)
+        if o < p + payload.nbytes and p < o + size:
+            raise InvalidInputError(OUT_OVERLAP)  # the compiled kernels re-read the payload
+    return view[:size]
+
+
+def _emit(encoded, size: int, out, payload: memoryview):
+    """The bytes, or with ``out`` (checked where the bytes path allocates) a view of them
+    written to the start of ``out``."""
+    if out is None:
+        return bytes(encoded)
+    view = _out_view(out, size, payload)
+    view[:] = encoded
+    return view
+
+
+def _encode_values(codec: int, rows: int, columns: int, elements: int, view: memoryview, out=None):
     """6.2 steps 3-5 on a payload whose size already matches the shape."""
     if codec == RAW_F32_V1:
-        _encoded_bytes(codec, rows, columns, elements)
-        return bytes(view)  # bit-exact, NaN payloads included
+        size = _encoded_bytes(codec, rows, columns, elements)
+        return _emit(view, size, out, view)  # bit-exact, NaN payloads included
     words = _u32_words(view, elements)
+    # ``out`` is checked where the compiled module allocates its result.  For F16/BF16
+    # that is before the finiteness scan (its fused pass checks while writing); step 4
+    # cannot fail for them here (elements x 2 <= the f32 size), so no upstream order moves.
+    if codec != S8_ROW_F32_RNE_V1:
+        size = _encoded_bytes(codec, rows, columns, elements)
+        if out is not None:
+            _out_view(out, size, view)
     # 6.2 step 3: the whole array is checked before any conversion.
     if any(_is_non_finite(w) for w in words):
         raise _err("activation values must be finite")
-    _encoded_bytes(codec, rows, columns, elements)  # 6.2 step 4
+    if codec == S8_ROW_F32_RNE_V1:
+        size = _encoded_bytes(codec, rows, columns, elements)  # 6.2 step 4
+        if out is not None:
+            _out_view(out, size, view)
     if codec == F16_RNE_V1:
         halves = []
         for w in words:
@@ -339,7 +399,7 @@ def _encode_values(codec: int, rows: int, columns: int, elements: int, view: mem
             if _is_non_finite(_f16_to_f32(h)):  # |x| >= 65520 rounds to infinity
                 raise _err("F16 activation value is out of range")
             halves.append(h)
-        return struct.pack(f"<{elements}H", *halves)
+        return _emit(struct.pack(f"<{elements}H", *halves), size, out, view)
     if codec == BF16_RNE_V1:
         halves = []
         for w in words:
@@ -347,19 +407,19 @@ def _encode_values(codec: int, rows: int, columns: int, elements: int, view: mem
             if _is_non_finite(_bf16_to_f32(h)):  # magnitude bits >= 0x7f7f8000
                 raise _err("BF16 activation value is out of range")
             halves.append(h)
-        return struct.pack(f"<{elements}H", *halves)
-    out = bytearray()
+        return _emit(struct.pack(f"<{elements}H", *halves), size, out, view)
+    encoded = bytearray()
     for row in range(rows):
-        _s8_encode_row(words[row * columns : (row + 1) * columns], out)
-    return bytes(out)
+        _s8_encode_row(words[row * columns : (row + 1) * columns], encoded)
+    return _emit(encoded, size, out, view)
 
 
-def encode_activation(codec: int, token_count: int, n_embd: int, payload, state_flags: int) -> bytes:
-    """Encode an f32 frame (7.1, then the common procedure of 6.2)."""
+def encode_activation(codec: int, token_count: int, n_embd: int, payload, state_flags: int, *, out=None):
+    """Encode an f32 frame (7.1, then the common procedure of 6.2); into ``out`` when given."""
     codec = _codec_id(codec)
     view = _byte_view(payload)
     rows, columns, elements = _checked_f32_input(token_count, n_embd, state_flags, view)
-    return _encode_values(codec, rows, columns, elements, view)
+    return _encode_values(codec, rows, columns, elements, view, out)
 
 
 def encode_f32_activation_payload(token_count: int, n_embd: int, payload, state_flags: int) -> bytes:
