@@ -658,35 +658,43 @@ cdef cnp.ndarray _bits_in(object bits, object dtype, str message):
     return np.ascontiguousarray(bits)
 
 
-def f32_bits_to_bf16_bits(bits):
-    """Raw 6.6 conversion of every element (no checks; NaN keeps its top bits, quieted)."""
+ctypedef void (*narrow_fn)(const uint32_t *, uint16_t *, size_t) noexcept nogil
+ctypedef void (*widen_fn)(const uint16_t *, uint32_t *, size_t) noexcept nogil
+
+
+cdef cnp.ndarray _narrow(object bits, narrow_fn convert):
+    """u32 patterns -> u16 patterns of the same shape, element by element."""
     cdef cnp.ndarray a = _bits_in(bits, np.uint32, BITS_DTYPE_U32)
     cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint16)
     with nogil:
-        skw_u32_to_bf16_array(<const uint32_t *>cnp.PyArray_DATA(a), <uint16_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
+        convert(<const uint32_t *>cnp.PyArray_DATA(a), <uint16_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
     return out
+
+
+cdef cnp.ndarray _widen(object bits, widen_fn convert):
+    """u16 patterns -> u32 patterns of the same shape, element by element."""
+    cdef cnp.ndarray a = _bits_in(bits, np.uint16, BITS_DTYPE_U16)
+    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint32)
+    with nogil:
+        convert(<const uint16_t *>cnp.PyArray_DATA(a), <uint32_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
+    return out
+
+
+def f32_bits_to_bf16_bits(bits):
+    """Raw 6.6 conversion of every element (no checks; NaN keeps its top bits, quieted)."""
+    return _narrow(bits, skw_u32_to_bf16_array)
 
 
 def f32_bits_to_f16_bits(bits):
     """Raw 6.5 conversion of every element (no checks; NaN -> 0x7c01 | sign)."""
-    cdef cnp.ndarray a = _bits_in(bits, np.uint32, BITS_DTYPE_U32)
-    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint16)
-    with nogil:
-        skw_u32_to_f16_array(<const uint32_t *>cnp.PyArray_DATA(a), <uint16_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
-    return out
+    return _narrow(bits, skw_u32_to_f16_array)
 
 
 def bf16_bits_to_f32_bits(bits):
-    cdef cnp.ndarray a = _bits_in(bits, np.uint16, BITS_DTYPE_U16)
-    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint32)
-    with nogil:
-        skw_bf16_to_u32_array(<const uint16_t *>cnp.PyArray_DATA(a), <uint32_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
-    return out
+    """Raw bf16 -> f32 widening (exact)."""
+    return _widen(bits, skw_bf16_to_u32_array)
 
 
 def f16_bits_to_f32_bits(bits):
-    cdef cnp.ndarray a = _bits_in(bits, np.uint16, BITS_DTYPE_U16)
-    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint32)
-    with nogil:
-        skw_f16_to_u32_array(<const uint16_t *>cnp.PyArray_DATA(a), <uint32_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
-    return out
+    """Raw 6.5 f16 -> f32 widening (exact; NaN payloads shifted up)."""
+    return _widen(bits, skw_f16_to_u32_array)
