@@ -562,32 +562,40 @@ cdef int _scan(int which, const uint8_t *src, uint8_t *dst, size_t n, bint nogil
     return ok
 
 
+cdef size_t _selection_elements(token_count, n_embd, state_flags, int mask, Py_buffer *view, Shape *s) except? 0:
+    """The checks of 7.3 in upstream order, then 8.1 step 1; the element count of the frame."""
+    cdef Dims d
+    _dims(token_count, n_embd, state_flags, &d)
+    cdef int st = _f32_input(&d, view.len, s)
+    if st:
+        _raise(st)
+    if not mask & (1 << RAW_F32_V1):
+        _raise(E_NO_RAW)
+    return <size_t>s.elements
+
+
+cdef int _pick_exact(int mask, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) except -1:
+    """8.1 steps 2-4 for a non-empty frame: BF16 wins when both are exact, else F16, else raw.
+    With ``dst`` the scan also writes the 16-bit patterns (the wire bytes of an exact frame)."""
+    if mask & (1 << BF16_RNE_V1) and _scan(BF16_RNE_V1, src, dst, n, nogil_):
+        return BF16_RNE_V1
+    if mask & (1 << F16_RNE_V1) and _scan(F16_RNE_V1, src, dst, n, nogil_):
+        return F16_RNE_V1
+    return RAW_F32_V1
+
+
 def select_lossless_codec(token_count, n_embd, payload, state_flags, permitted):
     """The smallest codec that carries the whole frame bit-exactly (7.3 and 8.1)."""
     cdef int mask = _permitted_mask(permitted)
     cdef Py_buffer view
-    cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
-    cdef int st
     cdef size_t n
-    cdef bint nogil_
     _acquire(payload, &view)
     try:
-        _dims(token_count, n_embd, state_flags, &d)
-        st = _f32_input(&d, view.len, &s)
-        if st:
-            _raise(st)
-        if not mask & (1 << RAW_F32_V1):
-            _raise(E_NO_RAW)
-        n = <size_t>s.elements
+        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
         if n == 0:
             return RAW_F32_V1  # 0 < 0 is false: an empty frame is never compact
-        nogil_ = <size_t>view.len >= _nogil_threshold
-        if mask & (1 << BF16_RNE_V1) and _scan(BF16_RNE_V1, <const uint8_t *>view.buf, NULL, n, nogil_):
-            return BF16_RNE_V1  # BF16 wins when both are exact
-        if mask & (1 << F16_RNE_V1) and _scan(F16_RNE_V1, <const uint8_t *>view.buf, NULL, n, nogil_):
-            return F16_RNE_V1
-        return RAW_F32_V1
+        return _pick_exact(mask, <const uint8_t *>view.buf, NULL, n, <size_t>view.len >= _nogil_threshold)
     finally:
         PyBuffer_Release(&view)
 
@@ -597,31 +605,21 @@ def select_and_encode_lossless(token_count, n_embd, payload, state_flags, permit
     writes the 16-bit patterns as it goes, which for an exact frame are the wire bytes."""
     cdef int mask = _permitted_mask(permitted)
     cdef Py_buffer view
-    cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
-    cdef int st
     cdef size_t n
-    cdef bint nogil_
+    cdef int codec
     cdef bytes out
     cdef const uint8_t *src
     _acquire(payload, &view)
     try:
-        _dims(token_count, n_embd, state_flags, &d)
-        st = _f32_input(&d, view.len, &s)
-        if st:
-            _raise(st)
-        if not mask & (1 << RAW_F32_V1):
-            _raise(E_NO_RAW)
-        n = <size_t>s.elements
+        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
         src = <const uint8_t *>view.buf
         if n:
-            nogil_ = <size_t>view.len >= _nogil_threshold
             # elements x 2 <= 512 MiB here: the f32 size passed the decoded cap.
             out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(2 * n))
-            if mask & (1 << BF16_RNE_V1) and _scan(BF16_RNE_V1, src, <uint8_t *>PyBytes_AS_STRING(out), n, nogil_):
-                return BF16_RNE_V1, out
-            if mask & (1 << F16_RNE_V1) and _scan(F16_RNE_V1, src, <uint8_t *>PyBytes_AS_STRING(out), n, nogil_):
-                return F16_RNE_V1, out
+            codec = _pick_exact(mask, src, <uint8_t *>PyBytes_AS_STRING(out), n, <size_t>view.len >= _nogil_threshold)
+            if codec != RAW_F32_V1:
+                return codec, out
         return RAW_F32_V1, _encode_checked(RAW_F32_V1, &s, src, view.len)
     finally:
         PyBuffer_Release(&view)
