@@ -1,9 +1,9 @@
 """Build the compiled parts of skippy_wire.
 
 Extensions (each one compiled concept, see docs/development.md):
-  skippy_wire._codec    Cython activation-codec kernels
-  skippy_wire._frame    Cython stage-message framing
-  skippy_wire._backend  Cython binding of the C/C++ ggml stage backend (skippy_wire/_stage)
+  skippy_wire.wire._codec    Cython activation-codec kernels
+  skippy_wire.wire._frame    Cython stage-message framing
+  skippy_wire.stage._backend  Cython binding of the C/C++ ggml stage backend (skippy_wire/stage/_stage)
 
 SKIPPY_WIRE_PUREPYTHON=1 builds none of them (the pure-Python twin is then the only
 implementation). SKIPPY_WIRE_BUILD_ONLY=_codec,_frame limits a development build to the
@@ -19,6 +19,7 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE / "skippy_wire"
+STAGE = PKG / "stage"
 
 # Portable by default: no -march=native (SIMD paths are chosen at run time by CPU feature).
 OPT_FLAGS = ["-O3", "-fno-strict-aliasing"]
@@ -42,10 +43,10 @@ def codec_extension() -> Extension:
     # with __attribute__((target)) and picked at run time, so the default flags stay
     # portable.  -fno-math-errno lets floor() inline in the S8 loop (no errno is read).
     return Extension(
-        "skippy_wire._codec",
-        sources=["skippy_wire/_codec.pyx"],
-        depends=["skippy_wire/_codec_kernels.h"],
-        include_dirs=[str(PKG)],
+        "skippy_wire.wire._codec",
+        sources=["skippy_wire/wire/_codec.pyx"],
+        depends=["skippy_wire/wire/_codec_kernels.h"],
+        include_dirs=[str(PKG / "wire")],
         extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
         extra_link_args=ASAN_LINK,
     )
@@ -53,8 +54,8 @@ def codec_extension() -> Extension:
 
 def frame_extension() -> Extension:
     return Extension(
-        "skippy_wire._frame",
-        sources=["skippy_wire/_frame.pyx"],
+        "skippy_wire.wire._frame",
+        sources=["skippy_wire/wire/_frame.pyx"],
         extra_compile_args=OPT_FLAGS,
         extra_link_args=ASAN_LINK,
     )
@@ -64,19 +65,19 @@ def backend_extension() -> Extension:
     import sysconfig
 
     ggml = _libggml_root()
-    stage_sources = sorted(str(p.relative_to(HERE)) for p in (PKG / "_stage").glob("*.c*"))
+    stage_sources = sorted(str(p.relative_to(HERE)) for p in (STAGE / "_stage").glob("*.c*"))
     # Where ggml's shared libraries are at run time: next to the installed extension
     # ($ORIGIN/..), in this interpreter's site-packages (an editable/in-tree build made
     # under pip's build isolation, whose own libggml copy is deleted afterwards), and where
-    # the build found them.  skippy_wire._ggml.preload() is the last resort.
-    rpaths = ["$ORIGIN/../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
+    # the build found them.  skippy_wire.stage._ggml.preload() is the last resort.
+    rpaths = ["$ORIGIN/../../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
     if str(ggml / "lib64") not in rpaths:
         rpaths.append(str(ggml / "lib64"))
     return Extension(
-        "skippy_wire._backend",
-        sources=["skippy_wire/_backend.pyx", *stage_sources],
-        depends=[str(PKG / "_stage" / "skippy_stage.h")],
-        include_dirs=[str(ggml / "include"), str(PKG / "_stage")],
+        "skippy_wire.stage._backend",
+        sources=["skippy_wire/stage/_backend.pyx", *stage_sources],
+        depends=[str(STAGE / "_stage" / "skippy_stage.h")],
+        include_dirs=[str(ggml / "include"), str(STAGE / "_stage")],
         library_dirs=[str(ggml / "lib64")],
         libraries=["ggml-base", "ggml-cpu"],
         language="c++",
@@ -86,9 +87,9 @@ def backend_extension() -> Extension:
 
 
 EXTENSIONS = {
-    "_codec": (PKG / "_codec.pyx", codec_extension),
-    "_frame": (PKG / "_frame.pyx", frame_extension),
-    "_backend": (PKG / "_backend.pyx", backend_extension),
+    "_codec": (PKG / "wire" / "_codec.pyx", codec_extension),
+    "_frame": (PKG / "wire" / "_frame.pyx", frame_extension),
+    "_backend": (STAGE / "_backend.pyx", backend_extension),
 }
 
 

@@ -46,7 +46,7 @@ BUILD_ENV=(SKIPPY_WIRE_BUILD_ONLY="$EXTS" SKIPPY_WIRE_DEBUG_BUILD=1)
 [ "$TOOL" = asan ] && BUILD_ENV+=(SKIPPY_WIRE_ASAN=1)
 env "${BUILD_ENV[@]}" "$PY" setup.py build_ext --inplace >"$DIR/build.log" 2>&1 || {
     tail -40 "$DIR/build.log"; echo "memcheck: build failed"; exit 2; }
-ls skippy_wire/*.so
+ls skippy_wire/*/*.so
 touch "$DIR/.built-$TOOL"
 fi
 

@@ -6,7 +6,7 @@ Rust skippy-protocol crate, with compiled kernels and a pure-Python reference tw
 """
 
 from ._impl import IMPLEMENTATION
-from .dtypes import (
+from .wire.constants import (
     ActivationCodec,
     CodecPolicy,
     activation_frame_flags_from_state_flags,
@@ -16,7 +16,7 @@ from .dtypes import (
 from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 
 # --- public re-exports of each concept module (one block per module) ---
-from .codec import (
+from .wire.codec import (
     bf16_view,
     decode_activation,
     encode_activation,
@@ -27,9 +27,9 @@ from .codec import (
     select_and_encode_lossless,
     select_lossless_codec,
 )
-from .codec import activation_f32_bytes, activation_shape, activation_wire_bytes
+from .wire.codec import activation_f32_bytes, activation_shape, activation_wire_bytes
 # framing (messages, frame, forwarding)
-from .messages import (
+from .wire.messages import (
     READY_MAGIC,
     STAGE_STATE_VERSION,
     F32,
@@ -45,7 +45,7 @@ from .messages import (
     WireReplyKind,
     WireStagePhase,
 )
-from .frame import (
+from .wire.frame import (
     StageMessageDecoder,
     read_reply,
     read_stage_message,
@@ -56,4 +56,4 @@ from .frame import (
     write_stage_message,
     write_stage_message_to,
 )
-from .forwarding import StageConfig, forwarded_stage_message, forwarded_stage_message_timed
+from .wire.forwarding import StageConfig, forwarded_stage_message, forwarded_stage_message_timed

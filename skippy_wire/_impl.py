@@ -1,7 +1,7 @@
 """Which implementation of the kernels is live: the compiled one or the pure-Python twin.
 
 On CPython the compiled extensions are required; ``SKIPPY_WIRE_IMPL=python`` forces the
-twin (``skippy_wire._reference``).  A failed import of a compiled module is an error,
+twin (``skippy_wire.wire._reference``).  A failed import of a compiled module is an error,
 never a silent fallback to the slow path.
 """
 
@@ -30,13 +30,13 @@ IMPLEMENTATION = _choose()
 def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleType:
     """Return the module implementing ``concept`` ("codec" or "frame")."""
     if implementation == "python":
-        return importlib.import_module(f"skippy_wire._reference.{concept}")
+        return importlib.import_module(f"skippy_wire.wire._reference.{concept}")
     if implementation == "cython":
         try:
-            return importlib.import_module(f"skippy_wire._{concept}")
+            return importlib.import_module(f"skippy_wire.wire._{concept}")
         except ImportError as exc:
             raise ImportError(
-                f"the compiled module skippy_wire._{concept} is not built ({exc}); "
+                f"the compiled module skippy_wire.wire._{concept} is not built ({exc}); "
                 "build it with `pip install -e .` or set SKIPPY_WIRE_IMPL=python"
             ) from exc
     raise ValueError(f"unknown implementation {implementation!r}")

@@ -16,8 +16,10 @@ settings.register_profile("thorough", max_examples=5000, deadline=None, suppress
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 REPO = Path(__file__).resolve().parents[1]
-#: The golden vectors of the contract; SKIPPY_WIRE_VECTORS overrides the location.
-VECTORS = Path(os.environ.get("SKIPPY_WIRE_VECTORS", REPO.parent / "shared" / "vectors" / "public"))
+#: The golden vectors of the contract, vendored from the upstream-generated set (v15 is
+#: shared/vectors/public); SKIPPY_WIRE_VECTORS overrides the v15 location.
+GOLDEN = REPO / "tests" / "golden"
+VECTORS = Path(os.environ.get("SKIPPY_WIRE_VECTORS", GOLDEN / "v15"))
 
 #: Implementations exercised by parity-style tests.  Under SKIPPY_WIRE_IMPL=python only
 #: the twin is importable by policy, so the compiled one is not listed.

@@ -1,4 +1,4 @@
-"""A fake of the pinned ``skippy_wire._backend`` contract, for testing the runtime adapter.
+"""A fake of the pinned ``skippy_wire.stage._backend`` contract, for testing the runtime adapter.
 
 It follows the native rules that the adapter relies on (runtime.md sections 1.5 and 5.4):
 arguments and the input frame are validated first, the required output size is computed
@@ -25,7 +25,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from skippy_wire.activation import (
+from skippy_wire.stage.activation import (
     ActivationBoundaryDesc,
     ActivationDesc,
     ActivationPartDesc,

@@ -1,4 +1,4 @@
-"""The ggml stage backend (skippy_wire._backend over skippy_wire/_stage) on the tiny random
+"""The ggml stage backend (skippy_wire.stage._backend over skippy_wire/_stage) on the tiny random
 llama GGUF (runtime.md §6.2): numerics against the independent numpy forward pass, split
 stages against one stage, the BUFFER_TOO_SMALL protocol, session state, sampling, batches
 and bad input."""
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from numpy_llama import NumpyLlama
-from skippy_wire import _backend as B
-from skippy_wire import models
+from skippy_wire.stage import _backend as B
+from skippy_wire.stage import models
 
 PROMPT = [1, 10, 20, 30, 40]
 N_LAYER = 4
@@ -585,7 +585,7 @@ def test_log_callback_receives_ggml_messages(tmp_path):
 
 
 def test_ggml_preload_helper():
-    from skippy_wire import _ggml
+    from skippy_wire.stage import _ggml as _ggml
 
     root = _ggml.libggml_root()
     assert (root / "lib64" / "libggml-base.so.0").is_file() and (root / "include" / "ggml.h").is_file()

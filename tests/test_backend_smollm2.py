@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_wire import _backend as B
-from skippy_wire import models
+from skippy_wire.stage import _backend as B
+from skippy_wire.stage import models
 
 pytestmark = pytest.mark.slow
 

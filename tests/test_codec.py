@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import skippy_wire
-from skippy_wire import codec as api
+from skippy_wire.wire import codec as api
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
-from skippy_wire.dtypes import LOSSLESS_CODECS, ActivationCodec
+from skippy_wire.wire.constants import LOSSLESS_CODECS, ActivationCodec
 from skippy_wire.errors import InvalidDataError, InvalidInputError
 
 RAW, F16, BF16, S8 = 1, 2, 3, 4
@@ -373,7 +373,7 @@ def test_expected_implementation_is_live():
     """The compiled kernels are live unless the twin was asked for (zstandard's habit)."""
     module = api.kernels()
     if IMPLEMENTATION == "cython":
-        assert module.__name__ == "skippy_wire._codec" and module.__file__.endswith((".so", ".pyd"))
+        assert module.__name__ == "skippy_wire.wire._codec" and module.__file__.endswith((".so", ".pyd"))
     else:
-        assert module.__name__ == "skippy_wire._reference.codec"
+        assert module.__name__ == "skippy_wire.wire._reference.codec"
     assert module is kernel_module("codec")

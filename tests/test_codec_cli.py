@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skippy_wire import bench, demo
+from skippy_wire.tools import bench, demo
 
 
 def test_demo_reports_every_codec_and_the_lossless_choice(capsys):

@@ -111,7 +111,7 @@ def test_every_mantissa_at_the_edge_exponents(exponent):
     paths (F16C and portable): bit-identical to numpy / ml_dtypes for every input."""
     import ml_dtypes
 
-    from skippy_wire import _codec
+    from skippy_wire.wire import _codec as _codec
     from skippy_wire.errors import InvalidDataError
 
     m = np.arange(1 << 23, dtype=np.uint32)

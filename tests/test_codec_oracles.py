@@ -39,7 +39,7 @@ def simd_mode(request, impl):
     if impl != "cython":
         yield request.param
         return
-    from skippy_wire import _codec
+    from skippy_wire.wire import _codec as _codec
 
     previous = _codec._set_simd(request.param == "simd")
     yield request.param
@@ -126,7 +126,7 @@ def test_exactness_scans_match_their_definition(codec_impl, impl, simd_mode):
 def test_simd_and_portable_paths_agree_on_long_buffers():
     """The SIMD loops process 8 values at a time: lengths around those blocks, errors in
     the vector body and in the scalar tail, exactness failing in any block."""
-    from skippy_wire import _codec
+    from skippy_wire.wire import _codec as _codec
 
     rng = np.random.default_rng(30)
     for n in (1, 7, 8, 9, 15, 16, 17, 63, 8191, 8192, 8193, 20001):

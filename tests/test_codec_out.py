@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import skippy_wire.codec as api
+import skippy_wire.wire.codec as api
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from skippy_wire import conformance
+from skippy_wire.tools import conformance
 
 
 def test_public_vectors_pass_on_every_implementation(impl, vectors_dir, capsys):

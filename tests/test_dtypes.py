@@ -2,7 +2,7 @@
 
 import pytest
 
-from skippy_wire.dtypes import (
+from skippy_wire.wire.constants import (
     LOSSLESS_CODECS,
     ActivationCodec,
     CodecPolicy,

@@ -7,10 +7,10 @@ import struct
 
 import pytest
 
-from skippy_wire import frame
-from skippy_wire.dtypes import ACTIVATION_FLAG_RWKV7_V_FIRST, ActivationCodec, CodecPolicy, activation_frame_flags_from_state_flags
+from skippy_wire.wire import frame
+from skippy_wire.wire.constants import ACTIVATION_FLAG_RWKV7_V_FIRST, ActivationCodec, CodecPolicy, activation_frame_flags_from_state_flags
 from skippy_wire.errors import InvalidDataError
-from skippy_wire.forwarding import (
+from skippy_wire.wire.forwarding import (
     ActivationDescV1,
     ActivationDType,
     ActivationFrameV1,
@@ -20,7 +20,7 @@ from skippy_wire.forwarding import (
     forwarded_stage_message,
     forwarded_stage_message_timed,
 )
-from skippy_wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind
+from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind
 
 RAW, F16, BF16 = ActivationCodec.RAW_F32_V1, ActivationCodec.F16_RNE_V1, ActivationCodec.BF16_RNE_V1
 AUTO = CodecPolicy.AUTO_LOSSLESS_V1

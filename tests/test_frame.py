@@ -10,9 +10,9 @@ import struct
 import numpy as np
 import pytest
 
-from skippy_wire import codec, frame
-from skippy_wire.conformance import sampling_to_case
-from skippy_wire.dtypes import (
+from skippy_wire.wire import codec, frame
+from skippy_wire.tools.conformance import sampling_to_case
+from skippy_wire.wire.constants import (
     ACTIVATION_FLAG_GEMMA3N_ALTUP,
     ACTIVATION_FLAG_INKLING_MTP_EMBD,
     ACTIVATION_FLAG_RWKV7_V_FIRST,
@@ -22,7 +22,7 @@ from skippy_wire.dtypes import (
     activation_state_flags_from_frame_flags,
 )
 from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
-from skippy_wire.messages import (
+from skippy_wire.wire.messages import (
     STAGE_SAMPLING_CONFIG_BASE_BYTES,
     STAGE_STATE_HEADER_BYTES,
     STAGE_WIRE_FIXED_HEADER_BYTES,
@@ -420,7 +420,7 @@ def test_sampling_writer_truncates_lists_and_rejects_long_strings(impl):
 
 
 def test_sampling_nan_fields_round_trip_bit_exactly(impl):
-    from skippy_wire.messages import F32, f32_bits
+    from skippy_wire.wire.messages import F32, f32_bits
 
     s = SamplingConfig(temperature=F32(0x7F800001), top_p=F32(0xFFC01234), logit_bias=[(1, F32(0x7FA00000))])
     out, _ = rt(impl, StageWireMessage.configure_generation(1, 2, 0, s), 2)
@@ -500,6 +500,6 @@ def test_compiled_framing_is_live():
     from skippy_wire._impl import IMPLEMENTATION
 
     compiled = frame.kernels("cython")
-    assert compiled.__name__ == "skippy_wire._frame" and not compiled.__file__.endswith(".py")
+    assert compiled.__name__ == "skippy_wire.wire._frame" and not compiled.__file__.endswith(".py")
     if platform.python_implementation() == "CPython" and IMPLEMENTATION == "cython":
         assert frame.kernels() is compiled

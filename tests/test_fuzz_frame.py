@@ -19,7 +19,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from skippy_wire import frame
+from skippy_wire.wire import frame
 from skippy_wire.errors import UnexpectedEofError, WireError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
@@ -212,7 +212,7 @@ def test_truncations_raise_eof_with_consistent_needed(case, impl):
 def test_writer_carries_unknown_state_flag_bits(impl, flags):
     """wire-format.md 2.4: bits other than SAMPLING/CHAT_SAMPLING_METADATA are carried
     through untouched (fuzz_wire finding "roundtrip changed .state.flags")."""
-    from skippy_wire.messages import StageWireMessage
+    from skippy_wire.wire.messages import StageWireMessage
 
     msg = StageWireMessage.stop(7, 9)
     msg.state.flags = flags
@@ -225,7 +225,7 @@ def test_writer_carries_unknown_state_flag_bits(impl, flags):
 def test_stream_reader_survives_a_retry(impl):
     """The stream reader re-parses after each short read; the buffer it grows must not
     still be exported by the failed parse (BufferError: Existing exports of data)."""
-    from skippy_wire.messages import StageWireMessage
+    from skippy_wire.wire.messages import StageWireMessage
 
     data = frame.write_stage_message(StageWireMessage.stop(1, 2), impl="python")
     assert frame.read_stage_message(io.BytesIO(data), 4, impl=impl).request_id == 1

@@ -9,7 +9,7 @@ import pytest
 
 from skippy_wire import _impl
 
-PROBE = "import skippy_wire, skippy_wire.codec as c, skippy_wire.frame as f; print(skippy_wire.IMPLEMENTATION, c.kernels().__name__)"
+PROBE = "import skippy_wire, skippy_wire.wire.codec as c, skippy_wire.wire.frame as f; print(skippy_wire.IMPLEMENTATION, c.kernels().__name__)"
 
 
 def run(env_value):
@@ -22,13 +22,13 @@ def run(env_value):
 def test_default_is_compiled_on_cpython():
     out = run(None)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["cython", "skippy_wire._codec"]
+    assert out.stdout.split() == ["cython", "skippy_wire.wire._codec"]
 
 
 def test_environment_forces_the_twin():
     out = run("python")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["python", "skippy_wire._reference.codec"]
+    assert out.stdout.split() == ["python", "skippy_wire.wire._reference.codec"]
 
 
 def test_unknown_implementation_is_refused():
@@ -38,7 +38,7 @@ def test_unknown_implementation_is_refused():
 
 
 def test_missing_compiled_module_is_an_import_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "skippy_wire._frame", None)  # as if it were not built
+    monkeypatch.setitem(sys.modules, "skippy_wire.wire._frame", None)  # as if it were not built
     with pytest.raises(ImportError, match="not built"):
         _impl.kernel_module("frame", "cython")
-    assert _impl.kernel_module("frame", "python").__name__ == "skippy_wire._reference.frame"
+    assert _impl.kernel_module("frame", "python").__name__ == "skippy_wire.wire._reference.frame"

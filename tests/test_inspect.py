@@ -7,13 +7,13 @@ import struct
 
 import pytest
 
-from skippy_wire.dtypes import ActivationCodec
-from skippy_wire.inspect import DissectError, dissect, infer_n_embd, iter_records, main
+from skippy_wire.wire.constants import ActivationCodec
+from skippy_wire.tools.inspect import DissectError, dissect, infer_n_embd, iter_records, main
 
 
 def _messages():
-    from skippy_wire.codec import encode_activation as encode
-    from skippy_wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind as K
+    from skippy_wire.wire.codec import encode_activation as encode
+    from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind as K
 
     values = struct.pack("<6f", 1.0, -2.5, 0.5, 3.0, 0.25, -1.0)
     cfg = StageWireMessage.configure_generation(7, 11, 3, SamplingConfig(flags=1, seed=42, top_k=40), '{"a": 1}')
@@ -26,7 +26,7 @@ def _messages():
 
 
 def _stream(messages) -> bytes:
-    from skippy_wire.frame import write_stage_message
+    from skippy_wire.wire.frame import write_stage_message
 
     return b"".join(write_stage_message(m) for m in messages)
 
@@ -53,8 +53,8 @@ def test_n_embd_is_inferred_from_the_prefix():
 
 
 def test_replies_are_detected_by_the_ready_magic():
-    from skippy_wire.frame import send_reply_ack, send_reply_predicted
-    from skippy_wire.messages import StageReplyStats
+    from skippy_wire.wire.frame import send_reply_ack, send_reply_predicted
+    from skippy_wire.wire.messages import StageReplyStats
 
     buf = io.BytesIO()
     buf.write(b"\x59\x44\x52\x53")
@@ -91,7 +91,7 @@ def test_cli_reads_files_and_exits_1_on_garbage(tmp_path, capsys):
 def test_capture_of_a_running_chain_can_be_inspected(tmp_path):
     from test_server import PROMPT, Chain
 
-    from skippy_wire.pipeline import PipelineClient
+    from skippy_wire.net.driver import PipelineClient
 
     chain = Chain([(0, 3), (3, 6)], "bf16-rne-v1", "fixed", capture=str(tmp_path))
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire import frame
+from skippy_wire.wire import frame
 from skippy_wire.errors import UnexpectedEofError, WireError
 
 MIB = 1 << 20
@@ -171,7 +171,7 @@ def test_stream_reads_are_bounded(impl, name):
 
 
 def _raw_message(tokens: int, n_embd: int) -> bytes:
-    from skippy_wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 
     state = StageStateHeader.new(WireMessageKind.PREFILL_EMBD)
     state.source_stage_index = 0
@@ -196,7 +196,7 @@ def test_stream_reader_stops_at_message_end(impl, max_chunk):
 
 
 def test_stream_reply_reader_stops_at_reply_end(impl):
-    from skippy_wire.messages import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+    from skippy_wire.wire.messages import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
     reply = StageReply(WireReplyKind.PREDICTED_TOKENS, 1, list(range(1, 5000)), StageReplyWindow(), None, StageReplyStats())
     data = frame.write_reply(reply, impl="python")
@@ -214,7 +214,7 @@ CHILD = textwrap.dedent(
     import io, resource, sys
     sys.path.insert(0, {tests!r})
     import test_limits as t
-    from skippy_wire import frame
+    from skippy_wire.wire import frame as frame
     from skippy_wire.errors import UnexpectedEofError
     impl = sys.argv[1]
     frame.kernels(impl)

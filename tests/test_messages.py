@@ -8,10 +8,10 @@ import struct
 
 import pytest
 
-from skippy_wire import messages as m
-from skippy_wire.dtypes import ActivationCodec
+from skippy_wire.wire import messages as m
+from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError
-from skippy_wire.messages import (
+from skippy_wire.wire.messages import (
     F32,
     SamplingConfig,
     StageStateHeader,

@@ -1,4 +1,4 @@
-"""skippy_wire.models: the tiny GGUF writer, locating SmolLM2, the GGUF tokenizer."""
+"""skippy_wire.stage.models: the tiny GGUF writer, locating SmolLM2, the GGUF tokenizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from skippy_wire import models
+from skippy_wire.stage import models
 
 
 def test_tiny_gguf_is_deterministic_and_shaped(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.pipeline import (
+from skippy_wire.net.driver import (
     GenerationResult,
     PipelineClient,
     PipelineError,
@@ -98,7 +98,7 @@ def test_startup_failure_is_reported_and_cleaned_up(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from skippy_wire.models import write_tiny_llama_gguf
+    from skippy_wire.stage.models import write_tiny_llama_gguf
 
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
 
@@ -156,7 +156,7 @@ def test_killed_stage_fails_the_request_with_a_reason(tiny_model):
 
 
 def test_capture_files_can_be_inspected(tiny_model, tmp_path):
-    from skippy_wire.inspect import main as inspect_main
+    from skippy_wire.tools.inspect import main as inspect_main
 
     _pipeline_tokens(tiny_model, 2, "bf16-rne-v1", max_tokens=3, capture_dir=tmp_path)
     assert (tmp_path / "hop1-messages.bin").stat().st_size > 0
@@ -196,7 +196,7 @@ def test_run_check_with_auto_lossless_exits_0():
 def test_stages_exit_when_the_driver_dies(tiny_model, tmp_path):
     script = (
         "import sys, time\n"
-        "from skippy_wire.pipeline import launch_pipeline\n"
+        "from skippy_wire.net.driver import launch_pipeline\n"
         f"cluster = launch_pipeline({str(tiny_model)!r}, 2, threads=1, startup_timeout=60)\n"
         "print(' '.join(str(s.popen.pid) for s in cluster.stages), flush=True)\n"
         "time.sleep(60)\n"
@@ -249,7 +249,7 @@ def test_stage_process_survives_garbage_and_logs_it(tiny_model, tmp_path):
 
 
 def test_stage_errors_quotes_the_last_error_lines(tmp_path):
-    from skippy_wire.pipeline import stage_errors
+    from skippy_wire.net.driver import stage_errors
 
     (tmp_path / "stage0.log").write_text("t stage[1] INFO ready\nt stage[1] ERROR connection 1: boom; closing\n")
     (tmp_path / "stage1.log").write_text("t stage[2] INFO ready\n")
@@ -257,7 +257,7 @@ def test_stage_errors_quotes_the_last_error_lines(tmp_path):
 
 
 def test_run_connects_to_running_stages(tiny_model, capsys):
-    from skippy_wire.pipeline import main
+    from skippy_wire.net.driver import main
 
     with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
         address = "%s:%d" % cluster.entry

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from skippy_wire import frame
+from skippy_wire.wire import frame
 from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
-from skippy_wire.messages import (
+from skippy_wire.wire.messages import (
     NativeMtpDraft,
     StageReply,
     StageReplyStats,

@@ -10,8 +10,8 @@ import pytest
 
 import fake_native
 from fake_native import FAKE
-from skippy_wire import runtime as rt
-from skippy_wire.activation import (
+from skippy_wire.stage import runtime as rt
+from skippy_wire.stage.activation import (
     ACTIVATION_BOUNDARY_DESC_BYTES,
     ACTIVATION_DESC_BYTES,
     MTP_DRAFT_BYTES,
@@ -31,7 +31,7 @@ from skippy_wire.activation import (
     frontier_identity_of,
     llama_residual_identity,
 )
-from skippy_wire.runtime import (
+from skippy_wire.stage.runtime import (
     DecodeFrameBatchRequest,
     IterationBatchPhase,
     IterationBatchRequest,
@@ -164,7 +164,7 @@ def test_sampling_limits_are_inclusive():
 
 
 def test_sampling_from_wire_config():
-    from skippy_wire import messages
+    from skippy_wire.wire import messages as messages
 
     wire = messages.SamplingConfig(flags=3, seed=9, temperature=0.5, top_k=7, logit_bias=[(3, 1.0)])
     config = RuntimeSamplingConfig.from_wire(wire)
@@ -602,7 +602,7 @@ def test_frame_from_wire_copies_boundary_identities():
 
 
 def test_frame_to_v1():
-    from skippy_wire import forwarding
+    from skippy_wire.wire import forwarding as forwarding
 
     session = open_stage(0, 2, stage_index=0).create_session()
     frame = session.prefill_chunk_frame([1, 2])

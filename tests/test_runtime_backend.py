@@ -1,4 +1,4 @@
-"""The runtime adapter over the real ggml backend (``skippy_wire._backend``) and the tiny
+"""The runtime adapter over the real ggml backend (``skippy_wire.stage._backend``) and the tiny
 random llama GGUF (runtime.md section 6.2): split stages agree with one stage, the
 BUFFER_TOO_SMALL retry works natively, bad input is a clear exception."""
 
@@ -8,11 +8,12 @@ import struct
 
 import pytest
 
-from skippy_wire import _backend as backend  # noqa: F401  (a missing build is a failure, never a skip)
-from skippy_wire import forwarding, messages, models
-from skippy_wire import frame as frame_mod
-from skippy_wire import runtime as rt  # noqa: E402
-from skippy_wire.activation import (  # noqa: E402
+from skippy_wire.stage import _backend as backend  # noqa: F401  (a missing build is a failure, never a skip)
+from skippy_wire.stage import models
+from skippy_wire.wire import forwarding, messages
+from skippy_wire.wire import frame as frame_mod
+from skippy_wire.stage import runtime as rt  # noqa: E402
+from skippy_wire.stage.activation import (  # noqa: E402
     ActivationDesc,
     ActivationFrame,
     PartialBatchExecution,
@@ -23,7 +24,7 @@ from skippy_wire.activation import (  # noqa: E402
     frontier_identity_of,
     llama_residual_identity,
 )
-from skippy_wire.runtime import (  # noqa: E402
+from skippy_wire.stage.runtime import (  # noqa: E402
     DecodeFrameBatchRequest,
     IterationBatchPhase,
     IterationBatchRequest,
@@ -334,7 +335,7 @@ def test_output_frame_survives_forwarding_over_the_wire(tiny, ref, codec_name):
     """Stage 0 output -> frame_to_v1 -> forwarded_stage_message -> wire bytes -> read ->
     frame_from_wire -> stage 1: the raw codec reproduces the one-stage token exactly; a
     lossy codec still runs (same shapes, valid token)."""
-    from skippy_wire.dtypes import ActivationCodec
+    from skippy_wire.wire.constants import ActivationCodec
 
     codec = getattr(ActivationCodec, codec_name)
     first = open_stage(tiny, 0, 2, stage_index=0)

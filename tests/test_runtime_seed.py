@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 import fake_native
-from skippy_wire import runtime as rt
-from skippy_wire.activation import (
+from skippy_wire.stage import runtime as rt
+from skippy_wire.stage.activation import (
     ACTIVATION_BOUNDARY_DESC_VERSION,
     ACTIVATION_FRAME_VERSION,
     ACTIVATION_PART_OPTIONAL,
@@ -25,7 +25,7 @@ from skippy_wire.activation import (
     RuntimeSamplingConfig,
     StageRuntimeError,
 )
-from skippy_wire.runtime import (
+from skippy_wire.stage.runtime import (
     IterationBatchPhase,
     IterationBatchRequest,
     collect_iteration_samples,

@@ -1,7 +1,7 @@
 """The stage server with a fake runtime: execution, forwarding, sessions and faults.
 
 Stages run in-process (a listening thread each) on 127.0.0.1 with port 0; the driver side
-is :class:`skippy_wire.pipeline.PipelineClient`.  Every wait is bounded.
+is :class:`skippy_wire.net.driver.PipelineClient`.  Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from skippy_wire.dtypes import ActivationCodec, CodecPolicy
-from skippy_wire.pipeline import PipelineClient, PipelineError
-from skippy_wire.server import StageServer, parse_address, stage_config
+from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
+from skippy_wire.net.driver import PipelineClient, PipelineError
+from skippy_wire.net.server import StageServer, parse_address, stage_config
 
 N_EMBD = 8
 N_LAYER = 6
@@ -69,7 +69,7 @@ class FakeBackend:
         session.history.extend(tokens)
         if self.is_terminal:
             return int(rows[-1].sum() + len(session.history)) % VOCAB, None
-        from skippy_wire.forwarding import ActivationDescV1, ActivationDType, ActivationFrameV1
+        from skippy_wire.wire.forwarding import ActivationDescV1, ActivationDType, ActivationFrameV1
 
         payload = rows.astype("<f4").tobytes()
         desc = ActivationDescV1(version=1, dtype=ActivationDType.F32, layout=1,
@@ -191,7 +191,7 @@ def test_auto_lossless_falls_back_to_raw_for_inexact_values(chain_factory):
 
 
 def test_configure_generation_reaches_the_terminal_stage(chain_factory):
-    from skippy_wire.messages import SamplingConfig
+    from skippy_wire.wire.messages import SamplingConfig
 
     seen = []
 
@@ -231,8 +231,8 @@ def _wait_closed(sock, timeout=5.0) -> bool:
 
 
 def _prefill_bytes():
-    from skippy_wire.frame import write_stage_message
-    from skippy_wire.pipeline import prefill_messages
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.net.driver import prefill_messages
 
     return write_stage_message(next(prefill_messages(PROMPT, 16, 1, 1)))
 
@@ -244,7 +244,7 @@ def _still_serves(chain):
 
 def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, caplog):
     chain = chain_factory([(0, 3), (3, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     sock = _raw_connect(chain.entry)
     sock.sendall(_prefill_bytes()[:50])
     sock.close()
@@ -257,7 +257,7 @@ def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, capl
 
 def test_garbage_is_logged_and_closed(chain_factory, caplog):
     chain = chain_factory([(0, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     sock = _raw_connect(chain.entry)
     sock.sendall(struct.pack("<i", 12) + b"\xab" * 200)  # kind 12 is unknown
     assert _wait_closed(sock)
@@ -268,7 +268,7 @@ def test_garbage_is_logged_and_closed(chain_factory, caplog):
 
 def test_stalled_peer_times_out(chain_factory, caplog):
     chain = chain_factory([(0, 6)], io_timeout=0.3)
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     sock = _raw_connect(chain.entry)
     sock.sendall(_prefill_bytes()[:30])
     assert _wait_closed(sock)
@@ -278,11 +278,11 @@ def test_stalled_peer_times_out(chain_factory, caplog):
 
 
 def test_unsupported_kind_closes_the_connection(chain_factory, caplog):
-    from skippy_wire.frame import write_stage_message
-    from skippy_wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 
     chain = chain_factory([(0, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     sock = _raw_connect(chain.entry)
     kind = WireMessageKind.STATE_EXPORT
     sock.sendall(write_stage_message(StageWireMessage(kind, 0, 0, StageStateHeader.new(kind), 1, 1)))
@@ -405,7 +405,7 @@ def test_parse_address():
 
 
 def test_serve_cli_reports_bad_arguments(capsys):
-    from skippy_wire.server import main
+    from skippy_wire.net.server import main
 
     assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
     assert "--stage-index is required" in capsys.readouterr().err
@@ -417,7 +417,7 @@ def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, capl
             raise RuntimeError("RuntimeError: context full")
 
     chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Full(3, 6, 1)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     with PipelineClient(*chain.entry, timeout=10) as client:
         with pytest.raises(PipelineError, match="closed the connection during DECODE_EMBD"):
             client.generate(PROMPT, max_tokens=3, chunk_size=4)
@@ -427,8 +427,8 @@ def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, capl
 
 
 def test_trim_session_reaches_every_stage(chain_factory):
-    from skippy_wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-    from skippy_wire.pipeline import prefill_messages
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+    from skippy_wire.net.driver import prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)])
     kind = WireMessageKind.TRIM_SESSION
@@ -466,7 +466,7 @@ def test_concurrent_connections_each_get_their_own_chain(chain_factory):
 
 
 def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_factory, caplog):
-    from skippy_wire.pipeline import decode_message, prefill_messages
+    from skippy_wire.net.driver import decode_message, prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)])
     with PipelineClient(*chain.entry, timeout=10) as client:
@@ -477,7 +477,7 @@ def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_f
         again = client.request(decode_message(first, len(PROMPT), 0, len(PROMPT), 1, 1)).predicted
         assert again == a
         assert [b.sessions[0].token_count for b in chain.backends] == [len(PROMPT) + 1] * 2
-    caplog.set_level(logging.INFO, logger="skippy_wire.server")
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     with PipelineClient(*chain.entry, timeout=10) as client:
         gap = next(prefill_messages(PROMPT, 16, 1, 1))
         gap.pos_start = 3

@@ -1,4 +1,4 @@
-"""The server's runtime adapter (``RuntimeBackend``) over ``skippy_wire.runtime`` with the
+"""The server's runtime adapter (``RuntimeBackend``) over ``skippy_wire.stage.runtime`` with the
 fake native module: split stages behind TCP give the tokens of one whole stage."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import fake_native
-from skippy_wire.pipeline import PipelineClient
-from skippy_wire.runtime import StageModel
-from skippy_wire.server import RuntimeBackend, StageServer, stage_config
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.stage.runtime import StageModel
+from skippy_wire.net.server import RuntimeBackend, StageServer, stage_config
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

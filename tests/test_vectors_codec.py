@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from skippy_wire.dtypes import ActivationCodec
+from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import WireError
 
 
@@ -136,7 +136,7 @@ def test_golden_vectors(codec_impl, vectors_dir, group, checker):
 
 def test_public_api_matches_vectors(vectors_dir):
     """The validating public module gives the same answers as the kernels."""
-    from skippy_wire import codec as api
+    from skippy_wire.wire import codec as api
 
     for case in _load(vectors_dir, "select"):
         permitted = [ActivationCodec.from_rust_name(n) for n in case["permitted"]]

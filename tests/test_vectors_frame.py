@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from skippy_wire import frame
-from skippy_wire.conformance import Mismatch, Runner, message_from_case, message_to_case, read_expectation
+from skippy_wire.wire import frame
+from skippy_wire.tools.conformance import Mismatch, Runner, message_from_case, message_to_case, read_expectation
 from skippy_wire.errors import WireError
 
 

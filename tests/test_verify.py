@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from skippy_wire import verify
+from skippy_wire.tools import verify
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError
 

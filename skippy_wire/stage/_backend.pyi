@@ -1,0 +1,155 @@
+"""Type stubs for skippy_wire.stage._backend — a 1:1 binding of skippy_wire/_stage/skippy_stage.h.
+
+No policy lives here (retries, token-count mirrors, one-at-a-time decisions belong to
+skippy_wire.stage.runtime).  Execution calls return the native status instead of raising;
+only Model(...) and Model.create_session() raise NativeError.  All execution calls release
+the GIL around the native call.
+"""
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+STATUS_OK: int
+STATUS_ERROR: int
+STATUS_INVALID_ARGUMENT: int
+STATUS_UNSUPPORTED: int
+STATUS_BUFFER_TOO_SMALL: int
+STATUS_IO_ERROR: int
+STATUS_MODEL_ERROR: int
+STATUS_RUNTIME_ERROR: int
+
+FEATURE_RUNTIME_SLICE: int
+FEATURE_TOKENIZE_DETOKENIZE: int
+FEATURE_ACTIVATION_FRAME: int
+FEATURE_SESSION_RESET: int
+FEATURE_BATCH_VERIFY: int
+FEATURE_SAMPLING_CONFIG: int
+FEATURE_BATCH_VERIFY_FRAME: int
+FEATURE_LOGIT_BIAS: int
+FEATURE_SESSION_TRIM: int
+FEATURE_NATIVE_MTP_N1: int
+FEATURE_ITERATION_BATCH: int
+FEATURE_ACTIVATION_BOUNDARY: int
+
+ACTIVATION_DESC_BYTES: int  # 2120
+ACTIVATION_PART_DESC_BYTES: int  # 128
+ACTIVATION_BOUNDARY_DESC_BYTES: int  # 2088
+SAMPLING_CONFIG_BYTES: int  # 2352
+MTP_DRAFT_BYTES: int  # 56
+ITERATION_REQUEST_BYTES: int  # 72
+
+# int32 buffer (bytes-like / array('i') / int32 ndarray) or a list of ints
+Int32s = Any
+
+def abi_version() -> tuple[int, int, int]: ...
+def abi_features() -> int: ...
+def status_string(status: int) -> str: ...
+def empty_activation_desc() -> bytes:
+    """The Rust "empty" descriptor: version 0, producer -1, rest zero (2120 bytes)."""
+
+class NativeError(Exception):
+    status: int
+    message: str
+    def __init__(self, status: int, message: str) -> None: ...
+
+# (status, message|None, out_desc (2120 B), payload, out_bytes, predicted_token)
+FrameResult = tuple[int, Optional[str], bytes, bytes, int, int]
+
+class Model:
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_ctx: int  # per-session capacity (= ctx_size)
+    n_head: int
+    n_head_kv: int
+    n_threads: int
+    n_batch: int
+    lane_count: int
+    architecture: str
+    is_source: bool
+    is_terminal: bool
+    batched_activation_exports: bool
+    layer_start: int
+    layer_end: int
+    stage_index: int
+    def __init__(
+        self,
+        path: str,
+        *,
+        stage_index: int = 0,
+        layer_start: int = 0,
+        layer_end: int = -1,
+        ctx_size: int = 512,
+        lane_count: int = 1,
+        n_threads: int = 0,
+        n_batch: int = 512,
+    ) -> None: ...
+    def create_session(self) -> Session: ...
+    def input_activation_boundary(self) -> Optional[bytes]: ...
+    def output_activation_boundary(self) -> Optional[bytes]: ...
+    def close(self) -> None:
+        """Release the native model; open sessions keep it alive until they are closed."""
+
+class Session:
+    @property
+    def position(self) -> int: ...
+    @property
+    def model(self) -> Model: ...
+    def prefill_chunk_frame(
+        self,
+        tokens: Int32s,
+        positions: Optional[Int32s] = None,
+        sampling: Optional[bytes] = None,
+        sample: bool = False,
+        input_desc: Optional[bytes] = None,
+        input_payload: Optional[bytes] = None,
+        capacity: int = 0,
+    ) -> FrameResult: ...
+    def decode_step_frame_sampled(
+        self,
+        token: int,
+        sampling: Optional[bytes] = None,
+        input_desc: Optional[bytes] = None,
+        input_payload: Optional[bytes] = None,
+        capacity: int = 0,
+    ) -> FrameResult: ...
+    def verify_tokens_frame_sampled(
+        self,
+        tokens: Int32s,
+        sampling: Optional[bytes] = None,
+        input_desc: Optional[bytes] = None,
+        input_payload: Optional[bytes] = None,
+        capacity: int = 0,
+        token_capacity: Optional[int] = None,
+        max_draft: int = 0,
+    ) -> tuple[int, Optional[str], bytes, bytes, int, list[int], bytes]: ...
+    def copy_output_activation_frame(
+        self, token_count: int, capacity: int = 0
+    ) -> tuple[int, Optional[str], bytes, bytes, int]: ...
+    def sample_current(self, sampling: Optional[bytes] = None) -> tuple[int, Optional[str], int]: ...
+    def copy_logits(self) -> tuple[int, Optional[str], bytes]:
+        """float32 logits of the last execution (1 row, or one per verified token); terminal only."""
+    def trim(self, token_count: int) -> tuple[int, Optional[str]]: ...
+    def retire_verify_checkpoint(self, token_start: int, token_count: int) -> tuple[int, Optional[str]]: ...
+    def reset(self) -> tuple[int, Optional[str]]: ...
+    def close(self) -> None:
+        """Free the native session and its lane (also done on garbage collection)."""
+
+IterationRequest = tuple[
+    Optional[Session], Int32s, Optional[Int32s], Optional[bytes], Optional[bytes], Optional[bytes], bool
+]
+
+def iteration_batch_sampled(
+    requests: Sequence[IterationRequest], capacities: Sequence[int], sampled_capacity: int
+) -> tuple[int, Optional[str], list[bytes], list[bytes], list[int], list[int], list[int]]: ...
+def decode_step_frame_batch_sampled(
+    sessions: Sequence[Optional[Session]],
+    token_ids: Sequence[int],
+    samplings: Sequence[Optional[bytes]],
+    input_descs: Sequence[Optional[bytes]],
+    input_payloads: Sequence[Optional[bytes]],
+    capacities: Sequence[int],
+    predicted_capacity: int,
+) -> tuple[int, Optional[str], list[bytes], list[bytes], list[int], list[int]]: ...
+def set_log_callback(callback: Optional[Any]) -> None:
+    """callback(level: int, text: str) receives ggml's log lines; None = drop (default)."""

@@ -1,0 +1,787 @@
+"""Runtime data types of the stage adapter: activation frames and descriptors, the native
+MTP draft, the C sampling struct, and the runtime error hierarchy.
+
+These mirror skippy-runtime 0.77.0 (``types.rs``) over the C structs of skippy-ffi
+(runtime.md section 2).  Every struct has ``to_bytes()`` / ``from_bytes()`` for the
+packed little-endian C layout that ``skippy_wire.stage._backend`` takes and returns:
+
+* ``ActivationPartDesc``      128 bytes (one part of a typed multipart frontier)
+* ``ActivationDesc``         2120 bytes (version 2 frame descriptor, 16 part slots)
+* ``ActivationBoundaryDesc`` 2088 bytes (graph-observed boundary, no token count)
+* ``NativeMtpDraft``           56 bytes
+* ``RuntimeSamplingConfig``  2352 bytes (C ``SamplingConfig`` version 2)
+
+Errors: ``StageRuntimeError`` (a ``RuntimeError``) is the base of everything the adapter
+raises.  A failed native call carries ``.status`` and renders as upstream does,
+``"{Status:?}: {message}"`` or just ``"{Status:?}"`` when native gave no message.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+# --- constants (runtime.md section 2.3) -----------------------------------------------------
+
+ACTIVATION_FRAME_VERSION = 2
+ACTIVATION_BOUNDARY_DESC_VERSION = 2
+ACTIVATION_IDENTITY_BYTES = 32
+ACTIVATION_MAX_DIMS = 4
+ACTIVATION_MAX_PARTS = 16
+ACTIVATION_PART_OPTIONAL = 1 << 0
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+GGML_TYPE_I32 = 26
+GGML_TYPE_BF16 = 30
+
+#: Frame (v1 descriptor) sideband flags, wire-format.md section 2.5.
+ACTIVATION_FLAG_RWKV7_V_FIRST = 1 << 0
+ACTIVATION_FLAG_GEMMA3N_ALTUP = 1 << 1
+ACTIVATION_FLAG_INKLING_MTP_EMBD = 1 << 2
+
+NATIVE_MTP_MAX_DRAFT_TOKENS = 8
+NATIVE_MTP_DRAFT_VERSION = 1
+
+ACTIVATION_PART_DESC_BYTES = 128
+ACTIVATION_DESC_BYTES = 2120
+ACTIVATION_BOUNDARY_DESC_BYTES = 2088
+MTP_DRAFT_BYTES = 56
+SAMPLING_CONFIG_BYTES = 2352
+
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+I32_MAX = 0x7FFF_FFFF
+
+
+# --- errors (runtime.md section 3.2 / 1.5) ----------------------------------------------------
+
+
+class Status(enum.IntEnum):
+    """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
+
+    OK = 0
+    ERROR = 1
+    INVALID_ARGUMENT = 2
+    UNSUPPORTED = 3
+    BUFFER_TOO_SMALL = 4
+    IO_ERROR = 5
+    MODEL_ERROR = 6
+    RUNTIME_ERROR = 7
+
+    def __str__(self) -> str:
+        return _STATUS_DEBUG[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> "Status | int":
+        try:
+            return cls(code)
+        except ValueError:
+            return code
+
+
+_STATUS_DEBUG = {
+    Status.OK: "Ok",
+    Status.ERROR: "Error",
+    Status.INVALID_ARGUMENT: "InvalidArgument",
+    Status.UNSUPPORTED: "Unsupported",
+    Status.BUFFER_TOO_SMALL: "BufferTooSmall",
+    Status.IO_ERROR: "IoError",
+    Status.MODEL_ERROR: "ModelError",
+    Status.RUNTIME_ERROR: "RuntimeError",
+}
+
+
+def format_status_error(status: "Status | int", message: Optional[str]) -> str:
+    """Upstream ``format_skippy_error``: ``"{Status:?}: {message}"``, or ``"{Status:?}"``."""
+    name = str(status) if isinstance(status, Status) else f"Status({status})"
+    return f"{name}: {message}" if message else name
+
+
+class StageRuntimeError(RuntimeError):
+    """Base of every error the runtime adapter raises.
+
+    ``status`` is the native ``Status`` when a native call failed, else ``None`` (an
+    adapter-side check failed); ``message`` is the native message or the check's text.
+    """
+
+    def __init__(self, message: str, status: "Status | int | None" = None) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(message if status is None else format_status_error(status, message))
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.status))
+
+    @classmethod
+    def from_native(cls, status: int, message: Optional[str]) -> "StageRuntimeError":
+        return cls(message or "", Status.from_code(status))
+
+
+class ActivationFrameError(StageRuntimeError, ValueError):
+    """An activation frame or descriptor is inconsistent (checked before any native call)."""
+
+
+class SamplingConfigError(StageRuntimeError, ValueError):
+    """A sampling configuration cannot be encoded into the native struct."""
+
+
+class StageArgumentError(StageRuntimeError, ValueError):
+    """An argument cannot be represented in the native call (the Rust types rule these out:
+    a token id outside i32, a negative count or capacity)."""
+
+
+class PartialBatchExecution(StageRuntimeError):
+    """A batch that executed one request at a time and then failed part way through.
+
+    Every request before ``executed`` already advanced its session natively (no rollback),
+    so a caller that tracks positions has to account for them.  ``error`` (also
+    ``__cause__``) is the failure that stopped the batch.
+    """
+
+    def __init__(self, executed: int, error: BaseException) -> None:
+        self.executed = executed
+        self.error = error
+        super().__init__(f"batch executed {executed} request(s) before failing: {error}")
+        self.__cause__ = error
+
+    def __reduce__(self):
+        return (type(self), (self.executed, self.error))
+
+
+# --- descriptors ------------------------------------------------------------------------------
+
+_PART = struct.Struct("<32sIIiI4q4QQQ")
+_DESC_HEAD = struct.Struct("<IiiiIIIIQ32s")
+_BOUNDARY_HEAD = struct.Struct("<II32s")
+_MTP = struct.Struct("<I?3xi8i4xq")
+assert _PART.size == ACTIVATION_PART_DESC_BYTES
+assert _DESC_HEAD.size + ACTIVATION_MAX_PARTS * _PART.size == ACTIVATION_DESC_BYTES
+assert _BOUNDARY_HEAD.size + ACTIVATION_MAX_PARTS * _PART.size == ACTIVATION_BOUNDARY_DESC_BYTES
+assert _MTP.size == MTP_DRAFT_BYTES
+
+_ZERO_IDENTITY = bytes(ACTIVATION_IDENTITY_BYTES)
+
+
+def _ggml_type_bytes(ggml_type: int) -> int:
+    if ggml_type in (GGML_TYPE_F32, GGML_TYPE_I32):
+        return 4
+    if ggml_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        return 2
+    raise ActivationFrameError(f"activation transport does not support ggml type {ggml_type}")
+
+
+def _exact_len(data: bytes, size: int, what: str) -> memoryview:
+    view = memoryview(data).cast("B")
+    if view.nbytes != size:
+        raise ActivationFrameError(f"{what} must be {size} bytes, got {view.nbytes}")
+    return view
+
+
+@dataclass
+class ActivationPartDesc:
+    """One typed part of a multipart activation frontier (128-byte C struct)."""
+
+    identity: bytes = _ZERO_IDENTITY
+    ggml_type: int = 0
+    rank: int = 0
+    token_axis: int = 0
+    flags: int = 0
+    dimensions: tuple = (0, 0, 0, 0)
+    byte_strides: tuple = (0, 0, 0, 0)
+    payload_offset: int = 0
+    payload_bytes: int = 0
+
+    def is_optional(self) -> bool:
+        return bool(self.flags & ACTIVATION_PART_OPTIONAL)
+
+    def __repr__(self) -> str:
+        return (f"ActivationPartDesc(identity={bytes(self.identity)[:4].hex()}.., ggml_type={self.ggml_type}, "
+                f"rank={self.rank}, token_axis={self.token_axis}, flags={self.flags}, "
+                f"dimensions={tuple(self.dimensions)}, byte_strides={tuple(self.byte_strides)}, "
+                f"payload_offset={self.payload_offset}, payload_bytes={self.payload_bytes})")
+
+    def to_bytes(self) -> bytes:
+        if len(self.identity) != ACTIVATION_IDENTITY_BYTES:
+            raise ActivationFrameError(f"activation part identity must be {ACTIVATION_IDENTITY_BYTES} bytes")
+        dims = tuple(self.dimensions) + (0,) * (ACTIVATION_MAX_DIMS - len(self.dimensions))
+        strides = tuple(self.byte_strides) + (0,) * (ACTIVATION_MAX_DIMS - len(self.byte_strides))
+        try:
+            return _PART.pack(
+                bytes(self.identity), self.ggml_type, self.rank, self.token_axis, self.flags,
+                *dims[:ACTIVATION_MAX_DIMS], *strides[:ACTIVATION_MAX_DIMS],
+                self.payload_offset, self.payload_bytes,
+            )
+        except struct.error as exc:
+            raise ActivationFrameError(f"activation part field out of range: {exc}") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ActivationPartDesc":
+        v = _PART.unpack(_exact_len(data, _PART.size, "an activation part descriptor"))
+        return cls(v[0], v[1], v[2], v[3], v[4], tuple(v[5:9]), tuple(v[9:13]), v[13], v[14])
+
+
+def _default_parts() -> list:
+    return [ActivationPartDesc() for _ in range(ACTIVATION_MAX_PARTS)]
+
+
+def _pack_parts(parts: Sequence[ActivationPartDesc]) -> bytes:
+    if len(parts) > ACTIVATION_MAX_PARTS:
+        raise ActivationFrameError("activation part count exceeds maximum")
+    slots = list(parts) + [ActivationPartDesc()] * (ACTIVATION_MAX_PARTS - len(parts))
+    return b"".join(part.to_bytes() for part in slots)
+
+
+def _unpack_parts(view: memoryview, offset: int) -> list:
+    return [
+        ActivationPartDesc.from_bytes(view[offset + i * _PART.size : offset + (i + 1) * _PART.size])
+        for i in range(ACTIVATION_MAX_PARTS)
+    ]
+
+
+def llama_residual_identity(n_embd: int) -> bytes:
+    """The backend's part identity of the llama residual stream (skippy_stage.h, item 3):
+    SHA-256 of ``"skippy_wire/llama/residual/<n_embd>/f32"``."""
+    return hashlib.sha256(f"skippy_wire/llama/residual/{n_embd}/f32".encode()).digest()
+
+
+def frontier_identity_of(parts: Sequence[ActivationPartDesc]) -> bytes:
+    """The backend's frontier identity over a part list (skippy_stage.h, item 3): SHA-256 of
+    ``"skippy_wire/frontier/v1" || u32 count || per part: identity, u32 ggml_type, u32 rank,
+    i32 token_axis, i64 of every non-token dimension`` (all little-endian)."""
+    digest = hashlib.sha256(b"skippy_wire/frontier/v1")
+    digest.update(struct.pack("<I", len(parts)))
+    for part in parts:
+        digest.update(bytes(part.identity))
+        digest.update(struct.pack("<IIi", part.ggml_type, part.rank, part.token_axis))
+        for axis, dimension in enumerate(part.dimensions[: part.rank]):
+            if axis != part.token_axis:
+                digest.update(struct.pack("<q", dimension))
+    return digest.digest()
+
+
+@dataclass
+class ActivationDesc:
+    """Version-2 activation frame descriptor (2120-byte C struct).
+
+    ``parts`` holds the part slots (up to 16; ``to_bytes`` pads with zeroed slots); only
+    the first ``part_count`` are meaningful, see :meth:`active_parts`.
+    """
+
+    version: int = ACTIVATION_FRAME_VERSION
+    producer_stage_index: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    token_count: int = 0
+    sequence_count: int = 0
+    part_count: int = 0
+    payload_bytes: int = 0
+    frontier_identity: bytes = _ZERO_IDENTITY
+    parts: list = field(default_factory=_default_parts)
+
+    def __repr__(self) -> str:
+        shown = list(self.parts[: min(self.part_count, len(self.parts))])
+        return (f"ActivationDesc(version={self.version}, producer_stage_index={self.producer_stage_index}, "
+                f"layer_start={self.layer_start}, layer_end={self.layer_end}, token_count={self.token_count}, "
+                f"sequence_count={self.sequence_count}, part_count={self.part_count}, "
+                f"payload_bytes={self.payload_bytes}, frontier_identity={bytes(self.frontier_identity)[:4].hex()}.., "
+                f"parts={shown!r})")
+
+    @classmethod
+    def empty(cls) -> "ActivationDesc":
+        """The Rust ``empty_raw_activation_desc``: version 0, producer -1, all else zero."""
+        return cls(version=0, producer_stage_index=-1)
+
+    def active_parts(self) -> list:
+        """Upstream ``parts()``: the first ``part_count`` slots; more than 16 is an error."""
+        if self.part_count > ACTIVATION_MAX_PARTS or self.part_count > len(self.parts):
+            raise ActivationFrameError("activation part count exceeds maximum")
+        return list(self.parts[: self.part_count])
+
+    def to_bytes(self) -> bytes:
+        """Upstream ``as_raw``; ``reserved`` is always written as 0."""
+        if len(self.frontier_identity) != ACTIVATION_IDENTITY_BYTES:
+            raise ActivationFrameError(f"frontier identity must be {ACTIVATION_IDENTITY_BYTES} bytes")
+        try:
+            head = _DESC_HEAD.pack(
+                self.version, self.producer_stage_index, self.layer_start, self.layer_end,
+                self.token_count, self.sequence_count, self.part_count, 0, self.payload_bytes,
+                bytes(self.frontier_identity),
+            )
+        except struct.error as exc:
+            raise ActivationFrameError(f"activation descriptor field out of range: {exc}") from None
+        return head + _pack_parts(self.parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ActivationDesc":
+        view = _exact_len(data, ACTIVATION_DESC_BYTES, "an activation descriptor")
+        v = _DESC_HEAD.unpack(view[: _DESC_HEAD.size])
+        return cls(
+            version=v[0], producer_stage_index=v[1], layer_start=v[2], layer_end=v[3],
+            token_count=v[4], sequence_count=v[5], part_count=v[6], payload_bytes=v[8],
+            frontier_identity=v[9], parts=_unpack_parts(view, _DESC_HEAD.size),
+        )
+
+    @classmethod
+    def f32_rows(
+        cls,
+        n_embd: int,
+        token_count: int,
+        *,
+        producer_stage_index: int = 0,
+        layer_start: int = 0,
+        layer_end: int = 0,
+        identity: Optional[bytes] = None,
+        frontier_identity: Optional[bytes] = None,
+    ) -> "ActivationDesc":
+        """A single F32 part ``[n_embd, token_count]`` (token axis 1), token-major rows.
+
+        Identities default to the backend's llama residual identities."""
+        payload_bytes = 4 * n_embd * token_count
+        parts = _default_parts()
+        parts[0] = ActivationPartDesc(
+            identity=llama_residual_identity(n_embd) if identity is None else identity, ggml_type=GGML_TYPE_F32, rank=2, token_axis=1,
+            dimensions=(n_embd, token_count, 0, 0), byte_strides=(4, 4 * n_embd, 0, 0),
+            payload_offset=0, payload_bytes=payload_bytes,
+        )
+        if frontier_identity is None:
+            frontier_identity = frontier_identity_of(parts[:1])
+        return cls(
+            version=ACTIVATION_FRAME_VERSION, producer_stage_index=producer_stage_index,
+            layer_start=layer_start, layer_end=layer_end, token_count=token_count,
+            sequence_count=1 if token_count else 0, part_count=1, payload_bytes=payload_bytes,
+            frontier_identity=frontier_identity, parts=parts,
+        )
+
+
+@dataclass
+class ActivationBoundaryDesc:
+    """Graph-observed activation boundary of a split edge (2088-byte C struct)."""
+
+    version: int = ACTIVATION_BOUNDARY_DESC_VERSION
+    part_count: int = 0
+    frontier_identity: bytes = _ZERO_IDENTITY
+    parts: list = field(default_factory=_default_parts)
+
+    def active_parts(self) -> list:
+        """Upstream ``parts()``: version must be 2 and 1 <= part_count <= 16."""
+        if self.version != ACTIVATION_BOUNDARY_DESC_VERSION:
+            raise ActivationFrameError(f"unsupported activation boundary descriptor version {self.version}")
+        if self.part_count == 0 or self.part_count > ACTIVATION_MAX_PARTS:
+            raise ActivationFrameError("activation boundary part count is invalid")
+        return list(self.parts[: self.part_count])
+
+    def raw_f32_width(self, edge: str = "activation") -> int:
+        """Width of the primary token-indexed F32 part (product of its non-token dims)."""
+        parts = self.active_parts()
+        primary = parts[0]
+        if primary.ggml_type != GGML_TYPE_F32 or primary.token_axis < 0:
+            raise ActivationFrameError(f"{edge} primary activation part is not token-indexed F32")
+        rank, axis = primary.rank, primary.token_axis
+        if rank == 0 or rank > ACTIVATION_MAX_DIMS or axis >= rank:
+            raise ActivationFrameError(f"{edge} primary activation part has an invalid rank or token axis")
+        elements = 1
+        for index, dimension in enumerate(primary.dimensions[:rank]):
+            if index == axis:
+                continue
+            if dimension < 0:
+                raise ActivationFrameError(f"{edge} primary activation dimension is dynamic")
+            elements *= dimension
+            if elements > U64_MAX:
+                raise ActivationFrameError("activation element count overflow")
+        if elements > I32_MAX:
+            raise ActivationFrameError(f"graph-observed {edge} activation width exceeds i32")
+        return elements
+
+    def payload_bytes_hint(self, edge: str, token_count: int) -> Optional[int]:
+        """Payload size of ``token_count`` tokens; ``None`` while a non-token dim is dynamic."""
+        total = 0
+        for part in self.active_parts():
+            if part.token_axis < 0 or part.token_axis >= part.rank or part.rank == 0 or part.rank > 4:
+                raise ActivationFrameError(f"{edge} activation part has an invalid token axis")
+            elements = 1
+            for index, dimension in enumerate(part.dimensions[: part.rank]):
+                if index == part.token_axis:
+                    dimension = token_count
+                elif dimension < 0:
+                    return None
+                elements *= dimension
+                if elements > U64_MAX:
+                    raise ActivationFrameError("activation element count overflow")
+            total += elements * _ggml_type_bytes(part.ggml_type)
+            if total > U64_MAX:
+                raise ActivationFrameError("activation payload bytes overflow")
+        return total
+
+    def payload_bytes(self, edge: str, token_count: int) -> int:
+        hint = self.payload_bytes_hint(edge, token_count)
+        if hint is None:
+            raise ActivationFrameError(f"{edge} activation part has an unresolved dynamic dimension")
+        return hint
+
+    def to_bytes(self) -> bytes:
+        head = _BOUNDARY_HEAD.pack(self.version, self.part_count, bytes(self.frontier_identity))
+        return head + _pack_parts(self.parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ActivationBoundaryDesc":
+        view = _exact_len(data, ACTIVATION_BOUNDARY_DESC_BYTES, "an activation boundary descriptor")
+        version, count, frontier = _BOUNDARY_HEAD.unpack(view[: _BOUNDARY_HEAD.size])
+        return cls(version, count, frontier, _unpack_parts(view, _BOUNDARY_HEAD.size))
+
+
+@dataclass
+class ActivationFrame:
+    """A descriptor and its payload; invariant ``len(payload) == desc.payload_bytes``."""
+
+    desc: ActivationDesc
+    payload: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"ActivationFrame(desc={self.desc!r}, payload=<{memoryview(self.payload).nbytes} bytes>)"
+
+    def validate_payload_len(self) -> None:
+        """Checked before every native call that takes this frame as input (section 1.4)."""
+        length = memoryview(self.payload).nbytes
+        if self.desc.payload_bytes != length:
+            raise ActivationFrameError(
+                f"activation payload length {length} does not match descriptor payload_bytes "
+                f"{self.desc.payload_bytes}"
+            )
+
+    @property
+    def token_count(self) -> int:
+        return self.desc.token_count
+
+    def has_optional_parts(self) -> bool:
+        """Whether any part is optional; an invalid part list counts as optional."""
+        try:
+            return any(part.is_optional() for part in self.desc.active_parts())
+        except ActivationFrameError:
+            return True
+
+
+# --- native MTP draft (runtime.md section 2.5) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class NativeMtpDraft:
+    token_ids: tuple
+    proposal_compute_us: int
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Optional[NativeMtpDraft]":
+        """Upstream ``from_raw``: ``None`` unless available, version 1 and count > 0."""
+        version, available, count, *rest = _MTP.unpack(_exact_len(data, MTP_DRAFT_BYTES, "an MTP draft"))
+        token_ids, compute_us = rest[:NATIVE_MTP_MAX_DRAFT_TOKENS], rest[NATIVE_MTP_MAX_DRAFT_TOKENS]
+        if not available or version != NATIVE_MTP_DRAFT_VERSION or count <= 0:
+            return None
+        return cls(tuple(token_ids[: min(count, NATIVE_MTP_MAX_DRAFT_TOKENS)]), compute_us)
+
+    @staticmethod
+    def pack(available: bool, token_ids: Sequence[int] = (), proposal_compute_us: int = 0,
+             version: int = NATIVE_MTP_DRAFT_VERSION, token_count: Optional[int] = None) -> bytes:
+        """The raw 56-byte struct (for fakes and tests)."""
+        ids = list(token_ids)[:NATIVE_MTP_MAX_DRAFT_TOKENS]
+        ids += [0] * (NATIVE_MTP_MAX_DRAFT_TOKENS - len(ids))
+        count = len(token_ids) if token_count is None else token_count
+        return _MTP.pack(version, available, count, *ids, proposal_compute_us)
+
+
+# --- sampling (runtime.md section 2.4) -------------------------------------------------------
+
+MAX_LOGIT_BIAS = 256
+MAX_SAMPLERS = 16
+MAX_DRY_SEQUENCE_BREAKERS = 8
+MAX_DRY_SEQUENCE_BREAKER_BYTES = 16
+SAMPLING_FLAG_ENABLED = 1 << 0
+SAMPLING_FLAG_IGNORE_EOS = 1 << 1
+SAMPLING_CONFIG_VERSION = 2
+
+SAMPLER_IDS = {
+    "penalties": 1, "dry": 2, "top_n_sigma": 3, "top_k": 4, "typical_p": 5, "typ_p": 5,
+    "top_p": 6, "min_p": 7, "xtc": 8, "temperature": 9, "temp": 9,
+}
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+
+_SAMPLING_HEAD = struct.Struct("<IIIii5fIf5ff2iffiffI")
+_SAMPLING_SAMPLERS = struct.Struct("<16I")
+_SAMPLING_TAIL = struct.Struct("<II")
+_LOGIT_BIAS = struct.Struct("<if")
+assert _SAMPLING_HEAD.size == 104
+assert (_SAMPLING_HEAD.size + _SAMPLING_SAMPLERS.size + _SAMPLING_TAIL.size
+        + MAX_DRY_SEQUENCE_BREAKERS * MAX_DRY_SEQUENCE_BREAKER_BYTES
+        + MAX_LOGIT_BIAS * _LOGIT_BIAS.size) == SAMPLING_CONFIG_BYTES
+
+
+@dataclass
+class RuntimeSamplingConfig:
+    """skippy-runtime ``SamplingConfig`` (defaults as upstream; ``enabled=False`` is greedy).
+
+    ``logit_bias`` is a sequence of ``(token_id, bias)``; DRY and XTC fields are flat.
+    """
+
+    enabled: bool = False
+    ignore_eos: bool = False
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = -1
+    logit_bias: Sequence = ()
+    typical_p: float = 1.0
+    top_nsigma: float = -1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: Sequence = DEFAULT_DRY_SEQUENCE_BREAKERS
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat_mode: int = 0
+    mirostat_entropy: float = 5.0
+    mirostat_learning_rate: float = 0.1
+    samplers: Sequence = DEFAULT_SAMPLERS
+
+    @classmethod
+    def greedy(cls) -> "RuntimeSamplingConfig":
+        return cls()
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "RuntimeSamplingConfig":
+        """Convert a wire-level ``skippy_wire.wire.messages.SamplingConfig`` (section 4.3).
+
+        ``enabled`` is the ENABLED flag bit; ``ignore_eos`` is the wire's ``ignore_eos``
+        field or the IGNORE_EOS flag bit.  f32 fields may be floats or raw u32 bits.
+        """
+        flags = int(getattr(wire, "flags", 0))
+        values = {}
+        for name in _WIRE_FLOAT_FIELDS:
+            if hasattr(wire, name):
+                values[name] = _wire_f32(getattr(wire, name))
+        for name in ("seed", "top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
+            if hasattr(wire, name):
+                values[name] = int(getattr(wire, name))
+        if hasattr(wire, "logit_bias"):
+            values["logit_bias"] = tuple(_wire_bias(entry) for entry in wire.logit_bias)
+        for name in ("dry_sequence_breakers", "samplers"):
+            if hasattr(wire, name):
+                values[name] = tuple(getattr(wire, name))
+        return cls(
+            enabled=bool(flags & SAMPLING_FLAG_ENABLED),
+            ignore_eos=bool(getattr(wire, "ignore_eos", False)) or bool(flags & SAMPLING_FLAG_IGNORE_EOS),
+            **values,
+        )
+
+    def to_bytes(self) -> bytes:
+        """Upstream ``as_raw``: the version-2 C struct, with the upstream validation errors."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingConfigError("sampling logit_bias exceeds the native limit")
+        if len(self.samplers) > MAX_SAMPLERS:
+            raise SamplingConfigError("sampling sampler order exceeds the native limit")
+        if len(self.dry_sequence_breakers) > MAX_DRY_SEQUENCE_BREAKERS:
+            raise SamplingConfigError("sampling DRY sequence breakers exceed the native count limit")
+        breakers = [str(value).encode("utf-8") for value in self.dry_sequence_breakers]
+        if any(len(value) >= MAX_DRY_SEQUENCE_BREAKER_BYTES for value in breakers):
+            raise SamplingConfigError("sampling DRY sequence breaker exceeds the native byte limit")
+        sampler_ids = []
+        for name in self.samplers:
+            if name not in SAMPLER_IDS:
+                raise SamplingConfigError(f"sampling sampler order contains {_rust_debug_str(name)}")
+            sampler_ids.append(SAMPLER_IDS[name])
+        sampler_ids += [0] * (MAX_SAMPLERS - len(sampler_ids))
+        flags = (SAMPLING_FLAG_ENABLED if self.enabled else 0) | (SAMPLING_FLAG_IGNORE_EOS if self.ignore_eos else 0)
+        try:
+            head = _SAMPLING_HEAD.pack(
+                SAMPLING_CONFIG_VERSION, flags, self.seed, self.top_k, self.penalty_last_n,
+                self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty,
+                self.repeat_penalty, len(self.logit_bias), self.min_p, self.typical_p,
+                self.top_nsigma, self.dynatemp_range, self.dynatemp_exponent,
+                self.dry_multiplier, self.dry_base, self.dry_allowed_length,
+                self.dry_penalty_last_n, self.xtc_probability, self.xtc_threshold,
+                self.mirostat_mode, self.mirostat_entropy, self.mirostat_learning_rate,
+                len(self.samplers),
+            )
+            biases = b"".join(_LOGIT_BIAS.pack(int(token), bias) for token, bias in self.logit_bias)
+        except (struct.error, OverflowError, TypeError, ValueError) as exc:
+            raise SamplingConfigError(f"sampling value cannot be encoded: {exc}") from None
+        biases += bytes(_LOGIT_BIAS.size * (MAX_LOGIT_BIAS - len(self.logit_bias)))
+        breaker_block = b"".join(value.ljust(MAX_DRY_SEQUENCE_BREAKER_BYTES, b"\0") for value in breakers)
+        breaker_block += bytes(MAX_DRY_SEQUENCE_BREAKER_BYTES * (MAX_DRY_SEQUENCE_BREAKERS - len(breakers)))
+        return (
+            head
+            + _SAMPLING_SAMPLERS.pack(*sampler_ids)
+            + _SAMPLING_TAIL.pack(1 if self.ignore_eos else 0, len(breakers))
+            + breaker_block
+            + biases
+        )
+
+
+_WIRE_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
+    "typical_p", "top_nsigma", "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base",
+    "xtc_probability", "xtc_threshold", "mirostat_entropy", "mirostat_learning_rate",
+)
+
+
+def _wire_f32(value: Any) -> float:
+    # The wire module may keep f32 fields as raw u32 bits (to round-trip NaN payloads).
+    if isinstance(value, int) and not isinstance(value, bool):
+        return struct.unpack("<f", struct.pack("<I", value & U32_MAX))[0]
+    return float(value)
+
+
+def _wire_bias(entry: Any) -> tuple:
+    if isinstance(entry, tuple) or isinstance(entry, list):
+        token, bias = entry
+    else:
+        token, bias = entry.token_id, entry.bias
+    return int(token), _wire_f32(bias)
+
+
+def _rust_debug_str(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
+def sampling_to_bytes(sampling: Any) -> Optional[bytes]:
+    """Encode ``None`` (greedy), a ``RuntimeSamplingConfig`` or a wire ``SamplingConfig``."""
+    if sampling is None:
+        return None
+    if isinstance(sampling, RuntimeSamplingConfig):
+        return sampling.to_bytes()
+    if isinstance(sampling, (bytes, bytearray, memoryview)):
+        raw = bytes(sampling)
+        if len(raw) != SAMPLING_CONFIG_BYTES:
+            raise SamplingConfigError(f"a packed sampling config must be {SAMPLING_CONFIG_BYTES} bytes, got {len(raw)}")
+        return raw
+    if hasattr(sampling, "flags"):
+        return RuntimeSamplingConfig.from_wire(sampling).to_bytes()
+    raise SamplingConfigError(f"unsupported sampling config type {type(sampling).__name__}")
+
+
+# --- wire conversions (wire-format.md section 9) ------------------------------------------
+
+
+def frame_from_wire(
+    payload: bytes,
+    token_count: int,
+    n_embd: int,
+    producer_stage_index: int,
+    layer_start: int,
+    layer_end: int,
+    flags: int = 0,
+    *,
+    boundary: Optional[ActivationBoundaryDesc] = None,
+) -> ActivationFrame:
+    """Build the v2 input frame for a received (decoded, F32) wire activation.
+
+    One F32 part ``[n_embd, token_count]``, token axis 1.  ``flags`` are v1 frame flags;
+    sideband planes are not supported by this backend, so non-zero flags are rejected.
+    ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
+    frontier identities; without it they are the backend's llama residual identities.
+    """
+    if flags:
+        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
+    data = bytes(payload)
+    expected = 4 * n_embd * token_count
+    if len(data) != expected:
+        raise ActivationFrameError(
+            f"activation payload length {len(data)} does not match {token_count} tokens x "
+            f"{n_embd} f32 ({expected} bytes)"
+        )
+    identity = frontier = None
+    if boundary is not None:
+        parts = boundary.active_parts()
+        identity, frontier = parts[0].identity, boundary.frontier_identity
+    desc = ActivationDesc.f32_rows(
+        n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
+        layer_end=layer_end, identity=identity, frontier_identity=frontier,
+    )
+    return ActivationFrame(desc, data)
+
+
+_V1_DTYPE_NAMES = {GGML_TYPE_F32: "F32", GGML_TYPE_F16: "F16", GGML_TYPE_BF16: "BF16"}
+
+
+def frame_to_v1(frame: ActivationFrame) -> Any:
+    """Convert an output frame into the v1 ``skippy_wire.wire.forwarding.ActivationFrameV1``.
+
+    Single-part frames only (sidebands would be extra parts, which v1 expresses as flags
+    this backend never produces).  The layout is TOKEN_MAJOR when the part is contiguous
+    with the token axis outermost, else OPAQUE.  An empty frame (terminal output) maps to
+    dtype UNKNOWN, token/sequence count 0.
+    """
+    from ..wire import forwarding  # deferred: owned by the framing module
+
+    frame.validate_payload_len()
+    desc = frame.desc
+    parts = desc.active_parts()
+    if len(parts) > 1:
+        raise ActivationFrameError(
+            f"a v1 activation frame carries one part, this frame has {len(parts)}"
+        )
+    dtype = forwarding.ActivationDType.UNKNOWN
+    layout = forwarding.ActivationLayout.OPAQUE
+    if parts:
+        part = parts[0]
+        name = _V1_DTYPE_NAMES.get(part.ggml_type)
+        if name is not None:
+            dtype = getattr(forwarding.ActivationDType, name)
+        if _is_token_major(part):
+            layout = forwarding.ActivationLayout.TOKEN_MAJOR
+    v1 = forwarding.ActivationDescV1(
+        version=1,
+        dtype=dtype,
+        layout=layout,
+        producer_stage_index=desc.producer_stage_index,
+        layer_start=desc.layer_start,
+        layer_end=desc.layer_end,
+        token_count=desc.token_count,
+        sequence_count=desc.sequence_count,
+        payload_bytes=desc.payload_bytes,
+        flags=0,
+    )
+    return forwarding.ActivationFrameV1(desc=v1, payload=bytes(frame.payload))
+
+
+def _is_token_major(part: ActivationPartDesc) -> bool:
+    rank = part.rank
+    if rank == 0 or rank > ACTIVATION_MAX_DIMS or part.token_axis != rank - 1:
+        return False
+    try:
+        stride = _ggml_type_bytes(part.ggml_type)
+    except ActivationFrameError:
+        return False
+    for axis in range(rank):
+        if part.byte_strides[axis] != stride:
+            return False
+        stride *= part.dimensions[axis]
+    return True
+
+
+__all__ = [
+    "ACTIVATION_BOUNDARY_DESC_BYTES", "ACTIVATION_BOUNDARY_DESC_VERSION", "ACTIVATION_DESC_BYTES",
+    "ACTIVATION_FLAG_GEMMA3N_ALTUP", "ACTIVATION_FLAG_INKLING_MTP_EMBD", "ACTIVATION_FLAG_RWKV7_V_FIRST",
+    "ACTIVATION_FRAME_VERSION", "ACTIVATION_IDENTITY_BYTES", "ACTIVATION_MAX_DIMS", "ACTIVATION_MAX_PARTS",
+    "ACTIVATION_PART_DESC_BYTES", "ACTIVATION_PART_OPTIONAL", "GGML_TYPE_BF16", "GGML_TYPE_F16",
+    "GGML_TYPE_F32", "GGML_TYPE_I32", "MAX_DRY_SEQUENCE_BREAKER_BYTES", "MAX_DRY_SEQUENCE_BREAKERS",
+    "MAX_LOGIT_BIAS", "MAX_SAMPLERS", "MTP_DRAFT_BYTES", "NATIVE_MTP_MAX_DRAFT_TOKENS",
+    "SAMPLER_IDS", "SAMPLING_CONFIG_BYTES", "SAMPLING_CONFIG_VERSION", "SAMPLING_FLAG_ENABLED",
+    "SAMPLING_FLAG_IGNORE_EOS",
+    "ActivationBoundaryDesc", "ActivationDesc", "ActivationFrame", "ActivationFrameError",
+    "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution", "RuntimeSamplingConfig",
+    "SamplingConfigError", "StageArgumentError", "StageRuntimeError", "Status",
+    "format_status_error", "frame_from_wire", "frame_to_v1", "frontier_identity_of",
+    "llama_residual_identity", "sampling_to_bytes",
+]

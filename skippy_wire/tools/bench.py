@@ -1,0 +1,265 @@
+"""``python -m skippy_wire bench``: codec throughput against the reference encoders.
+
+Prints one table of GB/s per operation and size, then every performance goal of issue
+#3 as a ratio measured in this run (ours and the baseline timed alternately, best of
+several rounds), each marked met or not.  Throughput is counted in f32 bytes (the size
+of the activation as floats) for every operation, so encode and decode rows compare.
+
+Other concepts add rows through :data:`ROW_PRODUCERS`: a producer is a callable
+``producer(options) -> iterable of Row | Ratio``.  The framing benchmarks live in
+``skippy_wire.tools.frame_bench`` when it exists; its ``ROW_PRODUCERS`` list is appended.
+The pytest-benchmark suite with the same operations is ``bench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import platform
+import time
+import timeit
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Union
+
+import ml_dtypes
+import numpy as np
+
+from ..wire import codec as api
+from .._impl import IMPLEMENTATION, kernel_module
+
+SIZES = ((1, 4096), (128, 4096), (2048, 4096))
+JUDGED = (128, 4096)  # issue #3 judges the ratios at this size
+THREAD_SIZE = (2048, 4096)
+
+
+@dataclass
+class Row:
+    """One timed operation: ``seconds`` per call on ``nbytes`` of f32 activation."""
+
+    op: str
+    size: str
+    impl: str
+    seconds: float
+    nbytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+
+@dataclass
+class Ratio:
+    """A goal: ``ratio`` (higher is better) must reach ``target``."""
+
+    goal: str
+    ratio: float
+    target: float
+    detail: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.target
+
+
+Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
+
+
+def _best(fn: Callable[[], object], repeat: int, min_time: float) -> float:
+    """Best seconds per call over ``repeat`` rounds of about ``min_time`` seconds each
+    (the minimum is the least disturbed by other processes)."""
+    timer = timeit.Timer(fn)
+    once = max(timer.timeit(number=1), 1e-7)
+    number = max(1, int(min_time / once))
+    return min(timer.repeat(repeat=repeat, number=number)) / number
+
+
+def _paired(ours: Callable[[], object], base: Callable[[], object], repeat: int, min_time: float) -> tuple[float, float]:
+    """Time two callables alternately so that both see the same machine load."""
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(_best(ours, 1, min_time))
+        b.append(_best(base, 1, min_time))
+    return min(a), min(b)
+
+
+def _label(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
+
+
+def _inputs(size: tuple[int, int]):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(size, dtype=np.float32)
+    exact = x.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16-exact: the full scan
+    return x, exact, x.astype(ml_dtypes.bfloat16), x.astype(np.float16)
+
+
+def codec_rows(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
+    """Encode / select / decode rows for every size, and the issue #3 ratios."""
+    k = api.kernels()
+    enc, dec, sel = api.encode_activation, api.decode_activation, api.select_and_encode_lossless
+    for size in opts.sizes:
+        t, n = size
+        x, exact, xb, xh = _inputs(size)
+        wb, wh = enc(3, t, n, x), enc(2, t, n, x)
+        label = _label(size)
+        ops = [
+            ("encode bf16", lambda: enc(3, t, n, x), "ml_dtypes astype(bfloat16)", lambda: x.astype(ml_dtypes.bfloat16), 1.5),
+            ("encode f16", lambda: enc(2, t, n, x), "numpy astype(float16)", lambda: x.astype(np.float16), 3.0),
+            ("select+encode (bf16-exact)", lambda: sel(t, n, exact), "ml_dtypes astype(bfloat16)", lambda: exact.astype(ml_dtypes.bfloat16), 1.0),
+            ("decode bf16", lambda: dec(3, t, n, wb), "ml_dtypes astype(float32)", lambda: xb.astype(np.float32), 1.5),
+            ("decode f16", lambda: dec(2, t, n, wh), "numpy astype(float32)", lambda: xh.astype(np.float32), 1.5),
+        ]
+        for op, ours, base_name, base, target in ops:
+            with np.errstate(all="ignore"):
+                a, b = _paired(ours, base, opts.repeat, opts.min_time)
+            yield Row(op, label, f"skippy_wire ({IMPLEMENTATION})", a, x.nbytes)
+            yield Row(op, label, base_name, b, x.nbytes)
+            if size == JUDGED:
+                yield Ratio(f"{op} vs {base_name} @{label}", b / a, target)
+        yield Row("encode s8", label, f"skippy_wire ({IMPLEMENTATION})", _best(lambda: enc(4, t, n, x), opts.repeat, opts.min_time), x.nbytes)
+        if IMPLEMENTATION == "cython" and hasattr(k, "_set_simd") and k.simd_active():
+            previous = k._set_simd(False)
+            try:
+                for op, fn in (("encode bf16", lambda: enc(3, t, n, x)), ("encode f16", lambda: enc(2, t, n, x)), ("decode f16", lambda: dec(2, t, n, wh))):
+                    yield Row(op, label, "skippy_wire (portable path)", _best(fn, opts.repeat, opts.min_time), x.nbytes)
+            finally:
+                k._set_simd(previous)
+        if size[0] <= 1 and not opts.quick:
+            ref = kernel_module("codec", "python")
+            yield Row("encode bf16", label, "reference twin (python)", _best(lambda: ref.encode_activation(3, t, n, x, 0), 1, 0.05), x.nbytes)
+    if opts.threads:
+        yield from thread_scaling(opts)
+
+
+def _scaling(work: Callable[[object], None], items: list, rounds: int) -> tuple[float, float]:
+    """Best seconds of one ``work(items[0])`` on one thread, and of ``work`` over both
+    items at once on two threads.
+
+    Both runs use the same persistent worker threads and a warm-up round, so thread start
+    and first-touch page faults of the allocator are not counted."""
+    single, double = [], []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(work, items))  # warm-up: threads, arenas, pages
+        for _ in range(rounds):
+            start = time.perf_counter()
+            pool.submit(work, items[0]).result()
+            single.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            list(pool.map(work, items))
+            double.append(time.perf_counter() - start)
+    return min(single), min(double)
+
+
+def thread_scaling(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
+    """Two threads, each bf16-encoding its own frame in a loop, against one thread.
+
+    The judged run encodes into per-thread ``out=`` buffers allocated (and touched) once,
+    as a pipeline reusing its buffers would, so no per-call allocation, page fault or
+    kernel zeroing can count; the default path (a new 16 MiB ``bytes`` per call) is
+    reported beside it.  ``hashlib.sha256`` over the same bytes releases the GIL and
+    touches memory once: its scaling is what this machine offers two threads right now (a shared or throttled VM may give far less than two cores)."""
+    t, n = THREAD_SIZE
+    frames = [np.random.default_rng(s).standard_normal(THREAD_SIZE, dtype=np.float32) for s in (1, 2)]
+    # One output buffer per frame (so per thread), written once here so no timed call faults.
+    outs = [np.ones(api.activation_wire_bytes(3, t, n), dtype=np.uint8) for _ in frames]
+    loops = 4 if opts.quick else 8
+    rounds = max(opts.repeat // 2, 3)
+
+    def encode(x: np.ndarray) -> None:
+        for _ in range(loops):
+            api.encode_activation(3, t, n, x)
+
+    def encode_out(item: tuple[np.ndarray, np.ndarray]) -> None:
+        x, out = item
+        for _ in range(loops):
+            api.encode_activation(3, t, n, x, out=out)
+
+    def digest(x: np.ndarray) -> None:
+        for _ in range(loops):
+            hashlib.sha256(x).digest()
+
+    so, do = (v / loops for v in _scaling(encode_out, list(zip(frames, outs)), rounds))
+    s, d = (v / loops for v in _scaling(encode, frames, rounds))
+    hs, hd = _scaling(digest, frames, rounds)
+    nbytes = frames[0].nbytes
+    label = _label(THREAD_SIZE)
+    ours = f"skippy_wire ({IMPLEMENTATION})"
+    yield Row("encode bf16 out=, 1 thread", label, ours, so, nbytes)
+    yield Row("encode bf16 out=, 2 threads", label, ours, do, 2 * nbytes)
+    yield Row("encode bf16, 1 thread", label, ours, s, nbytes)
+    yield Row("encode bf16, 2 threads", label, ours, d, 2 * nbytes)
+    yield Ratio(f"2-thread bf16 encode scaling, out= buffers @{label}", 2 * so / do, 1.6,
+                f"aggregate throughput, 2 threads / 1; default allocation: {2 * s / d:.2f}x; "
+                f"GIL-free sha256: {2 * hs / hd:.2f}x")
+
+
+#: Row producers run by ``main``; other concepts append theirs (see the module doc).
+ROW_PRODUCERS: list[Producer] = [codec_rows]
+
+
+def _all_producers() -> list[Producer]:
+    producers = list(ROW_PRODUCERS)
+    try:
+        frame_bench = importlib.import_module("skippy_wire.tools.frame_bench")
+    except ImportError:
+        return producers
+    return producers + [p for p in getattr(frame_bench, "ROW_PRODUCERS", []) if p not in producers]
+
+
+def _parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    sizes = []
+    for item in text.split(","):
+        a, _, b = item.strip().partition("x")
+        sizes.append((int(a), int(b)))
+    return tuple(sizes)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    k = api.kernels()
+    simd = "AVX2+F16C" if getattr(k, "simd_active", lambda: False)() else "portable"
+    return f"{cpu}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="skippy-wire bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=_parse_sizes, default=SIZES, help="comma-separated TOKENSxN_EMBD (default 1x4096,128x4096,2048x4096)")
+    parser.add_argument("--repeat", type=int, default=7, help="timing rounds per operation (best is kept)")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timing round")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds, no thread test (smoke run)")
+    parser.add_argument("--no-threads", dest="threads", action="store_false", help="skip the thread-scaling test")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.sizes, opts.repeat, opts.min_time, opts.threads = ((1, 4096), JUDGED), 3, 0.01, False
+
+    print(f"machine: {_machine()}")
+    print("GB/s counts f32 activation bytes; ratios are baseline time / our time, measured alternately.\n")
+    rows: list[Row] = []
+    ratios: list[Ratio] = []
+    for producer in _all_producers():
+        for item in producer(opts):
+            (ratios if isinstance(item, Ratio) else rows).append(item)
+
+    width = max([len(r.op) for r in rows] + [10])
+    iwidth = max([len(r.impl) for r in rows] + [10])
+    print(f"{'operation'.ljust(width)}  {'size':>10}  {'implementation'.ljust(iwidth)}  {'time':>11}  {'GB/s':>7}")
+    for r in rows:
+        print(f"{r.op.ljust(width)}  {r.size:>10}  {r.impl.ljust(iwidth)}  {r.seconds * 1e6:9.1f}us  {r.gbps:7.2f}")
+    if ratios:
+        gwidth = max(len(r.goal) for r in ratios)
+        print(f"\n{'goal'.ljust(gwidth)}  {'ratio':>7}  {'target':>7}  met")
+        for r in ratios:
+            note = f"  ({r.detail})" if r.detail else ""
+            print(f"{r.goal.ljust(gwidth)}  {r.ratio:6.2f}x  {r.target:6.2f}x  {'yes' if r.met else 'NO'}{note}")
+        print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
+    return 0

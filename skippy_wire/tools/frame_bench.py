@@ -1,0 +1,142 @@
+"""Framing throughput rows for ``skippy-wire bench`` (issue #3, framing part).
+
+``rows()`` measures the compiled framing against the pure-Python twin and returns one dict
+per operation::
+
+    {"op", "size", "unit", "ours", "reference", "ratio", "goal", "met"}
+
+``ours``/``reference`` are operations per second (best of several timed batches);
+``ratio`` = ours / reference; ``goal`` states the target and ``met`` whether it holds
+(``None`` for informational rows).  The headline row is the write + read round trip of a
+1 x 4096 BF16 DecodeEmbd message with a sampling block: goal >= 150,000/s and >= 10x the
+twin.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import _impl
+from ..wire.constants import ActivationCodec
+from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
+
+ROUND_TRIP_GOAL_OPS = 150_000
+ROUND_TRIP_GOAL_RATIO = 10.0
+N_EMBD = 4096
+
+
+def decode_message(n_embd: int = N_EMBD) -> StageWireMessage:
+    """The benchmark message: DecodeEmbd, one token, BF16 activation, a sampling block."""
+    codec = _impl.kernel_module("codec", "python")  # any implementation gives the same bytes
+    values = np.random.default_rng(15).standard_normal(n_embd).astype("<f4")
+    state = StageStateHeader.new(WireMessageKind.DECODE_EMBD)
+    state.source_stage_index, state.activation_codec = 1, ActivationCodec.BF16_RNE_V1
+    state.prompt_token_count, state.decode_step, state.current_token = 17, 3, 11
+    sampling = SamplingConfig(flags=1, seed=42, temperature=0.8, top_p=0.9, top_k=40)
+    wire = codec.encode_activation(int(ActivationCodec.BF16_RNE_V1), 1, n_embd, values.tobytes(), 0)
+    return StageWireMessage(WireMessageKind.DECODE_EMBD, 20, 1, state, 7, 11, sampling, None, [11], [], wire)
+
+
+def _rate(fn: Callable[[], object], budget_s: float) -> float:
+    """Operations per second: best of 5 batches sized to ~budget_s / 5 each."""
+    fn()
+    n, elapsed = 1, 0.0
+    while True:  # calibrate a batch of >= 20 ms
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= 0.02:
+            break
+        n *= 4
+    per_batch = max(1, int(n * (budget_s / 5) / elapsed))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        best = min(best, (time.perf_counter() - start) / per_batch)
+    return 1.0 / best
+
+
+def _ops(impl: str, msg: StageWireMessage, n_embd: int) -> dict[str, Callable[[], object]]:
+    k = _impl.kernel_module("frame", impl)
+    write, read = k.write_stage_message, k.read_stage_message_from_buffer
+    data = write(msg)
+    codec = int(msg.state.activation_codec)
+    stream = data * 64
+
+    def decoder_feed():
+        from ..wire.frame import StageMessageDecoder
+
+        dec = StageMessageDecoder(n_embd, codec, impl=impl)
+        got = dec.feed(stream)
+        assert len(got) == 64
+        return got
+
+    return {
+        "write+read round trip": lambda: read(write(msg), n_embd, codec, 0, 0),
+        "write": lambda: write(msg),
+        "read": lambda: read(data, n_embd, codec, 0, 0),
+        "streaming decoder, 64 msgs/feed (per msg)": decoder_feed,
+    }
+
+
+def rows(budget_s: float = 0.5, n_embd: int = N_EMBD, impl: Optional[str] = None) -> list[dict]:
+    """Measure every framing operation on ``impl`` (default: the compiled one) and on the twin."""
+    impl = impl or "cython"
+    msg = decode_message(n_embd)
+    size = f"1x{n_embd} bf16 DecodeEmbd + sampling ({len(_impl.kernel_module('frame', impl).write_stage_message(msg))} B)"
+    ours_ops, ref_ops = _ops(impl, msg, n_embd), _ops("python", msg, n_embd)
+    out = []
+    for op, fn in ours_ops.items():
+        per_call = 64 if op.startswith("streaming") else 1
+        ours = _rate(fn, budget_s) * per_call
+        ref = _rate(ref_ops[op], budget_s / 4) * per_call
+        ratio = ours / ref
+        if op == "write+read round trip":
+            goal = f">= {ROUND_TRIP_GOAL_OPS:,}/s and >= {ROUND_TRIP_GOAL_RATIO:g}x reference"
+            met = ours >= ROUND_TRIP_GOAL_OPS and ratio >= ROUND_TRIP_GOAL_RATIO
+        else:
+            goal, met = "", None
+        out.append({"op": f"frame {op}", "size": size, "unit": "ops/s", "ours": ours, "ours_ops_s": ours,
+                    "reference": ref, "ratio": ratio, "goal": goal, "met": met, "impl": impl})
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the rows (``python -m skippy_wire.tools.frame_bench``)."""
+    for row in rows():
+        met = "" if row["met"] is None else ("  met" if row["met"] else "  NOT MET")
+        print(f"{row['op']:<48} {row['ours']:>12,.0f}/s  ref {row['reference']:>10,.0f}/s  "
+              f"x{row['ratio']:>7.1f}  {row['goal']}{met}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def frame_rows(opts=None):
+    """Producer for ``skippy-wire bench`` (see ``skippy_wire.tools.bench.ROW_PRODUCERS``): the
+    rows above as ``bench.Row`` (time per operation, message bytes) plus the two issue #3
+    goals as ``bench.Ratio``."""
+    from .bench import Ratio, Row
+
+    budget = 0.15 if getattr(opts, "quick", False) else 0.5
+    for row in rows(budget_s=budget):
+        nbytes = int(row["size"].rsplit("(", 1)[1].split()[0])
+        per_op = 1.0 / row["ours"]
+        yield Row(row["op"], f"1x{N_EMBD}", f"skippy_wire ({row['impl']})", per_op, nbytes)
+        yield Row(row["op"], f"1x{N_EMBD}", "reference twin (python)", 1.0 / row["reference"], nbytes)
+        if row["met"] is not None:
+            yield Ratio(f"{row['op']} vs reference twin", row["ratio"], ROUND_TRIP_GOAL_RATIO)
+            yield Ratio(f"{row['op']} messages/s vs {ROUND_TRIP_GOAL_OPS:,}/s", row["ours"] / ROUND_TRIP_GOAL_OPS, 1.0,
+                        f"{row['ours']:,.0f}/s")
+
+
+#: Picked up by ``skippy_wire.tools.bench`` (``python -m skippy_wire bench``).
+ROW_PRODUCERS = [frame_rows]

@@ -1,0 +1,271 @@
+"""A dissector for captured stage traffic (``skippy-wire inspect FILE|-``).
+
+Input: the bytes of ONE direction of one hop, as written by ``skippy-wire run --capture
+DIR`` (``DIR/hopK-messages.bin``: what the upstream side sent; ``DIR/hopK-replies.bin``:
+READY then the replies) or by any other recorder (e.g. a tcpdump payload export).
+
+Direction: a stream that starts with the READY magic (``59 44 52 53``) is the reply
+direction; otherwise a file whose name contains "replies" is; otherwise it is read as
+stage messages.  ``--replies`` / ``--messages`` force it.
+
+Width: the reader of a stage message needs n_embd (wire-format.md 4.5).  v15 frames carry
+the encoded activation byte count (offset 60), so the dissector infers n_embd per message
+from that count, the codec id, token_count and the row-doubling sideband flags; ``--n-embd``
+overrides the inference (and is then validated like a stage would).
+
+Every field is printed; activations are summarised (codec, sizes, shape, min/max, first
+values) unless ``--values`` asks for every value.  Exit status 0 when the whole stream
+parsed, 1 at the first malformed or truncated record (printed with its offset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import struct
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from ..wire.constants import ActivationCodec, activation_payload_multiplier_from_state_flags
+from ..errors import WireError
+
+READY_BYTES = b"\x59\x44\x52\x53"
+
+STATE_FLAG_NAMES = {
+    0x001: "FINAL_CHUNK", 0x002: "LIGHT_CONTEXT", 0x004: "bit2", 0x008: "SAMPLING", 0x010: "FULL_STATE",
+    0x020: "CHAT_SAMPLING_METADATA", 0x040: "RWKV7_V_FIRST_SIDEBAND", 0x080: "GEMMA3N_ALTUP_SIDEBAND",
+    0x100: "INKLING_MTP_EMBD_SIDEBAND",
+}
+PHASES = {1: "Prefill", 2: "Decode", 3: "DecodeReplay", 4: "DecodeLight"}
+STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
+                "decode_step", "current_token", "source_stage_index", "activation_codec")
+
+
+def flag_names(flags: int) -> str:
+    names = [name for bit, name in STATE_FLAG_NAMES.items() if flags & bit]
+    rest = flags & ~sum(STATE_FLAG_NAMES)
+    if rest:
+        names.append(f"0x{rest:x}")
+    return "|".join(names) or "none"
+
+
+def infer_n_embd(prefix: bytes) -> int | None:
+    """n_embd implied by an 80-byte message prefix, or None when it carries no activation."""
+    token_count = struct.unpack_from("<i", prefix, 8)[0]
+    flags, source, codec_id, count = struct.unpack_from("<i", prefix, 32)[0], *struct.unpack_from("<iii", prefix, 52)
+    if source < 0 or count <= 0 or token_count <= 0:
+        return None
+    rows = token_count * activation_payload_multiplier_from_state_flags(flags)
+    try:
+        codec = ActivationCodec(codec_id)
+    except ValueError:
+        return None
+    if codec is ActivationCodec.RAW_F32_V1:
+        per_row = count / rows / 4
+    elif codec in (ActivationCodec.F16_RNE_V1, ActivationCodec.BF16_RNE_V1):
+        per_row = count / rows / 2
+    else:
+        per_row = count / rows - 4
+    return int(per_row) if per_row == int(per_row) and per_row > 0 else None
+
+
+def _fmt(value) -> str:
+    if isinstance(value, enum.Enum):
+        return f"{value.name} ({int(value.value)})" if isinstance(value.value, int) else value.name
+    if isinstance(value, float):
+        return repr(value)
+    return repr(value) if isinstance(value, (str, bytes)) else str(value)
+
+
+def _fields(obj) -> list[tuple[str, object]]:
+    if dataclasses.is_dataclass(obj):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if hasattr(obj, "__slots__"):
+        return [(name, getattr(obj, name)) for name in obj.__slots__ if not name.startswith("_")]
+    return [(k, v) for k, v in vars(obj).items() if not k.startswith("_")]
+
+
+def _values_line(values, limit: int | None) -> str:
+    shown = values if limit is None else values[:limit]
+    text = ", ".join(f"{v:.6g}" for v in shown)
+    return f"[{text}{', ...' if limit is not None and len(values) > limit else ''}]"
+
+
+def describe_message(msg, offset: int, size: int, index: int, n_embd: int | None, *, all_values: bool,
+                     wire_activation_bytes: int = 0) -> list[str]:
+    kind = msg.kind
+    lines = [f"#{index} @{offset} message, {size} bytes: {_fmt(kind)}"]
+    lines.append(f"  pos_start {msg.pos_start}  token_count {msg.token_count}  "
+                 f"tokens {len(msg.tokens)}  positions {len(msg.positions)}  "
+                 f"request_id {msg.request_id}  session_id {msg.session_id}")
+    st = msg.state
+    parts = []
+    for name in STATE_FIELDS:
+        value = getattr(st, name)
+        if name == "phase":
+            parts.append(f"phase {PHASES.get(int(value), '?')} ({int(value)})")
+        elif name == "flags":
+            parts.append(f"flags 0x{int(value):x} [{flag_names(int(value))}]")
+        elif name == "activation_codec":
+            codec = ActivationCodec(int(value))
+            parts.append(f"activation_codec {codec.identity} ({int(codec)})")
+        else:
+            parts.append(f"{name} {int(value)}")
+    lines.append("  state: " + "  ".join(parts))
+    if msg.sampling is not None:
+        lines.append("  sampling: " + "  ".join(f"{k} {_fmt(v)}" for k, v in _fields(msg.sampling)))
+    else:
+        lines.append("  sampling: none")
+    if msg.chat_sampling_metadata is not None:
+        lines.append(f"  chat_sampling_metadata ({len(msg.chat_sampling_metadata.encode())} bytes): "
+                     f"{msg.chat_sampling_metadata!r}")
+    if msg.tokens:
+        lines.append(f"  tokens: {list(msg.tokens)}")
+    if msg.positions:
+        lines.append(f"  positions: {list(msg.positions)}")
+    if getattr(msg, "raw_bytes", b""):
+        lines.append(f"  raw_bytes: {len(msg.raw_bytes)} bytes: {bytes(msg.raw_bytes[:32]).hex(' ')}"
+                     f"{' ...' if len(msg.raw_bytes) > 32 else ''}")
+    if msg.activation:
+        codec = ActivationCodec(int(st.activation_codec))
+        n = len(msg.activation) // 4
+        values = struct.unpack(f"<{n}f", bytes(msg.activation))
+        rows = n // n_embd if n_embd else 0
+        finite = [v for v in values if v == v and abs(v) != float("inf")]
+        lines.append(f"  activation: {codec.identity}, {wire_activation_bytes} bytes on the wire, decoded "
+                     f"{len(msg.activation)} bytes = {rows} rows x {n_embd} (n_embd)")
+        if finite:
+            lines.append(f"    min {min(finite):.6g}  max {max(finite):.6g}  "
+                         f"mean {sum(finite) / len(finite):.6g}  non-finite {n - len(finite)}")
+        lines.append(f"    values: {_values_line(values, None if all_values else 8)}")
+    else:
+        lines.append("  activation: none")
+    return lines
+
+
+def describe_reply(reply, offset: int, size: int, index: int) -> list[str]:
+    lines = [f"#{index} @{offset} reply, {size} bytes: {_fmt(reply.kind)}"]
+    extra = []
+    for name, value in _fields(reply):
+        if name in ("kind", "stats"):
+            continue
+        extra.append(f"{name} {_fmt(value) if not isinstance(value, list) else value}")
+    lines.append("  " + "  ".join(extra))
+    stats = getattr(reply, "stats", None)
+    if stats is not None:
+        items = _fields(stats)
+        nonzero = [f"{k} {v}" for k, v in items if v]
+        lines.append(f"  stats: {'  '.join(nonzero) if nonzero else f'all {len(items)} fields zero'}")
+    return lines
+
+
+def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = None, all_values: bool = False,
+            out: TextIO | None = None, name: str = "") -> int:
+    """Print every record of ``data`` to ``out`` (default stdout); returns the number of
+    records, raises :class:`DissectError` at the first malformed or truncated one."""
+    out = out or sys.stdout
+    if replies is None:
+        replies = data[:4] == READY_BYTES or "replies" in Path(name).name
+    index = 0
+    records = iter_records(data, replies=replies, n_embd=n_embd)
+    while True:
+        offset = records.offset
+        try:
+            item = next(records, None)
+            if item is None:
+                break
+            _, record, size, width = item
+            if record is READY:
+                lines = ["#0 @0 READY (magic 0x53524459, 4 bytes)"]
+            elif replies:
+                lines = describe_reply(record, offset, size, index)
+            else:
+                wire = struct.unpack_from("<i", data, offset + 60)[0]
+                lines = describe_message(record, offset, size, index, width,
+                                         all_values=all_values, wire_activation_bytes=wire)
+        except (WireError, EOFError) as exc:
+            kind = getattr(exc, "kind", type(exc).__name__)
+            raise DissectError(f"#{index} @{offset}: {kind}: {exc} ({len(data) - offset} bytes left)") from exc
+        print("\n".join(lines), file=out)
+        index += 1
+    return index
+
+
+class DissectError(ValueError):
+    """A record could not be parsed; the message carries its index and byte offset."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="skippy-wire inspect",
+                                description="Dissect a captured byte stream of stage messages or replies.")
+    p.add_argument("file", help="capture file, or - for stdin")
+    direction = p.add_mutually_exclusive_group()
+    direction.add_argument("--replies", action="store_true", help="the stream is READY + replies")
+    direction.add_argument("--messages", action="store_true", help="the stream is stage messages")
+    p.add_argument("--n-embd", type=int, default=None, help="activation width (default: inferred per message)")
+    p.add_argument("--values", action="store_true", help="print every activation value")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.file == "-":
+        data, name = sys.stdin.buffer.read(), "-"
+    else:
+        try:
+            data, name = Path(args.file).read_bytes(), args.file
+        except OSError as exc:
+            print(f"skippy-wire inspect: {exc}", file=sys.stderr)
+            return 1
+    replies = True if args.replies else False if args.messages else None
+    try:
+        count = dissect(data, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name)
+    except DissectError as exc:
+        sys.stdout.flush()
+        print(f"skippy-wire inspect: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `skippy-wire inspect FILE | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    print(f"{count} records, {len(data)} bytes")
+    return 0
+
+
+READY = object()
+
+
+class iter_records:
+    """Iterate ``(offset, record, size, n_embd)`` over ``data``; ``record`` is the
+    :data:`READY` sentinel for a leading READY magic in the reply direction.  ``offset``
+    (the attribute) is where the next record starts."""
+
+    def __init__(self, data: bytes, *, replies: bool, n_embd: int | None = None) -> None:
+        self.data, self.replies, self.n_embd, self.offset = data, replies, n_embd, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
+
+        data, offset = self.data, self.offset
+        if offset >= len(data):
+            raise StopIteration
+        width = None
+        if self.replies and offset == 0 and data[:4] == READY_BYTES:
+            record, size = READY, 4
+        elif self.replies:
+            record, size = read_reply_from_buffer(data, offset=offset)
+        else:
+            width = self.n_embd or (infer_n_embd(data[offset:offset + 80]) if len(data) - offset >= 80 else None)
+            record, size = read_stage_message_from_buffer(data, width or 1, offset=offset)
+        self.offset = offset + size
+        return offset, record, size, width
+
+
+if __name__ == "__main__":
+    sys.exit(main())

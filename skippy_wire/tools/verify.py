@@ -1,0 +1,589 @@
+"""``skippy-wire verify-exhaustive``: every f32 bit pattern through the compiled encoders.
+
+All 2^32 f32 bit patterns are split into chunks (2^22 patterns by default) and spread over
+worker processes (one per core by default).  For each chunk, with ``x`` the patterns:
+
+Raw conversions (``f32_bits_to_bf16_bits`` / ``f32_bits_to_f16_bits``), every element:
+  * bf16: bit-identical to ``ml_dtypes.bfloat16`` for every finite ``x`` (values that
+    round past the largest bf16 become +-inf in both), and bit-identical to the spec's
+    own formula ``((x + 0x7fff + lsb) mod 2^32) >> 16`` for every non-NaN ``x``
+    (wire-format.md 6.6).  NaN is compared by class (a NaN of the same sign): the
+    oracle gives 0x7fc0 for every NaN, the project keeps the top bits quietened, and
+    encode never reaches it (non-finite input is rejected first).
+  * f16: bit-identical to numpy's ``float16`` cast for every non-NaN ``x`` (infinities and
+    overflow included); NaN -> ``0x7c01 | sign`` (wire-format.md 6.5).
+
+Checked encoder (``encode_activation``) and decoder (``decode_activation``):
+  * the upstream error rule is computed independently (BF16: finite and
+    ``|bits| >= 0x7f7f8000``; F16: finite and ``|x| >= 65520``; non-finite ->
+    "activation values must be finite") and cross-checked against the oracles (the rule
+    holds exactly where the oracle overflows to infinity);
+  * the finite in-range subset of the chunk is encoded in ONE call: it must succeed and
+    be bit-identical to the oracle, element by element; a wrong error is located by
+    bisection and reported with its value; the result is decoded back and compared with
+    the oracle's widening;
+  * error elements: every boundary of the error set inside the chunk (both sides), the
+    first and last error element and a seeded random sample are encoded alone and must
+    raise ``InvalidDataError`` with the exact text; the whole chunk must raise the text
+    of the first rule that applies (finiteness is checked over the whole array first).
+
+Exactness predicates (``is_bf16_exact`` / ``is_f16_exact``) against their definition,
+``decode(encode(x)) == x`` bit for bit, computed with the oracles:
+  * the exact subset of the chunk in one call must be True; the whole chunk must equal
+    ``all(exact)``;
+  * non-exact elements at every boundary, the first/last and a random sample, each
+    alone and appended to the exact subset, must be False.
+
+(A per-element call for each of the ~4e9 error and non-exact patterns would take hours
+of call overhead; the raw conversions, which the checked kernels share, are compared on
+every element, and the checked entry points on every element of the success path.)
+
+Once per run: all 65,536 patterns of each 16-bit format through the raw widening
+(``bf16_bits_to_f32_bits`` / ``f16_bits_to_f32_bits``) and ``decode_activation``.
+
+Prints the mismatch count and the first mismatches in hex; exits 1 on any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+
+import numpy as np
+
+TOTAL = 1 << 32
+DEFAULT_CHUNK = 1 << 22
+#: Mismatches kept per chunk (the count is always exact).
+KEEP = 16
+#: Error / non-exact elements checked one by one per chunk, on top of the boundaries.
+SAMPLES = 8
+
+CODEC_F16 = 2
+CODEC_BF16 = 3
+
+MSG_NONFINITE = "activation values must be finite"
+MSG_BF16_RANGE = "BF16 activation value is out of range"
+MSG_F16_RANGE = "F16 activation value is out of range"
+MSG_DECODE_NONFINITE = "activation payload contains non-finite value"
+
+#: Smallest f32 magnitude pattern that bf16 encode rejects (rounds to infinity).
+BF16_RANGE_BITS = 0x7F7F8000
+#: 65520.0: the f16 tie between 65504 and 2^16, rounded (to even) to infinity.
+F16_RANGE_BITS = 0x477FF000
+
+
+@dataclass
+class Mismatch:
+    check: str
+    x: int  # the input pattern (f32 bits, or the 16-bit pattern for decode checks)
+    expected: str
+    got: str
+
+    def render(self) -> str:
+        width = 4 if self.check.startswith("decode16") else 8
+        return f"{self.check:<24} x=0x{self.x:0{width}x}  expected={self.expected}  got={self.got}"
+
+
+@dataclass
+class ChunkResult:
+    start: int
+    count: int
+    mismatches: int = 0
+    first: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    by_check: dict = field(default_factory=dict)
+    cpu: float = 0.0  # CPU seconds spent on this chunk
+
+    def add(self, check: str, x: int, expected, got) -> None:
+        self.mismatches += 1
+        self.by_check[check] = self.by_check.get(check, 0) + 1
+        if len(self.first) < KEEP:
+            self.first.append(Mismatch(check, int(x), _fmt(expected), _fmt(got)))
+
+    def add_array(self, check: str, xs: np.ndarray, expected: np.ndarray, got: np.ndarray, width: int,
+                  where: np.ndarray | None = None) -> None:
+        """Record every position (within ``where``) where ``expected != got``."""
+        diff = expected != got
+        if where is not None:
+            diff &= where
+        if not diff.any():
+            return
+        bad = np.flatnonzero(diff)
+        self.mismatches += int(bad.size)
+        self.by_check[check] = self.by_check.get(check, 0) + int(bad.size)
+        for i in bad[: max(0, KEEP - len(self.first))]:
+            self.first.append(Mismatch(check, int(xs[i]), f"0x{int(expected[i]):0{width}x}", f"0x{int(got[i]):0{width}x}"))
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+
+def _fmt(value) -> str:
+    if isinstance(value, (int, np.integer)):
+        return hex(int(value))
+    if isinstance(value, BaseException):
+        return f"{type(value).__name__}({str(value)!r})"
+    return str(value)
+
+
+def _buf(a: np.ndarray) -> np.ndarray:
+    """A zero-copy byte view (itemsize 1, C-contiguous) of a little-endian u32 array."""
+    return np.ascontiguousarray(a).astype("<u4", copy=False).view(np.uint8)
+
+
+# --------------------------------------------------------------------------- the oracles
+
+
+def oracle_bf16(f: np.ndarray) -> np.ndarray:
+    """ml_dtypes' RNE float32 -> bfloat16 bits (float32 input only, never float64)."""
+    import ml_dtypes
+
+    assert f.dtype == np.float32
+    return f.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def oracle_f16(f: np.ndarray) -> np.ndarray:
+    assert f.dtype == np.float32
+    return f.astype(np.float16).view(np.uint16)
+
+
+#: numpy's float16 cast is the oracle below 2^16 (which spans the 65520 overflow tie);
+#: at and above it every finite value overflows, and the expected bits are the upstream
+#: rule's +-inf.  (numpy's cast costs ~60 ns per value that overflows or underflows.)
+F16_ORACLE_BELOW = 0x47800000
+
+
+def oracle_f16_split(bits: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """numpy's f16 bits for |x| < 2^16; sign | 0x7c00 (the rule's infinity) elsewhere."""
+    out = (((bits >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7C00)).astype(np.uint16)
+    low = (bits & np.uint32(0x7FFFFFFF)) < np.uint32(F16_ORACLE_BELOW)
+    if low.all():
+        return oracle_f16(f)
+    if low.any():
+        out[low] = oracle_f16(f[low])
+    return out
+
+
+def spec_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """wire-format.md 6.6: ((bits + 0x7fff + lsb) mod 2^32) >> 16, for every pattern."""
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    return ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+
+
+def spec_f16_nan_bits(bits: np.ndarray) -> np.ndarray:
+    """wire-format.md 6.5 step 2: NaN -> 0x7c01 | sign."""
+    return (((bits >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7C01)).astype(np.uint16)
+
+
+# --------------------------------------------------------------------------- per chunk
+
+
+def _expect_error(kernel, codec: int, payload: np.ndarray, text: str):
+    """Encode ``payload`` (one token row); return None when it raised exactly ``text``."""
+    from ..errors import InvalidDataError
+
+    try:
+        wire = kernel.encode_activation(codec, 1, int(payload.size), _buf(payload), 0)
+    except InvalidDataError as exc:
+        if type(exc) is InvalidDataError and str(exc) == text:
+            return None
+        return exc
+    except Exception as exc:  # noqa: BLE001 - any other class is a finding
+        return exc
+    return f"no error (wire {bytes(wire[:8]).hex()}...)"
+
+
+def _first_failing(kernel, codec: int, values: np.ndarray) -> int:
+    """Bisection: the smallest i such that encoding values[: i + 1] raises."""
+    lo, hi = 0, values.size - 1  # invariant: values[: hi + 1] raises
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            kernel.encode_activation(codec, 1, mid + 1, values[: mid + 1].tobytes(), 0)
+        except Exception:  # noqa: BLE001
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _first_last(mask: np.ndarray) -> tuple[int, int] | None:
+    if not mask.any():
+        return None
+    return int(mask.argmax()), int(mask.size - 1 - mask[::-1].argmax())
+
+
+def _picks(mask: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarray:
+    """Indices where ``mask`` holds: every boundary of a run, first/last, random samples."""
+    fl = _first_last(mask)
+    if fl is None:
+        return np.zeros(0, dtype=np.int64)
+    edges = np.flatnonzero(mask[1:] != mask[:-1])
+    # edges[k] is the last index before a change: keep the side that is in the mask.
+    probe = rng.integers(0, mask.size, size=16 * samples)
+    probe = probe[mask[probe]][:samples]
+    if probe.size < samples:  # a sparse mask: draw from its members
+        idx = np.flatnonzero(mask)
+        probe = rng.choice(idx, size=min(samples, idx.size), replace=False)
+    cand = np.unique(np.concatenate([edges, edges + 1, np.array(fl), probe]))
+    return cand[mask[cand]]
+
+
+def _check_codec(
+    res: ChunkResult,
+    kernel,
+    name: str,
+    codec: int,
+    bits: np.ndarray,
+    f: np.ndarray,
+    finite: np.ndarray,
+    oracle: np.ndarray,
+    rule_range: np.ndarray,
+    range_text: str,
+    exact: np.ndarray,
+    is_exact,
+    rng: np.random.Generator,
+    samples: int,
+) -> None:
+    oracle_inf = (oracle & np.uint16(0x7FFF)) == np.uint16(0x7C00 if codec == CODEC_F16 else 0x7F80)
+    # The error rule, stated on bits, against the oracle's overflow to infinity.
+    res.add_array(f"{name}-rule", bits, (finite & oracle_inf).astype(np.uint8), (finite & rule_range).astype(np.uint8), 1)
+    ok = finite & ~rule_range
+    err = ~ok
+
+    # --- checked encoder: the whole in-range subset in one call, element by element.
+    ok_bits = bits[ok]
+    if ok_bits.size:
+        try:
+            wire = kernel.encode_activation(codec, 1, int(ok_bits.size), _buf(ok_bits), 0)
+        except Exception as exc:  # noqa: BLE001
+            i = _first_failing(kernel, codec, ok_bits)
+            res.add(f"{name}-encode", ok_bits[i], "success", exc)
+        else:
+            got = np.frombuffer(wire, dtype="<u2")
+            if got.size != ok_bits.size:
+                res.add(f"{name}-encode-len", ok_bits[0], 2 * ok_bits.size, len(wire))
+            else:
+                res.add_array(f"{name}-encode", ok_bits, oracle[ok], got, 4)
+                res.bump(f"{name}-encoded", int(ok_bits.size))
+                try:
+                    dec = kernel.decode_activation(codec, 1, int(ok_bits.size), wire, 0)
+                except Exception as exc:  # noqa: BLE001
+                    res.add(f"{name}-decode", ok_bits[0], "success", exc)
+                else:
+                    want = _widen_oracle(codec, oracle[ok])
+                    res.add_array(f"{name}-decode", ok_bits, want, np.asarray(dec, dtype=np.float32).view(np.uint32), 8)
+
+    # --- checked encoder: error elements alone, and the whole chunk.
+    if err.any():
+        for i in _picks(err, rng, samples):
+            text = MSG_NONFINITE if not finite[i] else range_text
+            bad = _expect_error(kernel, codec, bits[i : i + 1], text)
+            res.bump(f"{name}-errors-checked")
+            if bad is not None:
+                res.add(f"{name}-encode-error", bits[i], repr(text), bad)
+        whole_text = MSG_NONFINITE if not finite.all() else range_text
+        bad = _expect_error(kernel, codec, bits, whole_text)
+        if bad is not None:
+            res.add(f"{name}-encode-chunk", bits[0], repr(whole_text), bad)
+        # Order: an out-of-range value before a non-finite one still reports non-finite.
+        rng_fl = _first_last(finite & rule_range)
+        nf_fl = _first_last(~finite)
+        if rng_fl and nf_fl:
+            pair = np.array([bits[rng_fl[0]], bits[nf_fl[1]]], dtype=np.uint32)
+            bad = _expect_error(kernel, codec, pair, MSG_NONFINITE)
+            if bad is not None:
+                res.add(f"{name}-encode-order", pair[0], repr(MSG_NONFINITE), bad)
+        # An error element after a run of good ones is still found.
+        if ok_bits.size:
+            head = ok_bits[: min(ok_bits.size, 1024)]
+            for i in _picks(err, rng, 2)[:4]:
+                text = MSG_NONFINITE if not finite[i] else range_text
+                bad = _expect_error(kernel, codec, np.concatenate([head, bits[i : i + 1]]), text)
+                if bad is not None:
+                    res.add(f"{name}-encode-error-tail", bits[i], repr(text), bad)
+
+    # --- exactness predicate against decode(encode(x)) == x.
+    ex_bits = bits[exact]
+    if ex_bits.size:
+        got = is_exact(_buf(ex_bits))
+        if got is not True:
+            res.add(f"{name}-exact-subset", ex_bits[0], True, got)
+    got = is_exact(_buf(bits))
+    if got is not bool(exact.all()):
+        res.add(f"{name}-exact-chunk", bits[0], bool(exact.all()), got)
+    inexact = ~exact
+    tail = ex_bits[: min(ex_bits.size, 1024)]
+    for i in _picks(inexact, rng, samples):
+        res.bump(f"{name}-inexact-checked")
+        got = is_exact(_buf(bits[i : i + 1]))
+        if got is not False:
+            res.add(f"{name}-exact", bits[i], False, got)
+        got = is_exact(_buf(np.concatenate([tail, bits[i : i + 1]])))
+        if got is not False:
+            res.add(f"{name}-exact-tail", bits[i], False, got)
+    res.bump(f"{name}-exact-patterns", int(ex_bits.size))
+
+
+def _widen_oracle(codec: int, h: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    if codec == CODEC_BF16:
+        return h.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32)
+    return h.view(np.float16).astype(np.float32).view(np.uint32)
+
+
+def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAMPLES, kernel=None) -> ChunkResult:
+    """Run every check on the patterns ``start .. start + count - 1``."""
+    import ml_dtypes  # noqa: F401 - imported early so that a missing oracle fails loudly
+
+    if kernel is None:
+        from .._impl import kernel_module
+
+        kernel = kernel_module("codec", impl)
+    cpu0 = time.process_time()
+    res = ChunkResult(start, count)
+    rng = np.random.default_rng(start)
+    bits = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32)
+    f = bits.view(np.float32)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    finite = mag < np.uint32(0x7F800000)
+    nan = mag > np.uint32(0x7F800000)
+
+    with np.errstate(all="ignore"):
+        o_bf16 = oracle_bf16(f)
+        o_f16 = oracle_f16_split(bits, f)
+
+        # --- raw conversions, every element.
+        got = np.asarray(kernel.f32_bits_to_bf16_bits(bits))
+        spec = spec_bf16_bits(bits)
+        res.add_array("bf16-raw-spec", bits, spec, got, 4, where=~nan)
+        # NaN: the project's policy (dtypes.py) keeps a NaN a NaN of the same sign, where
+        # the spec's bias formula can carry a NaN into infinity or zero; compare by class.
+        if nan.any():
+            g = got[nan]
+            want_class = ((bits[nan] >> np.uint32(16)) & np.uint32(0x8000)).astype(np.uint16) | np.uint16(1)
+            got_class = (g & np.uint16(0x8000)) | ((g & np.uint16(0x7FFF)) > np.uint16(0x7F80)).astype(np.uint16)
+            res.add_array("bf16-raw-nan-class", bits[nan], want_class, got_class, 4)
+        res.add_array("bf16-raw-oracle", bits, o_bf16, got, 4, where=finite)
+        # The spec formula and the oracle agree on every finite value (a self-check).
+        res.add_array("bf16-spec-vs-oracle", bits, o_bf16, spec, 4, where=finite)
+
+        got = np.asarray(kernel.f32_bits_to_f16_bits(bits))
+        want = np.where(nan, spec_f16_nan_bits(bits), o_f16)
+        res.add_array("f16-raw", bits, want, got, 4)
+
+        # --- exactness by definition: decode(encode(x)) == x, with the oracles.
+        ex_bf16 = finite & (_widen_oracle(CODEC_BF16, o_bf16) == bits)
+        ex_f16 = finite & (_widen_oracle(CODEC_F16, o_f16) == bits)
+        # The spec's shortcut for bf16 (low 16 bits zero) against the definition.
+        res.add_array("bf16-exact-rule", bits, ex_bf16.astype(np.uint8), (finite & ((bits & np.uint32(0xFFFF)) == 0)).astype(np.uint8), 1)
+
+        _check_codec(res, kernel, "bf16", CODEC_BF16, bits, f, finite, o_bf16, mag >= np.uint32(BF16_RANGE_BITS), MSG_BF16_RANGE, ex_bf16, kernel.is_bf16_exact, rng, samples)
+        _check_codec(res, kernel, "f16", CODEC_F16, bits, f, finite, o_f16, mag >= np.uint32(F16_RANGE_BITS), MSG_F16_RANGE, ex_f16, kernel.is_f16_exact, rng, samples)
+    res.bump("patterns", count)
+    res.cpu = time.process_time() - cpu0
+    return res
+
+
+def check_decode16(impl: str = "cython", kernel=None) -> ChunkResult:
+    """All 65,536 patterns of each 16-bit format through the raw widening and the decoder."""
+    if kernel is None:
+        from .._impl import kernel_module
+
+        kernel = kernel_module("codec", impl)
+    res = ChunkResult(0, 1 << 16)
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(all="ignore"):
+        for name, codec, widen in (
+            ("decode16-bf16", CODEC_BF16, kernel.bf16_bits_to_f32_bits),
+            ("decode16-f16", CODEC_F16, kernel.f16_bits_to_f32_bits),
+        ):
+            oracle = _widen_oracle(codec, h)
+            if codec == CODEC_BF16:
+                spec = h.astype(np.uint32) << np.uint32(16)
+                nan = (h & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+            else:
+                h32 = h.astype(np.uint32)
+                spec = ((h32 & np.uint32(0x8000)) << np.uint32(16)) | np.uint32(0x7F800000) | ((h32 & np.uint32(0x3FF)) << np.uint32(13))
+                nan = (h & np.uint16(0x7FFF)) > np.uint16(0x7C00)
+            want = np.where(nan, spec, oracle)
+            got = np.asarray(widen(h))
+            res.add_array(name, h, want, got, 8)
+            finite = (want & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+            try:
+                dec = kernel.decode_activation(codec, 1, int(finite.sum()), h[finite].astype("<u2").tobytes(), 0)
+            except Exception as exc:  # noqa: BLE001
+                res.add(name + "-checked", 0, "success", exc)
+            else:
+                res.add_array(name + "-checked", h[finite], want[finite], np.asarray(dec, dtype=np.float32).view(np.uint32), 8)
+            for i in np.flatnonzero(~finite):
+                try:
+                    kernel.decode_activation(codec, 1, 1, h[i : i + 1].astype("<u2").tobytes(), 0)
+                except Exception as exc:  # noqa: BLE001
+                    if type(exc).__name__ != "InvalidDataError" or str(exc) != MSG_DECODE_NONFINITE:
+                        res.add(name + "-nonfinite", h[i], repr(MSG_DECODE_NONFINITE), exc)
+                else:
+                    res.add(name + "-nonfinite", h[i], repr(MSG_DECODE_NONFINITE), "no error")
+    res.bump("patterns16", 2 << 16)
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _chunks(start: int, limit: int, size: int):
+    pos, end = start, start + limit
+    while pos < end:
+        n = min(size, end - pos)
+        yield pos, n
+        pos += n
+
+
+class Progress:
+    """A plain-text progress bar on stderr ("\\r" redraws on a terminal, lines otherwise)."""
+
+    def __init__(self, total: int, stream=None, width: int = 30) -> None:
+        self.total, self.stream, self.width = total, stream or sys.stderr, width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.monotonic()
+        self.last_line = -1.0
+
+    def update(self, done: int, mismatches: int) -> None:
+        now = time.monotonic()
+        frac = done / self.total if self.total else 1.0
+        if not self.tty and done < self.total and now - self.last_line < 10.0:
+            return
+        self.last_line = now
+        elapsed = now - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        filled = int(self.width * frac)
+        bar = "#" * filled + "." * (self.width - filled)
+        eta_s = "--" if math.isinf(eta) else f"{eta:5.0f}s"
+        line = f"[{bar}] {100 * frac:5.1f}% {done:>10}/{self.total} {rate / 1e6:6.1f} M/s eta {eta_s} mismatches {mismatches}"
+        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="skippy-wire verify-exhaustive", description=__doc__.split("\n\n")[0])
+    p.add_argument("--start", type=_int, default=0, help="first f32 pattern (default 0; hex allowed)")
+    p.add_argument("--limit", type=_int, default=None, help="number of patterns (default: all up to 2^32)")
+    p.add_argument("--chunk", type=_int, default=DEFAULT_CHUNK, help="patterns per chunk (default 2^22)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core; 1 = in process)")
+    p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test (default cython)")
+    p.add_argument("--samples", type=int, default=SAMPLES, help="error/inexact elements checked alone per chunk")
+    p.add_argument("--show", type=int, default=20, help="mismatches to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if not 0 <= args.start < TOTAL:
+        p.error("--start must be in [0, 2^32)")
+    if args.limit is None:
+        args.limit = TOTAL - args.start
+    if args.limit <= 0 or args.start + args.limit > TOTAL:
+        p.error("--limit must be positive and stay within 2^32")
+    if args.chunk <= 0:
+        p.error("--chunk must be positive")
+    return args
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    workers = args.workers or _available_cpus()
+    from .._impl import kernel_module
+
+    kernel_module("codec", args.impl)  # fail here, not in every worker, if it is not built
+
+    t0 = time.monotonic()
+    results: list[ChunkResult] = [check_decode16(args.impl)]
+    failures: list[str] = []
+    progress = None if args.no_progress else Progress(args.limit)
+    done = 0
+    mismatches = results[0].mismatches
+    chunks = list(_chunks(args.start, args.limit, args.chunk))
+    if workers <= 1:
+        for start, n in chunks:
+            r = check_chunk(start, n, args.impl, args.samples)
+            results.append(r)
+            done += n
+            mismatches += r.mismatches
+            if progress:
+                progress.update(done, mismatches)
+    else:
+        # spawn: no fork of a (possibly threaded) parent; each worker imports its own kernels.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            pending = {}
+            todo = iter(chunks)
+            for start, n in todo:  # keep 2 chunks per worker in flight, bounded memory
+                pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
+                if len(pending) >= 2 * workers:
+                    break
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    start, n = pending.pop(fut)
+                    try:
+                        r = fut.result()
+                    except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
+                        failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
+                        r = ChunkResult(start, n)
+                    results.append(r)
+                    done += n
+                    mismatches += r.mismatches
+                    if progress:
+                        progress.update(done, mismatches)
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
+    if progress:
+        progress.close()
+    elapsed = time.monotonic() - t0
+
+    stats: dict = {}
+    by_check: dict = {}
+    for r in results:
+        for k, v in r.stats.items():
+            stats[k] = stats.get(k, 0) + v
+        for k, v in r.by_check.items():
+            by_check[k] = by_check.get(k, 0) + v
+    first = sorted((m for r in results for m in r.first), key=lambda m: (m.check.startswith("decode16"), m.x))
+    end = args.start + args.limit - 1
+    print(f"verify-exhaustive: impl={args.impl} patterns 0x{args.start:08x}..0x{end:08x} ({args.limit}) "
+          f"in {elapsed:.1f} s with {workers} worker(s)")
+    cpu = sum(r.cpu for r in results)
+    print(f"cpu: {cpu:.1f} s in the checks ({cpu / max(elapsed, 1e-9):.2f} cores busy on average; "
+          f"about {cpu / workers:.0f} s of wall time on {workers} idle core(s))")
+    print("checked: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+    print(f"mismatches: {mismatches}" + ("" if not by_check else " (" + ", ".join(f"{k}={v}" for k, v in sorted(by_check.items())) + ")"))
+    for m in first[: args.show]:
+        print("  " + m.render())
+    for line in failures:
+        print("  CRASH " + line)
+    return 1 if mismatches or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,698 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""Compiled activation codec kernels (wire-format.md sections 5-8).
+
+Same functions, signatures and behaviour as the pure-Python twin
+``skippy_wire.wire._reference.codec``.  The conversions live in ``_codec_kernels.h`` (nogil C
+over raw little-endian bytes, a portable auto-vectorised path plus an AVX2/F16C path
+picked at run time); this module checks sizes in upstream order, acquires buffers,
+releases the GIL around payload-sized work and turns kernel statuses into exceptions.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.number cimport PyNumber_Index
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cimport numpy as cnp
+import numpy as np
+
+from ..errors import InvalidDataError, InvalidInputError
+
+cnp.import_array()
+
+cdef extern from "_codec_kernels.h" nogil:
+    int skw_simd_enabled
+    int skw_cpu_has_avx2_f16c()
+    int skw_mul_u64(uint64_t a, uint64_t b, uint64_t *r)
+    int skw_encode_bf16(const uint8_t *s, uint8_t *d, size_t n)
+    int skw_encode_f16(const uint8_t *s, uint8_t *d, size_t n)
+    int skw_decode_bf16(const uint8_t *s, uint8_t *d, size_t n)
+    int skw_decode_f16(const uint8_t *s, uint8_t *d, size_t n)
+    int skw_exact_bf16(const uint8_t *s, uint8_t *d, size_t n)
+    int skw_exact_f16(const uint8_t *s, uint8_t *d, size_t n)
+    Py_ssize_t skw_find_non_finite32(const uint8_t *s, size_t n)
+    Py_ssize_t skw_find_bf16_overflow(const uint8_t *s, size_t n)
+    Py_ssize_t skw_find_f16_overflow(const uint8_t *s, size_t n)
+    Py_ssize_t skw_find_non_finite_half(const uint8_t *s, size_t n, int is_f16)
+    Py_ssize_t skw_encode_s8(const uint8_t *s, uint8_t *d, size_t rows, size_t cols, int *kind)
+    Py_ssize_t skw_decode_s8(const uint8_t *s, uint8_t *d, size_t rows, size_t cols, int *kind)
+    void skw_copy_le32_to_host(const uint8_t *s, uint8_t *d, size_t n)
+    void skw_u32_to_bf16_array(const uint32_t *s, uint16_t *d, size_t n)
+    void skw_u32_to_f16_array(const uint32_t *s, uint16_t *d, size_t n)
+    void skw_bf16_to_u32_array(const uint16_t *s, uint32_t *d, size_t n)
+    void skw_f16_to_u32_array(const uint16_t *s, uint32_t *d, size_t n)
+    enum:
+        SKW_S8_BAD_SCALE
+        SKW_S8_VALUE_RANGE
+        SKW_S8_RESERVED
+        SKW_S8_NON_FINITE
+
+cdef enum:
+    RAW_F32_V1 = 1
+    F16_RNE_V1 = 2
+    BF16_RNE_V1 = 3
+    S8_ROW_F32_RNE_V1 = 4
+
+#: MAX_STAGE_ACTIVATION_BYTES / MAX_STAGE_DECODED_ACTIVATION_BYTES (section 1).
+MAX_ACTIVATION_BYTES = 536870912
+MAX_DECODED_ACTIVATION_BYTES = 536870912
+cdef uint64_t MAX_BYTES = 536870912
+
+#: Payloads at least this large (in input bytes) are converted with the GIL released.
+#: Measured (AMD EPYC, AVX2 path): a GIL release/re-acquire round trip costs ~35 ns, a
+#: 32 KiB bf16 encode ~1.1 us, so from here on the release costs under 5% and lets other
+#: threads run; below it the GIL is kept.  ``_set_nogil_threshold`` changes it (tests).
+NOGIL_THRESHOLD = 32768
+cdef size_t _nogil_threshold = 32768
+
+NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
+OBJECT_ARRAY = "payload must not be an array of Python objects"
+DIMENSION_RANGE = "activation dimensions must fit in an i32"
+BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
+BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
+OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
+OUT_READ_ONLY = "out must be a writable buffer"
+OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
+OUT_OVERLAP = "out must not overlap the payload"
+
+# Status codes of the size checks; _raise maps each to its exact upstream text.
+cdef enum Status:
+    OK = 0
+    E_NEGATIVE_DIMENSIONS
+    E_TOKEN_OVERFLOW
+    E_ROW_OVERFLOW
+    E_COLUMNS
+    E_ELEMENT_OVERFLOW
+    E_BYTE_OVERFLOW
+    E_DECODED_OVERFLOW
+    E_DECODED_MAX
+    E_F32_SIZE
+    E_WIRE_OVERFLOW
+    E_S8_ROW_OVERFLOW
+    E_WIRE_MAX
+    E_WIRE_SIZE
+    E_NOT_FINITE
+    E_F16_RANGE
+    E_BF16_RANGE
+    E_S8_SCALE
+    E_S8_RANGE
+    E_S8_RESERVED
+    E_DECODED_NON_FINITE
+    E_NO_RAW
+    E_UNKNOWN_CODEC
+
+_MESSAGES = {
+    E_NEGATIVE_DIMENSIONS: "negative activation dimensions",
+    E_TOKEN_OVERFLOW: "activation token count overflow",
+    E_ROW_OVERFLOW: "activation row count overflow",
+    E_COLUMNS: "activation columns must be positive",
+    E_ELEMENT_OVERFLOW: "activation element count overflow",
+    E_BYTE_OVERFLOW: "activation byte count overflow",
+    E_DECODED_OVERFLOW: "decoded activation byte count overflow",
+    E_DECODED_MAX: "decoded activation payload byte count exceeds maximum",
+    E_F32_SIZE: "F32 activation payload size mismatch",
+    E_WIRE_OVERFLOW: "activation wire byte count overflow",
+    E_S8_ROW_OVERFLOW: "S8 row byte count overflow",
+    E_WIRE_MAX: "activation payload byte count exceeds maximum",
+    E_WIRE_SIZE: "activation payload size mismatch",
+    E_NOT_FINITE: "activation values must be finite",
+    E_F16_RANGE: "F16 activation value is out of range",
+    E_BF16_RANGE: "BF16 activation value is out of range",
+    E_S8_SCALE: "S8 activation row scale is not finite and positive",
+    E_S8_RANGE: "S8 activation value is out of range",
+    E_S8_RESERVED: "S8 activation payload contains reserved -128 value",
+    E_DECODED_NON_FINITE: "activation payload contains non-finite value",
+    E_NO_RAW: "lossless activation selection requires RawF32 fallback",
+    E_UNKNOWN_CODEC: "unknown stage activation codec",
+}
+
+
+cdef int _raise(int status) except -1:
+    """The one place where a status becomes an exception (pyarrow check_status)."""
+    raise InvalidDataError(_MESSAGES[status])
+
+
+def _set_simd(enabled):
+    """Enable (default) or disable the AVX2/F16C paths; returns the previous setting.
+
+    Disabled, every kernel runs its portable path, which is what tests compare against.
+    """
+    global skw_simd_enabled
+    previous = bool(skw_simd_enabled)
+    skw_simd_enabled = 1 if enabled else 0
+    return previous
+
+
+def simd_active():
+    """Whether the AVX2/F16C paths run (enabled and supported by this CPU)."""
+    return bool(skw_simd_enabled and skw_cpu_has_avx2_f16c())
+
+
+def _set_nogil_threshold(size_t nbytes):
+    """Set the payload size (bytes) from which the GIL is released; returns the old one."""
+    global _nogil_threshold
+    previous = _nogil_threshold
+    _nogil_threshold = nbytes
+    return previous
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+cdef int _codec_id(object codec) except -1:
+    codec = PyNumber_Index(codec)
+    if not (1 <= codec <= 4):
+        _raise(E_UNKNOWN_CODEC)  # 6.1: ids 0, 5, ... are invalid
+    return <int>codec
+
+
+cdef struct Dims:
+    int64_t token_count
+    int64_t n_embd
+    bint doubled  # RWKV7_V_FIRST or INKLING_MTP_EMBD sideband present (2.4)
+
+
+cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) except -1:
+    token_count = PyNumber_Index(token_count)
+    n_embd = PyNumber_Index(n_embd)
+    state_flags = PyNumber_Index(state_flags)
+    if not (-2147483648 <= token_count <= 2147483647 and -2147483648 <= n_embd <= 2147483647):
+        raise InvalidInputError(DIMENSION_RANGE)
+    d.token_count = token_count
+    d.n_embd = n_embd
+    d.doubled = (state_flags & 0x140) != 0
+    return 0
+
+
+cdef int _acquire(object obj, Py_buffer *view) except -1:
+    """Raw bytes of any C-contiguous buffer; one rule for everything else."""
+    if isinstance(obj, cnp.ndarray) and (<cnp.ndarray>obj).dtype.hasobject:
+        raise InvalidInputError(OBJECT_ARRAY)  # numpy would export the object pointers
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
+    except TypeError:
+        raise
+    except Exception:
+        raise InvalidInputError(NON_CONTIGUOUS) from None
+    return 0
+
+
+# --------------------------------------------------------------------------- sizes (5.1-5.3)
+
+
+cdef struct Shape:
+    uint64_t rows
+    uint64_t columns
+    uint64_t elements
+
+
+cdef int _shape(const Dims *d, Shape *s) noexcept nogil:
+    """5.1: rows = primary + sideband, elements = rows x columns."""
+    cdef uint64_t sideband, rows
+    if d.token_count < 0 or d.n_embd <= 0:
+        return E_NEGATIVE_DIMENSIONS
+    if skw_mul_u64(<uint64_t>d.token_count, 1 if d.doubled else 0, &sideband):
+        return E_TOKEN_OVERFLOW
+    rows = <uint64_t>d.token_count + sideband
+    if rows < sideband:
+        return E_ROW_OVERFLOW
+    s.rows = rows
+    s.columns = <uint64_t>d.n_embd
+    if s.columns == 0:
+        return E_COLUMNS
+    if skw_mul_u64(rows, s.columns, &s.elements):
+        return E_ELEMENT_OVERFLOW
+    return OK
+
+
+cdef int _encoded_bytes(int codec, const Shape *s, uint64_t *size) noexcept nogil:
+    """5.3 after the shape: per-codec size, overflow, then the 512 MiB cap."""
+    cdef uint64_t row_bytes
+    if codec == RAW_F32_V1:
+        if skw_mul_u64(s.elements, 4, size):
+            return E_WIRE_OVERFLOW
+    elif codec == F16_RNE_V1 or codec == BF16_RNE_V1:
+        if skw_mul_u64(s.elements, 2, size):
+            return E_WIRE_OVERFLOW
+    else:
+        row_bytes = s.columns + 4
+        if row_bytes < 4:
+            return E_S8_ROW_OVERFLOW
+        if skw_mul_u64(s.rows, row_bytes, size):
+            return E_WIRE_OVERFLOW
+    if size[0] > MAX_BYTES:
+        return E_WIRE_MAX
+    return OK
+
+
+cdef int _f32_input(const Dims *d, Py_ssize_t nbytes, Shape *s) noexcept nogil:
+    """7.1 steps 1-4: shape, decoded size and its cap, then the input length."""
+    cdef uint64_t expected
+    cdef int st = _shape(d, s)
+    if st:
+        return st
+    if skw_mul_u64(s.elements, 4, &expected):
+        return E_DECODED_OVERFLOW
+    if expected > MAX_BYTES:
+        return E_DECODED_MAX
+    if <uint64_t>nbytes != expected:
+        return E_F32_SIZE
+    return OK
+
+
+def activation_shape(token_count, n_embd, state_flags):
+    """(primary_rows, sideband_rows, columns) of a frame (5.1)."""
+    cdef Dims d
+    cdef Shape s = Shape(0, 0, 0)
+    _dims(token_count, n_embd, state_flags, &d)
+    cdef int st = _shape(&d, &s)
+    if st:
+        _raise(st)
+    return d.token_count, s.rows - <uint64_t>d.token_count, d.n_embd
+
+
+def activation_f32_bytes(token_count, n_embd, state_flags):
+    """The f32 byte size of a frame (5.2); n_embd = 0 is allowed, no maximum."""
+    cdef Dims d
+    cdef uint64_t tokens = 0, elements = 0, size = 0
+    _dims(token_count, n_embd, state_flags, &d)
+    if d.token_count < 0 or d.n_embd < 0:
+        _raise(E_NEGATIVE_DIMENSIONS)
+    if skw_mul_u64(<uint64_t>d.token_count, 2 if d.doubled else 1, &tokens):
+        _raise(E_TOKEN_OVERFLOW)
+    if skw_mul_u64(tokens, <uint64_t>d.n_embd, &elements):
+        _raise(E_ELEMENT_OVERFLOW)
+    if skw_mul_u64(elements, 4, &size):
+        _raise(E_BYTE_OVERFLOW)
+    return size
+
+
+def activation_wire_bytes(codec, token_count, n_embd, state_flags):
+    """Encoded payload size of a frame in ``codec`` (5.3)."""
+    cdef int c = _codec_id(codec)
+    cdef Dims d
+    cdef Shape s = Shape(0, 0, 0)
+    cdef uint64_t size = 0
+    _dims(token_count, n_embd, state_flags, &d)
+    cdef int st = _shape(&d, &s)
+    if st == OK:
+        st = _encoded_bytes(c, &s, &size)
+    if st:
+        _raise(st)
+    return size
+
+
+# --------------------------------------------------------------------------- encode
+
+
+cdef int _open_out(object out, Py_buffer *ob, uint64_t size, const uint8_t *src,
+                   Py_ssize_t nbytes, uint8_t **dst) except -1:
+    """Acquire ``out`` into ``ob`` for writing ``size`` bytes: C-contiguous, writable, big
+    enough and not overlapping the payload (the kernels read the payload after writing)."""
+    if isinstance(out, cnp.ndarray) and (<cnp.ndarray>out).dtype.hasobject:
+        raise InvalidInputError(OUT_OBJECT_ARRAY)  # writing would clobber object pointers
+    try:
+        PyObject_GetBuffer(out, ob, PyBUF_SIMPLE)
+    except TypeError:
+        raise
+    except Exception:
+        raise InvalidInputError(OUT_NON_CONTIGUOUS) from None
+    cdef const uint8_t *o = <const uint8_t *>ob.buf
+    try:
+        if ob.readonly:
+            raise InvalidInputError(OUT_READ_ONLY)
+        if <uint64_t>ob.len < size:
+            raise InvalidInputError(_out_too_small(ob.len, size))
+        if size and nbytes and o < src + nbytes and src < o + size:
+            raise InvalidInputError(OUT_OVERLAP)
+    except BaseException:
+        PyBuffer_Release(ob)
+        raise
+    dst[0] = <uint8_t *>ob.buf
+    return 0
+
+
+def _out_too_small(have, need):
+    return f"out buffer too small: {have} bytes for an encoded size of {need} bytes"
+
+
+cdef object _out_result(object out, uint64_t size):
+    """A flat unsigned-byte memoryview of exactly the first ``size`` bytes of ``out``."""
+    if isinstance(out, cnp.ndarray):
+        # some dtypes (ml_dtypes bfloat16) have no buffer format: view them as bytes.
+        view = memoryview(out.reshape(-1).view(np.uint8))
+    else:
+        view = memoryview(out)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    return view[:size]
+
+
+cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssize_t nbytes, object out=None):
+    """6.2 steps 3-5 on a payload whose length already matches the shape.
+
+    Returns new bytes, or with ``out`` a memoryview of its first encoded bytes.  ``out``
+    is checked exactly where the bytes would be allocated, after every upstream check
+    that precedes writing; an encode error found while converting (F16/BF16 range, S8
+    row) may leave ``out`` partially written."""
+    cdef uint64_t out_size = 0
+    cdef size_t n = <size_t>s.elements
+    cdef bint nogil_ = <size_t>nbytes >= _nogil_threshold
+    cdef int bad = 0, st, kind = 0
+    cdef Py_ssize_t idx
+    cdef object result = None
+    cdef uint8_t *dst = NULL
+    cdef Py_buffer ob
+    cdef bint held = False
+
+    if codec == S8_ROW_F32_RNE_V1:
+        # 6.2 step 3 over the whole array, before any conversion.
+        if nogil_:
+            with nogil:
+                idx = skw_find_non_finite32(src, n)
+        else:
+            idx = skw_find_non_finite32(src, n)
+        if idx >= 0:
+            _raise(E_NOT_FINITE)
+    st = _encoded_bytes(codec, s, &out_size)  # 6.2 step 4, before allocating
+    if st:
+        _raise(st)
+    if out is None:
+        result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>out_size)
+        dst = <uint8_t *>PyBytes_AS_STRING(result)
+    else:
+        _open_out(out, &ob, out_size, src, nbytes, &dst)
+        held = True
+    try:
+        if codec == RAW_F32_V1:  # bit-exact, NaN payloads included (6.4)
+            if nogil_:
+                with nogil:
+                    memcpy(dst, src, nbytes)
+            else:
+                memcpy(dst, src, nbytes)
+        elif codec == S8_ROW_F32_RNE_V1:
+            if nogil_:
+                with nogil:
+                    idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            else:
+                idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            if idx >= 0:
+                _raise(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
+        else:
+            # F16 / BF16: one fused pass converts and OR-accumulates the checks; only when
+            # it reports a problem are the errors located, in upstream order (any
+            # non-finite value anywhere first, then the first value that rounds to infinity).
+            if codec == BF16_RNE_V1:
+                if nogil_:
+                    with nogil:
+                        bad = skw_encode_bf16(src, dst, n)
+                else:
+                    bad = skw_encode_bf16(src, dst, n)
+            else:
+                if nogil_:
+                    with nogil:
+                        bad = skw_encode_f16(src, dst, n)
+                else:
+                    bad = skw_encode_f16(src, dst, n)
+            if bad:
+                if skw_find_non_finite32(src, n) >= 0:
+                    _raise(E_NOT_FINITE)
+                if codec == BF16_RNE_V1:
+                    if skw_find_bf16_overflow(src, n) >= 0:
+                        _raise(E_BF16_RANGE)
+                elif skw_find_f16_overflow(src, n) >= 0:
+                    _raise(E_F16_RANGE)
+        if held:
+            result = _out_result(out, out_size)
+    finally:
+        if held:
+            PyBuffer_Release(&ob)
+    return result
+
+
+def encode_activation(codec, token_count, n_embd, payload, state_flags, *, out=None):
+    """Encode an f32 frame (7.1, then the common procedure of 6.2); into ``out`` when given."""
+    cdef int c = _codec_id(codec)
+    cdef Py_buffer view
+    cdef Dims d
+    cdef Shape s = Shape(0, 0, 0)
+    cdef int st
+    _acquire(payload, &view)
+    try:
+        _dims(token_count, n_embd, state_flags, &d)
+        st = _f32_input(&d, view.len, &s)
+        if st:
+            _raise(st)
+        return _encode_checked(c, &s, <const uint8_t *>view.buf, view.len, out)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def encode_f32_activation_payload(token_count, n_embd, payload, state_flags):
+    """7.2: the f32 size check of 5.2 first (n_embd = 0 passes it), then raw encode."""
+    cdef Py_buffer view
+    _acquire(payload, &view)
+    try:
+        expected = activation_f32_bytes(token_count, n_embd, state_flags)
+        if expected > MAX_DECODED_ACTIVATION_BYTES:
+            _raise(E_DECODED_MAX)
+        if view.len != expected:
+            _raise(E_F32_SIZE)
+        return encode_activation(RAW_F32_V1, token_count, n_embd, payload, state_flags)
+    finally:
+        PyBuffer_Release(&view)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode_activation(codec, token_count, n_embd, wire, state_flags):
+    """Decode a wire payload to a new 1-D float32 array (7.4 and 6.3)."""
+    cdef int c = _codec_id(codec)
+    cdef Py_buffer view
+    cdef Dims d
+    cdef Shape s = Shape(0, 0, 0)
+    cdef uint64_t decoded = 0, expected = 0
+    cdef int st, bad = 0, kind = 0
+    cdef Py_ssize_t idx = -1
+    cdef size_t n
+    cdef const uint8_t *src
+    cdef uint8_t *dst
+    cdef cnp.ndarray out
+    cdef cnp.npy_intp dims[1]
+    cdef bint nogil_
+    _acquire(wire, &view)
+    try:
+        _dims(token_count, n_embd, state_flags, &d)
+        st = _shape(&d, &s)
+        if st == OK and skw_mul_u64(s.elements, 4, &decoded):
+            st = E_DECODED_OVERFLOW
+        if st == OK and decoded > MAX_BYTES:
+            st = E_DECODED_MAX
+        if st == OK:
+            st = _encoded_bytes(c, &s, &expected)
+        if st == OK and <uint64_t>view.len != expected:
+            st = E_WIRE_SIZE
+        if st:
+            _raise(st)
+        # Only now, with the size checked against the 512 MiB caps, allocate.
+        n = <size_t>s.elements
+        dims[0] = <cnp.npy_intp>n
+        out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
+        src = <const uint8_t *>view.buf
+        dst = <uint8_t *>cnp.PyArray_DATA(out)
+        nogil_ = <size_t>view.len >= _nogil_threshold
+        if c == RAW_F32_V1:  # no checks beyond the length (6.4)
+            if nogil_:
+                with nogil:
+                    skw_copy_le32_to_host(src, dst, n)
+            else:
+                skw_copy_le32_to_host(src, dst, n)
+        elif c == BF16_RNE_V1:
+            if nogil_:
+                with nogil:
+                    bad = skw_decode_bf16(src, dst, n)
+            else:
+                bad = skw_decode_bf16(src, dst, n)
+            if bad:
+                _raise(E_DECODED_NON_FINITE)
+        elif c == F16_RNE_V1:
+            if nogil_:
+                with nogil:
+                    bad = skw_decode_f16(src, dst, n)
+            else:
+                bad = skw_decode_f16(src, dst, n)
+            if bad:
+                _raise(E_DECODED_NON_FINITE)
+        else:
+            if nogil_:
+                with nogil:
+                    idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            else:
+                idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
+            if idx >= 0:
+                if kind == SKW_S8_BAD_SCALE:
+                    _raise(E_S8_SCALE)
+                _raise(E_S8_RESERVED if kind == SKW_S8_RESERVED else E_DECODED_NON_FINITE)
+        return out
+    finally:
+        PyBuffer_Release(&view)
+
+
+# --------------------------------------------------------------------------- selection (8.1)
+
+
+cdef int _permitted_mask(object permitted) except -1:
+    cdef int mask = 0
+    for codec in permitted:
+        mask |= 1 << _codec_id(codec)
+    return mask
+
+
+cdef int _scan(int which, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) noexcept:
+    """Exactness of the whole buffer for BF16 (which = 3) or F16 (2); writes the 16-bit
+    patterns to dst when dst is not NULL."""
+    cdef int ok
+    if nogil_:
+        with nogil:
+            ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
+    else:
+        ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
+    return ok
+
+
+cdef size_t _selection_elements(token_count, n_embd, state_flags, int mask, Py_buffer *view, Shape *s) except? 0:
+    """The checks of 7.3 in upstream order, then 8.1 step 1; the element count of the frame."""
+    cdef Dims d
+    _dims(token_count, n_embd, state_flags, &d)
+    cdef int st = _f32_input(&d, view.len, s)
+    if st:
+        _raise(st)
+    if not mask & (1 << RAW_F32_V1):
+        _raise(E_NO_RAW)
+    return <size_t>s.elements
+
+
+cdef int _pick_exact(int mask, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) except -1:
+    """8.1 steps 2-4 for a non-empty frame: BF16 wins when both are exact, else F16, else raw.
+    With ``dst`` the scan also writes the 16-bit patterns (the wire bytes of an exact frame)."""
+    if mask & (1 << BF16_RNE_V1) and _scan(BF16_RNE_V1, src, dst, n, nogil_):
+        return BF16_RNE_V1
+    if mask & (1 << F16_RNE_V1) and _scan(F16_RNE_V1, src, dst, n, nogil_):
+        return F16_RNE_V1
+    return RAW_F32_V1
+
+
+def select_lossless_codec(token_count, n_embd, payload, state_flags, permitted):
+    """The smallest codec that carries the whole frame bit-exactly (7.3 and 8.1)."""
+    cdef int mask = _permitted_mask(permitted)
+    cdef Py_buffer view
+    cdef Shape s = Shape(0, 0, 0)
+    cdef size_t n
+    _acquire(payload, &view)
+    try:
+        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
+        if n == 0:
+            return RAW_F32_V1  # 0 < 0 is false: an empty frame is never compact
+        return _pick_exact(mask, <const uint8_t *>view.buf, NULL, n, <size_t>view.len >= _nogil_threshold)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def select_and_encode_lossless(token_count, n_embd, payload, state_flags, permitted):
+    """``select_lossless_codec`` then ``encode_activation``, fused: the exactness scan
+    writes the 16-bit patterns as it goes, which for an exact frame are the wire bytes."""
+    cdef int mask = _permitted_mask(permitted)
+    cdef Py_buffer view
+    cdef Shape s = Shape(0, 0, 0)
+    cdef size_t n
+    cdef int codec
+    cdef bytes out
+    cdef const uint8_t *src
+    _acquire(payload, &view)
+    try:
+        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
+        src = <const uint8_t *>view.buf
+        if n:
+            # elements x 2 <= 512 MiB here: the f32 size passed the decoded cap.
+            out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(2 * n))
+            codec = _pick_exact(mask, src, <uint8_t *>PyBytes_AS_STRING(out), n, <size_t>view.len >= _nogil_threshold)
+            if codec != RAW_F32_V1:
+                return codec, out
+        return RAW_F32_V1, _encode_checked(RAW_F32_V1, &s, src, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _whole_buffer_exact(object payload, int which):
+    cdef Py_buffer view
+    _acquire(payload, &view)
+    try:
+        if view.len % 4:
+            _raise(E_F32_SIZE)
+        return bool(_scan(which, <const uint8_t *>view.buf, NULL, <size_t>(view.len // 4),
+                          <size_t>view.len >= _nogil_threshold))
+    finally:
+        PyBuffer_Release(&view)
+
+
+def is_bf16_exact(payload):
+    """Whether every f32 of the buffer survives a bf16 round trip bit for bit (8.1)."""
+    return _whole_buffer_exact(payload, BF16_RNE_V1)
+
+
+def is_f16_exact(payload):
+    """Whether every f32 of the buffer survives an f16 round trip bit for bit (8.1)."""
+    return _whole_buffer_exact(payload, F16_RNE_V1)
+
+
+# --------------------------------------------------------------------------- raw conversions
+
+
+cdef cnp.ndarray _bits_in(object bits, object dtype, str message):
+    if not isinstance(bits, np.ndarray) or (<cnp.ndarray>bits).dtype != dtype:
+        raise TypeError(message)
+    return np.ascontiguousarray(bits)
+
+
+ctypedef void (*narrow_fn)(const uint32_t *, uint16_t *, size_t) noexcept nogil
+ctypedef void (*widen_fn)(const uint16_t *, uint32_t *, size_t) noexcept nogil
+
+
+cdef cnp.ndarray _narrow(object bits, narrow_fn convert):
+    """u32 patterns -> u16 patterns of the same shape, element by element."""
+    cdef cnp.ndarray a = _bits_in(bits, np.uint32, BITS_DTYPE_U32)
+    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint16)
+    with nogil:
+        convert(<const uint32_t *>cnp.PyArray_DATA(a), <uint16_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
+    return out
+
+
+cdef cnp.ndarray _widen(object bits, widen_fn convert):
+    """u16 patterns -> u32 patterns of the same shape, element by element."""
+    cdef cnp.ndarray a = _bits_in(bits, np.uint16, BITS_DTYPE_U16)
+    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint32)
+    with nogil:
+        convert(<const uint16_t *>cnp.PyArray_DATA(a), <uint32_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
+    return out
+
+
+def f32_bits_to_bf16_bits(bits):
+    """Raw 6.6 conversion of every element (no checks; NaN keeps its top bits, quieted)."""
+    return _narrow(bits, skw_u32_to_bf16_array)
+
+
+def f32_bits_to_f16_bits(bits):
+    """Raw 6.5 conversion of every element (no checks; NaN -> 0x7c01 | sign)."""
+    return _narrow(bits, skw_u32_to_f16_array)
+
+
+def bf16_bits_to_f32_bits(bits):
+    """Raw bf16 -> f32 widening (exact)."""
+    return _widen(bits, skw_bf16_to_u32_array)
+
+
+def f16_bits_to_f32_bits(bits):
+    """Raw 6.5 f16 -> f32 widening (exact; NaN payloads shifted up)."""
+    return _widen(bits, skw_f16_to_u32_array)

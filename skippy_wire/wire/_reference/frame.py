@@ -1,0 +1,471 @@
+"""Reference stage-message framing: the spec in plain Python (``struct``, one field at a time).
+
+The twin of ``skippy_wire.wire._frame``; both expose the same kernel functions:
+
+* ``write_stage_message(msg) -> bytes``
+* ``read_stage_message_from_buffer(data, n_embd, expected_codec, policy, offset=0)
+  -> (msg, consumed)``
+* ``write_reply(reply) -> bytes``
+* ``read_reply_from_buffer(data, offset=0) -> (reply, consumed)``
+
+Readers walk the buffer in the exact upstream order (wire-format.md 4.5 / 11.2); running
+out of bytes raises :class:`UnexpectedEofError` whose ``needed`` attribute is the number of
+bytes (from ``offset``) the walk needed at that point, so that a stream reader or the
+incremental decoder can wait for exactly that many.  A failing writer attaches the bytes
+upstream would already have emitted as ``partial`` on the exception.
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+
+from ..constants import ActivationCodec, CodecPolicy, LOSSLESS_CODECS
+from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
+from ..messages import (
+    ACTIVATIONLESS_READ_KINDS,
+    ACTIVATIONLESS_WRITE_KINDS,
+    MAX_STAGE_ACTIVATION_BYTES,
+    MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES,
+    MAX_STAGE_DECODED_ACTIVATION_BYTES,
+    MAX_STAGE_DRY_SEQUENCE_BREAKERS,
+    MAX_STAGE_LOGIT_BIAS,
+    MAX_STAGE_PREDICTED_TOKENS,
+    MAX_STAGE_SAMPLERS,
+    MAX_STAGE_SAMPLING_STRING_BYTES,
+    MAX_STAGE_SIDEBAND_VALUES,
+    MAX_STAGE_STATE_IMPORT_BYTES,
+    SAMPLING_WIRE_ORDER,
+    STAGE_STATE_VERSION,
+    LogitBias,
+    NativeMtpDraft,
+    SamplingConfig,
+    StageReply,
+    StageReplyStats,
+    StageReplyWindow,
+    StageStateHeader,
+    StageWireMessage,
+    StateFlags,
+    WireMessageKind,
+    WireReplyKind,
+    f32_bits,
+    f32_from_bits,
+    I32_MAX,
+    I32_MIN,
+    out_of_range_error,
+    reply_out_of_range_error,
+)
+from . import codec as _codec
+
+_i32 = struct.Struct("<i")
+_u32 = struct.Struct("<I")
+_i64 = struct.Struct("<q")
+_u64 = struct.Struct("<Q")
+
+_KINDS = {k.value: k for k in WireMessageKind}
+_REPLY_KINDS = {k.value: k for k in WireReplyKind}
+_CODECS = {c.value: c for c in ActivationCodec}
+
+
+# --- reading -----------------------------------------------------------------------------
+def _eof(needed: int) -> UnexpectedEofError:
+    error = UnexpectedEofError()
+    error.needed = needed
+    return error
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over a byte view; never reads past ``end``."""
+
+    __slots__ = ("buf", "pos", "start", "end")
+
+    def __init__(self, data, offset: int) -> None:
+        self.buf = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+        self.start = self.pos = offset
+        self.end = len(self.buf)
+        if offset < 0 or offset > self.end:
+            raise ValueError("offset outside the buffer")
+
+    def need(self, n: int) -> None:
+        # A length is checked against the bytes actually present before anything is sliced
+        # or allocated from it (STYLE: check before allocation).
+        if n > self.end - self.pos:
+            # (no local name for the exception: a frame -> exception -> traceback cycle
+            # would keep this cursor's view of the caller's bytearray exported)
+            raise _eof(self.pos - self.start + n)
+
+    def take(self, n: int) -> memoryview:
+        self.need(n)
+        view = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def i32(self) -> int:
+        self.need(4)
+        v = _i32.unpack_from(self.buf, self.pos)[0]
+        self.pos += 4
+        return v
+
+    def u32(self) -> int:
+        self.need(4)
+        v = _u32.unpack_from(self.buf, self.pos)[0]
+        self.pos += 4
+        return v
+
+    def i64(self) -> int:
+        self.need(8)
+        v = _i64.unpack_from(self.buf, self.pos)[0]
+        self.pos += 8
+        return v
+
+    def u64(self) -> int:
+        self.need(8)
+        v = _u64.unpack_from(self.buf, self.pos)[0]
+        self.pos += 8
+        return v
+
+    def i32_list(self, n: int) -> list:
+        self.need(4 * n)
+        values = list(struct.unpack_from(f"<{n}i", self.buf, self.pos))
+        self.pos += 4 * n
+        return values
+
+
+def _read_string_list(cur: _Cursor, maximum: int) -> list:
+    count = cur.u32()
+    if count > maximum:
+        raise InvalidDataError("sampling string count exceeds maximum")
+    values = []
+    for _ in range(count):
+        length = cur.u32()
+        if length > MAX_STAGE_SAMPLING_STRING_BYTES:
+            raise InvalidDataError("sampling string exceeds maximum length")
+        raw = cur.take(length)
+        try:
+            values.append(str(raw, "utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidDataError("sampling string is not UTF-8") from None
+    return values
+
+
+def _read_sampling(cur: _Cursor) -> SamplingConfig:
+    """Section 4.3, reader rules, fields in wire order."""
+    values = {}
+    for name, code in SAMPLING_WIRE_ORDER:
+        if code == "I":
+            values[name] = cur.u32()
+        elif code == "i":
+            values[name] = cur.i32()
+        elif code == "f":
+            values[name] = f32_from_bits(cur.u32())
+        elif code == "L":
+            count = cur.u32()
+            if count > MAX_STAGE_LOGIT_BIAS:
+                raise InvalidDataError("logit bias count exceeds maximum")
+            cur.need(8 * count)  # entries carry no checks: wait for all of them at once
+            biases = []
+            for _ in range(count):
+                token = cur.i32()
+                biases.append(LogitBias(token, f32_from_bits(cur.u32())))
+            values[name] = biases
+        elif code == "S":
+            limit = MAX_STAGE_DRY_SEQUENCE_BREAKERS if name == "dry_sequence_breakers" else MAX_STAGE_SAMPLERS
+            values[name] = _read_string_list(cur, limit)
+        else:  # ignore_eos: any non-zero u32 is true
+            values[name] = cur.u32() != 0
+    return SamplingConfig(**values)
+
+
+def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, policy: int = 0, offset: int = 0):
+    """Parse one stage message starting at ``offset``; returns ``(message, consumed)``.
+
+    ``expected_codec`` None accepts every codec (``read_stage_message``); otherwise the wire
+    codec must satisfy ``policy.permits(expected_codec, wire_codec)`` (section 8.3).
+    """
+    if not (I32_MIN <= n_embd <= I32_MAX):
+        raise InvalidInputError("n_embd does not fit in i32")
+    cur = _Cursor(data, offset)
+    # 1. kind
+    kind = _KINDS.get(cur.i32())
+    if kind is None:
+        raise InvalidDataError("unknown stage message kind")
+    # 2. counts, validated later (steps 11-12).  Nothing is checked between here and the
+    # codec id, so the walk waits for those 56 bytes at once (this only shapes ``needed``).
+    cur.need(56)
+    pos_start = cur.i32()
+    token_count = cur.i32()
+    token_sideband_count = cur.i32()
+    position_sideband_count = cur.i32()
+    # 3. the state header; the codec id is parsed before the version is checked (3.1)
+    fields = [cur.i32() for _ in range(9)]
+    codec = _CODECS.get(cur.i32())
+    if codec is None:
+        raise InvalidDataError("unknown stage activation codec")
+    state = StageStateHeader(*fields, codec)
+    # 4.
+    if state.version != STAGE_STATE_VERSION:
+        raise InvalidDataError("unsupported stage state version")
+    # 5.
+    wire_count = cur.i32()
+    if wire_count < 0:
+        raise InvalidDataError("negative activation payload byte count")
+    if wire_count > MAX_STAGE_ACTIVATION_BYTES:
+        raise InvalidDataError("activation payload byte count exceeds maximum")
+    # 6.
+    cur.need(16)
+    request_id = cur.u64()
+    session_id = cur.u64()
+    # 7. activation admission, before any variable-length part is read
+    flags = state.flags
+    expected_bytes = 0
+    has_activation = not (kind in ACTIVATIONLESS_READ_KINDS or state.source_stage_index < 0)
+    if not has_activation:
+        if wire_count != 0:
+            raise InvalidDataError("activationless stage message contains activation payload")
+    else:
+        if expected_codec is not None and not CodecPolicy(policy).permits(ActivationCodec(expected_codec), codec):
+            raise InvalidDataError("stage activation codec mismatch")
+        expected_bytes = _codec.activation_wire_bytes(int(codec), token_count, n_embd, flags)
+        if wire_count != expected_bytes:
+            raise InvalidDataError("activation payload size mismatch")
+        if _codec.activation_f32_bytes(token_count, n_embd, flags) > MAX_STAGE_DECODED_ACTIVATION_BYTES:
+            raise InvalidDataError("decoded activation payload byte count exceeds maximum")
+    # 8.
+    sampling = _read_sampling(cur) if flags & StateFlags.SAMPLING else None
+    # 9.
+    metadata = None
+    if flags & StateFlags.CHAT_SAMPLING_METADATA:
+        length = cur.u32()
+        if length > MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES:
+            raise InvalidDataError("chat sampling metadata length exceeds maximum")
+        raw = cur.take(length)
+        try:
+            metadata = str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise InvalidDataError("chat sampling metadata is not UTF-8") from None
+    message = StageWireMessage(kind, pos_start, token_count, state, request_id, session_id, sampling, metadata)
+    # 10. Stop ends after the metadata; its counts are neither validated nor consumed.
+    if kind is WireMessageKind.STOP:
+        return message, cur.pos - cur.start
+    # 11.-12.
+    if token_count < 0 or token_sideband_count < 0 or position_sideband_count < 0:
+        raise InvalidDataError("negative wire count")
+    if token_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("token sideband count exceeds maximum")
+    if position_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("position sideband count exceeds maximum")
+    # 13. StateImport: token_count raw bytes; the token/position values are not on the wire.
+    if kind is WireMessageKind.STATE_IMPORT:
+        if token_count > MAX_STAGE_STATE_IMPORT_BYTES:
+            raise InvalidDataError("state import byte count exceeds maximum")
+        message.raw_bytes = bytes(cur.take(token_count))
+        return message, cur.pos - cur.start
+    # Nothing between here and the end can fail except a short read, so wait for the whole
+    # body at once (a stream reader then needs one more read, not three).
+    cur.need(4 * token_sideband_count + 4 * position_sideband_count + expected_bytes)
+    # 14.
+    message.tokens = cur.i32_list(token_sideband_count)
+    message.positions = cur.i32_list(position_sideband_count)
+    # 15. decode to little-endian f32 (the one copy of the payload)
+    if expected_bytes:
+        values = _codec.decode_activation(int(codec), token_count, n_embd, cur.take(expected_bytes), flags)
+        message.activation = _readonly_bytes_view(values)
+    return message, cur.pos - cur.start
+
+
+def _readonly_bytes_view(values):
+    values.flags.writeable = False
+    return memoryview(values).cast("B")
+
+
+# --- writing -----------------------------------------------------------------------------
+def _fail(error: WireError, out: bytearray) -> WireError:
+    error.partial = bytes(out)
+    return error
+
+
+def _write_string_list(out: bytearray, values, maximum: int) -> None:
+    values = list(values)[:maximum]
+    out += _u32.pack(len(values))
+    for value in values:
+        raw = value.encode("utf-8")
+        if len(raw) > MAX_STAGE_SAMPLING_STRING_BYTES:
+            # InvalidData even on the writer side (section 4.3).
+            raise InvalidDataError("sampling string exceeds maximum length")
+        out += _u32.pack(len(raw))
+        out += raw
+
+
+def _write_sampling(out: bytearray, s: SamplingConfig) -> None:
+    for name, code in SAMPLING_WIRE_ORDER:
+        value = getattr(s, name)
+        if code == "I":
+            out += _u32.pack(value)
+        elif code == "i":
+            out += _i32.pack(value)
+        elif code == "f":
+            out += _u32.pack(f32_bits(value))
+        elif code == "L":
+            biases = list(value)[:MAX_STAGE_LOGIT_BIAS]  # silently truncated (4.3)
+            out += _u32.pack(len(biases))
+            for token, bias in biases:
+                out += _i32.pack(token)
+                out += _u32.pack(f32_bits(bias))
+        elif code == "S":
+            limit = MAX_STAGE_DRY_SEQUENCE_BREAKERS if name == "dry_sequence_breakers" else MAX_STAGE_SAMPLERS
+            _write_string_list(out, value, limit)
+        else:
+            out += _u32.pack(1 if value else 0)
+
+
+def _byte_view(buf, name: str) -> memoryview:
+    """A flat byte view of a C-contiguous bytes-like object (both implementations raise the
+    same InvalidInputError for anything else)."""
+    try:
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name} must be a C-contiguous bytes-like object") from None
+    return view
+
+
+def write_stage_message(msg: StageWireMessage) -> bytes:
+    """Serialize ``msg`` (section 4.4, steps in order)."""
+    out = bytearray()
+    try:
+        _write_message(out, msg)
+    except WireError as error:
+        raise _fail(error, out)
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
+        # A value the wire cannot represent; no partial output is defined for it.
+        raise out_of_range_error(msg) from None
+    return bytes(out)
+
+
+def _write_message(out: bytearray, msg: StageWireMessage) -> None:
+    kind = operator.index(msg.kind)  # integers (or __index__), never floats
+    # 1.
+    out += struct.pack("<iii", kind, msg.pos_start, msg.token_count)
+    # 2.-3.
+    tokens = msg.tokens
+    positions = msg.positions
+    if len(tokens) > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidInputError("too many tokens")
+    out += _i32.pack(len(tokens))
+    if len(positions) > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidInputError("too many position sideband values")
+    out += _i32.pack(len(positions))
+    # 4. the writer owns the SAMPLING / CHAT_SAMPLING_METADATA bits
+    state = msg.state
+    # plain ints: inverting an IntFlag would only cover its named bits
+    flags = operator.index(state.flags) & ~int(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
+    if msg.sampling is not None:
+        flags |= int(StateFlags.SAMPLING)
+    if msg.chat_sampling_metadata is not None:
+        flags |= int(StateFlags.CHAT_SAMPLING_METADATA)
+    # 5. activation byte count; Stop is not in the writer's activation-less list (4.6)
+    activation = _byte_view(msg.activation, "activation")
+    if kind in ACTIVATIONLESS_WRITE_KINDS or state.source_stage_index < 0:
+        if len(activation):
+            raise InvalidInputError("activationless stage message contains activation payload")
+        count = 0
+    else:
+        if len(activation) > MAX_STAGE_ACTIVATION_BYTES:
+            raise InvalidInputError("activation payload byte count exceeds maximum")
+        count = len(activation)
+    # 6.
+    out += struct.pack(
+        "<10iiQQ",
+        state.version, state.seq_id, state.phase, int(flags), state.checkpoint_generation,
+        state.prompt_token_count, state.decode_step, state.current_token, state.source_stage_index,
+        operator.index(state.activation_codec), count, msg.request_id, msg.session_id,
+    )
+    # 7.
+    if msg.sampling is not None:
+        _write_sampling(out, msg.sampling)
+    # 8.
+    if msg.chat_sampling_metadata is not None:
+        raw = msg.chat_sampling_metadata.encode("utf-8")
+        if len(raw) > MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES:
+            raise InvalidInputError("chat sampling metadata is too large")
+        out += _u32.pack(len(raw))
+        out += raw
+    # 9.
+    if kind == WireMessageKind.STATE_IMPORT:
+        raw = _byte_view(msg.raw_bytes, "raw_bytes")
+        if msg.token_count < 0 or msg.token_count != len(raw):
+            raise InvalidInputError("state import raw byte count mismatch")
+        if msg.token_count > MAX_STAGE_STATE_IMPORT_BYTES:
+            raise InvalidInputError("state import raw byte count exceeds maximum")
+        out += raw
+        return
+    # 10.
+    out += struct.pack(f"<{len(tokens)}i", *tokens)
+    out += struct.pack(f"<{len(positions)}i", *positions)
+    out += activation
+
+
+# --- replies (section 11.2) --------------------------------------------------------------
+def write_reply(reply: StageReply) -> bytes:
+    out = bytearray()
+    try:
+        _write_reply(out, reply)
+    except WireError as error:
+        raise _fail(error, out)
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
+        raise reply_out_of_range_error(reply) from None
+    return bytes(out)
+
+
+def _write_reply(out: bytearray, reply: StageReply) -> None:
+    tokens = reply.predicted_tokens
+    if len(tokens) > MAX_STAGE_PREDICTED_TOKENS:
+        raise InvalidInputError("too many predicted tokens")
+    out += struct.pack("<iii", operator.index(reply.kind), reply.predicted, len(tokens))
+    out += struct.pack(f"<{len(tokens)}i", *tokens)
+    out += _i32.pack(reply.window.window_id)
+    draft = reply.native_mtp_draft
+    if draft is None:
+        out += _i32.pack(0)
+    else:
+        if len(draft.token_ids) > MAX_STAGE_PREDICTED_TOKENS:
+            raise InvalidInputError("too many native MTP draft tokens")
+        out += struct.pack("<ii", 1, len(draft.token_ids))
+        out += struct.pack(f"<{len(draft.token_ids)}i", *draft.token_ids)
+        out += _i64.pack(draft.proposal_compute_us)
+    out += struct.pack("<27q", *reply.stats.as_tuple())
+
+
+def read_reply_from_buffer(data, offset: int = 0):
+    """Parse one reply at ``offset``; returns ``(reply, consumed)`` (section 11.2 order)."""
+    cur = _Cursor(data, offset)
+    kind = _REPLY_KINDS.get(cur.i32())
+    if kind is None:
+        raise InvalidDataError("unknown stage reply kind")
+    predicted = cur.i32()
+    count = cur.i32()
+    if count < 0:
+        raise InvalidDataError("negative predicted token count")
+    if count > MAX_STAGE_PREDICTED_TOKENS:
+        raise InvalidDataError("predicted token count exceeds maximum")
+    tokens = cur.i32_list(count)
+    window = StageReplyWindow(cur.i32())
+    marker = cur.i32()
+    draft = None
+    if marker == 1:
+        draft_count = cur.i32()
+        if draft_count < 0:
+            raise InvalidDataError("negative native MTP draft token count")
+        if draft_count > MAX_STAGE_PREDICTED_TOKENS:
+            raise InvalidDataError("native MTP draft token count exceeds maximum")
+        draft_tokens = cur.i32_list(draft_count)
+        draft = NativeMtpDraft(draft_tokens, cur.i64())
+    elif marker != 0:
+        raise InvalidDataError("unknown native MTP draft reply marker")
+    cur.need(27 * 8)
+    stats = StageReplyStats(*struct.unpack_from("<27q", cur.buf, cur.pos))
+    cur.pos += 27 * 8
+    return StageReply(kind, predicted, tokens, window, draft, stats), cur.pos - cur.start

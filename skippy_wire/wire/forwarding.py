@@ -1,0 +1,247 @@
+"""Forwarding: the stage message a stage sends downstream (wire-format.md section 9).
+
+A port of ``forwarded_stage_message(_timed)`` of skippy-server 0.76.1
+(``shared/seeds/skippy-server-0.76.1-forwarding.rs``): the full-range invariant for
+non-first stages, the codec choice (Fixed, or per-frame lossless selection under
+AutoLosslessV1), encoding with *incoming.token_count* rows, and the forwarded message
+(chat sampling metadata dropped).
+
+Errors: the seed's anyhow ``bail!`` errors and the encode error wrapped in its context are
+:class:`ForwardingError`, whose ``str()`` is the upstream ``{error:#}`` rendering
+("context: cause").  An error of the lossless selector propagates unchanged (upstream ``?``
+without context).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import time
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Optional
+
+from .. import _impl
+from .constants import (
+    ActivationCodec,
+    CodecPolicy,
+    LOSSLESS_CODECS,
+    activation_state_flags_from_frame_flags,
+)
+from ..errors import WireError
+from .messages import StageWireMessage
+
+
+class ForwardingError(WireError):
+    """A forwarding failure (upstream ``anyhow::Error``); ``cause`` is the wrapped error."""
+
+    kind = "Other"
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class ActivationDType(enum.IntEnum):
+    """Runtime activation dtype of the v1 descriptor (runtime.md 2.2)."""
+
+    UNKNOWN = 0
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+
+    @property
+    def rust_name(self) -> str:
+        """Upstream ``RuntimeActivationDType`` variant (its ``{:?}`` in error texts)."""
+        return {0: "Unknown", 1: "F32", 2: "F16", 3: "Bf16"}[int(self)]
+
+
+class ActivationLayout(enum.IntEnum):
+    OPAQUE = 0
+    TOKEN_MAJOR = 1
+
+
+_DESC_V1 = struct.Struct("<Iiiiiii" "I" "QQ")  # 48 bytes, runtime.md 2.2
+assert _DESC_V1.size == 48
+
+
+@dataclass
+class ActivationDescV1:
+    """The 48-byte v1 activation descriptor (runtime.md 2.2)."""
+
+    version: int = 1
+    dtype: ActivationDType = ActivationDType.F32
+    layout: ActivationLayout = ActivationLayout.TOKEN_MAJOR
+    producer_stage_index: int = -1
+    layer_start: int = 0
+    layer_end: int = 0
+    token_count: int = 0
+    sequence_count: int = 1
+    payload_bytes: int = 0
+    flags: int = 0
+
+    def to_bytes(self) -> bytes:
+        return _DESC_V1.pack(
+            self.version, int(self.dtype), int(self.layout), self.producer_stage_index, self.layer_start,
+            self.layer_end, self.token_count, self.sequence_count, self.payload_bytes, self.flags,
+        )
+
+    @classmethod
+    def from_bytes(cls, data) -> "ActivationDescV1":
+        v = _DESC_V1.unpack(bytes(data))
+        dtype = ActivationDType(v[1]) if v[1] in ActivationDType._value2member_map_ else v[1]
+        layout = ActivationLayout(v[2]) if v[2] in ActivationLayout._value2member_map_ else v[2]
+        return cls(v[0], dtype, layout, *v[3:])
+
+
+@dataclass
+class ActivationFrameV1:
+    """Runtime output frame: descriptor plus payload (little-endian f32 rows for F32)."""
+
+    desc: ActivationDescV1
+    payload: bytes = b""
+
+    @classmethod
+    def f32(cls, values, token_count: int, flags: int = 0, **desc) -> "ActivationFrameV1":
+        """An F32 frame from float values (test and tool convenience)."""
+        payload = struct.pack(f"<{len(values)}f", *values)
+        return cls(ActivationDescV1(dtype=ActivationDType.F32, token_count=token_count,
+                                    payload_bytes=len(payload), flags=flags, **desc), payload)
+
+
+@dataclass
+class StageConfig:
+    """The StageConfig fields forwarding uses (wire-format.md section 13), with upstream
+    defaults for a few that servers read."""
+
+    stage_index: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
+    activation_codec_policy: CodecPolicy = CodecPolicy.FIXED
+    stage_id: str = ""
+    ctx_size: int = 512
+    lane_count: int = 4
+    native_mtp_enabled: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    extra: dict = field(default_factory=dict)
+
+
+class ForwardedStageMessage(NamedTuple):
+    message: StageWireMessage
+    activation_encode_ms: float
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return ActivationDType(dtype).rust_name
+    except ValueError:
+        return str(dtype)
+
+
+def _select_codec(config: StageConfig, incoming: StageWireMessage, output: ActivationFrameV1,
+                  width: int, state_flags: int, codec_module):
+    """Returns (codec, encoded bytes or None); the fused selector encodes while it selects."""
+    configured = ActivationCodec(config.activation_codec)
+    policy = CodecPolicy(config.activation_codec_policy)
+    if not policy.compatible(configured):
+        raise ForwardingError(
+            f"activation codec policy {policy.rust_name} is incompatible with configured codec {configured.rust_name}"
+        )
+    if policy is CodecPolicy.FIXED:
+        return configured, None
+    if output.desc.dtype != ActivationDType.F32:
+        raise ForwardingError(f"unsupported activation dtype selection: {_dtype_name(output.desc.dtype)}")
+    # Selector errors propagate unchanged (upstream `?` without context).
+    codec, wire = codec_module.select_and_encode_lossless(
+        incoming.token_count, width, output.payload, state_flags, [int(c) for c in LOSSLESS_CODECS]
+    )
+    return ActivationCodec(codec), wire
+
+
+def forwarded_stage_message_timed(
+    config: StageConfig,
+    incoming: StageWireMessage,
+    output: ActivationFrameV1,
+    activation_width: int,
+    *,
+    impl: Optional[str] = None,
+) -> ForwardedStageMessage:
+    """Build the message forwarded downstream and time its activation encoding (ms)."""
+    codec_module = _impl.kernel_module("codec", impl or _impl.IMPLEMENTATION)
+    desc = output.desc
+    # Section 9 step 1: a stage with a downstream consumer must run the full incoming range
+    # unless it owns layer 0; a short frame would make the next stage attend over a prefix
+    # it never received.
+    if config.layer_start != 0 and desc.token_count != incoming.token_count:
+        raise ForwardingError(
+            f"stage {config.stage_index} (layers {config.layer_start}..{config.layer_end}) produced "
+            f"{desc.token_count} activation tokens for {incoming.token_count} incoming tokens; "
+            "non-first stages must execute the full range"
+        )
+    # Step 2: u32 stage index reinterpreted as i32; incoming flag bits kept.
+    source = config.stage_index & 0xFFFFFFFF
+    source = source - (1 << 32) if source >= 1 << 31 else source
+    state = replace(incoming.state, source_stage_index=source,
+                    flags=incoming.state.flags | activation_state_flags_from_frame_flags(desc.flags))
+    # Steps 3-4 (under AutoLosslessV1 the fused selector also encodes, so it is timed).
+    started = time.perf_counter()
+    codec, wire = _select_codec(config, incoming, output, activation_width, state.flags, codec_module)
+    state.activation_codec = codec
+    # Step 5: encode with incoming.token_count rows; no fallback to raw on failure.  Both
+    # the dtype check and the codec errors carry the upstream context.
+    if wire is None:
+        started = time.perf_counter()
+        try:
+            if desc.dtype != ActivationDType.F32:
+                raise ForwardingError(f"unsupported activation dtype conversion: {_dtype_name(desc.dtype)} to f32")
+            wire = codec_module.encode_activation(int(codec), incoming.token_count, activation_width,
+                                                  output.payload, state.flags)
+        except WireError as error:
+            context = (
+                f"encode f32 output activation payload; frame_dtype={_dtype_name(desc.dtype)} "
+                f"incoming_tokens={incoming.token_count} output_tokens={desc.token_count} "
+                f"activation_width={activation_width} payload_bytes={len(output.payload)} "
+                f"frame_payload_bytes={desc.payload_bytes} state_flags={state.flags}"
+            )
+            raise ForwardingError(f"{context}: {error}", error) from error
+    encode_ms = (time.perf_counter() - started) * 1000.0
+    # Step 6: chat metadata is not forwarded (the writer then clears its flag bit).
+    message = StageWireMessage(
+        kind=incoming.kind,
+        pos_start=incoming.pos_start,
+        token_count=incoming.token_count,
+        state=state,
+        request_id=incoming.request_id,
+        session_id=incoming.session_id,
+        sampling=None if incoming.sampling is None else replace(
+            incoming.sampling,
+            logit_bias=list(incoming.sampling.logit_bias),
+            dry_sequence_breakers=list(incoming.sampling.dry_sequence_breakers),
+            samplers=list(incoming.sampling.samplers),
+        ),
+        chat_sampling_metadata=None,
+        tokens=list(incoming.tokens),
+        positions=list(incoming.positions),
+        activation=wire,
+        raw_bytes=b"",
+    )
+    return ForwardedStageMessage(message, encode_ms)
+
+
+def forwarded_stage_message(
+    config: StageConfig,
+    incoming: StageWireMessage,
+    output: ActivationFrameV1,
+    activation_width: int,
+    *,
+    impl: Optional[str] = None,
+) -> StageWireMessage:
+    """The message a stage forwards downstream (section 9)."""
+    return forwarded_stage_message_timed(config, incoming, output, activation_width, impl=impl).message
+
+
+__all__ = [
+    "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
+    "StageConfig", "ForwardedStageMessage", "forwarded_stage_message", "forwarded_stage_message_timed",
+]

@@ -1,0 +1,675 @@
+"""Stage messages, replies and their constants (wire-format.md sections 1-4, 11, 12).
+
+Plain Python classes shared by both framing implementations (the Cython ``_frame`` and the
+reference ``_reference.frame``).  Field names are the upstream (Rust) names.
+
+Representation choices:
+
+* f32 fields of :class:`SamplingConfig` are Python floats.  Every non-NaN f32 round-trips
+  exactly through a float; a NaN read from the wire is an :class:`F32` (a float that keeps
+  its exact binary32 bit pattern in ``.bits``) so that NaN payloads survive a read/write
+  round trip (section 4.3: "f32 fields must round-trip bit-exactly").
+* ``StageWireMessage.activation``: on write, the already *encoded* payload (any contiguous
+  bytes-like object).  On read it is the payload *decoded* to little-endian f32 bytes
+  (section 4.1 asymmetry): ``b""`` when there is none, else a read-only ``memoryview``
+  (format ``"B"``) over an owned float32 array.  ``activation_f32()`` gives the float32 view.
+* ``tokens`` / ``positions`` are read back as ``list[int]``; the writer accepts any sequence
+  of ints (list, tuple, ``array('i')``, int32 ndarray).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, Optional, Sequence
+
+from .constants import (
+    ActivationCodec,
+    activation_frame_flags_from_state_flags,
+)
+from ..errors import InvalidDataError, InvalidInputError
+
+# --- constants (section 1) ---------------------------------------------------------------
+STAGE_STATE_VERSION = 15
+READY_MAGIC = 0x53524459
+READY_BYTES = b"YDRS"  # READY_MAGIC little-endian: 59 44 52 53
+LLAMA_TOKEN_NULL = -1
+STAGE_STATE_HEADER_BYTES = 40
+STAGE_WIRE_FIXED_HEADER_BYTES = 80
+STAGE_SAMPLING_CONFIG_BASE_BYTES = 108
+STAGE_LOGIT_BIAS_WIRE_BYTES = 8
+MAX_STAGE_LOGIT_BIAS = 256
+MAX_STAGE_SAMPLERS = 16
+MAX_STAGE_DRY_SEQUENCE_BREAKERS = 8
+MAX_STAGE_SAMPLING_STRING_BYTES = 64
+MAX_STAGE_PREDICTED_TOKENS = 262_144
+MAX_STAGE_SIDEBAND_VALUES = 1_048_576
+MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES = 8 * 1024 * 1024
+MAX_STAGE_STATE_IMPORT_BYTES = 512 * 1024 * 1024
+MAX_STAGE_ACTIVATION_BYTES = 512 * 1024 * 1024
+MAX_STAGE_DECODED_ACTIVATION_BYTES = 512 * 1024 * 1024
+STAGE_REPLY_STATS_COUNT = 27
+STAGE_REPLY_STATS_BYTES = 27 * 8
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+U32_MAX = 2**32 - 1
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+U64_MAX = 2**64 - 1
+
+
+# --- enumerations (section 2) ------------------------------------------------------------
+class WireStagePhase(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    DECODE_REPLAY = 3
+    DECODE_LIGHT = 4
+
+
+class WireMessageKind(enum.IntEnum):
+    """Stage message kinds (section 2.1); 10, 11, 12, 23 and others are unknown."""
+
+    PREFILL_EMBD = 1
+    DECODE_EMBD = 2
+    STOP = 3
+    PREFILL_FINAL_EMBD = 4
+    DECODE_REPLAY_EMBD = 5
+    DECODE_REPLAY_FINAL_EMBD = 6
+    STATE_IMPORT = 7
+    DECODE_READOUT = 8
+    DECODE_LIGHT_CTX = 9
+    STATE_EXPORT = 13
+    CONFIGURE_GENERATION = 14
+    PROBE_PREFILL = 15
+    RESTORE_PREFILL = 16
+    TRY_RESTORE_PREFILL = 17
+    TRY_RESTORE_PREFILL_DECODE = 18
+    TRIM_SESSION = 19
+    PREDICTION_RETURN_OPEN = 20
+    VERIFY_WINDOW = 21
+    RETIRE_VERIFY_WINDOW = 22
+
+    @property
+    def rust_name(self) -> str:
+        """Upstream variant name, e.g. ``"DecodeEmbd"`` (the vectors' ``kind_name``)."""
+        return _KIND_RUST_NAME[self]
+
+    @property
+    def expected_phase(self) -> WireStagePhase:
+        if self in _DECODE_REPLAY_KINDS:
+            return WireStagePhase.DECODE_REPLAY
+        if self is WireMessageKind.DECODE_LIGHT_CTX:
+            return WireStagePhase.DECODE_LIGHT
+        if self in _PREFILL_PHASE_KINDS:
+            return WireStagePhase.PREFILL
+        return WireStagePhase.DECODE
+
+    is_prefill = property(lambda self: self in (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD))
+    is_decode_replay = property(lambda self: self in _DECODE_REPLAY_KINDS)
+    is_light_context = property(lambda self: self is WireMessageKind.DECODE_LIGHT_CTX)
+    requires_predicted_reply = property(lambda self: self in _PREDICTED_REPLY_KINDS)
+    is_session_control = property(lambda self: self is WireMessageKind.TRIM_SESSION)
+    is_verify_retirement = property(lambda self: self is WireMessageKind.RETIRE_VERIFY_WINDOW)
+    is_generation_control = property(lambda self: self is WireMessageKind.CONFIGURE_GENERATION)
+    is_prefix_cache_control = property(lambda self: 15 <= self <= 18)
+    is_activationless_prefix_cache_control = property(lambda self: 15 <= self <= 17)
+
+
+_KIND_RUST_NAME = {k: "".join(p.capitalize() for p in k.name.split("_")) for k in WireMessageKind}
+_DECODE_REPLAY_KINDS = frozenset({WireMessageKind.DECODE_REPLAY_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD})
+_PREDICTED_REPLY_KINDS = frozenset({2, 8, 9, 21, 4, 6})
+_PREFILL_PHASE_KINDS = frozenset({1, 4, 7, 13, 14, 15, 16, 17, 18, 19, 22})
+#: Kinds never carrying activation regardless of the source (writer list, section 4.4 step 5).
+ACTIVATIONLESS_WRITE_KINDS = frozenset({7, 15, 16, 17})
+#: The reader's list additionally holds Stop (section 4.5 step 7).
+ACTIVATIONLESS_READ_KINDS = frozenset({3, 7, 15, 16, 17})
+#: Kinds that ``matches_kind`` accepts unconditionally (section 3.3).
+_ALWAYS_MATCHING_KINDS = frozenset({7, 13, 19, 22, 14})
+
+
+class WireReplyKind(enum.IntEnum):
+    ACK = 1
+    PREDICTED_TOKEN = 2
+    PREDICTED_TOKENS = 3
+
+
+class StateFlags(enum.IntFlag):
+    """Bits of the header ``flags`` word (section 2.4).  Unknown bits are carried untouched,
+    so messages store the flag word as a plain int; these are the named bits."""
+
+    FINAL_CHUNK = 0x001
+    LIGHT_CONTEXT = 0x002
+    SKIP_VERIFY_CHECKPOINT = 0x004  # older generations only; not interpreted
+    SAMPLING = 0x008
+    FULL_STATE = 0x010
+    CHAT_SAMPLING_METADATA = 0x020
+    RWKV7_V_FIRST_SIDEBAND = 0x040
+    GEMMA3N_ALTUP_SIDEBAND = 0x080
+    INKLING_MTP_EMBD_SIDEBAND = 0x100
+
+
+class SamplingFlags(enum.IntFlag):
+    ENABLED = 1 << 0
+    IGNORE_EOS = 1 << 1
+
+
+# --- exact f32 values --------------------------------------------------------------------
+class F32(float):
+    """A float that remembers an exact binary32 bit pattern (used for NaNs read off the wire,
+    whose payload/signalling bit a plain float cannot carry)."""
+
+    __slots__ = ("bits",)
+
+    def __new__(cls, bits: int) -> "F32":
+        self = float.__new__(cls, struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
+        self.bits = bits & 0xFFFFFFFF
+        return self
+
+    def __repr__(self) -> str:
+        return f"F32(0x{self.bits:08x})"
+
+    def __reduce__(self):
+        return (F32, (self.bits,))
+
+
+_pack_f = struct.Struct("<f").pack
+_unpack_f = struct.Struct("<f").unpack
+_pack_I = struct.Struct("<I").pack
+_unpack_I = struct.Struct("<I").unpack
+
+
+def f32_bits(value: float) -> int:
+    """The binary32 bit pattern a value is written as (round to nearest; overflow to inf)."""
+    if type(value) is F32:
+        return value.bits
+    try:
+        return _unpack_I(_pack_f(value))[0]
+    except OverflowError:  # |value| rounds beyond f32::MAX: IEEE RNE gives infinity
+        return 0xFF800000 if value < 0 else 0x7F800000
+
+
+def f32_from_bits(bits: int) -> float:
+    """A float for an f32 bit pattern; exact for every non-NaN, an :class:`F32` for NaNs."""
+    if (bits & 0x7F800000) == 0x7F800000 and (bits & 0x007FFFFF):
+        return F32(bits)
+    return _unpack_f(_pack_I(bits))[0]
+
+
+# --- state header (section 3) ------------------------------------------------------------
+@dataclass
+class StageStateHeader:
+    """The 40-byte state header (section 3.1).  ``flags`` is the raw i32 flag word."""
+
+    version: int = STAGE_STATE_VERSION
+    seq_id: int = 0
+    phase: int = WireStagePhase.PREFILL
+    flags: int = 0
+    checkpoint_generation: int = 0
+    prompt_token_count: int = 0
+    decode_step: int = -1
+    current_token: int = -1
+    source_stage_index: int = -1
+    activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
+
+    @classmethod
+    def new(cls, kind: int) -> "StageStateHeader":
+        """Upstream ``StageStateHeader::new(kind)`` (section 3.2)."""
+        kind = WireMessageKind(kind)
+        flags = 0
+        if kind in (WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD):
+            flags |= StateFlags.FINAL_CHUNK
+        if kind is WireMessageKind.DECODE_LIGHT_CTX:
+            flags |= StateFlags.LIGHT_CONTEXT
+        return cls(phase=kind.expected_phase, flags=int(flags))
+
+    def matches_kind(self, kind: int) -> bool:
+        """Advisory phase/flag consistency check (section 3.3); the reader never calls it."""
+        kind = WireMessageKind(kind)
+        if kind in _ALWAYS_MATCHING_KINDS:
+            return True
+        final = kind in (WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD)
+        return (
+            self.phase == kind.expected_phase
+            and bool(self.flags & StateFlags.FINAL_CHUNK) == final
+            and bool(self.flags & StateFlags.LIGHT_CONTEXT) == (kind is WireMessageKind.DECODE_LIGHT_CTX)
+        )
+
+    @property
+    def activation_frame_flags(self) -> int:
+        return activation_frame_flags_from_state_flags(self.flags)
+
+
+# --- sampling block (section 4.3) --------------------------------------------------------
+class LogitBias(NamedTuple):
+    token_id: int
+    bias: float
+
+
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+
+
+@dataclass
+class SamplingConfig:
+    """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3)."""
+
+    flags: int = 0
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = -1
+    logit_bias: list = field(default_factory=list)  # (token_id, bias) pairs
+    typical_p: float = 1.0
+    top_nsigma: float = -1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: list = field(default_factory=lambda: list(DEFAULT_DRY_SEQUENCE_BREAKERS))
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat_mode: int = 0
+    mirostat_entropy: float = 5.0
+    mirostat_learning_rate: float = 0.1
+    samplers: list = field(default_factory=lambda: list(DEFAULT_SAMPLERS))
+    ignore_eos: bool = False
+
+    def enabled(self) -> bool:
+        return bool(self.flags & SamplingFlags.ENABLED)
+
+    def wire_bytes(self) -> int:
+        """Size of the block the writer emits (truncating lists as the writer does)."""
+        n = STAGE_SAMPLING_CONFIG_BASE_BYTES + STAGE_LOGIT_BIAS_WIRE_BYTES * min(len(self.logit_bias), MAX_STAGE_LOGIT_BIAS)
+        for s in self.dry_sequence_breakers[:MAX_STAGE_DRY_SEQUENCE_BREAKERS]:
+            n += 4 + len(s.encode("utf-8"))
+        for s in self.samplers[:MAX_STAGE_SAMPLERS]:
+            n += 4 + len(s.encode("utf-8"))
+        return n
+
+
+#: The sampling block fields in wire order: (name, struct code), lists marked "L"/"S".
+SAMPLING_WIRE_ORDER = (
+    ("flags", "I"), ("seed", "I"), ("temperature", "f"), ("top_p", "f"), ("top_k", "i"),
+    ("min_p", "f"), ("presence_penalty", "f"), ("frequency_penalty", "f"),
+    ("repeat_penalty", "f"), ("penalty_last_n", "i"), ("logit_bias", "L"),
+    ("typical_p", "f"), ("top_nsigma", "f"), ("dynatemp_range", "f"),
+    ("dynatemp_exponent", "f"), ("dry_multiplier", "f"), ("dry_base", "f"),
+    ("dry_allowed_length", "i"), ("dry_penalty_last_n", "i"), ("dry_sequence_breakers", "S"),
+    ("xtc_probability", "f"), ("xtc_threshold", "f"), ("mirostat_mode", "i"),
+    ("mirostat_entropy", "f"), ("mirostat_learning_rate", "f"), ("samplers", "S"),
+    ("ignore_eos", "B"),
+)
+SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code == "f")
+
+
+# --- the stage message (sections 4 and 12) -----------------------------------------------
+class RequestEpoch(NamedTuple):
+    request_id: int
+    session_id: int
+    checkpoint_generation: int
+    prompt_token_count: int
+    decode_step: int
+
+
+_POSITIONED_KINDS = frozenset({2, 8, 9, 21})
+
+
+@dataclass(eq=False)
+class StageWireMessage:
+    """One stage message (section 4.1).  See the module docstring for ``activation``."""
+
+    kind: WireMessageKind
+    pos_start: int = 0
+    token_count: int = 0
+    state: StageStateHeader = field(default_factory=StageStateHeader)
+    request_id: int = 0
+    session_id: int = 0
+    sampling: Optional[SamplingConfig] = None
+    chat_sampling_metadata: Optional[str] = None
+    tokens: Sequence[int] = field(default_factory=list)
+    positions: Sequence[int] = field(default_factory=list)
+    activation: Any = b""
+    raw_bytes: Any = b""
+
+    def __eq__(self, other: object) -> bool:
+        # Element-wise on the lists (tuples/arrays compare equal to lists), bytewise on the
+        # buffers (a memoryview equals the bytes it holds).
+        if not isinstance(other, StageWireMessage):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and self.pos_start == other.pos_start
+            and self.token_count == other.token_count
+            and self.state == other.state
+            and self.request_id == other.request_id
+            and self.session_id == other.session_id
+            and self.sampling == other.sampling
+            and self.chat_sampling_metadata == other.chat_sampling_metadata
+            and list(self.tokens) == list(other.tokens)
+            and list(self.positions) == list(other.positions)
+            and bytes(self.activation) == bytes(other.activation)
+            and bytes(self.raw_bytes) == bytes(other.raw_bytes)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # constructors (section 12)
+    @classmethod
+    def stop(cls, request_id: int = 0, session_id: int = 0) -> "StageWireMessage":
+        """``StageWireMessage::stop()`` / ``stop_with_identity(request_id, session_id)``."""
+        return cls(WireMessageKind.STOP, 0, 0, StageStateHeader.new(WireMessageKind.STOP), request_id, session_id)
+
+    stop_with_identity = stop
+
+    @classmethod
+    def configure_generation(
+        cls,
+        request_id: int,
+        session_id: int,
+        prompt_token_count: int,
+        sampling: Optional[SamplingConfig] = None,
+        chat_sampling_metadata: Optional[str] = None,
+    ) -> "StageWireMessage":
+        state = StageStateHeader.new(WireMessageKind.CONFIGURE_GENERATION)
+        state.prompt_token_count = prompt_token_count
+        return cls(
+            WireMessageKind.CONFIGURE_GENERATION, 0, 0, state, request_id, session_id, sampling, chat_sampling_metadata
+        )
+
+    # sizes
+    def estimated_wire_bytes(self) -> int:
+        """80 + sampling + metadata + payload, as upstream (saturating at u64::MAX)."""
+        n = STAGE_WIRE_FIXED_HEADER_BYTES
+        if self.sampling is not None:
+            n += self.sampling.wire_bytes()
+        if self.chat_sampling_metadata is not None:
+            n += 4 + len(self.chat_sampling_metadata.encode("utf-8"))
+        if self.kind == WireMessageKind.STATE_IMPORT:
+            n += _nbytes(self.raw_bytes)
+        else:
+            n += 4 * len(self.tokens) + 4 * len(self.positions) + _nbytes(self.activation)
+        return min(n, U64_MAX)
+
+    # epochs and flows (section 12)
+    def request_epoch(self) -> RequestEpoch:
+        s = self.state
+        return RequestEpoch(self.request_id, self.session_id, s.checkpoint_generation, s.prompt_token_count, s.decode_step)
+
+    def same_flow(self, other: "StageWireMessage") -> bool:
+        return self.request_id == other.request_id and self.session_id == other.session_id
+
+    def is_stale_for(self, current: "StageWireMessage") -> bool:
+        return self.same_flow(current) and self.request_epoch()[2:] < current.request_epoch()[2:]
+
+    def authoritative_session_position(self) -> Optional[int]:
+        if self.kind in _POSITIONED_KINDS and self.pos_start >= 0:
+            return self.pos_start
+        return None
+
+    def verify_window_id(self) -> Optional[int]:
+        return self.state.seq_id if self.kind == WireMessageKind.VERIFY_WINDOW else None
+
+    def verify_window_base_position(self) -> Optional[int]:
+        return self.pos_start if self.kind == WireMessageKind.VERIFY_WINDOW else None
+
+    def verify_window_token_count(self) -> Optional[int]:
+        return self.token_count if self.kind == WireMessageKind.VERIFY_WINDOW else None
+
+    # decoded activation access (section 12)
+    def activation_f32_payload(self) -> bytes:
+        """A copy of the (already decoded) f32 activation bytes; no decoding happens here."""
+        if _nbytes(self.activation) > MAX_STAGE_DECODED_ACTIVATION_BYTES:
+            raise InvalidDataError("decoded activation payload byte count exceeds maximum")
+        return bytes(self.activation)
+
+    def take_activation_f32_payload(self) -> bytes:
+        payload = self.activation_f32_payload()
+        self.activation = b""
+        return payload
+
+    def activation_f32(self):
+        """The decoded activation as a little-endian float32 numpy array (a view, no copy)."""
+        import numpy as np
+
+        return np.frombuffer(self.activation, dtype="<f4")
+
+
+def _nbytes(buf: Any) -> int:
+    if type(buf) is bytes or type(buf) is bytearray:
+        return len(buf)
+    return memoryview(buf).nbytes
+
+
+# --- replies (section 11) ----------------------------------------------------------------
+_STATS_FIELDS = (
+    "kv_lookup_hits", "kv_lookup_misses", "kv_lookup_errors", "kv_imported_pages",
+    "kv_imported_tokens", "kv_recorded_pages", "kv_recorded_bytes", "kv_hit_stage_mask",
+    "kv_record_stage_mask", "verify_window_compute_us", "verify_window_forward_write_us",
+    "verify_window_downstream_wait_us", "verify_window_total_us", "verify_window_stage_count",
+    "verify_window_request_count", "verify_window_token_count", "verify_window_max_tokens",
+    "prefill_edge_write_us_max", "prefill_edge_wait_us_max", "prefill_edge_total_us_max",
+    "prefill_edge_stage_index", "prefill_edge_activation_bytes_max",
+    "prefill_edge_observation_count", "prefill_compute_us_at_slowest_rate",
+    "prefill_compute_stage_index", "prefill_compute_token_count_at_slowest_rate",
+    "prefill_compute_observation_count",
+)
+
+
+def _sat(v: int) -> int:
+    return I64_MAX if v > I64_MAX else (I64_MIN if v < I64_MIN else v)
+
+
+def _better_compute(c_us: int, c_tok: int, cur_us: int, cur_tok: int) -> bool:
+    if c_us <= 0 or c_tok <= 0:
+        return False
+    if cur_us <= 0 or cur_tok <= 0:
+        return True
+    if c_tok != cur_tok:
+        return c_tok > cur_tok  # a larger chunk is the better calibration sample
+    return c_us * cur_tok > cur_us * c_tok
+
+
+@dataclass
+class StageReplyStats:
+    """The 27 i64 reply statistics, in wire order (section 11.2), with section 11.3 methods."""
+
+    kv_lookup_hits: int = 0
+    kv_lookup_misses: int = 0
+    kv_lookup_errors: int = 0
+    kv_imported_pages: int = 0
+    kv_imported_tokens: int = 0
+    kv_recorded_pages: int = 0
+    kv_recorded_bytes: int = 0
+    kv_hit_stage_mask: int = 0
+    kv_record_stage_mask: int = 0
+    verify_window_compute_us: int = 0
+    verify_window_forward_write_us: int = 0
+    verify_window_downstream_wait_us: int = 0
+    verify_window_total_us: int = 0
+    verify_window_stage_count: int = 0
+    verify_window_request_count: int = 0
+    verify_window_token_count: int = 0
+    verify_window_max_tokens: int = 0
+    prefill_edge_write_us_max: int = 0
+    prefill_edge_wait_us_max: int = 0
+    prefill_edge_total_us_max: int = 0
+    prefill_edge_stage_index: int = 0
+    prefill_edge_activation_bytes_max: int = 0
+    prefill_edge_observation_count: int = 0
+    prefill_compute_us_at_slowest_rate: int = 0
+    prefill_compute_stage_index: int = 0
+    prefill_compute_token_count_at_slowest_rate: int = 0
+    prefill_compute_observation_count: int = 0
+
+    FIELDS = _STATS_FIELDS
+
+    def as_tuple(self) -> tuple:
+        d = self.__dict__
+        return tuple(d[name] for name in _STATS_FIELDS)
+
+    @classmethod
+    def from_tuple(cls, values: Sequence[int]) -> "StageReplyStats":
+        return cls(*values)
+
+    def observe_prefill_edge_transport(self, stage_index: int, write_us: int, wait_us: int, activation_bytes: int) -> None:
+        write_us = max(write_us, 0)
+        wait_us = max(wait_us, 0)
+        total = _sat(write_us + wait_us)
+        self.prefill_edge_write_us_max = max(self.prefill_edge_write_us_max, write_us)
+        self.prefill_edge_wait_us_max = max(self.prefill_edge_wait_us_max, wait_us)
+        if total > self.prefill_edge_total_us_max:
+            self.prefill_edge_total_us_max = total
+            self.prefill_edge_stage_index = stage_index
+            self.prefill_edge_activation_bytes_max = min(activation_bytes, I64_MAX)
+        self.prefill_edge_observation_count = _sat(self.prefill_edge_observation_count + 1)
+
+    def observe_prefill_compute(self, stage_index: int, compute_us: int, token_count: int) -> None:
+        compute_us = max(compute_us, 0)
+        tokens = max(1, min(token_count, I64_MAX))
+        if _better_compute(compute_us, tokens, self.prefill_compute_us_at_slowest_rate,
+                           self.prefill_compute_token_count_at_slowest_rate):
+            self.prefill_compute_us_at_slowest_rate = compute_us
+            self.prefill_compute_stage_index = stage_index
+            self.prefill_compute_token_count_at_slowest_rate = tokens
+        self.prefill_compute_observation_count = _sat(self.prefill_compute_observation_count + 1)
+
+    def merge(self, other: "StageReplyStats") -> None:
+        for name in _STATS_FIELDS[:17]:
+            if name in ("kv_hit_stage_mask", "kv_record_stage_mask"):
+                setattr(self, name, getattr(self, name) | getattr(other, name))
+            elif name == "verify_window_max_tokens":
+                self.verify_window_max_tokens = max(self.verify_window_max_tokens, other.verify_window_max_tokens)
+            else:
+                setattr(self, name, _sat(getattr(self, name) + getattr(other, name)))
+        self.prefill_edge_write_us_max = max(self.prefill_edge_write_us_max, other.prefill_edge_write_us_max)
+        self.prefill_edge_wait_us_max = max(self.prefill_edge_wait_us_max, other.prefill_edge_wait_us_max)
+        if other.prefill_edge_total_us_max > self.prefill_edge_total_us_max:
+            self.prefill_edge_total_us_max = other.prefill_edge_total_us_max
+            self.prefill_edge_stage_index = other.prefill_edge_stage_index
+            self.prefill_edge_activation_bytes_max = other.prefill_edge_activation_bytes_max
+        self.prefill_edge_observation_count = _sat(
+            self.prefill_edge_observation_count + other.prefill_edge_observation_count
+        )
+        if _better_compute(other.prefill_compute_us_at_slowest_rate, other.prefill_compute_token_count_at_slowest_rate,
+                           self.prefill_compute_us_at_slowest_rate, self.prefill_compute_token_count_at_slowest_rate):
+            self.prefill_compute_us_at_slowest_rate = other.prefill_compute_us_at_slowest_rate
+            self.prefill_compute_stage_index = other.prefill_compute_stage_index
+            self.prefill_compute_token_count_at_slowest_rate = other.prefill_compute_token_count_at_slowest_rate
+        self.prefill_compute_observation_count = _sat(
+            self.prefill_compute_observation_count + other.prefill_compute_observation_count
+        )
+
+    def is_empty(self) -> bool:
+        return (
+            all(getattr(self, name) == 0 for name in _STATS_FIELDS[:17])
+            and self.prefill_edge_observation_count == 0
+            and self.prefill_compute_observation_count == 0
+        )
+
+
+@dataclass
+class StageReplyWindow:
+    window_id: int = 0
+
+
+@dataclass
+class NativeMtpDraft:
+    """A native MTP draft carried by a reply: draft token ids and the proposal cost."""
+
+    token_ids: list = field(default_factory=list)
+    proposal_compute_us: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NativeMtpDraft):
+            return NotImplemented
+        return list(self.token_ids) == list(other.token_ids) and self.proposal_compute_us == other.proposal_compute_us
+
+
+@dataclass
+class StageReply:
+    """A stage reply (section 11.2)."""
+
+    kind: WireReplyKind = WireReplyKind.ACK
+    predicted: int = 0
+    predicted_tokens: list = field(default_factory=list)
+    window: StageReplyWindow = field(default_factory=StageReplyWindow)
+    native_mtp_draft: Optional[NativeMtpDraft] = None
+    stats: StageReplyStats = field(default_factory=StageReplyStats)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StageReply):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and self.predicted == other.predicted
+            and list(self.predicted_tokens) == list(other.predicted_tokens)
+            and self.window == other.window
+            and self.native_mtp_draft == other.native_mtp_draft
+            and self.stats == other.stats
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# --- writer input validation shared by both implementations ------------------------------
+_I32_STATE = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
+              "decode_step", "current_token", "source_stage_index")
+
+
+def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
+    """Name the first field of ``msg`` the wire cannot represent (both implementations raise
+    this when a value does not fit its wire integer type)."""
+
+    def bad(value: Any, lo: int, hi: int) -> bool:
+        try:
+            return not (lo <= operator.index(value) <= hi)
+        except TypeError:
+            return True
+
+    checks = [("kind", msg.kind, I32_MIN, I32_MAX), ("pos_start", msg.pos_start, I32_MIN, I32_MAX),
+              ("token_count", msg.token_count, I32_MIN, I32_MAX)]
+    checks += [(f"state.{n}", getattr(msg.state, n), I32_MIN, I32_MAX) for n in _I32_STATE]
+    checks += [("request_id", msg.request_id, 0, U64_MAX), ("session_id", msg.session_id, 0, U64_MAX)]
+    s = msg.sampling
+    if s is not None:
+        checks += [("sampling.flags", s.flags, 0, U32_MAX), ("sampling.seed", s.seed, 0, U32_MAX)]
+        checks += [(f"sampling.{n}", getattr(s, n), I32_MIN, I32_MAX)
+                   for n in ("top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode")]
+        checks += [("sampling.logit_bias token_id", t, I32_MIN, I32_MAX) for t, _ in list(s.logit_bias)[:256]]
+    checks += [("tokens", t, I32_MIN, I32_MAX) for t in msg.tokens]
+    checks += [("positions", p, I32_MIN, I32_MAX) for p in msg.positions]
+    for name, value, lo, hi in checks:
+        if bad(value, lo, hi):
+            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+    return InvalidInputError("message field does not fit its wire type")
+
+
+def reply_out_of_range_error(reply: StageReply) -> InvalidInputError:
+    def bad(value: Any, lo: int, hi: int) -> bool:
+        try:
+            return not (lo <= operator.index(value) <= hi)
+        except TypeError:
+            return True
+
+    checks = [("kind", reply.kind, I32_MIN, I32_MAX), ("predicted", reply.predicted, I32_MIN, I32_MAX)]
+    checks += [("predicted_tokens", t, I32_MIN, I32_MAX) for t in reply.predicted_tokens]
+    checks.append(("window.window_id", reply.window.window_id, I32_MIN, I32_MAX))
+    if reply.native_mtp_draft is not None:
+        checks += [("native_mtp_draft.token_ids", t, I32_MIN, I32_MAX) for t in reply.native_mtp_draft.token_ids]
+        checks.append(("native_mtp_draft.proposal_compute_us", reply.native_mtp_draft.proposal_compute_us, I64_MIN, I64_MAX))
+    checks += [(f"stats.{n}", getattr(reply.stats, n), I64_MIN, I64_MAX) for n in _STATS_FIELDS]
+    for name, value, lo, hi in checks:
+        if bad(value, lo, hi):
+            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+    return InvalidInputError("reply field does not fit its wire type")
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "enum", "struct", "dataclass", "field", "fields", "Any", "NamedTuple", "Optional", "Sequence")]
