@@ -1,20 +1,37 @@
-"""One error hierarchy for the whole package.
+"""Every exception root of the package, in one place.
 
-Upstream (Rust) reports ``std::io::Error`` with one of three kinds; each kind is a class
-here, and ``str(error)`` is the exact upstream text (wire-format.md section 10).  Each
-class also subclasses the builtin a Python caller would reach for first.
+``SkippyError`` is the base of everything skippy_wire raises on purpose.  Below it, one root
+per layer:
+
+- wire: ``WireError``.  Upstream (Rust) reports ``std::io::Error`` with one of three kinds;
+  each kind is a class here, and ``str(error)`` is the exact upstream text (wire-format.md
+  section 10).  Each class also subclasses the builtin a Python caller would reach for first.
+  ``ForwardingError`` wraps what upstream's forwarding reports through ``anyhow``.
+- stage: ``StageRuntimeError`` (the runtime adapter and the native backend's statuses).
+- net: ``StageError`` (a stage server could not serve a message) and ``PipelineError`` (a
+  request through the pipeline failed).
+- tools: ``ToolError`` (a command-line tool could not do what it was asked).
 """
 
 from __future__ import annotations
 
+import enum
+from typing import Optional
+
 EOF_MESSAGE = "failed to fill whole buffer"
 
 
-class WireError(Exception):
+class SkippyError(Exception):
+    """Base class of every error skippy_wire raises on purpose."""
+
+
+class WireError(SkippyError):
     """Base class of every protocol error raised by skippy_wire."""
 
     #: The upstream ``io::ErrorKind`` name ("InvalidData", "InvalidInput", "UnexpectedEof").
     kind: str = "Other"
+    #: What a writer had produced before it failed (upstream's partial output), else None.
+    partial: Optional[bytes] = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -40,12 +57,17 @@ class InvalidInputError(WireError, ValueError):
 
 
 class UnexpectedEofError(WireError, EOFError):
-    """The input ended before the message did (upstream ``UnexpectedEof``)."""
+    """The input ended before the message did (upstream ``UnexpectedEof``).
+
+    ``needed`` is the total byte count the reader knows the message needs (``None`` when it
+    cannot tell yet).
+    """
 
     kind = "UnexpectedEof"
 
-    def __init__(self, message: str = EOF_MESSAGE) -> None:
+    def __init__(self, message: str = EOF_MESSAGE, *, needed: Optional[int] = None) -> None:
         super().__init__(message)
+        self.needed = needed
 
 
 ERROR_CLASSES = {cls.kind: cls for cls in (InvalidDataError, InvalidInputError, UnexpectedEofError)}
@@ -54,3 +76,122 @@ ERROR_CLASSES = {cls.kind: cls for cls in (InvalidDataError, InvalidInputError, 
 def error_for_kind(kind: str, message: str) -> WireError:
     """Build the error class that stands for an upstream ``io::ErrorKind`` name."""
     return ERROR_CLASSES[kind](message)
+
+
+class ForwardingError(WireError):
+    """A forwarding failure (upstream ``anyhow::Error``); ``cause`` is the wrapped error."""
+
+    kind = "Other"
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# --- stage: the runtime adapter and the native backend (runtime.md sections 1.5, 3.2) --------
+
+
+class Status(enum.IntEnum):
+    """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
+
+    OK = 0
+    ERROR = 1
+    INVALID_ARGUMENT = 2
+    UNSUPPORTED = 3
+    BUFFER_TOO_SMALL = 4
+    IO_ERROR = 5
+    MODEL_ERROR = 6
+    RUNTIME_ERROR = 7
+
+    def __str__(self) -> str:
+        return "".join(part.capitalize() for part in self.name.split("_"))
+
+    @classmethod
+    def from_code(cls, code: int) -> "Status | int":
+        try:
+            return cls(code)
+        except ValueError:
+            return code
+
+
+def format_status_error(status: "Status | int", message: Optional[str]) -> str:
+    """Upstream ``format_skippy_error``: ``"{Status:?}: {message}"``, or ``"{Status:?}"``."""
+    name = str(status) if isinstance(status, Status) else f"Status({status})"
+    return f"{name}: {message}" if message else name
+
+
+class StageRuntimeError(SkippyError, RuntimeError):
+    """Base of every error the runtime adapter and the backend binding raise.
+
+    ``status`` is the native ``Status`` when a native call failed, else ``None`` (an
+    adapter-side check failed); ``message`` is the native message or the check's text.
+    """
+
+    def __init__(self, message: str, status: "Status | int | None" = None) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(message if status is None else format_status_error(status, message))
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.status))
+
+    @classmethod
+    def from_native(cls, status: int, message: Optional[str]) -> "StageRuntimeError":
+        return cls(message or "", Status.from_code(status))
+
+
+class ActivationFrameError(StageRuntimeError, ValueError):
+    """An activation frame or descriptor is inconsistent (checked before any native call)."""
+
+
+class SamplingConfigError(StageRuntimeError, ValueError):
+    """A sampling configuration cannot be encoded into the native struct."""
+
+
+class StageArgumentError(StageRuntimeError, ValueError):
+    """An argument cannot be represented in the native call (the Rust types rule these out:
+    a token id outside i32, a negative count or capacity)."""
+
+
+class PartialBatchExecution(StageRuntimeError):
+    """A batch that executed one request at a time and then failed part way through.
+
+    Every request before ``executed`` already advanced its session natively (no rollback),
+    so a caller that tracks positions has to account for them.  ``error`` (also
+    ``__cause__``) is the failure that stopped the batch.
+    """
+
+    def __init__(self, executed: int, error: BaseException) -> None:
+        self.executed = executed
+        self.error = error
+        super().__init__(f"batch executed {executed} request(s) before failing: {error}")
+        self.__cause__ = error
+
+    def __reduce__(self):
+        return (type(self), (self.executed, self.error))
+
+
+# --- net: stage servers and the driver ------------------------------------------------------
+
+
+class StageError(SkippyError, RuntimeError):
+    """A stage could not execute or forward a message; its connection is closed."""
+
+
+class PipelineError(SkippyError, RuntimeError):
+    """A request through the pipeline failed; the message says which stage and why."""
+
+
+# --- tools ------------------------------------------------------------------------------------
+
+
+class ToolError(SkippyError):
+    """A command-line tool could not do what it was asked; the message is the one line shown."""
+
+
+class DissectError(ToolError, ValueError):
+    """A record could not be parsed; the message carries its index and byte offset."""
+
+
+class Mismatch(ToolError):
+    """One recorded expectation (a golden vector) that the implementation did not meet."""

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..wire.constants import ActivationCodec
-from ..errors import UnexpectedEofError, WireError
+from ..errors import PipelineError, UnexpectedEofError, WireError
 
 log = logging.getLogger("skippy_wire.net.driver")
 
@@ -52,10 +52,6 @@ DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK = 128
 DEFAULT_TIMEOUT = 60.0
 STARTUP_TIMEOUT = 120.0
-
-
-class PipelineError(RuntimeError):
-    """A request through the pipeline failed; the message says which stage and why."""
 
 
 # --------------------------------------------------------------------------------------

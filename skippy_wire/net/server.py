@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..errors import UnexpectedEofError, WireError
+from ..errors import StageError, UnexpectedEofError, WireError
 from ..wire.messages import READY_BYTES
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -59,10 +59,6 @@ DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
 
 EventSink = Callable[[dict], None]
-
-
-class StageError(RuntimeError):
-    """A stage could not execute or forward a message; its connection is closed."""
 
 
 # --------------------------------------------------------------------------------------

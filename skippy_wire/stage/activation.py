@@ -24,6 +24,16 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..errors import (
+    ActivationFrameError,
+    PartialBatchExecution,
+    SamplingConfigError,
+    StageArgumentError,
+    StageRuntimeError,
+    Status,
+    format_status_error,
+)
+
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
 
 ACTIVATION_FRAME_VERSION = 2
@@ -58,98 +68,6 @@ I32_MAX = 0x7FFF_FFFF
 
 
 # --- errors (runtime.md section 3.2 / 1.5) ----------------------------------------------------
-
-
-class Status(enum.IntEnum):
-    """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
-
-    OK = 0
-    ERROR = 1
-    INVALID_ARGUMENT = 2
-    UNSUPPORTED = 3
-    BUFFER_TOO_SMALL = 4
-    IO_ERROR = 5
-    MODEL_ERROR = 6
-    RUNTIME_ERROR = 7
-
-    def __str__(self) -> str:
-        return _STATUS_DEBUG[self]
-
-    @classmethod
-    def from_code(cls, code: int) -> "Status | int":
-        try:
-            return cls(code)
-        except ValueError:
-            return code
-
-
-_STATUS_DEBUG = {
-    Status.OK: "Ok",
-    Status.ERROR: "Error",
-    Status.INVALID_ARGUMENT: "InvalidArgument",
-    Status.UNSUPPORTED: "Unsupported",
-    Status.BUFFER_TOO_SMALL: "BufferTooSmall",
-    Status.IO_ERROR: "IoError",
-    Status.MODEL_ERROR: "ModelError",
-    Status.RUNTIME_ERROR: "RuntimeError",
-}
-
-
-def format_status_error(status: "Status | int", message: Optional[str]) -> str:
-    """Upstream ``format_skippy_error``: ``"{Status:?}: {message}"``, or ``"{Status:?}"``."""
-    name = str(status) if isinstance(status, Status) else f"Status({status})"
-    return f"{name}: {message}" if message else name
-
-
-class StageRuntimeError(RuntimeError):
-    """Base of every error the runtime adapter raises.
-
-    ``status`` is the native ``Status`` when a native call failed, else ``None`` (an
-    adapter-side check failed); ``message`` is the native message or the check's text.
-    """
-
-    def __init__(self, message: str, status: "Status | int | None" = None) -> None:
-        self.status = status
-        self.message = message
-        super().__init__(message if status is None else format_status_error(status, message))
-
-    def __reduce__(self):
-        return (type(self), (self.message, self.status))
-
-    @classmethod
-    def from_native(cls, status: int, message: Optional[str]) -> "StageRuntimeError":
-        return cls(message or "", Status.from_code(status))
-
-
-class ActivationFrameError(StageRuntimeError, ValueError):
-    """An activation frame or descriptor is inconsistent (checked before any native call)."""
-
-
-class SamplingConfigError(StageRuntimeError, ValueError):
-    """A sampling configuration cannot be encoded into the native struct."""
-
-
-class StageArgumentError(StageRuntimeError, ValueError):
-    """An argument cannot be represented in the native call (the Rust types rule these out:
-    a token id outside i32, a negative count or capacity)."""
-
-
-class PartialBatchExecution(StageRuntimeError):
-    """A batch that executed one request at a time and then failed part way through.
-
-    Every request before ``executed`` already advanced its session natively (no rollback),
-    so a caller that tracks positions has to account for them.  ``error`` (also
-    ``__cause__``) is the failure that stopped the batch.
-    """
-
-    def __init__(self, executed: int, error: BaseException) -> None:
-        self.executed = executed
-        self.error = error
-        super().__init__(f"batch executed {executed} request(s) before failing: {error}")
-        self.__cause__ = error
-
-    def __reduce__(self):
-        return (type(self), (self.executed, self.error))
 
 
 # --- descriptors ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from .. import _impl
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..errors import WireError
+from ..errors import Mismatch, WireError
 from ..wire.messages import (
     SAMPLING_WIRE_ORDER,
     SamplingConfig,
@@ -34,10 +34,6 @@ from ..wire.messages import (
 )
 
 GROUPS = ("activation", "activation_decode", "select", "frame", "malformed")
-
-
-class Mismatch(Exception):
-    """One recorded expectation that the implementation did not meet."""
 
 
 # --- vector <-> message conversion (shared with the tests) -------------------------------
@@ -329,7 +325,7 @@ class Runner:
         got = _outcome(self.frame.write_stage_message, msg)
         if not w["ok"]:
             _check_error("write", got, w["error"])
-            partial = getattr(got[2], "partial", None)
+            partial = got[2].partial
             if partial is None:
                 raise Mismatch("write: the error carries no partial output")
             if bytes(partial).hex() != w["partial_hex"]:

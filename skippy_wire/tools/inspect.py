@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..wire.constants import ActivationCodec, activation_payload_multiplier_from_state_flags
-from ..errors import WireError
+from ..errors import DissectError, WireError
 
 READY_BYTES = b"\x59\x44\x52\x53"
 
@@ -191,10 +191,6 @@ def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = No
         print("\n".join(lines), file=out)
         index += 1
     return index
-
-
-class DissectError(ValueError):
-    """A record could not be parsed; the message carries its index and byte offset."""
 
 
 def build_parser() -> argparse.ArgumentParser:

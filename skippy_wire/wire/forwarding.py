@@ -27,18 +27,8 @@ from .constants import (
     LOSSLESS_CODECS,
     activation_state_flags_from_frame_flags,
 )
-from ..errors import WireError
+from ..errors import ForwardingError, WireError
 from .messages import StageWireMessage
-
-
-class ForwardingError(WireError):
-    """A forwarding failure (upstream ``anyhow::Error``); ``cause`` is the wrapped error."""
-
-    kind = "Other"
-
-    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
-        super().__init__(message)
-        self.cause = cause
 
 
 class ActivationDType(enum.IntEnum):

@@ -160,7 +160,7 @@ def _read_from_stream(stream, parse):
         try:
             message, consumed = parse(buf)
         except UnexpectedEofError as error:
-            needed = getattr(error, "needed", None)
+            needed = error.needed
             if needed is None or needed <= len(buf):
                 raise
             need = needed
@@ -238,7 +238,7 @@ class StageMessageDecoder:
             try:
                 message, consumed = parse(data, n_embd, expected, policy, pos)
             except UnexpectedEofError as error:
-                needed = getattr(error, "needed", None)
+                needed = error.needed
                 if needed is None:  # not a short tail: a genuine error
                     raise
                 if self.max_message_bytes is not None and needed > self.max_message_bytes:
