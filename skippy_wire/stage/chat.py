@@ -1,0 +1,116 @@
+"""Chat templates: render a conversation with the GGUF's ``tokenizer.chat_template``.
+
+The template is Jinja, rendered as transformers and llama.cpp render it: a sandboxed,
+immutable environment with ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols``
+extension, a ``tojson`` filter that keeps non-ASCII text, and the ``raise_exception`` and
+``strftime_now`` globals that Hugging Face templates call.  The result is text that still
+has to be tokenized (special tokens such as ``<|im_start|>`` are matched by the tokenizer).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from os import PathLike
+from typing import Any, Mapping, Optional, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+from ..errors import StageRuntimeError
+from .models import read_gguf_metadata
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ChatTemplateError(StageRuntimeError, ValueError):
+    """A model has no chat template, the template failed, or the messages are malformed."""
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """Messages as a list of ``{"role", "content"}`` dicts; content parts of type "text"
+    are joined (the OpenAI list form).  Raises ChatTemplateError with one line."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ChatTemplateError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ChatTemplateError(f"messages[{i}].content must be a string")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+class ChatTemplate:
+    """A compiled chat template with the special-token texts it may refer to."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_gguf(cls, path: str | PathLike, tokens: Optional[Sequence[str]] = None) -> "ChatTemplate":
+        """The template of a GGUF file; ChatTemplateError when the model has none."""
+        kv = read_gguf_metadata(path, "tokenizer.")
+        source = kv.get(CHAT_TEMPLATE_KEY)
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError(f"{path} has no chat template ({CHAT_TEMPLATE_KEY}); send a raw prompt instead")
+        vocab = tokens if tokens is not None else kv.get("tokenizer.ggml.tokens") or []
+
+        def text_of(key: str) -> str:
+            i = kv.get(key)
+            return vocab[i] if isinstance(i, int) and 0 <= i < len(vocab) else ""
+
+        return cls(source, bos_token=text_of("tokenizer.ggml.bos_token_id"),
+                   eos_token=text_of("tokenizer.ggml.eos_token_id"))
+
+    def render(self, messages: Any, *, add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The prompt text of ``messages`` (OpenAI chat form)."""
+        checked = check_messages(messages)
+        try:
+            return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed: {exc}") from None

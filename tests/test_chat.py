@@ -1,0 +1,70 @@
+"""Chat templates: the SmolLM2 GGUF's template renders as transformers renders it."""
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from skippy_wire.stage.chat import ChatTemplate, ChatTemplateError
+from skippy_wire.stage.models import read_gguf_metadata, smollm2_path, write_tiny_llama_gguf
+
+TWO_TURNS = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And of Italy? ünïcödé"},
+]
+
+
+def _transformers(source, messages, add_generation_prompt):
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=source,
+                                        add_generation_prompt=add_generation_prompt)
+    return rendered[0]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", [TWO_TURNS, [{"role": "system", "content": "Be brief."}, *TWO_TURNS]])
+def test_smollm2_template_matches_transformers(messages, add_generation_prompt):
+    template = ChatTemplate.from_gguf(smollm2_path())
+    source = read_gguf_metadata(smollm2_path(), "tokenizer.chat_template")["tokenizer.chat_template"]
+    ours = template.render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == _transformers(source, messages, add_generation_prompt)
+    assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+def test_template_features_as_transformers():
+    # trim_blocks/lstrip_blocks, loopcontrols, tojson keeping non-ASCII, raise_exception
+    source = ("{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n"
+              "{{ m['content'] | tojson }}|{% endfor %}{{ bos_token }}")
+    msgs = [{"role": "user", "content": c} for c in ("é", "b", "c")]
+    assert ChatTemplate(source).render(msgs) == _transformers(source, msgs, True) == '"é"|"b"|'
+    failing = ChatTemplate("{{ raise_exception('only user turns') }}")
+    with pytest.raises(ChatTemplateError, match="only user turns"):
+        failing.render(msgs)
+
+
+def test_content_parts_are_joined():
+    template = ChatTemplate("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert template.render(parts) == "[ab]"
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ([], "non-empty list"),
+    ([{"role": "wizard", "content": "x"}], "role must be one of"),
+    ([{"role": "user", "content": 5}], "content must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
+])
+def test_bad_messages_are_one_line_errors(messages, fragment):
+    with pytest.raises(ChatTemplateError, match=fragment) as info:
+        ChatTemplate("{{ messages }}").render(messages)
+    assert "\n" not in str(info.value)
+
+
+def test_model_without_template(tmp_path):
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        ChatTemplate.from_gguf(path)
+
+
+def test_sandbox_refuses_attribute_escape():
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        template.render([{"role": "user", "content": "x"}])
