@@ -1,0 +1,277 @@
+"""Many generations in flight over one pipeline: the engine behind ``skippy-wire api``.
+
+Each request in flight owns one connection to stage 0 for its lifetime.  Every stage
+server serves each connection on its own thread with its own downstream connection, so
+requests move through the pipeline independently: stage 0 computes request B while
+stage 1 computes request A.  Idle connections are pooled and reused.
+
+Admission (in the event loop, see :class:`Admission`): up to ``max_inflight`` requests
+run; up to ``max_queue`` more wait in FIFO order (asyncio's semaphore is fair); beyond
+that a request is refused at once (:class:`QueueFullError`, HTTP 503).
+
+A request is cancelled (its client went away, or a stop string matched) between two
+tokens: the engine then sends Stop for its session, which every stage relays and acts
+on, so the session's lane is free on every stage before the connection is reused.  A
+connection that failed is closed instead, which frees the sessions on every stage too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..errors import PipelineError, SkippyError
+from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
+from .driver import PipelineClient
+
+#: Sessions each stage can hold at once (its lanes; the stage server's default).
+LANES = 4
+#: Upper bound of the random seed drawn for a sampled request that names none.
+_SEED_RANGE = 2**31 - 1
+
+
+class QueueFullError(SkippyError):
+    """Every lane is busy and the wait queue is full; retry later."""
+
+
+class Cancelled(SkippyError):
+    """The request was cancelled between two tokens."""
+
+
+@dataclass
+class SamplingParams:
+    """OpenAI-style sampling parameters; ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    logit_bias: dict = field(default_factory=dict)
+
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \
+            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+
+    def wire(self) -> Optional[SamplingConfig]:
+        """The wire's sampling block (None = greedy, the backend's argmax)."""
+        if self.is_greedy():
+            return None
+        seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
+        return SamplingConfig(
+            flags=int(SamplingFlags.ENABLED), seed=seed, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
+            logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
+
+
+class TextAssembler:
+    """Detokenise incrementally and apply stop strings.
+
+    ``push(token)`` returns the text that is safe to show now: text that could still turn
+    into a stop string, or an incomplete UTF-8 sequence, is held back until it is decided.
+    ``stopped`` turns True when a stop string appeared; ``text`` is everything before it.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.text = ""
+        self.shown = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._advance(text, final=False)
+
+    def finish(self) -> str:
+        """The held-back rest once generation has ended."""
+        if self.stopped:
+            return ""
+        return self._advance(self.tokenizer.decode(self.tokens), final=True)
+
+    def _advance(self, text: str, *, final: bool) -> str:
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            text = text[:cut]
+            safe = len(text)
+        elif final:
+            safe = len(text)
+        else:
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            safe = len(text) - hold
+        self.text = text
+        delta = text[self.shown:safe] if safe > self.shown else ""
+        self.shown = max(self.shown, safe)
+        return delta
+
+
+@dataclass
+class Generation:
+    """What one request produced."""
+
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+    first_token_s: Optional[float] = None
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Counters:
+    """Process-wide figures for ``/metrics``."""
+
+    requests: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+
+class GenerationEngine:
+    """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
+
+    def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
+                 chunk_size: int) -> None:
+        self.entry = entry
+        self.tokenizer = tokenizer
+        self.ctx_size = ctx_size
+        self.timeout = timeout
+        self.chunk_size = chunk_size
+        self.counters = Counters()
+        self._idle: list[PipelineClient] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def _take(self) -> PipelineClient:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return PipelineClient(*self.entry, timeout=self.timeout)
+
+    def _give_back(self, client: PipelineClient) -> None:
+        with self._lock:
+            self._idle.append(client)
+
+    def check_ready(self) -> None:
+        """Raise PipelineError unless a connection through every stage can be had (each
+        stage sends READY only once its own downstream did)."""
+        self._give_back(self._take())
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
+
+    def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
+                 on_text: Callable[[str], None], cancelled: threading.Event) -> Generation:
+        """Generate after ``prompt``; ``on_text`` receives each new piece of text."""
+        started = time.perf_counter()
+        out = Generation(prompt_tokens=len(prompt))
+        assembler = TextAssembler(self.tokenizer, stop)
+        session = next(self._ids)
+
+        def on_token(token: int) -> None:
+            if out.first_token_s is None:
+                out.first_token_s = time.perf_counter() - started
+            if self.tokenizer.is_eog(token):
+                return
+            out.completion_tokens += 1
+            delta = assembler.push(token)
+            if delta:
+                on_text(delta)
+            if assembler.stopped or cancelled.is_set():
+                raise Cancelled("stop")
+
+        client = self._take()
+        sent0, received0 = client.sent_bytes, client.received_bytes
+        healthy = True
+        try:
+            result = client.generate(prompt, max_tokens=max_tokens, sampling=sampling.wire(),
+                                     chunk_size=self.chunk_size, is_eog=self.tokenizer.is_eog,
+                                     on_token=on_token, request_id=session, session_id=session)
+            out.finish_reason = "stop" if result.stop_reason == "eog" else "length"
+        except Cancelled:
+            out.finish_reason = "stop"
+            healthy = self._stop_session(client, session)
+            if cancelled.is_set():
+                with self._lock:
+                    self.counters.cancelled += 1
+                raise
+        except BaseException:
+            healthy = False
+            with self._lock:
+                self.counters.failed += 1
+            raise
+        finally:
+            with self._lock:
+                self.counters.sent_bytes += client.sent_bytes - sent0
+                self.counters.received_bytes += client.received_bytes - received0
+                self.counters.requests += 1
+                self.counters.prompt_tokens += len(prompt)
+                self.counters.completion_tokens += out.completion_tokens
+            if healthy:
+                self._give_back(client)
+            else:
+                client.close()
+        tail = assembler.finish()
+        if tail:
+            on_text(tail)
+        out.text = assembler.text
+        out.elapsed_s = time.perf_counter() - started
+        return out
+
+    @staticmethod
+    def _stop_session(client: PipelineClient, session: int) -> bool:
+        """Free a cancelled session on every stage; False if the connection is unusable."""
+        try:
+            client.request(StageWireMessage.stop(session, session), "Stop")
+            return True
+        except PipelineError:
+            return False
+
+
+class Admission:
+    """Up to ``max_inflight`` requests run, ``max_queue`` wait (FIFO), the rest are refused."""
+
+    def __init__(self, max_inflight: int, max_queue: int) -> None:
+        self.max_inflight = max_inflight
+        self.max_queue = max_queue
+        self._slots = asyncio.Semaphore(max_inflight)
+        self.waiting = 0
+        self.running = 0
+
+    async def acquire(self) -> None:
+        """Wait for a lane in FIFO order; QueueFullError when too many already wait."""
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            raise QueueFullError(f"all {self.max_inflight} lanes are busy and {self.waiting} requests are "
+                                 "queued; retry later")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    def release(self) -> None:
+        """Give the lane back (call in the event loop's thread)."""
+        self.running -= 1
+        self._slots.release()

@@ -1,0 +1,225 @@
+"""``skippy-wire api`` against real stage processes on 127.0.0.1, with the official
+``openai`` client for the happy paths and plain HTTP for the error paths.
+
+Each server is a ``skippy-wire api --listen 127.0.0.1:0`` child (two stage processes
+of SmolLM2 beneath it); every wait is bounded and the children are always terminated.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STARTUP_S = 120
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+class ApiServer:
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--ctx-size", "512", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.log: list[str] = []
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.log.append(line)
+            m = re.search(r"API on (http://[\d.]+:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if not hasattr(self, "url"):
+            self.close()
+            raise AssertionError("api did not start:\n" + "".join(self.log))
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        rest = self.proc.stderr.read()
+        self.proc.stderr.close()
+        if hasattr(self, "client"):
+            self.client.close()
+        return "".join(self.log) + rest
+
+
+@pytest.fixture(scope="module")
+def api():
+    server = ApiServer("--max-inflight", "4", "--max-queue", "16")
+    try:
+        yield server
+    finally:
+        log = server.close()
+        assert "Traceback" not in log, log
+
+
+def _complete(api, **kw):
+    return api.client.completions.create(model="any", prompt=kw.pop("prompt", PROMPT), **kw)
+
+
+def test_models_lists_the_model(api):
+    models = api.client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+def test_chat_completion_uses_the_chat_template(api):
+    reply = api.client.chat.completions.create(model="any", messages=CHAT, max_tokens=24, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    # The template adds the SmolLM system turn and the assistant header around the user turn.
+    assert reply.usage.prompt_tokens > 25
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_max_tokens_ends_with_length(api):
+    reply = _complete(api, max_tokens=5, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+
+
+def test_streaming_chunks_add_up_to_the_whole(api):
+    whole = _complete(api, max_tokens=16, temperature=0).choices[0].text
+    chunks = list(_complete(api, max_tokens=16, temperature=0, stream=True))
+    pieces = [c.choices[0].text for c in chunks]
+    assert len([p for p in pieces if p]) >= 8  # token by token, not one lump
+    assert "".join(pieces) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_streaming_has_role_then_content(api):
+    chunks = list(api.client.chat.completions.create(model="any", messages=CHAT, max_tokens=12,
+                                                      temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    whole = api.client.chat.completions.create(model="any", messages=CHAT, max_tokens=12, temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_seeded_sampling_repeats_and_differs_from_greedy(api):
+    kw = dict(max_tokens=24, temperature=1.2, top_k=40, top_p=0.95, seed=1234)
+    first = _complete(api, extra_body={"top_k": 40}, **{k: v for k, v in kw.items() if k != "top_k"})
+    again = _complete(api, extra_body={"top_k": 40}, **{k: v for k, v in kw.items() if k != "top_k"})
+    assert first.choices[0].text == again.choices[0].text
+    greedy = _complete(api, max_tokens=24, temperature=0).choices[0].text
+    others = {_complete(api, max_tokens=24, temperature=1.2, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert others != {greedy} and len(others | {first.choices[0].text}) > 1
+
+
+def test_stop_string_cuts_the_text(api):
+    whole = _complete(api, max_tokens=24, temperature=0).choices[0].text
+    words = whole.split()
+    assert len(words) >= 4, whole
+    stop = " " + words[3]
+    cut = _complete(api, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == whole[: whole.index(stop)]
+    streamed = "".join(c.choices[0].text for c in _complete(api, max_tokens=24, temperature=0, stop=stop,
+                                                             stream=True))
+    assert streamed == cut.choices[0].text
+
+
+def test_eight_concurrent_requests_match_their_solo_texts(api):
+    prompts = [f"{PROMPT} {name}" for name in ("Anna", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana")]
+    alone = [_complete(api, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: _complete(api, prompt=p, max_tokens=12, temperature=0).choices[0].text,
+                                 prompts))
+    assert together == alone
+
+
+def test_disconnect_mid_stream_frees_the_sessions(api):
+    # Four lanes per stage: leave more streams than that mid-way; if their sessions were
+    # not freed on every stage, the four concurrent requests after them would find no lane.
+    for _ in range(5):
+        with httpx.stream("POST", api.url + "/v1/completions", timeout=30,
+                          json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda i: _complete(api, max_tokens=4, temperature=0).choices[0].text, range(4)))
+    assert len(set(texts)) == 1 and texts[0]
+    metrics = httpx.get(api.url + "/metrics").text
+    assert re.search(r"^skippy_requests_cancelled_total [1-9]", metrics, re.M), metrics
+
+
+def _post(api, path, body, **kw):
+    return httpx.post(api.url + path, timeout=30, **({"content": body} if isinstance(body, (str, bytes)) else
+                                                    {"json": body}), **kw)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", "{not json", None),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": "high"}, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 3}, "n"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+])
+def test_bad_requests_get_openai_errors(api, path, body, param):
+    r = _post(api, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+
+
+def test_prompt_longer_than_the_context(api):
+    r = _post(api, "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        _complete(api, prompt="word " * 300, max_tokens=400)
+
+
+def test_unknown_route_and_health(api):
+    r = httpx.get(api.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(api.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(api.url + "/metrics").text
+    assert re.search(r"^skippy_completion_tokens_total [1-9]\d*$", text, re.M)
+    assert "# TYPE skippy_queue_depth gauge" in text
+
+
+def test_full_queue_gets_503_with_retry_after():
+    server = ApiServer("--max-inflight", "1", "--max-queue", "0")
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert json.loads(next(lines)[len("data: "):])["choices"]
+            busy = httpx.post(server.url + "/v1/completions", timeout=30,
+                              json={"prompt": PROMPT, "max_tokens": 4})
+            assert busy.status_code == 503
+            assert busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "queue_full"
+        # The lane is free again once the stream is gone.
+        assert httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+    finally:
+        log = server.close()
+    assert "Traceback" not in log, log
