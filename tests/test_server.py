@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
-from skippy_wire.net.driver import PipelineClient, PipelineError
-from skippy_wire.net.server import StageServer, parse_address, stage_config
+from skippy_wire.errors import PipelineError, StageRuntimeError, Status
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.server import StageServer
+from skippy_wire.net.transport import parse_address
+from skippy_wire.tools.serve import stage_config
 
 N_EMBD = 8
 N_LAYER = 6
@@ -405,7 +408,7 @@ def test_parse_address():
 
 
 def test_serve_cli_reports_bad_arguments(capsys):
-    from skippy_wire.net.server import main
+    from skippy_wire.tools.serve import main
 
     assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
     assert "--stage-index is required" in capsys.readouterr().err
@@ -414,7 +417,7 @@ def test_serve_cli_reports_bad_arguments(capsys):
 def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, caplog):
     class Full(FakeBackend):
         def decode(self, *args, **kwargs):
-            raise RuntimeError("RuntimeError: context full")
+            raise StageRuntimeError("context full", Status.RUNTIME_ERROR)
 
     chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Full(3, 6, 1)])
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
