@@ -80,7 +80,7 @@ class SocketReader:
 
     def wait_readable(self, timeout: float | None) -> bool:
         """Block until at least one byte is buffered (False on a clean close)."""
-        if self._pending or self.decoder.buffered:
+        if self._pending or self.decoder.buffered or self.decoder.error is not None:
             return True
         self.sock.settimeout(timeout)
         try:
@@ -91,6 +91,8 @@ class SocketReader:
     def read(self):
         """The next record, or None on a clean close between records."""
         while not self._pending:
+            if self.decoder.error is not None:  # kept after the records before it were queued
+                raise self.decoder.error
             if not self._recv():
                 self.decoder.close()  # raises on a partial record (or a kept error)
                 return None
