@@ -108,6 +108,88 @@ def test_fatal_error_is_kept_and_earlier_messages_are_delivered(impl):
         decoder.close()
 
 
+def test_ends_give_the_stream_offset_after_each_message(impl):
+    data, want = stream_bytes(impl)
+    sizes = [len(frame.write_stage_message(m, impl=impl)) for m in messages()]
+    offsets = [sum(sizes[: k + 1]) for k in range(len(sizes))]
+    decoder = frame.StageMessageDecoder(4, impl=impl)
+    # three messages and a bit of the fourth, then the rest: offsets count from the first byte
+    cut = offsets[2] + 7
+    assert len(decoder.feed(data[:cut])) == 3
+    assert decoder.ends == offsets[:3] and decoder.consumed == offsets[2] and decoder.buffered == 7
+    assert len(decoder.feed(data[cut:] + data)) == 2 + len(want)
+    assert decoder.ends == offsets[3:] + [len(data) + o for o in offsets]
+    assert decoder.consumed == decoder.received == 2 * len(data) and decoder.buffered == 0
+    assert decoder.feed(b"") == [] and decoder.ends == []
+
+
+def test_bad_bytes_after_good_messages_keep_the_messages_and_the_offset(impl):
+    data, want = stream_bytes(impl)
+    garbage = struct.pack("<i", 10) + bytes(30)  # legacy kind 10
+    for prefix in (b"", data[:5]):  # no pending tail / a tail from an earlier feed
+        decoder = frame.StageMessageDecoder(4, impl=impl)
+        decoder.feed(prefix)
+        got = decoder.feed(data[len(prefix):] + garbage + data)
+        assert [message_to_case(m) for m in got] == want
+        assert decoder.consumed == len(data) and decoder.ends[-1] == len(data)
+        assert decoder.received == 2 * len(data) + len(garbage)
+        assert decoder.buffered == len(garbage) + len(data)  # the bad message on, nothing dropped
+        with pytest.raises(InvalidDataError):
+            decoder.feed(b"")
+        assert decoder.consumed == len(data)
+
+
+def replies():
+    from skippy_wire.wire.messages import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+
+    stats = StageReplyStats(*range(1, 28))
+    return [
+        StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, StageReplyStats()),
+        StageReply(WireReplyKind.PREDICTED_TOKEN, 42, [42], StageReplyWindow(), None, stats),
+        StageReply(WireReplyKind.PREDICTED_TOKENS, 7, [7, 8, 9], StageReplyWindow(), None, StageReplyStats()),
+    ]
+
+
+def test_reply_decoder_under_every_split(impl):
+    encoded = [frame.write_reply(r, impl=impl) for r in replies()]
+    data = b"".join(encoded)
+    want = [frame.read_reply(e, impl=impl) for e in encoded]
+    offsets = [sum(map(len, encoded[: k + 1])) for k in range(len(encoded))]
+    for split in range(len(data) + 1):
+        decoder = frame.StageReplyDecoder(impl=impl)
+        got, ends = [], []
+        for part in (data[:split], data[split:]):
+            got += decoder.feed(part)
+            ends += decoder.ends
+        decoder.close()
+        assert got == want and ends == offsets, split
+    decoder = frame.StageReplyDecoder(impl=impl)
+    assert decoder.feed(data[:-1]) == want[:-1]
+    with pytest.raises(UnexpectedEofError):
+        decoder.close()
+
+
+def test_reply_decoder_keeps_good_replies_before_a_bad_one(impl):
+    good = frame.write_reply(replies()[1], impl=impl)
+    decoder = frame.StageReplyDecoder(impl=impl)
+    got = decoder.feed(good + struct.pack("<i", 9) + bytes(40))  # reply kind 9 does not exist
+    assert [r.predicted for r in got] == [42] and decoder.consumed == len(good)
+    with pytest.raises(InvalidDataError, match="^unknown stage reply kind$"):
+        decoder.feed(b"")
+    with pytest.raises(InvalidDataError, match="stage reply needs at least"):
+        frame.StageReplyDecoder(max_message_bytes=8, impl=impl).feed(struct.pack("<3i", 3, 0, 1000))
+
+
+def test_reply_stream_reads_stop_at_the_reply(impl):
+    encoded = [frame.write_reply(r, impl=impl) for r in replies()]
+    reader = TrickleReader(b"".join(encoded) + b"next")
+    for e in encoded:
+        assert frame.read_reply(reader, impl=impl) == frame.read_reply(e, impl=impl)
+    assert reader.inner.read() == b"next"  # never read past the last reply
+    with pytest.raises(UnexpectedEofError):
+        frame.read_reply(io.BytesIO(encoded[0][:-1]), impl=impl)
+
+
 def test_error_without_earlier_messages_is_raised_at_once(impl):
     decoder = frame.StageMessageDecoder(4, impl=impl)
     st = StageStateHeader.new(K.DECODE_EMBD)
@@ -164,7 +246,7 @@ def test_decoder_limit_rejects_a_large_but_legal_message_early(impl):
     decoder = frame.StageMessageDecoder(n, max_message_bytes=4096, impl=impl)
     with pytest.raises(InvalidDataError, match="over the decoder limit of 4096"):
         decoder.feed(head)
-    assert decoder.buffered == 0
+    assert decoder.consumed == 0 and decoder.buffered == len(head)  # only the header arrived
     # without the limit, the decoder waits for the payload
     decoder = frame.StageMessageDecoder(n, impl=impl)
     assert decoder.feed(head) == [] and decoder.buffered == len(head)

@@ -16,18 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.net.driver import (
-    GenerationResult,
-    PipelineClient,
-    PipelineError,
-    TextStreamer,
-    format_summary,
-    generate_local,
-    launch_pipeline,
-    merge_session_events,
-    model_shape,
-    split_layers,
-)
+from skippy_wire.errors import PipelineError
+from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local
+from skippy_wire.net.supervision import launch_pipeline, split_layers
+from skippy_wire.stage.models import model_shape
+from skippy_wire.tools.run import TextStreamer, format_summary, merge_session_events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,7 +189,7 @@ def test_run_check_with_auto_lossless_exits_0():
 def test_stages_exit_when_the_driver_dies(tiny_model, tmp_path):
     script = (
         "import sys, time\n"
-        "from skippy_wire.net.driver import launch_pipeline\n"
+        "from skippy_wire.net.supervision import launch_pipeline\n"
         f"cluster = launch_pipeline({str(tiny_model)!r}, 2, threads=1, startup_timeout=60)\n"
         "print(' '.join(str(s.popen.pid) for s in cluster.stages), flush=True)\n"
         "time.sleep(60)\n"
@@ -249,7 +242,7 @@ def test_stage_process_survives_garbage_and_logs_it(tiny_model, tmp_path):
 
 
 def test_stage_errors_quotes_the_last_error_lines(tmp_path):
-    from skippy_wire.net.driver import stage_errors
+    from skippy_wire.tools.run import stage_errors
 
     (tmp_path / "stage0.log").write_text("t stage[1] INFO ready\nt stage[1] ERROR connection 1: boom; closing\n")
     (tmp_path / "stage1.log").write_text("t stage[2] INFO ready\n")
@@ -257,7 +250,7 @@ def test_stage_errors_quotes_the_last_error_lines(tmp_path):
 
 
 def test_run_connects_to_running_stages(tiny_model, capsys):
-    from skippy_wire.net.driver import main
+    from skippy_wire.tools.run import main
 
     with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
         address = "%s:%d" % cluster.entry

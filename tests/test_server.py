@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
-from skippy_wire.net.driver import PipelineClient, PipelineError
-from skippy_wire.net.server import StageServer, parse_address, stage_config
+from skippy_wire.errors import PipelineError, StageRuntimeError, Status
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.server import StageServer
+from skippy_wire.net.transport import parse_address
+from skippy_wire.tools.serve import stage_config
 
 N_EMBD = 8
 N_LAYER = 6
@@ -266,6 +269,31 @@ def test_garbage_is_logged_and_closed(chain_factory, caplog):
     _still_serves(chain)
 
 
+def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_factory, caplog):
+    from skippy_wire.wire.frame import StageReplyDecoder, write_stage_message
+    from skippy_wire.wire.messages import StageWireMessage
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    sock = _raw_connect(chain.entry)
+    data = write_stage_message(StageWireMessage.configure_generation(1, 1, len(PROMPT), None, None))
+    data += _prefill_bytes() + write_stage_message(StageWireMessage.stop(1, 1))
+    sock.sendall(data + struct.pack("<i", 12) + b"\xab" * 100)  # three messages, then garbage, at once
+    decoder, replies = StageReplyDecoder(), []
+    sock.settimeout(5)
+    while len(replies) < 3:
+        chunk = sock.recv(4096)
+        assert chunk, "closed before the three replies"
+        replies += decoder.feed(chunk)
+    assert [int(r.kind) for r in replies] == [1, 2, 1]
+    assert replies[1].predicted == fake_reference(PROMPT, 1, chunk=16)[0]
+    assert _wait_closed(sock)  # the garbage closes the connection without waiting for more bytes
+    sock.close()
+    assert "malformed stage message (InvalidData: unknown stage message kind)" in caplog.text
+    stage0 = next(e for e in chain.events if e["stage"] == 0)
+    assert stage0["messages"] == 3 and stage0["received_bytes"] == len(data)
+
+
 def test_stalled_peer_times_out(chain_factory, caplog):
     chain = chain_factory([(0, 6)], io_timeout=0.3)
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
@@ -405,7 +433,7 @@ def test_parse_address():
 
 
 def test_serve_cli_reports_bad_arguments(capsys):
-    from skippy_wire.net.server import main
+    from skippy_wire.tools.serve import main
 
     assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
     assert "--stage-index is required" in capsys.readouterr().err
@@ -414,7 +442,7 @@ def test_serve_cli_reports_bad_arguments(capsys):
 def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, caplog):
     class Full(FakeBackend):
         def decode(self, *args, **kwargs):
-            raise RuntimeError("RuntimeError: context full")
+            raise StageRuntimeError("context full", Status.RUNTIME_ERROR)
 
     chain = chain_factory([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), Full(3, 6, 1)])
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")

@@ -8,7 +8,8 @@ import pytest
 import fake_native
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.stage.runtime import StageModel
-from skippy_wire.net.server import RuntimeBackend, StageServer, stage_config
+from skippy_wire.net.server import RuntimeBackend, StageServer
+from skippy_wire.tools.serve import stage_config
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

@@ -29,8 +29,6 @@ from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from .driver import PipelineClient
 
-#: Sessions each stage can hold at once (its lanes; the stage server's default).
-LANES = 4
 #: Upper bound of the random seed drawn for a sampled request that names none.
 _SEED_RANGE = 2**31 - 1
 

@@ -30,11 +30,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..errors import PipelineError, SkippyError
-from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, default_model, launch_pipeline, model_shape
-from ..net.server import parse_address
-from ..net.service import LANES, Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
+from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT
+from ..net.supervision import default_model, launch_pipeline
+from ..net.transport import parse_address
+from ..net.server import DEFAULT_LANES
+from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from ..stage.models import Tokenizer
+from ..stage.models import Tokenizer, model_shape
 from ..wire.constants import ActivationCodec
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -385,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity for c in ActivationCodec])
     p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
     p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: 1)")
-    p.add_argument("--max-inflight", type=int, default=LANES,
+    p.add_argument("--max-inflight", type=int, default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
@@ -402,8 +404,8 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least {lo}")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
-    if args.max_inflight > LANES:
-        p.error(f"--max-inflight can be at most {LANES} (the lanes of each stage)")
+    if args.max_inflight > DEFAULT_LANES:
+        p.error(f"--max-inflight can be at most {DEFAULT_LANES} (the lanes of each stage)")
     if args.activation_codec_policy == "auto-lossless-v1" and args.activation_codec != "raw-f32-v1":
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
     try:

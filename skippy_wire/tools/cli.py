@@ -11,8 +11,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": ("skippy_wire.net.driver", "generate text through a pipeline of stage processes (the main job)"),
-    "serve": ("skippy_wire.net.server", "run one stage process"),
+    "run": ("skippy_wire.tools.run", "generate text through a pipeline of stage processes (the main job)"),
+    "serve": ("skippy_wire.tools.serve", "run one stage process"),
     "api": ("skippy_wire.tools.api", "serve an OpenAI-compatible HTTP API from a pipeline of stage processes"),
     "inspect": ("skippy_wire.tools.inspect", "dissect a byte stream of stage messages and replies"),
     "conformance": ("skippy_wire.tools.conformance", "run golden-vector files (*.jsonl) against an implementation"),

@@ -23,7 +23,6 @@ The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
 
 from __future__ import annotations
 
-import io
 from typing import Any, Iterable, Optional, Sequence
 
 from .. import _impl
@@ -106,112 +105,93 @@ def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *, 
     expected, pol = _expectation(codec, policy)
     k = kernels(impl)
     if _is_stream(data_or_stream):
-        return _read_from_stream(
-            data_or_stream, lambda buf: k.read_stage_message_from_buffer(buf, n_embd, expected, pol, 0)
-        )
+        return StageMessageDecoder(n_embd, codec, policy, impl=impl).read_from(data_or_stream)
     return k.read_stage_message_from_buffer(data_or_stream, n_embd, expected, pol, 0)[0]
 
 
 #: First read size of a stream reader; later reads grow with the bytes already received
 #: (doubling, up to STREAM_CHUNK_BYTES), so memory follows what actually arrives.
 STREAM_FIRST_CHUNK_BYTES = 64 * 1024
-_ZEROS = memoryview(bytes(STREAM_CHUNK_BYTES))
+#: Bytes a decoder waits for before its first parse attempt of a record (the leading i32).
+_FIRST_NEED = 4
+
+
+def _read_some(stream, want: int):
+    """One read of at most ``want`` (> 0) bytes; end of input -> UnexpectedEofError."""
+    chunk = stream.read(want)
+    if not chunk:
+        raise UnexpectedEofError()
+    return chunk
 
 
 def _read_exactly(stream, buf: bytearray, total: int) -> None:
-    """Grow ``buf`` to ``total`` bytes from ``stream``; end of input first ->
-    UnexpectedEofError.
-
-    Bounded memory: each read asks for at most max(64 KiB, bytes received so far) and
-    never more than STREAM_CHUNK_BYTES, so a hostile length costs at most about twice what
-    actually arrived.  ``readinto`` is used when the stream has it (the bytes are copied
-    once, straight into ``buf``)."""
-    readinto = getattr(stream, "readinto", None)
+    """Grow ``buf`` to ``total`` bytes from ``stream`` (the 4-byte READY handshake); end of
+    input first -> UnexpectedEofError.  Records are read with a decoder's ``read_from``."""
     while len(buf) < total:
-        want = min(total - len(buf), STREAM_CHUNK_BYTES, max(STREAM_FIRST_CHUNK_BYTES, len(buf)))
-        if readinto is not None:
-            start = len(buf)
-            buf += _ZEROS[:want]
-            try:
-                with memoryview(buf) as view, view[start:] as tail:
-                    got = readinto(tail)
-            except (NotImplementedError, io.UnsupportedOperation):
-                readinto = None  # e.g. a RawIOBase subclass implementing only read()
-                got = 0
-            del buf[start + (got or 0) :]
-            if readinto is None:
-                continue
-            if not got:
-                raise UnexpectedEofError()
-            continue
-        chunk = stream.read(want)
-        if not chunk:
-            raise UnexpectedEofError()
-        buf += chunk
+        buf += _read_some(stream, total - len(buf))
 
 
-def _read_from_stream(stream, parse):
-    """Drive a buffer parser over a stream: read exactly the bytes it asks for, never more
-    (the stream may hold the next message), and retry once they are there."""
-    buf = bytearray()
-    need = 4
-    while True:
-        _read_exactly(stream, buf, need)
-        try:
-            message, consumed = parse(buf)
-        except UnexpectedEofError as error:
-            needed = error.needed
-            if needed is None or needed <= len(buf):
-                raise
-            need = needed
-            continue
-        return message
+class _IncrementalDecoder:
+    """The machinery of :class:`StageMessageDecoder` and :class:`StageReplyDecoder`.
 
+    ``feed(chunk)`` takes the next bytes of a stream (any split) and returns the records
+    they complete, in order.  A state machine with a tail (STYLE, aiohttp): the undecoded
+    tail is kept between feeds, and a record is parsed only once the tail holds the bytes
+    its last attempt said it needs, so a record costs O(its size) whatever the split.
 
-class StageMessageDecoder:
-    """Incremental decoder: ``feed(chunk)`` bytes as they arrive (any split) and get the
-    completed messages back.
+    Stream offsets (0 = the first byte ever fed):
 
-    A state machine with a tail (STYLE, aiohttp): the undecoded tail is kept between feeds,
-    the header is validated as soon as its bytes are present, so an oversized or malformed
-    message fails before its payload is buffered, and ``max_message_bytes`` (default: no
-    limit beyond the protocol's) rejects a message whose known size exceeds it.
+    * :attr:`consumed` -- the offset right after the last returned record;
+    * :attr:`ends` -- the offset right after each record the last successful ``feed``
+      returned (so ``ends[i] - ends[i-1]`` is the wire size of record ``i``);
+    * :attr:`received` -- every byte fed; :attr:`buffered` = ``received - consumed``.
 
-    Errors: the first fatal error is kept in :attr:`error`.  Messages completed earlier in
-    the same feed are returned first and the error is raised by the next ``feed``; with no
-    such messages it is raised at once.  Every later ``feed`` raises it again.
+    Errors: the first fatal error is kept in :attr:`error`.  Records completed earlier in
+    the same feed are returned first (``consumed`` then says exactly where the bad record
+    starts) and the error is raised by the next ``feed``; with no such records it is raised
+    at once.  Every later ``feed`` raises it again.  A failed decoder holds no bytes.
     """
 
-    def __init__(self, n_embd: int, codec=None, policy=None, *, max_message_bytes: Optional[int] = None,
-                 impl: Optional[str] = None) -> None:
-        self.n_embd = n_embd
-        self._expected, self._policy = _expectation(codec, policy)
-        self._parse = kernels(impl).read_stage_message_from_buffer
+    #: The record's name in the decoder-limit error text.
+    _what = "record"
+
+    def __init__(self, parse, max_message_bytes: Optional[int]) -> None:
+        self._parse = parse  # parse(data, offset) -> (record, used); short -> UnexpectedEofError(needed)
         self._buf = bytearray()
         self._pos = 0  # start of the undecoded tail in _buf
-        self._need = 4  # bytes of the tail required before the next parse attempt
+        self._need = _FIRST_NEED  # bytes of the tail required before the next parse attempt
         self.max_message_bytes = max_message_bytes
         self.error: Optional[WireError] = None
-        self._raise_next = False
+        self.received = 0
+        self.consumed = 0
+        self.ends: list[int] = []
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not yet part of a returned message."""
-        return len(self._buf) - self._pos
+        """Bytes received but not part of a returned record."""
+        return self.received - self.consumed
 
-    def feed(self, chunk) -> list[StageWireMessage]:
-        """Take the next bytes of the stream; return the messages they complete."""
+    @property
+    def wanted(self) -> int:
+        """Bytes to feed before the next parse attempt can complete a record (at least 1).
+        Feeding no more than this never completes more than one record."""
+        return max(1, self._need - self.buffered)
+
+    def feed(self, chunk) -> list:
+        """Take the next bytes of the stream; return the records they complete."""
         if self.error is not None:
             raise self.error
-        out: list[StageWireMessage] = []
+        out: list = []
+        self.ends = []
         if not isinstance(chunk, (bytes, bytearray)):
             chunk = memoryview(chunk)
             if chunk.format != "B" or chunk.ndim != 1:
                 chunk = chunk.cast("B")
+        self.received += len(chunk)
         try:
             if self._pos == len(self._buf):
                 # No pending tail: parse straight from the caller's chunk (no copy of whole
-                # messages into the buffer) and keep only the incomplete tail.
+                # records into the buffer) and keep only the incomplete tail.
                 end = self._drain(chunk, 0, out) if len(chunk) >= self._need else 0
                 self._buf = bytearray(memoryview(chunk)[end:]) if end < len(chunk) else bytearray()
                 self._pos = 0
@@ -231,26 +211,28 @@ class StageMessageDecoder:
         return out
 
     def _drain(self, data, pos: int, out: list) -> int:
-        """Parse complete messages from ``data`` at ``pos``; return where the tail starts."""
-        parse, n_embd, expected, policy = self._parse, self.n_embd, self._expected, self._policy
+        """Parse complete records from ``data`` at ``pos``; return where the tail starts."""
+        parse = self._parse
         end = len(data)
         while end - pos >= self._need:
             try:
-                message, consumed = parse(data, n_embd, expected, policy, pos)
+                record, used = parse(data, pos)
             except UnexpectedEofError as error:
                 needed = error.needed
                 if needed is None:  # not a short tail: a genuine error
                     raise
                 if self.max_message_bytes is not None and needed > self.max_message_bytes:
                     raise InvalidDataError(
-                        f"stage message needs at least {needed} bytes, over the decoder limit of "
+                        f"{self._what} needs at least {needed} bytes, over the decoder limit of "
                         f"{self.max_message_bytes}"
                     ) from None
                 self._need = needed
                 break
-            out.append(message)
-            pos += consumed
-            self._need = 4
+            out.append(record)
+            pos += used
+            self.consumed += used
+            self.ends.append(self.consumed)
+            self._need = _FIRST_NEED
         return pos
 
     def _compact(self) -> None:
@@ -261,22 +243,69 @@ class StageMessageDecoder:
 
     def close(self) -> None:
         """Declare the end of input: raises the kept error, or UnexpectedEofError when a
-        partial message is buffered."""
+        partial record is buffered."""
         if self.error is not None:
             raise self.error
         if self.buffered:
             self.error = UnexpectedEofError()
             raise self.error
 
+    def read_from(self, stream):
+        """Read exactly one record from a binary ``stream`` (``read(n)``) and return it.
+
+        Asks only for the bytes the record still needs, never past its end (the stream may
+        hold the next record); each read is at most max(STREAM_FIRST_CHUNK_BYTES, bytes
+        buffered) and never over STREAM_CHUNK_BYTES, so a hostile length costs at most about
+        twice what actually arrived.  End of input first -> UnexpectedEofError.
+        """
+        while True:
+            want = min(self.wanted, STREAM_CHUNK_BYTES, max(STREAM_FIRST_CHUNK_BYTES, self.buffered))
+            records = self.feed(_read_some(stream, want))
+            if records:
+                return records[0]
+
     def __iter__(self):
         raise TypeError("feed() the decoder; it is not an iterator")
+
+
+class StageMessageDecoder(_IncrementalDecoder):
+    """Incremental stage-message decoder: ``feed(chunk)`` bytes as they arrive (any split)
+    and get the completed messages back; ``consumed`` / ``ends`` say where they ended.
+
+    ``codec`` / ``policy`` as for :func:`read_stage_message_from_buffer`.  The header is
+    validated as soon as its bytes are present, so an oversized or malformed message fails
+    before its payload is buffered, and ``max_message_bytes`` (default: no limit beyond the
+    protocol's) rejects a message whose known size exceeds it.  Offsets and errors: see
+    :class:`_IncrementalDecoder` (``ends``, ``consumed``, ``buffered``, ``error``).
+    """
+
+    _what = "stage message"
+
+    def __init__(self, n_embd: int, codec=None, policy=None, *, max_message_bytes: Optional[int] = None,
+                 impl: Optional[str] = None) -> None:
+        self.n_embd = n_embd
+        expected, pol = _expectation(codec, policy)
+        parse = kernels(impl).read_stage_message_from_buffer
+        super().__init__(lambda data, pos: parse(data, n_embd, expected, pol, pos), max_message_bytes)
+
+
+class StageReplyDecoder(_IncrementalDecoder):
+    """Incremental stage-reply decoder (wire-format.md 11.2): the same ``feed`` / ``close``
+    / ``read_from`` interface and offsets as :class:`StageMessageDecoder`, parsing with
+    :func:`read_reply_from_buffer`."""
+
+    _what = "stage reply"
+
+    def __init__(self, *, max_message_bytes: Optional[int] = None, impl: Optional[str] = None) -> None:
+        super().__init__(kernels(impl).read_reply_from_buffer, max_message_bytes)
 
 
 def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *, impl: Optional[str] = None):
     """Yield messages from ``stream`` until a clean end of input (EOF between messages)."""
     decoder = StageMessageDecoder(n_embd, codec, policy, impl=impl)
+    read = getattr(stream, "read1", None) or stream.read
     while True:
-        chunk = stream.read(STREAM_CHUNK_BYTES) if not hasattr(stream, "read1") else stream.read1(STREAM_CHUNK_BYTES)
+        chunk = read(STREAM_CHUNK_BYTES)
         if not chunk:
             decoder.close()
             return
@@ -322,7 +351,7 @@ def read_reply(data_or_stream, *, impl: Optional[str] = None) -> StageReply:
     """Read one reply from a bytes-like object or a stream (upstream ``recv_reply``)."""
     k = kernels(impl)
     if _is_stream(data_or_stream):
-        return _read_from_stream(data_or_stream, lambda buf: k.read_reply_from_buffer(buf, 0))
+        return StageReplyDecoder(impl=impl).read_from(data_or_stream)
     return k.read_reply_from_buffer(data_or_stream, 0)[0]
 
 
@@ -376,7 +405,7 @@ def send_reply_predicted_tokens_with_window_and_stats(
 __all__ = [
     "STREAM_CHUNK_BYTES", "READY", "kernels",
     "write_stage_message", "write_stage_message_to", "read_stage_message", "read_stage_message_from_buffer",
-    "StageMessageDecoder", "iter_stage_messages", "send_ready", "recv_ready",
+    "StageMessageDecoder", "StageReplyDecoder", "iter_stage_messages", "send_ready", "recv_ready",
     "write_reply", "send_reply_message", "read_reply", "read_reply_from_buffer", "recv_reply",
     "send_reply_ack", "send_reply_ack_with_stats", "send_reply_predicted", "send_reply_predicted_with_stats",
     "send_reply_predicted_with_tokens_and_stats", "send_reply_predicted_with_tokens_window_and_stats",

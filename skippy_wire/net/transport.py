@@ -1,0 +1,164 @@
+"""TCP transport of the stage wire: connections, addresses, and reading records off a socket.
+
+Every record that arrives on a socket -- a stage message on a stage's upstream connection,
+a reply on a downstream or driver connection -- is parsed by the wire's incremental
+decoders (:class:`skippy_wire.wire.frame.StageMessageDecoder` /
+:class:`~skippy_wire.wire.frame.StageReplyDecoder`): :class:`SocketReader` receives into one
+reused buffer and feeds each chunk, so no attempt copies what is already buffered.  A peer
+may pipeline: records completed by one chunk are queued and returned one at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+
+from ..errors import UnexpectedEofError
+from ..wire.frame import StageReplyDecoder, recv_ready
+
+#: Size of the buffer a reader receives into.
+RECV_CHUNK_BYTES = 1 << 16
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    """Open a TCP connection with TCP_NODELAY set."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"tcp://host:port"``) to ``(host, port)``."""
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, not {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class SocketReader:
+    """Whole records off a socket through an incremental decoder.
+
+    Every received byte is counted in :attr:`count` (and teed to ``capture`` when given).
+    :meth:`read` returns the next record, None on a clean close between records, and raises
+    ``UnexpectedEofError`` on a close in the middle of one; a malformed record raises the
+    decoder's ``WireError`` once the records before it have been read.  :attr:`last_size` is
+    the wire size of the record :meth:`read` returned last.
+    """
+
+    def __init__(self, sock: socket.socket, decoder, capture=None) -> None:
+        self.sock = sock
+        self.decoder = decoder
+        self.count = 0
+        self.last_size = 0
+        self._capture = capture
+        self._chunk = bytearray(RECV_CHUNK_BYTES)
+        self._view = memoryview(self._chunk)
+        self._pending: collections.deque = collections.deque()  # (record, wire size)
+
+    def _recv(self, limit: int = 0) -> int:
+        """One ``recv_into``; feeds what arrived unless ``limit`` (raw bytes) is given."""
+        n = self.sock.recv_into(self._chunk, limit)
+        if n:
+            self.count += n
+            data = self._view[:n]
+            if self._capture is not None:
+                self._capture.write(data)
+                self._capture.flush()
+            if not limit:
+                start = self.decoder.consumed
+                for record, end in zip(self.decoder.feed(data), self.decoder.ends):
+                    self._pending.append((record, end - start))
+                    start = end
+        return n
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as part of a record."""
+        return self.decoder.buffered + sum(size for _, size in self._pending)
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        """Block until at least one byte is buffered (False on a clean close)."""
+        if self._pending or self.decoder.buffered or self.decoder.error is not None:
+            return True
+        self.sock.settimeout(timeout)
+        try:
+            return self._recv() > 0
+        except ConnectionResetError:
+            return False
+
+    def read(self):
+        """The next record, or None on a clean close between records."""
+        while not self._pending:
+            if self.decoder.error is not None:  # kept after the records before it were queued
+                raise self.decoder.error
+            if not self._recv():
+                self.decoder.close()  # raises on a partial record (or a kept error)
+                return None
+        record, self.last_size = self._pending.popleft()
+        return record
+
+    def read_exact(self, n: int) -> bytes:
+        """``n`` raw bytes before any record (the READY handshake), never reading past them."""
+        if self._pending or self.decoder.buffered:
+            raise RuntimeError("read_exact() after records were buffered")
+        out = bytearray()
+        while len(out) < n:
+            got = self._recv(n - len(out))
+            if not got:
+                raise UnexpectedEofError()
+            out += self._view[:got]
+        return bytes(out)
+
+
+class Peer:
+    """One end of a TCP connection: one write per message, a :class:`SocketReader` to read.
+
+    ``decoder`` parses what this end receives (default: replies).  ``capture_prefix``
+    records the connection's bytes: what was sent to ``PREFIX-messages.bin``, what was
+    received (READY and the replies) to ``PREFIX-replies.bin``.
+    """
+
+    def __init__(self, sock: socket.socket, decoder=None, capture_prefix: str | None = None) -> None:
+        self.sock = sock
+        self._cap_out = self._cap_in = None
+        if capture_prefix:
+            self._cap_out = open(capture_prefix + "-messages.bin", "wb")
+            self._cap_in = open(capture_prefix + "-replies.bin", "wb")
+        self.reader = SocketReader(sock, decoder if decoder is not None else StageReplyDecoder(), self._cap_in)
+        self.sent = 0
+
+    @property
+    def received(self) -> int:
+        return self.reader.count
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+        self.sent += len(data)
+        if self._cap_out is not None:
+            self._cap_out.write(data)
+            self._cap_out.flush()
+
+    def read(self):
+        """The next record; a close (clean or not) -> UnexpectedEofError."""
+        record = self.reader.read()
+        if record is None:
+            raise UnexpectedEofError()
+        return record
+
+    def recv_ready(self) -> None:
+        recv_ready(self.reader.read_exact(4))
+
+    def close(self) -> None:
+        for f in (self._cap_out, self._cap_in):
+            if f is not None:
+                f.close()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+__all__ = ["RECV_CHUNK_BYTES", "connect", "parse_address", "SocketReader", "Peer"]

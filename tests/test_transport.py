@@ -1,0 +1,102 @@
+"""The socket side of the wire (``skippy_wire.net.transport``): records off a socket through
+the incremental decoders, whatever the segmentation; clean and unclean closes; READY."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from skippy_wire.errors import InvalidDataError, UnexpectedEofError
+from skippy_wire.net.transport import Peer, SocketReader
+from skippy_wire.wire import frame
+from skippy_wire.wire.messages import READY_BYTES, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind as K
+
+
+def _replies():
+    return [StageReply(WireReplyKind.PREDICTED_TOKEN, t, [t], StageReplyWindow(), None, StageReplyStats(*range(27)))
+            for t in (3, 1, 4)]
+
+
+def _messages():
+    return [StageWireMessage.configure_generation(1, 2, 7, None, None),
+            StageWireMessage(K.PREFILL_EMBD, 0, 2, StageStateHeader.new(K.PREFILL_EMBD), 1, 2, tokens=[1, 2]),
+            StageWireMessage.stop(1, 2)]
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_pipelined_messages_in_one_segment_come_out_one_by_one_with_their_sizes(pair):
+    a, b = pair
+    encoded = [frame.write_stage_message(m) for m in _messages()]
+    reader = SocketReader(b, frame.StageMessageDecoder(4))
+    a.sendall(b"".join(encoded))
+    a.shutdown(socket.SHUT_WR)
+    got = []
+    while (msg := reader.read()) is not None:
+        got.append((msg.kind, reader.last_size))
+    assert got == [(m.kind, len(e)) for m, e in zip(_messages(), encoded)]
+    assert reader.count == sum(map(len, encoded)) and reader.buffered == 0
+
+
+def test_a_record_split_across_segments(pair):
+    a, b = pair
+    data = frame.write_reply(_replies()[0])
+    reader = SocketReader(b, frame.StageReplyDecoder())
+    a.sendall(data[:5])
+    assert reader.wait_readable(5) and reader.buffered == 5
+    a.sendall(data[5:])
+    assert reader.read().predicted == 3 and reader.last_size == len(data)
+
+
+def test_close_in_the_middle_of_a_record_is_eof(pair):
+    a, b = pair
+    reader = SocketReader(b, frame.StageReplyDecoder())
+    a.sendall(frame.write_reply(_replies()[0])[:-1])
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(UnexpectedEofError):
+        reader.read()
+
+
+def test_good_records_before_garbage_are_read_first(pair):
+    a, b = pair
+    good = b"".join(frame.write_reply(r) for r in _replies()[:2])
+    reader = SocketReader(b, frame.StageReplyDecoder())
+    a.sendall(good + struct.pack("<i", 9) + bytes(60))  # reply kind 9 does not exist
+    assert [reader.read().predicted for _ in range(2)] == [3, 1]
+    with pytest.raises(InvalidDataError, match="^unknown stage reply kind$"):
+        reader.read()
+
+
+def test_peer_reads_ready_then_replies_without_losing_bytes(pair, tmp_path):
+    a, b = pair
+    peer = Peer(b, capture_prefix=str(tmp_path / "hop"))
+    replies = b"".join(frame.write_reply(r) for r in _replies())
+    a.sendall(READY_BYTES + replies)  # READY and the replies in one segment
+    peer.recv_ready()
+    assert [peer.read().predicted for _ in range(3)] == [3, 1, 4]
+    peer.send(b"xyz")
+    assert a.recv(3) == b"xyz" and peer.sent == 3 and peer.received == 4 + len(replies)
+    a.close()
+    with pytest.raises(UnexpectedEofError):  # a clean close where a reply is due
+        peer.read()
+    peer.close()
+    assert (tmp_path / "hop-replies.bin").read_bytes() == READY_BYTES + replies
+    assert (tmp_path / "hop-messages.bin").read_bytes() == b"xyz"
+
+
+def test_a_bad_ready_magic(pair):
+    a, b = pair
+    a.sendall(b"NOPE")
+    with pytest.raises(InvalidDataError, match="^stage ready magic mismatch$"):
+        Peer(b).recv_ready()
