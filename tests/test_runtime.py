@@ -11,7 +11,7 @@ import pytest
 import fake_native
 from fake_native import FAKE
 from skippy_wire.stage import runtime as rt
-from skippy_wire.stage.activation import (
+from skippy_wire.stage.runtime import (
     ACTIVATION_BOUNDARY_DESC_BYTES,
     ACTIVATION_DESC_BYTES,
     MTP_DRAFT_BYTES,

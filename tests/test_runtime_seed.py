@@ -11,7 +11,7 @@ import pytest
 
 import fake_native
 from skippy_wire.stage import runtime as rt
-from skippy_wire.stage.activation import (
+from skippy_wire.stage.runtime import (
     ACTIVATION_BOUNDARY_DESC_VERSION,
     ACTIVATION_FRAME_VERSION,
     ACTIVATION_PART_OPTIONAL,
