@@ -76,7 +76,7 @@ def backend_extension() -> Extension:
     return Extension(
         "skippy_wire.stage._backend",
         sources=["skippy_wire/stage/_backend.pyx", *stage_sources],
-        depends=[str(STAGE / "_stage" / "skippy_stage.h")],
+        depends=sorted(str(p) for p in (STAGE / "_stage").glob("*.h")),
         include_dirs=[str(ggml / "include"), str(STAGE / "_stage")],
         library_dirs=[str(ggml / "lib64")],
         libraries=["ggml-base", "ggml-cpu"],

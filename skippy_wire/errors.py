@@ -125,19 +125,24 @@ class StageRuntimeError(SkippyError, RuntimeError):
 
     ``status`` is the native ``Status`` when a native call failed, else ``None`` (an
     adapter-side check failed); ``message`` is the native message or the check's text.
+    ``required`` is, with status ``BUFFER_TOO_SMALL``, the output size native reported as
+    needed (an int, or one per request for a batch call), else ``None``.
     """
 
     def __init__(self, message: str, status: "Status | int | None" = None) -> None:
         self.status = status
         self.message = message
+        self.required: "int | list[int] | None" = None
         super().__init__(message if status is None else format_status_error(status, message))
 
     def __reduce__(self):
         return (type(self), (self.message, self.status))
 
     @classmethod
-    def from_native(cls, status: int, message: Optional[str]) -> "StageRuntimeError":
-        return cls(message or "", Status.from_code(status))
+    def from_native(cls, status: int, message: Optional[str], required: "int | list[int] | None" = None) -> "StageRuntimeError":
+        error = cls(message or "", Status.from_code(status))
+        error.required = required
+        return error
 
 
 class ActivationFrameError(StageRuntimeError, ValueError):

@@ -82,3 +82,18 @@ def test_read_gguf_metadata(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + head[4:])
     with pytest.raises(ValueError, match="not a GGUF"):
         models.read_gguf_metadata(tmp_path / "bad.gguf")
+
+
+def test_model_shape_reads_the_block_count_and_width(tmp_path):
+    tiny = models.write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    assert models.model_shape(tiny) == (models.TINY_N_LAYER, models.TINY_N_EMBD)
+    assert models.model_shape(models.smollm2_path()) == (30, 576)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUX" + bytes(32))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        models.model_shape(tmp_path / "bad.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "shapeless.gguf"), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="lacks the block count or embedding length"):
+        models.model_shape(tmp_path / "shapeless.gguf")

@@ -13,7 +13,7 @@ from skippy_wire.stage import models
 from skippy_wire.wire import forwarding, messages
 from skippy_wire.wire import frame as frame_mod
 from skippy_wire.stage import runtime as rt  # noqa: E402
-from skippy_wire.stage.activation import (  # noqa: E402
+from skippy_wire.stage.runtime import (  # noqa: E402
     ActivationDesc,
     ActivationFrame,
     PartialBatchExecution,
@@ -156,10 +156,12 @@ def test_prefill_in_chunks_matches_one_chunk(tiny, ref):
 def test_buffer_too_small_retry_against_the_native_backend(tiny):
     model = open_stage(tiny, 0, 2)
     session = model.create_session()
-    native = session._raw
-    status, message, _, payload, required, _ = native.prefill_chunk_frame(PROMPT, capacity=0)
-    assert status == Status.BUFFER_TOO_SMALL and message
-    assert required == 4 * N_EMBD * len(PROMPT) and payload == b""
+    native = session.native_session
+    with pytest.raises(StageRuntimeError) as error:
+        native.prefill_chunk_frame(PROMPT, capacity=0)
+    assert error.value.status == Status.BUFFER_TOO_SMALL and error.value.message
+    required = error.value.required
+    assert required == 4 * N_EMBD * len(PROMPT)
     assert native.position == 0  # nothing executed
     frame = session.prefill_chunk_frame(PROMPT, output_capacity=1)
     assert session.token_count == 5 and native.position == 5

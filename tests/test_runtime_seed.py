@@ -1,7 +1,7 @@
 """The unit tests of skippy-runtime 0.77.0 ``activation.rs`` (and the descriptor and sampling
 tests of ``types.rs``), ported one for one.  Sessions without a native handle stand in for
 the Rust ``raw: ptr::null_mut()`` sessions; the native call that has to reject them goes to
-the fake backend (and, in test_runtime_backend.py, to the real one)."""
+the real backend."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
-import fake_native
+from skippy_wire.stage import _backend as backend
+from skippy_wire.stage import native
 from skippy_wire.stage import runtime as rt
-from skippy_wire.stage.activation import (
+from skippy_wire.stage.runtime import (
     ACTIVATION_BOUNDARY_DESC_VERSION,
     ACTIVATION_FRAME_VERSION,
     ACTIVATION_PART_OPTIONAL,
@@ -49,7 +50,7 @@ def activation_desc(payload_bytes: int) -> ActivationDesc:
 
 
 def stage_session(token_count: int, terminal_stage: bool, batched_activation_exports: bool,
-                  lib=fake_native) -> rt.StageSession:
+                  lib=backend) -> rt.StageSession:
     return rt.StageSession._from_native(
         None, lib, token_count=token_count, terminal_stage=terminal_stage,
         batched_activation_exports=batched_activation_exports,
@@ -59,13 +60,13 @@ def stage_session(token_count: int, terminal_stage: bool, batched_activation_exp
 def test_raw_input_frame_rejects_payload_len_mismatch():
     frame = ActivationFrame(activation_desc(2), b"\x01")
     with pytest.raises(StageRuntimeError) as info:
-        rt._raw_input(frame)
+        native.raw_input(frame)
     assert "activation payload length 1 does not match descriptor payload_bytes 2" in str(info.value)
 
 
 def test_raw_input_frame_accepts_matching_payload_len():
     frame = ActivationFrame(activation_desc(1), b"\x01")
-    desc, payload = rt._raw_input(frame)
+    desc, payload = native.raw_input(frame)
     assert ActivationDesc.from_bytes(desc).payload_bytes == 1
     assert payload == frame.payload
 
@@ -134,7 +135,7 @@ def test_iteration_samples_reject_duplicate_or_out_of_range_indexes():
         collect_iteration_samples(3, 4, [0, 1, 2, 0], [1, 2, 3, 4])
 
 
-def batch_session(terminal_stage: bool, batched_activation_exports: bool, lib=fake_native):
+def batch_session(terminal_stage: bool, batched_activation_exports: bool, lib=backend):
     return stage_session(0, terminal_stage, batched_activation_exports, lib)
 
 
@@ -156,7 +157,7 @@ def check_native_invalid_argument_without_serial_fallback(lib):
 
 
 def test_native_invalid_argument_is_returned_without_serial_fallback():
-    check_native_invalid_argument_without_serial_fallback(fake_native)
+    check_native_invalid_argument_without_serial_fallback(backend)
 
 
 def test_exporting_stages_that_cannot_batch_exports_run_one_at_a_time():

@@ -1,12 +1,12 @@
-"""The server's runtime adapter (``RuntimeBackend``) over ``skippy_wire.stage.runtime`` with the
-fake native module: split stages behind TCP give the tokens of one whole stage."""
+"""The server's runtime adapter (``RuntimeBackend``) over ``skippy_wire.stage.runtime`` on the
+tiny generated GGUF: split stages behind TCP give the tokens of one whole stage."""
 
 from __future__ import annotations
 
 import pytest
 
-import fake_native
 from skippy_wire.net.driver import PipelineClient
+from skippy_wire.stage import models
 from skippy_wire.stage.runtime import StageModel
 from skippy_wire.net.server import RuntimeBackend, StageServer
 from skippy_wire.tools.serve import stage_config
@@ -14,14 +14,17 @@ from skippy_wire.tools.serve import stage_config
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
-def _open(start, end, index):
-    model = StageModel.open("fake:model", start, end, stage_index=index, lane_count=4,
-                            backend=fake_native.module())
-    return RuntimeBackend(model)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(models.write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf"))
 
 
-def _reference(max_tokens, chunk):
-    model = StageModel.open("fake:model", 0, None, lane_count=1, backend=fake_native.module())
+def _open(tiny, start, end, index):
+    return RuntimeBackend(StageModel.open(tiny, start, end, stage_index=index, lane_count=4, n_threads=1))
+
+
+def _reference(tiny, max_tokens, chunk):
+    model = StageModel.open(tiny, 0, None, lane_count=1, n_threads=1)
     session = model.create_session()
     token = None
     for start in range(0, len(PROMPT), chunk):
@@ -39,13 +42,13 @@ def _reference(max_tokens, chunk):
 @pytest.mark.parametrize("splits", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["1", "2", "3"])
 @pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("bf16-rne-v1", "fixed"),
                                           ("raw-f32-v1", "auto-lossless-v1")])
-def test_runtime_stages_match_one_stage(splits, codec, policy):
+def test_runtime_stages_match_one_stage(tiny, splits, codec, policy):
     servers = []
     try:
         downstream = None
         for index in reversed(range(len(splits))):
             start, end = splits[index]
-            server = StageServer(_open(start, end, index), stage_config(index, start, end, codec, policy),
+            server = StageServer(_open(tiny, start, end, index), stage_config(index, start, end, codec, policy),
                                  downstream=downstream, io_timeout=5, reply_timeout=5)
             server.start()
             servers.insert(0, server)
@@ -55,5 +58,5 @@ def test_runtime_stages_match_one_stage(splits, codec, policy):
     finally:
         for server in servers:
             server.shutdown()
-    assert result.tokens == _reference(10, 3)
+    assert result.tokens == _reference(tiny, 10, 3)
     assert len(result.tokens) == 10

@@ -1,9 +1,11 @@
-"""Type stubs for skippy_wire.stage._backend — a 1:1 binding of skippy_wire/_stage/skippy_stage.h.
+"""Type stubs for skippy_wire.stage._backend — a 1:1 binding of skippy_wire/stage/_stage/skippy_stage.h.
 
 No policy lives here (retries, token-count mirrors, one-at-a-time decisions belong to
-skippy_wire.stage.runtime).  Execution calls return the native status instead of raising;
-only Model(...) and Model.create_session() raise NativeError.  All execution calls release
-the GIL around the native call.
+skippy_wire.stage.runtime).  Every native status other than OK raises
+skippy_wire.errors.StageRuntimeError (``status``, ``message``; with BUFFER_TOO_SMALL also
+``required``: the output size native asked for, one per request for batches).  Execution
+calls return result objects with named fields.  All execution calls release the GIL around
+the native call.
 """
 
 from collections.abc import Sequence
@@ -47,13 +49,25 @@ def status_string(status: int) -> str: ...
 def empty_activation_desc() -> bytes:
     """The Rust "empty" descriptor: version 0, producer -1, rest zero (2120 bytes)."""
 
-class NativeError(Exception):
-    status: int
-    message: str
-    def __init__(self, status: int, message: str) -> None: ...
+class FrameResult:
+    out_desc: bytes  # 2120-byte ActivationDesc
+    out_payload: bytes  # out_bytes long
+    out_bytes: int
+    predicted_token: int  # -1 when nothing was sampled
 
-# (status, message|None, out_desc (2120 B), payload, out_bytes, predicted_token)
-FrameResult = tuple[int, Optional[str], bytes, bytes, int, int]
+class VerifyResult:
+    out_desc: bytes
+    out_payload: bytes
+    out_bytes: int
+    predicted_tokens: list[int]  # one per verified row (terminal stages)
+    mtp_draft: bytes  # 56-byte native MTP draft
+
+class BatchResult:
+    out_descs: list[bytes]
+    out_payloads: list[bytes]
+    out_bytes: list[int]
+    sampled_request_indexes: list[int]
+    predicted_tokens: list[int]  # predicted_tokens[i] belongs to sampled_request_indexes[i]
 
 class Model:
     n_layer: int
@@ -122,16 +136,14 @@ class Session:
         capacity: int = 0,
         token_capacity: Optional[int] = None,
         max_draft: int = 0,
-    ) -> tuple[int, Optional[str], bytes, bytes, int, list[int], bytes]: ...
-    def copy_output_activation_frame(
-        self, token_count: int, capacity: int = 0
-    ) -> tuple[int, Optional[str], bytes, bytes, int]: ...
-    def sample_current(self, sampling: Optional[bytes] = None) -> tuple[int, Optional[str], int]: ...
-    def copy_logits(self) -> tuple[int, Optional[str], bytes]:
+    ) -> VerifyResult: ...
+    def copy_output_activation_frame(self, token_count: int, capacity: int = 0) -> FrameResult: ...
+    def sample_current(self, sampling: Optional[bytes] = None) -> int: ...
+    def copy_logits(self) -> bytes:
         """float32 logits of the last execution (1 row, or one per verified token); terminal only."""
-    def trim(self, token_count: int) -> tuple[int, Optional[str]]: ...
-    def retire_verify_checkpoint(self, token_start: int, token_count: int) -> tuple[int, Optional[str]]: ...
-    def reset(self) -> tuple[int, Optional[str]]: ...
+    def trim(self, token_count: int) -> None: ...
+    def retire_verify_checkpoint(self, token_start: int, token_count: int) -> None: ...
+    def reset(self) -> None: ...
     def close(self) -> None:
         """Free the native session and its lane (also done on garbage collection)."""
 
@@ -141,7 +153,7 @@ IterationRequest = tuple[
 
 def iteration_batch_sampled(
     requests: Sequence[IterationRequest], capacities: Sequence[int], sampled_capacity: int
-) -> tuple[int, Optional[str], list[bytes], list[bytes], list[int], list[int], list[int]]: ...
+) -> BatchResult: ...
 def decode_step_frame_batch_sampled(
     sessions: Sequence[Optional[Session]],
     token_ids: Sequence[int],
@@ -150,6 +162,6 @@ def decode_step_frame_batch_sampled(
     input_payloads: Sequence[Optional[bytes]],
     capacities: Sequence[int],
     predicted_capacity: int,
-) -> tuple[int, Optional[str], list[bytes], list[bytes], list[int], list[int]]: ...
+) -> BatchResult: ...
 def set_log_callback(callback: Optional[Any]) -> None:
     """callback(level: int, text: str) receives ggml's log lines; None = drop (default)."""

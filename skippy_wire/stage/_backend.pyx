@@ -1,11 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # distutils: language = c++
-"""1:1 binding of the C stage backend (skippy_wire/_stage/skippy_stage.h).
+"""1:1 binding of the C stage backend (skippy_wire/stage/_stage/skippy_stage.h).
 
-No policy: execution calls return the native status, message and outputs as tuples
-(see _backend.pyi); only Model(...) and Model.create_session() raise NativeError.  Packed C
-structs (ActivationDesc, SamplingConfig) travel as bytes.  The GIL is released around
-every native execution call.
+No policy (retries, token-count mirrors and one-at-a-time decisions belong to
+skippy_wire.stage.runtime).  Every native status other than OK is raised in one place,
+``_check``, as ``skippy_wire.errors.StageRuntimeError`` (``.status``, ``.message``; with
+BUFFER_TOO_SMALL also ``.required``, the output size native asked for).  Execution calls
+return small result objects with named fields (``FrameResult``, ``VerifyResult``,
+``BatchResult``).  Packed C structs (ActivationDesc, SamplingConfig) travel as bytes.  The
+GIL is released around every native execution call.
 """
 
 cimport cython
@@ -15,171 +18,9 @@ from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
+from skippy_wire.errors import StageRuntimeError
 
-cdef extern from "skippy_stage.h" nogil:
-    int SKIPPY_STATUS_OK
-    int SKIPPY_STATUS_ERROR
-    int SKIPPY_STATUS_INVALID_ARGUMENT
-    int SKIPPY_STATUS_UNSUPPORTED
-    int SKIPPY_STATUS_BUFFER_TOO_SMALL
-    int SKIPPY_STATUS_IO_ERROR
-    int SKIPPY_STATUS_MODEL_ERROR
-    int SKIPPY_STATUS_RUNTIME_ERROR
-
-    uint64_t SKIPPY_FEATURE_RUNTIME_SLICE
-    uint64_t SKIPPY_FEATURE_TOKENIZE_DETOKENIZE
-    uint64_t SKIPPY_FEATURE_ACTIVATION_FRAME
-    uint64_t SKIPPY_FEATURE_SESSION_RESET
-    uint64_t SKIPPY_FEATURE_BATCH_VERIFY
-    uint64_t SKIPPY_FEATURE_SAMPLING_CONFIG
-    uint64_t SKIPPY_FEATURE_BATCH_VERIFY_FRAME
-    uint64_t SKIPPY_FEATURE_LOGIT_BIAS
-    uint64_t SKIPPY_FEATURE_SESSION_TRIM
-    uint64_t SKIPPY_FEATURE_NATIVE_MTP_N1
-    uint64_t SKIPPY_FEATURE_ITERATION_BATCH
-    uint64_t SKIPPY_FEATURE_ACTIVATION_BOUNDARY
-
-    ctypedef int skippy_status "enum skippy_status"
-
-    struct skippy_error:
-        int32_t status
-        const char * message
-
-    struct skippy_abi_version:
-        uint32_t major
-        uint32_t minor
-        uint32_t patch
-
-    struct skippy_activation_part_desc:
-        pass
-
-    struct skippy_activation_desc:
-        uint64_t payload_bytes
-
-    struct skippy_activation_boundary_desc:
-        pass
-
-    struct skippy_sampling_config:
-        pass
-
-    struct skippy_native_mtp_draft:
-        pass
-
-    ctypedef struct skippy_model_t:
-        pass
-
-    ctypedef struct skippy_session_t:
-        pass
-
-    struct skippy_iteration_request:
-        skippy_session_t * session
-        const int32_t * token_ids
-        size_t token_count
-        const int32_t * positions
-        size_t position_count
-        const skippy_sampling_config * sampling
-        const skippy_activation_desc * input_desc
-        const void * input_payload
-        cbool sample_last
-
-    struct skippy_stage_config:
-        uint32_t struct_size
-        int32_t stage_index
-        int32_t layer_start
-        int32_t layer_end
-        uint32_t ctx_size
-        uint32_t lane_count
-        int32_t n_threads
-        uint32_t n_batch
-
-    struct skippy_model_info:
-        int32_t n_layer
-        int32_t n_embd
-        int32_t n_vocab
-        int32_t n_ctx
-        int32_t n_head
-        int32_t n_head_kv
-        int32_t layer_start
-        int32_t layer_end
-        int32_t stage_index
-        int32_t lane_count
-        int32_t n_threads
-        int32_t n_batch
-        cbool is_source
-        cbool is_terminal
-        cbool batched_activation_exports
-        char architecture[64]
-
-    ctypedef void (*skippy_stage_log_callback)(int level, const char * text, void * user_data)
-
-    skippy_abi_version c_abi_version "skippy_abi_version"()
-    uint64_t skippy_abi_features()
-    const char * skippy_status_string(int32_t status)
-    void skippy_error_free(skippy_error * error)
-    void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data)
-
-    skippy_status skippy_model_open(const char * path, const skippy_stage_config * config,
-                                    skippy_model_t ** out_model, skippy_error ** out_error)
-    void skippy_model_free(skippy_model_t * model)
-    void skippy_model_get_info(const skippy_model_t * model, skippy_model_info * out_info)
-    cbool skippy_model_output_activation_boundary(const skippy_model_t * model, skippy_activation_boundary_desc * out)
-    cbool skippy_model_input_activation_boundary(const skippy_model_t * model, skippy_activation_boundary_desc * out)
-
-    skippy_status skippy_session_create(skippy_model_t * model, skippy_session_t ** out, skippy_error ** err)
-    skippy_status skippy_session_free(skippy_session_t * session, skippy_error ** err)
-    int32_t skippy_session_position(const skippy_session_t * session)
-    skippy_status skippy_session_reset(skippy_session_t * session, skippy_error ** err)
-    skippy_status skippy_trim_session(skippy_session_t * session, uint64_t token_count, skippy_error ** err)
-    skippy_status skippy_retire_verify_checkpoint(skippy_session_t * session, uint64_t token_start,
-                                                  uint64_t token_count, skippy_error ** err)
-    skippy_status skippy_session_sample_current(skippy_session_t * session, const skippy_sampling_config * sampling,
-                                                int32_t * out_token, skippy_error ** err)
-
-    skippy_status skippy_session_copy_logits(skippy_session_t * session, float * out, size_t capacity,
-                                             size_t * out_count, skippy_error ** err)
-    skippy_status skippy_prefill_chunk_frame_with_positions(
-        skippy_session_t * session, const int32_t * token_ids, size_t token_count,
-        const int32_t * positions, size_t position_count,
-        const skippy_activation_desc * input_desc, const void * input_payload,
-        skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
-        size_t * out_bytes, skippy_error ** err)
-    skippy_status skippy_prefill_chunk_frame_sampled_with_positions(
-        skippy_session_t * session, const int32_t * token_ids, size_t token_count,
-        const int32_t * positions, size_t position_count, const skippy_sampling_config * sampling,
-        const skippy_activation_desc * input_desc, const void * input_payload,
-        skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
-        size_t * out_bytes, int32_t * out_predicted_token, skippy_error ** err)
-    skippy_status skippy_decode_step_frame_sampled(
-        skippy_session_t * session, int32_t token_id, const skippy_sampling_config * sampling,
-        const skippy_activation_desc * input_desc, const void * input_payload,
-        skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
-        size_t * out_bytes, int32_t * out_predicted_token, skippy_error ** err)
-    skippy_status skippy_verify_tokens_frame_sampled(
-        skippy_session_t * session, const int32_t * token_ids, size_t token_count,
-        const skippy_sampling_config * sampling,
-        const skippy_activation_desc * input_desc, const void * input_payload,
-        skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
-        size_t * out_bytes, int32_t * output_tokens, size_t output_token_capacity,
-        size_t * out_token_count, size_t max_draft_tokens, skippy_native_mtp_draft * out_mtp_draft,
-        skippy_error ** err)
-    skippy_status skippy_session_copy_output_activation_frame(
-        skippy_session_t * session, size_t token_count, skippy_activation_desc * output_desc,
-        void * output_payload, size_t output_capacity, size_t * out_bytes, skippy_error ** err)
-    skippy_status skippy_decode_step_frame_batch_sampled(
-        skippy_session_t * const * sessions, const int32_t * token_ids,
-        const skippy_sampling_config * const * sampling,
-        const skippy_activation_desc * const * input_descs, const void * const * input_payloads,
-        skippy_activation_desc * output_descs, void * const * output_payloads,
-        const size_t * output_capacities, size_t * out_bytes,
-        int32_t * out_predicted_tokens, size_t predicted_capacity, size_t request_count,
-        skippy_error ** err)
-    skippy_status skippy_iteration_batch_sampled(
-        const skippy_iteration_request * requests, size_t request_count,
-        skippy_activation_desc * output_descs, void * const * output_payloads,
-        const size_t * output_capacities, size_t * out_bytes,
-        size_t * out_sampled_request_indexes, int32_t * out_predicted_tokens, size_t sampled_capacity,
-        size_t * out_sampled_output_count, skippy_error ** err)
-
+include "_backend_abi.pxi"
 
 STATUS_OK = SKIPPY_STATUS_OK
 STATUS_ERROR = SKIPPY_STATUS_ERROR
@@ -211,13 +52,52 @@ MTP_DRAFT_BYTES = sizeof(skippy_native_mtp_draft)
 ITERATION_REQUEST_BYTES = sizeof(skippy_iteration_request)
 
 
-class NativeError(Exception):
-    """A native status other than OK from Model(...) or Model.create_session()."""
+cdef class FrameResult:
+    """What one prefill / decode / copy call produced: the output descriptor (2120 bytes),
+    the payload (``out_bytes`` long) and the predicted token (-1 when nothing was sampled)."""
+    cdef readonly bytes out_desc
+    cdef readonly bytes out_payload
+    cdef readonly size_t out_bytes
+    cdef readonly int32_t predicted_token
 
-    def __init__(self, status, message):
-        super().__init__(f"{status_string(status)}: {message}")
-        self.status = status
-        self.message = message
+    def __repr__(self):
+        return f"FrameResult(out_bytes={self.out_bytes}, predicted_token={self.predicted_token})"
+
+
+cdef class VerifyResult:
+    """What a verify call produced: as ``FrameResult`` with one predicted token per verified
+    row (terminal stages) and the raw 56-byte native MTP draft."""
+    cdef readonly bytes out_desc
+    cdef readonly bytes out_payload
+    cdef readonly size_t out_bytes
+    cdef readonly list predicted_tokens
+    cdef readonly bytes mtp_draft
+
+    def __repr__(self):
+        return f"VerifyResult(out_bytes={self.out_bytes}, predicted_tokens={self.predicted_tokens!r})"
+
+
+cdef class BatchResult:
+    """What a batch call produced, one entry per request (descriptors, payloads, sizes) and
+    the compact samples: ``predicted_tokens[i]`` belongs to request ``sampled_request_indexes[i]``
+    (a decode batch samples every request, in order)."""
+    cdef readonly list out_descs
+    cdef readonly list out_payloads
+    cdef readonly list out_bytes
+    cdef readonly list sampled_request_indexes
+    cdef readonly list predicted_tokens
+
+    def __repr__(self):
+        return (f"BatchResult(out_bytes={self.out_bytes!r}, sampled_request_indexes="
+                f"{self.sampled_request_indexes!r}, predicted_tokens={self.predicted_tokens!r})")
+
+
+cdef int _check(int status, object message, object required=None) except -1:
+    """The one place a status other than OK becomes an exception (``StageRuntimeError``)."""
+    if status == SKIPPY_STATUS_OK:
+        return 0
+    raise StageRuntimeError.from_native(status, message,
+                                        required if status == SKIPPY_STATUS_BUFFER_TOO_SMALL else None)
 
 
 def abi_version():
@@ -314,14 +194,15 @@ cdef class _Payload:
         return p
 
 
-cdef object _payload_mismatch(_Blob desc, _Payload payload):
+cdef int _check_payload(_Blob desc, _Payload payload, str where) except -1:
     """The Rust-side check that keeps native from reading past the caller's payload."""
     if desc.ptr == NULL or payload.ptr == NULL:
-        return None
+        return 0
     cdef uint64_t declared = (<skippy_activation_desc *> desc.ptr).payload_bytes
     if <uint64_t> payload.size != declared:
-        return f"activation payload length {payload.size} does not match descriptor payload_bytes {declared}"
-    return None
+        _check(SKIPPY_STATUS_INVALID_ARGUMENT,
+               f"{where}activation payload length {payload.size} does not match descriptor payload_bytes {declared}")
+    return 0
 
 
 cdef bytes _new_payload(size_t capacity):
@@ -333,12 +214,27 @@ cdef char * _payload_ptr(bytes buf):
     return PyBytes_AS_STRING(buf) if len(buf) else NULL
 
 
-cdef bytes _out_payload(bytes buf, size_t n, int status):
-    if status != SKIPPY_STATUS_OK or n == 0:
+cdef bytes _out_payload(bytes buf, size_t n):
+    if n == 0:
         return b""
     if <size_t> len(buf) == n:
         return buf
     return buf[:n]
+
+
+cdef bytes _desc_bytes(const skippy_activation_desc * d):
+    return PyBytes_FromStringAndSize(<const char *> d, sizeof(skippy_activation_desc))
+
+
+cdef FrameResult _frame_result(int status, object message, const skippy_activation_desc * d, bytes buf,
+                               size_t out_bytes, int32_t predicted):
+    _check(status, message, out_bytes)
+    cdef FrameResult r = FrameResult.__new__(FrameResult)
+    r.out_desc = _desc_bytes(d)
+    r.out_payload = _out_payload(buf, out_bytes)
+    r.out_bytes = out_bytes
+    r.predicted_token = predicted
+    return r
 
 
 # ---- model / session --------------------------------------------------------------------
@@ -361,8 +257,8 @@ cdef class Model:
         if self.ptr != NULL:
             raise RuntimeError("Model is already open")
         if ctx_size <= 0 or lane_count <= 0 or n_batch <= 0:
-            raise NativeError(SKIPPY_STATUS_INVALID_ARGUMENT,
-                              f"ctx_size, lane_count and n_batch must be positive ({ctx_size}, {lane_count}, {n_batch})")
+            _check(SKIPPY_STATUS_INVALID_ARGUMENT,
+                   f"ctx_size, lane_count and n_batch must be positive ({ctx_size}, {lane_count}, {n_batch})")
         self.path = str(path)
         bpath = self.path.encode()
         cdef const char * cpath = bpath
@@ -377,9 +273,7 @@ cdef class Model:
         cfg.n_batch = n_batch
         with nogil:
             st = skippy_model_open(cpath, &cfg, &self.ptr, &e)
-        msg = _take_message(e)
-        if st != SKIPPY_STATUS_OK:
-            raise NativeError(st, msg or status_string(st))
+        _check(st, _take_message(e) or status_string(st))
         skippy_model_get_info(self.ptr, &self.info)
 
     def __dealloc__(self):
@@ -435,9 +329,7 @@ cdef class Model:
         cdef skippy_error * e = NULL
         self._check_open()
         cdef skippy_status st = skippy_session_create(self.ptr, &sp, &e)
-        msg = _take_message(e)
-        if st != SKIPPY_STATUS_OK:
-            raise NativeError(st, msg or status_string(st))
+        _check(st, _take_message(e) or status_string(st))
         cdef Session s = Session.__new__(Session)
         s.ptr = sp
         s._model = self
@@ -512,9 +404,7 @@ cdef class Session:
         cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
         cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
         cdef _Payload pay = _Payload.of(input_payload)
-        mismatch = _payload_mismatch(desc, pay)
-        if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, mismatch, _empty_desc_bytes(), b"", 0, -1)
+        _check_payload(desc, pay, "")
         cdef skippy_activation_desc out_desc
         cdef bytes buf = _new_payload(capacity)
         cdef char * bufp = _payload_ptr(buf)
@@ -533,9 +423,7 @@ cdef class Session:
                     self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(),
                     <const skippy_activation_desc *> desc.ptr, pay.ptr,
                     &out_desc, bufp, capacity, &out_bytes, &e)
-        msg = _take_message(e)
-        return (st, msg, PyBytes_FromStringAndSize(<char *> &out_desc, sizeof(out_desc)),
-                _out_payload(buf, out_bytes, st), out_bytes, predicted if sample else -1)
+        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, predicted if sample else -1)
 
     def decode_step_frame_sampled(self, int32_t token, sampling=None, input_desc=None, input_payload=None,
                                   size_t capacity=0):
@@ -543,9 +431,7 @@ cdef class Session:
         cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
         cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
         cdef _Payload pay = _Payload.of(input_payload)
-        mismatch = _payload_mismatch(desc, pay)
-        if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, mismatch, _empty_desc_bytes(), b"", 0, -1)
+        _check_payload(desc, pay, "")
         cdef skippy_activation_desc out_desc
         cdef bytes buf = _new_payload(capacity)
         cdef char * bufp = _payload_ptr(buf)
@@ -558,9 +444,7 @@ cdef class Session:
                 self.ptr, token, <const skippy_sampling_config *> samp.ptr,
                 <const skippy_activation_desc *> desc.ptr, pay.ptr, &out_desc, bufp, capacity, &out_bytes,
                 &predicted, &e)
-        msg = _take_message(e)
-        return (st, msg, PyBytes_FromStringAndSize(<char *> &out_desc, sizeof(out_desc)),
-                _out_payload(buf, out_bytes, st), out_bytes, predicted)
+        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, predicted)
 
     def verify_tokens_frame_sampled(self, tokens, sampling=None, input_desc=None, input_payload=None,
                                     size_t capacity=0, token_capacity=None, size_t max_draft=0):
@@ -571,10 +455,7 @@ cdef class Session:
         cdef _Payload pay = _Payload.of(input_payload)
         cdef skippy_native_mtp_draft draft
         memset(&draft, 0, sizeof(draft))
-        mismatch = _payload_mismatch(desc, pay)
-        if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, mismatch, _empty_desc_bytes(), b"", 0, [],
-                    PyBytes_FromStringAndSize(<char *> &draft, sizeof(draft)))
+        _check_payload(desc, pay, "")
         cdef size_t tcap = tok.size() if token_capacity is None else <size_t> token_capacity
         cdef vector[int32_t] predicted
         predicted.resize(tcap if tcap else 1)
@@ -590,11 +471,14 @@ cdef class Session:
                 self.ptr, tok.data(), tok.size(), <const skippy_sampling_config *> samp.ptr,
                 <const skippy_activation_desc *> desc.ptr, pay.ptr, &out_desc, bufp, capacity, &out_bytes,
                 predicted.data(), tcap, &n_pred, max_draft, &draft, &e)
-        msg = _take_message(e)
-        preds = [predicted[i] for i in range(min(n_pred, tcap))] if st == SKIPPY_STATUS_OK else []
-        return (st, msg, PyBytes_FromStringAndSize(<char *> &out_desc, sizeof(out_desc)),
-                _out_payload(buf, out_bytes, st), out_bytes, preds,
-                PyBytes_FromStringAndSize(<char *> &draft, sizeof(draft)))
+        _check(st, _take_message(e), out_bytes)
+        cdef VerifyResult r = VerifyResult.__new__(VerifyResult)
+        r.out_desc = _desc_bytes(&out_desc)
+        r.out_payload = _out_payload(buf, out_bytes)
+        r.out_bytes = out_bytes
+        r.predicted_tokens = [predicted[i] for i in range(min(n_pred, tcap))]
+        r.mtp_draft = PyBytes_FromStringAndSize(<char *> &draft, sizeof(draft))
+        return r
 
     def copy_output_activation_frame(self, size_t token_count, size_t capacity=0):
         self._check()
@@ -607,9 +491,7 @@ cdef class Session:
         with nogil:
             st = skippy_session_copy_output_activation_frame(self.ptr, token_count, &out_desc, bufp, capacity,
                                                              &out_bytes, &e)
-        msg = _take_message(e)
-        return (st, msg, PyBytes_FromStringAndSize(<char *> &out_desc, sizeof(out_desc)),
-                _out_payload(buf, out_bytes, st), out_bytes)
+        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, -1)
 
     def sample_current(self, sampling=None):
         self._check()
@@ -619,184 +501,45 @@ cdef class Session:
         cdef skippy_status st
         with nogil:
             st = skippy_session_sample_current(self.ptr, <const skippy_sampling_config *> samp.ptr, &token, &e)
-        return (st, _take_message(e), token)
+        _check(st, _take_message(e))
+        return token
 
     def copy_logits(self):
-        """(status, message, float32 bytes of the last execution's logit rows) — diagnostics."""
+        """float32 bytes of the last execution's logit rows (diagnostics)."""
         self._check()
         cdef skippy_error * e = NULL
         cdef size_t n = 0
         cdef skippy_status st = skippy_session_copy_logits(self.ptr, NULL, 0, &n, &e)
+        msg = _take_message(e)
+        if st == SKIPPY_STATUS_OK:
+            return b""
         if st != SKIPPY_STATUS_BUFFER_TOO_SMALL:
-            return (st, _take_message(e), b"")
-        _take_message(e)
+            _check(st, msg)
         cdef bytearray buf = bytearray(n * 4)
         st = skippy_session_copy_logits(self.ptr, <float *> (<char *> buf) if n else NULL, n, &n, &e)
-        return (st, _take_message(e), bytes(buf) if st == SKIPPY_STATUS_OK else b"")
+        _check(st, _take_message(e))
+        return bytes(buf)
 
     def trim(self, uint64_t token_count):
         self._check()
         cdef skippy_error * e = NULL
         cdef skippy_status st = skippy_trim_session(self.ptr, token_count, &e)
-        return (st, _take_message(e))
+        _check(st, _take_message(e))
 
     def retire_verify_checkpoint(self, uint64_t token_start, uint64_t token_count):
         self._check()
         cdef skippy_error * e = NULL
         cdef skippy_status st = skippy_retire_verify_checkpoint(self.ptr, token_start, token_count, &e)
-        return (st, _take_message(e))
+        _check(st, _take_message(e))
 
     def reset(self):
         self._check()
         cdef skippy_error * e = NULL
         cdef skippy_status st = skippy_session_reset(self.ptr, &e)
-        return (st, _take_message(e))
+        _check(st, _take_message(e))
 
 
-cdef skippy_session_t * _session_ptr(object s) except? NULL:
-    if s is None:
-        return NULL
-    if not isinstance(s, Session):
-        raise TypeError(f"expected a Session or None, not {type(s).__name__}")
-    if (<Session> s).ptr == NULL:
-        raise ValueError("Session is closed")
-    return (<Session> s).ptr
-
-
-def iteration_batch_sampled(requests, capacities, size_t sampled_capacity):
-    cdef size_t n = len(requests)
-    if <size_t> len(capacities) != n:
-        raise ValueError(f"{len(capacities)} capacities for {n} requests")
-    cdef vector[skippy_iteration_request] reqs
-    cdef vector[vector[int32_t]] toks
-    cdef vector[vector[int32_t]] poss
-    cdef vector[size_t] caps
-    cdef vector[void *] out_ptrs
-    cdef vector[size_t] out_bytes
-    cdef vector[size_t] idx
-    cdef vector[int32_t] pred
-    cdef vector[skippy_activation_desc] out_descs
-    cdef size_t n_sampled = 0
-    cdef size_t i
-    cdef _Blob b
-    cdef _Payload p
-    keep = []
-    bufs = []
-    reqs.resize(n)
-    toks.resize(n)
-    poss.resize(n)
-    caps.resize(n)
-    out_ptrs.resize(n)
-    out_bytes.resize(n)
-    out_descs.resize(n)
-    idx.resize(sampled_capacity if sampled_capacity else 1)
-    pred.resize(sampled_capacity if sampled_capacity else 1)
-    for i in range(n):
-        session, tokens, positions, sampling, input_desc, input_payload, sample_last = requests[i]
-        memset(&reqs[i], 0, sizeof(skippy_iteration_request))
-        reqs[i].session = _session_ptr(session)
-        toks[i] = _int32s(tokens, "tokens")
-        reqs[i].token_ids = toks[i].data() if toks[i].size() else NULL
-        reqs[i].token_count = toks[i].size()
-        if positions is not None:
-            poss[i] = _int32s(positions, "positions")
-            if poss[i].size():
-                reqs[i].positions = poss[i].data()
-                reqs[i].position_count = poss[i].size()
-        b = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
-        keep.append(b)
-        reqs[i].sampling = <const skippy_sampling_config *> b.ptr
-        db = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
-        keep.append(db)
-        reqs[i].input_desc = <const skippy_activation_desc *> (<_Blob> db).ptr
-        p = _Payload.of(input_payload)
-        keep.append(p)
-        mismatch = _payload_mismatch(<_Blob> db, p)
-        if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes() for _ in range(n)],
-                    [b"" for _ in range(n)], [0 for _ in range(n)], [], [])
-        reqs[i].input_payload = p.ptr
-        reqs[i].sample_last = bool(sample_last)
-        caps[i] = capacities[i]
-        buf = _new_payload(caps[i])
-        bufs.append(buf)
-        out_ptrs[i] = <void *> _payload_ptr(buf)
-    cdef skippy_error * e = NULL
-    cdef skippy_status st
-    with nogil:
-        st = skippy_iteration_batch_sampled(reqs.data(), n, out_descs.data(), out_ptrs.data(), caps.data(),
-                                            out_bytes.data(), idx.data(), pred.data(), sampled_capacity,
-                                            &n_sampled, &e)
-    msg = _take_message(e)
-    descs = [PyBytes_FromStringAndSize(<char *> &out_descs[i], sizeof(skippy_activation_desc)) for i in range(n)]
-    payloads = [_out_payload(bufs[i], out_bytes[i], st) for i in range(n)]
-    ns = min(n_sampled, sampled_capacity) if st == SKIPPY_STATUS_OK else 0
-    return (st, msg, descs, payloads, [out_bytes[i] for i in range(n)], [idx[i] for i in range(ns)],
-            [pred[i] for i in range(ns)])
-
-
-def decode_step_frame_batch_sampled(sessions, token_ids, samplings, input_descs, input_payloads, capacities,
-                                    size_t predicted_capacity):
-    cdef size_t n = len(sessions)
-    for name, seq in (("token_ids", token_ids), ("samplings", samplings), ("input_descs", input_descs),
-                      ("input_payloads", input_payloads), ("capacities", capacities)):
-        if <size_t> len(seq) != n:
-            raise ValueError(f"{len(seq)} {name} for {n} sessions")
-    cdef vector[skippy_session_t *] sess
-    cdef vector[int32_t] toks
-    cdef vector[const skippy_sampling_config *] samps
-    cdef vector[const skippy_activation_desc *] descs
-    cdef vector[const void *] pays
-    cdef vector[size_t] caps
-    cdef vector[void *] out_ptrs
-    cdef vector[size_t] out_bytes
-    cdef vector[int32_t] pred
-    cdef vector[skippy_activation_desc] out_descs
-    cdef size_t i
-    cdef _Blob b
-    cdef _Blob d
-    cdef _Payload p
-    keep = []
-    bufs = []
-    sess.resize(n)
-    toks.resize(n)
-    samps.resize(n)
-    descs.resize(n)
-    pays.resize(n)
-    caps.resize(n)
-    out_ptrs.resize(n)
-    out_bytes.resize(n)
-    out_descs.resize(n)
-    pred.resize(predicted_capacity if predicted_capacity > n else (n if n else 1))
-    for i in range(n):
-        sess[i] = _session_ptr(sessions[i])
-        toks[i] = token_ids[i]
-        b = _Blob.of(samplings[i], sizeof(skippy_sampling_config), "sampling")
-        d = _Blob.of(input_descs[i], sizeof(skippy_activation_desc), "input_desc")
-        p = _Payload.of(input_payloads[i])
-        keep.extend((b, d, p))
-        mismatch = _payload_mismatch(d, p)
-        if mismatch is not None:
-            return (SKIPPY_STATUS_INVALID_ARGUMENT, f"request {i}: {mismatch}", [_empty_desc_bytes() for _ in range(n)],
-                    [b"" for _ in range(n)], [0 for _ in range(n)], [])
-        samps[i] = <const skippy_sampling_config *> b.ptr
-        descs[i] = <const skippy_activation_desc *> d.ptr
-        pays[i] = p.ptr
-        caps[i] = capacities[i]
-        buf = _new_payload(caps[i])
-        bufs.append(buf)
-        out_ptrs[i] = <void *> _payload_ptr(buf)
-    cdef skippy_error * e = NULL
-    cdef skippy_status st
-    with nogil:
-        st = skippy_decode_step_frame_batch_sampled(sess.data(), toks.data(), samps.data(), descs.data(), pays.data(),
-                                                    out_descs.data(), out_ptrs.data(), caps.data(), out_bytes.data(),
-                                                    pred.data(), predicted_capacity, n, &e)
-    msg = _take_message(e)
-    out_d = [PyBytes_FromStringAndSize(<char *> &out_descs[i], sizeof(skippy_activation_desc)) for i in range(n)]
-    payloads = [_out_payload(bufs[i], out_bytes[i], st) for i in range(n)]
-    predicted = [pred[i] for i in range(n)] if st == SKIPPY_STATUS_OK else []
-    return (st, msg, out_d, payloads, [out_bytes[i] for i in range(n)], predicted)
+include "_backend_batch.pxi"
 
 
 # ---- logging -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Runtime data types of the stage adapter: activation frames and descriptors, the native
-MTP draft, the C sampling struct, and the runtime error hierarchy.
+"""Activation frames and descriptors of the stage adapter, their identities, and the native
+MTP draft struct.
 
 These mirror skippy-runtime 0.77.0 (``types.rs``) over the C structs of skippy-ffi
 (runtime.md section 2).  Every struct has ``to_bytes()`` / ``from_bytes()`` for the
@@ -8,21 +8,22 @@ packed little-endian C layout that ``skippy_wire.stage._backend`` takes and retu
 * ``ActivationPartDesc``      128 bytes (one part of a typed multipart frontier)
 * ``ActivationDesc``         2120 bytes (version 2 frame descriptor, 16 part slots)
 * ``ActivationBoundaryDesc`` 2088 bytes (graph-observed boundary, no token count)
-* ``NativeMtpDraft``           56 bytes
-* ``RuntimeSamplingConfig``  2352 bytes (C ``SamplingConfig`` version 2)
+* the native MTP draft        56 bytes (``mtp_draft_from_bytes`` gives the wire's
+  ``NativeMtpDraft``: one type for a draft, from the backend or off the wire)
 
-Errors: ``StageRuntimeError`` (a ``RuntimeError``) is the base of everything the adapter
-raises.  A failed native call carries ``.status`` and renders as upstream does,
-``"{Status:?}: {message}"`` or just ``"{Status:?}"`` when native gave no message.
+The sampling struct is in :mod:`skippy_wire.stage.sampling`, the conversions to and from
+wire messages in :mod:`skippy_wire.stage.bridge`.  Errors live in :mod:`skippy_wire.errors`
+and are re-exported here: ``StageRuntimeError`` (a ``RuntimeError``) is the base of
+everything the adapter raises; a failed native call carries ``.status`` and renders as
+upstream does, ``"{Status:?}: {message}"`` or just ``"{Status:?}"`` when native gave no message.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..errors import (
     ActivationFrameError,
@@ -33,6 +34,7 @@ from ..errors import (
     Status,
     format_status_error,
 )
+from ..wire.messages import NativeMtpDraft
 
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
 
@@ -64,10 +66,8 @@ SAMPLING_CONFIG_BYTES = 2352
 
 U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+I32_MIN = -0x8000_0000
 I32_MAX = 0x7FFF_FFFF
-
-
-# --- errors (runtime.md section 3.2 / 1.5) ----------------------------------------------------
 
 
 # --- descriptors ------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ assert _MTP.size == MTP_DRAFT_BYTES
 _ZERO_IDENTITY = bytes(ACTIVATION_IDENTITY_BYTES)
 
 
-def _ggml_type_bytes(ggml_type: int) -> int:
+def ggml_type_bytes(ggml_type: int) -> int:
     if ggml_type in (GGML_TYPE_F32, GGML_TYPE_I32):
         return 4
     if ggml_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
@@ -329,7 +329,7 @@ class ActivationBoundaryDesc:
                 elements *= dimension
                 if elements > U64_MAX:
                     raise ActivationFrameError("activation element count overflow")
-            total += elements * _ggml_type_bytes(part.ggml_type)
+            total += elements * ggml_type_bytes(part.ggml_type)
             if total > U64_MAX:
                 raise ActivationFrameError("activation payload bytes overflow")
         return total
@@ -385,307 +385,23 @@ class ActivationFrame:
 # --- native MTP draft (runtime.md section 2.5) ----------------------------------------------
 
 
-@dataclass(frozen=True)
-class NativeMtpDraft:
-    token_ids: tuple
-    proposal_compute_us: int
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "Optional[NativeMtpDraft]":
-        """Upstream ``from_raw``: ``None`` unless available, version 1 and count > 0."""
-        version, available, count, *rest = _MTP.unpack(_exact_len(data, MTP_DRAFT_BYTES, "an MTP draft"))
-        token_ids, compute_us = rest[:NATIVE_MTP_MAX_DRAFT_TOKENS], rest[NATIVE_MTP_MAX_DRAFT_TOKENS]
-        if not available or version != NATIVE_MTP_DRAFT_VERSION or count <= 0:
-            return None
-        return cls(tuple(token_ids[: min(count, NATIVE_MTP_MAX_DRAFT_TOKENS)]), compute_us)
-
-    @staticmethod
-    def pack(available: bool, token_ids: Sequence[int] = (), proposal_compute_us: int = 0,
-             version: int = NATIVE_MTP_DRAFT_VERSION, token_count: Optional[int] = None) -> bytes:
-        """The raw 56-byte struct (for fakes and tests)."""
-        ids = list(token_ids)[:NATIVE_MTP_MAX_DRAFT_TOKENS]
-        ids += [0] * (NATIVE_MTP_MAX_DRAFT_TOKENS - len(ids))
-        count = len(token_ids) if token_count is None else token_count
-        return _MTP.pack(version, available, count, *ids, proposal_compute_us)
-
-
-# --- sampling (runtime.md section 2.4) -------------------------------------------------------
-
-MAX_LOGIT_BIAS = 256
-MAX_SAMPLERS = 16
-MAX_DRY_SEQUENCE_BREAKERS = 8
-MAX_DRY_SEQUENCE_BREAKER_BYTES = 16
-SAMPLING_FLAG_ENABLED = 1 << 0
-SAMPLING_FLAG_IGNORE_EOS = 1 << 1
-SAMPLING_CONFIG_VERSION = 2
-
-SAMPLER_IDS = {
-    "penalties": 1, "dry": 2, "top_n_sigma": 3, "top_k": 4, "typical_p": 5, "typ_p": 5,
-    "top_p": 6, "min_p": 7, "xtc": 8, "temperature": 9, "temp": 9,
-}
-DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
-DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
-
-_SAMPLING_HEAD = struct.Struct("<IIIii5fIf5ff2iffiffI")
-_SAMPLING_SAMPLERS = struct.Struct("<16I")
-_SAMPLING_TAIL = struct.Struct("<II")
-_LOGIT_BIAS = struct.Struct("<if")
-assert _SAMPLING_HEAD.size == 104
-assert (_SAMPLING_HEAD.size + _SAMPLING_SAMPLERS.size + _SAMPLING_TAIL.size
-        + MAX_DRY_SEQUENCE_BREAKERS * MAX_DRY_SEQUENCE_BREAKER_BYTES
-        + MAX_LOGIT_BIAS * _LOGIT_BIAS.size) == SAMPLING_CONFIG_BYTES
-
-
-@dataclass
-class RuntimeSamplingConfig:
-    """skippy-runtime ``SamplingConfig`` (defaults as upstream; ``enabled=False`` is greedy).
-
-    ``logit_bias`` is a sequence of ``(token_id, bias)``; DRY and XTC fields are flat.
-    """
-
-    enabled: bool = False
-    ignore_eos: bool = False
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    penalty_last_n: int = -1
-    logit_bias: Sequence = ()
-    typical_p: float = 1.0
-    top_nsigma: float = -1.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64
-    dry_sequence_breakers: Sequence = DEFAULT_DRY_SEQUENCE_BREAKERS
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    mirostat_mode: int = 0
-    mirostat_entropy: float = 5.0
-    mirostat_learning_rate: float = 0.1
-    samplers: Sequence = DEFAULT_SAMPLERS
-
-    @classmethod
-    def greedy(cls) -> "RuntimeSamplingConfig":
-        return cls()
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> "RuntimeSamplingConfig":
-        """Convert a wire-level ``skippy_wire.wire.messages.SamplingConfig`` (section 4.3).
-
-        ``enabled`` is the ENABLED flag bit; ``ignore_eos`` is the wire's ``ignore_eos``
-        field or the IGNORE_EOS flag bit.  f32 fields may be floats or raw u32 bits.
-        """
-        flags = int(getattr(wire, "flags", 0))
-        values = {}
-        for name in _WIRE_FLOAT_FIELDS:
-            if hasattr(wire, name):
-                values[name] = _wire_f32(getattr(wire, name))
-        for name in ("seed", "top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
-            if hasattr(wire, name):
-                values[name] = int(getattr(wire, name))
-        if hasattr(wire, "logit_bias"):
-            values["logit_bias"] = tuple(_wire_bias(entry) for entry in wire.logit_bias)
-        for name in ("dry_sequence_breakers", "samplers"):
-            if hasattr(wire, name):
-                values[name] = tuple(getattr(wire, name))
-        return cls(
-            enabled=bool(flags & SAMPLING_FLAG_ENABLED),
-            ignore_eos=bool(getattr(wire, "ignore_eos", False)) or bool(flags & SAMPLING_FLAG_IGNORE_EOS),
-            **values,
-        )
-
-    def to_bytes(self) -> bytes:
-        """Upstream ``as_raw``: the version-2 C struct, with the upstream validation errors."""
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise SamplingConfigError("sampling logit_bias exceeds the native limit")
-        if len(self.samplers) > MAX_SAMPLERS:
-            raise SamplingConfigError("sampling sampler order exceeds the native limit")
-        if len(self.dry_sequence_breakers) > MAX_DRY_SEQUENCE_BREAKERS:
-            raise SamplingConfigError("sampling DRY sequence breakers exceed the native count limit")
-        breakers = [str(value).encode("utf-8") for value in self.dry_sequence_breakers]
-        if any(len(value) >= MAX_DRY_SEQUENCE_BREAKER_BYTES for value in breakers):
-            raise SamplingConfigError("sampling DRY sequence breaker exceeds the native byte limit")
-        sampler_ids = []
-        for name in self.samplers:
-            if name not in SAMPLER_IDS:
-                raise SamplingConfigError(f"sampling sampler order contains {_rust_debug_str(name)}")
-            sampler_ids.append(SAMPLER_IDS[name])
-        sampler_ids += [0] * (MAX_SAMPLERS - len(sampler_ids))
-        flags = (SAMPLING_FLAG_ENABLED if self.enabled else 0) | (SAMPLING_FLAG_IGNORE_EOS if self.ignore_eos else 0)
-        try:
-            head = _SAMPLING_HEAD.pack(
-                SAMPLING_CONFIG_VERSION, flags, self.seed, self.top_k, self.penalty_last_n,
-                self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty,
-                self.repeat_penalty, len(self.logit_bias), self.min_p, self.typical_p,
-                self.top_nsigma, self.dynatemp_range, self.dynatemp_exponent,
-                self.dry_multiplier, self.dry_base, self.dry_allowed_length,
-                self.dry_penalty_last_n, self.xtc_probability, self.xtc_threshold,
-                self.mirostat_mode, self.mirostat_entropy, self.mirostat_learning_rate,
-                len(self.samplers),
-            )
-            biases = b"".join(_LOGIT_BIAS.pack(int(token), bias) for token, bias in self.logit_bias)
-        except (struct.error, OverflowError, TypeError, ValueError) as exc:
-            raise SamplingConfigError(f"sampling value cannot be encoded: {exc}") from None
-        biases += bytes(_LOGIT_BIAS.size * (MAX_LOGIT_BIAS - len(self.logit_bias)))
-        breaker_block = b"".join(value.ljust(MAX_DRY_SEQUENCE_BREAKER_BYTES, b"\0") for value in breakers)
-        breaker_block += bytes(MAX_DRY_SEQUENCE_BREAKER_BYTES * (MAX_DRY_SEQUENCE_BREAKERS - len(breakers)))
-        return (
-            head
-            + _SAMPLING_SAMPLERS.pack(*sampler_ids)
-            + _SAMPLING_TAIL.pack(1 if self.ignore_eos else 0, len(breakers))
-            + breaker_block
-            + biases
-        )
-
-
-_WIRE_FLOAT_FIELDS = (
-    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
-    "typical_p", "top_nsigma", "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base",
-    "xtc_probability", "xtc_threshold", "mirostat_entropy", "mirostat_learning_rate",
-)
-
-
-def _wire_f32(value: Any) -> float:
-    # The wire module may keep f32 fields as raw u32 bits (to round-trip NaN payloads).
-    if isinstance(value, int) and not isinstance(value, bool):
-        return struct.unpack("<f", struct.pack("<I", value & U32_MAX))[0]
-    return float(value)
-
-
-def _wire_bias(entry: Any) -> tuple:
-    if isinstance(entry, tuple) or isinstance(entry, list):
-        token, bias = entry
-    else:
-        token, bias = entry.token_id, entry.bias
-    return int(token), _wire_f32(bias)
-
-
-def _rust_debug_str(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
-    return f'"{escaped}"'
-
-
-def sampling_to_bytes(sampling: Any) -> Optional[bytes]:
-    """Encode ``None`` (greedy), a ``RuntimeSamplingConfig`` or a wire ``SamplingConfig``."""
-    if sampling is None:
+def mtp_draft_from_bytes(data: bytes) -> Optional[NativeMtpDraft]:
+    """Upstream ``NativeMtpDraft::from_raw`` over the 56-byte C struct: ``None`` unless
+    available, version 1 and count > 0."""
+    version, available, count, *rest = _MTP.unpack(_exact_len(data, MTP_DRAFT_BYTES, "an MTP draft"))
+    token_ids, compute_us = rest[:NATIVE_MTP_MAX_DRAFT_TOKENS], rest[NATIVE_MTP_MAX_DRAFT_TOKENS]
+    if not available or version != NATIVE_MTP_DRAFT_VERSION or count <= 0:
         return None
-    if isinstance(sampling, RuntimeSamplingConfig):
-        return sampling.to_bytes()
-    if isinstance(sampling, (bytes, bytearray, memoryview)):
-        raw = bytes(sampling)
-        if len(raw) != SAMPLING_CONFIG_BYTES:
-            raise SamplingConfigError(f"a packed sampling config must be {SAMPLING_CONFIG_BYTES} bytes, got {len(raw)}")
-        return raw
-    if hasattr(sampling, "flags"):
-        return RuntimeSamplingConfig.from_wire(sampling).to_bytes()
-    raise SamplingConfigError(f"unsupported sampling config type {type(sampling).__name__}")
+    return NativeMtpDraft(list(token_ids[: min(count, NATIVE_MTP_MAX_DRAFT_TOKENS)]), compute_us)
 
 
-# --- wire conversions (wire-format.md section 9) ------------------------------------------
-
-
-def frame_from_wire(
-    payload: bytes,
-    token_count: int,
-    n_embd: int,
-    producer_stage_index: int,
-    layer_start: int,
-    layer_end: int,
-    flags: int = 0,
-    *,
-    boundary: Optional[ActivationBoundaryDesc] = None,
-) -> ActivationFrame:
-    """Build the v2 input frame for a received (decoded, F32) wire activation.
-
-    One F32 part ``[n_embd, token_count]``, token axis 1.  ``flags`` are v1 frame flags;
-    sideband planes are not supported by this backend, so non-zero flags are rejected.
-    ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
-    frontier identities; without it they are the backend's llama residual identities.
-    """
-    if flags:
-        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
-    data = bytes(payload)
-    expected = 4 * n_embd * token_count
-    if len(data) != expected:
-        raise ActivationFrameError(
-            f"activation payload length {len(data)} does not match {token_count} tokens x "
-            f"{n_embd} f32 ({expected} bytes)"
-        )
-    identity = frontier = None
-    if boundary is not None:
-        parts = boundary.active_parts()
-        identity, frontier = parts[0].identity, boundary.frontier_identity
-    desc = ActivationDesc.f32_rows(
-        n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
-        layer_end=layer_end, identity=identity, frontier_identity=frontier,
-    )
-    return ActivationFrame(desc, data)
-
-
-_V1_DTYPE_NAMES = {GGML_TYPE_F32: "F32", GGML_TYPE_F16: "F16", GGML_TYPE_BF16: "BF16"}
-
-
-def frame_to_v1(frame: ActivationFrame) -> Any:
-    """Convert an output frame into the v1 ``skippy_wire.wire.forwarding.ActivationFrameV1``.
-
-    Single-part frames only (sidebands would be extra parts, which v1 expresses as flags
-    this backend never produces).  The layout is TOKEN_MAJOR when the part is contiguous
-    with the token axis outermost, else OPAQUE.  An empty frame (terminal output) maps to
-    dtype UNKNOWN, token/sequence count 0.
-    """
-    from ..wire import forwarding  # deferred: owned by the framing module
-
-    frame.validate_payload_len()
-    desc = frame.desc
-    parts = desc.active_parts()
-    if len(parts) > 1:
-        raise ActivationFrameError(
-            f"a v1 activation frame carries one part, this frame has {len(parts)}"
-        )
-    dtype = forwarding.ActivationDType.UNKNOWN
-    layout = forwarding.ActivationLayout.OPAQUE
-    if parts:
-        part = parts[0]
-        name = _V1_DTYPE_NAMES.get(part.ggml_type)
-        if name is not None:
-            dtype = getattr(forwarding.ActivationDType, name)
-        if _is_token_major(part):
-            layout = forwarding.ActivationLayout.TOKEN_MAJOR
-    v1 = forwarding.ActivationDescV1(
-        version=1,
-        dtype=dtype,
-        layout=layout,
-        producer_stage_index=desc.producer_stage_index,
-        layer_start=desc.layer_start,
-        layer_end=desc.layer_end,
-        token_count=desc.token_count,
-        sequence_count=desc.sequence_count,
-        payload_bytes=desc.payload_bytes,
-        flags=0,
-    )
-    return forwarding.ActivationFrameV1(desc=v1, payload=bytes(frame.payload))
-
-
-def _is_token_major(part: ActivationPartDesc) -> bool:
-    rank = part.rank
-    if rank == 0 or rank > ACTIVATION_MAX_DIMS or part.token_axis != rank - 1:
-        return False
-    try:
-        stride = _ggml_type_bytes(part.ggml_type)
-    except ActivationFrameError:
-        return False
-    for axis in range(rank):
-        if part.byte_strides[axis] != stride:
-            return False
-        stride *= part.dimensions[axis]
-    return True
+def pack_mtp_draft(available: bool, token_ids: Sequence[int] = (), proposal_compute_us: int = 0,
+                   version: int = NATIVE_MTP_DRAFT_VERSION, token_count: Optional[int] = None) -> bytes:
+    """The raw 56-byte C struct (for tests)."""
+    ids = list(token_ids)[:NATIVE_MTP_MAX_DRAFT_TOKENS]
+    ids += [0] * (NATIVE_MTP_MAX_DRAFT_TOKENS - len(ids))
+    count = len(token_ids) if token_count is None else token_count
+    return _MTP.pack(version, available, count, *ids, proposal_compute_us)
 
 
 __all__ = [
@@ -693,13 +409,11 @@ __all__ = [
     "ACTIVATION_FLAG_GEMMA3N_ALTUP", "ACTIVATION_FLAG_INKLING_MTP_EMBD", "ACTIVATION_FLAG_RWKV7_V_FIRST",
     "ACTIVATION_FRAME_VERSION", "ACTIVATION_IDENTITY_BYTES", "ACTIVATION_MAX_DIMS", "ACTIVATION_MAX_PARTS",
     "ACTIVATION_PART_DESC_BYTES", "ACTIVATION_PART_OPTIONAL", "GGML_TYPE_BF16", "GGML_TYPE_F16",
-    "GGML_TYPE_F32", "GGML_TYPE_I32", "MAX_DRY_SEQUENCE_BREAKER_BYTES", "MAX_DRY_SEQUENCE_BREAKERS",
-    "MAX_LOGIT_BIAS", "MAX_SAMPLERS", "MTP_DRAFT_BYTES", "NATIVE_MTP_MAX_DRAFT_TOKENS",
-    "SAMPLER_IDS", "SAMPLING_CONFIG_BYTES", "SAMPLING_CONFIG_VERSION", "SAMPLING_FLAG_ENABLED",
-    "SAMPLING_FLAG_IGNORE_EOS",
+    "GGML_TYPE_F32", "GGML_TYPE_I32", "I32_MAX", "I32_MIN", "MTP_DRAFT_BYTES", "NATIVE_MTP_DRAFT_VERSION", "NATIVE_MTP_MAX_DRAFT_TOKENS",
+    "SAMPLING_CONFIG_BYTES", "U32_MAX", "U64_MAX",
     "ActivationBoundaryDesc", "ActivationDesc", "ActivationFrame", "ActivationFrameError",
-    "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution", "RuntimeSamplingConfig",
+    "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution",
     "SamplingConfigError", "StageArgumentError", "StageRuntimeError", "Status",
-    "format_status_error", "frame_from_wire", "frame_to_v1", "frontier_identity_of",
-    "llama_residual_identity", "sampling_to_bytes",
+    "format_status_error", "frontier_identity_of", "ggml_type_bytes", "llama_residual_identity",
+    "mtp_draft_from_bytes", "pack_mtp_draft",
 ]

@@ -14,11 +14,16 @@ SmolLM2-135M, and a tokenizer built from a GGUF's own vocabulary.
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
+import struct
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
 
+import gguf
 import numpy as np
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -44,8 +49,6 @@ def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int =
     norms are ones.  With the default seed the per-row greedy outputs for tokens
     [1, 10, 20, 30, 40] are the spec's [221, 181, 221, 92, 56].
     """
-    import gguf
-
     if file_type not in ("f32", "f16"):
         raise ValueError(f"file_type must be 'f32' or 'f16', not {file_type!r}")
     path = Path(path)
@@ -139,17 +142,16 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def read_gguf_metadata(path: PathLike, prefix: str = "") -> dict:
+def read_gguf_metadata(path: PathLike, prefix: str = "",
+                       stop: Optional[Callable[[dict], bool]] = None) -> dict:
     """Key/value metadata of a GGUF file whose key starts with ``prefix``.
 
     A small bounds-checked reader of the header and KV section only (gguf.h layout; all
     little-endian): ``gguf.GGUFReader`` builds a numpy view per array element, which takes
     seconds for a 49k-token vocabulary.  Strings decode as UTF-8 (invalid bytes replaced),
-    arrays become lists.
+    arrays become lists.  ``stop(found)`` is asked after every kept key; true ends the read
+    there (the architecture keys come before the tokenizer's large arrays).
     """
-    import mmap
-    import struct
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         buf = memoryview(mm)
         try:
@@ -201,9 +203,25 @@ def read_gguf_metadata(path: PathLike, prefix: str = "") -> dict:
                 v = value(unpack("<I"))
                 if key.startswith(prefix):
                     out[key] = v
+                    if stop is not None and stop(out):
+                        break
             return out
         finally:
             buf.release()
+
+
+def _has_shape(found: dict) -> bool:
+    arch = found.get("general.architecture")
+    return bool(arch) and f"{arch}.block_count" in found and f"{arch}.embedding_length" in found
+
+
+def model_shape(path: PathLike) -> Tuple[int, int]:
+    """``(n_layer, n_embd)`` from the GGUF metadata, reading only as far as those keys."""
+    found = read_gguf_metadata(path, stop=_has_shape)
+    if not _has_shape(found):
+        raise ValueError(f"{path}: GGUF metadata lacks the block count or embedding length")
+    arch = found["general.architecture"]
+    return int(found[f"{arch}.block_count"]), int(found[f"{arch}.embedding_length"])
 
 
 class Tokenizer:
@@ -260,11 +278,10 @@ class Tokenizer:
             raise NotImplementedError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
 
     def _build_bpe(self, merges: Sequence[str]):
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        hf = HFTokenizer(tokenizer_models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if self.pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
             # llama.cpp splits each digit first for these pre-tokenizers, then the GPT-2 regex

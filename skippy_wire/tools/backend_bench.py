@@ -14,22 +14,24 @@ from __future__ import annotations
 import argparse
 import time
 
+from skippy_wire.errors import StageRuntimeError, Status
 from skippy_wire.stage import _backend as B
 from skippy_wire.stage import models
 
 
 def call(fn, *args, **kw):
-    out = fn(*args, **kw)
-    if out[0] == B.STATUS_BUFFER_TOO_SMALL:
-        out = fn(*args, **{**kw, "capacity": out[4]})
-    if out[0] != B.STATUS_OK:
-        raise RuntimeError(out[1])
-    return out
+    """A binding frame call, once more with the capacity native asked for if it was short."""
+    try:
+        return fn(*args, **kw)
+    except StageRuntimeError as error:
+        if error.status != Status.BUFFER_TOO_SMALL:
+            raise
+        return fn(*args, **{**kw, "capacity": error.required})
 
 
 class Chain:
     def __init__(self, path, cuts, threads, ctx):
-        n_layer = B.Model(path, n_threads=1, ctx_size=8, layer_end=1).n_layer
+        n_layer = models.model_shape(path)[0]
         bounds = [0, *cuts, n_layer]
         self.models = [
             B.Model(path, stage_index=i, layer_start=a, layer_end=b, n_threads=threads, ctx_size=ctx, n_batch=512)
@@ -45,14 +47,16 @@ class Chain:
     def prefill(self, tokens):
         d = p = None
         for s in self.sessions:
-            _, _, d, p, _, tok = call(s.prefill_chunk_frame, tokens, sample=True, input_desc=d, input_payload=p)
-        return tok
+            out = call(s.prefill_chunk_frame, tokens, sample=True, input_desc=d, input_payload=p)
+            d, p = out.out_desc, out.out_payload
+        return out.predicted_token
 
     def decode(self, token):
         d = p = None
         for s in self.sessions:
-            _, _, d, p, _, tok = call(s.decode_step_frame_sampled, token, input_desc=d, input_payload=p)
-        return tok
+            out = call(s.decode_step_frame_sampled, token, input_desc=d, input_payload=p)
+            d, p = out.out_desc, out.out_payload
+        return out.predicted_token
 
 
 def measure(chain, n_prefill, n_decode, repeat):
@@ -88,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--split", type=int, default=None, help="first layer of stage B (default n_layer // 2)")
     args = ap.parse_args(argv)
     path = args.model or str(models.smollm2_path())
-    n_layer = B.Model(path, n_threads=1, ctx_size=8, layer_end=1).n_layer
+    n_layer = models.model_shape(path)[0]
     split = args.split if args.split is not None else n_layer // 2
     ctx = args.prefill + args.decode + 32
     for name, cuts in (("one stage", []), (f"two stages (split at {split})", [split])):

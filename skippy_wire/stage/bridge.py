@@ -1,0 +1,121 @@
+"""Conversions between wire messages and stage frames (wire-format.md section 9).
+
+The stage layer may import the wire layer, never the reverse: a received (decoded) wire
+activation becomes the v2 input frame of a stage, and a stage's output frame becomes the
+v1 frame the wire forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import ActivationFrameError
+from ..wire import forwarding
+from .activation import (
+    ACTIVATION_MAX_DIMS,
+    GGML_TYPE_BF16,
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    ActivationBoundaryDesc,
+    ActivationDesc,
+    ActivationFrame,
+    ActivationPartDesc,
+    ggml_type_bytes,
+)
+
+def frame_from_wire(
+    payload: bytes,
+    token_count: int,
+    n_embd: int,
+    producer_stage_index: int,
+    layer_start: int,
+    layer_end: int,
+    flags: int = 0,
+    *,
+    boundary: Optional[ActivationBoundaryDesc] = None,
+) -> ActivationFrame:
+    """Build the v2 input frame for a received (decoded, F32) wire activation.
+
+    One F32 part ``[n_embd, token_count]``, token axis 1.  ``flags`` are v1 frame flags;
+    sideband planes are not supported by this backend, so non-zero flags are rejected.
+    ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
+    frontier identities; without it they are the backend's llama residual identities.
+    """
+    if flags:
+        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
+    data = bytes(payload)
+    expected = 4 * n_embd * token_count
+    if len(data) != expected:
+        raise ActivationFrameError(
+            f"activation payload length {len(data)} does not match {token_count} tokens x "
+            f"{n_embd} f32 ({expected} bytes)"
+        )
+    identity = frontier = None
+    if boundary is not None:
+        parts = boundary.active_parts()
+        identity, frontier = parts[0].identity, boundary.frontier_identity
+    desc = ActivationDesc.f32_rows(
+        n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
+        layer_end=layer_end, identity=identity, frontier_identity=frontier,
+    )
+    return ActivationFrame(desc, data)
+
+
+_V1_DTYPE_NAMES = {GGML_TYPE_F32: "F32", GGML_TYPE_F16: "F16", GGML_TYPE_BF16: "BF16"}
+
+
+def frame_to_v1(frame: ActivationFrame) -> forwarding.ActivationFrameV1:
+    """Convert an output frame into the v1 ``skippy_wire.wire.forwarding.ActivationFrameV1``.
+
+    Single-part frames only (sidebands would be extra parts, which v1 expresses as flags
+    this backend never produces).  The layout is TOKEN_MAJOR when the part is contiguous
+    with the token axis outermost, else OPAQUE.  An empty frame (terminal output) maps to
+    dtype UNKNOWN, token/sequence count 0.
+    """
+    frame.validate_payload_len()
+    desc = frame.desc
+    parts = desc.active_parts()
+    if len(parts) > 1:
+        raise ActivationFrameError(
+            f"a v1 activation frame carries one part, this frame has {len(parts)}"
+        )
+    dtype = forwarding.ActivationDType.UNKNOWN
+    layout = forwarding.ActivationLayout.OPAQUE
+    if parts:
+        part = parts[0]
+        name = _V1_DTYPE_NAMES.get(part.ggml_type)
+        if name is not None:
+            dtype = getattr(forwarding.ActivationDType, name)
+        if _is_token_major(part):
+            layout = forwarding.ActivationLayout.TOKEN_MAJOR
+    v1 = forwarding.ActivationDescV1(
+        version=1,
+        dtype=dtype,
+        layout=layout,
+        producer_stage_index=desc.producer_stage_index,
+        layer_start=desc.layer_start,
+        layer_end=desc.layer_end,
+        token_count=desc.token_count,
+        sequence_count=desc.sequence_count,
+        payload_bytes=desc.payload_bytes,
+        flags=0,
+    )
+    return forwarding.ActivationFrameV1(desc=v1, payload=bytes(frame.payload))
+
+
+def _is_token_major(part: ActivationPartDesc) -> bool:
+    rank = part.rank
+    if rank == 0 or rank > ACTIVATION_MAX_DIMS or part.token_axis != rank - 1:
+        return False
+    try:
+        stride = ggml_type_bytes(part.ggml_type)
+    except ActivationFrameError:
+        return False
+    for axis in range(rank):
+        if part.byte_strides[axis] != stride:
+            return False
+        stride *= part.dimensions[axis]
+    return True
+
+
+__all__ = ["frame_from_wire", "frame_to_v1"]

@@ -1,0 +1,111 @@
+"""How the runtime adapter calls ``skippy_wire.stage._backend``: the compiled module, argument
+conversion, input/output frames in their packed form, and the one BUFFER_TOO_SMALL retry.
+
+The binding raises ``StageRuntimeError`` for every native status other than OK (with
+BUFFER_TOO_SMALL it carries ``.required``, the output size native asked for) and returns
+result objects with named fields; this module holds the policy upstream puts around it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+
+from ..errors import StageArgumentError, StageRuntimeError, Status
+from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame
+
+# The compiled backend is imported here, at module top; it is missing only from a
+# pure-Python install (SKIPPY_WIRE_PUREPYTHON=1), where the wire layer still works and
+# opening a model raises the import error (see ``default_backend``).
+try:
+    from . import _backend as BACKEND
+except ImportError as _missing:  # noqa: N816
+    BACKEND = None
+    BACKEND_IMPORT_ERROR: Optional[ImportError] = _missing
+else:
+    BACKEND_IMPORT_ERROR = None
+
+#: Bound on BUFFER_TOO_SMALL retries.  Upstream recurses without a bound (it converges
+#: after one retry because native reports the exact size before executing anything).
+MAX_BUFFER_RETRIES = 8
+
+Result = TypeVar("Result")
+
+
+def default_backend() -> ModuleType:
+    """The compiled backend; a ``StageRuntimeError`` when this install has none."""
+    if BACKEND is None:
+        raise StageRuntimeError(f"the stage backend skippy_wire.stage._backend is not built ({BACKEND_IMPORT_ERROR})")
+    return BACKEND
+
+
+def checked_add(count: int, delta: int) -> int:
+    updated = count + delta
+    if updated > U64_MAX:
+        raise StageRuntimeError("session token count overflow")
+    return updated
+
+
+def to_i32(value: Any, what: str) -> int:
+    number = int(value)
+    if not I32_MIN <= number <= I32_MAX:
+        raise StageArgumentError(f"{what} {number} does not fit in i32")
+    return number
+
+
+def to_count(value: Any, what: str) -> int:
+    number = int(value)
+    if not 0 <= number <= U64_MAX:
+        raise StageArgumentError(f"{what} {number} is not a valid unsigned count")
+    return number
+
+
+def to_tokens(token_ids: Sequence[int]) -> List[int]:
+    return [to_i32(token, "token id") for token in token_ids]
+
+
+def to_positions(positions: Optional[Sequence[int]]) -> Optional[List[int]]:
+    return [to_i32(p, "position") for p in positions] if positions is not None and len(positions) else None
+
+
+def raw_input(frame: Optional[ActivationFrame]) -> Tuple[Optional[bytes], Optional[bytes]]:
+    """Upstream ``raw_input_frame``: ``(desc bytes, payload)`` or ``(None, None)``."""
+    if frame is None:
+        return None, None
+    frame.validate_payload_len()
+    return frame.desc.to_bytes(), bytes(frame.payload)
+
+
+def output_frame(desc: bytes, payload: bytes, out_bytes: int) -> ActivationFrame:
+    return ActivationFrame(ActivationDesc.from_bytes(desc), bytes(payload[:out_bytes]))
+
+
+def _asks_for_more(required: Any, capacity: Any) -> bool:
+    if isinstance(capacity, list):
+        return required is not None and any(need > have for need, have in zip(required, capacity))
+    return required is not None and required > capacity
+
+
+def with_output_capacity(call: Callable[[Any], Result], capacity: "int | List[int]") -> Result:
+    """Run ``call(capacity)`` and retry while native asks for a larger output buffer.
+
+    ``capacity`` is one size, or a list of one per request (batches).  Native reports the
+    required size before executing anything, so a retry is safe.  A BUFFER_TOO_SMALL whose
+    required size is not larger is raised as it came.
+    """
+    for _ in range(MAX_BUFFER_RETRIES + 1):
+        try:
+            return call(capacity)
+        except StageRuntimeError as error:
+            if error.status != Status.BUFFER_TOO_SMALL or not _asks_for_more(error.required, capacity):
+                raise
+            capacity = list(error.required) if isinstance(capacity, list) else error.required
+    if isinstance(capacity, list):
+        raise StageRuntimeError(f"native kept reporting larger output buffers after {MAX_BUFFER_RETRIES} retries")
+    raise StageRuntimeError(f"native kept reporting a larger output buffer after {MAX_BUFFER_RETRIES} retries")
+
+
+__all__ = [
+    "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "output_frame", "raw_input",
+    "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
+]
