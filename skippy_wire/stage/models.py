@@ -366,12 +366,3 @@ class Tokenizer:
         """True for end-of-generation tokens (EOS/EOT/EOM and known end-of-turn controls)."""
         return int(token_id) in self._eog
 
-
-def model_shape(path: PathLike) -> tuple[int, int]:
-    """``(n_layer, n_embd)`` of a GGUF model, from its metadata."""
-    meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
-    try:
-        return int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.embedding_length"])
-    except KeyError:
-        raise ValueError(f"{path}: GGUF metadata lacks the block count or embedding length") from None
