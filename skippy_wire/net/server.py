@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import READY_BYTES, ActivationCodec, CodecPolicy
 from ..errors import StageError, UnexpectedEofError, WireError
-from ..wire.messages import READY_BYTES
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -558,7 +557,7 @@ class StageServer:
 
     def _own_stats(self, kind: int, compute_us: int, token_count: int):
         """Prefill compute observation of this stage (wire-format.md 11.3)."""
-        from ..wire.messages import StageReplyStats
+        from ..wire.replies import StageReplyStats
 
         stats = StageReplyStats()
         if kind in (1, 4) and hasattr(stats, "observe_prefill_compute"):
@@ -576,7 +575,7 @@ class StageServer:
         except (WireError, ValueError) as exc:
             raise StageError(f"cannot forward {msg.kind!r}: {exc}") from exc
         out = forwarded.message
-        codec = ActivationCodec(out.state.activation_codec).identity
+        codec = ActivationCodec(out.state.activation_codec).identity()
         data = write_stage_message(out)
         st = session.stats
         st.encode_ms += forwarded.activation_encode_ms
@@ -665,8 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (omit on the last stage)")
     p.add_argument("--activation-codec", default="raw-f32-v1",
-                   choices=[c.identity for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=list(POLICIES))
+                   choices=[c.identity() for c in ActivationCodec])
+    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
     p.add_argument("--ctx-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: 1, see default_threads)")
     p.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
@@ -695,18 +694,13 @@ def _exit_on_stdin_eof() -> None:
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
-POLICIES = {"fixed": CodecPolicy.FIXED, "auto-lossless-v1": CodecPolicy.AUTO_LOSSLESS_V1}
-
-
 def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str, policy: str):
     """A forwarding StageConfig from the CLI identities (e.g. "bf16-rne-v1", "fixed")."""
     from ..wire.forwarding import StageConfig
 
-    if policy not in POLICIES:
-        raise ValueError(f"unknown activation codec policy {policy!r}")
     return StageConfig(stage_index=stage_index, layer_start=layer_start, layer_end=layer_end,
                        activation_codec=ActivationCodec.from_identity(codec),
-                       activation_codec_policy=POLICIES[policy])
+                       activation_codec_policy=CodecPolicy.from_serde_name(policy))
 
 
 def _print_event(event: dict) -> None:

@@ -110,7 +110,7 @@ def describe_message(msg, offset: int, size: int, index: int, n_embd: int | None
             parts.append(f"flags 0x{int(value):x} [{flag_names(int(value))}]")
         elif name == "activation_codec":
             codec = ActivationCodec(int(value))
-            parts.append(f"activation_codec {codec.identity} ({int(codec)})")
+            parts.append(f"activation_codec {codec.identity()} ({int(codec)})")
         else:
             parts.append(f"{name} {int(value)}")
     lines.append("  state: " + "  ".join(parts))
@@ -134,7 +134,7 @@ def describe_message(msg, offset: int, size: int, index: int, n_embd: int | None
         values = struct.unpack(f"<{n}f", bytes(msg.activation))
         rows = n // n_embd if n_embd else 0
         finite = [v for v in values if v == v and abs(v) != float("inf")]
-        lines.append(f"  activation: {codec.identity}, {wire_activation_bytes} bytes on the wire, decoded "
+        lines.append(f"  activation: {codec.identity()}, {wire_activation_bytes} bytes on the wire, decoded "
                      f"{len(msg.activation)} bytes = {rows} rows x {n_embd} (n_embd)")
         if finite:
             lines.append(f"    min {min(finite):.6g}  max {max(finite):.6g}  "
