@@ -41,6 +41,11 @@ def test_expected_phases_and_predicates():
     assert {k for k in K if k.requires_predicted_reply} == {2, 4, 6, 8, 9, 21}
     assert {k for k in K if k.is_prefix_cache_control} == {15, 16, 17, 18}
     assert {k for k in K if k.is_activationless_prefix_cache_control} == {15, 16, 17}
+    # section 2.1 classification predicates
+    assert {k for k in K if k.is_prefill} == {1, 4} and {k for k in K if k.is_decode_replay} == {5, 6}
+    assert {k for k in K if k.is_decode_light_context} == {9}
+    assert [{k for k in K if getattr(k, name)} for name in ("is_session_control", "is_verify_retirement",
+                                                             "is_generation_control")] == [{19}, {22}, {14}]
 
 
 def test_matches_kind():

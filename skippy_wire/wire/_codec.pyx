@@ -58,14 +58,14 @@ NOGIL_THRESHOLD = 32768
 cdef size_t _nogil_threshold = 32768
 
 NON_CONTIGUOUS = _wc.NON_CONTIGUOUS_TEXT
-OBJECT_ARRAY = "payload must not be an array of Python objects"
-DIMENSION_RANGE = "activation dimensions must fit in an i32"
-BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
-BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
-OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
-OUT_READ_ONLY = "out must be a writable buffer"
-OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
-OUT_OVERLAP = "out must not overlap the payload"
+OBJECT_ARRAY = _wc.OBJECT_ARRAY_TEXT
+DIMENSION_RANGE = _wc.DIMENSION_RANGE_TEXT
+BITS_DTYPE_U32 = _wc.BITS_DTYPE_U32_TEXT
+BITS_DTYPE_U16 = _wc.BITS_DTYPE_U16_TEXT
+OUT_NON_CONTIGUOUS = _wc.OUT_NON_CONTIGUOUS_TEXT
+OUT_READ_ONLY = _wc.OUT_READ_ONLY_TEXT
+OUT_OBJECT_ARRAY = _wc.OUT_OBJECT_ARRAY_TEXT
+OUT_OVERLAP = _wc.OUT_OVERLAP_TEXT
 
 _MESSAGES = {
     E_NEGATIVE_DIMENSIONS: _wc.NEGATIVE_DIMENSIONS_TEXT,
@@ -302,6 +302,62 @@ cdef object _out_result(object out, uint64_t size):
     return view[:size]
 
 
+# The payload-sized kernels, one dispatcher so that every call site releases the GIL the
+# same way: from ``_nogil_threshold`` input bytes on, never below.
+cdef enum Kernel:
+    K_FIND_NON_FINITE  # -> index of the first non-finite f32, or -1
+    K_COPY             # n = byte count
+    K_ENCODE_BF16      # -> non-zero when a value needs the error walk
+    K_ENCODE_F16
+    K_ENCODE_S8        # -> failing row or -1, ``kind`` set
+    K_COPY_LE32
+    K_DECODE_BF16      # -> non-zero when a value is not finite
+    K_DECODE_F16
+    K_DECODE_S8        # -> failing row or -1, ``kind`` set
+    K_EXACT_BF16       # -> 1 when every value is exact (dst, if not NULL, gets the patterns)
+    K_EXACT_F16
+
+
+cdef Py_ssize_t _dispatch(int op, const uint8_t *src, uint8_t *dst, size_t n, size_t rows, size_t cols,
+                          int *kind) noexcept nogil:
+    if op == K_FIND_NON_FINITE:
+        return skw_find_non_finite32(src, n)
+    if op == K_COPY:
+        memcpy(dst, src, n)
+        return 0
+    if op == K_ENCODE_BF16:
+        return skw_encode_bf16(src, dst, n)
+    if op == K_ENCODE_F16:
+        return skw_encode_f16(src, dst, n)
+    if op == K_ENCODE_S8:
+        return skw_encode_s8(src, dst, rows, cols, kind)
+    if op == K_COPY_LE32:
+        skw_copy_le32_to_host(src, dst, n)
+        return 0
+    if op == K_DECODE_BF16:
+        return skw_decode_bf16(src, dst, n)
+    if op == K_DECODE_F16:
+        return skw_decode_f16(src, dst, n)
+    if op == K_DECODE_S8:
+        return skw_decode_s8(src, dst, rows, cols, kind)
+    if op == K_EXACT_BF16:
+        return skw_exact_bf16(src, dst, n)
+    return skw_exact_f16(src, dst, n)
+
+
+cdef Py_ssize_t _run(int op, const uint8_t *src, uint8_t *dst, size_t n, bint release,
+                     const Shape *s=NULL, int *kind=NULL) noexcept:
+    """Run one kernel, with the GIL released when ``release``."""
+    cdef Py_ssize_t r
+    cdef size_t rows = s.rows if s != NULL else 0, cols = s.columns if s != NULL else 0
+    if release:
+        with nogil:
+            r = _dispatch(op, src, dst, n, rows, cols, kind)
+    else:
+        r = _dispatch(op, src, dst, n, rows, cols, kind)
+    return r
+
+
 cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssize_t nbytes, object out=None):
     """6.2 steps 3-5 on a payload whose length already matches the shape.
 
@@ -312,8 +368,7 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
     cdef uint64_t out_size = 0
     cdef size_t n = <size_t>s.elements
     cdef bint nogil_ = <size_t>nbytes >= _nogil_threshold
-    cdef int bad = 0, st, kind = 0
-    cdef Py_ssize_t idx
+    cdef int st, kind = 0
     cdef object result = None
     cdef uint8_t *dst = NULL
     cdef Py_buffer ob
@@ -321,12 +376,7 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
 
     if codec == S8_ROW_F32_RNE_V1:
         # 6.2 step 3 over the whole array, before any conversion.
-        if nogil_:
-            with nogil:
-                idx = skw_find_non_finite32(src, n)
-        else:
-            idx = skw_find_non_finite32(src, n)
-        if idx >= 0:
+        if _run(K_FIND_NON_FINITE, src, NULL, n, nogil_) >= 0:
             raise_status(E_NOT_FINITE)
     st = encoded_size(codec, s, &out_size)  # 6.2 step 4, before allocating
     if st:
@@ -339,36 +389,15 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
         held = True
     try:
         if codec == RAW_F32_V1:  # bit-exact, NaN payloads included (6.4)
-            if nogil_:
-                with nogil:
-                    memcpy(dst, src, nbytes)
-            else:
-                memcpy(dst, src, nbytes)
+            _run(K_COPY, src, dst, <size_t>nbytes, nogil_)
         elif codec == S8_ROW_F32_RNE_V1:
-            if nogil_:
-                with nogil:
-                    idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            else:
-                idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            if idx >= 0:
+            if _run(K_ENCODE_S8, src, dst, n, nogil_, s, &kind) >= 0:
                 raise_status(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
         else:
             # F16 / BF16: one fused pass converts and OR-accumulates the checks; only when
             # it reports a problem are the errors located, in upstream order (any
             # non-finite value anywhere first, then the first value that rounds to infinity).
-            if codec == BF16_RNE_V1:
-                if nogil_:
-                    with nogil:
-                        bad = skw_encode_bf16(src, dst, n)
-                else:
-                    bad = skw_encode_bf16(src, dst, n)
-            else:
-                if nogil_:
-                    with nogil:
-                        bad = skw_encode_f16(src, dst, n)
-                else:
-                    bad = skw_encode_f16(src, dst, n)
-            if bad:
+            if _run(K_ENCODE_BF16 if codec == BF16_RNE_V1 else K_ENCODE_F16, src, dst, n, nogil_):
                 if skw_find_non_finite32(src, n) >= 0:
                     raise_status(E_NOT_FINITE)
                 if codec == BF16_RNE_V1:
@@ -427,8 +456,7 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
     cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
     cdef uint64_t decoded = 0, expected = 0
-    cdef int st, bad = 0, kind = 0
-    cdef Py_ssize_t idx = -1
+    cdef int st, kind = 0
     cdef size_t n
     cdef const uint8_t *src
     cdef uint8_t *dst
@@ -457,34 +485,12 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
         dst = <uint8_t *>cnp.PyArray_DATA(out)
         nogil_ = <size_t>view.len >= _nogil_threshold
         if c == RAW_F32_V1:  # no checks beyond the length (6.4)
-            if nogil_:
-                with nogil:
-                    skw_copy_le32_to_host(src, dst, n)
-            else:
-                skw_copy_le32_to_host(src, dst, n)
-        elif c == BF16_RNE_V1:
-            if nogil_:
-                with nogil:
-                    bad = skw_decode_bf16(src, dst, n)
-            else:
-                bad = skw_decode_bf16(src, dst, n)
-            if bad:
-                raise_status(E_DECODED_NON_FINITE)
-        elif c == F16_RNE_V1:
-            if nogil_:
-                with nogil:
-                    bad = skw_decode_f16(src, dst, n)
-            else:
-                bad = skw_decode_f16(src, dst, n)
-            if bad:
+            _run(K_COPY_LE32, src, dst, n, nogil_)
+        elif c == BF16_RNE_V1 or c == F16_RNE_V1:
+            if _run(K_DECODE_BF16 if c == BF16_RNE_V1 else K_DECODE_F16, src, dst, n, nogil_):
                 raise_status(E_DECODED_NON_FINITE)
         else:
-            if nogil_:
-                with nogil:
-                    idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            else:
-                idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            if idx >= 0:
+            if _run(K_DECODE_S8, src, dst, n, nogil_, &s, &kind) >= 0:
                 if kind == SKW_S8_BAD_SCALE:
                     raise_status(E_S8_SCALE)
                 raise_status(E_S8_RESERVED if kind == SKW_S8_RESERVED else E_DECODED_NON_FINITE)

@@ -11,15 +11,9 @@ cdef int _permitted_mask(object permitted) except -1:
 
 
 cdef int _scan(int which, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) noexcept:
-    """Exactness of the whole buffer for BF16 (which = 3) or F16 (2); writes the 16-bit
+    """Exactness of the whole buffer for BF16 or F16 (``which``); writes the 16-bit
     patterns to dst when dst is not NULL."""
-    cdef int ok
-    if nogil_:
-        with nogil:
-            ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
-    else:
-        ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
-    return ok
+    return <int>_run(K_EXACT_BF16 if which == BF16_RNE_V1 else K_EXACT_F16, src, dst, n, nogil_)
 
 
 cdef size_t _selection_elements(token_count, n_embd, state_flags, int mask, Py_buffer *view, Shape *s) except? 0:

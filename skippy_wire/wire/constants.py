@@ -54,7 +54,7 @@ U64_MAX = 2**64 - 1
 DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
 
-# --- error texts raised by more than one module (section 10) ------------------------------
+# --- error texts raised by more than one module (section 10 and the API's own) -----------
 UNKNOWN_CODEC_TEXT = "unknown stage activation codec"
 NEGATIVE_DIMENSIONS_TEXT = "negative activation dimensions"
 WIRE_OVERFLOW_TEXT = "activation wire byte count overflow"
@@ -62,6 +62,14 @@ WIRE_MAX_TEXT = "activation payload byte count exceeds maximum"
 WIRE_SIZE_TEXT = "activation payload size mismatch"
 DECODED_MAX_TEXT = "decoded activation payload byte count exceeds maximum"
 NON_CONTIGUOUS_TEXT = "payload must be a C-contiguous buffer"
+OBJECT_ARRAY_TEXT = "payload must not be an array of Python objects"
+DIMENSION_RANGE_TEXT = "activation dimensions must fit in an i32"
+BITS_DTYPE_U32_TEXT = "expected a numpy uint32 array of f32 bit patterns"
+BITS_DTYPE_U16_TEXT = "expected a numpy uint16 array of 16-bit float bit patterns"
+OUT_NON_CONTIGUOUS_TEXT = "out must be a C-contiguous buffer"
+OUT_READ_ONLY_TEXT = "out must be a writable buffer"
+OUT_OBJECT_ARRAY_TEXT = "out must not be an array of Python objects"
+OUT_OVERLAP_TEXT = "out must not overlap the payload"
 ACTIVATIONLESS_PAYLOAD_TEXT = "activationless stage message contains activation payload"
 SAMPLING_STRING_LENGTH_TEXT = "sampling string exceeds maximum length"
 

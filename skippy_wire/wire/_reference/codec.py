@@ -22,6 +22,7 @@ import struct
 import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
+from .. import constants as _texts
 from ..constants import MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES
 
 RAW_F32_V1 = 1
@@ -33,15 +34,15 @@ _USIZE_LIMIT = 1 << 64  # upstream sizes are 64-bit usize; products at or above 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _ROW_DOUBLING = 0x040 | 0x100  # RWKV7_V_FIRST_SIDEBAND | INKLING_MTP_EMBD_SIDEBAND (2.4)
 
-NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
-OBJECT_ARRAY = "payload must not be an array of Python objects"
-DIMENSION_RANGE = "activation dimensions must fit in an i32"
-BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
-BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
-OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
-OUT_READ_ONLY = "out must be a writable buffer"
-OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
-OUT_OVERLAP = "out must not overlap the payload"
+NON_CONTIGUOUS = _texts.NON_CONTIGUOUS_TEXT
+OBJECT_ARRAY = _texts.OBJECT_ARRAY_TEXT
+DIMENSION_RANGE = _texts.DIMENSION_RANGE_TEXT
+BITS_DTYPE_U32 = _texts.BITS_DTYPE_U32_TEXT
+BITS_DTYPE_U16 = _texts.BITS_DTYPE_U16_TEXT
+OUT_NON_CONTIGUOUS = _texts.OUT_NON_CONTIGUOUS_TEXT
+OUT_READ_ONLY = _texts.OUT_READ_ONLY_TEXT
+OUT_OBJECT_ARRAY = _texts.OUT_OBJECT_ARRAY_TEXT
+OUT_OVERLAP = _texts.OUT_OVERLAP_TEXT
 
 
 # --------------------------------------------------------------------------- helpers
