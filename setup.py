@@ -45,7 +45,8 @@ def codec_extension() -> Extension:
     return Extension(
         "skippy_wire.wire._codec",
         sources=["skippy_wire/wire/_codec.pyx"],
-        depends=["skippy_wire/wire/_codec_kernels.h"],
+        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_codec.pxd",
+                 "skippy_wire/wire/_codec_select.pxi", "skippy_wire/wire/_wire_constants.pxi"],
         include_dirs=[str(PKG / "wire")],
         extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
         extra_link_args=ASAN_LINK,
@@ -56,6 +57,9 @@ def frame_extension() -> Extension:
     return Extension(
         "skippy_wire.wire._frame",
         sources=["skippy_wire/wire/_frame.pyx"],
+        depends=["skippy_wire/wire/_codec.pxd", "skippy_wire/wire/_wire_constants.pxi",
+                 "skippy_wire/wire/_frame_read.pxi", "skippy_wire/wire/_frame_write.pxi",
+                 "skippy_wire/wire/_frame_reply.pxi"],
         extra_compile_args=OPT_FLAGS,
         extra_link_args=ASAN_LINK,
     )

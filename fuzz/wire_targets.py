@@ -29,6 +29,7 @@ import numpy as np
 
 from skippy_wire._impl import kernel_module
 from skippy_wire.errors import UnexpectedEofError, WireError
+from skippy_wire.wire.constants import ROW_DOUBLING_SIDEBANDS
 
 #: n_embd values a frame target can pick (byte 1, low 3 bits).
 N_EMBD = (4, 2, 1, 8, 0, -1, 3, 2048)
@@ -333,7 +334,7 @@ def _hint(o) -> int:
         h += 32000
     if len(msg.raw_bytes):
         h += 64000
-    if msg.state.flags & 0x140:
+    if msg.state.flags & ROW_DOUBLING_SIDEBANDS:
         h += 128000
     return h
 

@@ -6,17 +6,23 @@ Rust skippy-protocol crate, with compiled kernels and a pure-Python reference tw
 """
 
 from ._impl import IMPLEMENTATION
+from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
+
+# --- public re-exports of each concept module (one block per module) ---
 from .wire.constants import (
+    READY_MAGIC,
+    STAGE_STATE_VERSION,
     ActivationCodec,
     CodecPolicy,
+    StateFlags,
     activation_frame_flags_from_state_flags,
     activation_payload_multiplier_from_state_flags,
     activation_state_flags_from_frame_flags,
 )
-from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-
-# --- public re-exports of each concept module (one block per module) ---
 from .wire.codec import (
+    activation_f32_bytes,
+    activation_shape,
+    activation_wire_bytes,
     bf16_view,
     decode_activation,
     encode_activation,
@@ -27,31 +33,36 @@ from .wire.codec import (
     select_and_encode_lossless,
     select_lossless_codec,
 )
-from .wire.codec import activation_f32_bytes, activation_shape, activation_wire_bytes
-# framing (messages, frame, forwarding)
 from .wire.messages import (
-    READY_MAGIC,
-    STAGE_STATE_VERSION,
     F32,
-    NativeMtpDraft,
+    LogitBias,
+    RequestEpoch,
     SamplingConfig,
-    StageReply,
-    StageReplyStats,
-    StageReplyWindow,
     StageStateHeader,
     StageWireMessage,
-    StateFlags,
     WireMessageKind,
-    WireReplyKind,
     WireStagePhase,
 )
+from .wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 from .wire.frame import (
     StageMessageDecoder,
+    iter_stage_messages,
     read_reply,
+    read_reply_from_buffer,
     read_stage_message,
     read_stage_message_from_buffer,
     recv_ready,
+    recv_reply,
     send_ready,
+    send_reply_ack,
+    send_reply_ack_with_stats,
+    send_reply_message,
+    send_reply_predicted,
+    send_reply_predicted_tokens_with_stats,
+    send_reply_predicted_tokens_with_window_and_stats,
+    send_reply_predicted_with_stats,
+    send_reply_predicted_with_tokens_and_stats,
+    send_reply_predicted_with_tokens_window_and_stats,
     write_reply,
     write_stage_message,
     write_stage_message_to,

@@ -4,7 +4,9 @@ exactly the single-threaded results."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,34 +55,64 @@ def test_concurrent_calls_match_serial_results(codec_impl, impl):
             assert parallel == serial * 2
 
 
-@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
-def test_compiled_kernels_release_the_gil_on_large_payloads():
-    """While one thread is inside a long compiled call, another Python thread runs.
+def _spinner_stamps_inside_calls(k, tries: int = 5) -> list[int]:
+    """How many stamps a spinner thread takes strictly inside each of ``tries`` compiled
+    S8 encodes of a 1024 x 2048 frame (the largest payload of these tests).
 
-    A spinner thread counts in pure Python; the main thread reads the count just before
-    and just after an S8 encode of a large frame.  With the GIL released the spinner
-    advances during the call; with the GIL held it could not run at all.  Scheduling on
-    a busy machine can delay the spinner, so any of a few calls may show it."""
-    k = kernel_module("codec", "cython")
+    The spinner records ``time.perf_counter_ns()`` and yields the GIL with ``sleep(0)``
+    after every stamp; this thread takes t_start and t_end right around the call.  The
+    switch interval is raised to an hour for the duration, so the interpreter never forces
+    a GIL hand-over: the spinner can only run while this thread waits, which is inside the
+    call if and only if the call releases the GIL (a forced switch at the eval breaker
+    right after the call returns, which would put stamps in the window without any
+    release, cannot happen)."""
     x = np.random.default_rng(5).standard_normal((1024, 2048), dtype=np.float32)
-    count = [0]
+    stamps: list[int] = []
     stop = threading.Event()
 
     def spin():
         while not stop.is_set():
-            count[0] += 1
+            stamps.append(time.perf_counter_ns())
+            time.sleep(0)
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(3600.0)
     spinner = threading.Thread(target=spin)
     spinner.start()
+    inside = []
     try:
-        advanced = []
-        for _ in range(5):
-            before = count[0]
+        for _ in range(tries):
+            t_start = time.perf_counter_ns()
             k.encode_activation(4, 1024, 2048, x, 0)
-            advanced.append(count[0] - before)
-            if advanced[-1] > 0:
+            t_end = time.perf_counter_ns()
+            inside.append(sum(1 for t in list(stamps) if t_start < t < t_end))
+            if inside[-1]:
                 break
     finally:
         stop.set()
         spinner.join()
-    assert any(a > 0 for a in advanced), advanced
+        sys.setswitchinterval(interval)
+    return inside
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
+def test_compiled_kernels_release_the_gil_on_large_payloads():
+    """Another Python thread runs while this one is inside a large compiled call.
+
+    The check fails when the GIL is held: ``test_gil_check_fails_when_the_gil_is_held``
+    runs it with the release threshold raised beyond the payload and sees no stamp."""
+    inside = _spinner_stamps_inside_calls(kernel_module("codec", "cython"))
+    assert any(inside), inside
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
+def test_gil_check_fails_when_the_gil_is_held():
+    """The control of the test above: a build that keeps the GIL (here, the same kernels
+    with the release threshold above every payload) gets no stamp inside any call."""
+    k = kernel_module("codec", "cython")
+    previous = k._set_nogil_threshold(1 << 62)
+    try:
+        inside = _spinner_stamps_inside_calls(k, tries=3)
+    finally:
+        k._set_nogil_threshold(previous)
+    assert inside == [0, 0, 0]

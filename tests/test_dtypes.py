@@ -17,8 +17,8 @@ RAW, F16, BF16, S8 = (ActivationCodec.RAW_F32_V1, ActivationCodec.F16_RNE_V1,
 
 def test_codec_ids_and_identities():
     assert [int(c) for c in ActivationCodec] == [1, 2, 3, 4]
-    assert [c.identity for c in ActivationCodec] == ["raw-f32-v1", "f16-rne-v1", "bf16-rne-v1", "s8-row-f32-rne-v1"]
-    assert all(ActivationCodec.from_identity(c.identity) is c for c in ActivationCodec)
+    assert [c.identity() for c in ActivationCodec] == ["raw-f32-v1", "f16-rne-v1", "bf16-rne-v1", "s8-row-f32-rne-v1"]
+    assert all(ActivationCodec.from_identity(c.identity()) is c for c in ActivationCodec)
     assert all(ActivationCodec.from_rust_name(c.rust_name) is c for c in ActivationCodec)
     assert ActivationCodec.default() is RAW  # activation_codec_default_is_bit_exact
     with pytest.raises(ValueError):

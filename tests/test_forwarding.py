@@ -20,7 +20,8 @@ from skippy_wire.wire.forwarding import (
     forwarded_stage_message,
     forwarded_stage_message_timed,
 )
-from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind
+from skippy_wire.wire.constants import StateFlags
+from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 
 RAW, F16, BF16 = ActivationCodec.RAW_F32_V1, ActivationCodec.F16_RNE_V1, ActivationCodec.BF16_RNE_V1
 AUTO = CodecPolicy.AUTO_LOSSLESS_V1

@@ -22,14 +22,16 @@ from skippy_wire.wire.constants import (
     activation_state_flags_from_frame_flags,
 )
 from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
-from skippy_wire.wire.messages import (
+from skippy_wire.wire.constants import (
     STAGE_SAMPLING_CONFIG_BASE_BYTES,
     STAGE_STATE_HEADER_BYTES,
     STAGE_WIRE_FIXED_HEADER_BYTES,
+    StateFlags,
+)
+from skippy_wire.wire.messages import (
     SamplingConfig,
     StageStateHeader,
     StageWireMessage,
-    StateFlags,
     WireMessageKind as K,
 )
 

@@ -12,7 +12,9 @@ from skippy_wire.wire import codec, frame
 from skippy_wire.tools.conformance import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
-from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, StateFlags, WireMessageKind as K
+from skippy_wire.wire.constants import StateFlags
+from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind as K
+from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
 BF16 = ActivationCodec.BF16_RNE_V1
 
@@ -140,8 +142,6 @@ def test_bad_bytes_after_good_messages_keep_the_messages_and_the_offset(impl):
 
 
 def replies():
-    from skippy_wire.wire.messages import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
-
     stats = StageReplyStats(*range(1, 28))
     return [
         StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, StageReplyStats()),

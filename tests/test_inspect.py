@@ -54,7 +54,7 @@ def test_n_embd_is_inferred_from_the_prefix():
 
 def test_replies_are_detected_by_the_ready_magic():
     from skippy_wire.wire.frame import send_reply_ack, send_reply_predicted
-    from skippy_wire.wire.messages import StageReplyStats
+    from skippy_wire.wire.replies import StageReplyStats
 
     buf = io.BytesIO()
     buf.write(b"\x59\x44\x52\x53")

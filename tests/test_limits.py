@@ -196,7 +196,7 @@ def test_stream_reader_stops_at_message_end(impl, max_chunk):
 
 
 def test_stream_reply_reader_stops_at_reply_end(impl):
-    from skippy_wire.wire.messages import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+    from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
     reply = StageReply(WireReplyKind.PREDICTED_TOKENS, 1, list(range(1, 5000)), StageReplyWindow(), None, StageReplyStats())
     data = frame.write_reply(reply, impl="python")

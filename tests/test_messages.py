@@ -9,14 +9,14 @@ import struct
 import pytest
 
 from skippy_wire.wire import messages as m
-from skippy_wire.wire.constants import ActivationCodec
+from skippy_wire.wire import constants as c
+from skippy_wire.wire.constants import ActivationCodec, StateFlags
 from skippy_wire.errors import InvalidDataError
 from skippy_wire.wire.messages import (
     F32,
     SamplingConfig,
     StageStateHeader,
     StageWireMessage,
-    StateFlags,
     WireMessageKind as K,
     WireStagePhase as P,
     f32_bits,
@@ -41,6 +41,11 @@ def test_expected_phases_and_predicates():
     assert {k for k in K if k.requires_predicted_reply} == {2, 4, 6, 8, 9, 21}
     assert {k for k in K if k.is_prefix_cache_control} == {15, 16, 17, 18}
     assert {k for k in K if k.is_activationless_prefix_cache_control} == {15, 16, 17}
+    # section 2.1 classification predicates
+    assert {k for k in K if k.is_prefill} == {1, 4} and {k for k in K if k.is_decode_replay} == {5, 6}
+    assert {k for k in K if k.is_decode_light_context} == {9}
+    assert [{k for k in K if getattr(k, name)} for name in ("is_session_control", "is_verify_retirement",
+                                                             "is_generation_control")] == [{19}, {22}, {14}]
 
 
 def test_matches_kind():
@@ -74,6 +79,10 @@ def test_request_epoch_orders_only_matching_flows():
     other = epoch_msg(7, 12, 1, 8, 3)
     assert not older.same_flow(other) and not older.is_stale_for(other)
     assert not older.is_stale_for(older)
+    # the epoch carries the same predicates as the message
+    assert older.request_epoch() == m.RequestEpoch(7, 11, 1, 8, 2)
+    assert older.request_epoch().is_stale_for(newer.request_epoch())
+    assert not older.request_epoch().same_flow(other.request_epoch())
 
 
 def test_request_epoch_staleness_orders_generation_before_prompt_before_decode():
@@ -144,8 +153,19 @@ def test_f32_bits_of_python_floats_round_to_nearest_and_overflow_to_infinity():
     assert struct.pack("<I", f32_bits(-0.0)) == struct.pack("<f", -0.0)
 
 
-def test_public_names_exist():
-    for name in ("STAGE_STATE_VERSION", "READY_MAGIC", "MAX_STAGE_SIDEBAND_VALUES", "MAX_STAGE_ACTIVATION_BYTES",
-                 "StageReply", "StageReplyStats", "StageReplyWindow", "NativeMtpDraft", "WireReplyKind"):
-        assert hasattr(m, name)
-    assert m.READY_BYTES == bytes.fromhex("59445253") and m.READY_MAGIC == 0x53524459
+#: wire-format.md section 1, transcribed.
+SPEC_CONSTANTS = {
+    "STAGE_STATE_VERSION": 15, "READY_MAGIC": 0x53524459, "LLAMA_TOKEN_NULL": -1,
+    "STAGE_STATE_HEADER_BYTES": 40, "STAGE_WIRE_FIXED_HEADER_BYTES": 80,
+    "STAGE_SAMPLING_CONFIG_BASE_BYTES": 108, "STAGE_LOGIT_BIAS_WIRE_BYTES": 8, "MAX_STAGE_LOGIT_BIAS": 256,
+    "MAX_STAGE_SAMPLERS": 16, "MAX_STAGE_DRY_SEQUENCE_BREAKERS": 8, "MAX_STAGE_SAMPLING_STRING_BYTES": 64,
+    "MAX_STAGE_PREDICTED_TOKENS": 262_144, "MAX_STAGE_SIDEBAND_VALUES": 1_048_576,
+    "MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES": 8_388_608, "MAX_STAGE_STATE_IMPORT_BYTES": 536_870_912,
+    "MAX_STAGE_ACTIVATION_BYTES": 536_870_912, "MAX_STAGE_DECODED_ACTIVATION_BYTES": 536_870_912,
+}
+
+
+def test_constants_are_the_spec_values():
+    assert {name: getattr(c, name) for name in SPEC_CONSTANTS} == SPEC_CONSTANTS
+    assert c.READY_BYTES == bytes.fromhex("59445253")
+    assert c.STAGE_REPLY_STATS_BYTES == 27 * 8

@@ -15,18 +15,8 @@ from skippy_wire._impl import kernel_module
 from skippy_wire.tools.conformance import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import WireError
-from skippy_wire.wire.messages import (
-    F32,
-    NativeMtpDraft,
-    SamplingConfig,
-    StageReply,
-    StageReplyStats,
-    StageReplyWindow,
-    StageStateHeader,
-    StageWireMessage,
-    WireMessageKind,
-    WireReplyKind,
-)
+from skippy_wire.wire.messages import F32, SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
+from skippy_wire.wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
 CY = kernel_module("frame", "cython")
 PY = kernel_module("frame", "python")
@@ -186,13 +176,63 @@ def test_random_bytes_into_the_reply_reader(data):
     assert outcome(PY.read_reply_from_buffer, data, 0) == outcome(CY.read_reply_from_buffer, data, 0)
 
 
-@given(value=st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.none()),
-       field=st.sampled_from(["pos_start", "token_count", "request_id", "session_id", "tokens", "kind"]))
-def test_unrepresentable_values_fail_alike(value, field):
-    msg = StageWireMessage(WireMessageKind.PREFILL_EMBD, state=StageStateHeader.new(WireMessageKind.PREFILL_EMBD))
-    setattr(msg, field, [value] if field == "tokens" else value)
-    a, b = outcome(CY.write_stage_message, msg), outcome(PY.write_stage_message, msg)
-    if a[0] == "err" or b[0] == "err":
-        assert a[:3] == b[:3]
-    else:
-        assert a == b
+unrepresentable = st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.none(), st.just(b"x"),
+                            st.just(2**40), st.just(-1), st.just(2**64))
+MESSAGE_FIELDS = ["kind", "pos_start", "token_count", "request_id", "session_id", "tokens", "positions",
+                  "activation", "chat_sampling_metadata", "state.version", "state.flags", "state.source_stage_index",
+                  "state.activation_codec", "sampling.seed", "sampling.top_k", "sampling.temperature",
+                  "sampling.samplers", "sampling.logit_bias", "sampling.ignore_eos"]
+# Each makes the write fail with a WireError at its own step, so a bad value in a later
+# step must not be reported first (and one in an earlier step must be).
+EARLIER_FAILURES = [None, "too many tokens", "too many positions", "activationless payload", "long sampler"]
+
+
+def _message_with(field: str, value, failure):
+    kind = WireMessageKind.DECODE_EMBD
+    msg = StageWireMessage(kind, 0, 1, StageStateHeader.new(kind), sampling=SamplingConfig())
+    msg.state.source_stage_index = 0
+    msg.activation = bytes(4)
+    if failure == "too many tokens":
+        msg.tokens = [0] * (2**20 + 1)
+    elif failure == "too many positions":
+        msg.positions = [0] * (2**20 + 1)
+    elif failure == "activationless payload":
+        msg.state.source_stage_index = -1
+    elif failure == "long sampler":
+        msg.sampling.samplers = ["x" * 65]
+    owner, _, name = field.rpartition(".")
+    target = getattr(msg, owner) if owner else msg
+    if name in ("tokens", "positions", "samplers"):
+        value = [value]
+    elif name == "logit_bias":
+        value = [(value, 0.5)]
+    setattr(target, name, value)
+    return msg
+
+
+@settings(max_examples=300)
+@given(value=unrepresentable, field=st.sampled_from(MESSAGE_FIELDS), failure=st.sampled_from(EARLIER_FAILURES))
+def test_unrepresentable_values_fail_alike(value, field, failure):
+    """A value the wire cannot represent: the same error (class, text, partial bytes) from
+    both implementations, in the same step order relative to the protocol checks."""
+    msg = _message_with(field, value, failure)
+    assert outcome(CY.write_stage_message, msg) == outcome(PY.write_stage_message, msg)
+
+
+REPLY_FIELDS = ["kind", "predicted", "predicted_tokens", "window.window_id", "native_mtp_draft.token_ids",
+                "native_mtp_draft.proposal_compute_us", "stats.kv_lookup_hits", "stats.prefill_compute_observation_count"]
+
+
+@settings(max_examples=200)
+@given(value=unrepresentable, field=st.sampled_from(REPLY_FIELDS), too_many=st.sampled_from([None, "tokens", "draft"]))
+def test_unrepresentable_reply_values_fail_alike(value, field, too_many):
+    reply = StageReply(WireReplyKind.PREDICTED_TOKENS, 1, [1], StageReplyWindow(3), NativeMtpDraft([2], 5),
+                       StageReplyStats())
+    if too_many == "tokens":
+        reply.predicted_tokens = [0] * (2**18 + 1)
+    elif too_many == "draft":
+        reply.native_mtp_draft.token_ids = [0] * (2**18 + 1)
+    owner, _, name = field.rpartition(".")
+    target = getattr(reply, owner) if owner else reply
+    setattr(target, name, [value] if name in ("predicted_tokens", "token_ids") else value)
+    assert outcome(CY.write_reply, reply) == outcome(PY.write_reply, reply)

@@ -10,7 +10,7 @@ import pytest
 
 from skippy_wire.wire import frame
 from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
-from skippy_wire.wire.messages import (
+from skippy_wire.wire.replies import (
     NativeMtpDraft,
     StageReply,
     StageReplyStats,

@@ -31,7 +31,7 @@ from skippy_wire.stage.runtime import (
     mtp_draft_from_bytes,
     pack_mtp_draft,
 )
-from skippy_wire.wire import messages
+from skippy_wire.wire import messages, replies
 
 
 # --- C layouts ------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_native_mtp_draft_from_raw_filtering(version, available, count, expected
         assert draft is None
     else:
         assert draft == NativeMtpDraft(list(expected), 77)
-        assert draft is None or type(draft) is messages.NativeMtpDraft  # one draft type, the wire's
+        assert draft is None or type(draft) is replies.NativeMtpDraft  # one draft type, the wire's
 
 
 def test_status_error_text():

@@ -11,7 +11,8 @@ import pytest
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
 from skippy_wire.net.transport import Peer, SocketReader
 from skippy_wire.wire import frame
-from skippy_wire.wire.messages import READY_BYTES, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+from skippy_wire.wire.constants import READY_BYTES
+from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind as K
 
 

@@ -32,7 +32,8 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
 from ..wire.frame import write_stage_message
-from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind, WireReplyKind
+from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+from ..wire.replies import WireReplyKind
 from .transport import Peer, connect
 
 DEFAULT_MAX_TOKENS = 64

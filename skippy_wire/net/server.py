@@ -52,7 +52,9 @@ from ..wire.frame import (
     write_reply,
     write_stage_message,
 )
-from ..wire.messages import READY_BYTES, StageReplyStats, WireMessageKind as K
+from ..wire.constants import READY_BYTES
+from ..wire.messages import WireMessageKind as K
+from ..wire.replies import StageReplyStats
 from .transport import Peer, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -428,7 +430,7 @@ class StageServer:
         except (WireError, ValueError) as exc:
             raise StageError(f"cannot forward {msg.kind!r}: {exc}") from exc
         out = forwarded.message
-        codec = ActivationCodec(out.state.activation_codec).identity
+        codec = ActivationCodec(out.state.activation_codec).identity()
         data = write_stage_message(out)
         st = session.stats
         st.encode_ms += forwarded.activation_encode_ms

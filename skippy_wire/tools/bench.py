@@ -6,8 +6,8 @@ several rounds), each marked met or not.  Throughput is counted in f32 bytes (th
 of the activation as floats) for every operation, so encode and decode rows compare.
 
 Other concepts add rows through :data:`ROW_PRODUCERS`: a producer is a callable
-``producer(options) -> iterable of Row | Ratio``.  The framing benchmarks live in
-``skippy_wire.tools.frame_bench`` when it exists; its ``ROW_PRODUCERS`` list is appended.
+``producer(options) -> iterable of Row | Ratio`` (``skippy_wire.tools.bench_rows``); the
+framing benchmarks of ``skippy_wire.tools.frame_bench`` are among them.
 The pytest-benchmark suite with the same operations is ``bench/``.
 """
 
@@ -15,55 +15,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import platform
 import time
 import timeit
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
 import ml_dtypes
 import numpy as np
 
-from ..wire import codec as api
 from .._impl import IMPLEMENTATION, kernel_module
+from ..wire import codec as api
+from . import frame_bench
+from .bench_rows import Producer, Ratio, Row
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
 JUDGED = (128, 4096)  # issue #3 judges the ratios at this size
 THREAD_SIZE = (2048, 4096)
-
-
-@dataclass
-class Row:
-    """One timed operation: ``seconds`` per call on ``nbytes`` of f32 activation."""
-
-    op: str
-    size: str
-    impl: str
-    seconds: float
-    nbytes: int
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-
-@dataclass
-class Ratio:
-    """A goal: ``ratio`` (higher is better) must reach ``target``."""
-
-    goal: str
-    ratio: float
-    target: float
-    detail: str = ""
-
-    @property
-    def met(self) -> bool:
-        return self.ratio >= self.target
-
-
-Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
 
 
 def _best(fn: Callable[[], object], repeat: int, min_time: float) -> float:
@@ -201,11 +169,7 @@ ROW_PRODUCERS: list[Producer] = [codec_rows]
 
 def _all_producers() -> list[Producer]:
     producers = list(ROW_PRODUCERS)
-    try:
-        frame_bench = importlib.import_module("skippy_wire.tools.frame_bench")
-    except ImportError:
-        return producers
-    return producers + [p for p in getattr(frame_bench, "ROW_PRODUCERS", []) if p not in producers]
+    return producers + [p for p in frame_bench.ROW_PRODUCERS if p not in producers]
 
 
 def _parse_sizes(text: str) -> tuple[tuple[int, int], ...]:

@@ -32,6 +32,7 @@ from ..wire.messages import (
     f32_bits,
     f32_from_bits,
 )
+from ..wire.frame import reader_expectation
 
 GROUPS = ("activation", "activation_decode", "select", "frame", "malformed")
 
@@ -302,9 +303,7 @@ class Runner:
 
     def _check_read(self, label: str, data: bytes, read: dict) -> None:
         codec, policy = read_expectation(read)
-        from ..wire.frame import _expectation
-
-        expected, pol = _expectation(codec, policy)
+        expected, pol = reader_expectation(codec, policy)
         got = _outcome(self.frame.read_stage_message_from_buffer, data, read["n_embd"], expected, pol, 0)
         if not read["ok"]:
             _check_error(label, got, read["error"])

@@ -40,16 +40,16 @@ def _report(name: str, x: np.ndarray) -> list[str]:
         try:
             wire = api.encode_activation(codec, x.shape[0], x.shape[1], x)
         except WireError as exc:
-            lines.append(f"  {codec.identity:<18} error: {exc}")
+            lines.append(f"  {codec.identity():<18} error: {exc}")
             continue
         back = api.decode_activation(codec, x.shape[0], x.shape[1], wire).reshape(x.shape)
         exact = np.array_equal(back.view(np.uint32), x.view(np.uint32))
         err = np.abs(back.astype(np.float64) - x.astype(np.float64))
         rel = float((err / np.maximum(np.abs(x), 1e-30)).max())
-        lines.append(f"  {codec.identity:<18} {len(wire):>6} {len(wire) / raw:>6.0%} {'yes' if exact else 'no':>6} {err.max():>12.3g} {rel:>12.3g}")
+        lines.append(f"  {codec.identity():<18} {len(wire):>6} {len(wire) / raw:>6.0%} {'yes' if exact else 'no':>6} {err.max():>12.3g} {rel:>12.3g}")
     chosen, wire = api.select_and_encode_lossless(x.shape[0], x.shape[1], x)
     flags = f"bf16-exact={api.is_bf16_exact(x)}, f16-exact={api.is_f16_exact(x)}"
-    lines.append(f"  lossless choice: {chosen.identity} ({len(wire)} bytes; {flags})")
+    lines.append(f"  lossless choice: {chosen.identity()} ({len(wire)} bytes; {flags})")
     return lines
 
 

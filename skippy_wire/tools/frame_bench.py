@@ -21,7 +21,9 @@ import numpy as np
 
 from .. import _impl
 from ..wire.constants import ActivationCodec
+from ..wire.frame import StageMessageDecoder
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
+from .bench_rows import Ratio, Row
 
 ROUND_TRIP_GOAL_OPS = 150_000
 ROUND_TRIP_GOAL_RATIO = 10.0
@@ -70,8 +72,6 @@ def _ops(impl: str, msg: StageWireMessage, n_embd: int) -> dict[str, Callable[[]
     stream = data * 64
 
     def decoder_feed():
-        from ..wire.frame import StageMessageDecoder
-
         dec = StageMessageDecoder(n_embd, codec, impl=impl)
         got = dec.feed(stream)
         assert len(got) == 64
@@ -124,8 +124,6 @@ def frame_rows(opts=None):
     """Producer for ``skippy-wire bench`` (see ``skippy_wire.tools.bench.ROW_PRODUCERS``): the
     rows above as ``bench.Row`` (time per operation, message bytes) plus the two issue #3
     goals as ``bench.Ratio``."""
-    from .bench import Ratio, Row
-
     budget = 0.15 if getattr(opts, "quick", False) else 0.5
     for row in rows(budget_s=budget):
         nbytes = int(row["size"].rsplit("(", 1)[1].split()[0])

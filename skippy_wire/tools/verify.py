@@ -55,7 +55,11 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 
+import ml_dtypes
 import numpy as np
+
+from .._impl import kernel_module
+from ..errors import InvalidDataError
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -142,8 +146,6 @@ def _buf(a: np.ndarray) -> np.ndarray:
 
 def oracle_bf16(f: np.ndarray) -> np.ndarray:
     """ml_dtypes' RNE float32 -> bfloat16 bits (float32 input only, never float64)."""
-    import ml_dtypes
-
     assert f.dtype == np.float32
     return f.astype(ml_dtypes.bfloat16).view(np.uint16)
 
@@ -186,8 +188,6 @@ def spec_f16_nan_bits(bits: np.ndarray) -> np.ndarray:
 
 def _expect_error(kernel, codec: int, payload: np.ndarray, text: str):
     """Encode ``payload`` (one token row); return None when it raised exactly ``text``."""
-    from ..errors import InvalidDataError
-
     try:
         wire = kernel.encode_activation(codec, 1, int(payload.size), _buf(payload), 0)
     except InvalidDataError as exc:
@@ -332,8 +332,6 @@ def _check_codec(
 
 
 def _widen_oracle(codec: int, h: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-
     if codec == CODEC_BF16:
         return h.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32)
     return h.view(np.float16).astype(np.float32).view(np.uint32)
@@ -341,11 +339,7 @@ def _widen_oracle(codec: int, h: np.ndarray) -> np.ndarray:
 
 def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAMPLES, kernel=None) -> ChunkResult:
     """Run every check on the patterns ``start .. start + count - 1``."""
-    import ml_dtypes  # noqa: F401 - imported early so that a missing oracle fails loudly
-
     if kernel is None:
-        from .._impl import kernel_module
-
         kernel = kernel_module("codec", impl)
     cpu0 = time.process_time()
     res = ChunkResult(start, count)
@@ -395,8 +389,6 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
 def check_decode16(impl: str = "cython", kernel=None) -> ChunkResult:
     """All 65,536 patterns of each 16-bit format through the raw widening and the decoder."""
     if kernel is None:
-        from .._impl import kernel_module
-
         kernel = kernel_module("codec", impl)
     res = ChunkResult(0, 1 << 16)
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -513,8 +505,6 @@ def _available_cpus() -> int:
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     workers = args.workers or _available_cpus()
-    from .._impl import kernel_module
-
     kernel_module("codec", args.impl)  # fail here, not in every worker, if it is not built
 
     t0 = time.monotonic()

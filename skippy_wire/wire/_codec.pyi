@@ -16,8 +16,6 @@ from typing_extensions import Buffer
 import numpy as np
 import numpy.typing as npt
 
-MAX_ACTIVATION_BYTES: int
-MAX_DECODED_ACTIVATION_BYTES: int
 NOGIL_THRESHOLD: int
 NON_CONTIGUOUS: str
 OBJECT_ARRAY: str

@@ -48,16 +48,7 @@ cdef extern from "_codec_kernels.h" nogil:
         SKW_S8_RESERVED
         SKW_S8_NON_FINITE
 
-cdef enum:
-    RAW_F32_V1 = 1
-    F16_RNE_V1 = 2
-    BF16_RNE_V1 = 3
-    S8_ROW_F32_RNE_V1 = 4
-
-#: MAX_STAGE_ACTIVATION_BYTES / MAX_STAGE_DECODED_ACTIVATION_BYTES (section 1).
-MAX_ACTIVATION_BYTES = 536870912
-MAX_DECODED_ACTIVATION_BYTES = 536870912
-cdef uint64_t MAX_BYTES = 536870912
+include "_wire_constants.pxi"
 
 #: Payloads at least this large (in input bytes) are converted with the GIL released.
 #: Measured (AMD EPYC, AVX2 path): a GIL release/re-acquire round trip costs ~35 ns, a
@@ -66,56 +57,30 @@ cdef uint64_t MAX_BYTES = 536870912
 NOGIL_THRESHOLD = 32768
 cdef size_t _nogil_threshold = 32768
 
-NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
-OBJECT_ARRAY = "payload must not be an array of Python objects"
-DIMENSION_RANGE = "activation dimensions must fit in an i32"
-BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
-BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
-OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
-OUT_READ_ONLY = "out must be a writable buffer"
-OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
-OUT_OVERLAP = "out must not overlap the payload"
-
-# Status codes of the size checks; _raise maps each to its exact upstream text.
-cdef enum Status:
-    OK = 0
-    E_NEGATIVE_DIMENSIONS
-    E_TOKEN_OVERFLOW
-    E_ROW_OVERFLOW
-    E_COLUMNS
-    E_ELEMENT_OVERFLOW
-    E_BYTE_OVERFLOW
-    E_DECODED_OVERFLOW
-    E_DECODED_MAX
-    E_F32_SIZE
-    E_WIRE_OVERFLOW
-    E_S8_ROW_OVERFLOW
-    E_WIRE_MAX
-    E_WIRE_SIZE
-    E_NOT_FINITE
-    E_F16_RANGE
-    E_BF16_RANGE
-    E_S8_SCALE
-    E_S8_RANGE
-    E_S8_RESERVED
-    E_DECODED_NON_FINITE
-    E_NO_RAW
-    E_UNKNOWN_CODEC
+NON_CONTIGUOUS = _wc.NON_CONTIGUOUS_TEXT
+OBJECT_ARRAY = _wc.OBJECT_ARRAY_TEXT
+DIMENSION_RANGE = _wc.DIMENSION_RANGE_TEXT
+BITS_DTYPE_U32 = _wc.BITS_DTYPE_U32_TEXT
+BITS_DTYPE_U16 = _wc.BITS_DTYPE_U16_TEXT
+OUT_NON_CONTIGUOUS = _wc.OUT_NON_CONTIGUOUS_TEXT
+OUT_READ_ONLY = _wc.OUT_READ_ONLY_TEXT
+OUT_OBJECT_ARRAY = _wc.OUT_OBJECT_ARRAY_TEXT
+OUT_OVERLAP = _wc.OUT_OVERLAP_TEXT
 
 _MESSAGES = {
-    E_NEGATIVE_DIMENSIONS: "negative activation dimensions",
+    E_NEGATIVE_DIMENSIONS: _wc.NEGATIVE_DIMENSIONS_TEXT,
     E_TOKEN_OVERFLOW: "activation token count overflow",
     E_ROW_OVERFLOW: "activation row count overflow",
     E_COLUMNS: "activation columns must be positive",
     E_ELEMENT_OVERFLOW: "activation element count overflow",
     E_BYTE_OVERFLOW: "activation byte count overflow",
     E_DECODED_OVERFLOW: "decoded activation byte count overflow",
-    E_DECODED_MAX: "decoded activation payload byte count exceeds maximum",
+    E_DECODED_MAX: _wc.DECODED_MAX_TEXT,
     E_F32_SIZE: "F32 activation payload size mismatch",
-    E_WIRE_OVERFLOW: "activation wire byte count overflow",
+    E_WIRE_OVERFLOW: _wc.WIRE_OVERFLOW_TEXT,
     E_S8_ROW_OVERFLOW: "S8 row byte count overflow",
-    E_WIRE_MAX: "activation payload byte count exceeds maximum",
-    E_WIRE_SIZE: "activation payload size mismatch",
+    E_WIRE_MAX: _wc.WIRE_MAX_TEXT,
+    E_WIRE_SIZE: _wc.WIRE_SIZE_TEXT,
     E_NOT_FINITE: "activation values must be finite",
     E_F16_RANGE: "F16 activation value is out of range",
     E_BF16_RANGE: "BF16 activation value is out of range",
@@ -124,11 +89,11 @@ _MESSAGES = {
     E_S8_RESERVED: "S8 activation payload contains reserved -128 value",
     E_DECODED_NON_FINITE: "activation payload contains non-finite value",
     E_NO_RAW: "lossless activation selection requires RawF32 fallback",
-    E_UNKNOWN_CODEC: "unknown stage activation codec",
+    E_UNKNOWN_CODEC: _wc.UNKNOWN_CODEC_TEXT,
 }
 
 
-cdef int _raise(int status) except -1:
+cdef int raise_status(int status) except -1:
     """The one place where a status becomes an exception (pyarrow check_status)."""
     raise InvalidDataError(_MESSAGES[status])
 
@@ -162,15 +127,9 @@ def _set_nogil_threshold(size_t nbytes):
 
 cdef int _codec_id(object codec) except -1:
     codec = PyNumber_Index(codec)
-    if not (1 <= codec <= 4):
-        _raise(E_UNKNOWN_CODEC)  # 6.1: ids 0, 5, ... are invalid
+    if not (MIN_CODEC <= codec <= MAX_CODEC):
+        raise_status(E_UNKNOWN_CODEC)  # 6.1: ids 0, 5, ... are invalid
     return <int>codec
-
-
-cdef struct Dims:
-    int64_t token_count
-    int64_t n_embd
-    bint doubled  # RWKV7_V_FIRST or INKLING_MTP_EMBD sideband present (2.4)
 
 
 cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) except -1:
@@ -181,7 +140,7 @@ cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) e
         raise InvalidInputError(DIMENSION_RANGE)
     d.token_count = token_count
     d.n_embd = n_embd
-    d.doubled = (state_flags & 0x140) != 0
+    d.doubled = (state_flags & F_DOUBLING) != 0
     return 0
 
 
@@ -201,13 +160,7 @@ cdef int _acquire(object obj, Py_buffer *view) except -1:
 # --------------------------------------------------------------------------- sizes (5.1-5.3)
 
 
-cdef struct Shape:
-    uint64_t rows
-    uint64_t columns
-    uint64_t elements
-
-
-cdef int _shape(const Dims *d, Shape *s) noexcept nogil:
+cdef int frame_shape(const Dims *d, Shape *s) noexcept nogil:
     """5.1: rows = primary + sideband, elements = rows x columns."""
     cdef uint64_t sideband, rows
     if d.token_count < 0 or d.n_embd <= 0:
@@ -226,7 +179,7 @@ cdef int _shape(const Dims *d, Shape *s) noexcept nogil:
     return OK
 
 
-cdef int _encoded_bytes(int codec, const Shape *s, uint64_t *size) noexcept nogil:
+cdef int encoded_size(int codec, const Shape *s, uint64_t *size) noexcept nogil:
     """5.3 after the shape: per-codec size, overflow, then the 512 MiB cap."""
     cdef uint64_t row_bytes
     if codec == RAW_F32_V1:
@@ -241,7 +194,7 @@ cdef int _encoded_bytes(int codec, const Shape *s, uint64_t *size) noexcept nogi
             return E_S8_ROW_OVERFLOW
         if skw_mul_u64(s.rows, row_bytes, size):
             return E_WIRE_OVERFLOW
-    if size[0] > MAX_BYTES:
+    if size[0] > MAX_ACTIVATION:
         return E_WIRE_MAX
     return OK
 
@@ -249,12 +202,12 @@ cdef int _encoded_bytes(int codec, const Shape *s, uint64_t *size) noexcept nogi
 cdef int _f32_input(const Dims *d, Py_ssize_t nbytes, Shape *s) noexcept nogil:
     """7.1 steps 1-4: shape, decoded size and its cap, then the input length."""
     cdef uint64_t expected
-    cdef int st = _shape(d, s)
+    cdef int st = frame_shape(d, s)
     if st:
         return st
     if skw_mul_u64(s.elements, 4, &expected):
         return E_DECODED_OVERFLOW
-    if expected > MAX_BYTES:
+    if expected > MAX_DECODED:
         return E_DECODED_MAX
     if <uint64_t>nbytes != expected:
         return E_F32_SIZE
@@ -266,9 +219,9 @@ def activation_shape(token_count, n_embd, state_flags):
     cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
     _dims(token_count, n_embd, state_flags, &d)
-    cdef int st = _shape(&d, &s)
+    cdef int st = frame_shape(&d, &s)
     if st:
-        _raise(st)
+        raise_status(st)
     return d.token_count, s.rows - <uint64_t>d.token_count, d.n_embd
 
 
@@ -278,13 +231,13 @@ def activation_f32_bytes(token_count, n_embd, state_flags):
     cdef uint64_t tokens = 0, elements = 0, size = 0
     _dims(token_count, n_embd, state_flags, &d)
     if d.token_count < 0 or d.n_embd < 0:
-        _raise(E_NEGATIVE_DIMENSIONS)
+        raise_status(E_NEGATIVE_DIMENSIONS)
     if skw_mul_u64(<uint64_t>d.token_count, 2 if d.doubled else 1, &tokens):
-        _raise(E_TOKEN_OVERFLOW)
+        raise_status(E_TOKEN_OVERFLOW)
     if skw_mul_u64(tokens, <uint64_t>d.n_embd, &elements):
-        _raise(E_ELEMENT_OVERFLOW)
+        raise_status(E_ELEMENT_OVERFLOW)
     if skw_mul_u64(elements, 4, &size):
-        _raise(E_BYTE_OVERFLOW)
+        raise_status(E_BYTE_OVERFLOW)
     return size
 
 
@@ -295,11 +248,11 @@ def activation_wire_bytes(codec, token_count, n_embd, state_flags):
     cdef Shape s = Shape(0, 0, 0)
     cdef uint64_t size = 0
     _dims(token_count, n_embd, state_flags, &d)
-    cdef int st = _shape(&d, &s)
+    cdef int st = frame_shape(&d, &s)
     if st == OK:
-        st = _encoded_bytes(c, &s, &size)
+        st = encoded_size(c, &s, &size)
     if st:
-        _raise(st)
+        raise_status(st)
     return size
 
 
@@ -349,6 +302,62 @@ cdef object _out_result(object out, uint64_t size):
     return view[:size]
 
 
+# The payload-sized kernels, one dispatcher so that every call site releases the GIL the
+# same way: from ``_nogil_threshold`` input bytes on, never below.
+cdef enum Kernel:
+    K_FIND_NON_FINITE  # -> index of the first non-finite f32, or -1
+    K_COPY             # n = byte count
+    K_ENCODE_BF16      # -> non-zero when a value needs the error walk
+    K_ENCODE_F16
+    K_ENCODE_S8        # -> failing row or -1, ``kind`` set
+    K_COPY_LE32
+    K_DECODE_BF16      # -> non-zero when a value is not finite
+    K_DECODE_F16
+    K_DECODE_S8        # -> failing row or -1, ``kind`` set
+    K_EXACT_BF16       # -> 1 when every value is exact (dst, if not NULL, gets the patterns)
+    K_EXACT_F16
+
+
+cdef Py_ssize_t _dispatch(int op, const uint8_t *src, uint8_t *dst, size_t n, size_t rows, size_t cols,
+                          int *kind) noexcept nogil:
+    if op == K_FIND_NON_FINITE:
+        return skw_find_non_finite32(src, n)
+    if op == K_COPY:
+        memcpy(dst, src, n)
+        return 0
+    if op == K_ENCODE_BF16:
+        return skw_encode_bf16(src, dst, n)
+    if op == K_ENCODE_F16:
+        return skw_encode_f16(src, dst, n)
+    if op == K_ENCODE_S8:
+        return skw_encode_s8(src, dst, rows, cols, kind)
+    if op == K_COPY_LE32:
+        skw_copy_le32_to_host(src, dst, n)
+        return 0
+    if op == K_DECODE_BF16:
+        return skw_decode_bf16(src, dst, n)
+    if op == K_DECODE_F16:
+        return skw_decode_f16(src, dst, n)
+    if op == K_DECODE_S8:
+        return skw_decode_s8(src, dst, rows, cols, kind)
+    if op == K_EXACT_BF16:
+        return skw_exact_bf16(src, dst, n)
+    return skw_exact_f16(src, dst, n)
+
+
+cdef Py_ssize_t _run(int op, const uint8_t *src, uint8_t *dst, size_t n, bint release,
+                     const Shape *s=NULL, int *kind=NULL) noexcept:
+    """Run one kernel, with the GIL released when ``release``."""
+    cdef Py_ssize_t r
+    cdef size_t rows = s.rows if s != NULL else 0, cols = s.columns if s != NULL else 0
+    if release:
+        with nogil:
+            r = _dispatch(op, src, dst, n, rows, cols, kind)
+    else:
+        r = _dispatch(op, src, dst, n, rows, cols, kind)
+    return r
+
+
 cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ssize_t nbytes, object out=None):
     """6.2 steps 3-5 on a payload whose length already matches the shape.
 
@@ -359,8 +368,7 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
     cdef uint64_t out_size = 0
     cdef size_t n = <size_t>s.elements
     cdef bint nogil_ = <size_t>nbytes >= _nogil_threshold
-    cdef int bad = 0, st, kind = 0
-    cdef Py_ssize_t idx
+    cdef int st, kind = 0
     cdef object result = None
     cdef uint8_t *dst = NULL
     cdef Py_buffer ob
@@ -368,16 +376,11 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
 
     if codec == S8_ROW_F32_RNE_V1:
         # 6.2 step 3 over the whole array, before any conversion.
-        if nogil_:
-            with nogil:
-                idx = skw_find_non_finite32(src, n)
-        else:
-            idx = skw_find_non_finite32(src, n)
-        if idx >= 0:
-            _raise(E_NOT_FINITE)
-    st = _encoded_bytes(codec, s, &out_size)  # 6.2 step 4, before allocating
+        if _run(K_FIND_NON_FINITE, src, NULL, n, nogil_) >= 0:
+            raise_status(E_NOT_FINITE)
+    st = encoded_size(codec, s, &out_size)  # 6.2 step 4, before allocating
     if st:
-        _raise(st)
+        raise_status(st)
     if out is None:
         result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>out_size)
         dst = <uint8_t *>PyBytes_AS_STRING(result)
@@ -386,43 +389,22 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
         held = True
     try:
         if codec == RAW_F32_V1:  # bit-exact, NaN payloads included (6.4)
-            if nogil_:
-                with nogil:
-                    memcpy(dst, src, nbytes)
-            else:
-                memcpy(dst, src, nbytes)
+            _run(K_COPY, src, dst, <size_t>nbytes, nogil_)
         elif codec == S8_ROW_F32_RNE_V1:
-            if nogil_:
-                with nogil:
-                    idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            else:
-                idx = skw_encode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            if idx >= 0:
-                _raise(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
+            if _run(K_ENCODE_S8, src, dst, n, nogil_, s, &kind) >= 0:
+                raise_status(E_S8_SCALE if kind == SKW_S8_BAD_SCALE else E_S8_RANGE)
         else:
             # F16 / BF16: one fused pass converts and OR-accumulates the checks; only when
             # it reports a problem are the errors located, in upstream order (any
             # non-finite value anywhere first, then the first value that rounds to infinity).
-            if codec == BF16_RNE_V1:
-                if nogil_:
-                    with nogil:
-                        bad = skw_encode_bf16(src, dst, n)
-                else:
-                    bad = skw_encode_bf16(src, dst, n)
-            else:
-                if nogil_:
-                    with nogil:
-                        bad = skw_encode_f16(src, dst, n)
-                else:
-                    bad = skw_encode_f16(src, dst, n)
-            if bad:
+            if _run(K_ENCODE_BF16 if codec == BF16_RNE_V1 else K_ENCODE_F16, src, dst, n, nogil_):
                 if skw_find_non_finite32(src, n) >= 0:
-                    _raise(E_NOT_FINITE)
+                    raise_status(E_NOT_FINITE)
                 if codec == BF16_RNE_V1:
                     if skw_find_bf16_overflow(src, n) >= 0:
-                        _raise(E_BF16_RANGE)
+                        raise_status(E_BF16_RANGE)
                 elif skw_find_f16_overflow(src, n) >= 0:
-                    _raise(E_F16_RANGE)
+                    raise_status(E_F16_RANGE)
         if held:
             result = _out_result(out, out_size)
     finally:
@@ -443,7 +425,7 @@ def encode_activation(codec, token_count, n_embd, payload, state_flags, *, out=N
         _dims(token_count, n_embd, state_flags, &d)
         st = _f32_input(&d, view.len, &s)
         if st:
-            _raise(st)
+            raise_status(st)
         return _encode_checked(c, &s, <const uint8_t *>view.buf, view.len, out)
     finally:
         PyBuffer_Release(&view)
@@ -455,10 +437,10 @@ def encode_f32_activation_payload(token_count, n_embd, payload, state_flags):
     _acquire(payload, &view)
     try:
         expected = activation_f32_bytes(token_count, n_embd, state_flags)
-        if expected > MAX_DECODED_ACTIVATION_BYTES:
-            _raise(E_DECODED_MAX)
+        if expected > MAX_DECODED:
+            raise_status(E_DECODED_MAX)
         if view.len != expected:
-            _raise(E_F32_SIZE)
+            raise_status(E_F32_SIZE)
         return encode_activation(RAW_F32_V1, token_count, n_embd, payload, state_flags)
     finally:
         PyBuffer_Release(&view)
@@ -474,8 +456,7 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
     cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
     cdef uint64_t decoded = 0, expected = 0
-    cdef int st, bad = 0, kind = 0
-    cdef Py_ssize_t idx = -1
+    cdef int st, kind = 0
     cdef size_t n
     cdef const uint8_t *src
     cdef uint8_t *dst
@@ -485,17 +466,17 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
     _acquire(wire, &view)
     try:
         _dims(token_count, n_embd, state_flags, &d)
-        st = _shape(&d, &s)
+        st = frame_shape(&d, &s)
         if st == OK and skw_mul_u64(s.elements, 4, &decoded):
             st = E_DECODED_OVERFLOW
-        if st == OK and decoded > MAX_BYTES:
+        if st == OK and decoded > MAX_DECODED:
             st = E_DECODED_MAX
         if st == OK:
-            st = _encoded_bytes(c, &s, &expected)
+            st = encoded_size(c, &s, &expected)
         if st == OK and <uint64_t>view.len != expected:
             st = E_WIRE_SIZE
         if st:
-            _raise(st)
+            raise_status(st)
         # Only now, with the size checked against the 512 MiB caps, allocate.
         n = <size_t>s.elements
         dims[0] = <cnp.npy_intp>n
@@ -504,147 +485,21 @@ def decode_activation(codec, token_count, n_embd, wire, state_flags):
         dst = <uint8_t *>cnp.PyArray_DATA(out)
         nogil_ = <size_t>view.len >= _nogil_threshold
         if c == RAW_F32_V1:  # no checks beyond the length (6.4)
-            if nogil_:
-                with nogil:
-                    skw_copy_le32_to_host(src, dst, n)
-            else:
-                skw_copy_le32_to_host(src, dst, n)
-        elif c == BF16_RNE_V1:
-            if nogil_:
-                with nogil:
-                    bad = skw_decode_bf16(src, dst, n)
-            else:
-                bad = skw_decode_bf16(src, dst, n)
-            if bad:
-                _raise(E_DECODED_NON_FINITE)
-        elif c == F16_RNE_V1:
-            if nogil_:
-                with nogil:
-                    bad = skw_decode_f16(src, dst, n)
-            else:
-                bad = skw_decode_f16(src, dst, n)
-            if bad:
-                _raise(E_DECODED_NON_FINITE)
+            _run(K_COPY_LE32, src, dst, n, nogil_)
+        elif c == BF16_RNE_V1 or c == F16_RNE_V1:
+            if _run(K_DECODE_BF16 if c == BF16_RNE_V1 else K_DECODE_F16, src, dst, n, nogil_):
+                raise_status(E_DECODED_NON_FINITE)
         else:
-            if nogil_:
-                with nogil:
-                    idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            else:
-                idx = skw_decode_s8(src, dst, <size_t>s.rows, <size_t>s.columns, &kind)
-            if idx >= 0:
+            if _run(K_DECODE_S8, src, dst, n, nogil_, &s, &kind) >= 0:
                 if kind == SKW_S8_BAD_SCALE:
-                    _raise(E_S8_SCALE)
-                _raise(E_S8_RESERVED if kind == SKW_S8_RESERVED else E_DECODED_NON_FINITE)
+                    raise_status(E_S8_SCALE)
+                raise_status(E_S8_RESERVED if kind == SKW_S8_RESERVED else E_DECODED_NON_FINITE)
         return out
     finally:
         PyBuffer_Release(&view)
 
 
-# --------------------------------------------------------------------------- selection (8.1)
-
-
-cdef int _permitted_mask(object permitted) except -1:
-    cdef int mask = 0
-    for codec in permitted:
-        mask |= 1 << _codec_id(codec)
-    return mask
-
-
-cdef int _scan(int which, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) noexcept:
-    """Exactness of the whole buffer for BF16 (which = 3) or F16 (2); writes the 16-bit
-    patterns to dst when dst is not NULL."""
-    cdef int ok
-    if nogil_:
-        with nogil:
-            ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
-    else:
-        ok = skw_exact_bf16(src, dst, n) if which == BF16_RNE_V1 else skw_exact_f16(src, dst, n)
-    return ok
-
-
-cdef size_t _selection_elements(token_count, n_embd, state_flags, int mask, Py_buffer *view, Shape *s) except? 0:
-    """The checks of 7.3 in upstream order, then 8.1 step 1; the element count of the frame."""
-    cdef Dims d
-    _dims(token_count, n_embd, state_flags, &d)
-    cdef int st = _f32_input(&d, view.len, s)
-    if st:
-        _raise(st)
-    if not mask & (1 << RAW_F32_V1):
-        _raise(E_NO_RAW)
-    return <size_t>s.elements
-
-
-cdef int _pick_exact(int mask, const uint8_t *src, uint8_t *dst, size_t n, bint nogil_) except -1:
-    """8.1 steps 2-4 for a non-empty frame: BF16 wins when both are exact, else F16, else raw.
-    With ``dst`` the scan also writes the 16-bit patterns (the wire bytes of an exact frame)."""
-    if mask & (1 << BF16_RNE_V1) and _scan(BF16_RNE_V1, src, dst, n, nogil_):
-        return BF16_RNE_V1
-    if mask & (1 << F16_RNE_V1) and _scan(F16_RNE_V1, src, dst, n, nogil_):
-        return F16_RNE_V1
-    return RAW_F32_V1
-
-
-def select_lossless_codec(token_count, n_embd, payload, state_flags, permitted):
-    """The smallest codec that carries the whole frame bit-exactly (7.3 and 8.1)."""
-    cdef int mask = _permitted_mask(permitted)
-    cdef Py_buffer view
-    cdef Shape s = Shape(0, 0, 0)
-    cdef size_t n
-    _acquire(payload, &view)
-    try:
-        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
-        if n == 0:
-            return RAW_F32_V1  # 0 < 0 is false: an empty frame is never compact
-        return _pick_exact(mask, <const uint8_t *>view.buf, NULL, n, <size_t>view.len >= _nogil_threshold)
-    finally:
-        PyBuffer_Release(&view)
-
-
-def select_and_encode_lossless(token_count, n_embd, payload, state_flags, permitted):
-    """``select_lossless_codec`` then ``encode_activation``, fused: the exactness scan
-    writes the 16-bit patterns as it goes, which for an exact frame are the wire bytes."""
-    cdef int mask = _permitted_mask(permitted)
-    cdef Py_buffer view
-    cdef Shape s = Shape(0, 0, 0)
-    cdef size_t n
-    cdef int codec
-    cdef bytes out
-    cdef const uint8_t *src
-    _acquire(payload, &view)
-    try:
-        n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
-        src = <const uint8_t *>view.buf
-        if n:
-            # elements x 2 <= 512 MiB here: the f32 size passed the decoded cap.
-            out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(2 * n))
-            codec = _pick_exact(mask, src, <uint8_t *>PyBytes_AS_STRING(out), n, <size_t>view.len >= _nogil_threshold)
-            if codec != RAW_F32_V1:
-                return codec, out
-        return RAW_F32_V1, _encode_checked(RAW_F32_V1, &s, src, view.len)
-    finally:
-        PyBuffer_Release(&view)
-
-
-cdef object _whole_buffer_exact(object payload, int which):
-    cdef Py_buffer view
-    _acquire(payload, &view)
-    try:
-        if view.len % 4:
-            _raise(E_F32_SIZE)
-        return bool(_scan(which, <const uint8_t *>view.buf, NULL, <size_t>(view.len // 4),
-                          <size_t>view.len >= _nogil_threshold))
-    finally:
-        PyBuffer_Release(&view)
-
-
-def is_bf16_exact(payload):
-    """Whether every f32 of the buffer survives a bf16 round trip bit for bit (8.1)."""
-    return _whole_buffer_exact(payload, BF16_RNE_V1)
-
-
-def is_f16_exact(payload):
-    """Whether every f32 of the buffer survives an f16 round trip bit for bit (8.1)."""
-    return _whole_buffer_exact(payload, F16_RNE_V1)
+include "_codec_select.pxi"
 
 
 # --------------------------------------------------------------------------- raw conversions

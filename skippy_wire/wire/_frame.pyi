@@ -2,7 +2,8 @@
 
 from typing import Optional
 
-from .messages import StageReply, StageWireMessage
+from .messages import StageWireMessage
+from .replies import StageReply
 
 def write_stage_message(msg: StageWireMessage) -> bytes:
     """Serialize a stage message (wire-format.md 4.4). A failing check raises

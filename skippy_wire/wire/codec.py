@@ -30,18 +30,18 @@ import ml_dtypes
 import numpy as np
 
 from .. import _impl
+from ..errors import InvalidDataError, InvalidInputError
 from .constants import (
     LOSSLESS_CODECS,
+    NON_CONTIGUOUS_TEXT,
+    WIRE_SIZE_TEXT,
     ActivationCodec,
     activation_frame_flags_from_state_flags,
     activation_payload_multiplier_from_state_flags,
     activation_state_flags_from_frame_flags,
 )
-from ..errors import InvalidDataError, InvalidInputError
 
 __all__ = [
-    "MAX_ACTIVATION_BYTES",
-    "MAX_DECODED_ACTIVATION_BYTES",
     "activation_f32_bytes",
     "activation_frame_flags_from_state_flags",
     "activation_payload_multiplier_from_state_flags",
@@ -59,11 +59,6 @@ __all__ = [
     "select_and_encode_lossless",
     "select_lossless_codec",
 ]
-
-#: MAX_STAGE_ACTIVATION_BYTES: cap on an encoded (wire) activation payload.
-MAX_ACTIVATION_BYTES = 536_870_912
-#: MAX_STAGE_DECODED_ACTIVATION_BYTES: cap on an activation once expanded to f32.
-MAX_DECODED_ACTIVATION_BYTES = 536_870_912
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # bytes, bytearray, memoryview, array, ndarray, ...
@@ -254,18 +249,18 @@ def is_f16_exact(payload: Buffer) -> bool:
 def _wire_bytes_view(wire: Buffer) -> np.ndarray:
     if isinstance(wire, np.ndarray):
         if not wire.flags.c_contiguous:
-            raise InvalidInputError("payload must be a C-contiguous buffer")
+            raise InvalidInputError(NON_CONTIGUOUS_TEXT)
         return wire.reshape(-1).view(np.uint8)
     view = memoryview(wire)
     if not view.c_contiguous:
-        raise InvalidInputError("payload must be a C-contiguous buffer")
+        raise InvalidInputError(NON_CONTIGUOUS_TEXT)
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
 
 
 def _half_view(wire: Buffer, dtype: np.dtype) -> np.ndarray:
     raw = _wire_bytes_view(wire)
     if raw.nbytes % 2:
-        raise InvalidDataError("activation payload size mismatch")
+        raise InvalidDataError(WIRE_SIZE_TEXT)
     return raw.view(dtype)
 
 

@@ -1,4 +1,9 @@
-"""Activation codecs, codec policies and the activation flag bits (wire-format.md 2.4-2.5, 6.1, 8.2).
+"""Every constant of the wire protocol, defined once: the limits and sizes of section 1, the
+activation codecs and policies (6.1, 8.2), the flag bits (2.4-2.5), the sampling defaults
+(4.3) and the error texts that several modules raise.
+
+The compiled kernels read these values at import time (``_wire_constants.pxi``); the
+pure-Python twin imports them like any module.
 
 Numeric policy of each codec, in short (docs/numerics.md has the long form):
 
@@ -16,6 +21,58 @@ from __future__ import annotations
 
 import enum
 
+# --- protocol constants and limits (section 1) -------------------------------------------
+STAGE_STATE_VERSION = 15
+READY_MAGIC = 0x53524459
+READY_BYTES = READY_MAGIC.to_bytes(4, "little")  # b"YDRS"
+LLAMA_TOKEN_NULL = -1
+STAGE_STATE_HEADER_BYTES = 40
+STAGE_WIRE_FIXED_HEADER_BYTES = 80
+STAGE_SAMPLING_CONFIG_BASE_BYTES = 108
+STAGE_LOGIT_BIAS_WIRE_BYTES = 8
+MAX_STAGE_LOGIT_BIAS = 256
+MAX_STAGE_SAMPLERS = 16
+MAX_STAGE_DRY_SEQUENCE_BREAKERS = 8
+MAX_STAGE_SAMPLING_STRING_BYTES = 64
+MAX_STAGE_PREDICTED_TOKENS = 262_144
+MAX_STAGE_SIDEBAND_VALUES = 1_048_576
+MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES = 8 * 1024 * 1024
+#: The one 512 MiB cap: state-import bytes, encoded (wire) and decoded (f32) activations.
+_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+MAX_STAGE_STATE_IMPORT_BYTES = _MAX_PAYLOAD_BYTES
+MAX_STAGE_ACTIVATION_BYTES = _MAX_PAYLOAD_BYTES
+MAX_STAGE_DECODED_ACTIVATION_BYTES = _MAX_PAYLOAD_BYTES
+STAGE_REPLY_STATS_COUNT = 27
+STAGE_REPLY_STATS_BYTES = STAGE_REPLY_STATS_COUNT * 8
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+U32_MAX = 2**32 - 1
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+U64_MAX = 2**64 - 1
+
+# --- sampling defaults (upstream StageSamplingConfig::default, section 4.3) ---------------
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+
+# --- error texts raised by more than one module (section 10 and the API's own) -----------
+UNKNOWN_CODEC_TEXT = "unknown stage activation codec"
+NEGATIVE_DIMENSIONS_TEXT = "negative activation dimensions"
+WIRE_OVERFLOW_TEXT = "activation wire byte count overflow"
+WIRE_MAX_TEXT = "activation payload byte count exceeds maximum"
+WIRE_SIZE_TEXT = "activation payload size mismatch"
+DECODED_MAX_TEXT = "decoded activation payload byte count exceeds maximum"
+NON_CONTIGUOUS_TEXT = "payload must be a C-contiguous buffer"
+OBJECT_ARRAY_TEXT = "payload must not be an array of Python objects"
+DIMENSION_RANGE_TEXT = "activation dimensions must fit in an i32"
+BITS_DTYPE_U32_TEXT = "expected a numpy uint32 array of f32 bit patterns"
+BITS_DTYPE_U16_TEXT = "expected a numpy uint16 array of 16-bit float bit patterns"
+OUT_NON_CONTIGUOUS_TEXT = "out must be a C-contiguous buffer"
+OUT_READ_ONLY_TEXT = "out must be a writable buffer"
+OUT_OBJECT_ARRAY_TEXT = "out must not be an array of Python objects"
+OUT_OVERLAP_TEXT = "out must not overlap the payload"
+ACTIVATIONLESS_PAYLOAD_TEXT = "activationless stage message contains activation payload"
+SAMPLING_STRING_LENGTH_TEXT = "sampling string exceeds maximum length"
+
 
 class ActivationCodec(enum.IntEnum):
     """Wire ids of the activation codecs (the i32 at message offset 56)."""
@@ -25,9 +82,8 @@ class ActivationCodec(enum.IntEnum):
     BF16_RNE_V1 = 3
     S8_ROW_F32_RNE_V1 = 4
 
-    @property
     def identity(self) -> str:
-        """The upstream serde / identity string, e.g. ``"bf16-rne-v1"``."""
+        """Upstream ``StageActivationCodec::identity()``: the serde string, e.g. ``"bf16-rne-v1"``."""
         return _CODEC_IDENTITY[self]
 
     @property
@@ -80,17 +136,17 @@ class CodecPolicy(enum.IntEnum):
 
     @property
     def rust_name(self) -> str:
-        return "Fixed" if self is CodecPolicy.FIXED else "AutoLosslessV1"
+        return _POLICY_RUST_NAME[self]
 
     @property
     def serde_name(self) -> str:
         """The upstream serde string: ``"fixed"`` or ``"auto-lossless-v1"``."""
-        return "fixed" if self is CodecPolicy.FIXED else "auto-lossless-v1"
+        return _POLICY_SERDE_NAME[self]
 
     @classmethod
     def from_serde_name(cls, text: str) -> "CodecPolicy":
-        for policy in cls:
-            if policy.serde_name == text:
+        for policy, name in _POLICY_SERDE_NAME.items():
+            if name == text:
                 return policy
         raise ValueError(f"unknown activation codec policy {text!r}")
 
@@ -105,15 +161,35 @@ class CodecPolicy(enum.IntEnum):
         return configured == ActivationCodec.RAW_F32_V1 and frame_codec in LOSSLESS_CODECS
 
     def identity(self, configured: ActivationCodec) -> str:
+        """Upstream ``identity(configured)``: Fixed -> the codec's identity, else the policy's."""
         if self is CodecPolicy.FIXED:
-            return ActivationCodec(configured).identity
-        return "auto-lossless-v1"
+            return ActivationCodec(configured).identity()
+        return self.serde_name
 
 
-# State flag bits that describe activation sidebands (wire-format.md 2.4).
-RWKV7_V_FIRST_SIDEBAND = 0x040
-GEMMA3N_ALTUP_SIDEBAND = 0x080
-INKLING_MTP_EMBD_SIDEBAND = 0x100
+_POLICY_RUST_NAME = {CodecPolicy.FIXED: "Fixed", CodecPolicy.AUTO_LOSSLESS_V1: "AutoLosslessV1"}
+_POLICY_SERDE_NAME = {CodecPolicy.FIXED: "fixed", CodecPolicy.AUTO_LOSSLESS_V1: "auto-lossless-v1"}
+
+
+class StateFlags(enum.IntFlag):
+    """Bits of the header ``flags`` word (section 2.4).  Unknown bits are carried untouched,
+    so messages store the flag word as a plain int; these are the named bits."""
+
+    FINAL_CHUNK = 0x001
+    LIGHT_CONTEXT = 0x002
+    SKIP_VERIFY_CHECKPOINT = 0x004  # older generations only; not interpreted
+    SAMPLING = 0x008  # the writer owns this bit (section 4.4 step 4)
+    FULL_STATE = 0x010
+    CHAT_SAMPLING_METADATA = 0x020  # the writer owns this bit too
+    RWKV7_V_FIRST_SIDEBAND = 0x040
+    GEMMA3N_ALTUP_SIDEBAND = 0x080
+    INKLING_MTP_EMBD_SIDEBAND = 0x100
+
+
+# The state flag bits that describe activation sidebands, as plain ints.
+RWKV7_V_FIRST_SIDEBAND = int(StateFlags.RWKV7_V_FIRST_SIDEBAND)
+GEMMA3N_ALTUP_SIDEBAND = int(StateFlags.GEMMA3N_ALTUP_SIDEBAND)
+INKLING_MTP_EMBD_SIDEBAND = int(StateFlags.INKLING_MTP_EMBD_SIDEBAND)
 #: Sidebands that double the activation rows (GEMMA3N_ALTUP never does).
 ROW_DOUBLING_SIDEBANDS = RWKV7_V_FIRST_SIDEBAND | INKLING_MTP_EMBD_SIDEBAND
 

@@ -26,18 +26,10 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional, Sequence
 
 from .. import _impl
-from .constants import ActivationCodec, CodecPolicy
 from ..errors import InvalidDataError, UnexpectedEofError, WireError
-from .messages import (
-    READY_BYTES,
-    READY_MAGIC,
-    NativeMtpDraft,
-    StageReply,
-    StageReplyStats,
-    StageReplyWindow,
-    StageWireMessage,
-    WireReplyKind,
-)
+from .constants import READY_BYTES, READY_MAGIC, ActivationCodec, CodecPolicy
+from .messages import StageWireMessage
+from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
 #: Largest single ``read()`` a stream reader issues.
 STREAM_CHUNK_BYTES = 1 << 20
@@ -54,14 +46,18 @@ def kernels(impl: Optional[str] = None):
     return module
 
 
-def _expectation(codec, policy) -> tuple[Optional[int], int]:
-    """Map the public (codec, policy) pair onto the kernels' (expected codec or None, policy)."""
+def reader_expectation(codec, policy) -> tuple[Optional[int], int]:
+    """Map the public (codec, policy) pair of the readers onto the kernels' arguments:
+    (the expected codec id or None for "any", the policy id)."""
     if codec is None:
         if policy is not None and CodecPolicy(policy) is not CodecPolicy.FIXED:
             # A policy needs its configured codec; AutoLosslessV1's is RawF32V1.
             return int(ActivationCodec.RAW_F32_V1), int(policy)
         return None, int(CodecPolicy.FIXED)
     return int(ActivationCodec(codec)), int(CodecPolicy.FIXED if policy is None else CodecPolicy(policy))
+
+
+_expectation = reader_expectation  # the name the streaming decoder below uses
 
 
 def _is_stream(obj: Any) -> bool:
@@ -95,14 +91,14 @@ def read_stage_message_from_buffer(
     ``policy=AUTO_LOSSLESS_V1`` admits per ``policy.permits(codec, wire_codec)``.
     Trailing bytes are ignored (``consumed`` says where the message ended).
     """
-    expected, pol = _expectation(codec, policy)
+    expected, pol = reader_expectation(codec, policy)
     return kernels(impl).read_stage_message_from_buffer(data, n_embd, expected, pol, offset)
 
 
 def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *, impl: Optional[str] = None):
     """Read one stage message from a bytes-like object or a binary stream (see
     :func:`read_stage_message_from_buffer` for ``codec``/``policy``)."""
-    expected, pol = _expectation(codec, policy)
+    expected, pol = reader_expectation(codec, policy)
     k = kernels(impl)
     if _is_stream(data_or_stream):
         return StageMessageDecoder(n_embd, codec, policy, impl=impl).read_from(data_or_stream)
@@ -410,5 +406,5 @@ __all__ = [
     "send_reply_ack", "send_reply_ack_with_stats", "send_reply_predicted", "send_reply_predicted_with_stats",
     "send_reply_predicted_with_tokens_and_stats", "send_reply_predicted_with_tokens_window_and_stats",
     "send_reply_predicted_tokens_with_stats", "send_reply_predicted_tokens_with_window_and_stats",
-    "NativeMtpDraft",
+    "reader_expectation",
 ]

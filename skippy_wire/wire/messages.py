@@ -22,42 +22,31 @@ from __future__ import annotations
 import enum
 import operator
 import struct
-from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
+import numpy as np
+
+from ..errors import InvalidDataError, InvalidInputError
 from .constants import (
+    DEFAULT_DRY_SEQUENCE_BREAKERS,
+    DEFAULT_SAMPLERS,
+    I32_MAX,
+    I32_MIN,
+    MAX_STAGE_DECODED_ACTIVATION_BYTES,
+    MAX_STAGE_DRY_SEQUENCE_BREAKERS,
+    MAX_STAGE_LOGIT_BIAS,
+    MAX_STAGE_SAMPLERS,
+    STAGE_LOGIT_BIAS_WIRE_BYTES,
+    STAGE_SAMPLING_CONFIG_BASE_BYTES,
+    STAGE_STATE_VERSION,
+    STAGE_WIRE_FIXED_HEADER_BYTES,
+    U32_MAX,
+    U64_MAX,
     ActivationCodec,
+    StateFlags,
     activation_frame_flags_from_state_flags,
 )
-from ..errors import InvalidDataError, InvalidInputError
-
-# --- constants (section 1) ---------------------------------------------------------------
-STAGE_STATE_VERSION = 15
-READY_MAGIC = 0x53524459
-READY_BYTES = b"YDRS"  # READY_MAGIC little-endian: 59 44 52 53
-LLAMA_TOKEN_NULL = -1
-STAGE_STATE_HEADER_BYTES = 40
-STAGE_WIRE_FIXED_HEADER_BYTES = 80
-STAGE_SAMPLING_CONFIG_BASE_BYTES = 108
-STAGE_LOGIT_BIAS_WIRE_BYTES = 8
-MAX_STAGE_LOGIT_BIAS = 256
-MAX_STAGE_SAMPLERS = 16
-MAX_STAGE_DRY_SEQUENCE_BREAKERS = 8
-MAX_STAGE_SAMPLING_STRING_BYTES = 64
-MAX_STAGE_PREDICTED_TOKENS = 262_144
-MAX_STAGE_SIDEBAND_VALUES = 1_048_576
-MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES = 8 * 1024 * 1024
-MAX_STAGE_STATE_IMPORT_BYTES = 512 * 1024 * 1024
-MAX_STAGE_ACTIVATION_BYTES = 512 * 1024 * 1024
-MAX_STAGE_DECODED_ACTIVATION_BYTES = 512 * 1024 * 1024
-STAGE_REPLY_STATS_COUNT = 27
-STAGE_REPLY_STATS_BYTES = 27 * 8
-
-I32_MIN, I32_MAX = -(2**31), 2**31 - 1
-U32_MAX = 2**32 - 1
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
-U64_MAX = 2**64 - 1
-
 
 # --- enumerations (section 2) ------------------------------------------------------------
 class WireStagePhase(enum.IntEnum):
@@ -107,7 +96,7 @@ class WireMessageKind(enum.IntEnum):
 
     is_prefill = property(lambda self: self in (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD))
     is_decode_replay = property(lambda self: self in _DECODE_REPLAY_KINDS)
-    is_light_context = property(lambda self: self is WireMessageKind.DECODE_LIGHT_CTX)
+    is_decode_light_context = property(lambda self: self is WireMessageKind.DECODE_LIGHT_CTX)
     requires_predicted_reply = property(lambda self: self in _PREDICTED_REPLY_KINDS)
     is_session_control = property(lambda self: self is WireMessageKind.TRIM_SESSION)
     is_verify_retirement = property(lambda self: self is WireMessageKind.RETIRE_VERIFY_WINDOW)
@@ -126,27 +115,6 @@ ACTIVATIONLESS_WRITE_KINDS = frozenset({7, 15, 16, 17})
 ACTIVATIONLESS_READ_KINDS = frozenset({3, 7, 15, 16, 17})
 #: Kinds that ``matches_kind`` accepts unconditionally (section 3.3).
 _ALWAYS_MATCHING_KINDS = frozenset({7, 13, 19, 22, 14})
-
-
-class WireReplyKind(enum.IntEnum):
-    ACK = 1
-    PREDICTED_TOKEN = 2
-    PREDICTED_TOKENS = 3
-
-
-class StateFlags(enum.IntFlag):
-    """Bits of the header ``flags`` word (section 2.4).  Unknown bits are carried untouched,
-    so messages store the flag word as a plain int; these are the named bits."""
-
-    FINAL_CHUNK = 0x001
-    LIGHT_CONTEXT = 0x002
-    SKIP_VERIFY_CHECKPOINT = 0x004  # older generations only; not interpreted
-    SAMPLING = 0x008
-    FULL_STATE = 0x010
-    CHAT_SAMPLING_METADATA = 0x020
-    RWKV7_V_FIRST_SIDEBAND = 0x040
-    GEMMA3N_ALTUP_SIDEBAND = 0x080
-    INKLING_MTP_EMBD_SIDEBAND = 0x100
 
 
 class SamplingFlags(enum.IntFlag):
@@ -246,10 +214,6 @@ class LogitBias(NamedTuple):
     bias: float
 
 
-DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
-DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
-
-
 @dataclass
 class SamplingConfig:
     """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3)."""
@@ -312,11 +276,24 @@ SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code =
 
 # --- the stage message (sections 4 and 12) -----------------------------------------------
 class RequestEpoch(NamedTuple):
+    """Upstream ``request_epoch()``: the flow identity and its progress (section 12).  The
+    flow and staleness predicates live here; the message methods of the same names ask them."""
+
     request_id: int
     session_id: int
     checkpoint_generation: int
     prompt_token_count: int
     decode_step: int
+
+    def same_flow(self, other: "RequestEpoch") -> bool:
+        return self.request_id == other.request_id and self.session_id == other.session_id
+
+    def progress(self) -> tuple[int, int, int]:
+        """(checkpoint_generation, prompt_token_count, decode_step), compared lexicographically."""
+        return self.checkpoint_generation, self.prompt_token_count, self.decode_step
+
+    def is_stale_for(self, current: "RequestEpoch") -> bool:
+        return self.same_flow(current) and self.progress() < current.progress()
 
 
 _POSITIONED_KINDS = frozenset({2, 8, 9, 21})
@@ -404,10 +381,10 @@ class StageWireMessage:
         return RequestEpoch(self.request_id, self.session_id, s.checkpoint_generation, s.prompt_token_count, s.decode_step)
 
     def same_flow(self, other: "StageWireMessage") -> bool:
-        return self.request_id == other.request_id and self.session_id == other.session_id
+        return self.request_epoch().same_flow(other.request_epoch())
 
     def is_stale_for(self, current: "StageWireMessage") -> bool:
-        return self.same_flow(current) and self.request_epoch()[2:] < current.request_epoch()[2:]
+        return self.request_epoch().is_stale_for(current.request_epoch())
 
     def authoritative_session_position(self) -> Optional[int]:
         if self.kind in _POSITIONED_KINDS and self.pos_start >= 0:
@@ -437,8 +414,6 @@ class StageWireMessage:
 
     def activation_f32(self):
         """The decoded activation as a little-endian float32 numpy array (a view, no copy)."""
-        import numpy as np
-
         return np.frombuffer(self.activation, dtype="<f4")
 
 
@@ -448,192 +423,27 @@ def _nbytes(buf: Any) -> int:
     return memoryview(buf).nbytes
 
 
-# --- replies (section 11) ----------------------------------------------------------------
-_STATS_FIELDS = (
-    "kv_lookup_hits", "kv_lookup_misses", "kv_lookup_errors", "kv_imported_pages",
-    "kv_imported_tokens", "kv_recorded_pages", "kv_recorded_bytes", "kv_hit_stage_mask",
-    "kv_record_stage_mask", "verify_window_compute_us", "verify_window_forward_write_us",
-    "verify_window_downstream_wait_us", "verify_window_total_us", "verify_window_stage_count",
-    "verify_window_request_count", "verify_window_token_count", "verify_window_max_tokens",
-    "prefill_edge_write_us_max", "prefill_edge_wait_us_max", "prefill_edge_total_us_max",
-    "prefill_edge_stage_index", "prefill_edge_activation_bytes_max",
-    "prefill_edge_observation_count", "prefill_compute_us_at_slowest_rate",
-    "prefill_compute_stage_index", "prefill_compute_token_count_at_slowest_rate",
-    "prefill_compute_observation_count",
-)
-
-
-def _sat(v: int) -> int:
-    return I64_MAX if v > I64_MAX else (I64_MIN if v < I64_MIN else v)
-
-
-def _better_compute(c_us: int, c_tok: int, cur_us: int, cur_tok: int) -> bool:
-    if c_us <= 0 or c_tok <= 0:
-        return False
-    if cur_us <= 0 or cur_tok <= 0:
-        return True
-    if c_tok != cur_tok:
-        return c_tok > cur_tok  # a larger chunk is the better calibration sample
-    return c_us * cur_tok > cur_us * c_tok
-
-
-@dataclass
-class StageReplyStats:
-    """The 27 i64 reply statistics, in wire order (section 11.2), with section 11.3 methods."""
-
-    kv_lookup_hits: int = 0
-    kv_lookup_misses: int = 0
-    kv_lookup_errors: int = 0
-    kv_imported_pages: int = 0
-    kv_imported_tokens: int = 0
-    kv_recorded_pages: int = 0
-    kv_recorded_bytes: int = 0
-    kv_hit_stage_mask: int = 0
-    kv_record_stage_mask: int = 0
-    verify_window_compute_us: int = 0
-    verify_window_forward_write_us: int = 0
-    verify_window_downstream_wait_us: int = 0
-    verify_window_total_us: int = 0
-    verify_window_stage_count: int = 0
-    verify_window_request_count: int = 0
-    verify_window_token_count: int = 0
-    verify_window_max_tokens: int = 0
-    prefill_edge_write_us_max: int = 0
-    prefill_edge_wait_us_max: int = 0
-    prefill_edge_total_us_max: int = 0
-    prefill_edge_stage_index: int = 0
-    prefill_edge_activation_bytes_max: int = 0
-    prefill_edge_observation_count: int = 0
-    prefill_compute_us_at_slowest_rate: int = 0
-    prefill_compute_stage_index: int = 0
-    prefill_compute_token_count_at_slowest_rate: int = 0
-    prefill_compute_observation_count: int = 0
-
-    FIELDS = _STATS_FIELDS
-
-    def as_tuple(self) -> tuple:
-        d = self.__dict__
-        return tuple(d[name] for name in _STATS_FIELDS)
-
-    @classmethod
-    def from_tuple(cls, values: Sequence[int]) -> "StageReplyStats":
-        return cls(*values)
-
-    def observe_prefill_edge_transport(self, stage_index: int, write_us: int, wait_us: int, activation_bytes: int) -> None:
-        write_us = max(write_us, 0)
-        wait_us = max(wait_us, 0)
-        total = _sat(write_us + wait_us)
-        self.prefill_edge_write_us_max = max(self.prefill_edge_write_us_max, write_us)
-        self.prefill_edge_wait_us_max = max(self.prefill_edge_wait_us_max, wait_us)
-        if total > self.prefill_edge_total_us_max:
-            self.prefill_edge_total_us_max = total
-            self.prefill_edge_stage_index = stage_index
-            self.prefill_edge_activation_bytes_max = min(activation_bytes, I64_MAX)
-        self.prefill_edge_observation_count = _sat(self.prefill_edge_observation_count + 1)
-
-    def observe_prefill_compute(self, stage_index: int, compute_us: int, token_count: int) -> None:
-        compute_us = max(compute_us, 0)
-        tokens = max(1, min(token_count, I64_MAX))
-        if _better_compute(compute_us, tokens, self.prefill_compute_us_at_slowest_rate,
-                           self.prefill_compute_token_count_at_slowest_rate):
-            self.prefill_compute_us_at_slowest_rate = compute_us
-            self.prefill_compute_stage_index = stage_index
-            self.prefill_compute_token_count_at_slowest_rate = tokens
-        self.prefill_compute_observation_count = _sat(self.prefill_compute_observation_count + 1)
-
-    def merge(self, other: "StageReplyStats") -> None:
-        for name in _STATS_FIELDS[:17]:
-            if name in ("kv_hit_stage_mask", "kv_record_stage_mask"):
-                setattr(self, name, getattr(self, name) | getattr(other, name))
-            elif name == "verify_window_max_tokens":
-                self.verify_window_max_tokens = max(self.verify_window_max_tokens, other.verify_window_max_tokens)
-            else:
-                setattr(self, name, _sat(getattr(self, name) + getattr(other, name)))
-        self.prefill_edge_write_us_max = max(self.prefill_edge_write_us_max, other.prefill_edge_write_us_max)
-        self.prefill_edge_wait_us_max = max(self.prefill_edge_wait_us_max, other.prefill_edge_wait_us_max)
-        if other.prefill_edge_total_us_max > self.prefill_edge_total_us_max:
-            self.prefill_edge_total_us_max = other.prefill_edge_total_us_max
-            self.prefill_edge_stage_index = other.prefill_edge_stage_index
-            self.prefill_edge_activation_bytes_max = other.prefill_edge_activation_bytes_max
-        self.prefill_edge_observation_count = _sat(
-            self.prefill_edge_observation_count + other.prefill_edge_observation_count
-        )
-        if _better_compute(other.prefill_compute_us_at_slowest_rate, other.prefill_compute_token_count_at_slowest_rate,
-                           self.prefill_compute_us_at_slowest_rate, self.prefill_compute_token_count_at_slowest_rate):
-            self.prefill_compute_us_at_slowest_rate = other.prefill_compute_us_at_slowest_rate
-            self.prefill_compute_stage_index = other.prefill_compute_stage_index
-            self.prefill_compute_token_count_at_slowest_rate = other.prefill_compute_token_count_at_slowest_rate
-        self.prefill_compute_observation_count = _sat(
-            self.prefill_compute_observation_count + other.prefill_compute_observation_count
-        )
-
-    def is_empty(self) -> bool:
-        return (
-            all(getattr(self, name) == 0 for name in _STATS_FIELDS[:17])
-            and self.prefill_edge_observation_count == 0
-            and self.prefill_compute_observation_count == 0
-        )
-
-
-@dataclass
-class StageReplyWindow:
-    window_id: int = 0
-
-
-@dataclass
-class NativeMtpDraft:
-    """A native MTP draft carried by a reply: draft token ids and the proposal cost."""
-
-    token_ids: list = field(default_factory=list)
-    proposal_compute_us: int = 0
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, NativeMtpDraft):
-            return NotImplemented
-        return list(self.token_ids) == list(other.token_ids) and self.proposal_compute_us == other.proposal_compute_us
-
-
-@dataclass
-class StageReply:
-    """A stage reply (section 11.2)."""
-
-    kind: WireReplyKind = WireReplyKind.ACK
-    predicted: int = 0
-    predicted_tokens: list = field(default_factory=list)
-    window: StageReplyWindow = field(default_factory=StageReplyWindow)
-    native_mtp_draft: Optional[NativeMtpDraft] = None
-    stats: StageReplyStats = field(default_factory=StageReplyStats)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, StageReply):
-            return NotImplemented
-        return (
-            self.kind == other.kind
-            and self.predicted == other.predicted
-            and list(self.predicted_tokens) == list(other.predicted_tokens)
-            and self.window == other.window
-            and self.native_mtp_draft == other.native_mtp_draft
-            and self.stats == other.stats
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 # --- writer input validation shared by both implementations ------------------------------
 _I32_STATE = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
               "decode_step", "current_token", "source_stage_index")
 
 
+def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -> InvalidInputError:
+    """The error naming the first ``(name, value, lo, hi)`` whose value is not an integer in
+    [lo, hi]; a generic one about ``what`` when every value fits."""
+    for name, value, lo, hi in checks:
+        try:
+            fits = lo <= operator.index(value) <= hi
+        except TypeError:
+            fits = False
+        if not fits:
+            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+    return InvalidInputError(f"{what} field does not fit its wire type")
+
+
 def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
     """Name the first field of ``msg`` the wire cannot represent (both implementations raise
     this when a value does not fit its wire integer type)."""
-
-    def bad(value: Any, lo: int, hi: int) -> bool:
-        try:
-            return not (lo <= operator.index(value) <= hi)
-        except TypeError:
-            return True
-
     checks = [("kind", msg.kind, I32_MIN, I32_MAX), ("pos_start", msg.pos_start, I32_MIN, I32_MAX),
               ("token_count", msg.token_count, I32_MIN, I32_MAX)]
     checks += [(f"state.{n}", getattr(msg.state, n), I32_MIN, I32_MAX) for n in _I32_STATE]
@@ -643,33 +453,16 @@ def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
         checks += [("sampling.flags", s.flags, 0, U32_MAX), ("sampling.seed", s.seed, 0, U32_MAX)]
         checks += [(f"sampling.{n}", getattr(s, n), I32_MIN, I32_MAX)
                    for n in ("top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode")]
-        checks += [("sampling.logit_bias token_id", t, I32_MIN, I32_MAX) for t, _ in list(s.logit_bias)[:256]]
+        checks += [("sampling.logit_bias token_id", t, I32_MIN, I32_MAX)
+                   for t, _ in list(s.logit_bias)[:MAX_STAGE_LOGIT_BIAS]]
     checks += [("tokens", t, I32_MIN, I32_MAX) for t in msg.tokens]
     checks += [("positions", p, I32_MIN, I32_MAX) for p in msg.positions]
-    for name, value, lo, hi in checks:
-        if bad(value, lo, hi):
-            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
-    return InvalidInputError("message field does not fit its wire type")
+    return first_out_of_range(checks, "message")
 
 
-def reply_out_of_range_error(reply: StageReply) -> InvalidInputError:
-    def bad(value: Any, lo: int, hi: int) -> bool:
-        try:
-            return not (lo <= operator.index(value) <= hi)
-        except TypeError:
-            return True
-
-    checks = [("kind", reply.kind, I32_MIN, I32_MAX), ("predicted", reply.predicted, I32_MIN, I32_MAX)]
-    checks += [("predicted_tokens", t, I32_MIN, I32_MAX) for t in reply.predicted_tokens]
-    checks.append(("window.window_id", reply.window.window_id, I32_MIN, I32_MAX))
-    if reply.native_mtp_draft is not None:
-        checks += [("native_mtp_draft.token_ids", t, I32_MIN, I32_MAX) for t in reply.native_mtp_draft.token_ids]
-        checks.append(("native_mtp_draft.proposal_compute_us", reply.native_mtp_draft.proposal_compute_us, I64_MIN, I64_MAX))
-    checks += [(f"stats.{n}", getattr(reply.stats, n), I64_MIN, I64_MAX) for n in _STATS_FIELDS]
-    for name, value, lo, hi in checks:
-        if bad(value, lo, hi):
-            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
-    return InvalidInputError("reply field does not fit its wire type")
-
-
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "enum", "struct", "dataclass", "field", "fields", "Any", "NamedTuple", "Optional", "Sequence")]
+__all__ = [
+    "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
+    "SAMPLING_F32_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
+    "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
+    "first_out_of_range", "out_of_range_error",
+]

@@ -22,28 +22,27 @@ import struct
 import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
+from .. import constants as _texts
+from ..constants import MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES
 
 RAW_F32_V1 = 1
 F16_RNE_V1 = 2
 BF16_RNE_V1 = 3
 S8_ROW_F32_RNE_V1 = 4
 
-#: MAX_STAGE_ACTIVATION_BYTES and MAX_STAGE_DECODED_ACTIVATION_BYTES (section 1).
-MAX_ACTIVATION_BYTES = 536_870_912
-MAX_DECODED_ACTIVATION_BYTES = 536_870_912
 _USIZE_LIMIT = 1 << 64  # upstream sizes are 64-bit usize; products at or above wrap
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _ROW_DOUBLING = 0x040 | 0x100  # RWKV7_V_FIRST_SIDEBAND | INKLING_MTP_EMBD_SIDEBAND (2.4)
 
-NON_CONTIGUOUS = "payload must be a C-contiguous buffer"
-OBJECT_ARRAY = "payload must not be an array of Python objects"
-DIMENSION_RANGE = "activation dimensions must fit in an i32"
-BITS_DTYPE_U32 = "expected a numpy uint32 array of f32 bit patterns"
-BITS_DTYPE_U16 = "expected a numpy uint16 array of 16-bit float bit patterns"
-OUT_NON_CONTIGUOUS = "out must be a C-contiguous buffer"
-OUT_READ_ONLY = "out must be a writable buffer"
-OUT_OBJECT_ARRAY = "out must not be an array of Python objects"
-OUT_OVERLAP = "out must not overlap the payload"
+NON_CONTIGUOUS = _texts.NON_CONTIGUOUS_TEXT
+OBJECT_ARRAY = _texts.OBJECT_ARRAY_TEXT
+DIMENSION_RANGE = _texts.DIMENSION_RANGE_TEXT
+BITS_DTYPE_U32 = _texts.BITS_DTYPE_U32_TEXT
+BITS_DTYPE_U16 = _texts.BITS_DTYPE_U16_TEXT
+OUT_NON_CONTIGUOUS = _texts.OUT_NON_CONTIGUOUS_TEXT
+OUT_READ_ONLY = _texts.OUT_READ_ONLY_TEXT
+OUT_OBJECT_ARRAY = _texts.OUT_OBJECT_ARRAY_TEXT
+OUT_OVERLAP = _texts.OUT_OVERLAP_TEXT
 
 
 # --------------------------------------------------------------------------- helpers
@@ -274,7 +273,7 @@ def _encoded_bytes(codec: int, rows: int, columns: int, elements: int) -> int:
         if row_bytes >= _USIZE_LIMIT:
             raise _err("S8 row byte count overflow")
         size = _checked_mul(rows, row_bytes, "activation wire byte count overflow")
-    if size > MAX_ACTIVATION_BYTES:
+    if size > MAX_STAGE_ACTIVATION_BYTES:
         raise _err("activation payload byte count exceeds maximum")
     return size
 
@@ -290,7 +289,7 @@ def _checked_f32_input(token_count, n_embd, state_flags, view: memoryview) -> tu
     """7.1 steps 1-4: shape, decoded size and cap, then the input length."""
     rows, columns, elements = _rows_elements(token_count, n_embd, state_flags)
     expected = _checked_mul(elements, 4, "decoded activation byte count overflow")
-    if expected > MAX_DECODED_ACTIVATION_BYTES:
+    if expected > MAX_STAGE_DECODED_ACTIVATION_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if view.nbytes != expected:
         raise _err("F32 activation payload size mismatch")
@@ -426,7 +425,7 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload, state_
     """7.2: the f32 size check of 5.2 first (n_embd = 0 passes it), then raw encode."""
     view = _byte_view(payload)
     expected = activation_f32_bytes(token_count, n_embd, state_flags)
-    if expected > MAX_DECODED_ACTIVATION_BYTES:
+    if expected > MAX_STAGE_DECODED_ACTIVATION_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if view.nbytes != expected:
         raise _err("F32 activation payload size mismatch")
@@ -442,7 +441,7 @@ def decode_activation(codec: int, token_count: int, n_embd: int, wire, state_fla
     view = _byte_view(wire)
     rows, columns, elements = _rows_elements(token_count, n_embd, state_flags)
     decoded = _checked_mul(elements, 4, "decoded activation byte count overflow")
-    if decoded > MAX_DECODED_ACTIVATION_BYTES:
+    if decoded > MAX_STAGE_DECODED_ACTIVATION_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if view.nbytes != _encoded_bytes(codec, rows, columns, elements):
         raise _err("activation payload size mismatch")

@@ -20,11 +20,10 @@ from __future__ import annotations
 import operator
 import struct
 
-from ..constants import ActivationCodec, CodecPolicy, LOSSLESS_CODECS
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-from ..messages import (
-    ACTIVATIONLESS_READ_KINDS,
-    ACTIVATIONLESS_WRITE_KINDS,
+from ..constants import (
+    I32_MAX,
+    I32_MIN,
     MAX_STAGE_ACTIVATION_BYTES,
     MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES,
     MAX_STAGE_DECODED_ACTIVATION_BYTES,
@@ -35,24 +34,31 @@ from ..messages import (
     MAX_STAGE_SAMPLING_STRING_BYTES,
     MAX_STAGE_SIDEBAND_VALUES,
     MAX_STAGE_STATE_IMPORT_BYTES,
-    SAMPLING_WIRE_ORDER,
+    STAGE_REPLY_STATS_COUNT,
     STAGE_STATE_VERSION,
+    ActivationCodec,
+    CodecPolicy,
+    StateFlags,
+)
+from ..messages import (
+    ACTIVATIONLESS_READ_KINDS,
+    ACTIVATIONLESS_WRITE_KINDS,
+    SAMPLING_WIRE_ORDER,
     LogitBias,
-    NativeMtpDraft,
     SamplingConfig,
+    StageStateHeader,
+    StageWireMessage,
+    WireMessageKind,
+    f32_bits,
+    f32_from_bits,
+    out_of_range_error,
+)
+from ..replies import (
+    NativeMtpDraft,
     StageReply,
     StageReplyStats,
     StageReplyWindow,
-    StageStateHeader,
-    StageWireMessage,
-    StateFlags,
-    WireMessageKind,
     WireReplyKind,
-    f32_bits,
-    f32_from_bits,
-    I32_MAX,
-    I32_MIN,
-    out_of_range_error,
     reply_out_of_range_error,
 )
 from . import codec as _codec
@@ -61,6 +67,7 @@ _i32 = struct.Struct("<i")
 _u32 = struct.Struct("<I")
 _i64 = struct.Struct("<q")
 _u64 = struct.Struct("<Q")
+_stats = struct.Struct(f"<{STAGE_REPLY_STATS_COUNT}q")
 
 _KINDS = {k.value: k for k in WireMessageKind}
 _REPLY_KINDS = {k.value: k for k in WireReplyKind}
@@ -436,7 +443,7 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
         out += struct.pack("<ii", 1, len(draft.token_ids))
         out += struct.pack(f"<{len(draft.token_ids)}i", *draft.token_ids)
         out += _i64.pack(draft.proposal_compute_us)
-    out += struct.pack("<27q", *reply.stats.as_tuple())
+    out += _stats.pack(*reply.stats.as_tuple())
 
 
 def read_reply_from_buffer(data, offset: int = 0):
@@ -465,7 +472,7 @@ def read_reply_from_buffer(data, offset: int = 0):
         draft = NativeMtpDraft(draft_tokens, cur.i64())
     elif marker != 0:
         raise InvalidDataError("unknown native MTP draft reply marker")
-    cur.need(27 * 8)
-    stats = StageReplyStats(*struct.unpack_from("<27q", cur.buf, cur.pos))
-    cur.pos += 27 * 8
+    cur.need(_stats.size)
+    stats = StageReplyStats(*_stats.unpack_from(cur.buf, cur.pos))
+    cur.pos += _stats.size
     return StageReply(kind, predicted, tokens, window, draft, stats), cur.pos - cur.start
