@@ -38,6 +38,68 @@ cdef object _text(Cur* c, uint32_t length, str bad):
         raise InvalidDataError(bad) from None
 
 
+cdef tuple _NO_ARGS = ()
+cdef dict _MESSAGE_KEYS = dict.fromkeys(["kind", "pos_start", "token_count", "state", "request_id", "session_id",
+                                         "sampling", "chat_sampling_metadata", "tokens", "positions",
+                                         "activation", "raw_bytes"])
+cdef tuple _STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
+                            "decode_step", "current_token", "source_stage_index")
+cdef tuple _LIST_FIELDS = ("logit_bias", "dry_sequence_breakers", "samplers")
+
+
+cdef object _instance(type cls, dict values):
+    """An instance with ``values`` as its attribute dict, without the dataclass ``__init__``
+    (the fields arrive checked and converted)."""
+    cdef PyObject* raw = (<PyTypeObject*>cls).tp_new(<PyTypeObject*>cls, <PyObject*>_NO_ARGS, NULL)
+    if raw == NULL:
+        raise MemoryError()
+    obj = <object>raw
+    Py_DECREF(obj)
+    PyObject_GenericSetDict(obj, values, NULL)
+    return obj
+
+
+cdef object _state(const uint8_t* h, object codec):
+    cdef dict d = {}
+    cdef int i
+    for i in range(9):
+        d[_STATE_FIELDS[i]] = <int32_t>ld32(h + 4 * i)
+    d["activation_codec"] = codec
+    return _instance(StageStateHeader, d)
+
+
+# The last sampling block read: (wire bytes, field values), replaced as one tuple.  A
+# session repeats its block in every message, so a byte compare replaces the walk; the
+# result is a fresh instance with fresh lists.
+cdef tuple _sampling_cache = None
+
+
+cdef object _fresh_sampling(dict values):
+    cdef dict d = PyDict_Copy(values)
+    for name in _LIST_FIELDS:
+        d[name] = list(<list>values[name])
+    return _instance(SamplingConfig, d)
+
+
+cdef object _sampling_cached(Cur* c):
+    global _sampling_cache
+    cdef tuple entry = _sampling_cache
+    cdef bytes raw
+    cdef Py_ssize_t start = c.pos
+    if entry is not None:
+        raw = <bytes>entry[0]
+        if len(raw) <= c.end - c.pos and memcmp(c.buf + c.pos, PyBytes_AS_STRING(raw), len(raw)) == 0:
+            c.pos += len(raw)
+            return _fresh_sampling(<dict>entry[1])
+    sampling = _sampling(c)
+    if c.pos - start <= 4096:
+        values = PyDict_Copy(sampling.__dict__)
+        for name in _LIST_FIELDS:
+            values[name] = list(values[name])
+        _sampling_cache = (_slice(c.buf + start, c.pos - start), values)
+    return sampling
+
+
 cdef list _strings(Cur* c, uint32_t maximum):
     cdef uint32_t count = _u32(c), i, length
     if count > maximum:
@@ -88,6 +150,15 @@ cdef list _i32_list(Cur* c, int32_t n):
     return out
 
 
+cdef bint _permits(int policy, object configured, int frame_codec) except -1:
+    """Receiver admission (v15 8.2): Fixed needs the same codec; AutoLosslessV1 (configured
+    RawF32V1) admits RawF32V1, BF16 and F16."""
+    cdef int want = _codec_id(configured)
+    if policy == 0:
+        return want == frame_codec
+    return want == RAW and (frame_codec == RAW or frame_codec == BF16 or frame_codec == F16)
+
+
 cdef int _stage_checks(const Desc* d, object token_count, object source) except -1:
     """A.7.3, writer and reader."""
     if token_count < 0 or d.tokens != token_count:
@@ -116,7 +187,7 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
     if codec_raw < 1 or codec_raw > 4:
         _raise(E_CODEC)
     codec = _CODECS[codec_raw]
-    state = StageStateHeader(*[<int32_t>ld32(h + 16 + 4 * i) for i in range(9)], codec)
+    state = _state(h + 16, codec)
     if <int32_t>ld32(h + 16) != version:
         _raise("unsupported stage state version")
     c.pos += 56
@@ -132,9 +203,9 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
     if kind in _ACTIVATIONLESS or source < 0:
         if count != 0:
             _raise("activationless stage message contains activation payload")
-    elif expected_codec is not None and not CodecPolicy(policy).permits(ActivationCodec(expected_codec), codec):
+    elif expected_codec is not None and not _permits(policy, expected_codec, codec_raw):
         _raise("stage activation codec mismatch")
-    sampling = _sampling(&c) if flags & 0x08 else None
+    sampling = _sampling_cached(&c) if flags & 0x08 else None
     metadata = None
     cdef uint32_t length
     if flags & 0x20:
@@ -142,7 +213,12 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
         if length > MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES:
             _raise("chat sampling metadata length exceeds maximum")
         metadata = _text(&c, length, "chat sampling metadata is not UTF-8")
-    msg = StageWireMessage(kind, pos_start, token_count, state, request_id, session_id, sampling, metadata)
+    cdef dict md = PyDict_Copy(_MESSAGE_KEYS)
+    md["kind"], md["pos_start"], md["token_count"], md["state"] = kind, pos_start, token_count, state
+    md["request_id"], md["session_id"], md["sampling"] = request_id, session_id, sampling
+    md["chat_sampling_metadata"], md["tokens"], md["positions"] = metadata, [], []
+    md["activation"], md["raw_bytes"] = b"", b""
+    msg = _instance(StageWireMessage, md)
     if kind == 3:
         return msg, c.pos - c.start
     if token_count < 0 or n_tokens < 0 or n_positions < 0:
@@ -189,7 +265,7 @@ cdef object _checked_activation(int version, object msg, object agreement):
     if <uint64_t>buf.view.len > MAX_BYTES:
         raise InvalidInputError(E_WIRE_MAX)
     cdef int codec = _codec_id(state.activation_codec)
-    _decode_into(codec, &d, activation, version, False)
+    _check_frame(codec, &d, <const uint8_t*>buf.view.buf, buf.view.len, version)
     _stage_checks(&d, msg.token_count, state.source_stage_index)
     if version == 16:
         return activation
@@ -201,22 +277,24 @@ cdef object _checked_activation(int version, object msg, object agreement):
 def write_stage_message(int version, msg, agreement=None):
     if version != 16 and version != 17:
         raise ValueError(f"state version {version} is not 16 or 17")
-    cdef bytes prefix
-    try:
-        prefix = struct_prefix(operator.index(msg.kind), msg.pos_start, msg.token_count, len(msg.tokens),
-                               len(msg.positions))
-    except (OverflowError, TypeError, ValueError, AttributeError):
-        raise out_of_range_error(msg) from None
+    cdef Py_ssize_t emitted = 20
     try:
         if len(msg.tokens) > MAX_STAGE_SIDEBAND_VALUES:
-            prefix = prefix[:12]
+            emitted = 12
             raise InvalidInputError("too many tokens")
         if len(msg.positions) > MAX_STAGE_SIDEBAND_VALUES:
-            prefix = prefix[:16]
+            emitted = 16
             raise InvalidInputError("too many position sideband values")
         activation = _checked_activation(version, msg, agreement)
     except WireError as error:
-        error.partial = prefix if version == 16 else b""
+        if version == 16:
+            try:
+                error.partial = struct_prefix(operator.index(msg.kind), msg.pos_start, msg.token_count,
+                                              len(msg.tokens), len(msg.positions))[:emitted]
+            except (OverflowError, TypeError, ValueError, AttributeError):
+                raise out_of_range_error(msg) from None
+        else:
+            error.partial = b""
         raise
     if activation is not msg.activation:
         msg = dataclasses.replace(msg, activation=activation)
