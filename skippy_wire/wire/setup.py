@@ -188,6 +188,7 @@ class _Transport:
         self.cancelled = cancelled or (lambda: False)
         self.sock = stream if hasattr(stream, "recv") and hasattr(stream, "settimeout") else None
         self.saved = self.sock.gettimeout() if self.sock is not None else None
+        self.partial = bytearray()  # what the current read has received so far
 
     def _gate(self) -> float:
         if self.cancelled():
@@ -205,7 +206,7 @@ class _Transport:
                 pass
 
     def read(self, n: int) -> bytes:
-        buf = bytearray()
+        buf = self.partial = bytearray()
         while len(buf) < n:
             remaining = self._gate()
             if self.sock is None:
@@ -267,7 +268,12 @@ def _incompatible(header: bytes) -> SetupError:
 
 
 def _read_packet(t: _Transport) -> bytes:
-    header = t.read(SETUP_HEADER_BYTES)
+    try:
+        header = t.read(SETUP_HEADER_BYTES)
+    except SetupError as error:
+        if bytes(t.partial[:4]) == READY_BYTES[:len(t.partial[:4])] and len(t.partial) >= 4:
+            error.detail = _incompatible(bytes(t.partial[:4]) + bytes(8)).detail
+        raise
     magic, generation, length = struct.unpack("<III", header)
     if magic != SETUP_MAGIC or generation != STAGE_PROTOCOL_GENERATION:
         raise _incompatible(header)
