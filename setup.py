@@ -67,7 +67,8 @@ def frame_gen_extension() -> Extension:
     return Extension(
         "skippy_wire.wire._frame_gen",
         sources=["skippy_wire/wire/_frame_gen.pyx"],
-        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_frame_gen_msg.pxi",
+        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_frame_gen_check.pxi",
+                 "skippy_wire/wire/_frame_gen_msg.pxi",
                  "skippy_wire/wire/_frame_gen_agreed.pxi"],
         include_dirs=[str(PKG / "wire")],
         extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
