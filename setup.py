@@ -3,6 +3,7 @@
 Extensions (each one compiled concept, see docs/development.md):
   skippy_wire.wire._codec    Cython activation-codec kernels
   skippy_wire.wire._frame    Cython stage-message framing
+  skippy_wire.wire._frame_gen Cython framing of state versions 16 and 17
   skippy_wire.stage._backend  Cython binding of the C/C++ ggml stage backend (skippy_wire/stage/_stage)
 
 SKIPPY_WIRE_PUREPYTHON=1 builds none of them (the pure-Python twin is then the only
@@ -65,6 +66,20 @@ def frame_extension() -> Extension:
     )
 
 
+def frame_gen_extension() -> Extension:
+    # State versions 16 and 17; the F32 parts run the codec kernels of _codec_kernels.h.
+    return Extension(
+        "skippy_wire.wire._frame_gen",
+        sources=["skippy_wire/wire/_frame_gen.pyx"],
+        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_frame_gen_check.pxi",
+                 "skippy_wire/wire/_frame_gen_msg.pxi",
+                 "skippy_wire/wire/_frame_gen_agreed.pxi"],
+        include_dirs=[str(PKG / "wire")],
+        extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
+        extra_link_args=ASAN_LINK,
+    )
+
+
 def backend_extension() -> Extension:
     import sysconfig
 
@@ -93,6 +108,7 @@ def backend_extension() -> Extension:
 EXTENSIONS = {
     "_codec": (PKG / "wire" / "_codec.pyx", codec_extension),
     "_frame": (PKG / "wire" / "_frame.pyx", frame_extension),
+    "_frame_gen": (PKG / "wire" / "_frame_gen.pyx", frame_gen_extension),
     "_backend": (STAGE / "_backend.pyx", backend_extension),
 }
 

@@ -28,7 +28,8 @@ IMPLEMENTATION = _choose()
 
 
 def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleType:
-    """Return the module implementing ``concept`` ("codec" or "frame")."""
+    """Return the module implementing ``concept``: "codec", "frame" (v15 framing) or
+    "frame_gen" (state versions 16 and 17: frames, agreements, messages)."""
     if implementation == "python":
         return importlib.import_module(f"skippy_wire.wire._reference.{concept}")
     if implementation == "cython":

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .. import _impl
+from . import conformance_gen
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..errors import Mismatch, WireError
 from ..wire.messages import (
@@ -363,7 +364,8 @@ def _files(paths: list[str]) -> list[Path]:
     return found
 
 
-def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose: bool = False) -> tuple[int, int]:
+def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose: bool = False,
+        protocol: Optional[int] = None) -> tuple[int, int]:
     """Run every case under ``paths``; print failures and the summary; return (passed, failed)."""
     out = sys.stdout if out is None else out
     runner = Runner(impl)
@@ -384,7 +386,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
                 group = str(case.get("group"))
                 tally = per_group.setdefault(group, [0, 0])
                 try:
-                    runner.run(case)
+                    (conformance_gen.runner_for(case, impl, protocol) or runner).run(case)
                 except Mismatch as exc:
                     failed += 1
                     tally[1] += 1
@@ -418,10 +420,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
     parser.add_argument("--max-report", type=int, default=10, help="failures to print in full (default 10)")
+    parser.add_argument("--protocol", type=int, choices=(16, 17), default=None,
+                        help="state version of the cases (default: from each case id, v15 otherwise)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-group counts")
     args = parser.parse_args(argv)
     try:
-        _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose)
+        _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose,
+                        protocol=args.protocol)
     except (FileNotFoundError, ImportError) as exc:
         print(f"conformance: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,241 @@
+"""Reference v16 activation frames (wire-v16-v17.md A.3-A.6), in plain Python.
+
+Functions (the v16/v17 kernel API, see ``frame_gen``):
+
+* ``validate_frame(desc, payload_len=None)``            A.5, the exact check order
+* ``frame_wire_bytes(codec, desc)``                     A.6.1
+* ``encode_frame(codec, desc, payload) -> bytes``        A.6.2
+* ``decode_frame(codec, data, version=16) -> (desc, payload)``  A.6.3 (v17: B.6.5)
+* ``select_frame_codec(desc, payload, permitted) -> codec``     A.6.4
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+
+from ...errors import InvalidDataError, UnexpectedEofError
+from ..activation_frame import ActivationFrameV16, ActivationPartV16
+from . import codec as _codec
+
+FRAME_VERSION = 2
+MAX_PARTS = 16
+OPTIONAL = 1
+HEADER = 68
+PART = 128
+MAX_BYTES = 536_870_912
+_U64 = 1 << 64
+ELEMENT_BYTES = {0: 4, 1: 2, 26: 4, 30: 2}
+RAW, F16, BF16, S8 = 1, 2, 3, 4
+
+_fixed = struct.Struct("<IiiiIIIQ32s")
+_part = struct.Struct("<32sIIiI4q4QQQ")
+
+
+def _err(text: str) -> InvalidDataError:
+    return InvalidDataError(text)
+
+
+def codec_id(codec) -> int:
+    codec = int(operator.index(codec))
+    if codec not in (RAW, F16, BF16, S8):
+        raise _err("unknown stage activation codec")
+    return codec
+
+
+def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
+    if desc.version != FRAME_VERSION:
+        raise _err("unsupported activation frame version")
+    if not 1 <= len(desc.parts) <= MAX_PARTS:
+        raise _err("activation frame part count is invalid")
+    if desc.payload_bytes > MAX_BYTES:
+        raise _err("decoded activation payload byte count exceeds maximum")
+    if payload_len is not None and payload_len != desc.payload_bytes:
+        raise _err("activation payload byte count mismatch")
+    offset = 0
+    seen = []
+    for p in desc.parts:
+        if p.flags & ~OPTIONAL:
+            raise _err("activation part has unsupported flags")
+        if bytes(p.identity) in seen:
+            raise _err("activation frame has duplicate part identities")
+        seen.append(bytes(p.identity))
+        if p.token_axis < 0:
+            raise _err("activation part has a negative token axis")
+        if not 1 <= p.rank <= 4 or p.token_axis >= p.rank:
+            raise _err("activation part shape is invalid")
+        if p.dimensions[p.token_axis] != desc.token_count:
+            raise _err("activation part token dimension does not match frame")
+        size = ELEMENT_BYTES.get(p.ggml_type)
+        if size is None:
+            raise _err("activation part has unsupported ggml type")
+        stride, count = size, 1
+        for k in range(p.rank):
+            d = p.dimensions[k]
+            if d <= 0:
+                raise _err("activation part dimension is not positive")
+            if p.byte_strides[k] != stride:
+                raise _err("activation part is not densely packed")
+            count *= d
+            if count >= _U64:
+                raise _err("activation part element count overflow")
+            stride *= d
+            if stride >= _U64:
+                raise _err("activation part stride overflow")
+        if p.payload_offset != offset or p.payload_bytes != count * size:
+            raise _err("activation part payload layout is inconsistent")
+        offset += p.payload_bytes
+        if offset >= _U64:
+            raise _err("activation payload byte count overflow")
+    if offset != desc.payload_bytes:
+        raise _err("activation descriptor payload size mismatch")
+
+
+def part_shape(p: ActivationPartV16) -> tuple:
+    """(rows, columns) of an F32 part under the element codec (A.4)."""
+    columns = p.dimensions[0]
+    return (p.payload_bytes // 4) // columns, columns
+
+
+def part_wire_bytes(codec: int, p: ActivationPartV16, capped: bool = True) -> int:
+    """A.4: the wire size of one part; F32 parts as the v15 encoded size (512 MiB cap)."""
+    if p.ggml_type != 0:
+        return p.payload_bytes
+    rows, columns = part_shape(p)
+    n = p.payload_bytes // 4
+    size = 4 * n if codec == RAW else 2 * n if codec in (F16, BF16) else rows * (columns + 4)
+    if capped and size > MAX_BYTES:
+        raise _err("activation payload byte count exceeds maximum")
+    return size
+
+
+def frame_wire_bytes(codec, desc: ActivationFrameV16) -> int:
+    codec = codec_id(codec)
+    validate_frame(desc)
+    total = HEADER + PART * len(desc.parts) + sum(part_wire_bytes(codec, p) for p in desc.parts)
+    if total > MAX_BYTES:
+        raise _err("activation frame wire byte count exceeds maximum")
+    return total
+
+
+def desc_bytes(desc: ActivationFrameV16) -> bytes:
+    """The descriptor exactly as given (A.3.1-A.3.2)."""
+    out = bytearray(_fixed.pack(desc.version, desc.producer_stage_index, desc.layer_start, desc.layer_end,
+                                desc.token_count, desc.sequence_count, len(desc.parts), desc.payload_bytes,
+                                bytes(desc.frontier_identity)))
+    for p in desc.parts:
+        out += _part.pack(bytes(p.identity), p.ggml_type, p.rank, p.token_axis, p.flags, *p.dimensions,
+                          *p.byte_strides, p.payload_offset, p.payload_bytes)
+    return bytes(out)
+
+
+def _view(data) -> memoryview:
+    view = memoryview(data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def encode_parts(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bytes:
+    """The payload section: each part encoded in order (A.4), first error wins."""
+    out = bytearray()
+    for p in desc.parts:
+        piece = payload[p.payload_offset:p.payload_offset + p.payload_bytes]
+        if p.ggml_type == 0:
+            rows, columns = part_shape(p)
+            out += _codec.encode_activation(codec, rows, columns, piece, 0)
+        else:
+            out += piece
+    return bytes(out)
+
+
+def encode_frame(codec, desc: ActivationFrameV16, payload) -> bytes:
+    codec = codec_id(codec)
+    payload = _view(payload)
+    validate_frame(desc, len(payload))
+    frame_wire_bytes(codec, desc)
+    return desc_bytes(desc) + encode_parts(codec, desc, payload)
+
+
+def _need(data: memoryview, end: int) -> None:
+    if end > len(data):
+        raise UnexpectedEofError()
+
+
+def read_desc(data: memoryview) -> ActivationFrameV16:
+    """A.6.3 steps 1-2: the header field by field; part_count is checked as soon as read."""
+    _need(data, 28)
+    version, producer, ls, le, tokens, seqs, count = struct.unpack_from("<IiiiIII", data, 0)
+    if not 1 <= count <= MAX_PARTS:
+        raise _err("activation frame part count is invalid")
+    _need(data, HEADER + PART * count)
+    payload_bytes, = struct.unpack_from("<Q", data, 28)
+    parts = []
+    for i in range(count):
+        f = _part.unpack_from(data, HEADER + PART * i)
+        parts.append(ActivationPartV16(f[0], f[1], f[2], f[3], f[4], f[5:9], f[9:13], f[13], f[14]))
+    return ActivationFrameV16(version, producer, ls, le, tokens, seqs, payload_bytes, bytes(data[36:68]), parts)
+
+
+def decode_parts(codec: int, desc: ActivationFrameV16, wire: memoryview) -> bytes:
+    """Decode a payload section whose size already matches (A.4 decoding)."""
+    out = bytearray()
+    pos = 0
+    for p in desc.parts:
+        size = part_wire_bytes(codec, p, capped=False)
+        piece = wire[pos:pos + size]
+        pos += size
+        if p.ggml_type == 0:
+            rows, columns = part_shape(p)
+            out += _codec.decode_activation(codec, rows, columns, piece, 0).tobytes()
+        else:
+            out += piece
+    return bytes(out)
+
+
+def decode_frame(codec, data, version: int = 16):
+    codec = codec_id(codec)
+    data = _view(data)
+    desc = read_desc(data)
+    validate_frame(desc)
+    start = HEADER + PART * len(desc.parts)
+    if version == 16:
+        if frame_wire_bytes(codec, desc) != len(data):
+            raise _err("activation frame wire byte count mismatch")
+    else:  # B.6.5: only the payload section is compared (part caps kept, no frame cap)
+        if sum(part_wire_bytes(codec, p) for p in desc.parts) != len(data) - start:
+            raise _err("activation frame wire byte count mismatch")
+    return desc, decode_parts(codec, desc, data[start:])
+
+
+def _lossless(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bool:
+    for p in desc.parts:
+        if p.ggml_type != 0:
+            continue
+        piece = payload[p.payload_offset:p.payload_offset + p.payload_bytes]
+        rows, columns = part_shape(p)
+        try:
+            wire = _codec.encode_activation(codec, rows, columns, piece, 0)
+            back = _codec.decode_activation(codec, rows, columns, wire, 0).tobytes()
+        except InvalidDataError:
+            return False
+        if back != bytes(piece):
+            return False
+    return True
+
+
+def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
+    payload = _view(payload)
+    validate_frame(desc, len(payload))
+    allowed = {codec_id(c) for c in permitted}
+    if RAW not in allowed:
+        raise _err("lossless activation selection requires RawF32 fallback")
+    best, best_size = RAW, frame_wire_bytes(RAW, desc)
+    for codec in (BF16, F16, S8, RAW):
+        if codec not in allowed:
+            continue
+        try:
+            size = frame_wire_bytes(codec, desc)
+        except InvalidDataError:
+            continue
+        if size < best_size and _lossless(codec, desc, payload):
+            best, best_size = codec, size
+    return best

@@ -1,0 +1,292 @@
+"""State version 17: activation agreements and profiles, and their JSON form
+(wire-v16-v17.md B.3, B.5).
+
+Plain data shared by both kernel implementations and the setup handshake
+(:mod:`skippy_wire.wire.setup`).  The JSON form is the one inside setup packets and in the
+vectors; :func:`parse_json` / the ``from_json`` constructors read it with the strictness of
+upstream's serde derive (integers in range and never floats or booleans, required fields
+present, duplicate fields refused, structs also accepted as arrays of their fields in
+order).  Any violation raises :class:`JsonShapeError`, which the setup turns into
+"decode stage setup".  Validity (B.5) is a kernel rule: ``kernels().validate_agreement``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Union
+
+from .activation_frame import ACTIVATION_AGREEMENT_GENERATION_BYTES, STAGE_ACTIVATION_IDENTITY_BYTES
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+
+class JsonShapeError(ValueError):
+    """A JSON value does not have the shape of the expected setup type (one line)."""
+
+
+class Fixed(NamedTuple):
+    """``{"Fixed": n}``: the axis always has ``value`` elements."""
+
+    value: int
+
+
+class Dynamic(NamedTuple):
+    """``{"Dynamic": {"min": a, "max": b}}``: the sender picks a value in [min, max] per frame."""
+
+    min: int
+    max: int
+
+
+class _Tokens:
+    """``"Tokens"``: the axis is the frame's token count (a singleton, :data:`TOKENS`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TOKENS"
+
+    def __reduce__(self):
+        return "TOKENS"
+
+
+TOKENS = _Tokens()
+Dimension = Union[Fixed, Dynamic, _Tokens]
+
+
+@dataclass
+class ActivationPartProfile:
+    identity: bytes
+    ggml_type: int
+    rank: int
+    token_axis: int
+    optional: bool
+    dimensions: tuple
+
+    def to_json(self) -> dict:
+        return {"identity": list(self.identity), "ggml_type": self.ggml_type, "rank": self.rank,
+                "token_axis": self.token_axis, "optional": self.optional,
+                "dimensions": [dimension_to_json(d) for d in self.dimensions]}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ActivationPartProfile":
+        v = _struct(obj, _PART_FIELDS, strict=False)
+        return cls(_byte_array(v["identity"], STAGE_ACTIVATION_IDENTITY_BYTES), _uint(v["ggml_type"], U32_MAX),
+                   _uint(v["rank"], U32_MAX), _uint(v["token_axis"], U32_MAX), _bool(v["optional"]),
+                   tuple(dimension_from_json(d) for d in _array(v["dimensions"], 4)))
+
+
+@dataclass
+class ActivationProfile:
+    id: int
+    producer_stage_index: int
+    layer_start: int
+    layer_end: int
+    frontier_identity: bytes
+    max_tokens: int
+    max_sequences: int
+    parts: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "producer_stage_index": self.producer_stage_index, "layer_start": self.layer_start,
+                "layer_end": self.layer_end, "frontier_identity": list(self.frontier_identity),
+                "max_tokens": self.max_tokens, "max_sequences": self.max_sequences,
+                "parts": [p.to_json() for p in self.parts]}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ActivationProfile":
+        v = _struct(obj, _PROFILE_FIELDS, strict=False)
+        return cls(_uint(v["id"], U32_MAX), _int32(v["producer_stage_index"]), _int32(v["layer_start"]),
+                   _int32(v["layer_end"]), _byte_array(v["frontier_identity"], STAGE_ACTIVATION_IDENTITY_BYTES),
+                   _uint(v["max_tokens"], U32_MAX), _uint(v["max_sequences"], U32_MAX),
+                   [ActivationPartProfile.from_json(p) for p in _array(v["parts"])])
+
+
+@dataclass
+class ActivationAgreement:
+    """A connection's agreement: a 16-byte generation and up to 16 profiles."""
+
+    generation: bytes
+    profiles: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"generation": list(self.generation), "profiles": [p.to_json() for p in self.profiles]}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ActivationAgreement":
+        v = _struct(obj, ("generation", "profiles"), strict=False)
+        return cls(generation_from_json(v["generation"]), [ActivationProfile.from_json(p) for p in _array(v["profiles"])])
+
+    def profile(self, profile_id: int) -> Optional[ActivationProfile]:
+        return next((p for p in self.profiles if p.id == profile_id), None)
+
+
+_PART_FIELDS = ("identity", "ggml_type", "rank", "token_axis", "optional", "dimensions")
+_PROFILE_FIELDS = ("id", "producer_stage_index", "layer_start", "layer_end", "frontier_identity", "max_tokens",
+                   "max_sequences", "parts")
+
+
+def dimension_to_json(d: Dimension) -> Any:
+    if isinstance(d, Fixed):
+        return {"Fixed": d.value}
+    if isinstance(d, Dynamic):
+        return {"Dynamic": {"min": d.min, "max": d.max}}
+    return "Tokens"
+
+
+def dimension_from_json(obj: Any) -> Dimension:
+    """An externally tagged enum: ``"Tokens"``, ``{"Tokens": null}``, ``{"Fixed": n}``,
+    ``{"Dynamic": {"min": a, "max": b}}`` (or ``[a, b]``)."""
+    if isinstance(obj, str):
+        if obj == "Tokens":
+            return TOKENS
+        raise JsonShapeError(f"invalid dimension variant {obj!r}")
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise JsonShapeError("a dimension is one of \"Tokens\", {\"Fixed\":n}, {\"Dynamic\":{...}}")
+    (tag, value), = obj.items()
+    if tag == "Tokens" and value is None:
+        return TOKENS
+    if tag == "Fixed":
+        return Fixed(_uint(value, U64_MAX))
+    if tag == "Dynamic":
+        v = _struct(value, ("min", "max"), strict=False)
+        return Dynamic(_uint(v["min"], U64_MAX), _uint(v["max"], U64_MAX))
+    raise JsonShapeError(f"invalid dimension variant {tag!r}")
+
+
+def generation_to_json(generation: bytes) -> list:
+    return list(generation)
+
+
+def generation_from_json(obj: Any) -> bytes:
+    return _byte_array(obj, ACTIVATION_AGREEMENT_GENERATION_BYTES)
+
+
+# --- serde-like JSON -------------------------------------------------------------------------
+def _no_constant(name: str):
+    raise JsonShapeError(f"{name} is not JSON")
+
+
+def _pairs(pairs: list) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise JsonShapeError(f"duplicate field `{key}`")
+        out[key] = value
+    return out
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, no duplicate fields,
+    no lone surrogates, nothing but whitespace after the value)."""
+    try:
+        text = bytes(body).decode("utf-8")
+        value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+    except JsonShapeError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise JsonShapeError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JsonShapeError("lone surrogate in a JSON string") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def dumps(value: Any) -> bytes:
+    """Compact serialization (no whitespace, fields in insertion order), as upstream."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _struct(obj: Any, names: tuple, *, strict: bool, optional: tuple = ()) -> dict:
+    """The fields of a struct given as an object (unknown fields refused when ``strict``,
+    ``optional`` fields may be missing and are then None) or as an array of every field."""
+    if isinstance(obj, list):
+        if len(obj) != len(names):
+            raise JsonShapeError(f"invalid length {len(obj)}, expected struct with {len(names)} elements")
+        return dict(zip(names, obj))
+    if not isinstance(obj, dict):
+        raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected a struct")
+    if strict:
+        for key in obj:
+            if key not in names:
+                raise JsonShapeError(f"unknown field `{key}`")
+    out = {}
+    for name in names:
+        if name in obj:
+            out[name] = obj[name]
+        elif name in optional:
+            out[name] = None
+        else:
+            raise JsonShapeError(f"missing field `{name}`")
+    return out
+
+
+def _type_name(obj: Any) -> str:
+    if obj is None:
+        return "null"
+    return {bool: "boolean", str: "string", list: "sequence", dict: "map", float: "floating point"}.get(
+        type(obj), "integer")
+
+
+def _array(obj: Any, length: Optional[int] = None) -> list:
+    if not isinstance(obj, list):
+        raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected an array")
+    if length is not None and len(obj) != length:
+        raise JsonShapeError(f"invalid length {len(obj)}, expected an array of length {length}")
+    return obj
+
+
+def _uint(obj: Any, maximum: int) -> int:
+    if type(obj) is not int or not 0 <= obj <= maximum:
+        raise JsonShapeError(f"invalid value: {obj!r}, expected an integer in 0..={maximum}")
+    return obj
+
+
+def _int32(obj: Any) -> int:
+    if type(obj) is not int or not I32_MIN <= obj <= I32_MAX:
+        raise JsonShapeError(f"invalid value: {obj!r}, expected i32")
+    return obj
+
+
+def _bool(obj: Any) -> bool:
+    if type(obj) is not bool:
+        raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected a boolean")
+    return obj
+
+
+def _string(obj: Any) -> str:
+    if type(obj) is not str:
+        raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected a string")
+    return obj
+
+
+def _byte_array(obj: Any, length: int) -> bytes:
+    return bytes(_uint(b, 255) for b in _array(obj, length))
+
+
+# Helpers for the setup bodies (same rules, public under these names).
+json_struct = _struct
+json_uint = _uint
+json_string = _string
+
+__all__ = [
+    "JsonShapeError", "Fixed", "Dynamic", "TOKENS", "Dimension", "ActivationPartProfile", "ActivationProfile",
+    "ActivationAgreement", "dimension_to_json", "dimension_from_json", "generation_to_json", "generation_from_json",
+    "parse_json", "dumps", "json_struct", "json_uint", "json_string", "U32_MAX", "U64_MAX",
+]
