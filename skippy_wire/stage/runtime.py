@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
+from . import _ggml
 from .activation import *  # noqa: F401,F403  (re-exported public types)
 from .activation import __all__ as _activation_all
 from .activation import (
@@ -50,9 +51,7 @@ MAX_BUFFER_RETRIES = 8
 
 
 def _default_backend() -> ModuleType:
-    from . import _backend  # compiled extension; imported on first use
-
-    return _backend
+    return _ggml.load_backend()  # compiled extension, checked against this CPU; on first use
 
 
 def _ensure_ok(status: int, message: Optional[str]) -> None:
