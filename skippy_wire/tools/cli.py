@@ -17,16 +17,18 @@ COMMANDS = {
     "inspect": ("skippy_wire.tools.inspect", "dissect a byte stream of stage messages and replies"),
     "conformance": ("skippy_wire.tools.conformance", "run golden-vector files (*.jsonl) against an implementation"),
     "bench": ("skippy_wire.tools.bench", "measure codec and framing throughput against reference encoders"),
+    "bench-backend": ("skippy_wire.tools.backend_bench", "stage backend prefill/decode side by side with llama.cpp"),
     "verify-exhaustive": ("skippy_wire.tools.verify", "check every f32 bit pattern through the compiled encoders"),
     "demo": ("skippy_wire.tools.demo", "encode a realistic activation through every codec"),
 }
+VERSION_MODULE = "skippy_wire.tools.backend_bench"
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: skippy-wire COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines.append("\nWith no command, `run` is used.")
+    lines.append("\nWith no command, `run` is used.  --version: the package and the live ggml build.")
     return "\n".join(lines)
 
 
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if args[:1] == ["--version"]:
+        print(importlib.import_module(VERSION_MODULE).version_line())
         return 0
     # `skippy-wire "a prompt"` and `skippy-wire --max-tokens 8` both mean `run`.
     command = args.pop(0) if args and args[0] in COMMANDS else "run"

@@ -1,0 +1,153 @@
+"""Which ggml the backend carries: the source build for this CPU (ggml_build.py), its live
+CPU variant against /proc/cpuinfo, and the loud libggml-python wheel fallback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.stage import _ggml
+from skippy_wire.tools import backend_bench, cli
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ggml_build", ROOT / "ggml_build.py")
+ggml_build = importlib.util.module_from_spec(_spec)
+sys.modules["ggml_build"] = ggml_build  # its dataclass looks its module up
+_spec.loader.exec_module(ggml_build)
+
+B = _ggml.load_backend()
+# live ggml-cpu feature -> the /proc/cpuinfo flags that make the source build compile it
+LIVE_TO_CPU = {
+    "avx": ("avx",),
+    "avx2": ("avx2",),
+    "bmi2": ("bmi2",),
+    "f16c": ("f16c",),
+    "fma": ("fma",),
+    "avx_vnni": ("avx_vnni",),
+    "avx512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "avx512_vbmi": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi"),
+    "avx512_vnni": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni"),
+    "avx512_bf16": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_bf16"),
+}
+WHEEL_INFO = {"source": "wheel", "reason": "forced by SKIPPY_WIRE_GGML=wheel", "cpu_flags_required": []}
+
+
+def _x86() -> bool:
+    return ggml_build.platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_live_build_is_the_source_build():
+    info = _ggml.live_build(B)
+    if info["source"] != _ggml.SOURCE_BUILD:
+        # Only a deliberately forced fallback is acceptable; an unforced one is the failure.
+        assert ggml_build.ENV_MODE in info["reason"], f"the ggml source build was not used: {info['reason']}"
+        return
+    assert info["live_version"] == info["ggml_version"] == ggml_build.GGML_VERSION
+    assert info["dist"] == f"{ggml_build.GGML_DIST}=={ggml_build.GGML_DIST_VERSION}"
+    readelf = shutil.which("readelf")
+    assert readelf, "binutils' readelf is needed to check the extension's links"
+    needed = subprocess.run([readelf, "-d", B.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libggml" not in needed  # ggml is linked in, not the wheel's shared libraries
+    assert "NEEDED" in needed
+
+
+def test_live_variant_matches_cpu_flags():
+    info = _ggml.live_build(B)
+    live = set(info["live_features"])
+    flags = _ggml.cpu_flags()
+    assert "amx_int8" not in live  # AMX is never compiled in (it faults in VMs that advertise it)
+    if info["source"] != _ggml.SOURCE_BUILD or not _x86():
+        assert not {"avx512", "avx512_vnni"} & live  # the wheel is an AVX2 build
+        return
+    expected = {feat for feat, need in LIVE_TO_CPU.items() if all(f in flags for f in need)}
+    assert live & set(LIVE_TO_CPU) == expected
+    assert "llamafile" in live
+    assert _ggml.missing_cpu_flags(info, flags) == []
+    assert set(info["cpu_flags_required"]) <= flags
+
+
+def test_version_and_bench_header_name_the_live_build(capsys):
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    info = _ggml.live_build(B)
+    assert out.startswith("skippy_wire ")
+    assert f"ggml {info['live_version']}" in out and ",".join(info["live_features"]) in out
+    head = backend_bench.header()
+    assert _ggml.describe(B) in head and "cpu: " in head
+    assert ("built from source" in out) == (info["source"] == _ggml.SOURCE_BUILD)
+
+
+def test_choose_features_follows_cpuinfo_and_never_amx():
+    flags = ggml_build.cpu_flags("flags\t\t: sse4_2 avx avx2 fma f16c bmi2 avx512_vnni amx_tile amx_int8 amx_bf16\n")
+    on = ggml_build.choose_features(flags, "cc", probe=False)
+    assert on == ["GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C"]  # no VNNI without AVX512F
+    cmake = ggml_build.cmake_flags(on)
+    if _x86():
+        assert "-DGGML_NATIVE=OFF" in cmake and "-DGGML_AVX512=OFF" in cmake and "-DGGML_AVX2=ON" in cmake
+        assert all(f"-D{o}=OFF" in cmake for o in ggml_build.ALWAYS_OFF)
+    full = ggml_build.cpu_flags("flags : avx2 avx512f avx512cd avx512vl avx512dq avx512bw avx512_bf16\n")
+    assert ggml_build.choose_features(full, "cc", probe=False) == ["GGML_AVX2", "GGML_AVX512", "GGML_AVX512_BF16"]
+    # the build key changes with the flags, so a different CPU never reuses a cached build
+    assert ggml_build.build_key(ggml_build.cmake_flags(on), "cc") != ggml_build.build_key(cmake + ["-DX=1"], "cc")
+
+
+def test_forced_fallback_warns_at_build(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv(ggml_build.ENV_MODE, ggml_build.MODE_WHEEL)
+    build = ggml_build.resolve(lambda: tmp_path)
+    assert build.source == _ggml.WHEEL_BUILD and build.lib_dir == tmp_path / "lib64" and not build.static_libs
+    assert build.info()["reason"] == f"forced by {ggml_build.ENV_MODE}={ggml_build.MODE_WHEEL}"
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "libggml-python wheel" in err and ggml_build.ENV_MODE in err
+    monkeypatch.setenv(ggml_build.ENV_MODE, "fast")
+    with pytest.raises(SystemExit):
+        ggml_build.resolve(lambda: tmp_path)
+
+
+def test_impossible_source_build_falls_back_loudly(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv(ggml_build.ENV_MODE, raising=False)
+    monkeypatch.setattr(ggml_build.shutil, "which", lambda name: None)  # no cmake here
+    build = ggml_build.resolve(lambda: tmp_path)
+    assert build.source == _ggml.WHEEL_BUILD and "cmake not found" in build.reason
+    assert "cmake not found" in capsys.readouterr().err
+
+
+def test_fallback_warns_at_run_time(monkeypatch):
+    with pytest.warns(_ggml.GgmlFallbackWarning, match="portable libggml-python wheel"):
+        _ggml.check(WHEEL_INFO, {"avx2"})
+    monkeypatch.setattr(_ggml, "build_info", lambda path=None: dict(WHEEL_INFO))
+    with pytest.warns(_ggml.GgmlFallbackWarning):
+        assert _ggml.load_backend() is B
+    assert "WARNING: " in backend_bench.header()
+
+
+def test_build_for_another_cpu_is_refused_not_crashed():
+    info = {"source": "sdist", "cpu_flags_required": ["avx2", "avx512f"]}
+    with pytest.raises(ImportError, match="avx512f"):
+        _ggml.check(info, {"avx2", "fma"})
+    _ggml.check(info, {"avx2", "avx512f"})  # no warning: the filterwarnings=error setting would raise
+    _ggml.check(info, set())  # no /proc/cpuinfo: nothing to check against
+
+
+def test_build_record_is_read(tmp_path):
+    assert _ggml.build_info(tmp_path / "missing.json")["source"] == "unknown"
+    assert _ggml.fallback_warning({"source": "unknown", "reason": "no build record"}).endswith(
+        "no build record; reinstall with cmake available to build it")
+    assert _ggml.fallback_warning({"source": "sdist"}) is None
+
+
+def test_ggml_build_script_runs_from_its_cache():
+    info = _ggml.build_info()
+    if info["source"] != _ggml.SOURCE_BUILD:
+        assert ggml_build.ENV_MODE in info["reason"], f"the ggml source build was not used: {info['reason']}"
+        return
+    env = {**os.environ, ggml_build.ENV_CACHE: str(Path(info["cache_dir"]).parent)}
+    run = subprocess.run([sys.executable, str(ROOT / "ggml_build.py")], capture_output=True, text=True, timeout=120,
+                         check=True, env=env)
+    assert "source build cached" in run.stderr  # a reinstall on the same CPU rebuilds nothing
+    assert f'"key": "{info["key"]}"' in run.stdout
