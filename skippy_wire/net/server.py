@@ -55,6 +55,7 @@ from ..wire.frame import (
 from ..wire.constants import READY_BYTES
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats
+from .batching import DecodeBatcher, DecodeStep
 from .transport import Peer, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -141,6 +142,15 @@ class RuntimeBackend:
         token, frame = session.decode_step_frame_sampled(token, sampling if self.is_terminal else None, input=inp)
         return int(token), self._output(frame)
 
+    def decode_batch(self, steps) -> list:
+        """Several sessions' decode steps as one native batch (:mod:`.batching`)."""
+        requests = [runtime.DecodeFrameBatchRequest(step.session, step.token,
+                                                    step.sampling if self.is_terminal else None,
+                                                    self._input(step.activation, 1, step.state_flags))
+                    for step in steps]
+        return [(int(out.predicted_token), self._output(out.output))
+                for out in runtime.decode_step_frame_batch_sampled(requests)]
+
     def trim(self, session, token_count: int) -> None:
         session.trim_session(token_count)
 
@@ -165,6 +175,7 @@ class SessionStats:
     downstream_wait_ms: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    batched_decode_steps: int = 0  # decode steps that ran in a batch with other sessions'
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -199,14 +210,17 @@ class StageServer:
     a message), ``idle_timeout`` (seconds a connection may sit between messages; None =
     forever), ``reply_timeout`` (seconds to wait for the downstream reply), ``capture``
     (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
-    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts).
+    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace``
+    (a text file receiving one ``START_NS END_NS`` line per stretch of compute).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
                  host: str = "127.0.0.1", port: int = 0, io_timeout: float = DEFAULT_IO_TIMEOUT,
                  idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
-                 capture: str | None = None, events: EventSink | None = None) -> None:
+                 capture: str | None = None, events: EventSink | None = None,
+                 compute_trace=None) -> None:
         self.backend = backend
+        self.compute_trace = compute_trace
         self.config = config
         self.downstream = downstream
         self.io_timeout = io_timeout
@@ -227,6 +241,11 @@ class StageServer:
                 f"stage {config.stage_index} ends at layer {backend.layer_end}, not the last "
                 "layer, so it needs --downstream")
         self._runtime_lock = threading.Lock()
+        self._batcher = DecodeBatcher(
+            lambda steps: backend.decode_batch(steps),
+            lambda step: backend.decode(step.session, step.token, step.activation, step.state_flags,
+                                        sampling=step.sampling),
+            self._runtime_lock, on_compute=self._trace_compute)
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
@@ -377,17 +396,21 @@ class StageServer:
         if self.backend.is_source and len(tokens) != msg.token_count:
             raise StageError(f"first stage needs {msg.token_count} tokens, message carries {len(tokens)}")
         started = time.perf_counter()
-        with self._runtime_lock:
-            if kind == K.DECODE_EMBD:
-                token = tokens[0] if tokens else msg.state.current_token
-                predicted, frame = self.backend.decode(
-                    session.runtime, token, msg.activation, msg.state.flags, sampling=sampling)
-                session.stats.decode_tokens += 1
-            else:
+        if kind == K.DECODE_EMBD:
+            token = tokens[0] if tokens else msg.state.current_token
+            step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
+            predicted, frame = self._batcher.decode(step)
+            session.stats.decode_tokens += 1
+            if step.batch_size > 1:
+                session.stats.batched_decode_steps += 1
+        else:
+            with self._runtime_lock:
+                start_ns = time.monotonic_ns()
                 predicted, frame = self.backend.prefill(
                     session.runtime, tokens, msg.activation, msg.state.flags,
                     sample=kind.requires_predicted_reply, sampling=sampling)
-                session.stats.prefill_tokens += len(tokens)
+                self._trace_compute(start_ns, time.monotonic_ns())
+            session.stats.prefill_tokens += len(tokens)
         compute_us = int((time.perf_counter() - started) * 1e6)
         session.stats.compute_ms += compute_us / 1000.0
 
@@ -397,6 +420,12 @@ class StageServer:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
         return self._forward(msg, frame, session, downstream, compute_us)
+
+    def _trace_compute(self, start_ns: int, end_ns: int) -> None:
+        """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
+        across the stage processes of one machine) when a trace file was given."""
+        if self.compute_trace is not None:
+            self.compute_trace.write(f"{start_ns} {end_ns}\n")
 
     def _check_position(self, msg, session: _Session) -> None:
         """``pos_start`` against the session's token count.

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (the driver holds it open, so stages die with it)")
+    p.add_argument("--trace-compute", default=None, metavar="DIR",
+                   help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
+                        "(monotonic clock; the serving benchmark measures overlap with it)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -95,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         threads = args.threads or default_threads()
         backend = RuntimeBackend.open(args.model, args.layer_start, args.layer_end, stage_index=stage_index,
                                       ctx_size=args.ctx_size, n_threads=threads)
+        trace = (open(os.path.join(args.trace_compute, f"stage{stage_index}.trace"), "a", buffering=1)
+                 if args.trace_compute else None)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
-                             reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event)
+                             reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
+                             compute_trace=trace)
     except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
         print(f"skippy-wire serve: cannot start stage {stage_index}: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,189 @@
+"""Serving throughput of ``skippy-wire api`` against one request and against ``run``.
+
+    python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2]
+
+Starts the stage processes once (1 thread each) with a compute trace, then, alternating in
+rounds, measures on the same stages:
+
+- ``run``: the driver's own generation (``PipelineClient.generate``, what ``skippy-wire run``
+  does) of one request;
+- one streaming request over HTTP (``skippy-wire api --connect``);
+- ``--concurrency`` streaming requests at once;
+
+each greedy with ``--tokens`` new tokens.  It prints the best round of each: aggregate
+tokens/s (completion tokens of all requests over the wall time from the first request sent
+to the last token received), decode tokens/s of a single stream, time to first token, and
+the fraction of the wall time during which every stage computed at once (from the stages'
+``--trace-compute`` files).  Ratios are against the one-request figures of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.supervision import default_model, launch_pipeline
+from skippy_wire.stage.models import Tokenizer
+
+PROMPTS = [f"Write a long story about {name}, a {job} who lives in a small town by the sea."
+           for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
+                             ("Eve", "pilot"), ("Finn", "teacher"), ("Gus", "farmer"), ("Hana", "singer"))]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def stream(url: str, prompt: str, tokens: int) -> dict:
+    """One streaming completion: send time, token arrival times, text."""
+    sent = time.perf_counter()
+    stamps, text = [], []
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                piece = json.loads(line[6:])["choices"][0]
+                if piece["text"]:
+                    stamps.append(time.perf_counter())
+                    text.append(piece["text"])
+    return {"sent": sent, "stamps": stamps, "text": "".join(text)}
+
+
+def busy_intervals(path: Path, start_ns: int, end_ns: int) -> list[tuple[int, int]]:
+    """The stage's compute stretches inside [start_ns, end_ns], merged."""
+    spans = []
+    for line in path.read_text().split("\n"):
+        if line.strip():
+            a, b = map(int, line.split())
+            a, b = max(a, start_ns), min(b, end_ns)
+            if a < b:
+                spans.append((a, b))
+    spans.sort()
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def all_busy_fraction(traces: list[Path], start_ns: int, end_ns: int) -> float:
+    """Fraction of [start_ns, end_ns] during which every stage computed."""
+    common = busy_intervals(traces[0], start_ns, end_ns)
+    for trace in traces[1:]:
+        other, out, i, j = busy_intervals(trace, start_ns, end_ns), [], 0, 0
+        while i < len(common) and j < len(other):
+            a, b = max(common[i][0], other[j][0]), min(common[i][1], other[j][1])
+            if a < b:
+                out.append((a, b))
+            if common[i][1] < other[j][1]:
+                i += 1
+            else:
+                j += 1
+        common = out
+    return sum(b - a for a, b in common) / max(1, end_ns - start_ns)
+
+
+def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
+    start_ns = time.monotonic_ns()
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda p: stream(url, p, tokens), PROMPTS[:n]))
+    wall = max(r["stamps"][-1] for r in results) - t0
+    end_ns = time.monotonic_ns()
+    count = sum(len(r["stamps"]) for r in results)
+    single = results[0]["stamps"]
+    return {"agg_tok_s": count / wall, "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
+            "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
+            "all_busy": all_busy_fraction(traces, start_ns, end_ns), "texts": [r["text"] for r in results]}
+
+
+def run_round(entry, tokenizer, tokens: int) -> dict:
+    prompt = tokenizer.encode(PROMPTS[0])
+    with PipelineClient(*entry) as client:
+        t0 = time.perf_counter()
+        result = client.generate(prompt, max_tokens=tokens, is_eog=tokenizer.is_eog)
+        wall = time.perf_counter() - t0
+    return {"agg_tok_s": len(result.tokens) / wall, "decode_tok_s": result.decode_tok_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    args = p.parse_args(argv)
+    model = default_model()
+    tokenizer = Tokenizer.from_gguf(model)
+    trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
+    with launch_pipeline(model, args.stages, threads=1, ctx_size=1024,
+                         extra_args=["--trace-compute", str(trace_dir)]) as cluster:
+        host, port = cluster.entry
+        api = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--connect", f"{host}:{port}",
+                                "--listen", "127.0.0.1:0", "--ctx-size", "1024"],
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            url = None
+            while url is None:
+                line = api.stderr.readline()
+                if not line:
+                    raise SystemExit("the api process ended before listening")
+                m = re.search(r"API on (http://[\d.]+:\d+)/v1", line)
+                url = m.group(1) if m else None
+            traces = [trace_dir / f"stage{i}.trace" for i in range(args.stages)]
+            stream(url, PROMPTS[0], 8)  # warm-up
+            best: dict[str, dict] = {}
+            for _ in range(args.rounds):
+                for name, fn in (("run", lambda: run_round(cluster.entry, tokenizer, args.tokens)),
+                                 ("1", lambda: concurrent_round(url, 1, args.tokens, traces)),
+                                 (str(args.concurrency),
+                                  lambda: concurrent_round(url, args.concurrency, args.tokens, traces))):
+                    r = fn()
+                    if name not in best or r["agg_tok_s"] > best[name]["agg_tok_s"]:
+                        best[name] = r
+        finally:
+            os.killpg(api.pid, signal.SIGINT)
+            api.wait(30)
+            api.stderr.close()
+    one, many, run = best["1"], best[str(args.concurrency)], best["run"]
+    print(f"# serving benchmark: {args.stages} stage processes x 1 thread, SmolLM2-135M Q4_1, greedy, "
+          f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
+          f"{os.cpu_count()} cores")
+    print("| figure | value | ratio |")
+    print("|---|---|---|")
+    print(f"| `run` (driver alone): decode tok/s | {run['decode_tok_s']:.1f} | |")
+    print(f"| 1 streaming request over HTTP: decode tok/s | {one['stream_decode_tok_s']:.1f} | "
+          f"{one['stream_decode_tok_s'] / run['decode_tok_s']:.2f}x `run` |")
+    print(f"| 1 request: aggregate tok/s | {one['agg_tok_s']:.1f} | 1.00x |")
+    print(f"| {args.concurrency} concurrent requests: aggregate tok/s | {many['agg_tok_s']:.1f} | "
+          f"{many['agg_tok_s'] / one['agg_tok_s']:.2f}x one request |")
+    print(f"| time to first token, 1 request | {one['ttft_s'] * 1000:.0f} ms | |")
+    print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
+    print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")
+    print(f"| all stages computing at once, {args.concurrency} requests | {many['all_busy'] * 100:.1f}% | |")
+    same = many["texts"][0] == one["texts"][0]
+    print(f"\nfirst request's text identical alone and among {args.concurrency}: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Decode steps of several sessions at one stage, run as one multi-session batch.
+
+Each upstream connection of a stage is served by its own thread.  When several sessions
+decode at once, their DecodeEmbd messages reach a stage while it is computing another
+session's step; :class:`DecodeBatcher` queues them, and the next thread to get the runtime
+runs everything queued as ONE native batch (the weight matmuls run over all rows together,
+attention per session over its own cache), then hands each thread its own result.  A lone
+session pays nothing extra: its thread finds the runtime free and runs its step alone.
+
+A failed batch is retried one step at a time, so one session's failure (its context is
+full, say) fails only that session.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+#: Steps run together at most (the native batch also caps the rows at its n_batch).
+DEFAULT_MAX_BATCH = 16
+
+
+@dataclass
+class DecodeStep:
+    """One session's decode step and, once run, its outcome."""
+
+    session: Any
+    token: int
+    activation: Any
+    state_flags: int
+    sampling: Any
+    result: Optional[tuple] = None  # (predicted token, output frame)
+    error: Optional[BaseException] = None
+    done: bool = False
+    batch_size: int = 0  # how many steps ran together with this one (for the stats)
+    compute_s: float = field(default=0.0)
+
+
+class DecodeBatcher:
+    """Runs queued decode steps together under the stage's runtime lock.
+
+    ``run_batch(steps) -> [(predicted, frame), ...]`` runs several steps as one batch and
+    ``run_one(step) -> (predicted, frame)`` runs one; both are called with ``lock`` held.
+    ``on_compute(start_ns, end_ns)`` hears of every stretch of compute (monotonic clock).
+    """
+
+    def __init__(self, run_batch: Callable[[Sequence[DecodeStep]], list], run_one: Callable[[DecodeStep], tuple],
+                 lock: threading.Lock, max_batch: int = DEFAULT_MAX_BATCH,
+                 on_compute: Optional[Callable[[int, int], None]] = None) -> None:
+        self._on_compute = on_compute or (lambda start_ns, end_ns: None)
+        self._run_batch = run_batch
+        self._run_one = run_one
+        self._lock = lock
+        self._max_batch = max_batch
+        self._queue: list[DecodeStep] = []
+        self._queue_lock = threading.Lock()
+        self.batches = 0
+        self.batched_steps = 0
+
+    def decode(self, step: DecodeStep) -> tuple:
+        """Run ``step`` (alone or with the steps queued beside it); its result or error."""
+        with self._queue_lock:
+            self._queue.append(step)
+        while not step.done:
+            with self._lock:
+                if step.done:  # another thread ran it while this one waited for the lock
+                    break
+                with self._queue_lock:
+                    batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch:]
+                start_ns = time.monotonic_ns()
+                self._execute(batch)
+                self._on_compute(start_ns, time.monotonic_ns())
+        if step.error is not None:
+            raise step.error
+        return step.result
+
+    def _execute(self, batch: list[DecodeStep]) -> None:
+        started = time.perf_counter()
+        if len(batch) > 1:
+            try:
+                results = self._run_batch(batch)
+            except Exception:  # noqa: BLE001 -- isolate the failing step below
+                results = None
+            if results is not None:
+                self.batches += 1
+                self.batched_steps += len(batch)
+                elapsed = time.perf_counter() - started
+                for step, result in zip(batch, results):
+                    step.result, step.batch_size, step.compute_s, step.done = result, len(batch), elapsed, True
+                return
+        for step in batch:
+            one_started = time.perf_counter()
+            try:
+                step.result = self._run_one(step)
+            except BaseException as exc:  # noqa: BLE001 -- re-raised in the step's own thread
+                step.error = exc
+            step.batch_size, step.compute_s, step.done = 1, time.perf_counter() - one_started, True
