@@ -14,7 +14,6 @@ M > 0 (2 for usage errors).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..wire.messages import (
     f32_bits,
     f32_from_bits,
 )
+from .options import EXIT_USAGE, Parser, error_line, int_at_least
 
 GROUPS = ("activation", "activation_decode", "select", "frame", "malformed")
 
@@ -414,18 +414,22 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="skippy-wire conformance", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="skippy-wire conformance", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", metavar="DIR", help="directories (searched for *.jsonl) or files")
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
-    parser.add_argument("--max-report", type=int, default=10, help="failures to print in full (default 10)")
+    parser.add_argument("--max-report", type=int_at_least(0), default=10,
+                        help="failures to print in full (default 10)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-group counts")
     args = parser.parse_args(argv)
+    for path in map(Path, args.paths):
+        if not path.exists():
+            parser.error(f"{path}: no such file or directory")
     try:
         _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose)
-    except (FileNotFoundError, ImportError) as exc:
-        print(f"conformance: {exc}", file=sys.stderr)
-        return 2
+    except ImportError as exc:
+        print(error_line(f"implementation {args.impl} is not available: {exc}"), file=sys.stderr)
+        return EXIT_USAGE
     return 1 if failed else 0
 
 
