@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="write each stage's log to DIR/stageK.log (default: discarded)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each stage's log to DIR/stageK.log (default: discarded)")
     return p
 
 

@@ -30,6 +30,7 @@ from typing import TextIO
 
 from ..wire.constants import ActivationCodec, activation_payload_multiplier_from_state_flags
 from ..errors import DissectError, WireError
+from .options import Parser
 
 READY_BYTES = b"\x59\x44\x52\x53"
 
@@ -194,7 +195,7 @@ def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skippy-wire inspect",
+    p = Parser(prog="skippy-wire inspect",
                                 description="Dissect a captured byte stream of stage messages or replies.")
     p.add_argument("file", help="capture file, or - for stdin")
     direction = p.add_mutually_exclusive_group()

@@ -119,5 +119,5 @@ def utf8(text: str) -> str:
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
-           "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least", "int_between", "float_above", "float_at_least",
-           "float_between", "address", "utf8"]
+           "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least", "int_between", "float_above",
+           "float_at_least", "float_between", "address", "utf8"]

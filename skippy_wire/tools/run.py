@@ -187,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the text and the summary as one JSON object on stdout, nothing else (default: off)")
     p.add_argument("--capture", default=None, metavar="DIR",
-                   help="record every hop's bytes to DIR/hopK-{messages,replies}.bin (see `skippy-wire inspect`; default: none)")
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="write each stage's log to DIR/stageK.log (default: a temporary directory, removed)")
+                   help="record every hop's bytes to DIR/hopK-{messages,replies}.bin "
+                        "(see `skippy-wire inspect`; default: none)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each stage's log to DIR/stageK.log (default: a temporary directory, removed)")
     p.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                    help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
                         "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent "
