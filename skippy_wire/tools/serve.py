@@ -22,7 +22,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
 from .options import (EXIT_FAILURE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
-                      int_at_least, utf8)
+                      int_at_least)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("skippy_wire.tools.serve")
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.",
                formatter_class=DefaultsFormatter)
-    p.add_argument("--model", required=True, type=utf8, help="GGUF model path")
+    p.add_argument("--model", required=True, help="GGUF model path")
     p.add_argument("--layer-start", type=int_at_least(0), required=True, help="first layer")
     p.add_argument("--layer-end", type=int_at_least(1), required=True, help="exclusive")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,
