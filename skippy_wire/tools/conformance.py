@@ -422,9 +422,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="failures to print in full (default 10)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-group counts")
     args = parser.parse_args(argv)
-    for path in map(Path, args.paths):
-        if not path.exists():
-            parser.error(f"{path}: no such file or directory")
+    missing = [path for path in args.paths if not Path(path).exists()]
+    if missing:
+        print(error_line(f"{missing[0]}: no such file or directory"), file=sys.stderr)
+        return EXIT_USAGE
     try:
         _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose)
     except ImportError as exc:

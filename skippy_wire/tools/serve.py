@@ -21,7 +21,7 @@ from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBacke
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
+from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
                       int_at_least)
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -91,6 +91,11 @@ def _print_event(event: dict) -> None:
     sys.stdout.flush()
 
 
+def _usage_error(message: str) -> int:
+    print(error_line(message), file=sys.stderr)
+    return EXIT_USAGE
+
+
 def _cannot_start(stage_index: int, reason: str) -> int:
     """Report why the stage cannot start: an "error" event (quoted by the driver) and stderr."""
     message = f"stage {stage_index} cannot start: {reason}"
@@ -103,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.layer_end <= args.layer_start:
-        parser.error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
+        return _usage_error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
     stage_index = args.stage_index
     if stage_index is None:
         if args.layer_start != 0:
-            parser.error("--stage-index is required when --layer-start > 0")
+            return _usage_error("--stage-index is required when --layer-start > 0")
         stage_index = 0
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
