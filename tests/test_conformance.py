@@ -72,8 +72,9 @@ def test_unknown_group_and_bad_json_fail(tmp_path, capsys):
     assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
 
 
-def test_missing_path_is_a_usage_error(tmp_path):
+def test_missing_path_is_a_usage_error(tmp_path, capsys):
     assert conformance.main([str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err == f"skippy-wire: error: {tmp_path / 'absent'}: no such file or directory\n"
 
 
 def test_command_line_entry_point(vectors_dir):

@@ -76,7 +76,7 @@ def test_version_and_bench_header_name_the_live_build(capsys):
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out
     info = _ggml.live_build(B)
-    assert out.startswith("skippy_wire ")
+    assert out.startswith("skippy-wire ")
     assert f"ggml {info['live_version']}" in out and ",".join(info["live_features"]) in out
     head = backend_bench.header()
     assert _ggml.describe(B) in head and "cpu: " in head

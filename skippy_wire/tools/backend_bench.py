@@ -237,11 +237,6 @@ def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
         print(f"{threads:>7} | {cells[0]} | {cells[1]}", flush=True)
 
 
-def version_line():
-    """``skippy-wire --version``: the package and the live ggml build."""
-    return f"skippy_wire {importlib.metadata.version('skippy_wire')}; {_ggml.describe(B)}"
-
-
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--llama-worker"]:

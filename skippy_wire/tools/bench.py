@@ -28,6 +28,7 @@ from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
 from . import frame_bench
 from .bench_rows import Producer, Ratio, Row
+from .options import Parser
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
 JUDGED = (128, 4096)  # issue #3 judges the ratios at this size
@@ -196,7 +197,7 @@ def _machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skippy-wire bench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="skippy-wire bench", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=_parse_sizes, default=SIZES, help="comma-separated TOKENSxN_EMBD (default 1x4096,128x4096,2048x4096)")
     parser.add_argument("--repeat", type=int, default=7, help="timing rounds per operation (best is kept)")
     parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timing round")

@@ -1,14 +1,27 @@
 """The ``skippy-wire`` command (also ``python -m skippy_wire``).
 
 Each subcommand lives in the module of its concept and exposes ``main(argv) -> int``;
-this file only dispatches, importing the module on demand so that one command never
-pays for another's imports.
+this file dispatches, importing the module on demand so that one command never pays for
+another's imports, and owns the one place where failures become what the user sees:
+
+* a ``SkippyError``, ``OSError`` or ``ValueError`` escaping a subcommand: one line
+  ``skippy-wire: error: ...`` on stderr, exit status 1 (usage errors exit 2 from argparse,
+  with the same prefix, see :class:`skippy_wire.tools.options.Parser`);
+* Ctrl-C: exit 130 quietly (the subcommand's ``with``/``finally`` blocks have already
+  stopped its stage processes);
+* a closed stdout (``skippy-wire run | head``): exit 141 quietly.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.metadata
+import os
 import sys
+
+from ..errors import SkippyError
+from .options import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, describe, error_line
 
 COMMANDS = {
     "run": ("skippy_wire.tools.run", "generate text through a pipeline of stage processes (the main job)"),
@@ -21,29 +34,91 @@ COMMANDS = {
     "verify-exhaustive": ("skippy_wire.tools.verify", "check every f32 bit pattern through the compiled encoders"),
     "demo": ("skippy_wire.tools.demo", "encode a realistic activation through every codec"),
 }
-VERSION_MODULE = "skippy_wire.tools.backend_bench"
+#: How close (difflib ratio) a one-word first argument must be to a command name to be
+#: taken for a mistyped command rather than a prompt.
+TYPO_CUTOFF = 0.75
+DISTRIBUTION = "skippy_wire"
+
+
+def version_text() -> str:
+    """What ``skippy-wire --version`` prints (one function, so more build facts can join it)."""
+    try:
+        version = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    ggml = importlib.import_module("skippy_wire.stage._ggml")
+    try:
+        build = ggml.describe(ggml.load_backend())
+    except ImportError as exc:
+        build = f"no ggml backend ({exc})"
+    return f"skippy-wire {version}; {build}"
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: skippy-wire COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: skippy-wire [--version] COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines.append("\nWith no command, `run` is used.  --version: the package and the live ggml build.")
+    lines.append("\nWith no command, `run` is used: `skippy-wire \"What is the capital of France?\"`.")
+    lines.append("--version: the package and the live ggml build.")
+    lines.append("`skippy-wire COMMAND --help` describes a command's options and their defaults.")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+def mistyped_command(word: str) -> str | None:
+    """The command ``word`` probably meant, if it looks like a mistyped command name (one
+    word, no spaces or quotes, close to a name) rather than a prompt."""
+    if not word or word.startswith("-") or any(c.isspace() or c in "\"'" for c in word):
+        return None
+    word = word.lower()
+    close = difflib.get_close_matches(word, COMMANDS, n=1, cutoff=TYPO_CUTOFF)
+    if not close and len(word) >= 3:  # a prefix: `skippy-wire verify`
+        close = [name for name in COMMANDS if name.startswith(word)]
+    return close[0] if close else None
+
+
+def _quiet_stdout() -> None:
+    """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
-    if args[:1] == ["--version"]:
-        print(importlib.import_module(VERSION_MODULE).version_line())
+    if args and args[0] in ("-V", "--version"):
+        print(version_text())
         return 0
+    if args and args[0] not in COMMANDS:
+        guess = mistyped_command(args[0])
+        if guess is not None:
+            print(error_line(f"unknown command {args[0]!r}; did you mean {guess!r}?"), file=sys.stderr)
+            return EXIT_USAGE
     # `skippy-wire "a prompt"` and `skippy-wire --max-tokens 8` both mean `run`.
     command = args.pop(0) if args and args[0] in COMMANDS else "run"
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return dispatch(args)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except (SkippyError, OSError, ValueError) as exc:
+        try:
+            print(error_line(describe(exc)), file=sys.stderr, flush=True)
+        except BrokenPipeError:
+            pass
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ M > 0 (2 for usage errors).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..wire.messages import (
     f32_from_bits,
 )
 from ..wire.frame import reader_expectation
+from .options import EXIT_USAGE, Parser, error_line, int_at_least
 
 GROUPS = ("activation", "activation_decode", "select", "frame", "malformed")
 
@@ -415,21 +415,26 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="skippy-wire conformance", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="skippy-wire conformance", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", metavar="DIR", help="directories (searched for *.jsonl) or files")
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
-    parser.add_argument("--max-report", type=int, default=10, help="failures to print in full (default 10)")
+    parser.add_argument("--max-report", type=int_at_least(0), default=10,
+                        help="failures to print in full (default 10)")
     parser.add_argument("--protocol", type=int, choices=(16, 17), default=None,
                         help="state version of the cases (default: from each case id, v15 otherwise)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-group counts")
     args = parser.parse_args(argv)
+    missing = [path for path in args.paths if not Path(path).exists()]
+    if missing:
+        print(error_line(f"{missing[0]}: no such file or directory"), file=sys.stderr)
+        return EXIT_USAGE
     try:
         _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose,
                         protocol=args.protocol)
-    except (FileNotFoundError, ImportError) as exc:
-        print(f"conformance: {exc}", file=sys.stderr)
-        return 2
+    except ImportError as exc:
+        print(error_line(f"implementation {args.impl} is not available: {exc}"), file=sys.stderr)
+        return EXIT_USAGE
     return 1 if failed else 0
 
 

@@ -8,7 +8,6 @@ selector does with data a bf16 model produced.
 
 from __future__ import annotations
 
-import argparse
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +16,7 @@ from ..wire import codec as api
 from .._impl import IMPLEMENTATION
 from ..wire.constants import ActivationCodec
 from ..errors import WireError
+from .options import Parser
 
 TOKENS, N_EMBD = 8, 576
 
@@ -54,7 +54,7 @@ def _report(name: str, x: np.ndarray) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skippy-wire demo", description=__doc__.splitlines()[0])
+    parser = Parser(prog="skippy-wire demo", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=576, help="seed of the synthetic frame")
     opts = parser.parse_args(argv)
     x = residual_stream(seed=opts.seed)

@@ -33,6 +33,7 @@ from ..errors import DissectError, WireError
 from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activation_payload_multiplier_from_state_flags
 from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
 from ..wire.messages import WireStagePhase
+from .options import Parser
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
 STATE_FLAG_NAMES = {int(f): "bit2" if f is StateFlags.SKIP_VERIFY_CHECKPOINT else f.name for f in StateFlags}
@@ -192,7 +193,7 @@ def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skippy-wire inspect",
+    p = Parser(prog="skippy-wire inspect",
                                 description="Dissect a captured byte stream of stage messages or replies.")
     p.add_argument("file", help="capture file, or - for stdin")
     direction = p.add_mutually_exclusive_group()

