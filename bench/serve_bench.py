@@ -38,7 +38,7 @@ from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 
-PROMPTS = [f"Write a long story about {name}, a {job} who lives in a small town by the sea."
+PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
                              ("Eve", "pilot"), ("Finn", "teacher"), ("Gus", "farmer"), ("Hana", "singer"))]
 
@@ -107,6 +107,8 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         results = list(pool.map(lambda p: stream(url, p, tokens), PROMPTS[:n]))
+    if any(len(r["stamps"]) < 2 for r in results):
+        raise SystemExit("a request produced fewer than 2 tokens; choose prompts the model continues")
     wall = max(r["stamps"][-1] for r in results) - t0
     end_ns = time.monotonic_ns()
     count = sum(len(r["stamps"]) for r in results)

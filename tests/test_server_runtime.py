@@ -3,8 +3,12 @@ tiny generated GGUF: split stages behind TCP give the tokens of one whole stage.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
+from skippy_wire.net.batching import DecodeBatcher, DecodeStep
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.stage import models
 from skippy_wire.stage.runtime import StageModel
@@ -60,3 +64,83 @@ def test_runtime_stages_match_one_stage(tiny, splits, codec, policy):
             server.shutdown()
     assert result.tokens == _reference(tiny, 10, 3)
     assert len(result.tokens) == 10
+
+
+def test_concurrent_sessions_batch_their_decode_steps_and_match_alone(tiny):
+    # Four connections decode at once through two stages: steps that meet at a stage run
+    # as one native batch, and every session still gets exactly its solo tokens.
+    servers = []
+    events: list[dict] = []
+    try:
+        downstream = None
+        for index, (start, end) in reversed(list(enumerate([(0, 2), (2, 4)]))):
+            server = StageServer(_open(tiny, start, end, index), stage_config(index, start, end, "raw-f32-v1", "fixed"),
+                                 downstream=downstream, io_timeout=5, reply_timeout=10, events=events.append)
+            server.start()
+            servers.insert(0, server)
+            downstream = server.address
+        prompts = [PROMPT, PROMPT[:5], [7, 7, 8, 9], PROMPT[::-1]]
+        alone = []
+        for prompt in prompts:
+            with PipelineClient(*servers[0].address, timeout=10) as client:
+                alone.append(client.generate(prompt, max_tokens=24).tokens)
+        together: list = [None] * len(prompts)
+        start_line = threading.Barrier(len(prompts))
+
+        def worker(i):
+            with PipelineClient(*servers[0].address, timeout=10) as client:
+                start_line.wait()
+                together[i] = client.generate(prompts[i], max_tokens=24, session_id=i + 1).tokens
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        batched = sum(s.batcher.batched_steps for s in servers)
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert together == alone
+    assert batched > 0, "no decode step ever ran in a batch"
+    assert sum(e["batched_decode_steps"] for e in events if e["event"] == "session") > 0
+
+
+def test_a_failing_batch_fails_only_its_own_session():
+    # One step of a batch fails: the batch is retried one step at a time, so the other
+    # steps still get their results and only the failing step's thread sees the error.
+    lock = threading.Lock()
+    calls = []
+
+    def run_batch(steps):
+        calls.append(len(steps))
+        raise RuntimeError("context full")
+
+    def run_one(step):
+        if step.token == 13:
+            raise ValueError("session 13 is full")
+        return step.token * 2, None
+
+    batcher = DecodeBatcher(run_batch, run_one, lock)
+    steps = [DecodeStep(None, t, None, 0, None) for t in (1, 13, 3)]
+    with lock:  # hold the runtime: all three queue up and then run together
+        results = {}
+        threads = [threading.Thread(target=lambda s=s: results.__setitem__(s.token, _outcome(batcher, s)))
+                   for s in steps]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while batcher.queued < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert calls == [3]
+    assert results[1] == (2, None) and results[3] == (6, None)
+    assert isinstance(results[13], ValueError)
+
+
+def _outcome(batcher, step):
+    try:
+        return batcher.decode(step)
+    except Exception as exc:  # noqa: BLE001 -- the test inspects it
+        return exc

@@ -59,6 +59,11 @@ class DecodeBatcher:
         self.batches = 0
         self.batched_steps = 0
 
+    @property
+    def queued(self) -> int:
+        """Steps waiting for the runtime."""
+        return len(self._queue)
+
     def decode(self, step: DecodeStep) -> tuple:
         """Run ``step`` (alone or with the steps queued beside it); its result or error."""
         with self._queue_lock:

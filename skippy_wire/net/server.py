@@ -241,7 +241,7 @@ class StageServer:
                 f"stage {config.stage_index} ends at layer {backend.layer_end}, not the last "
                 "layer, so it needs --downstream")
         self._runtime_lock = threading.Lock()
-        self._batcher = DecodeBatcher(
+        self.batcher = DecodeBatcher(
             lambda steps: backend.decode_batch(steps),
             lambda step: backend.decode(step.session, step.token, step.activation, step.state_flags,
                                         sampling=step.sampling),
@@ -399,7 +399,7 @@ class StageServer:
         if kind == K.DECODE_EMBD:
             token = tokens[0] if tokens else msg.state.current_token
             step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
-            predicted, frame = self._batcher.decode(step)
+            predicted, frame = self.batcher.decode(step)
             session.stats.decode_tokens += 1
             if step.batch_size > 1:
                 session.stats.batched_decode_steps += 1
