@@ -37,6 +37,7 @@ from ..net.server import DEFAULT_LANES
 from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -395,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each stage reply")
     p.add_argument("--log-dir", default=None, help="write each stage's log to DIR/stageK.log")
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link (default %(default)s)")
     return p
 
 
@@ -447,11 +450,12 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
-                                      on_progress=progress)
+                                      on_progress=progress, protocol=args.protocol)
             entry = cluster.entry
         with cluster:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
-                                      chunk_size=args.chunk_size)
+                                      chunk_size=args.chunk_size, protocol=args.protocol,
+                                      identity=getattr(cluster, "identity", None))
             engine.check_ready()
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
                       max_inflight=args.max_inflight, max_queue=args.max_queue)

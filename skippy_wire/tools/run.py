@@ -23,6 +23,7 @@ from ..net.supervision import default_model, launch_pipeline
 from ..net.transport import parse_address
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.replies import StageReplyStats
 
@@ -59,12 +60,13 @@ def _merged_reply_stats(stats_list):
 
 
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
-                   model: str, codec: str, policy: str, threads: int, connected: str | None = None) -> str:
+                   model: str, codec: str, policy: str, threads: int, connected: str | None = None,
+                   protocol: int = 15) -> str:
     if connected:
         lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
     else:
         lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
-                 f"{Path(model).name}, codec {codec}, policy {policy}, "
+                 f"{Path(model).name}, state version {protocol}, codec {codec}, policy {policy}, "
                  f"{threads} thread{'s' if threads != 1 else ''} per stage"]
     ttft = result.prefill_s
     lines.append(f"  prefill: {len(result.prompt_tokens)} tokens in {result.prefill_s * 1000:.1f} ms "
@@ -145,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect", default=None, metavar="HOST:PORT",
                    help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
                         "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent")
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link, driver included (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
-                                      reply_timeout=args.timeout, on_progress=progress)
+                                      reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol)
             entry = cluster.entry
         with cluster:
             loader.join()
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skippy-wire run: {len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed "
                       f"--ctx-size {args.ctx_size}", file=sys.stderr)
                 return 2
-            with PipelineClient(*entry, timeout=args.timeout,
+            identity = None if args.connect else cluster.identity
+            with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity,
                                 capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
                 progress(f"generating: prompt {len(prompt)} tokens, up to {args.max_tokens} new tokens")
                 streamer = TextStreamer(tokenizer, sys.stdout)
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
                          policy=args.activation_codec_policy, threads=args.threads or default_threads(),
-                         connected=args.connect))
+                         connected=args.connect, protocol=args.protocol))
     if args.capture:
         print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
     if args.check:
