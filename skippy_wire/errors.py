@@ -187,6 +187,19 @@ class PipelineError(SkippyError, RuntimeError):
     """A request through the pipeline failed; the message says which stage and why."""
 
 
+class StateVersionMismatch(StageError):
+    """The peer of a connection speaks another stage state version (15, 16 or 17).
+
+    ``peer`` is the peer's version (None when it could only be narrowed down, see
+    ``peer_text``), ``own`` this side's; the message names both."""
+
+    def __init__(self, peer, own: int, *, peer_text: str | None = None, who: str = "peer",
+                 me: str = "this stage") -> None:
+        self.peer, self.own = peer, own
+        self.peer_text = peer_text or f"state version {peer}"
+        super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
+
+
 # --- tools ------------------------------------------------------------------------------------
 
 

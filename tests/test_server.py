@@ -65,7 +65,8 @@ class FakeBackend:
         if self.is_source:
             rows = np.array([[(t % 16) * self.scale + j * 0.25 for j in range(N_EMBD)] for t in tokens], np.float32)
         else:
-            rows = np.frombuffer(bytes(activation), np.float32).reshape(len(tokens), N_EMBD).copy()
+            payload = getattr(activation, "payload", activation)  # v16/v17: the runtime input frame
+            rows = np.frombuffer(bytes(payload), np.float32).reshape(len(tokens), N_EMBD).copy()
         for layer in range(self.layer_start, self.layer_end):
             rows += np.float32(layer + 1 + 0.25 * session.token_count)
         session.token_count += len(tokens)

@@ -66,6 +66,15 @@ def test_runtime_stages_match_one_stage(tiny, splits, codec, policy):
     assert len(result.tokens) == 10
 
 
+class _SlowSoloDecode(RuntimeBackend):
+    """The real backend, with a lone decode step made slow (50 ms): the tiny model computes in
+    microseconds, so without it concurrent steps would rarely meet at a stage."""
+
+    def decode(self, *args, **kwargs):
+        time.sleep(0.05)
+        return super().decode(*args, **kwargs)
+
+
 def test_concurrent_sessions_batch_their_decode_steps_and_match_alone(tiny):
     # Four connections decode at once through two stages: steps that meet at a stage run
     # as one native batch, and every session still gets exactly its solo tokens.
@@ -74,7 +83,8 @@ def test_concurrent_sessions_batch_their_decode_steps_and_match_alone(tiny):
     try:
         downstream = None
         for index, (start, end) in reversed(list(enumerate([(0, 2), (2, 4)]))):
-            server = StageServer(_open(tiny, start, end, index), stage_config(index, start, end, "raw-f32-v1", "fixed"),
+            backend = _SlowSoloDecode(StageModel.open(tiny, start, end, stage_index=index, lane_count=4, n_threads=1))
+            server = StageServer(backend, stage_config(index, start, end, "raw-f32-v1", "fixed"),
                                  downstream=downstream, io_timeout=5, reply_timeout=10, events=events.append)
             server.start()
             servers.insert(0, server)

@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import PipelineError, UnexpectedEofError, WireError
+from ..errors import PipelineError, StateVersionMismatch, UnexpectedEofError, WireError
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
-from ..wire.frame import write_stage_message
+from ..wire.activation_frame import STAGE_STATE_VERSION_V15
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
+from ..wire.setup import SetupError, SetupRole
+from .protocol_io import LinkProtocol
 from .transport import Peer, connect
 
 DEFAULT_MAX_TOKENS = 64
@@ -75,11 +77,16 @@ class PipelineClient:
 
     ``timeout`` bounds every wait for a reply (and the connect/READY handshake);
     ``capture`` is a path prefix: the hop's bytes go to ``PREFIX-messages.bin`` (what the
-    driver sent) and ``PREFIX-replies.bin`` (READY and the replies).
+    driver sent) and ``PREFIX-replies.bin`` (READY and the replies).  ``protocol`` is the
+    state version spoken (15, 16 or 17); under 17 the connection starts with the setup
+    handshake as TokensAndControl, ``identity`` (a ``StageSetupConfig``, e.g.
+    :func:`~skippy_wire.net.protocol_io.driver_identity`) makes it check that it reached
+    stage 0 of that run.  A stage speaking another version -> one-line PipelineError.
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 capture: str | Path | None = None) -> None:
+                 capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
+                 identity=None) -> None:
         self.address = f"{host}:{port}"
         self.timeout = timeout
         try:
@@ -87,8 +94,10 @@ class PipelineClient:
         except OSError as exc:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
+        self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")
         try:
-            self._guard(self._peer.recv_ready, "READY handshake")
+            self._guard(lambda: self._link.connect(SetupRole.TOKENS_AND_CONTROL, identity, None, timeout=timeout),
+                        "READY handshake" if protocol != 17 else "stage setup")
         except BaseException:
             self._peer.close()
             raise
@@ -113,6 +122,11 @@ class PipelineClient:
     def _guard(self, fn, what: str):
         try:
             return fn()
+        except StateVersionMismatch as exc:
+            raise PipelineError(str(exc)) from None
+        except SetupError as exc:
+            raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
+                                + (f" ({exc.detail})" if exc.detail else "")) from None
         except (socket.timeout, TimeoutError):
             raise PipelineError(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
         except UnexpectedEofError:
@@ -125,7 +139,7 @@ class PipelineClient:
 
     def request(self, msg, what: str | None = None):
         """Send one message and return its reply (a ``StageReply``)."""
-        data = write_stage_message(msg)
+        data = self._link.encode(msg)
         what = what or f"{msg.kind.name} (session {msg.session_id})"
 
         def exchange():

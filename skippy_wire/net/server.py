@@ -41,20 +41,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import StageError, StageRuntimeError, UnexpectedEofError, WireError
+from ..errors import StageError, StageRuntimeError, StateVersionMismatch, UnexpectedEofError, WireError
 from ..stage import runtime
+from ..stage.activation import ActivationFrame
+from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
 from ..wire.constants import ActivationCodec, CodecPolicy, activation_frame_flags_from_state_flags
-from ..wire.forwarding import forwarded_stage_message_timed
 from ..wire.frame import (
-    StageMessageDecoder,
     send_reply_ack,
     send_reply_predicted,
     write_reply,
-    write_stage_message,
 )
-from ..wire.constants import READY_BYTES
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats
+from ..wire.setup import SetupError, SetupRole
+from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .transport import Peer, connect
 
@@ -113,9 +113,11 @@ class RuntimeBackend:
         if close is not None:
             close()
 
-    def _input(self, activation: bytes, token_count: int, state_flags: int):
+    def _input(self, activation, token_count: int, state_flags: int):
         if self.is_source:
             return None
+        if isinstance(activation, ActivationFrame):  # state versions 16/17: the frame as sent
+            return activation
         if self._boundary is False:
             self._boundary = self.model.input_activation_boundary()
         return runtime.frame_from_wire(
@@ -124,12 +126,19 @@ class RuntimeBackend:
         )
 
     def _output(self, frame):
+        """The runtime's output frame as it is (the link converts it for its version)."""
         if self.is_terminal or frame is None:
             return None
-        return runtime.frame_to_v1(frame)
+        return frame
+
+    def input_boundary(self):
+        return self.model.input_activation_boundary()
+
+    def output_boundary(self):
+        return self.model.output_activation_boundary()
 
     def prefill(self, session, tokens, activation, state_flags, *, sample: bool, sampling):
-        """Run one prefill chunk; returns ``(token or -1, ActivationFrameV1 or None)``."""
+        """Run one prefill chunk; returns ``(token or -1, ActivationFrame or None)``."""
         inp = self._input(activation, len(tokens), state_flags)
         if sample and self.is_terminal:
             token, frame = session.prefill_chunk_frame_sampled(tokens, sampling, input=inp)
@@ -211,16 +220,23 @@ class StageServer:
     forever), ``reply_timeout`` (seconds to wait for the downstream reply), ``capture``
     (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
     ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace``
-    (a text file receiving one ``START_NS END_NS`` line per stretch of compute).
+    (a text file receiving one ``START_NS END_NS`` line per stretch of compute), ``protocol``
+    (the state version every link speaks: 15, 16 or 17), ``identity`` (v17: the
+    ``StageSetupConfig`` the handshake checks; default: from ``config``) and ``plan``
+    (v17: the ``PlanStage`` list an upstream sender is checked against).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
                  host: str = "127.0.0.1", port: int = 0, io_timeout: float = DEFAULT_IO_TIMEOUT,
                  idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
                  capture: str | None = None, events: EventSink | None = None,
-                 compute_trace=None) -> None:
+                 compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
+                 plan=None) -> None:
         self.backend = backend
         self.compute_trace = compute_trace
+        self.protocol = protocol
+        self.identity = identity or link_identity(config, downstream is not None)
+        self.plan = plan
         self.config = config
         self.downstream = downstream
         self.io_timeout = io_timeout
@@ -297,21 +313,31 @@ class StageServer:
 
     def _serve_connection(self, sock: socket.socket, addr, seq: int) -> None:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
-        upstream = Peer(sock, StageMessageDecoder(self.backend.n_embd, self.codec, self.policy))
-        downstream: Peer | None = None
+        upstream = Peer(sock)
+        link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
+                            codec=self.codec, policy=self.policy)
+        opened: list = []
         sessions: dict[int, _Session] = {}
         try:
-            if self.downstream is not None:
-                downstream = self._open_downstream(seq)
-            upstream.send(READY_BYTES)
-            log.info("%s: ready", name)
+            def prepare() -> None:
+                if self.downstream is not None:
+                    opened.append(self._open_downstream(seq))
+
+            role = link.accept(self.identity, self._profile("input"), plan=self.plan, prepare=prepare,
+                               timeout=self.io_timeout)
+            downstream = opened[0] if opened else None
+            log.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
-                msg = self._read_message(upstream)
+                msg = self._read_message(link)
                 if msg is None:
                     log.info("%s: closed by peer", name)
                     break
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream)
                 upstream.send(reply)
+        except StateVersionMismatch as exc:
+            log.error("%s: %s; closing", name, exc)
+        except SetupError as exc:
+            log.error("%s: stage setup failed: %s%s; closing", name, exc, f" ({exc.detail})" if exc.detail else "")
         except UnexpectedEofError:
             log.error("%s: peer disconnected in the middle of a message; closing", name)
         except (socket.timeout, TimeoutError):
@@ -328,13 +354,26 @@ class StageServer:
         finally:
             for session_id in list(sessions):
                 self._free(sessions.pop(session_id), session_id)
-            if downstream is not None:
-                downstream.close()
+            for down in opened:
+                down.peer.close()
             upstream.close()
             with self._conn_lock:
                 self._connections.discard(sock)
 
-    def _open_downstream(self, seq: int) -> Peer:
+    def _profile(self, edge: str):
+        """The v17 activation profile of this stage's input or output edge."""
+        b = self.backend
+        if self.protocol != STAGE_STATE_VERSION_V17 or (edge == "input" and b.is_source):
+            return None
+        source = getattr(b, f"{edge}_boundary", None)
+        boundary = (source() if source is not None else None) or rows_boundary(b.n_embd)
+        if edge == "input":
+            return runtime.boundary_profile(boundary, self.config.stage_index - 1, 0, b.layer_start,
+                                            max_tokens=self.config.ctx_size)
+        return runtime.boundary_profile(boundary, self.config.stage_index, b.layer_start, b.layer_end,
+                                        max_tokens=self.config.ctx_size)
+
+    def _open_downstream(self, seq: int) -> LinkProtocol:
         host, port = self.downstream
         try:
             sock = connect(host, port, timeout=self.reply_timeout)
@@ -342,23 +381,31 @@ class StageServer:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
+        link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}")
         try:
-            peer.sock.settimeout(self.reply_timeout)
-            peer.recv_ready()
+            link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)
+        except StateVersionMismatch:
+            peer.close()
+            raise
+        except SetupError as exc:
+            peer.close()
+            raise StageError(f"stage setup with downstream {host}:{port} failed: {exc}"
+                             + (f" ({exc.detail})" if exc.detail else "")) from exc
         except (WireError, OSError) as exc:
             peer.close()
             raise StageError(f"downstream {host}:{port} did not send READY: {exc}") from exc
-        return peer
+        return link
 
-    def _read_message(self, peer: Peer):
+    def _read_message(self, link: LinkProtocol):
         """Read one message; None on a clean close between messages."""
+        peer = link.peer
         try:
             if not peer.reader.wait_readable(self.idle_timeout):
                 return None
         except (socket.timeout, TimeoutError):
             raise StageError(f"idle for more than {self.idle_timeout} s") from None
         peer.sock.settimeout(self.io_timeout)
-        return peer.read()
+        return link.read_message()
 
     # -- execution -----------------------------------------------------------------------
 
@@ -451,16 +498,16 @@ class StageServer:
             stats.observe_prefill_compute(self.config.stage_index, compute_us, token_count)
         return stats
 
-    def _forward(self, msg, frame, session: _Session, downstream: Peer, compute_us: int) -> bytes:
+    def _forward(self, msg, frame, session: _Session, downstream: LinkProtocol, compute_us: int) -> bytes:
         if frame is None:
             raise StageError("the runtime produced no activation frame to forward")
         try:
-            forwarded = forwarded_stage_message_timed(self.config, msg, frame, self.backend.n_embd)
-        except (WireError, ValueError) as exc:
+            forwarded = downstream.forwarded(self.config, msg, frame, self.backend.n_embd)
+            out = forwarded.message
+            data = downstream.encode(out)
+        except (WireError, ValueError, StageRuntimeError) as exc:
             raise StageError(f"cannot forward {msg.kind!r}: {exc}") from exc
-        out = forwarded.message
         codec = ActivationCodec(out.state.activation_codec).identity()
-        data = write_stage_message(out)
         st = session.stats
         st.encode_ms += forwarded.activation_encode_ms
         st.forwarded_messages += 1
@@ -469,17 +516,18 @@ class StageServer:
         st.codec_counts[codec] = st.codec_counts.get(codec, 0) + 1
         return self._exchange(msg, data, downstream, session, compute_us, len(out.activation))
 
-    def _relay(self, msg, downstream: Peer, session: _Session | None) -> bytes:
+    def _relay(self, msg, downstream: LinkProtocol, session: _Session | None) -> bytes:
         """Forward an activation-less control message as is and relay the reply."""
-        return self._exchange(msg, write_stage_message(msg), downstream, session, None, 0)
+        return self._exchange(msg, downstream.encode(msg), downstream, session, None, 0)
 
-    def _exchange(self, msg, data: bytes, downstream: Peer, session, compute_us, activation_bytes) -> bytes:
+    def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes) -> bytes:
         started = time.perf_counter()
+        peer = downstream.peer
         try:
-            downstream.sock.settimeout(self.reply_timeout)
-            downstream.send(data)
+            peer.sock.settimeout(self.reply_timeout)
+            peer.send(data)
             written = time.perf_counter()
-            reply = downstream.read()
+            reply = peer.read()
         except (socket.timeout, TimeoutError):
             raise StageError(
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent no reply within "

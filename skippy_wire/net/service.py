@@ -147,8 +147,9 @@ class GenerationEngine:
     """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
 
     def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
-                 chunk_size: int) -> None:
+                 chunk_size: int, protocol: int = 15, identity=None) -> None:
         self.entry = entry
+        self.protocol, self.identity = protocol, identity
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
         self.timeout = timeout
@@ -162,7 +163,7 @@ class GenerationEngine:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return PipelineClient(*self.entry, timeout=self.timeout)
+        return PipelineClient(*self.entry, timeout=self.timeout, protocol=self.protocol, identity=self.identity)
 
     def _give_back(self, client: PipelineClient) -> None:
         with self._lock:

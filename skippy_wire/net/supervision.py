@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -23,6 +24,7 @@ from typing import Callable, Iterable
 from ..errors import PipelineError
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import default_threads
+from .protocol_io import driver_identity
 
 STARTUP_TIMEOUT = 120.0
 
@@ -148,6 +150,8 @@ class StageCluster:
     policy: str
     threads: int
     log_dir: Path | None = None
+    protocol: int = 15
+    identity: object = None  # the driver's v17 identity (protocol_io.driver_identity)
 
     @property
     def entry(self) -> tuple[str, int]:
@@ -178,12 +182,16 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     startup_timeout: float = STARTUP_TIMEOUT, io_timeout: float | None = None,
                     reply_timeout: float | None = None, capture_dir: str | Path | None = None,
                     log_dir: str | Path | None = None, extra_args: Iterable[str] = (),
-                    on_progress: Callable[[str], None] | None = None) -> StageCluster:
+                    on_progress: Callable[[str], None] | None = None, protocol: int = 15,
+                    protocols: list[int] | None = None) -> StageCluster:
     """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly.
 
     ``capture_dir``: each stage with a downstream records that hop to
     ``capture_dir/hopK-messages.bin`` and ``hopK-replies.bin`` (K = its index + 1).
     ``log_dir``: each stage's stderr goes to ``log_dir/stageK.log`` (else discarded).
+    ``protocol``: the state version of every stage (``protocols``: one per stage, to test
+    mixed pipelines); v17 stages share one fresh run id, the plan and the model id, and
+    the cluster's ``identity`` is the driver's.
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)
@@ -197,6 +205,10 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     if capture_dir:
         Path(capture_dir).mkdir(parents=True, exist_ok=True)
     procs: list[StageProcess] = []
+    protocols = list(protocols) if protocols else [protocol] * len(layers)
+    run_id = uuid.uuid4().hex
+    plan = ",".join(f"{a}-{b}" for a, b in layers)
+    identity = driver_identity(run_id, plan, model.stem)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The children run the very package the driver imported, installed or not.
@@ -209,7 +221,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
             args = ["--model", str(model), "--layer-start", str(start), "--layer-end", str(end),
                     "--stage-index", str(index), "--listen", "127.0.0.1:0",
                     "--activation-codec", codec, "--activation-codec-policy", policy,
-                    "--ctx-size", str(ctx_size), "--threads", str(threads), *extra_args]
+                    "--ctx-size", str(ctx_size), "--threads", str(threads), "--protocol", str(protocols[index]),
+                    "--run-id", run_id, "--plan", plan, *extra_args]
             if io_timeout is not None:
                 args += ["--io-timeout", str(io_timeout)]
             if reply_timeout is not None:
@@ -231,7 +244,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
         for proc in procs:
             proc.terminate()
         raise
-    return StageCluster(procs, model, codec, policy, threads, log_dir)
+    return StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity)
 
 
 __all__ = ["STARTUP_TIMEOUT", "split_layers", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]

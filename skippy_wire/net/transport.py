@@ -140,6 +140,12 @@ class Peer:
             self._cap_out.write(data)
             self._cap_out.flush()
 
+    def capturing_socket(self) -> "CountingSocket":
+        """The socket for a handshake run outside the reader (the v17 setup): what passes
+        through it is counted and captured like the records, and its first received bytes
+        are kept in ``received_head``."""
+        return CountingSocket(self)
+
     def read(self):
         """The next record; a close (clean or not) -> UnexpectedEofError."""
         record = self.reader.read()
@@ -161,4 +167,47 @@ class Peer:
         self.sock.close()
 
 
-__all__ = ["RECV_CHUNK_BYTES", "connect", "parse_address", "SocketReader", "Peer"]
+class CountingSocket:
+    """``recv`` / ``send`` / ``sendall`` / timeouts of a :class:`Peer`'s socket, teed to the
+    peer's counters and capture files."""
+
+    #: Received bytes kept in ``received_head``.
+    HEAD_BYTES = 64
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.received_head = bytearray()
+
+    def settimeout(self, timeout) -> None:
+        self.peer.sock.settimeout(timeout)
+
+    def gettimeout(self):
+        return self.peer.sock.gettimeout()
+
+    def recv(self, n: int) -> bytes:
+        data = self.peer.sock.recv(n)
+        if data:
+            self.peer.reader.count += len(data)
+            if len(self.received_head) < self.HEAD_BYTES:
+                self.received_head += data[: self.HEAD_BYTES - len(self.received_head)]
+            if self.peer._cap_in is not None:
+                self.peer._cap_in.write(data)
+                self.peer._cap_in.flush()
+        return data
+
+    def _sent(self, data) -> None:
+        self.peer.sent += len(data)
+        if self.peer._cap_out is not None:
+            self.peer._cap_out.write(data)
+            self.peer._cap_out.flush()
+
+    def send(self, data) -> int:
+        n = self.peer.sock.send(data)
+        self._sent(memoryview(data)[:n])
+        return n
+
+    def sendall(self, data) -> None:
+        self.peer.send(data)
+
+
+__all__ = ["RECV_CHUNK_BYTES", "connect", "parse_address", "SocketReader", "Peer", "CountingSocket"]

@@ -2,7 +2,10 @@
 
 The stage layer may import the wire layer, never the reverse: a received (decoded) wire
 activation becomes the v2 input frame of a stage, and a stage's output frame becomes the
-v1 frame the wire forwards.
+v1 frame the wire forwards (state version 15).  From state version 16 on the wire carries
+the runtime's multipart frame itself: :func:`frame_to_v16` / :func:`frame_from_v16` map
+``ActivationDesc`` v2 field for field onto ``ActivationFrameV16``, and
+:func:`boundary_profile` turns a graph-observed boundary into the v17 setup profile.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from typing import Optional
 
 from ..errors import ActivationFrameError
 from ..wire import forwarding
+from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
+from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
 from .activation import (
     ACTIVATION_MAX_DIMS,
     GGML_TYPE_BF16,
@@ -20,8 +25,12 @@ from .activation import (
     ActivationDesc,
     ActivationFrame,
     ActivationPartDesc,
+    ACTIVATION_MAX_PARTS,
     ggml_type_bytes,
 )
+
+#: The id of the one profile a stage admits on an activation link (ids start at 1).
+STAGE_PROFILE_ID = 1
 
 def frame_from_wire(
     payload: bytes,
@@ -118,4 +127,54 @@ def _is_token_major(part: ActivationPartDesc) -> bool:
     return True
 
 
-__all__ = ["frame_from_wire", "frame_to_v1"]
+def frame_to_v16(frame: ActivationFrame) -> tuple:
+    """The runtime's output frame as it is, as ``(ActivationFrameV16, payload)`` (every part,
+    dimensions and strides verbatim; the runtime's reserved word is not part of the wire)."""
+    frame.validate_payload_len()
+    desc = frame.desc
+    parts = [ActivationPartV16(bytes(p.identity), p.ggml_type, p.rank, p.token_axis, p.flags, tuple(p.dimensions),
+                               tuple(p.byte_strides), p.payload_offset, p.payload_bytes)
+             for p in desc.active_parts()]
+    v16 = ActivationFrameV16(desc.version, desc.producer_stage_index, desc.layer_start, desc.layer_end,
+                             desc.token_count, desc.sequence_count, desc.payload_bytes,
+                             bytes(desc.frontier_identity), parts)
+    return v16, frame.payload
+
+
+def frame_from_v16(desc: ActivationFrameV16, payload) -> ActivationFrame:
+    """A received (decoded) v16/v17 frame as the runtime's input frame, field for field."""
+    parts = [ActivationPartDesc(bytes(p.identity), p.ggml_type, p.rank, p.token_axis, p.flags, tuple(p.dimensions),
+                                tuple(p.byte_strides), p.payload_offset, p.payload_bytes) for p in desc.parts]
+    if len(parts) > ACTIVATION_MAX_PARTS:
+        raise ActivationFrameError("activation part count exceeds maximum")
+    parts += [ActivationPartDesc() for _ in range(ACTIVATION_MAX_PARTS - len(parts))]
+    v2 = ActivationDesc(desc.version, desc.producer_stage_index, desc.layer_start, desc.layer_end, desc.token_count,
+                        desc.sequence_count, len(desc.parts), desc.payload_bytes, bytes(desc.frontier_identity), parts)
+    return ActivationFrame(v2, bytes(payload))
+
+
+def boundary_profile(boundary: ActivationBoundaryDesc, producer_stage_index: int, layer_start: int, layer_end: int,
+                     *, max_tokens: int, max_sequences: int = 1) -> ActivationProfile:
+    """The v17 activation profile of a split edge: the boundary's parts with the token axis
+    ``Tokens``, every other axis below the rank ``Fixed`` and the axes above it ``Fixed(1)``."""
+    parts = []
+    for part in boundary.active_parts():
+        if part.token_axis < 0 or part.token_axis >= part.rank:
+            raise ActivationFrameError("activation part has an invalid token axis")
+        dims = []
+        for axis in range(ACTIVATION_MAX_DIMS):
+            if axis == part.token_axis:
+                dims.append(TOKENS)
+            elif axis < part.rank:
+                if part.dimensions[axis] <= 0:
+                    raise ActivationFrameError("activation boundary dimension is dynamic")
+                dims.append(Fixed(int(part.dimensions[axis])))
+            else:
+                dims.append(Fixed(1))
+        parts.append(ActivationPartProfile(bytes(part.identity), int(part.ggml_type), int(part.rank),
+                                           int(part.token_axis), part.is_optional(), tuple(dims)))
+    return ActivationProfile(STAGE_PROFILE_ID, producer_stage_index, layer_start, layer_end,
+                             bytes(boundary.frontier_identity), max_tokens, max_sequences, parts)
+
+
+__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "frame_to_v1", "frame_to_v16", "frame_from_v16", "boundary_profile"]

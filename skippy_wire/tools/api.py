@@ -36,6 +36,7 @@ from ..net.server import DEFAULT_LANES
 from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec
 from .options import (DefaultsFormatter, Parser, address, describe, error_line, float_above, int_at_least,
                       int_between)
@@ -404,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for each stage reply")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write each stage's log to DIR/stageK.log (default: discarded)")
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link")
     return p
 
 
@@ -450,11 +453,12 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
-                                      on_progress=progress)
+                                      on_progress=progress, protocol=args.protocol)
             entry = cluster.entry
         with cluster:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
-                                      chunk_size=args.chunk_size)
+                                      chunk_size=args.chunk_size, protocol=args.protocol,
+                                      identity=getattr(cluster, "identity", None))
             engine.check_ready()
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
                       max_inflight=args.max_inflight, max_queue=args.max_queue)

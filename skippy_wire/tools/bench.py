@@ -7,7 +7,8 @@ of the activation as floats) for every operation, so encode and decode rows comp
 
 Other concepts add rows through :data:`ROW_PRODUCERS`: a producer is a callable
 ``producer(options) -> iterable of Row | Ratio`` (``skippy_wire.tools.bench_rows``); the
-framing benchmarks of ``skippy_wire.tools.frame_bench`` are among them.
+framing benchmarks of ``skippy_wire.tools.frame_bench`` (v15) and
+``skippy_wire.tools.bench_gen`` (v16 round trips, 1 and 3 parts) are among them.
 The pytest-benchmark suite with the same operations is ``bench/``.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
-from . import frame_bench
+from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row
 from .options import Parser
 
@@ -170,7 +171,9 @@ ROW_PRODUCERS: list[Producer] = [codec_rows]
 
 def _all_producers() -> list[Producer]:
     producers = list(ROW_PRODUCERS)
-    return producers + [p for p in frame_bench.ROW_PRODUCERS if p not in producers]
+    for module in (frame_bench, bench_gen):
+        producers += [p for p in module.ROW_PRODUCERS if p not in producers]
+    return producers
 
 
 def _parse_sizes(text: str) -> tuple[tuple[int, int], ...]:

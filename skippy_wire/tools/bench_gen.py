@@ -23,7 +23,7 @@ from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, GgmlT
 from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
-from .bench import Ratio, Row
+from .bench_rows import Ratio, Row
 
 V16_GOAL_RATIO = 0.9
 N_EMBD = 4096

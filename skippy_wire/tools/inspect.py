@@ -8,6 +8,9 @@ Direction: a stream that starts with the READY magic (``59 44 52 53``) is the re
 direction; otherwise a file whose name contains "replies" is; otherwise it is read as
 stage messages.  ``--replies`` / ``--messages`` force it.
 
+Version: state versions 16 and 17 (and the v17 setup packets) are detected from the bytes
+and dissected by :mod:`skippy_wire.tools.inspect_gen`; ``--protocol`` forces one.
+
 Width: the reader of a stage message needs n_embd (wire-format.md 4.5).  v15 frames carry
 the encoded activation byte count (offset 60), so the dissector infers n_embd per message
 from that count, the codec id, token_count and the row-doubling sideband flags; ``--n-embd``
@@ -32,8 +35,10 @@ from typing import TextIO
 from ..errors import DissectError, WireError
 from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activation_payload_multiplier_from_state_flags
 from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.messages import WireStagePhase
 from .options import Parser
+from .inspect_gen import detect_protocol, dissect_gen
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
 STATE_FLAG_NAMES = {int(f): "bit2" if f is StateFlags.SKIP_VERIFY_CHECKPOINT else f.name for f in StateFlags}
@@ -161,12 +166,17 @@ def describe_reply(reply, offset: int, size: int, index: int) -> list[str]:
 
 
 def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = None, all_values: bool = False,
-            out: TextIO | None = None, name: str = "") -> int:
+            out: TextIO | None = None, name: str = "", protocol: int | None = None) -> int:
     """Print every record of ``data`` to ``out`` (default stdout); returns the number of
-    records, raises :class:`DissectError` at the first malformed or truncated one."""
+    records, raises :class:`DissectError` at the first malformed or truncated one.
+    ``protocol`` (15, 16, 17) forces the state version, else it is detected."""
     out = out or sys.stdout
     if replies is None:
         replies = data[:4] == READY_BYTES or "replies" in Path(name).name
+    if protocol is None:
+        protocol = detect_protocol(data, replies)
+    if protocol != 15:
+        return dissect_gen(data, protocol, replies=replies, all_values=all_values, out=out, name=name)
     index = 0
     records = iter_records(data, replies=replies, n_embd=n_embd)
     while True:
@@ -201,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--messages", action="store_true", help="the stream is stage messages")
     p.add_argument("--n-embd", type=int, default=None, help="activation width (default: inferred per message)")
     p.add_argument("--values", action="store_true", help="print every activation value")
+    p.add_argument("--protocol", type=int, choices=PROTOCOL_VERSIONS, default=None,
+                   help="state version of the capture (default: detected from its bytes)")
     return p
 
 
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     replies = True if args.replies else False if args.messages else None
     try:
-        count = dissect(data, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name)
+        count = dissect(data, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name,
+                        protocol=args.protocol)
     except DissectError as exc:
         sys.stdout.flush()
         print(f"skippy-wire inspect: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.replies import StageReplyStats
 from .options import (DefaultsFormatter, Parser, address, describe, float_above, float_at_least, float_between,
@@ -64,12 +65,12 @@ def _merged_reply_stats(stats_list):
 
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
                    model: str, codec: str, policy: str, threads: int, connected: str | None = None,
-                   sampling: str | None = None, chat: bool = False) -> str:
+                   sampling: str | None = None, chat: bool = False, protocol: int = 15) -> str:
     if connected:
         lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
     else:
         lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
-                 f"{Path(model).name}, codec {codec}, policy {policy}, "
+                 f"{Path(model).name}, state version {protocol}, codec {codec}, policy {policy}, "
                  f"{threads} thread{'s' if threads != 1 else ''} per stage"]
     if sampling is not None:
         lines.append(f"  sampling: {sampling}" + ("; prompt in the chat template" if chat else ""))
@@ -195,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
                         "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent "
                         "(default: start them)")
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link, driver included")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     return p
 
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
-                                      reply_timeout=args.timeout, on_progress=progress)
+                                      reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol)
             entry = cluster.entry
         with cluster:
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
                          policy=args.activation_codec_policy, threads=threads, connected=connected,
-                         sampling=describe_sampling(sampling), chat=chat))
+                         sampling=describe_sampling(sampling), chat=chat, protocol=args.protocol))
     if args.capture:
         print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
     if check is not None:
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress, log_dir):
     """One generation through the running pipeline; a failed request names the stage's reason."""
     try:
-        with PipelineClient(*entry, timeout=args.timeout,
+        identity = None if args.connect else cluster.identity
+        with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity,
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")

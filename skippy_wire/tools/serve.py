@@ -15,9 +15,13 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 from ..errors import StageRuntimeError, WireError
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBackend, StageServer
+from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
+from ..net.transport import parse_address
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
@@ -55,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", default=None,
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin "
                         "(default: none)")
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="v17: the run id the setup handshake checks")
+    p.add_argument("--plan", default=None, metavar="A-B,B-C,...",
+                   help="v17: the layer ranges of every stage (topology id, and the upstream is checked against it; "
+                        "default: none)")
+    p.add_argument("--model-id", default=None, help="v17: the model id (default: the model file's stem)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (the driver holds it open, so stages die with it; default: off)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
@@ -132,24 +143,30 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     try:
+        config.ctx_size = args.ctx_size
+        plan = parse_plan(args.plan) if args.plan else None
+        identity = link_identity(config, downstream is not None, run_id=args.run_id,
+                                 topology_id=args.plan or DEFAULT_RUN_ID,
+                                 model_id=args.model_id or Path(args.model).stem)
         trace = (open(os.path.join(args.trace_compute, f"stage{stage_index}.trace"), "a", buffering=1)
                  if args.trace_compute else None)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
-                             compute_trace=trace)
+                             compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
     except (ValueError, WireError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     bound_host, bound_port = server.address
-    log.info("stage %d: layers %d..%d of %s, codec %s, policy %s, %d threads, listening on %s:%d%s",
-             stage_index, args.layer_start, args.layer_end, args.model, args.activation_codec,
+    log.info("stage %d: layers %d..%d of %s, state version %d, codec %s, policy %s, %d threads, listening on %s:%d%s",
+             stage_index, args.layer_start, args.layer_end, args.model, args.protocol, args.activation_codec,
              args.activation_codec_policy, threads, bound_host, bound_port,
              f", downstream {downstream[0]}:{downstream[1]}" if downstream else " (terminal)")
     _print_event({"event": "listening", "host": bound_host, "port": bound_port, "stage": stage_index,
-                  "layer_start": args.layer_start, "layer_end": args.layer_end, "n_embd": backend.n_embd})
+                  "layer_start": args.layer_start, "layer_end": args.layer_end, "n_embd": backend.n_embd,
+                  "protocol": args.protocol})
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -129,15 +129,21 @@ def _dtype_name(dtype) -> str:
         return str(dtype)
 
 
-def _select_codec(config: StageConfig, incoming: StageWireMessage, output: ActivationFrameV1,
-                  width: int, state_flags: int, codec_module):
-    """Returns (codec, encoded bytes or None); the fused selector encodes while it selects."""
+def checked_codec_policy(config: StageConfig) -> tuple:
+    """``(configured codec, policy)`` of ``config``; an incompatible pair -> ForwardingError."""
     configured = ActivationCodec(config.activation_codec)
     policy = CodecPolicy(config.activation_codec_policy)
     if not policy.compatible(configured):
         raise ForwardingError(
             f"activation codec policy {policy.rust_name} is incompatible with configured codec {configured.rust_name}"
         )
+    return configured, policy
+
+
+def _select_codec(config: StageConfig, incoming: StageWireMessage, output: ActivationFrameV1,
+                  width: int, state_flags: int, codec_module):
+    """Returns (codec, encoded bytes or None); the fused selector encodes while it selects."""
+    configured, policy = checked_codec_policy(config)
     if policy is CodecPolicy.FIXED:
         return configured, None
     if output.desc.dtype != ActivationDType.F32:
@@ -160,20 +166,8 @@ def forwarded_stage_message_timed(
     """Build the message forwarded downstream and time its activation encoding (ms)."""
     codec_module = _impl.kernel_module("codec", impl or _impl.IMPLEMENTATION)
     desc = output.desc
-    # Section 9 step 1: a stage with a downstream consumer must run the full incoming range
-    # unless it owns layer 0; a short frame would make the next stage attend over a prefix
-    # it never received.
-    if config.layer_start != 0 and desc.token_count != incoming.token_count:
-        raise ForwardingError(
-            f"stage {config.stage_index} (layers {config.layer_start}..{config.layer_end}) produced "
-            f"{desc.token_count} activation tokens for {incoming.token_count} incoming tokens; "
-            "non-first stages must execute the full range"
-        )
-    # Step 2: u32 stage index reinterpreted as i32; incoming flag bits kept.
-    source = config.stage_index & 0xFFFFFFFF
-    source = source - (1 << 32) if source >= 1 << 31 else source
-    state = replace(incoming.state, source_stage_index=source,
-                    flags=incoming.state.flags | activation_state_flags_from_frame_flags(desc.flags))
+    check_full_range(config, incoming, desc.token_count)
+    state = forwarded_state(config, incoming, activation_state_flags_from_frame_flags(desc.flags))
     # Steps 3-4 (under AutoLosslessV1 the fused selector also encodes, so it is timed).
     started = time.perf_counter()
     codec, wire = _select_codec(config, incoming, output, activation_width, state.flags, codec_module)
@@ -196,8 +190,32 @@ def forwarded_stage_message_timed(
             )
             raise ForwardingError(f"{context}: {error}", error) from error
     encode_ms = (time.perf_counter() - started) * 1000.0
-    # Step 6: chat metadata is not forwarded (the writer then clears its flag bit).
-    message = StageWireMessage(
+    return ForwardedStageMessage(forwarded_message(incoming, state, wire), encode_ms)
+
+
+def check_full_range(config: StageConfig, incoming: StageWireMessage, produced_tokens: int) -> None:
+    """Section 9 step 1: a stage with a downstream consumer must run the full incoming range
+    unless it owns layer 0; a short frame would make the next stage attend over a prefix
+    it never received."""
+    if config.layer_start != 0 and produced_tokens != incoming.token_count:
+        raise ForwardingError(
+            f"stage {config.stage_index} (layers {config.layer_start}..{config.layer_end}) produced "
+            f"{produced_tokens} activation tokens for {incoming.token_count} incoming tokens; "
+            "non-first stages must execute the full range"
+        )
+
+
+def forwarded_state(config: StageConfig, incoming: StageWireMessage, extra_flags: int = 0):
+    """Step 2: the u32 stage index reinterpreted as i32; incoming flag bits kept."""
+    source = config.stage_index & 0xFFFFFFFF
+    source = source - (1 << 32) if source >= 1 << 31 else source
+    return replace(incoming.state, source_stage_index=source, flags=incoming.state.flags | extra_flags)
+
+
+def forwarded_message(incoming: StageWireMessage, state, activation) -> StageWireMessage:
+    """Step 6: the forwarded message; chat metadata is not forwarded (the writer then
+    clears its flag bit)."""
+    return StageWireMessage(
         kind=incoming.kind,
         pos_start=incoming.pos_start,
         token_count=incoming.token_count,
@@ -213,10 +231,31 @@ def forwarded_stage_message_timed(
         chat_sampling_metadata=None,
         tokens=list(incoming.tokens),
         positions=list(incoming.positions),
-        activation=wire,
+        activation=activation,
         raw_bytes=b"",
     )
-    return ForwardedStageMessage(message, encode_ms)
+
+
+def forwarded_frame_message_timed(config: StageConfig, incoming: StageWireMessage, desc, payload,
+                                  protocol) -> ForwardedStageMessage:
+    """State versions 16 and 17: forward the runtime's multipart frame as it is.
+
+    ``desc`` / ``payload`` are the frame (:class:`~.activation_frame.ActivationFrameV16` and
+    its logical payload), ``protocol`` the link's :class:`~.protocol.WireProtocol`.  Under
+    Fixed the configured codec encodes it; under AutoLosslessV1 the frame selector picks
+    among the lossless codecs (A.6.4; S8 is never offered).  The message's activation is
+    the encoded frame (v17: the writer turns it into agreement framing)."""
+    check_full_range(config, incoming, desc.token_count)
+    state = forwarded_state(config, incoming)
+    configured, policy = checked_codec_policy(config)
+    started = time.perf_counter()
+    codec = configured
+    if policy is not CodecPolicy.FIXED:
+        codec = protocol.select_frame_codec(desc, payload, [int(c) for c in LOSSLESS_CODECS])
+    state.activation_codec = codec
+    wire = protocol.encode_frame(codec, desc, payload)
+    encode_ms = (time.perf_counter() - started) * 1000.0
+    return ForwardedStageMessage(forwarded_message(incoming, state, wire), encode_ms)
 
 
 def forwarded_stage_message(
@@ -234,4 +273,5 @@ def forwarded_stage_message(
 __all__ = [
     "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
     "StageConfig", "ForwardedStageMessage", "forwarded_stage_message", "forwarded_stage_message_timed",
+    "forwarded_frame_message_timed", "checked_codec_policy", "check_full_range", "forwarded_state", "forwarded_message",
 ]

@@ -296,6 +296,17 @@ class StageReplyDecoder(_IncrementalDecoder):
         super().__init__(kernels(impl).read_reply_from_buffer, max_message_bytes)
 
 
+class RecordDecoder(_IncrementalDecoder):
+    """An incremental decoder over any ``parse(data, offset) -> (record, used)`` that raises
+    ``UnexpectedEofError(needed)`` on a short tail (e.g. a v16/v17
+    :meth:`skippy_wire.wire.protocol.WireProtocol.read_from_buffer`); the same interface
+    as :class:`StageMessageDecoder`."""
+
+    def __init__(self, parse, what: str = "stage message", *, max_message_bytes: Optional[int] = None) -> None:
+        self._what = what
+        super().__init__(parse, max_message_bytes)
+
+
 def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *, impl: Optional[str] = None):
     """Yield messages from ``stream`` until a clean end of input (EOF between messages)."""
     decoder = StageMessageDecoder(n_embd, codec, policy, impl=impl)
@@ -401,7 +412,7 @@ def send_reply_predicted_tokens_with_window_and_stats(
 __all__ = [
     "STREAM_CHUNK_BYTES", "READY", "kernels",
     "write_stage_message", "write_stage_message_to", "read_stage_message", "read_stage_message_from_buffer",
-    "StageMessageDecoder", "StageReplyDecoder", "iter_stage_messages", "send_ready", "recv_ready",
+    "StageMessageDecoder", "StageReplyDecoder", "RecordDecoder", "iter_stage_messages", "send_ready", "recv_ready",
     "write_reply", "send_reply_message", "read_reply", "read_reply_from_buffer", "recv_reply",
     "send_reply_ack", "send_reply_ack_with_stats", "send_reply_predicted", "send_reply_predicted_with_stats",
     "send_reply_predicted_with_tokens_and_stats", "send_reply_predicted_with_tokens_window_and_stats",

@@ -1,0 +1,231 @@
+"""Stage links in state versions 15, 16 and 17: the same tokens in every version, the v17
+setup handshake in the server, version mismatches named on both sides, and inspect on
+v16/v17 captures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.errors import PipelineError
+from skippy_wire.net.driver import PipelineClient, generate_local
+from skippy_wire.net.protocol_io import (
+    VERSION_NOTICE_MAGIC,
+    driver_identity,
+    parse_plan,
+    parse_version_notice,
+    peer_version_of,
+    version_notice,
+)
+from skippy_wire.net.server import StageServer
+from skippy_wire.net.supervision import launch_pipeline
+from skippy_wire.stage.models import write_tiny_llama_gguf
+from skippy_wire.tools.inspect import main as inspect_main
+from skippy_wire.tools.inspect_gen import detect_protocol
+from skippy_wire.tools.serve import stage_config
+from skippy_wire.wire.setup import SetupError, SetupRole, StagePeer, StageSetupConfig, client_setup
+from skippy_wire.wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
+
+from test_server import N_EMBD, N_LAYER, PROMPT, FakeBackend, fake_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _chain(protocol, splits=((0, 3), (3, 6)), codec="raw-f32-v1", policy="fixed", protocols=None):
+    servers, downstream = [], None
+    for index in reversed(range(len(splits))):
+        start, end = splits[index]
+        version = protocols[index] if protocols else protocol
+        server = StageServer(FakeBackend(start, end, index), stage_config(index, start, end, codec, policy),
+                             downstream=downstream, io_timeout=5.0, reply_timeout=5.0, protocol=version)
+        server.start()
+        servers.insert(0, server)
+        downstream = server.address
+    return servers
+
+
+@pytest.fixture
+def chains():
+    made = []
+
+    def make(*args, **kwargs):
+        servers = _chain(*args, **kwargs)
+        made.extend(servers)
+        return servers
+
+    yield make
+    for server in made:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("protocol", [15, 16, 17])
+@pytest.mark.parametrize("splits", [((0, 3), (3, 6)), ((0, 2), (2, 4), (4, 6))])
+@pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("raw-f32-v1", "auto-lossless-v1"),
+                                          ("bf16-rne-v1", "fixed")])
+def test_every_version_gives_the_tokens_of_one_stage(chains, protocol, splits, codec, policy):
+    servers = chains(protocol, splits, codec, policy)
+    with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+        result = client.generate(PROMPT, max_tokens=6, chunk_size=4)
+    assert result.tokens == fake_reference(PROMPT, 6)
+
+
+def test_v16_forwards_a_multipart_frame_and_v17_agreement_framing(chains, tmp_path):
+    # The forwarded sizes differ by version: v16 adds the 68 + 128 byte frame headers, v17 the 30-byte
+    # agreement header instead (the tokens are the same, above).
+    sizes = {}
+    for protocol in (15, 16, 17):
+        servers = chains(protocol)
+        events = []
+        servers[0].events = events.append
+        with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+            client.generate(PROMPT, max_tokens=3, chunk_size=4)
+        deadline = time.monotonic() + 5
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sizes[protocol] = sum(events[0]["forwarded_bytes"].values())
+    frames = events[0]["forwarded_messages"]
+    assert sizes[16] - sizes[15] == frames * (68 + 128)
+    assert sizes[17] - sizes[15] == frames * 30
+
+
+def test_v17_stage_refuses_a_hello_with_a_wrong_sender_index(chains, caplog):
+    servers = chains(17)
+    out = ActivationProfile(1, 5, 0, 3, b"\0" * 32, 512, 1,
+                            [ActivationPartProfile(b"\1" * 32, 0, 2, 1, False, (Fixed(N_EMBD), TOKENS, Fixed(1), Fixed(1)))])
+    wrong = StageSetupConfig("skippy-wire", "skippy-wire", "skippy-wire", "stage5", 5, 0, 3,
+                             downstream=StagePeer("stage1", 1))
+    sock = socket.create_connection(servers[1].address, timeout=5)
+    with caplog.at_level(logging.ERROR, logger="skippy_wire.net.server"):
+        with pytest.raises(SetupError) as info:
+            client_setup(sock, SetupRole.ACTIVATION, wrong, out, timeout=5)
+        assert str(info.value) == "stage peer closed during setup"
+        deadline = time.monotonic() + 5
+        while "admitted upstream relationship mismatch" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    sock.close()
+    assert "stage setup failed: admitted upstream relationship mismatch" in caplog.text
+    # The stage still serves a correct pipeline afterwards.
+    with PipelineClient(*servers[0].address, timeout=10, protocol=17) as client:
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+def test_v17_driver_checks_the_run_it_reached(chains):
+    servers = chains(17)
+    with pytest.raises(PipelineError, match="stage setup failed: admitted downstream relationship mismatch"):
+        PipelineClient(*servers[0].address, timeout=5, protocol=17, identity=driver_identity("another-run"))
+
+
+@pytest.mark.parametrize("stage,driver", [(16, 15), (15, 16), (17, 15), (17, 16), (15, 17), (16, 17)])
+def test_in_process_mismatch_names_both_versions(chains, caplog, stage, driver):
+    servers = chains(stage)
+    with caplog.at_level(logging.ERROR, logger="skippy_wire.net.server"):
+        with pytest.raises(PipelineError) as info:
+            with PipelineClient(*servers[0].address, timeout=10, protocol=driver) as client:
+                client.generate(PROMPT, max_tokens=2)
+        deadline = time.monotonic() + 5
+        while "this stage speaks" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    host, port = servers[0].address
+    assert str(info.value) == f"stage 0 at {host}:{port} speaks state version {stage}, this driver speaks state version {driver}"
+    assert f"this stage speaks state version {stage}" in caplog.text
+    if stage != 17 or driver == 17:
+        assert f"peer speaks state version {driver}, this stage speaks state version {stage}" in caplog.text
+
+
+def test_version_notice_and_detection():
+    assert parse_version_notice(version_notice(16)) == 16
+    assert version_notice(15)[:4] == VERSION_NOTICE_MAGIC and parse_version_notice(b"READY123") is None
+    assert peer_version_of(bytes(20) + (16).to_bytes(4, "little")) == 16
+    assert peer_version_of(bytes.fromhex("53505453") + bytes(8)) == 17
+    assert [p.layer_start for p in parse_plan("0-15,15-30")] == [0, 15]
+    with pytest.raises(ValueError):
+        parse_plan("0:15")
+
+
+# -- real processes on 127.0.0.1 --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def _errors(log_dir: Path) -> str:
+    time.sleep(0.3)
+    return "\n".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("stage*.log")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", [16, 17])
+def test_processes_give_the_tokens_of_one_stage(tiny, protocol):
+    with launch_pipeline(tiny, 2, threads=1, protocol=protocol) as cluster:
+        with PipelineClient(*cluster.entry, timeout=30, protocol=protocol, identity=cluster.identity) as client:
+            result = client.generate([1, 10, 20, 30], max_tokens=6)
+    assert result.tokens == generate_local(tiny, [1, 10, 20, 30], max_tokens=6, threads=1).tokens
+
+
+@pytest.mark.slow
+def test_processes_v16_stage0_with_v15_stage1_fail_clearly(tiny, tmp_path):
+    with launch_pipeline(tiny, 2, threads=1, protocols=[16, 15], log_dir=tmp_path) as cluster:
+        with pytest.raises(PipelineError, match="closed the connection"):
+            with PipelineClient(*cluster.entry, timeout=30, protocol=16) as client:
+                client.generate([1, 10, 20], max_tokens=2)
+        logs = _errors(tmp_path)
+        down = cluster.stages[1].address
+    assert f"downstream {down} speaks state version 15, this stage speaks state version 16" in logs
+    assert "peer speaks state version 16, this stage speaks state version 15" in logs
+
+
+@pytest.mark.slow
+def test_processes_v15_driver_against_v16_stage_fails_clearly(tiny, tmp_path):
+    with launch_pipeline(tiny, 2, threads=1, protocol=16, log_dir=tmp_path) as cluster:
+        with pytest.raises(PipelineError) as info:
+            with PipelineClient(*cluster.entry, timeout=30, protocol=15) as client:
+                client.generate([1, 10, 20], max_tokens=2)
+        logs = _errors(tmp_path)
+        entry = cluster.stages[0].address
+    assert str(info.value) == f"stage 0 at {entry} speaks state version 16, this driver speaks state version 15"
+    assert "\n" not in str(info.value)
+    assert "peer speaks state version 15, this stage speaks state version 16" in logs
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "skippy_wire", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["16", "17"])
+@pytest.mark.parametrize("codec", [("raw-f32-v1", "fixed"), ("raw-f32-v1", "auto-lossless-v1")])
+def test_run_check_in_every_version(protocol, codec):
+    proc = _cli("run", "The capital of France is", "--max-tokens", "8", "--check", "--quiet", "--protocol", protocol,
+                "--activation-codec", codec[0], "--activation-codec-policy", codec[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check: OK" in proc.stdout and f"state version {protocol}" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", [16, 17])
+def test_inspect_dissects_v16_and_v17_captures(tmp_path, capsys, protocol):
+    proc = _cli("run", "Hello", "--max-tokens", "3", "--quiet", "--protocol", str(protocol), "--capture", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    hop1 = (tmp_path / "hop1-messages.bin").read_bytes()
+    assert detect_protocol(hop1, replies=False) == protocol
+    for name in ("hop0-messages.bin", "hop0-replies.bin", "hop1-messages.bin", "hop1-replies.bin"):
+        assert inspect_main([str(tmp_path / name)]) == 0, name
+    out = capsys.readouterr().out
+    assert f"message (state version {protocol})" in out
+    assert "frame v2: producer 0" in out and "part 0: F32  rank 2  token_axis 1" in out
+    if protocol == 17:
+        assert "setup Hello" in out and "setup Offer" in out and "agreement-framed activation" in out
+        assert '"role":"TokensAndControl"' in out and '"role":"Activation"' in out
+    # Forcing the wrong version fails at the first message.
+    assert inspect_main([str(tmp_path / "hop1-messages.bin"), "--protocol", "15"]) == 1
