@@ -187,6 +187,14 @@ class PipelineError(SkippyError, RuntimeError):
     """A request through the pipeline failed; the message says which stage and why."""
 
 
+class TopologyError(PipelineError, ValueError):
+    """A topology file is unreadable or describes no valid pipeline (one line: file, stage, rule)."""
+
+
+class NetnsError(PipelineError):
+    """A network-namespace cluster could not be set up (missing privilege, tool, or a failed command)."""
+
+
 # --- tools ------------------------------------------------------------------------------------
 
 

@@ -199,13 +199,15 @@ class StageServer:
     a message), ``idle_timeout`` (seconds a connection may sit between messages; None =
     forever), ``reply_timeout`` (seconds to wait for the downstream reply), ``capture``
     (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
-    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts).
+    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``link_delay``
+    (seconds slept before each send over a stage-to-stage link: downstream, and upstream
+    unless this is stage 0, whose upstream is the driver).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
                  host: str = "127.0.0.1", port: int = 0, io_timeout: float = DEFAULT_IO_TIMEOUT,
                  idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
-                 capture: str | None = None, events: EventSink | None = None) -> None:
+                 capture: str | None = None, events: EventSink | None = None, link_delay: float = 0.0) -> None:
         self.backend = backend
         self.config = config
         self.downstream = downstream
@@ -213,6 +215,7 @@ class StageServer:
         self.idle_timeout = idle_timeout
         self.reply_timeout = reply_timeout
         self.capture = capture
+        self.link_delay = link_delay
         self.events = events or (lambda event: None)
         self.codec = ActivationCodec(config.activation_codec)
         self.policy = CodecPolicy(config.activation_codec_policy)
@@ -279,6 +282,8 @@ class StageServer:
     def _serve_connection(self, sock: socket.socket, addr, seq: int) -> None:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
         upstream = Peer(sock, StageMessageDecoder(self.backend.n_embd, self.codec, self.policy))
+        if self.config.stage_index > 0:
+            upstream.send_delay = self.link_delay
         downstream: Peer | None = None
         sessions: dict[int, _Session] = {}
         try:
@@ -323,6 +328,7 @@ class StageServer:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
+        peer.send_delay = self.link_delay
         try:
             peer.sock.settimeout(self.reply_timeout)
             peer.recv_ready()

@@ -17,9 +17,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..errors import PipelineError
+from ..errors import PipelineError, TopologyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
 from ..net.supervision import default_model, launch_pipeline
+from ..net.topology import load_topology
 from ..net.transport import parse_address
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect", default=None, metavar="HOST:PORT",
                    help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
                         "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="drive the running stages a topology file describes (like --connect to its stage 0; "
+                        "its model and ctx_size apply)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -152,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.topology:
+        try:
+            topology = load_topology(args.topology, model=args.model)
+        except TopologyError as exc:
+            print(f"skippy-wire run: {exc}", file=sys.stderr)
+            return 2
+        args.connect = "{}:{}".format(*topology.entry)
+        args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
 
     def progress(text: str) -> None:
         if not args.quiet:

@@ -14,8 +14,9 @@ import os
 import sys
 import threading
 
-from ..errors import StageRuntimeError, WireError
+from ..errors import StageRuntimeError, TopologyError, WireError
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBackend, StageServer
+from ..net.topology import load_topology
 from ..net.transport import parse_address
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -26,9 +27,16 @@ log = logging.getLogger("skippy_wire.tools.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="skippy-wire serve", description="Run one skippy stage process.")
-    p.add_argument("--model", required=True, help="GGUF model path")
-    p.add_argument("--layer-start", type=int, required=True)
-    p.add_argument("--layer-end", type=int, required=True, help="exclusive")
+    p.add_argument("--model", default=None, help="GGUF model path (required without --topology)")
+    p.add_argument("--layer-start", type=int, default=None, help="required without --topology")
+    p.add_argument("--layer-end", type=int, default=None, help="exclusive; required without --topology")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, listen "
+                        "address, downstream, codec, policy and threads (--model overrides its model path)")
+    p.add_argument("--stage", type=int, default=None, metavar="K", help="the stage of --topology to run")
+    p.add_argument("--link-delay-ms", type=float, default=0.0,
+                   help="sleep this long before every send over a stage-to-stage link (emulated one-way "
+                        "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int, default=None, help="default: 0 for layer_start 0, else required")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (omit on the last stage)")
@@ -70,13 +78,38 @@ def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str,
                        activation_codec_policy=CodecPolicy.from_serde_name(policy))
 
 
+def _apply_topology(args) -> None:
+    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first)."""
+    topology = load_topology(args.topology, model=args.model)
+    stage = topology.stage(args.stage)
+    downstream = topology.downstream(args.stage)
+    args.model = str(topology.model_path)
+    args.layer_start, args.layer_end, args.stage_index = stage.layer_start, stage.layer_end, stage.index
+    args.listen = stage.bind_addr
+    args.downstream = f"{downstream[0]}:{downstream[1]}" if downstream else None
+    args.activation_codec, args.activation_codec_policy = stage.activation_codec, stage.activation_codec_policy
+    args.threads = stage.threads or args.threads
+    args.ctx_size = topology.ctx_size
+
+
 def _print_event(event: dict) -> None:
     sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.topology is None) != (args.stage is None):
+        parser.error("--topology and --stage go together")
+    if args.topology is not None:
+        try:
+            _apply_topology(args)
+        except TopologyError as exc:
+            print(f"skippy-wire serve: {exc}", file=sys.stderr)
+            return 2
+    elif args.model is None or args.layer_start is None or args.layer_end is None:
+        parser.error("--model, --layer-start and --layer-end are required without --topology")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
@@ -97,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                       ctx_size=args.ctx_size, n_threads=threads)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
-                             reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event)
+                             reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
+                             link_delay=args.link_delay_ms / 1000.0)
     except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
         print(f"skippy-wire serve: cannot start stage {stage_index}: {exc}", file=sys.stderr)
         return 1
