@@ -94,6 +94,15 @@ def _dead_stages(procs: list[StageProcess], chain: NetnsChain) -> str:
     return ("; " + "; ".join(dead)) if dead else ""
 
 
+def _startup_error(proc: StageProcess, exc: Exception) -> str:
+    """One line: why stage K did not start, with the last line of its log."""
+    head = str(exc).split(":\n", 1)[0].strip()
+    tail = []
+    if proc.log_path and proc.log_path.exists():
+        tail = [line.strip() for line in proc.log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return f"cannot start the stages: {head}" + (f" (its log: {tail[-1]})" if tail else "")
+
+
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
     """Make the hosts, run one generation across them, clean everything up; see the module doc."""
     if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
@@ -140,7 +149,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
             procs.append(proc)
             chain.spawn(proc)
         for proc in procs:
-            proc.wait_listening(STARTUP_TIMEOUT)
+            try:
+                proc.wait_listening(STARTUP_TIMEOUT)
+            except PipelineError as exc:
+                raise PipelineError(_startup_error(proc, exc)) from None
             progress(f"stage {proc.index}: pid {proc.popen.pid}, layers {proc.layers[0]}..{proc.layers[1]}, "
                      f"listening on {proc.address} in {chain.name(proc.index)}")
         with in_netns(chain.name(0)):
@@ -272,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (TopologyError, ValueError)) else 1
     except PipelineError as exc:
-        print(f"\n{PROG}: request failed: {exc}", file=sys.stderr)
+        text = str(exc)
+        print(f"\n{PROG}: {text if text.startswith('cannot start') else 'request failed: ' + text}",
+              file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _exit_on_stdin_eof() -> None:
     def watch() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            # The raw descriptor: a daemon thread blocked in the buffered reader would hold its
+            # lock at interpreter shutdown and turn a clean exit into a fatal error.
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         finally:
             log.info("stdin closed: the parent is gone, exiting")
