@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 
 import pytest
 
 from skippy_wire.errors import TopologyError
 from skippy_wire.net.netns import format_rate, parse_rate, tbf_args
-from skippy_wire.stage.models import model_shape, smollm2_path
+from skippy_wire.net import transport
 from skippy_wire.net.topology import build_topology, load_topology, parse_topology
+from skippy_wire.stage.models import model_shape, smollm2_path
 from skippy_wire.tools import serve
 
 N_LAYER, N_EMBD = 30, 576
@@ -170,3 +172,19 @@ def test_rates_and_tbf_sizing():
         # a bucket that holds a whole 64 KiB GSO segment's worth of MTU packets and a queue of >= 100 ms
         assert int(args["burst"]) >= 16 * 1024 and int(args["burst"]) >= rate / 8 * 0.004
         assert int(args["limit"]) >= rate / 8 * 0.1 and int(args["limit"]) >= 4 * int(args["burst"])
+
+
+def test_link_delay_sleeps_before_each_send(monkeypatch):
+    """``serve --link-delay-ms``: a Peer with send_delay sleeps before every send, none without."""
+    calls = []
+    monkeypatch.setattr(transport.time, "sleep", lambda s: calls.append(s))
+    a, b = socket.socketpair()
+    with a, b:
+        delayed, plain = transport.Peer(a), transport.Peer(b)
+        delayed.send_delay = 0.04
+        delayed.send(b"xy")
+        plain.send(b"z")
+        assert calls == [0.04]
+        assert b.recv(2) == b"xy" and a.recv(1) == b"z"
+    args = serve.build_parser().parse_args(["--topology", "t.json", "--stage", "1", "--link-delay-ms", "20"])
+    assert args.link_delay_ms == 20.0
