@@ -200,6 +200,14 @@ class StateVersionMismatch(StageError):
         super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
 
 
+class TopologyError(PipelineError, ValueError):
+    """A topology file is unreadable or describes no valid pipeline (one line: file, stage, rule)."""
+
+
+class NetnsError(PipelineError):
+    """A network-namespace cluster could not be set up (missing privilege, tool, or a failed command)."""
+
+
 # --- tools ------------------------------------------------------------------------------------
 
 

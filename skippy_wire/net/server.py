@@ -223,7 +223,9 @@ class StageServer:
     (a text file receiving one ``START_NS END_NS`` line per stretch of compute), ``protocol``
     (the state version every link speaks: 15, 16 or 17), ``identity`` (v17: the
     ``StageSetupConfig`` the handshake checks; default: from ``config``) and ``plan``
-    (v17: the ``PlanStage`` list an upstream sender is checked against).
+    (v17: the ``PlanStage`` list an upstream sender is checked against), ``link_delay``
+    (seconds slept before each send over a stage-to-stage link: downstream, and upstream
+    unless this is stage 0, whose upstream is the driver).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -231,7 +233,7 @@ class StageServer:
                  idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
                  capture: str | None = None, events: EventSink | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
-                 plan=None) -> None:
+                 plan=None, link_delay: float = 0.0) -> None:
         self.backend = backend
         self.compute_trace = compute_trace
         self.protocol = protocol
@@ -243,6 +245,7 @@ class StageServer:
         self.idle_timeout = idle_timeout
         self.reply_timeout = reply_timeout
         self.capture = capture
+        self.link_delay = link_delay
         self.events = events or (lambda event: None)
         self.codec = ActivationCodec(config.activation_codec)
         self.policy = CodecPolicy(config.activation_codec_policy)
@@ -314,6 +317,8 @@ class StageServer:
     def _serve_connection(self, sock: socket.socket, addr, seq: int) -> None:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
         upstream = Peer(sock)
+        if self.config.stage_index > 0:
+            upstream.send_delay = self.link_delay
         link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
                             codec=self.codec, policy=self.policy)
         opened: list = []
@@ -382,6 +387,7 @@ class StageServer:
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
         link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}")
+        peer.send_delay = self.link_delay
         try:
             link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)
         except StateVersionMismatch:

@@ -48,6 +48,16 @@ def default_model() -> Path:
     return Path(smollm2_path())
 
 
+def stage_env() -> dict:
+    """The environment of a stage child: unbuffered, running the very package the driver
+    imported (installed or not)."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 _LIVE: set["StageProcess"] = set()
 
 
@@ -63,7 +73,7 @@ class StageProcess:
     """One ``skippy-wire serve`` child.  Its stdout JSON events are collected by a thread."""
 
     def __init__(self, index: int, layers: tuple[int, int], args: list[str], *, env=None,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, prefix: Iterable[str] = ()) -> None:
         self.index = index
         self.layers = layers
         self.host = "127.0.0.1"
@@ -74,7 +84,7 @@ class StageProcess:
         self._stderr = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.log_path = log_path
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "skippy_wire", "serve", "--exit-on-stdin-eof", *args],
+            [*prefix, sys.executable, "-m", "skippy_wire", "serve", "--exit-on-stdin-eof", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
             start_new_session=True,
         )
@@ -209,11 +219,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     run_id = uuid.uuid4().hex
     plan = ",".join(f"{a}-{b}" for a, b in layers)
     identity = driver_identity(run_id, plan, model.stem)
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # The children run the very package the driver imported, installed or not.
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = stage_env()
     try:
         downstream = None
         for index in reversed(range(len(layers))):
@@ -247,4 +253,4 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     return StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity)
 
 
-__all__ = ["STARTUP_TIMEOUT", "split_layers", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]
+__all__ = ["STARTUP_TIMEOUT", "split_layers", "stage_env", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]

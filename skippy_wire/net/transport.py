@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import socket
+import time
 
 from ..errors import UnexpectedEofError
 from ..wire.frame import StageReplyDecoder, recv_ready
@@ -117,8 +118,11 @@ class Peer:
 
     ``decoder`` parses what this end receives (default: replies).  ``capture_prefix``
     records the connection's bytes: what was sent to ``PREFIX-messages.bin``, what was
-    received (READY and the replies) to ``PREFIX-replies.bin``.
+    received (READY and the replies) to ``PREFIX-replies.bin``.  ``send_delay`` (seconds)
+    is slept before every send: an emulated one-way link delay.
     """
+
+    send_delay: float = 0.0
 
     def __init__(self, sock: socket.socket, decoder=None, capture_prefix: str | None = None) -> None:
         self.sock = sock
@@ -134,6 +138,8 @@ class Peer:
         return self.reader.count
 
     def send(self, data: bytes) -> None:
+        if self.send_delay:
+            time.sleep(self.send_delay)
         self.sock.sendall(data)
         self.sent += len(data)
         if self._cap_out is not None:

@@ -26,6 +26,8 @@ from .options import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAG
 COMMANDS = {
     "run": ("skippy_wire.tools.run", "generate text through a pipeline of stage processes (the main job)"),
     "serve": ("skippy_wire.tools.serve", "run one stage process"),
+    "cluster": ("skippy_wire.tools.cluster", "run a pipeline over network-namespace hosts with shaped links (root)"),
+    "bench-cluster": ("skippy_wire.tools.cluster_bench", "prefill/decode over namespace hosts per link rate, delay, codec"),
     "api": ("skippy_wire.tools.api", "serve an OpenAI-compatible HTTP API from a pipeline of stage processes"),
     "inspect": ("skippy_wire.tools.inspect", "dissect a byte stream of stage messages and replies"),
     "conformance": ("skippy_wire.tools.conformance", "run golden-vector files (*.jsonl) against an implementation"),

@@ -18,11 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import PipelineError, ToolError
+from ..errors import PipelineError, ToolError, TopologyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
+from ..net.topology import load_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -32,6 +33,8 @@ from .options import (DefaultsFormatter, Parser, address, describe, float_above,
                       int_at_least, int_between, utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
+#: The prompt of tools that send it raw (no chat template): text the model continues.
+DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 def _kib(n: float) -> str:
@@ -198,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: start them)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link, driver included")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="drive the running stages a topology file describes (like --connect to its stage 0; "
+                        "its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     return p
 
@@ -261,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.topology:
+        try:
+            topology = load_topology(args.topology, model=args.model)
+        except TopologyError as exc:
+            parser.error(str(exc))
+        args.connect = tuple(topology.entry)
+        args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
 
     def progress(text: str) -> None:
         if not args.quiet:

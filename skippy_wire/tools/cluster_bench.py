@@ -1,0 +1,157 @@
+"""``skippy-wire bench-cluster``: the namespace-host matrix of docs/benchmarks.md.
+
+For every combination of ``--hosts`` x ``--rates`` x ``--delays`` x ``--codecs`` it runs one
+``skippy-wire cluster`` generation (fresh namespaces each time, see
+:mod:`skippy_wire.tools.cluster`) on a ``--prompt-tokens`` prompt prefilled in
+``--chunk-size`` chunks and reports prefill tokens/s, decode tokens/s, forwarded bytes per
+token per hop, the measured bulk throughput of the link, and whether the tokens equal one
+in-process stage's (computed once).  The matrix is large; take subsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+from ..errors import NetnsError, PipelineError, TopologyError
+from ..net.netns import format_rate, parse_rate
+from ..net.supervision import default_model
+from ..stage.models import Tokenizer
+from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, run_cluster
+
+#: Short codec names -> (activation codec identity, policy).
+CODECS = {
+    "raw-f32": ("raw-f32-v1", "fixed"),
+    "f16": ("f16-rne-v1", "fixed"),
+    "bf16": ("bf16-rne-v1", "fixed"),
+    "auto-lossless": ("raw-f32-v1", "auto-lossless-v1"),
+    "s8": ("s8-row-f32-rne-v1", "fixed"),
+}
+DEFAULT_RATES = "unlimited,1gbit,100mbit,20mbit,5mbit,2mbit"
+DEFAULT_DELAYS = "0,5,20"
+DEFAULT_HOSTS = "2,3"
+PROG = "skippy-wire bench-cluster"
+
+COLUMNS = ("hosts", "link", "delay ms", "codec", "measured Mbit/s", "prefill tok/s", "decode tok/s",
+           "bytes/token/hop", "tokens = 1 stage")
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def row_of(res, ok: bool) -> dict:
+    o = res.options
+    return {"hosts": o.hosts, "link": format_rate(parse_rate(o.rate)), "delay ms": o.delay_ms,
+            "codec": next(k for k, v in CODECS.items() if v == (o.codec, o.policy)),
+            "measured Mbit/s": round(res.link_bits / 1e6, 1) if res.link_bits else None,
+            "prefill tok/s": round(res.result.prefill_tok_s, 1), "decode tok/s": round(res.result.decode_tok_s, 1),
+            "bytes/token/hop": round(res.bytes_per_token_per_hop), "tokens = 1 stage": "yes" if ok else "no",
+            "prompt tokens": len(res.prompt), "new tokens": len(res.result.tokens)}
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(v) -> str:
+        if v is None:
+            return "-"
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", default=DEFAULT_HOSTS, help="comma list (default %(default)s)")
+    p.add_argument("--rates", default=DEFAULT_RATES, help="comma list (default %(default)s)")
+    p.add_argument("--delays", default=DEFAULT_DELAYS, help="comma list of one-way ms (default %(default)s)")
+    p.add_argument("--codecs", default=",".join(CODECS), help="comma list of " + ", ".join(CODECS))
+    p.add_argument("--prompt", default="Once upon a time, in a small village by the sea, there lived a fisherman "
+                                       "who knew every wave by name and every star by heart.")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    add_cluster_options(p)
+    p.set_defaults(prompt_tokens=512, max_tokens=32)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    def progress(text: str) -> None:
+        if not args.quiet:
+            print(f"[{PROG}] {text}", file=sys.stderr, flush=True)
+
+    try:
+        hosts = [int(h) for h in _list(args.hosts)]
+        rates = _list(args.rates)
+        for rate in rates:
+            parse_rate(rate)
+        delays = [float(d) for d in _list(args.delays)]
+        codecs = _list(args.codecs)
+        unknown = [c for c in codecs if c not in CODECS]
+        if unknown:
+            raise ValueError(f"unknown codec {unknown[0]!r} (one of {', '.join(CODECS)})")
+        model = Path(args.model) if args.model else default_model()
+        tokenizer = Tokenizer.from_gguf(model)
+    except (ValueError, OSError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
+          f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
+          f"{args.threads or 1} thread(s) per stage")
+    rows: list[dict] = []
+    reference = None
+    started = time.perf_counter()
+    try:
+        for n in hosts:
+            for rate in rates:
+                for delay in delays:
+                    for name in codecs:
+                        codec, policy = CODECS[name]
+                        opts = ClusterOptions(hosts=n, rate=rate, delay_ms=delay, codec=codec, policy=policy,
+                                              max_tokens=args.max_tokens, chunk_size=args.chunk_size,
+                                              prompt=args.prompt, prompt_tokens=args.prompt_tokens,
+                                              ctx_size=args.ctx_size, threads=args.threads, model=str(model),
+                                              timeout=args.timeout, measure_seconds=args.measure_seconds)
+                        progress(f"{n} hosts, {rate}, {delay:g} ms, {name}")
+                        res = run_cluster(opts, tokenizer=tokenizer)
+                        if reference is None:
+                            reference = local_reference(res, tokenizer)
+                        ok, _ = check_tokens(res, reference)
+                        rows.append(row_of(res, ok))
+                        progress(json.dumps(rows[-1]))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted after {len(rows)} rows", file=sys.stderr)
+    except (NetnsError, TopologyError, PipelineError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        if not rows:
+            return 1
+    print(markdown(rows))
+    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+__all__ = ["CODECS", "cpu_model", "markdown", "row_of", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

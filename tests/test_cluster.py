@@ -1,0 +1,209 @@
+"""Stages on separate hosts: topology-driven stage processes and the namespace cluster.
+
+The namespace tests need root, ``ip`` and ``tc``.  Where those are missing they FAIL with
+the reason, unless SKIPPY_WIRE_NO_NETNS=1 says this machine cannot make namespaces (then
+they skip with the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.net.netns import NETNS_PREFIX, NO_NETNS_ENV, NetnsChain, list_netns, netns_unavailable, parse_rate
+from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
+from skippy_wire.net.topology import build_topology
+from skippy_wire.stage.models import model_shape, smollm2_path
+from skippy_wire.tools import run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = [sys.executable, "-m", "skippy_wire", "cluster"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def netns():
+    reason = netns_unavailable()
+    if reason:
+        if os.environ.get(NO_NETNS_ENV) == "1":
+            pytest.skip(f"{NO_NETNS_ENV}=1: {reason}")
+        pytest.fail(f"cannot make network namespaces: {reason} (set {NO_NETNS_ENV}=1 where that is expected)")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_serve_and_run_from_one_topology_file(tmp_path, model, capsys):
+    """``serve --topology F --stage K`` for every K, then ``run --topology F --check``."""
+    n_layer, _ = model_shape(model)
+    ports = _free_ports(3)
+    topo = build_topology(model, split_layers(n_layer, 3), [f"127.0.0.1:{p}" for p in ports], threads=1,
+                          ctx_size=256)
+    path = topo.write(tmp_path / "topology.json")
+    procs = []
+    try:
+        for k in range(3):
+            procs.append(StageProcess(k, split_layers(n_layer, 3)[k], ["--topology", str(path), "--stage", str(k)],
+                                      env=stage_env(), log_path=tmp_path / f"stage{k}.log"))
+        for proc in procs:
+            proc.wait_listening(120)
+            assert proc.port == ports[proc.index]
+        assert run.main(["--topology", str(path), "--max-tokens", "6", "--check", "--quiet"]) == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+    out = capsys.readouterr().out
+    assert f"the pipeline at 127.0.0.1:{ports[0]}" in out and "check: OK, 6 tokens identical" in out
+
+
+# --------------------------------------------------------------------------------------
+# namespace hosts
+# --------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _assert_nothing_left(run_id: str, pids: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (any(_alive(p) for p in pids) or
+                                           [n for n in list_netns() if run_id in n]):
+        time.sleep(0.1)
+    assert [n for n in list_netns() if run_id in n] == [], "namespaces left behind"
+    assert [p for p in pids if _alive(p)] == [], "stage processes left behind"
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert "swdn" not in links and "swup" not in links, "a veth reached the root namespace"
+
+
+def _run_id(text: str) -> str:
+    m = re.search(rf"{NETNS_PREFIX}-([0-9a-f]+)-h0", text)
+    assert m, text
+    return m.group(1)
+
+
+def _pids(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"stage \d+: pid (\d+)", text)]
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_cluster_tokens_equal_one_stage(netns, hosts):
+    done = subprocess.run([*CLUSTER, "--hosts", str(hosts), "--max-tokens", "8", "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "check: OK, 8 tokens identical to one in-process stage" in done.stdout
+    assert f"summary: {hosts} namespace hosts" in done.stdout and "prefill:" in done.stdout
+    assert "bulk transfer" in done.stdout and "bytes per token per hop" in done.stdout
+    for hop in range(1, hosts):
+        assert f"wire hop {hop} stage {hop - 1}->stage {hop}" in done.stdout
+    pids = _pids(done.stderr)
+    assert len(pids) == hosts
+    # stage K listened on its own namespace's address from the generated topology file
+    assert "listening on 10.77.0.2:19000" in done.stderr
+    _assert_nothing_left(_run_id(done.stderr), pids)
+
+
+def test_shaped_link_lowers_throughput(netns):
+    with NetnsChain(2) as free:
+        unshaped = free.measure(0, 1.0)
+    with NetnsChain(2, parse_rate("5mbit")) as shaped_chain:
+        shaped = shaped_chain.measure(0, 1.5)
+        run_id = shaped_chain.run_id
+    assert 2.5e6 < shaped < 6e6, shaped  # the link carries its rate, neither collapsed nor unshaped
+    assert unshaped > 10 * shaped, (unshaped, shaped)
+    _assert_nothing_left(run_id, [])
+
+
+def _start_and_wait_generating(extra: list[str]):
+    proc = subprocess.Popen([*CLUSTER, "--hosts", "2", "--delay-ms", "40", "--max-tokens", "200",
+                             "--measure-seconds", "0", *extra], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        seen.append(line)
+        if "generating:" in line or time.monotonic() > deadline:
+            break
+    assert any("generating:" in s for s in seen), "".join(seen)
+    time.sleep(1.0)  # well into decode (each token crosses the 40 ms link twice)
+    return proc, "".join(seen)
+
+
+def test_killed_stage_ends_the_driver_with_one_line(netns):
+    proc, seen = _start_and_wait_generating([])
+    pids = _pids(seen)
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("skippy-wire cluster:")]
+    assert len(errors) == 1, err
+    assert "request failed: stage 0 at 10.77.0.1:19000 closed the connection" in errors[0]
+    assert "stage 1 (pid" in errors[0] and "exited with status -9" in errors[0]
+    _assert_nothing_left(_run_id(seen), pids)
+
+
+def test_ctrl_c_removes_everything(netns):
+    proc, seen = _start_and_wait_generating([])
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; namespaces and stage processes removed" in err
+    _assert_nothing_left(_run_id(seen), _pids(seen))
+
+
+def test_failure_at_startup_removes_everything(netns, tmp_path, model):
+    """A stage that cannot load its model (tensor data cut off) still leaves nothing behind."""
+    broken = tmp_path / "broken.gguf"
+    data = model.read_bytes()
+    broken.write_bytes(data[:len(data) // 2])  # the metadata (shape, vocabulary) stays readable
+    done = subprocess.run([*CLUSTER, "--hosts", "2", "--measure-seconds", "0", "--model", str(broken),
+                           "--max-tokens", "2", "x"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("skippy-wire cluster:")]
+    assert len(errors) == 1, done.stderr
+    assert re.search(r"cannot start the stages: stage \d cannot start: ModelError: GGUF is truncated", errors[0]), \
+        errors[0]
+    _assert_nothing_left(_run_id(done.stderr), [])
+
+
+def test_unavailable_netns_is_a_one_line_error(tmp_path):
+    """Without the tools the command says why in one line (no root needed)."""
+    env = dict(os.environ, PATH=str(tmp_path))  # no `ip`, no `tc`
+    done = subprocess.run([*CLUSTER, "--hosts", "2"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "skippy-wire cluster: cannot make namespace hosts: the `ip` command (iproute2) is not installed"]
+
+
+def test_topology_file_of_a_cluster_is_valid(model):
+    """The file the cluster writes is a plain topology (validated, loadable by serve)."""
+    n_layer, _ = model_shape(model)
+    chain = NetnsChain(3)
+    topo = build_topology(model, split_layers(n_layer, 3), [f"{chain.host_address(h)}:19000" for h in range(3)])
+    assert [s.endpoint for s in topo.stages] == ["10.77.0.1:19000", "10.77.0.2:19000", "10.77.1.2:19000"]
+    assert json.loads(json.dumps(topo.to_json()))["stages"][2]["layer_end"] == n_layer

@@ -1,0 +1,190 @@
+"""Topology files: validation before anything starts, one-line errors (no root, no model)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+
+import pytest
+
+from skippy_wire.errors import TopologyError
+from skippy_wire.net.netns import format_rate, parse_rate, tbf_args
+from skippy_wire.net import transport
+from skippy_wire.net.topology import build_topology, load_topology, parse_topology
+from skippy_wire.stage.models import model_shape, smollm2_path
+from skippy_wire.tools import serve
+
+N_LAYER, N_EMBD = 30, 576
+
+
+def shape(path):
+    return N_LAYER, N_EMBD
+
+
+GOOD = {
+    "topology_id": "t",
+    "model_path": "/models/m.gguf",
+    "ctx_size": 1024,
+    "stages": [
+        {"endpoint": "10.77.0.1:19000", "layer_start": 0, "layer_end": 10},
+        {"endpoint": "tcp://10.77.0.2:19000", "layer_start": 10, "layer_end": 20, "threads": 2},
+        {"stage_id": "last", "endpoint": "10.77.1.2:19000", "bind_addr": "0.0.0.0:19000",
+         "layer_start": 20, "layer_end": 30},
+    ],
+}
+
+
+def test_good_topology_fields_and_downstreams():
+    t = parse_topology(GOOD, shape=shape)
+    assert [(s.layer_start, s.layer_end) for s in t.stages] == [(0, 10), (10, 20), (20, 30)]
+    assert t.entry == ("10.77.0.1", 19000)
+    assert t.downstream(0) == ("10.77.0.2", 19000)
+    assert t.downstream(1) == ("10.77.1.2", 19000)
+    assert t.downstream(2) is None
+    assert t.stages[2].listen == ("0.0.0.0", 19000) and t.stages[2].stage_id == "last"
+    assert t.stages[0].stage_id == "stage-0" and t.stages[1].threads == 2 and t.stages[0].threads is None
+    assert t.stages[0].activation_codec == "raw-f32-v1" and t.stages[0].activation_codec_policy == "fixed"
+    assert (t.ctx_size, t.n_layer, t.n_embd) == (1024, N_LAYER, N_EMBD)
+    # what a file says survives writing it and reading it back
+    again = parse_topology(json.loads(json.dumps(t.to_json())), shape=shape)
+    assert again == t
+
+
+def _with(mutate):
+    data = copy.deepcopy(GOOD)
+    mutate(data)
+    return data
+
+
+def _set(i, key, value):
+    def mutate(d):
+        if value is None:
+            d["stages"][i].pop(key)
+        else:
+            d["stages"][i][key] = value
+    return mutate
+
+
+def _all_codec(codec, policy):
+    def mutate(d):
+        for s in d["stages"]:
+            s["activation_codec"], s["activation_codec_policy"] = codec, policy
+    return mutate
+
+
+CASES = [
+    ("gap", _set(1, "layer_start", 11), "stage 1: layers 11..20 leaves a gap after stage 0's 0..10"),
+    ("overlap", _set(1, "layer_start", 9), "stage 1: layers 9..20 overlaps stage 0's 0..10"),
+    ("not from 0", _set(0, "layer_start", 1), "stage 0 starts at layer 1, not 0"),
+    ("short", _set(2, "layer_end", 29), "the last stage ends at layer 29, but m.gguf has 30 layers"),
+    ("past the end", _set(2, "layer_end", 31), "the last stage ends at layer 31, but m.gguf has 30 layers"),
+    ("empty range", _set(1, "layer_end", 10), "stage 1: layer range 10..10 is empty (layer_end is exclusive)"),
+    ("duplicate endpoint", _set(2, "endpoint", "10.77.0.2:19000"),
+     "stage 2: endpoint 10.77.0.2:19000 is already used by stage 1"),
+    ("duplicate id", _set(1, "stage_id", "last"), "stage 2: stage_id 'last' is already used by stage 1"),
+    ("policy needs raw", _all_codec("bf16-rne-v1", "auto-lossless-v1"),
+     "stage 0: activation_codec_policy auto-lossless-v1 requires activation_codec raw-f32-v1, not bf16-rne-v1"),
+    ("codecs differ", _set(1, "activation_codec", "f16-rne-v1"),
+     "stage 1: codec f16-rne-v1/fixed differs from stage 0's raw-f32-v1/fixed"),
+    ("unknown codec", _set(0, "activation_codec", "zstd"), "stage 0: unknown activation codec 'zstd'"),
+    ("unknown policy", _set(0, "activation_codec_policy", "auto"), "stage 0: unknown activation codec policy 'auto'"),
+    ("bad address", _set(0, "endpoint", "10.77.0.1"), "stage 0: endpoint: address must be HOST:PORT"),
+    ("bad port", _set(0, "endpoint", "h:70000"), "stage 0: endpoint port 70000 is out of range 1..65535"),
+    ("missing endpoint", _set(0, "endpoint", None), "stage 0: endpoint is missing"),
+    ("missing layer", _set(1, "layer_end", None), "stage 1: layer_end is missing"),
+    ("string layer", _set(1, "layer_end", "20"), "stage 1: layer_end must be an integer, not '20'"),
+    ("zero threads", _set(1, "threads", 0), "stage 1: threads must be >= 1, not 0"),
+    ("unknown stage key", _set(0, "layers", [0, 10]), "stage 0: unknown key 'layers'"),
+    ("unknown key", lambda d: d.update(extra=1), "unknown key 'extra'"),
+    ("no stages", lambda d: d.update(stages=[]), "stages must be a non-empty list"),
+    ("no model", lambda d: d.pop("model_path"), "model_path (or a packaged model_id) is missing"),
+    ("unknown model id", lambda d: (d.pop("model_path"), d.update(model_id="llama-70b")),
+     "model_id 'llama-70b' is not a packaged model"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", CASES, ids=[c[0] for c in CASES])
+def test_invalid_topology_is_one_line(name, mutate, message):
+    with pytest.raises(TopologyError) as info:
+        parse_topology(_with(mutate), name="f.json", shape=shape)
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith("f.json: ")
+    assert message in text
+
+
+def test_model_that_cannot_be_read(tmp_path):
+    with pytest.raises(TopologyError, match=r"^t\.json: cannot read the model: .*no-such\.gguf"):
+        parse_topology(_with(lambda d: d.update(model_path=str(tmp_path / "no-such.gguf"))), name="t.json")
+
+
+def test_load_topology_file_errors(tmp_path):
+    with pytest.raises(TopologyError, match="^cannot read topology .*missing.json"):
+        load_topology(tmp_path / "missing.json", shape=shape)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TopologyError, match=r"bad\.json: not JSON"):
+        load_topology(bad, shape=shape)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(GOOD))
+    assert load_topology(good, shape=shape).stages[1].endpoint == "tcp://10.77.0.2:19000"
+    assert load_topology(good, model="/other.gguf", shape=shape).model_path.name == "other.gguf"
+
+
+def test_build_topology_validates():
+    t = build_topology("/m.gguf", [(0, 15), (15, 30)], ["10.77.0.1:19000", "10.77.0.2:19000"],
+                       codec="s8-row-f32-rne-v1", threads=1, ctx_size=600, shape=shape)
+    assert t.downstream(0) == ("10.77.0.2", 19000) and t.stages[1].activation_codec == "s8-row-f32-rne-v1"
+    with pytest.raises(TopologyError, match="overlaps"):
+        build_topology("/m.gguf", [(0, 16), (15, 30)], ["a:1", "b:1"], shape=shape)
+
+
+def test_serve_rejects_a_bad_topology_before_starting(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_with(_set(1, "layer_start", 11))))
+    assert serve.main(["--topology", str(path), "--stage", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "leaves a gap" in err, err
+    assert serve.main(["--topology", str(path)]) == 2  # --stage is required with --topology
+    assert "--topology and --stage go together" in capsys.readouterr().err
+
+
+def test_serve_stage_out_of_range(tmp_path, capsys):
+    n_layer, _ = model_shape(smollm2_path())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_id": "smollm2-135m", "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
+    assert serve.main(["--topology", str(path), "--stage", "3"]) == 2
+    assert "no stage 3 (it has 1)" in capsys.readouterr().err
+
+
+def test_rates_and_tbf_sizing():
+    assert parse_rate("100mbit") == 100_000_000 and parse_rate("2MBIT") == 2_000_000
+    assert parse_rate("1gbit") == 10**9 and parse_rate("unlimited") is None and parse_rate(None) is None
+    assert format_rate(parse_rate("20mbit")) == "20mbit" and format_rate(None) == "unlimited"
+    for bad in ("fast", "10 parsecs", "1bit"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+    for rate in (2_000_000, 100_000_000, 10**9):
+        args = dict(zip(tbf_args(rate)[::2], tbf_args(rate)[1::2]))
+        assert args["rate"] == f"{rate}bit"
+        # a bucket that holds a whole 64 KiB GSO segment's worth of MTU packets and a queue of >= 100 ms
+        assert int(args["burst"]) >= 16 * 1024 and int(args["burst"]) >= rate / 8 * 0.004
+        assert int(args["limit"]) >= rate / 8 * 0.1 and int(args["limit"]) >= 4 * int(args["burst"])
+
+
+def test_link_delay_sleeps_before_each_send(monkeypatch):
+    """``serve --link-delay-ms``: a Peer with send_delay sleeps before every send, none without."""
+    calls = []
+    monkeypatch.setattr(transport.time, "sleep", lambda s: calls.append(s))
+    a, b = socket.socketpair()
+    with a, b:
+        delayed, plain = transport.Peer(a), transport.Peer(b)
+        delayed.send_delay = 0.04
+        delayed.send(b"xy")
+        plain.send(b"z")
+        assert calls == [0.04]
+        assert b.recv(2) == b"xy" and a.recv(1) == b"z"
+    args = serve.build_parser().parse_args(["--topology", "t.json", "--stage", "1", "--link-delay-ms", "20"])
+    assert args.link_delay_ms == 20.0
