@@ -57,6 +57,10 @@ class GenerationResult:
     sent_bytes: int = 0
     received_bytes: int = 0
     reply_stats: list[Any] = field(default_factory=list)
+    #: Decode: the driver's own share, from a token's reply to the next DecodeEmbd sent
+    #: (on_token, building and writing the message), and the round trips to stage 0.
+    driver_gap_s: float = 0.0
+    decode_round_trip_s: float = 0.0
 
     @property
     def decode_tokens(self) -> int:
@@ -89,6 +93,7 @@ class PipelineClient:
                  identity=None) -> None:
         self.address = f"{host}:{port}"
         self.timeout = timeout
+        self.sent_at = 0.0  # perf_counter() when the last message went out
         try:
             sock = connect(host, port, timeout)
         except OSError as exc:
@@ -138,13 +143,15 @@ class PipelineClient:
             raise PipelineError(f"stage 0 at {self.address}: malformed reply to {what}: {exc}") from None
 
     def request(self, msg, what: str | None = None):
-        """Send one message and return its reply (a ``StageReply``)."""
+        """Send one message and return its reply (a ``StageReply``); :attr:`sent_at` is
+        when the message went out (perf_counter)."""
         data = self._link.encode(msg)
         what = what or f"{msg.kind.name} (session {msg.session_id})"
 
         def exchange():
             self._peer.sock.settimeout(self.timeout)
             self._peer.send(data)
+            self.sent_at = time.perf_counter()
             return self._peer.read()
 
         return self._guard(exchange, what)
@@ -174,7 +181,7 @@ class PipelineClient:
                 result.reply_stats.append(reply.stats)
                 token = self._expect(reply, ack=msg.kind == WireMessageKind.PREFILL_EMBD)
             result.prefill_s = time.perf_counter() - started
-            started = time.perf_counter()
+            started = replied = time.perf_counter()
             pos = len(prompt)
             while token is not None:
                 result.tokens.append(token)
@@ -187,6 +194,10 @@ class PipelineClient:
                     break
                 reply = self.request(decode_message(token, pos, len(result.tokens) - 1, len(prompt),
                                                     request_id, session_id))
+                now = time.perf_counter()
+                result.driver_gap_s += self.sent_at - replied
+                result.decode_round_trip_s += now - self.sent_at
+                replied = now
                 result.decode_messages += 1
                 token = self._expect(reply, ack=False)
                 pos += 1

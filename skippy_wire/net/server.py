@@ -70,6 +70,34 @@ DEFAULT_LANES = 4
 
 EventSink = Callable[[dict], None]
 
+#: The stretches of a DecodeEmbd's path through a stage, in order: from its last byte
+#: received to the runtime call (``queue``: reading it out, waiting for the runtime and
+#: the batch), the runtime call, encoding the forwarded message, sending it, waiting for
+#: the downstream reply, and relaying that reply upstream (on the terminal stage: writing
+#: and sending its own reply).
+DECODE_STRETCHES = ("queue", "compute", "encode", "send", "downstream_wait", "relay")
+
+
+class _DecodeTimer:
+    """perf_counter() marks along one DecodeEmbd's path (see DECODE_STRETCHES)."""
+
+    __slots__ = ("received", "compute_start", "compute_end", "encoded", "sent", "replied")
+
+    def __init__(self, received: float) -> None:
+        self.received = received
+        self.compute_start = self.compute_end = self.encoded = self.sent = self.replied = 0.0
+
+    def add_to(self, totals: dict, relayed: float) -> None:
+        end = self.compute_end
+        stretches = {"queue": self.compute_start - self.received, "compute": end - self.compute_start}
+        if self.sent:  # a forwarding stage
+            stretches.update(encode=self.encoded - end, send=self.sent - self.encoded,
+                             downstream_wait=self.replied - self.sent, relay=relayed - self.replied)
+        else:
+            stretches["relay"] = relayed - end
+        for name, seconds in stretches.items():
+            totals[name] += int(seconds * 1e6)
+
 
 # --------------------------------------------------------------------------------------
 # Runtime adapter
@@ -185,6 +213,9 @@ class SessionStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batched_decode_steps: int = 0  # decode steps that ran in a batch with other sessions'
+    #: Where a DecodeEmbd's time goes at this stage, summed over the session (microseconds):
+    #: see DECODE_STRETCHES.
+    decode_path_us: dict = field(default_factory=lambda: dict.fromkeys(DECODE_STRETCHES, 0))
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -337,8 +368,12 @@ class StageServer:
                 if msg is None:
                     log.info("%s: closed by peer", name)
                     break
-                reply = self._handle(msg, sessions, upstream.reader.last_size, downstream)
+                timer = _DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
+                reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer)
                 upstream.send(reply)
+                session = sessions.get(msg.session_id)
+                if timer is not None and session is not None:
+                    timer.add_to(session.stats.decode_path_us, time.perf_counter())
         except StateVersionMismatch as exc:
             log.error("%s: %s; closing", name, exc)
         except SetupError as exc:
@@ -415,7 +450,8 @@ class StageServer:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _handle(self, msg, sessions: dict, size: int, downstream: Peer | None) -> bytes:
+    def _handle(self, msg, sessions: dict, size: int, downstream: LinkProtocol | None,
+                timer: _DecodeTimer | None = None) -> bytes:
         kind = K(msg.kind)
         session = sessions.get(msg.session_id)
         if session is not None:
@@ -453,6 +489,9 @@ class StageServer:
             token = tokens[0] if tokens else msg.state.current_token
             step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
             predicted, frame = self.batcher.decode(step)
+            if timer is not None:
+                timer.compute_end = time.perf_counter()
+                timer.compute_start = timer.compute_end - step.compute_s
             session.stats.decode_tokens += 1
             if step.batch_size > 1:
                 session.stats.batched_decode_steps += 1
@@ -472,7 +511,7 @@ class StageServer:
             if kind.requires_predicted_reply:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
-        return self._forward(msg, frame, session, downstream, compute_us)
+        return self._forward(msg, frame, session, downstream, compute_us, timer)
 
     def _trace_compute(self, start_ns: int, end_ns: int) -> None:
         """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
@@ -504,7 +543,8 @@ class StageServer:
             stats.observe_prefill_compute(self.config.stage_index, compute_us, token_count)
         return stats
 
-    def _forward(self, msg, frame, session: _Session, downstream: LinkProtocol, compute_us: int) -> bytes:
+    def _forward(self, msg, frame, session: _Session, downstream: LinkProtocol, compute_us: int,
+                 timer: _DecodeTimer | None = None) -> bytes:
         if frame is None:
             raise StageError("the runtime produced no activation frame to forward")
         try:
@@ -520,13 +560,16 @@ class StageServer:
         st.forwarded_bytes[codec] = st.forwarded_bytes.get(codec, 0) + len(data)
         st.activation_bytes[codec] = st.activation_bytes.get(codec, 0) + len(out.activation)
         st.codec_counts[codec] = st.codec_counts.get(codec, 0) + 1
-        return self._exchange(msg, data, downstream, session, compute_us, len(out.activation))
+        if timer is not None:
+            timer.encoded = time.perf_counter()
+        return self._exchange(msg, data, downstream, session, compute_us, len(out.activation), timer)
 
     def _relay(self, msg, downstream: LinkProtocol, session: _Session | None) -> bytes:
         """Forward an activation-less control message as is and relay the reply."""
         return self._exchange(msg, downstream.encode(msg), downstream, session, None, 0)
 
-    def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes) -> bytes:
+    def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes,
+                  timer: _DecodeTimer | None = None) -> bytes:
         started = time.perf_counter()
         peer = downstream.peer
         try:
@@ -546,6 +589,8 @@ class StageServer:
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent a malformed reply "
                 f"({exc.kind}: {exc})") from None
         done = time.perf_counter()
+        if timer is not None:
+            timer.sent, timer.replied = written, done
         if session is not None:
             session.stats.downstream_wait_ms += (done - started) * 1000.0
         if compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import socket
 import time
+import time
 
 from ..errors import UnexpectedEofError
 from ..wire.frame import StageReplyDecoder, recv_ready
@@ -53,10 +54,11 @@ class SocketReader:
         self.decoder = decoder
         self.count = 0
         self.last_size = 0
+        self.last_time = 0.0  # perf_counter() when the record read last had fully arrived
         self._capture = capture
         self._chunk = bytearray(RECV_CHUNK_BYTES)
         self._view = memoryview(self._chunk)
-        self._pending: collections.deque = collections.deque()  # (record, wire size)
+        self._pending: collections.deque = collections.deque()  # (record, wire size, arrival)
 
     def _recv(self, limit: int = 0) -> int:
         """One ``recv_into``; feeds what arrived unless ``limit`` (raw bytes) is given."""
@@ -69,15 +71,17 @@ class SocketReader:
                 self._capture.flush()
             if not limit:
                 start = self.decoder.consumed
-                for record, end in zip(self.decoder.feed(data), self.decoder.ends):
-                    self._pending.append((record, end - start))
+                records = self.decoder.feed(data)
+                arrived = time.perf_counter()
+                for record, end in zip(records, self.decoder.ends):
+                    self._pending.append((record, end - start, arrived))
                     start = end
         return n
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as part of a record."""
-        return self.decoder.buffered + sum(size for _, size in self._pending)
+        return self.decoder.buffered + sum(size for _, size, _ in self._pending)
 
     def wait_readable(self, timeout: float | None) -> bool:
         """Block until at least one byte is buffered (False on a clean close)."""
@@ -97,7 +101,7 @@ class SocketReader:
             if not self._recv():
                 self.decoder.close()  # raises on a partial record (or a kept error)
                 return None
-        record, self.last_size = self._pending.popleft()
+        record, self.last_size, self.last_time = self._pending.popleft()
         return record
 
     def read_exact(self, n: int) -> bytes:

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PipelineError, ToolError, TopologyError
+from ..net.server import DECODE_STRETCHES
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
@@ -124,7 +125,33 @@ def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | 
         if s:
             lines.append(f"  stage {index}: compute {s.get('compute_ms', 0.0):.1f} ms, "
                          f"{s.get('messages', 0)} messages")
+    lines += decode_path_lines(result, cluster_events)
     return "\n".join(lines)
+
+
+def decode_path_lines(result: GenerationResult, cluster_events: list[list[dict]] | None) -> list[str]:
+    """Where a decoded token's time goes: per stage (DECODE_STRETCHES, microseconds per
+    token), the driver's own share, and the time outside compute per hop."""
+    tokens = result.decode_messages
+    if not tokens:
+        return []
+    lines = ["  decode path per token (us):"]
+    compute_us = 0.0
+    for index, events in enumerate(cluster_events or []):
+        path = merge_session_events(events).get("decode_path_us")
+        if not path:
+            continue
+        compute_us += path["compute"] / tokens
+        lines.append(f"    stage {index}: " + ", ".join(f"{name.replace('_', ' ')} {path[name] / tokens:.0f}"
+                                                         for name in DECODE_STRETCHES if path.get(name)))
+    round_trip_us = result.decode_round_trip_s * 1e6 / tokens
+    lines.append(f"    driver: reply to next message {result.driver_gap_s * 1e6 / tokens:.0f}, "
+                 f"round trip to stage 0 {round_trip_us:.0f}")
+    hops = len(cluster_events or [])
+    if compute_us and hops:
+        lines.append(f"    outside compute: {round_trip_us - compute_us:.0f} per token over {hops} "
+                     f"hop{'s' if hops != 1 else ''} = {(round_trip_us - compute_us) / hops:.0f} per hop")
+    return lines
 
 
 # --------------------------------------------------------------------------------------
