@@ -275,6 +275,11 @@ def test_sampling(tiny_path):
     assert first_token(pack_sampling(top_k=1, seed=5)) == greedy
     assert first_token(pack_sampling(logit_bias=[(77, 100.0)], temperature=0.0)) == 77
     assert first_token(pack_sampling(logit_bias=[(greedy, -1e9)], temperature=0.0)) != greedy
+    # greedy with filters set is still the first maximum: a tie goes to the lower id
+    assert first_token(pack_sampling(top_k=40, top_p=0.5, min_p=0.1, temperature=0.0)) == greedy
+    tie = [(77, 1e9), (50, 1e9)]  # 1e9 + any logit rounds to 1e9 in float
+    assert first_token(pack_sampling(logit_bias=tie, temperature=0.0)) == 50
+    assert first_token(pack_sampling(logit_bias=tie, top_k=2, temperature=0.0)) == 50
     # seeded draws are reproducible and actually random at a high temperature
     hot = [first_token(pack_sampling(seed=s, temperature=50.0)) for s in range(1, 9)]
     assert hot == [first_token(pack_sampling(seed=s, temperature=50.0)) for s in range(1, 9)]

@@ -167,7 +167,7 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
     const int64_t n_embd_kv = (int64_t) m->n_head_kv * m->head_dim;
     for (size_t i = 0; i < n_owned; i++) {
         s->k.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, n_embd_kv, m->ctx_size));
-        s->v.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, n_embd_kv, m->ctx_size));
+        s->v.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, m->ctx_size, n_embd_kv));  // transposed
     }
     s->kbuf = ggml_backend_alloc_ctx_tensors(s->kctx, m->backend);
     if (!s->kbuf) return release("cannot allocate the KV cache");

@@ -79,7 +79,6 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
         masks[r] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv[r], (int64_t) ios[r].n);
         ggml_set_input(masks[r]);
     }
-    const float kq_scale = 1.0f / sqrtf((float) hd);
     for (size_t li = 0; li < m->layers.size(); li++) {
         const stage_layer & L = m->layers[li];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.attn_norm);
@@ -96,16 +95,10 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
             const int nr = (int) ios[r].n;
             ggml_tensor * kc = ss[r]->k[li];
             ggml_tensor * vc = ss[r]->v[li];
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_view_2d(ctx, k2, n_embd_kv, nr, k2->nb[1], (size_t) off[r] * k2->nb[1]), cells[r]));
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_view_2d(ctx, v, n_embd_kv, nr, v->nb[1], (size_t) off[r] * v->nb[1]), cells[r]));
+            store_kv(ctx, gf, kc, vc, ggml_view_2d(ctx, k2, n_embd_kv, nr, k2->nb[1], (size_t) off[r] * k2->nb[1]),
+                     ggml_view_2d(ctx, v, n_embd_kv, nr, v->nb[1], (size_t) off[r] * v->nb[1]), cells[r]);
             ggml_tensor * qr = ggml_view_3d(ctx, q, hd, m->n_head, nr, q->nb[1], q->nb[2], (size_t) off[r] * q->nb[2]);
-            ggml_tensor * kv_k = ggml_view_3d(ctx, kc, hd, m->n_head_kv, n_kv[r], (size_t) hd * sizeof(float), kc->nb[1], 0);
-            ggml_tensor * kv_v = ggml_view_3d(ctx, vc, hd, m->n_head_kv, n_kv[r], (size_t) hd * sizeof(float), vc->nb[1], 0);
-            ggml_tensor * kq = ggml_mul_mat(ctx, ggml_permute(ctx, kv_k, 0, 2, 1, 3), ggml_permute(ctx, qr, 0, 2, 1, 3));
-            kq = ggml_soft_max_ext(ctx, kq, masks[r], kq_scale, 0.0f);
-            ggml_tensor * vt = ggml_cont(ctx, ggml_permute(ctx, kv_v, 1, 2, 0, 3));
-            ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);
-            ggml_tensor * o = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), (int64_t) hd * m->n_head, nr);
+            ggml_tensor * o = attend(ctx, m, kc, vc, qr, n_kv[r], masks[r]);
             attn = attn ? ggml_concat(ctx, attn, o, 1) : o;
         }
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, attn));

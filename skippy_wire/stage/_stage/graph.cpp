@@ -4,6 +4,35 @@
 
 namespace skippy_stage {
 
+// Stores one chunk's K [n_embd_kv, n] and V [n_embd_kv, n] in cache cells `cells`.  K rows
+// are cells; V is kept transposed (one row of ctx_size cells per V dimension, as llama.cpp
+// does without flash attention), so attention reads V^T in place instead of copying it.
+// The CPU backend runs nodes in graph order, so expanding the stores first makes the cache
+// reads of attend() see them.
+void store_kv(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * k,
+              ggml_tensor * v, ggml_tensor * cells) {
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, k, cells));
+    // element (cell c, dim d) as row c of plane d; the one index vector broadcasts over planes
+    const int64_t n_embd_kv = v->ne[0], ctx_size = vc->ne[0];
+    ggml_tensor * dst = ggml_view_3d(ctx, vc, 1, ctx_size, n_embd_kv, ggml_element_size(vc), vc->nb[1], 0);
+    ggml_tensor * src = ggml_view_3d(ctx, v, 1, v->ne[1], n_embd_kv, v->nb[1], ggml_element_size(v), 0);
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, dst, src, cells));
+}
+
+// Attention of q [hd, n_head, n] over the first n_kv cells (mask [n_kv, n]); [hd * n_head, n].
+ggml_tensor * attend(ggml_context * ctx, const skippy_model * m, ggml_tensor * kc, ggml_tensor * vc,
+                     ggml_tensor * q, int n_kv, ggml_tensor * mask) {
+    const int hd = m->head_dim;
+    const int64_t n = q->ne[2];
+    ggml_tensor * kp = ggml_view_3d(ctx, kc, hd, n_kv, m->n_head_kv, kc->nb[1], (size_t) hd * ggml_element_size(kc), 0);
+    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n, n_head]
+    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);          // [n_kv, n, n_head]; GQA by broadcast
+    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / sqrtf((float) hd), 0.0f);
+    ggml_tensor * vt = ggml_view_3d(ctx, vc, n_kv, hd, m->n_head_kv, vc->nb[1], (size_t) hd * vc->nb[1], 0);
+    ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);  // [hd, n, n_head]
+    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), (int64_t) hd * m->n_head, n);
+}
+
 // Builds the stage graph for n rows over n_kv cache cells into the model's cached slot.
 // The graph depends only on (session KV tensors, n, n_kv, logit rows); the cache position
 // enters through input tensors (row indices, positions, mask), never through view offsets.
@@ -40,8 +69,6 @@ result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
     ggml_set_input(g.inp_cells);
     g.inp_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n);
     ggml_set_input(g.inp_mask);
-    const float kq_scale = 1.0f / sqrtf((float) hd);
-
     for (size_t li = 0; li < m->layers.size(); li++) {
         const stage_layer & L = m->layers[li];
         ggml_tensor * kc = s->k[li];
@@ -57,20 +84,8 @@ result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
         k = ggml_rope_ext(ctx, k, g.inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
                           m->freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
 
-        // Store this chunk's K/V in cells inp_cells; the CPU backend runs nodes in graph
-        // order, so expanding the stores first makes the cache reads below see them.
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, k, n_embd_kv, n), g.inp_cells));
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, v, g.inp_cells));
-
-        ggml_tensor * kv_k = ggml_view_3d(ctx, kc, hd, m->n_head_kv, n_kv, (size_t) hd * sizeof(float), kc->nb[1], 0);
-        ggml_tensor * kv_v = ggml_view_3d(ctx, vc, hd, m->n_head_kv, n_kv, (size_t) hd * sizeof(float), vc->nb[1], 0);
-        ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);     // [hd, n, n_head]
-        ggml_tensor * kp = ggml_permute(ctx, kv_k, 0, 2, 1, 3);  // [hd, n_kv, n_head_kv]
-        ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);            // [n_kv, n, n_head]; GQA by broadcast
-        kq = ggml_soft_max_ext(ctx, kq, g.inp_mask, kq_scale, 0.0f);
-        ggml_tensor * vt = ggml_cont(ctx, ggml_permute(ctx, kv_v, 1, 2, 0, 3));  // [n_kv, hd, n_head_kv]
-        ggml_tensor * kqv = ggml_mul_mat(ctx, vt, kq);                            // [hd, n, n_head]
-        cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), (int64_t) hd * m->n_head, n);
+        store_kv(ctx, gf, kc, vc, ggml_reshape_2d(ctx, k, n_embd_kv, n), v, g.inp_cells);
+        cur = attend(ctx, m, kc, vc, q, n_kv, g.inp_mask);
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, cur));
 
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.ffn_norm);

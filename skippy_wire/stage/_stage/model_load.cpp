@@ -58,6 +58,18 @@ result check_shape(const ggml_tensor * t, const char * name, int64_t ne0, int64_
     return {};
 }
 
+// Decode streams every weight once per token; with 4 KiB pages that is a TLB miss per page.
+// Ask for transparent huge pages on the (still untouched) weight buffer, which matters where
+// THP is "madvise" (docs/backend.md "Decode profile"); a hint only, ignored where unavailable.
+void advise_huge_pages(ggml_backend_buffer_t buf) {
+    if (!ggml_backend_buffer_is_host(buf)) return;
+    const uintptr_t huge = 2u << 20;
+    const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(buf);
+    const uintptr_t lo = (base + huge - 1) & ~(huge - 1);
+    const uintptr_t hi = (base + ggml_backend_buffer_get_size(buf)) & ~(huge - 1);
+    if (hi > lo) madvise((void *) lo, hi - lo, MADV_HUGEPAGE);
+}
+
 }  // namespace
 
 void model_destroy(skippy_model * m) {
@@ -230,6 +242,7 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     }
     m->wbuf = ggml_backend_alloc_ctx_tensors(m->wctx, m->backend);
     if (!m->wbuf) return err(SKIPPY_STATUS_RUNTIME_ERROR, "cannot allocate weight memory");
+    advise_huge_pages(m->wbuf);
 
     // Stream only this slice's bytes (runtime slice, runtime.md §4 item 4).
     const size_t data_off = gguf_get_data_offset(g);

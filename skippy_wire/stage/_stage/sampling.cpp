@@ -79,6 +79,10 @@ int32_t sample_row(skippy_session * s, const float * row, const skippy_sampling_
         if (m->eot_id >= 0 && m->eot_id < nv) l[m->eot_id] = ninf;
     }
 
+    // Greedy: every filter below keeps the best candidate first (logit descending, ties by
+    // id), so the answer is the first maximum; skip sorting the whole vocabulary.
+    if (!(cfg->temperature > 0.0f)) return argmax(l.data(), nv);
+
     // candidates sorted by logit descending, ties by id
     std::vector<int32_t> cand(nv);
     for (int i = 0; i < nv; i++) cand[i] = i;
@@ -114,7 +118,6 @@ int32_t sample_row(skippy_session * s, const float * row, const skippy_sampling_
         while (cut < cand.size() && l[cand[cut]] >= thr) cut++;
         cand.resize(cut);
     }
-    if (!(cfg->temperature > 0.0f)) return cand[0];
     probs(p, cfg->temperature);
     const double u = (double) (splitmix64(&s->rng) >> 11) * (1.0 / 9007199254740992.0);
     double cum = 0;

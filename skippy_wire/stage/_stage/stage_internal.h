@@ -17,6 +17,7 @@
 #include "gguf.h"
 
 #include <sched.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -112,7 +113,7 @@ struct skippy_session {
     int lane = -1;
     ggml_context * kctx = nullptr;
     ggml_backend_buffer_t kbuf = nullptr;
-    std::vector<ggml_tensor *> k, v;  // per owned layer: [n_embd_kv, ctx_size] F32
+    std::vector<ggml_tensor *> k, v;  // per owned layer: K [n_embd_kv, ctx_size], V^T [ctx_size, n_embd_kv]; F32
 
     std::vector<int32_t> cell_pos;  // position of each filled cache cell
     uint64_t n_past = 0;
@@ -176,6 +177,10 @@ enum class logit_rows { none, last, all };
 // same graph shape and reuse the built + allocated graph (the extra cells are masked).
 constexpr int KV_PAD = 64;
 
+void store_kv(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * kc, ggml_tensor * vc, ggml_tensor * k,
+              ggml_tensor * v, ggml_tensor * cells);
+ggml_tensor * attend(ggml_context * ctx, const skippy_model * m, ggml_tensor * kc, ggml_tensor * vc,
+                     ggml_tensor * q, int n_kv, ggml_tensor * mask);
 result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr);
 result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in_rows,
                   const int32_t * pos, int n, uint64_t base, logit_rows lr, void * out_rows,
