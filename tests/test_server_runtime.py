@@ -9,7 +9,7 @@ import time
 import pytest
 
 from skippy_wire.net.batching import DecodeBatcher, DecodeStep
-from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.driver import PipelineClient, prefill_messages
 from skippy_wire.stage import models
 from skippy_wire.stage.runtime import StageModel
 from skippy_wire.net.server import RuntimeBackend, StageServer
@@ -154,3 +154,77 @@ def _outcome(batcher, step):
         return batcher.decode(step)
     except Exception as exc:  # noqa: BLE001 -- the test inspects it
         return exc
+
+
+class _SlowPrefill(RuntimeBackend):
+    """The real backend; each prefill chunk takes 150 ms more and is logged with its end time."""
+
+    def __init__(self, model, log):
+        super().__init__(model)
+        self.log = log
+
+    def prefill(self, *args, **kwargs):
+        time.sleep(0.15)
+        out = super().prefill(*args, **kwargs)
+        self.log.append(time.perf_counter())
+        return out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_chunks_overlap_across_stages(tiny, overlap):
+    # With overlap, stage 0 acknowledges a forwarded PrefillEmbd before stage 1 has computed
+    # it, so the driver's next chunk is on its way while stage 1 still works; without, every
+    # Ack waits for stage 1.  The tokens are the same either way.
+    stage1_done: list[float] = []
+    servers = []
+    try:
+        last = StageServer(_SlowPrefill(StageModel.open(tiny, 2, 4, stage_index=1, lane_count=4, n_threads=1),
+                                        stage1_done),
+                           stage_config(1, 2, 4, "raw-f32-v1", "fixed"), io_timeout=5, reply_timeout=10)
+        last.start()
+        first = StageServer(_open(tiny, 0, 2, 0), stage_config(0, 0, 2, "raw-f32-v1", "fixed"),
+                            downstream=last.address, io_timeout=5, reply_timeout=10, prefill_overlap=overlap)
+        first.start()
+        servers = [first, last]
+        acks = []
+        with PipelineClient(*first.address, timeout=10) as client:
+            for msg in prefill_messages(PROMPT, 3, 1, 1):
+                reply = client.request(msg)
+                acks.append(time.perf_counter())
+            assert int(reply.predicted) == _reference(tiny, 1, 3)[0]
+    finally:
+        for server in servers:
+            server.shutdown()
+    # acks[0]: the first chunk's Ack; stage1_done[0]: when stage 1 finished that chunk.
+    assert (acks[0] < stage1_done[0]) == overlap
+
+
+def test_decode_path_breakdown_adds_up(tiny):
+    # Each stage times a DecodeEmbd's stretches; stage 0's wait for the downstream holds
+    # stage 1's whole path, and the driver's round trip holds stage 0's.
+    events: list[dict] = []
+    servers = []
+    try:
+        last = StageServer(_SlowSoloDecode(StageModel.open(tiny, 2, 4, stage_index=1, lane_count=4, n_threads=1)),
+                           stage_config(1, 2, 4, "raw-f32-v1", "fixed"), io_timeout=5, reply_timeout=10,
+                           events=events.append)
+        last.start()
+        first = StageServer(_open(tiny, 0, 2, 0), stage_config(0, 0, 2, "raw-f32-v1", "fixed"),
+                            downstream=last.address, io_timeout=5, reply_timeout=10, events=events.append)
+        first.start()
+        servers = [first, last]
+        with PipelineClient(*first.address, timeout=10) as client:
+            result = client.generate(PROMPT, max_tokens=6)
+    finally:
+        for server in servers:
+            server.shutdown()
+    deadline = time.monotonic() + 5
+    while len(events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    path = {e["stage"]: e["decode_path_us"] for e in events}
+    assert result.decode_messages == 5
+    assert all(v >= 0 for p in path.values() for v in p.values())
+    assert path[1]["compute"] >= 5 * 50_000  # the slowed decode steps
+    assert path[1]["encode"] == path[1]["send"] == path[1]["downstream_wait"] == 0  # terminal
+    assert path[0]["downstream_wait"] >= sum(path[1].values())
+    assert result.decode_round_trip_s * 1e6 >= sum(path[0].values()) - path[0]["queue"]

@@ -154,6 +154,8 @@ class LinkProtocol:
         self.conn = StageConnection(peer.sock, version, impl=impl)
         self.wire = self.conn.protocol
         self.codec, self.policy, self.n_embd = codec, policy, n_embd
+        #: Replies the peer still owes for messages sent without waiting (overlapped prefill).
+        self.unread_replies = 0
         peer.reader.decoder = self.message_decoder() if reads == "messages" else self.reply_decoder()
 
     @property

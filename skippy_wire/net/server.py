@@ -52,7 +52,7 @@ from ..wire.frame import (
     write_reply,
 )
 from ..wire.messages import WireMessageKind as K
-from ..wire.replies import StageReplyStats
+from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
@@ -256,7 +256,9 @@ class StageServer:
     ``StageSetupConfig`` the handshake checks; default: from ``config``) and ``plan``
     (v17: the ``PlanStage`` list an upstream sender is checked against), ``link_delay``
     (seconds slept before each send over a stage-to-stage link: downstream, and upstream
-    unless this is stage 0, whose upstream is the driver).
+    unless this is stage 0, whose upstream is the driver), ``prefill_overlap`` (acknowledge
+    a forwarded PrefillEmbd at once instead of after the downstream's Ack, so this stage
+    computes the next chunk while the downstream computes this one).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -264,7 +266,7 @@ class StageServer:
                  idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
                  capture: str | None = None, events: EventSink | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
-                 plan=None, link_delay: float = 0.0) -> None:
+                 plan=None, link_delay: float = 0.0, prefill_overlap: bool = True) -> None:
         self.backend = backend
         self.compute_trace = compute_trace
         self.protocol = protocol
@@ -277,6 +279,7 @@ class StageServer:
         self.reply_timeout = reply_timeout
         self.capture = capture
         self.link_delay = link_delay
+        self.prefill_overlap = prefill_overlap
         self.events = events or (lambda event: None)
         self.codec = ActivationCodec(config.activation_codec)
         self.policy = CodecPolicy(config.activation_codec_policy)
@@ -562,6 +565,12 @@ class StageServer:
         st.codec_counts[codec] = st.codec_counts.get(codec, 0) + 1
         if timer is not None:
             timer.encoded = time.perf_counter()
+        if self.prefill_overlap and msg.kind == K.PREFILL_EMBD:
+            # Overlap: send the chunk on and acknowledge it now; the downstream's Ack is read
+            # (and checked) before the reply to the next message that needs one.
+            self._send_downstream(downstream, data)
+            downstream.unread_replies += 1
+            return _reply_bytes(send_reply_ack, self._own_stats(msg.kind, compute_us, msg.token_count))
         return self._exchange(msg, data, downstream, session, compute_us, len(out.activation), timer)
 
     def _relay(self, msg, downstream: LinkProtocol, session: _Session | None) -> bytes:
@@ -571,12 +580,48 @@ class StageServer:
     def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes,
                   timer: _DecodeTimer | None = None) -> bytes:
         started = time.perf_counter()
+        self._send_downstream(downstream, data)
+        written = time.perf_counter()
+        owed = self._read_reply(downstream)
+        done = time.perf_counter()
+        if timer is not None:
+            timer.sent, timer.replied = written, done
+        if session is not None:
+            session.stats.downstream_wait_ms += (done - started) * 1000.0
+        reply = owed[-1]
+        for ack in owed[:-1]:  # the Acks of overlapped prefill chunks, in order
+            if ack.kind != WireReplyKind.ACK:
+                raise StageError(f"downstream {self.downstream[0]}:{self.downstream[1]} answered an "
+                                 f"overlapped PrefillEmbd with reply kind {int(ack.kind)}, not Ack")
+            reply.stats.merge(ack.stats)
+        if compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS:
+            stats = reply.stats
+            if hasattr(stats, "observe_prefill_edge_transport"):
+                stats.observe_prefill_edge_transport(
+                    self.config.stage_index, int((written - started) * 1e6),
+                    int((done - written) * 1e6), activation_bytes)
+                stats.observe_prefill_compute(self.config.stage_index, compute_us, msg.token_count)
+        return write_reply(reply)
+
+    def _send_downstream(self, downstream: LinkProtocol, data: bytes) -> None:
+        try:
+            downstream.peer.sock.settimeout(self.reply_timeout)
+            downstream.peer.send(data)
+        except (socket.timeout, TimeoutError):
+            raise StageError(f"downstream {self.downstream[0]}:{self.downstream[1]} took no data for "
+                             f"{self.reply_timeout} s") from None
+        except ConnectionError as exc:
+            raise StageError(
+                f"downstream {self.downstream[0]}:{self.downstream[1]} closed the connection ({exc})") from None
+
+    def _read_reply(self, downstream: LinkProtocol) -> list:
+        """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
+        reply to the message just sent."""
         peer = downstream.peer
         try:
-            peer.sock.settimeout(self.reply_timeout)
-            peer.send(data)
-            written = time.perf_counter()
-            reply = peer.read()
+            replies = [peer.read() for _ in range(downstream.unread_replies + 1)]
+            downstream.unread_replies = 0
+            return replies
         except (socket.timeout, TimeoutError):
             raise StageError(
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent no reply within "
@@ -588,19 +633,6 @@ class StageServer:
             raise StageError(
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent a malformed reply "
                 f"({exc.kind}: {exc})") from None
-        done = time.perf_counter()
-        if timer is not None:
-            timer.sent, timer.replied = written, done
-        if session is not None:
-            session.stats.downstream_wait_ms += (done - started) * 1000.0
-        if compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS:
-            stats = reply.stats
-            if hasattr(stats, "observe_prefill_edge_transport"):
-                stats.observe_prefill_edge_transport(
-                    self.config.stage_index, int((written - started) * 1e6),
-                    int((done - written) * 1e6), activation_bytes)
-                stats.observe_prefill_compute(self.config.stage_index, compute_us, msg.token_count)
-        return write_reply(reply)
 
     def _free(self, session: _Session, session_id: int) -> None:
         with self._runtime_lock:

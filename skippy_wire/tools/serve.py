@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", default=None, help="v17: the model id (default: the model file's stem)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (the driver holds it open, so stages die with it; default: off)")
+    p.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
+                   help="wait for the downstream's Ack of every PrefillEmbd before acknowledging it "
+                        "(default: acknowledge at once, so consecutive chunks overlap across stages)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
                    help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
                         "(monotonic clock; the serving benchmark measures overlap with it; default: off)")
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
                              compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
-                             link_delay=args.link_delay_ms / 1000.0)
+                             link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")

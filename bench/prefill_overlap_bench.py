@@ -1,0 +1,75 @@
+"""Prefill across stages with and without overlap, alternating in one run.
+
+    python bench/prefill_overlap_bench.py [--stages 2] [--tokens 512] [--chunk 64] [--rounds 3]
+
+Starts the stage processes twice per round (1 thread each; once with the default overlap,
+once with ``serve --no-prefill-overlap``), prefills the same ``--tokens``-token prompt in
+``--chunk``-token chunks, and prints the best prefill tokens/s of each, their ratio, and
+whether the first generated tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.supervision import default_model, launch_pipeline
+from skippy_wire.stage.models import Tokenizer
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def prompt_tokens(tokenizer, n: int) -> list[int]:
+    words = ("the sea", "a small village", "an old lighthouse", "fishing boats", "the morning tide")
+    text, ids = "", []
+    i = 0
+    while len(ids) < n:
+        text += f" Once, near {words[i % len(words)]}, story {i} began."
+        ids = tokenizer.encode(text)
+        i += 1
+    return ids[:n]
+
+
+def prefill(model, stages: int, prompt: list[int], chunk: int, overlap: bool) -> tuple[float, list[int]]:
+    extra = [] if overlap else ["--no-prefill-overlap"]
+    with launch_pipeline(model, stages, threads=1, ctx_size=len(prompt) + 64, extra_args=extra) as cluster:
+        with PipelineClient(*cluster.entry) as client:
+            result = client.generate(prompt, max_tokens=4, chunk_size=chunk)
+    return result.prefill_tok_s, result.tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    model = default_model()
+    prompt = prompt_tokens(Tokenizer.from_gguf(model), args.tokens)
+    best = {True: 0.0, False: 0.0}
+    tokens = {}
+    for _ in range(args.rounds):
+        for overlap in (True, False):
+            rate, tokens[overlap] = prefill(model, args.stages, prompt, args.chunk, overlap)
+            best[overlap] = max(best[overlap], rate)
+    print(f"# prefill overlap: {args.stages} stage processes x 1 thread, SmolLM2-135M Q4_1, {len(prompt)}-token "
+          f"prompt in {args.chunk}-token chunks, best of {args.rounds}; CPU: {cpu_model()}, {os.cpu_count()} cores")
+    print(f"| with overlap | {best[True]:.1f} tok/s |")
+    print(f"| without | {best[False]:.1f} tok/s |")
+    print(f"| ratio | {best[True] / best[False]:.2f}x |")
+    same = tokens[True] == tokens[False]
+    print(f"same tokens with and without overlap: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
