@@ -166,6 +166,9 @@ def main(argv=None) -> int:
             os.killpg(api.pid, signal.SIGINT)
             api.wait(30)
             api.stderr.close()
+        events = [e for stage in cluster.session_events(wait=5.0) for e in stage]
+    batched = sum(e.get("batched_decode_steps", 0) for e in events)
+    decoded = sum(e.get("decode_tokens", 0) for e in events)
     one, many, run = best["1"], best[str(args.concurrency)], best["run"]
     print(f"# serving benchmark: {args.stages} stage processes x 1 thread, SmolLM2-135M Q4_1, greedy, "
           f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
     print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
     print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")
     print(f"| all stages computing at once, {args.concurrency} requests | {many['all_busy'] * 100:.1f}% | |")
+    print(f"| decode steps that ran in a multi-session batch (all rounds, all stages) | "
+          f"{100 * batched / max(decoded, 1):.1f}% | |")
     same = many["texts"][0] == one["texts"][0]
     print(f"\nfirst request's text identical alone and among {args.concurrency}: {same}")
     return 0 if same else 1
