@@ -7,18 +7,11 @@ and for errors the kind (exception class) and the exact upstream text.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import WireError
-
-
-def _load(vectors_dir, name):
-    path = vectors_dir / f"{name}.jsonl"
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+from vector_helpers import load_cases as _load
 
 
 def _outcome(fn, *args):
