@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from skippy_wire.wire import codec, frame
-from skippy_wire.tools.conformance import message_to_case
+from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
 from skippy_wire.wire.constants import StateFlags

@@ -4,18 +4,14 @@ implementation, through the buffer reader, the stream reader and the streaming d
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 
 from skippy_wire.wire import frame
-from skippy_wire.tools.conformance import Mismatch, Runner, message_from_case, message_to_case, read_expectation
+from skippy_wire.tools.conformance import Runner
+from skippy_wire.tools.vector_cases import message_from_case, message_to_case, read_expectation
 from skippy_wire.errors import WireError
-
-
-def _load(vectors_dir, name):
-    with open(vectors_dir / f"{name}.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+from vector_helpers import failing_cases, load_cases as _load
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +36,7 @@ def test_vector_files_are_present(frame_cases, malformed_cases):
 def test_golden_vectors(impl, vectors_dir, group):
     """Every public case: written bytes/len/estimate or error+partial output, and each
     recorded read (consumed count, decoded fields, or error kind and text)."""
-    runner = Runner(impl)
-    failures = []
-    for case in _load(vectors_dir, group):
-        try:
-            runner.run(case)
-        except Mismatch as exc:
-            failures.append(f"{case['id']} ({case['note']}): {exc}")
+    failures = failing_cases(_load(vectors_dir, group), Runner(impl).run, with_note=True)
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:20])
 
 
