@@ -379,21 +379,16 @@ def test_driver_times_out_on_a_silent_stage():
         close()
 
 
-def test_driver_reports_a_closed_stage():
-    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.close()))
+@pytest.mark.parametrize("behaviour,match", [
+    (lambda conn: (conn.recv(1 << 16), conn.close()), "closed the connection during ConfigureGeneration"),
+    (lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)),
+     "malformed reply .*unknown stage reply kind"),
+], ids=["closed-stage", "garbage-reply"])
+def test_driver_reports_a_broken_stage(behaviour, match):
+    address, close = _fake_stage(behaviour)
     try:
         with PipelineClient(*address, timeout=5) as client:
-            with pytest.raises(PipelineError, match="closed the connection during ConfigureGeneration"):
-                client.generate(PROMPT, max_tokens=2)
-    finally:
-        close()
-
-
-def test_driver_reports_a_garbage_reply():
-    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)))
-    try:
-        with PipelineClient(*address, timeout=5) as client:
-            with pytest.raises(PipelineError, match="malformed reply .*unknown stage reply kind"):
+            with pytest.raises(PipelineError, match=match):
                 client.generate(PROMPT, max_tokens=2)
     finally:
         close()
