@@ -10,16 +10,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec
-from skippy_wire.errors import WireError
-from vector_helpers import load_cases as _load
-
-
-def _outcome(fn, *args):
-    """("ok", value) or ("err", kind, message) — the shape the vectors use."""
-    try:
-        return ("ok", fn(*args))
-    except WireError as exc:
-        return ("err", exc.kind, str(exc))
+from vector_helpers import load_cases as _load, outcome as _outcome
 
 
 def _expected_error(entry):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from skippy_wire.errors import Mismatch
+from skippy_wire.errors import Mismatch, WireError
 
 
 def load_cases(directory, name):
@@ -25,3 +25,11 @@ def failing_cases(cases, run, *, with_note=False):
             label = f"{case['id']} ({case['note']})" if with_note else case["id"]
             failures.append(f"{label}: {exc}")
     return failures
+
+
+def outcome(fn, *args, **kw):
+    """``("ok", value)`` or ``("err", kind, message)``: the shape the vectors record."""
+    try:
+        return ("ok", fn(*args, **kw))
+    except WireError as exc:
+        return ("err", exc.kind, str(exc))
