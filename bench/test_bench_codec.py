@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from skippy_wire._impl import kernel_module
 
@@ -29,16 +30,23 @@ def _record(benchmark, impl, payloads, correct):
     assert correct, f"{impl} result differs from the oracle"
 
 
-def test_encode_bf16(benchmark, impl, size, payloads):
-    """f32 -> bf16 with the upstream finiteness and range checks (oracle: astype, no checks)."""
+#: (name, codec id, oracle dtype) of the 16-bit codecs.
+HALVES = [("bf16", 3, ml_dtypes.bfloat16), ("f16", 2, np.float16)]
+HALF_IDS = [h[0] for h in HALVES]
+
+
+@pytest.mark.parametrize("half", HALVES, ids=HALF_IDS)
+def test_encode(benchmark, impl, size, payloads, half):
+    """f32 -> bf16 / f16 with the upstream finiteness and range checks (oracle: astype, no checks)."""
+    name, codec, dtype = half
     p = payloads
-    out = _timed(benchmark, impl, "encode-bf16", (p.f32.astype, ml_dtypes.bfloat16),
-                 lambda k: (k.encode_activation, 3, p.tokens, p.n_embd, p.f32, 0))
-    _record(benchmark, impl, p, _as_bytes(out) == p.bf16.tobytes())
+    out = _timed(benchmark, impl, f"encode-{name}", (p.f32.astype, dtype),
+                 lambda k: (k.encode_activation, codec, p.tokens, p.n_embd, p.f32, 0))
+    _record(benchmark, impl, p, _as_bytes(out) == getattr(p, name).tobytes())
 
 
 def test_encode_bf16_out(benchmark, impl, size, payloads):
-    """As test_encode_bf16, into one reused ``out=`` buffer (no per-call allocation)."""
+    """As test_encode[bf16], into one reused ``out=`` buffer (no per-call allocation)."""
     benchmark.group = "encode-bf16-out"
     p = payloads
     if impl == "oracle":
@@ -52,14 +60,6 @@ def test_encode_bf16_out(benchmark, impl, size, payloads):
     _record(benchmark, impl, p, out == p.bf16.tobytes())
 
 
-def test_encode_f16(benchmark, impl, size, payloads):
-    """f32 -> f16 with the upstream checks (oracle: numpy astype(float16))."""
-    p = payloads
-    out = _timed(benchmark, impl, "encode-f16", (p.f32.astype, np.float16),
-                 lambda k: (k.encode_activation, 2, p.tokens, p.n_embd, p.f32, 0))
-    _record(benchmark, impl, p, _as_bytes(out) == p.f16.tobytes())
-
-
 def test_select_and_encode_bf16_exact(benchmark, impl, size, payloads):
     """Lossless selection plus the encode it picks, on bf16-exact data (a full scan)."""
     p = payloads
@@ -70,19 +70,13 @@ def test_select_and_encode_bf16_exact(benchmark, impl, size, payloads):
     _record(benchmark, impl, p, out == (3, p.bf16.tobytes()))
 
 
-def test_decode_bf16(benchmark, impl, size, payloads):
-    """bf16 wire -> f32 with the non-finite check (oracle: ml_dtypes astype(float32))."""
+@pytest.mark.parametrize("half", HALVES, ids=HALF_IDS)
+def test_decode(benchmark, impl, size, payloads, half):
+    """bf16 / f16 wire -> f32 with the non-finite check (oracle: astype(float32))."""
+    name, codec, _ = half
     p = payloads
-    want = p.bf16.astype(np.float32)
-    out = _timed(benchmark, impl, "decode-bf16", (p.bf16.astype, np.float32),
-                 lambda k: (k.decode_activation, 3, p.tokens, p.n_embd, p.bf16.tobytes(), 0))
-    _record(benchmark, impl, p, np.array_equal(out.reshape(-1), want.reshape(-1)))
-
-
-def test_decode_f16(benchmark, impl, size, payloads):
-    """f16 wire -> f32 with the non-finite check (oracle: numpy astype(float32))."""
-    p = payloads
-    want = p.f16.astype(np.float32)
-    out = _timed(benchmark, impl, "decode-f16", (p.f16.astype, np.float32),
-                 lambda k: (k.decode_activation, 2, p.tokens, p.n_embd, p.f16.tobytes(), 0))
+    wire = getattr(p, name)
+    want = wire.astype(np.float32)
+    out = _timed(benchmark, impl, f"decode-{name}", (wire.astype, np.float32),
+                 lambda k: (k.decode_activation, codec, p.tokens, p.n_embd, wire.tobytes(), 0))
     _record(benchmark, impl, p, np.array_equal(out.reshape(-1), want.reshape(-1)))
