@@ -9,15 +9,8 @@ from typing import Any, Callable, Optional
 
 from ..errors import Mismatch, WireError
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..wire.messages import (
-    SAMPLING_WIRE_ORDER,
-    SamplingConfig,
-    StageStateHeader,
-    StageWireMessage,
-    WireMessageKind,
-    f32_bits,
-    f32_from_bits,
-)
+from ..wire.messages import (SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind,
+                             f32_bits, f32_from_bits)
 
 STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
                 "decode_step", "current_token", "source_stage_index")
