@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec
-from vector_helpers import load_cases as _load, outcome as _outcome
-
+from vector_helpers import group_fixture, load_cases as _load, outcome as _outcome
 
 def _expected_error(entry):
     return ("err", entry["error"]["kind"], entry["error"]["message"])
@@ -23,19 +22,9 @@ def _bits(arr):
     return [f"{b:08x}" for b in arr.view("<u4").tolist()]
 
 
-@pytest.fixture(scope="module")
-def activation_cases(vectors_dir):
-    return _load(vectors_dir, "activation")
-
-
-@pytest.fixture(scope="module")
-def decode_cases(vectors_dir):
-    return _load(vectors_dir, "activation_decode")
-
-
-@pytest.fixture(scope="module")
-def select_cases(vectors_dir):
-    return _load(vectors_dir, "select")
+activation_cases = group_fixture("activation", "activation_cases")
+decode_cases = group_fixture("activation_decode", "decode_cases")
+select_cases = group_fixture("select", "select_cases")
 
 
 def test_vector_files_are_present(activation_cases, decode_cases, select_cases):

@@ -11,17 +11,10 @@ from skippy_wire.wire import frame
 from skippy_wire.tools.conformance import Runner
 from skippy_wire.tools.vector_cases import message_from_case, message_to_case, read_expectation
 from skippy_wire.errors import WireError
-from vector_helpers import failing_cases, load_cases as _load, outcome as _outcome
+from vector_helpers import failing_cases, group_fixture, load_cases as _load, outcome as _outcome
 
-
-@pytest.fixture(scope="module")
-def frame_cases(vectors_dir):
-    return _load(vectors_dir, "frame")
-
-
-@pytest.fixture(scope="module")
-def malformed_cases(vectors_dir):
-    return _load(vectors_dir, "malformed")
+frame_cases = group_fixture("frame", "frame_cases")
+malformed_cases = group_fixture("malformed", "malformed_cases")
 
 
 def test_vector_files_are_present(frame_cases, malformed_cases):

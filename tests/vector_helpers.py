@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from skippy_wire.errors import Mismatch, WireError
 
 
@@ -33,3 +35,13 @@ def outcome(fn, *args, **kw):
         return ("ok", fn(*args, **kw))
     except WireError as exc:
         return ("err", exc.kind, str(exc))
+
+
+def group_fixture(group, name):
+    """A module-scoped fixture ``name``: the cases of ``group`` in the v15 vectors."""
+
+    @pytest.fixture(scope="module", name=name)
+    def cases(vectors_dir):
+        return load_cases(vectors_dir, group)
+
+    return cases
