@@ -7,8 +7,22 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from skippy_wire._impl import kernel_module
+
+
+def _timed(benchmark, impl, group, oracle, ours):
+    """Time one call in ``group``: the ``oracle`` call tuple ``(fn, *args)`` for impl
+    "oracle", else the call tuple ``ours(codec kernels of impl)``; its result."""
+    benchmark.group = group
+    fn, *args = oracle if impl == "oracle" else ours(kernel_module("codec", impl))
+    return benchmark(fn, *args)
+
+
+def _as_bytes(out):
+    """The bytes of an oracle's array, or a kernel's bytes as they are."""
+    return out.tobytes() if isinstance(out, np.ndarray) else out
 
 
 def _record(benchmark, impl, payloads, correct):
@@ -16,20 +30,23 @@ def _record(benchmark, impl, payloads, correct):
     assert correct, f"{impl} result differs from the oracle"
 
 
-def test_encode_bf16(benchmark, impl, size, payloads):
-    """f32 -> bf16 with the upstream finiteness and range checks (oracle: astype, no checks)."""
-    benchmark.group = "encode-bf16"
+#: (name, codec id, oracle dtype) of the 16-bit codecs.
+HALVES = [("bf16", 3, ml_dtypes.bfloat16), ("f16", 2, np.float16)]
+HALF_IDS = [h[0] for h in HALVES]
+
+
+@pytest.mark.parametrize("half", HALVES, ids=HALF_IDS)
+def test_encode(benchmark, impl, size, payloads, half):
+    """f32 -> bf16 / f16 with the upstream finiteness and range checks (oracle: astype, no checks)."""
+    name, codec, dtype = half
     p = payloads
-    if impl == "oracle":
-        out = benchmark(p.f32.astype, ml_dtypes.bfloat16).tobytes()
-    else:
-        k = kernel_module("codec", impl)
-        out = benchmark(k.encode_activation, 3, p.tokens, p.n_embd, p.f32, 0)
-    _record(benchmark, impl, p, out == p.bf16.tobytes())
+    out = _timed(benchmark, impl, f"encode-{name}", (p.f32.astype, dtype),
+                 lambda k: (k.encode_activation, codec, p.tokens, p.n_embd, p.f32, 0))
+    _record(benchmark, impl, p, _as_bytes(out) == getattr(p, name).tobytes())
 
 
 def test_encode_bf16_out(benchmark, impl, size, payloads):
-    """As test_encode_bf16, into one reused ``out=`` buffer (no per-call allocation)."""
+    """As test_encode[bf16], into one reused ``out=`` buffer (no per-call allocation)."""
     benchmark.group = "encode-bf16-out"
     p = payloads
     if impl == "oracle":
@@ -43,51 +60,23 @@ def test_encode_bf16_out(benchmark, impl, size, payloads):
     _record(benchmark, impl, p, out == p.bf16.tobytes())
 
 
-def test_encode_f16(benchmark, impl, size, payloads):
-    """f32 -> f16 with the upstream checks (oracle: numpy astype(float16))."""
-    benchmark.group = "encode-f16"
-    p = payloads
-    if impl == "oracle":
-        out = benchmark(p.f32.astype, np.float16).tobytes()
-    else:
-        k = kernel_module("codec", impl)
-        out = benchmark(k.encode_activation, 2, p.tokens, p.n_embd, p.f32, 0)
-    _record(benchmark, impl, p, out == p.f16.tobytes())
-
-
 def test_select_and_encode_bf16_exact(benchmark, impl, size, payloads):
     """Lossless selection plus the encode it picks, on bf16-exact data (a full scan)."""
-    benchmark.group = "select-encode"
     p = payloads
+    out = _timed(benchmark, impl, "select-encode", (p.bf16_exact.astype, ml_dtypes.bfloat16),
+                 lambda k: (k.select_and_encode_lossless, p.tokens, p.n_embd, p.bf16_exact, 0, [1, 2, 3]))
     if impl == "oracle":
-        out = (3, benchmark(p.bf16_exact.astype, ml_dtypes.bfloat16).tobytes())
-    else:
-        k = kernel_module("codec", impl)
-        out = benchmark(k.select_and_encode_lossless, p.tokens, p.n_embd, p.bf16_exact, 0, [1, 2, 3])
+        out = (3, out.tobytes())
     _record(benchmark, impl, p, out == (3, p.bf16.tobytes()))
 
 
-def test_decode_bf16(benchmark, impl, size, payloads):
-    """bf16 wire -> f32 with the non-finite check (oracle: ml_dtypes astype(float32))."""
-    benchmark.group = "decode-bf16"
+@pytest.mark.parametrize("half", HALVES, ids=HALF_IDS)
+def test_decode(benchmark, impl, size, payloads, half):
+    """bf16 / f16 wire -> f32 with the non-finite check (oracle: astype(float32))."""
+    name, codec, _ = half
     p = payloads
-    want = p.bf16.astype(np.float32)
-    if impl == "oracle":
-        out = benchmark(p.bf16.astype, np.float32)
-    else:
-        k = kernel_module("codec", impl)
-        out = benchmark(k.decode_activation, 3, p.tokens, p.n_embd, p.bf16.tobytes(), 0)
-    _record(benchmark, impl, p, np.array_equal(out.reshape(-1), want.reshape(-1)))
-
-
-def test_decode_f16(benchmark, impl, size, payloads):
-    """f16 wire -> f32 with the non-finite check (oracle: numpy astype(float32))."""
-    benchmark.group = "decode-f16"
-    p = payloads
-    want = p.f16.astype(np.float32)
-    if impl == "oracle":
-        out = benchmark(p.f16.astype, np.float32)
-    else:
-        k = kernel_module("codec", impl)
-        out = benchmark(k.decode_activation, 2, p.tokens, p.n_embd, p.f16.tobytes(), 0)
+    wire = getattr(p, name)
+    want = wire.astype(np.float32)
+    out = _timed(benchmark, impl, f"decode-{name}", (wire.astype, np.float32),
+                 lambda k: (k.decode_activation, codec, p.tokens, p.n_embd, wire.tobytes(), 0))
     _record(benchmark, impl, p, np.array_equal(out.reshape(-1), want.reshape(-1)))

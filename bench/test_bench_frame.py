@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_wire._impl import kernel_module
-from skippy_wire.tools.conformance import message_to_case
+from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.frame import StageMessageDecoder
 from skippy_wire.tools.frame_bench import N_EMBD, decode_message
 

@@ -11,6 +11,7 @@ import importlib
 import os
 import platform
 from types import ModuleType
+from typing import Optional
 
 IMPLEMENTATIONS = ("cython", "python")
 
@@ -41,3 +42,16 @@ def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleT
                 "build it with `pip install -e .` or set SKIPPY_WIRE_IMPL=python"
             ) from exc
     raise ValueError(f"unknown implementation {implementation!r}")
+
+
+_LOADED: dict = {}
+
+
+def cached_kernel_module(concept: str, implementation: Optional[str] = None) -> ModuleType:
+    """:func:`kernel_module` looked up once per (concept, implementation); ``implementation``
+    defaults to the live one."""
+    key = (concept, implementation or IMPLEMENTATION)
+    module = _LOADED.get(key)
+    if module is None:
+        module = _LOADED[key] = kernel_module(*key)
+    return module

@@ -12,6 +12,7 @@ from numpy_llama import NumpyLlama
 from skippy_wire.errors import StageRuntimeError, Status
 from skippy_wire.stage import _backend as B
 from skippy_wire.stage import models
+from skippy_wire.stage.native import retry_with_required_capacity as retried
 
 PROMPT = [1, 10, 20, 30, 40]
 N_LAYER = 4
@@ -27,16 +28,6 @@ def status_of(fn, *args, **kw):
     except StageRuntimeError as error:
         return error.status, error.message
     return Status.OK, None
-
-
-def retried(fn, *args, **kw):
-    """Call ``fn``; on BUFFER_TOO_SMALL once more with the capacity native asked for."""
-    try:
-        return fn(*args, **kw)
-    except StageRuntimeError as error:
-        if error.status != Status.BUFFER_TOO_SMALL:
-            raise
-        return fn(*args, **{**kw, "capacity": error.required})
 
 
 @pytest.fixture(scope="session")

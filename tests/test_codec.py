@@ -187,22 +187,15 @@ def _finite_f16_as_f32() -> np.ndarray:
     return h.view(np.float16).astype(np.float32).view(np.uint32)
 
 
-def test_lossless_selector_round_trips_every_finite_bf16_value_exactly(codec_impl):
-    values = _finite_bf16_as_f32()
-    assert values.size == 65280
+@pytest.mark.parametrize("codec,finite_values,count",
+                         [(BF16, _finite_bf16_as_f32, 65280), (F16, _finite_f16_as_f32, 63488)], ids=["bf16", "f16"])
+def test_lossless_selector_round_trips_every_finite_value_exactly(codec_impl, codec, finite_values, count):
+    values = finite_values()
+    assert values.size == count
     shape = (values.size, 0, 1)
-    assert select(codec_impl, shape, values, [RAW, BF16]) == BF16
-    wire = encode(codec_impl, BF16, shape, values)
-    assert np.array_equal(decode(codec_impl, BF16, shape, wire).view(np.uint32), values)
-
-
-def test_lossless_selector_round_trips_every_finite_f16_value_exactly(codec_impl):
-    values = _finite_f16_as_f32()
-    assert values.size == 63488
-    shape = (values.size, 0, 1)
-    assert select(codec_impl, shape, values, [RAW, F16]) == F16
-    wire = encode(codec_impl, F16, shape, values)
-    assert np.array_equal(decode(codec_impl, F16, shape, wire).view(np.uint32), values)
+    assert select(codec_impl, shape, values, [RAW, codec]) == codec
+    wire = encode(codec_impl, codec, shape, values)
+    assert np.array_equal(decode(codec_impl, codec, shape, wire).view(np.uint32), values)
 
 
 def test_lossless_selector_uses_bf16_tie_break_and_f16_when_it_alone_is_exact(codec_impl):

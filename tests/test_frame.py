@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from skippy_wire.wire import codec, frame
-from skippy_wire.tools.conformance import sampling_to_case
+from skippy_wire.tools.vector_cases import sampling_to_case
 from skippy_wire.wire.constants import (
     ACTIVATION_FLAG_GEMMA3N_ALTUP,
     ACTIVATION_FLAG_INKLING_MTP_EMBD,

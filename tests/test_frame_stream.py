@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from skippy_wire.wire import codec, frame
-from skippy_wire.tools.conformance import message_to_case
+from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
 from skippy_wire.wire.constants import StateFlags
@@ -182,7 +182,7 @@ def test_reply_decoder_keeps_good_replies_before_a_bad_one(impl):
 
 def test_reply_stream_reads_stop_at_the_reply(impl):
     encoded = [frame.write_reply(r, impl=impl) for r in replies()]
-    reader = TrickleReader(b"".join(encoded) + b"next")
+    reader = SizeRecordingReader(b"".join(encoded) + b"next", most=3)
     for e in encoded:
         assert frame.read_reply(reader, impl=impl) == frame.read_reply(e, impl=impl)
     assert reader.inner.read() == b"next"  # never read past the last reply
@@ -252,44 +252,36 @@ def test_decoder_limit_rejects_a_large_but_legal_message_early(impl):
     assert decoder.feed(head) == [] and decoder.buffered == len(head)
 
 
-class TrickleReader(io.RawIOBase):
-    """A stream returning at most 3 bytes per read (like a socket), recording read sizes."""
+class SizeRecordingReader(io.RawIOBase):
+    """A stream recording the size asked for by each read; with ``most``, returning at
+    most that many bytes per read (``most=3``: a trickling socket)."""
 
-    def __init__(self, data):
+    def __init__(self, data, most=None):
         self.inner = io.BytesIO(data)
+        self.most = most
         self.sizes = []
 
     def read(self, n=-1):
         self.sizes.append(n)
-        return self.inner.read(min(n, 3))
+        return self.inner.read(n if self.most is None else min(n, self.most))
 
 
 def test_stream_reader_handles_short_reads_and_bounds_each_read(impl):
     data, want = stream_bytes(impl)
-    reader = TrickleReader(data)
+    reader = SizeRecordingReader(data, most=3)
     got = [message_to_case(frame.read_stage_message(reader, 4, impl=impl)) for _ in want]
     assert got == want and reader.inner.read() == b""
     big = StageWireMessage(K.STATE_IMPORT, 0, 3 << 20, StageStateHeader.new(K.STATE_IMPORT), raw_bytes=bytes(3 << 20))
-    reader = CountingSizes(frame.write_stage_message(big, impl=impl))
+    reader = SizeRecordingReader(frame.write_stage_message(big, impl=impl))
     assert frame.read_stage_message(reader, 4, impl=impl).raw_bytes == bytes(3 << 20)
     assert max(reader.sizes) <= frame.STREAM_CHUNK_BYTES
-
-
-class CountingSizes(io.RawIOBase):
-    def __init__(self, data):
-        self.inner = io.BytesIO(data)
-        self.sizes = []
-
-    def read(self, n=-1):
-        self.sizes.append(n)
-        return self.inner.read(n)
 
 
 def test_stream_reader_never_allocates_from_an_unchecked_length(impl):
     """A StateImport header claiming 512 MiB followed by 10 bytes: the reader asks for at
     most one chunk at a time and fails at EOF having buffered only what arrived."""
     st = StageStateHeader.new(K.STATE_IMPORT)
-    reader = CountingSizes(_prefix(K.STATE_IMPORT, st, token_count=512 << 20) + bytes(10))
+    reader = SizeRecordingReader(_prefix(K.STATE_IMPORT, st, token_count=512 << 20) + bytes(10))
     with pytest.raises(UnexpectedEofError):
         frame.read_stage_message(reader, 4, impl=impl)
     assert max(reader.sizes) <= frame.STREAM_CHUNK_BYTES

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from skippy_wire._impl import kernel_module
-from skippy_wire.tools.conformance import message_to_case
+from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import WireError
 from skippy_wire.wire.messages import F32, SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind

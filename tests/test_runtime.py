@@ -391,10 +391,17 @@ def test_decode_batch_native_path_and_retry():
     assert (a.token_count, b.token_count) == (2, 1)
 
 
-def test_decode_batch_buffer_too_small_quirk_drops_the_message():
+def _two_sessions_failing_batch(call, message):
+    """Two sessions of a 2-lane stage whose next batch ``call`` fails with a
+    BUFFER_TOO_SMALL that asks for no more room (``required=[0, 0]``)."""
     model = open_stage(lane_count=2)
     a, b = model.create_session(), model.create_session()
-    FAKE.script_error("decode_batch", Status.BUFFER_TOO_SMALL, "predicted token buffer too small", required=[0, 0])
+    FAKE.script_error(call, Status.BUFFER_TOO_SMALL, message, required=[0, 0])
+    return a, b
+
+
+def test_decode_batch_buffer_too_small_quirk_drops_the_message():
+    a, b = _two_sessions_failing_batch("decode_batch", "predicted token buffer too small")
     with pytest.raises(StageRuntimeError) as info:
         rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(a, 1), DecodeFrameBatchRequest(b, 2)])
     assert str(info.value) == "BufferTooSmall"
@@ -402,9 +409,7 @@ def test_decode_batch_buffer_too_small_quirk_drops_the_message():
 
 
 def test_iteration_batch_keeps_the_message_of_a_hard_buffer_too_small():
-    model = open_stage(lane_count=2)
-    a, b = model.create_session(), model.create_session()
-    FAKE.script_error("iteration_batch", Status.BUFFER_TOO_SMALL, "sample buffer too small", required=[0, 0])
+    a, b = _two_sessions_failing_batch("iteration_batch", "sample buffer too small")
     with pytest.raises(StageRuntimeError) as info:
         rt.iteration_batch_sampled([IterationBatchRequest(a, [1]), IterationBatchRequest(b, [2])])
     assert str(info.value) == "BufferTooSmall: sample buffer too small"

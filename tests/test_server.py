@@ -246,10 +246,15 @@ def _still_serves(chain):
         assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
 
 
-def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, caplog):
-    chain = chain_factory([(0, 3), (3, 6)])
+def _logged_connection(chain_factory, caplog, splits, **kwargs):
+    """A chain of ``splits`` whose server logs at INFO, and a raw connection to its entry."""
+    chain = chain_factory(splits, **kwargs)
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    sock = _raw_connect(chain.entry)
+    return chain, _raw_connect(chain.entry)
+
+
+def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, caplog):
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 3), (3, 6)])
     sock.sendall(_prefill_bytes()[:50])
     sock.close()
     deadline = time.monotonic() + 5
@@ -260,9 +265,7 @@ def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, capl
 
 
 def test_garbage_is_logged_and_closed(chain_factory, caplog):
-    chain = chain_factory([(0, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    sock = _raw_connect(chain.entry)
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
     sock.sendall(struct.pack("<i", 12) + b"\xab" * 200)  # kind 12 is unknown
     assert _wait_closed(sock)
     sock.close()
@@ -274,9 +277,7 @@ def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_fact
     from skippy_wire.wire.frame import StageReplyDecoder, write_stage_message
     from skippy_wire.wire.messages import StageWireMessage
 
-    chain = chain_factory([(0, 3), (3, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    sock = _raw_connect(chain.entry)
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 3), (3, 6)])
     data = write_stage_message(StageWireMessage.configure_generation(1, 1, len(PROMPT), None, None))
     data += _prefill_bytes() + write_stage_message(StageWireMessage.stop(1, 1))
     sock.sendall(data + struct.pack("<i", 12) + b"\xab" * 100)  # three messages, then garbage, at once
@@ -296,9 +297,7 @@ def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_fact
 
 
 def test_stalled_peer_times_out(chain_factory, caplog):
-    chain = chain_factory([(0, 6)], io_timeout=0.3)
-    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    sock = _raw_connect(chain.entry)
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)], io_timeout=0.3)
     sock.sendall(_prefill_bytes()[:30])
     assert _wait_closed(sock)
     sock.close()
@@ -310,9 +309,7 @@ def test_unsupported_kind_closes_the_connection(chain_factory, caplog):
     from skippy_wire.wire.frame import write_stage_message
     from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 
-    chain = chain_factory([(0, 6)])
-    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    sock = _raw_connect(chain.entry)
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
     kind = WireMessageKind.STATE_EXPORT
     sock.sendall(write_stage_message(StageWireMessage(kind, 0, 0, StageStateHeader.new(kind), 1, 1)))
     assert _wait_closed(sock)
@@ -379,21 +376,16 @@ def test_driver_times_out_on_a_silent_stage():
         close()
 
 
-def test_driver_reports_a_closed_stage():
-    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.close()))
+@pytest.mark.parametrize("behaviour,match", [
+    (lambda conn: (conn.recv(1 << 16), conn.close()), "closed the connection during ConfigureGeneration"),
+    (lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)),
+     "malformed reply .*unknown stage reply kind"),
+], ids=["closed-stage", "garbage-reply"])
+def test_driver_reports_a_broken_stage(behaviour, match):
+    address, close = _fake_stage(behaviour)
     try:
         with PipelineClient(*address, timeout=5) as client:
-            with pytest.raises(PipelineError, match="closed the connection during ConfigureGeneration"):
-                client.generate(PROMPT, max_tokens=2)
-    finally:
-        close()
-
-
-def test_driver_reports_a_garbage_reply():
-    address, close = _fake_stage(lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)))
-    try:
-        with PipelineClient(*address, timeout=5) as client:
-            with pytest.raises(PipelineError, match="malformed reply .*unknown stage reply kind"):
+            with pytest.raises(PipelineError, match=match):
                 client.generate(PROMPT, max_tokens=2)
     finally:
         close()

@@ -7,27 +7,10 @@ and for errors the kind (exception class) and the exact upstream text.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from skippy_wire.wire.constants import ActivationCodec
-from skippy_wire.errors import WireError
-
-
-def _load(vectors_dir, name):
-    path = vectors_dir / f"{name}.jsonl"
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _outcome(fn, *args):
-    """("ok", value) or ("err", kind, message) — the shape the vectors use."""
-    try:
-        return ("ok", fn(*args))
-    except WireError as exc:
-        return ("err", exc.kind, str(exc))
-
+from vector_helpers import group_fixture, load_cases as _load, outcome as _outcome
 
 def _expected_error(entry):
     return ("err", entry["error"]["kind"], entry["error"]["message"])
@@ -39,19 +22,9 @@ def _bits(arr):
     return [f"{b:08x}" for b in arr.view("<u4").tolist()]
 
 
-@pytest.fixture(scope="module")
-def activation_cases(vectors_dir):
-    return _load(vectors_dir, "activation")
-
-
-@pytest.fixture(scope="module")
-def decode_cases(vectors_dir):
-    return _load(vectors_dir, "activation_decode")
-
-
-@pytest.fixture(scope="module")
-def select_cases(vectors_dir):
-    return _load(vectors_dir, "select")
+activation_cases = group_fixture("activation", "activation_cases")
+decode_cases = group_fixture("activation_decode", "decode_cases")
+select_cases = group_fixture("select", "select_cases")
 
 
 def test_vector_files_are_present(activation_cases, decode_cases, select_cases):

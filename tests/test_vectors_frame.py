@@ -4,28 +4,17 @@ implementation, through the buffer reader, the stream reader and the streaming d
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 
 from skippy_wire.wire import frame
-from skippy_wire.tools.conformance import Mismatch, Runner, message_from_case, message_to_case, read_expectation
+from skippy_wire.tools.conformance import Runner
+from skippy_wire.tools.vector_cases import message_from_case, message_to_case, read_expectation
 from skippy_wire.errors import WireError
+from vector_helpers import failing_cases, group_fixture, load_cases as _load, outcome as _outcome
 
-
-def _load(vectors_dir, name):
-    with open(vectors_dir / f"{name}.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def frame_cases(vectors_dir):
-    return _load(vectors_dir, "frame")
-
-
-@pytest.fixture(scope="module")
-def malformed_cases(vectors_dir):
-    return _load(vectors_dir, "malformed")
+frame_cases = group_fixture("frame", "frame_cases")
+malformed_cases = group_fixture("malformed", "malformed_cases")
 
 
 def test_vector_files_are_present(frame_cases, malformed_cases):
@@ -40,21 +29,8 @@ def test_vector_files_are_present(frame_cases, malformed_cases):
 def test_golden_vectors(impl, vectors_dir, group):
     """Every public case: written bytes/len/estimate or error+partial output, and each
     recorded read (consumed count, decoded fields, or error kind and text)."""
-    runner = Runner(impl)
-    failures = []
-    for case in _load(vectors_dir, group):
-        try:
-            runner.run(case)
-        except Mismatch as exc:
-            failures.append(f"{case['id']} ({case['note']}): {exc}")
+    failures = failing_cases(_load(vectors_dir, group), Runner(impl).run, with_note=True)
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:20])
-
-
-def _outcome(fn, *args, **kw):
-    try:
-        return ("ok", fn(*args, **kw))
-    except WireError as exc:
-        return ("err", type(exc), str(exc))
 
 
 def _readable(case):
@@ -83,7 +59,7 @@ def test_stream_reader_matches_buffer_reader(impl, frame_cases, malformed_cases)
                 assert stream.tell() == read["consumed"], case["id"]
             else:
                 assert got[0] == "err" and got[2] == read["error"]["message"], (case["id"], got)
-                assert got[1].kind == read["error"]["kind"], case["id"]
+                assert got[1] == read["error"]["kind"], case["id"]
 
 
 def test_streaming_decoder_matches_buffer_reader(impl, frame_cases):

@@ -106,7 +106,19 @@ def with_output_capacity(call: Callable[[Any], Result], capacity: "int | List[in
     raise StageRuntimeError(f"native kept reporting a larger output buffer after {MAX_BUFFER_RETRIES} retries")
 
 
+def retry_with_required_capacity(fn: Callable[..., Result], *args: Any, **kw: Any) -> Result:
+    """A direct binding call ``fn(*args, **kw)``; on BUFFER_TOO_SMALL once more with
+    ``capacity=`` the output size native asked for (benchmarks and tests call the binding
+    this way; the runtime adapter uses :func:`with_output_capacity`)."""
+    try:
+        return fn(*args, **kw)
+    except StageRuntimeError as error:
+        if error.status != Status.BUFFER_TOO_SMALL:
+            raise
+        return fn(*args, **{**kw, "capacity": error.required})
+
+
 __all__ = [
     "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "output_frame", "raw_input",
-    "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
+    "retry_with_required_capacity", "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
 ]

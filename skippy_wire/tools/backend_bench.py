@@ -27,21 +27,11 @@ import time
 
 import numpy as np
 
-from skippy_wire.errors import StageRuntimeError, Status
 from skippy_wire.stage import _ggml, models
+from skippy_wire.stage.native import retry_with_required_capacity
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
-
-
-def call(fn, *args, **kw):
-    """A binding frame call, once more with the capacity native asked for if it was short."""
-    try:
-        return fn(*args, **kw)
-    except StageRuntimeError as error:
-        if error.status != Status.BUFFER_TOO_SMALL:
-            raise
-        return fn(*args, **{**kw, "capacity": error.required})
 
 
 class Chain:
@@ -62,14 +52,14 @@ class Chain:
     def prefill(self, tokens):
         d = p = None
         for s in self.sessions:
-            out = call(s.prefill_chunk_frame, tokens, sample=True, input_desc=d, input_payload=p)
+            out = retry_with_required_capacity(s.prefill_chunk_frame, tokens, sample=True, input_desc=d, input_payload=p)
             d, p = out.out_desc, out.out_payload
         return out.predicted_token
 
     def decode(self, token):
         d = p = None
         for s in self.sessions:
-            out = call(s.decode_step_frame_sampled, token, input_desc=d, input_payload=p)
+            out = retry_with_required_capacity(s.decode_step_frame_sampled, token, input_desc=d, input_payload=p)
             d, p = out.out_desc, out.out_payload
         return out.predicted_token
 

@@ -8,19 +8,18 @@ gives the runner of a case, or None for a v15 case (run by ``conformance.Runner`
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..wire.constants import READY_BYTES
-from ..errors import Mismatch, WireError
+from ..errors import Mismatch
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, kind_rust_name
 from ..wire.agreement import ActivationAgreement
 from ..wire.constants import ActivationCodec
 from ..wire.frame import recv_ready
 from ..wire.protocol import StageConnection, estimated_buffer_bytes, kernels, read_arguments
-from ..wire.constants import CodecPolicy
-from ..wire.messages import (SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage, f32_bits,
-                             f32_from_bits)
-from . import conformance_setup
+from ..wire.messages import StageWireMessage
+from . import conformance_setup, vector_cases
+from .vector_cases import check_error, check_read, diff, outcome, read_expectation, require_ok
 
 _VERSION_ID = re.compile(r"^v(1[67])-")
 
@@ -57,133 +56,17 @@ def desc_to_case(desc: ActivationFrameV16) -> dict:
     }
 
 
-_STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
-                 "decode_step", "current_token", "source_stage_index")
-
-
-def _sampling_from_case(d: Optional[dict]) -> Optional[SamplingConfig]:
-    if d is None:
-        return None
-    values: dict = {}
-    for name, code in SAMPLING_WIRE_ORDER:
-        if code == "f":
-            values[name] = f32_from_bits(int(d[name + "_bits"], 16))
-        elif code == "L":
-            values[name] = [(int(t), f32_from_bits(int(b, 16))) for t, b in d[name]]
-        else:
-            values[name] = list(d[name]) if code == "S" else d[name]
-    return SamplingConfig(**values)
-
-
-def _sampling_to_case(s: Optional[SamplingConfig]) -> Optional[dict]:
-    if s is None:
-        return None
-    out: dict = {}
-    for name, code in SAMPLING_WIRE_ORDER:
-        value = getattr(s, name)
-        if code == "f":
-            out[name + "_bits"] = f"{f32_bits(value):08x}"
-        elif code == "L":
-            out[name] = [[int(t), f"{f32_bits(b):08x}"] for t, b in value]
-        else:
-            out[name] = list(value) if code == "S" else bool(value) if code == "B" else int(value)
-    return out
-
-
 def message_from_case(d: dict) -> StageWireMessage:
-    """The message a v16/v17 ``frame`` case hands to the writer (kinds and codecs kept as ints)."""
-    st = d["state"]
-    codec_id = st["activation_codec_id"]
-    codec = ActivationCodec(codec_id) if codec_id in ActivationCodec._value2member_map_ else codec_id
-    meta = d["chat_sampling_metadata"]
-    return StageWireMessage(
-        d["kind"], d["pos_start"], d["token_count"], StageStateHeader(*(st[f] for f in _STATE_FIELDS), codec),
-        d["request_id"], d["session_id"], _sampling_from_case(d["sampling"]),
-        None if meta is None else bytes.fromhex(meta["hex"]).decode("utf-8"), list(d["tokens"]),
-        list(d["positions"]), bytes.fromhex(d["activation_hex"]), bytes.fromhex(d["raw_bytes_hex"]))
+    """The message a v16/v17 ``frame`` case hands to the writer (kinds kept as ints)."""
+    return vector_cases.message_from_case(d, kind=d["kind"])
 
 
 def message_to_case_gen(m: StageWireMessage) -> dict:
     """A decoded v16/v17 message in the vectors' shape (kind 23 included)."""
-    st = m.state
-    state = {f: int(getattr(st, f)) for f in _STATE_FIELDS}
-    codec = ActivationCodec(st.activation_codec)
-    state["activation_codec"] = codec.rust_name
-    state["activation_codec_id"] = int(codec)
-    meta = m.chat_sampling_metadata
-    return {
-        "kind": int(m.kind), "kind_name": kind_rust_name(m.kind), "pos_start": m.pos_start,
-        "token_count": m.token_count, "state": state, "request_id": m.request_id, "session_id": m.session_id,
-        "sampling": _sampling_to_case(m.sampling),
-        "chat_sampling_metadata": None if meta is None else {"utf8": meta, "hex": meta.encode("utf-8").hex()},
-        "tokens": [int(t) for t in m.tokens], "positions": [int(p) for p in m.positions],
-        "activation_hex": bytes(m.activation).hex(), "raw_bytes_hex": bytes(m.raw_bytes).hex(),
-    }
-
-
-def read_expectation(read: dict) -> tuple:
-    """(codec, policy) of one recorded read (``api`` = the upstream reader)."""
-    api = read["api"]
-    if api == "read_stage_message":
-        return None, None
-    if api == "read_stage_message_for_codec":
-        return int(ActivationCodec.from_rust_name(read["expected_codec"])), None
-    if api == "read_stage_message_for_codec_policy":
-        policy = CodecPolicy.AUTO_LOSSLESS_V1 if read["policy"] == "AutoLosslessV1" else CodecPolicy.FIXED
-        return int(ActivationCodec.from_rust_name(read["configured_codec"])), int(policy)
-    raise Mismatch(f"unknown reader api {api!r}")
+    return vector_cases.message_to_case(m, kind_name=kind_rust_name(m.kind))
 
 
 # --- comparison ----------------------------------------------------------------------------
-def outcome(fn: Callable, *args) -> tuple:
-    try:
-        return ("ok", fn(*args))
-    except WireError as exc:
-        return ("err", {"kind": exc.kind, "message": str(exc)}, exc)
-    except Exception as exc:
-        return ("crash", f"{type(exc).__name__}: {exc}", exc)
-
-
-def check_error(label: str, got: tuple, want: dict) -> None:
-    want = {"kind": want["kind"], "message": want["message"]}
-    if got[0] == "ok":
-        raise Mismatch(f"{label}: succeeded, expected {want['kind']} {want['message']!r}")
-    if got[0] == "crash":
-        raise Mismatch(f"{label}: raised {got[1]}, expected {want['kind']} {want['message']!r}")
-    if got[1] != want:
-        raise Mismatch(f"{label}: {got[1]['kind']} {got[1]['message']!r}, expected {want['kind']} {want['message']!r}")
-
-
-def require_ok(label: str, got: tuple) -> Any:
-    if got[0] != "ok":
-        what = got[1] if got[0] == "crash" else f"{got[1]['kind']} {got[1]['message']!r}"
-        raise Mismatch(f"{label}: failed with {what}, expected success")
-    return got[1]
-
-
-def diff(path: str, got: Any, want: Any) -> Optional[str]:
-    if isinstance(want, dict) and isinstance(got, dict):
-        for key in want:
-            if key not in got:
-                return f"{path}.{key}: missing"
-            d = diff(f"{path}.{key}", got[key], want[key])
-            if d:
-                return d
-        return None
-    if isinstance(want, list) and isinstance(got, list):
-        if len(got) != len(want):
-            return f"{path}: {len(got)} items, expected {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            d = diff(f"{path}[{i}]", g, w)
-            if d:
-                return d
-        return None
-    if got != want:
-        g, w = repr(got), repr(want)
-        return f"{path}: got {g[:120]}, expected {w[:120]}"
-    return None
-
-
 def _expect_value(label: str, got: tuple, want: dict, key: str = "value") -> None:
     if want["ok"]:
         value = require_ok(label, got)
@@ -299,15 +182,7 @@ class GenRunner:
         expected, pol = read_arguments(*read_expectation(read))
         agreement = self._agreement(c, read.get("context", "agreement"))
         got = outcome(self.k.read_stage_message_from_buffer, self.version, data, expected, pol, 0, agreement)
-        if not read["ok"]:
-            check_error(label, got, read["error"])
-            return
-        message, consumed = require_ok(label, got)
-        if consumed != read["consumed"]:
-            raise Mismatch(f"{label}: consumed {consumed} bytes, expected {read['consumed']}")
-        d = diff(f"{label}.message", message_to_case_gen(message), read["message"])
-        if d:
-            raise Mismatch(d)
+        check_read(label, got, read, message_to_case_gen)
 
     def _check_write(self, label: str, got: tuple, w: dict) -> Optional[bytes]:
         if not w["ok"]:

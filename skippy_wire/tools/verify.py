@@ -60,6 +60,7 @@ import numpy as np
 
 from .._impl import kernel_module
 from ..errors import InvalidDataError
+from ..wire.constants import ActivationCodec
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -68,8 +69,8 @@ KEEP = 16
 #: Error / non-exact elements checked one by one per chunk, on top of the boundaries.
 SAMPLES = 8
 
-CODEC_F16 = 2
-CODEC_BF16 = 3
+CODEC_F16 = int(ActivationCodec.F16_RNE_V1)
+CODEC_BF16 = int(ActivationCodec.BF16_RNE_V1)
 
 MSG_NONFINITE = "activation values must be finite"
 MSG_BF16_RANGE = "BF16 activation value is out of range"

@@ -34,16 +34,9 @@ from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKin
 #: Largest single ``read()`` a stream reader issues.
 STREAM_CHUNK_BYTES = 1 << 20
 
-_KERNELS: dict = {}
-
-
 def kernels(impl: Optional[str] = None):
     """The framing kernel module of ``impl`` (default: the live implementation)."""
-    impl = impl or _impl.IMPLEMENTATION
-    module = _KERNELS.get(impl)
-    if module is None:
-        module = _KERNELS[impl] = _impl.kernel_module("frame", impl)
-    return module
+    return _impl.cached_kernel_module("frame", impl)
 
 
 def reader_expectation(codec, policy) -> tuple[Optional[int], int]:

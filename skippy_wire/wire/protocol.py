@@ -37,16 +37,9 @@ VERSION_WORD_OFFSET = 20
 UPSTREAM_VERSION_TEXT = "unsupported stage state version"
 CANNOT_REPLACE_AGREEMENT = "cannot replace an established activation agreement"
 
-_KERNELS: dict = {}
-
-
 def kernels(impl: Optional[str] = None):
     """The v16/v17 kernel module of ``impl`` (default: the live implementation)."""
-    impl = impl or _impl.IMPLEMENTATION
-    module = _KERNELS.get(impl)
-    if module is None:
-        module = _KERNELS[impl] = _impl.kernel_module("frame_gen", impl)
-    return module
+    return _impl.cached_kernel_module("frame_gen", impl)
 
 
 class ProtocolVersionError(InvalidDataError):
