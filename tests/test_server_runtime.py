@@ -226,5 +226,7 @@ def test_decode_path_breakdown_adds_up(tiny):
     assert all(v >= 0 for p in path.values() for v in p.values())
     assert path[1]["compute"] >= 5 * 50_000  # the slowed decode steps
     assert path[1]["encode"] == path[1]["send"] == path[1]["downstream_wait"] == 0  # terminal
-    assert path[0]["downstream_wait"] >= sum(path[1].values())
-    assert result.decode_round_trip_s * 1e6 >= sum(path[0].values()) - path[0]["queue"]
+    # (A stage's relay ends when its send returns, which may be after its peer already read
+    # the reply, so the containments below leave the relay out.)
+    assert path[0]["downstream_wait"] >= path[1]["queue"] + path[1]["compute"]
+    assert result.decode_round_trip_s * 1e6 >= path[0]["queue"] + path[0]["compute"] + path[0]["downstream_wait"]
