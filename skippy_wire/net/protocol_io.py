@@ -142,10 +142,12 @@ class LinkProtocol:
 
     ``reads`` is what arrives on it ("messages" on a stage's upstream link, "replies"
     elsewhere); ``codec`` / ``policy`` are the reader's admission; ``n_embd`` sizes v15
-    activations.  ``who`` names the peer in mismatch errors, ``me`` this side."""
+    activations; ``max_message_bytes`` caps a message from its fixed prefix (before its
+    payload is read).  ``who`` names the peer in mismatch errors, ``me`` this side."""
 
     def __init__(self, version: int, peer, *, reads: str = "replies", n_embd: int = 0, codec=None, policy=None,
-                 who: str = "peer", me: str = "this stage", impl: Optional[str] = None) -> None:
+                 who: str = "peer", me: str = "this stage", impl: Optional[str] = None,
+                 max_message_bytes: Optional[int] = None) -> None:
         if version not in PROTOCOL_VERSIONS:
             raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
         self.version = version
@@ -154,6 +156,7 @@ class LinkProtocol:
         self.conn = StageConnection(peer.sock, version, impl=impl)
         self.wire = self.conn.protocol
         self.codec, self.policy, self.n_embd = codec, policy, n_embd
+        self.max_message_bytes = max_message_bytes
         peer.reader.decoder = self.message_decoder() if reads == "messages" else self.reply_decoder()
 
     @property
@@ -276,7 +279,7 @@ class LinkProtocol:
         def parse(data, offset):
             return wire.read_from_buffer(data, n_embd, codec, policy, offset=offset, agreement=self.conn.agreement)
 
-        return RecordDecoder(self._checked_parse(parse))
+        return RecordDecoder(self._checked_parse(parse), max_message_bytes=self.max_message_bytes)
 
     def reply_decoder(self):
         """The incremental decoder of the replies this side receives (the same in every version)."""
