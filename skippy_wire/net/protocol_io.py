@@ -32,7 +32,7 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import StateVersionMismatch, WireError
+from ..errors import StateVersionMismatch, TlsRequired, WireError
 from ..stage.bridge import frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -44,6 +44,7 @@ from ..wire.forwarding import (
 )
 from ..wire.frame import RecordDecoder, read_reply_from_buffer, recv_ready, write_stage_message
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
+from .tls import TLS_REQUIRED_NOTICE
 from ..wire.setup import (
     SETUP_MAGIC,
     PlanStage,
@@ -189,12 +190,16 @@ class LinkProtocol:
             head = self.peer.reader.read_exact(4)
             if head == VERSION_NOTICE_MAGIC:
                 raise self.mismatch(parse_version_notice(head + self.peer.reader.read_exact(4)))
+            if head == TLS_REQUIRED_NOTICE:
+                raise TlsRequired(self.who, self.me)
             recv_ready(head)
             return
         sock = self.peer.capturing_socket()
         try:
             agreement = client_setup(sock, role, setup, output, timeout=timeout)
         except SetupError as error:
+            if bytes(sock.received_head[:4]) == TLS_REQUIRED_NOTICE:
+                raise TlsRequired(self.who, self.me) from None
             got = self._notice_after_setup_error(sock)
             if got is not None:
                 raise self.mismatch(got) from None

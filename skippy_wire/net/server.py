@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import StageError, StageRuntimeError, StateVersionMismatch, UnexpectedEofError, WireError
+from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage import runtime
 from ..stage.activation import ActivationFrame
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -413,7 +413,7 @@ class StageServer:
         peer.send_delay = self.link_delay
         try:
             link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)
-        except StateVersionMismatch:
+        except (StateVersionMismatch, TlsRequired):
             peer.close()
             raise
         except SetupError as exc:
