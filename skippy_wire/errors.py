@@ -200,6 +200,13 @@ class StateVersionMismatch(StageError):
         super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
 
 
+class TlsRequired(StageError):
+    """A plain peer reached a stage that requires mutual TLS (it said so in the clear)."""
+
+    def __init__(self, who: str = "peer", me: str = "this side") -> None:
+        super().__init__(f"{who} requires mutual TLS; {me} speaks plain TCP (give --tls-cert, --tls-key and --tls-ca)")
+
+
 class TopologyError(PipelineError, ValueError):
     """A topology file is unreadable or describes no valid pipeline (one line: file, stage, rule)."""
 

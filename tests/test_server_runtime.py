@@ -12,7 +12,8 @@ from skippy_wire.net.batching import DecodeBatcher, DecodeStep
 from skippy_wire.net.driver import PipelineClient, prefill_messages
 from skippy_wire.stage import models
 from skippy_wire.stage.runtime import StageModel
-from skippy_wire.net.server import RuntimeBackend, StageServer
+from skippy_wire.net.backend import RuntimeBackend
+from skippy_wire.net.server import StageServer
 from skippy_wire.tools.serve import stage_config
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

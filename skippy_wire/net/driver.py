@@ -21,13 +21,15 @@ DecodeEmbd(pos_start = position, tokens = [previous token], current_token, decod
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import PipelineError, StateVersionMismatch, UnexpectedEofError, WireError
+from ..errors import PipelineError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
@@ -86,16 +88,20 @@ class PipelineClient:
     handshake as TokensAndControl, ``identity`` (a ``StageSetupConfig``, e.g.
     :func:`~skippy_wire.net.protocol_io.driver_identity`) makes it check that it reached
     stage 0 of that run.  A stage speaking another version -> one-line PipelineError.
+    ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
-                 identity=None) -> None:
+                 identity=None, tls=None) -> None:
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message went out
         try:
-            sock = connect(host, port, timeout)
+            sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
+        except ssl.SSLError as exc:
+            raise PipelineError(f"TLS handshake with stage 0 at {self.address} failed: {exc.reason or exc} "
+                                "(does the stage use mutual TLS with the same CA?)") from None
         except OSError as exc:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
@@ -118,6 +124,27 @@ class PipelineClient:
     def close(self) -> None:
         self._peer.close()
 
+    def alive(self) -> bool:
+        """Whether the connection is still open between requests (a stage closes an idle
+        one after its idle timeout: the socket then turns readable with EOF)."""
+        sock = self._peer.sock
+        try:
+            if self._peer.reader.buffered:
+                return False  # nothing may arrive between requests
+            if not select.select([sock], [], [], 0)[0]:
+                return True
+            timeout = sock.gettimeout()
+            sock.setblocking(False)
+            try:
+                sock.recv(1)  # EOF, or bytes nobody asked for: either way the link is unusable
+            except (ssl.SSLWantReadError, BlockingIOError):
+                return True  # only TLS housekeeping (e.g. a TLS 1.3 session ticket) had arrived
+            finally:
+                sock.settimeout(timeout)
+        except (OSError, ValueError):
+            pass
+        return False
+
     def __enter__(self) -> "PipelineClient":
         return self
 
@@ -127,8 +154,10 @@ class PipelineClient:
     def _guard(self, fn, what: str):
         try:
             return fn()
-        except StateVersionMismatch as exc:
+        except (StateVersionMismatch, TlsRequired) as exc:
             raise PipelineError(str(exc)) from None
+        except ssl.SSLError as exc:  # e.g. TLS 1.3: our certificate was refused after the handshake
+            raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {exc.reason or exc}") from None
         except SetupError as exc:
             raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
                                 + (f" ({exc.detail})" if exc.detail else "")) from None

@@ -32,7 +32,7 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import StateVersionMismatch, WireError
+from ..errors import StateVersionMismatch, TlsRequired, WireError
 from ..stage.bridge import frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -44,6 +44,7 @@ from ..wire.forwarding import (
 )
 from ..wire.frame import RecordDecoder, read_reply_from_buffer, recv_ready, write_stage_message
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
+from .tls import TLS_REQUIRED_NOTICE
 from ..wire.setup import (
     SETUP_MAGIC,
     PlanStage,
@@ -142,10 +143,12 @@ class LinkProtocol:
 
     ``reads`` is what arrives on it ("messages" on a stage's upstream link, "replies"
     elsewhere); ``codec`` / ``policy`` are the reader's admission; ``n_embd`` sizes v15
-    activations.  ``who`` names the peer in mismatch errors, ``me`` this side."""
+    activations; ``max_message_bytes`` caps a message from its fixed prefix (before its
+    payload is read).  ``who`` names the peer in mismatch errors, ``me`` this side."""
 
     def __init__(self, version: int, peer, *, reads: str = "replies", n_embd: int = 0, codec=None, policy=None,
-                 who: str = "peer", me: str = "this stage", impl: Optional[str] = None) -> None:
+                 who: str = "peer", me: str = "this stage", impl: Optional[str] = None,
+                 max_message_bytes: Optional[int] = None) -> None:
         if version not in PROTOCOL_VERSIONS:
             raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
         self.version = version
@@ -156,6 +159,7 @@ class LinkProtocol:
         self.codec, self.policy, self.n_embd = codec, policy, n_embd
         #: Replies the peer still owes for messages sent without waiting (overlapped prefill).
         self.unread_replies = 0
+        self.max_message_bytes = max_message_bytes
         peer.reader.decoder = self.message_decoder() if reads == "messages" else self.reply_decoder()
 
     @property
@@ -188,12 +192,16 @@ class LinkProtocol:
             head = self.peer.reader.read_exact(4)
             if head == VERSION_NOTICE_MAGIC:
                 raise self.mismatch(parse_version_notice(head + self.peer.reader.read_exact(4)))
+            if head == TLS_REQUIRED_NOTICE:
+                raise TlsRequired(self.who, self.me)
             recv_ready(head)
             return
         sock = self.peer.capturing_socket()
         try:
             agreement = client_setup(sock, role, setup, output, timeout=timeout)
         except SetupError as error:
+            if bytes(sock.received_head[:4]) == TLS_REQUIRED_NOTICE:
+                raise TlsRequired(self.who, self.me) from None
             got = self._notice_after_setup_error(sock)
             if got is not None:
                 raise self.mismatch(got) from None
@@ -278,7 +286,7 @@ class LinkProtocol:
         def parse(data, offset):
             return wire.read_from_buffer(data, n_embd, codec, policy, offset=offset, agreement=self.conn.agreement)
 
-        return RecordDecoder(self._checked_parse(parse))
+        return RecordDecoder(self._checked_parse(parse), max_message_bytes=self.max_message_bytes)
 
     def reply_decoder(self):
         """The incremental decoder of the replies this side receives (the same in every version)."""

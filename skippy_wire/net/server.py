@@ -17,13 +17,13 @@ replies PredictedToken for kinds that require a predicted reply and Ack otherwis
 Stop frees the session and is acknowledged; the connection stays open.
 
 Sessions are keyed by ``session_id`` and belong to the connection that opened them; a
-closed connection frees its sessions.  Runtime calls are serialised by one lock, so any
-number of connections may be open at once.
+closed connection frees its sessions.  Runtime calls are serialised by one lock.
 
-Faults: a peer that disconnects mid-message, sends bytes that do not parse, or stalls in
-the middle of a message (``--io-timeout``) gets a logged error and its connection
-closed; the listener keeps accepting.  A downstream that fails or stalls closes the
-upstream connection too, so the driver sees the failure instead of hanging.
+Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
+lanes, a whole-message deadline, a message size this stage could execute (checked from the
+prefix), an idle timeout; optional mutual TLS (:mod:`.tls`).  A peer that disconnects
+mid-message, sends bytes that do not parse, stalls or breaks a limit gets a logged error
+and its connection closed; a failing downstream closes the upstream connection too.
 
 Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic
 counters when a session stops (the ``serve`` CLI, :mod:`skippy_wire.tools.serve`, prints
@@ -38,14 +38,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import StageError, StageRuntimeError, StateVersionMismatch, UnexpectedEofError, WireError
+from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage import runtime
-from ..stage.activation import ActivationFrame
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
-from ..wire.constants import ActivationCodec, CodecPolicy, activation_frame_flags_from_state_flags
+from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.frame import (
     send_reply_ack,
     send_reply_predicted,
@@ -54,8 +52,10 @@ from ..wire.frame import (
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
+from .admission import DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, max_message_bytes
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
+from .tls import PLAIN_EXPOSED_WARNING, accept_tls, is_loopback
 from .transport import Peer, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -65,8 +65,6 @@ _OBSERVED_PREFILL_KINDS = (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD)
 
 DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
-#: Sessions a stage holds at once (its lanes).
-DEFAULT_LANES = 4
 
 EventSink = Callable[[dict], None]
 
@@ -97,99 +95,6 @@ class _DecodeTimer:
             stretches["relay"] = relayed - end
         for name, seconds in stretches.items():
             totals[name] += int(seconds * 1e6)
-
-
-# --------------------------------------------------------------------------------------
-# Runtime adapter
-# --------------------------------------------------------------------------------------
-
-
-class RuntimeBackend:
-    """What the server needs from a stage runtime, over ``skippy_wire.stage.runtime``.
-
-    Tests substitute an object with the same methods (a fake runtime), so the server
-    logic is exercised without a model.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.n_embd = int(model.n_embd)
-        self.is_source = bool(model.is_source)
-        self.is_terminal = bool(model.is_terminal)
-        self.layer_start = int(model.layer_start)
-        self.layer_end = int(model.layer_end)
-        self.stage_index = int(getattr(model, "stage_index", 0))
-        self._boundary = False  # the model's input boundary, fetched on first use
-
-    @classmethod
-    def open(cls, path: str | Path, layer_start: int, layer_end: int, *, stage_index: int = 0,
-             ctx_size: int = 512, n_threads: int | None = None, lane_count: int = DEFAULT_LANES) -> "RuntimeBackend":
-        model = runtime.StageModel.open(
-            path, layer_start, layer_end, stage_index=stage_index, ctx_size=ctx_size,
-            lane_count=lane_count, n_threads=n_threads,
-        )
-        return cls(model)
-
-    def n_layer(self) -> int:
-        return int(self.model.n_layer)
-
-    def create_session(self) -> Any:
-        return self.model.create_session()
-
-    def free_session(self, session: Any) -> None:
-        close = getattr(session, "close", None) or getattr(session, "free", None)
-        if close is not None:
-            close()
-
-    def _input(self, activation, token_count: int, state_flags: int):
-        if self.is_source:
-            return None
-        if isinstance(activation, ActivationFrame):  # state versions 16/17: the frame as sent
-            return activation
-        if self._boundary is False:
-            self._boundary = self.model.input_activation_boundary()
-        return runtime.frame_from_wire(
-            activation, token_count, self.n_embd, self.stage_index - 1, 0, self.layer_start,
-            activation_frame_flags_from_state_flags(state_flags), boundary=self._boundary,
-        )
-
-    def _output(self, frame):
-        """The runtime's output frame as it is (the link converts it for its version)."""
-        if self.is_terminal or frame is None:
-            return None
-        return frame
-
-    def input_boundary(self):
-        return self.model.input_activation_boundary()
-
-    def output_boundary(self):
-        return self.model.output_activation_boundary()
-
-    def prefill(self, session, tokens, activation, state_flags, *, sample: bool, sampling):
-        """Run one prefill chunk; returns ``(token or -1, ActivationFrame or None)``."""
-        inp = self._input(activation, len(tokens), state_flags)
-        if sample and self.is_terminal:
-            token, frame = session.prefill_chunk_frame_sampled(tokens, sampling, input=inp)
-        else:
-            frame, token = session.prefill_chunk_frame(tokens, input=inp), -1
-        return int(token), self._output(frame)
-
-    def decode(self, session, token, activation, state_flags, *, sampling):
-        inp = self._input(activation, 1, state_flags)
-        token, frame = session.decode_step_frame_sampled(token, sampling if self.is_terminal else None, input=inp)
-        return int(token), self._output(frame)
-
-    def decode_batch(self, steps) -> list:
-        """Several sessions' decode steps as one native batch (:mod:`.batching`)."""
-        requests = [runtime.DecodeFrameBatchRequest(step.session, step.token,
-                                                    step.sampling if self.is_terminal else None,
-                                                    self._input(step.activation, 1, step.state_flags))
-                    for step in steps]
-        return [(int(out.predicted_token), self._output(out.output))
-                for out in runtime.decode_step_frame_batch_sampled(requests)]
-
-    def trim(self, session, token_count: int) -> None:
-        session.trim_session(token_count)
 
 
 # --------------------------------------------------------------------------------------
@@ -258,15 +163,18 @@ class StageServer:
     (seconds slept before each send over a stage-to-stage link: downstream, and upstream
     unless this is stage 0, whose upstream is the driver), ``prefill_overlap`` (acknowledge
     a forwarded PrefillEmbd at once instead of after the downstream's Ack, so this stage
-    computes the next chunk while the downstream computes this one).
+    computes the next chunk while the downstream computes this one), ``limits`` (a
+    :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
+    both sides).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
                  host: str = "127.0.0.1", port: int = 0, io_timeout: float = DEFAULT_IO_TIMEOUT,
-                 idle_timeout: float | None = None, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+                 idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
                  capture: str | None = None, events: EventSink | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
-                 plan=None, link_delay: float = 0.0, prefill_overlap: bool = True) -> None:
+                 plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
+                 limits: StageLimits | None = None, tls=None) -> None:
         self.backend = backend
         self.compute_trace = compute_trace
         self.protocol = protocol
@@ -303,8 +211,16 @@ class StageServer:
         self._connections: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
         self._conn_seq = 0
+        self.limits = limits = limits or StageLimits()
+        self.max_message_bytes = limits.max_message_bytes or max_message_bytes(config.ctx_size, backend.n_embd)
+        self.connection_limit = ConnectionLimit(limits.max_connections)
+        self.admission = SessionAdmission(getattr(backend, "lane_count", None), limits.lane_wait,
+                                          limits.max_sessions_per_connection)
+        self._tls_server, self._tls_client = (tls.server_context(), tls.client_context()) if tls else (None, None)
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.address = self._listener.getsockname()[:2]
+        if self._tls_server is None and not is_loopback(self.address[0]):
+            log.warning(PLAIN_EXPOSED_WARNING, *self.address)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -323,9 +239,14 @@ class StageServer:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with self._conn_lock:
-                    self._conn_seq += 1
-                    seq = self._conn_seq
-                    self._connections.add(sock)
+                    full = len(self._connections) >= self.connection_limit.limit
+                    if not full:
+                        self._conn_seq += 1
+                        seq = self._conn_seq
+                        self._connections.add(sock)
+                if full:
+                    self.connection_limit.refuse(sock, addr)
+                    continue
                 threading.Thread(target=self._serve_connection, args=(sock, addr, seq),
                                  name=f"stage-conn-{seq}", daemon=True).start()
         finally:
@@ -351,13 +272,18 @@ class StageServer:
     def _serve_connection(self, sock: socket.socket, addr, seq: int) -> None:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
         upstream = Peer(sock)
-        if self.config.stage_index > 0:
-            upstream.send_delay = self.link_delay
-        link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
-                            codec=self.codec, policy=self.policy)
         opened: list = []
         sessions: dict[int, _Session] = {}
         try:
+            if self._tls_server is not None:
+                upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
+                with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
+                    self._connections.add(upstream.sock)
+            if self.config.stage_index > 0:
+                upstream.send_delay = self.link_delay
+            link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
+                                codec=self.codec, policy=self.policy, max_message_bytes=self.max_message_bytes)
+
             def prepare() -> None:
                 if self.downstream is not None:
                     opened.append(self._open_downstream(seq))
@@ -402,6 +328,7 @@ class StageServer:
             upstream.close()
             with self._conn_lock:
                 self._connections.discard(sock)
+                self._connections.discard(upstream.sock)
 
     def _profile(self, edge: str):
         """The v17 activation profile of this stage's input or output edge."""
@@ -419,7 +346,7 @@ class StageServer:
     def _open_downstream(self, seq: int) -> LinkProtocol:
         host, port = self.downstream
         try:
-            sock = connect(host, port, timeout=self.reply_timeout)
+            sock = connect(host, port, timeout=self.reply_timeout, tls=self._tls_client)
         except OSError as exc:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
@@ -428,7 +355,7 @@ class StageServer:
         peer.send_delay = self.link_delay
         try:
             link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)
-        except StateVersionMismatch:
+        except (StateVersionMismatch, TlsRequired):
             peer.close()
             raise
         except SetupError as exc:
@@ -447,9 +374,17 @@ class StageServer:
             if not peer.reader.wait_readable(self.idle_timeout):
                 return None
         except (socket.timeout, TimeoutError):
-            raise StageError(f"idle for more than {self.idle_timeout} s") from None
-        peer.sock.settimeout(self.io_timeout)
-        return link.read_message()
+            raise StageError(f"idle for more than {self.idle_timeout:g} s") from None
+        peer.reader.deadline = time.monotonic() + self.limits.message_timeout
+        peer.reader.stall_timeout = self.io_timeout
+        try:
+            return link.read_message()
+        except (socket.timeout, TimeoutError):
+            if time.monotonic() < peer.reader.deadline:
+                raise
+            raise StageError(f"message not complete {self.limits.message_timeout:g} s after its first byte") from None
+        finally:
+            peer.reader.deadline = None
 
     # -- execution -----------------------------------------------------------------------
 
@@ -466,9 +401,8 @@ class StageServer:
                 self._free(sessions.pop(msg.session_id), msg.session_id)
             return reply
         if session is None:
-            with self._runtime_lock:
-                session = _Session(self.backend.create_session())
-            sessions[msg.session_id] = session
+            session = sessions[msg.session_id] = self.admission.open(
+                len(sessions), msg.session_id, lambda: _Session(self.backend.create_session()), self._runtime_lock)
             session.stats.messages += 1
             session.stats.received_bytes += size
         if kind == K.CONFIGURE_GENERATION:
@@ -635,10 +569,13 @@ class StageServer:
                 f"({exc.kind}: {exc})") from None
 
     def _free(self, session: _Session, session_id: int) -> None:
-        with self._runtime_lock:
-            self.backend.free_session(session.runtime)
+        try:
+            with self._runtime_lock:
+                self.backend.free_session(session.runtime)
+        finally:
+            self.admission.release()
         self.events({"event": "session", "stage": self.config.stage_index, "session_id": session_id,
                      **session.stats.as_dict()})
 
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "RuntimeBackend", "SessionStats", "StageServer"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "SessionStats", "StageServer"]

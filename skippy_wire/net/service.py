@@ -147,9 +147,9 @@ class GenerationEngine:
     """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
 
     def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
-                 chunk_size: int, protocol: int = 15, identity=None) -> None:
+                 chunk_size: int, protocol: int = 15, identity=None, tls=None) -> None:
         self.entry = entry
-        self.protocol, self.identity = protocol, identity
+        self.protocol, self.identity, self.tls = protocol, identity, tls
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
         self.timeout = timeout
@@ -161,9 +161,13 @@ class GenerationEngine:
 
     def _take(self) -> PipelineClient:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return PipelineClient(*self.entry, timeout=self.timeout, protocol=self.protocol, identity=self.identity)
+            while self._idle:
+                client = self._idle.pop()
+                if client.alive():
+                    return client
+                client.close()  # closed by the stage meanwhile (e.g. its idle timeout)
+        return PipelineClient(*self.entry, timeout=self.timeout, protocol=self.protocol, identity=self.identity,
+                              tls=self.tls)
 
     def _give_back(self, client: PipelineClient) -> None:
         with self._lock:

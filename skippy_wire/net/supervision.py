@@ -193,7 +193,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     reply_timeout: float | None = None, capture_dir: str | Path | None = None,
                     log_dir: str | Path | None = None, extra_args: Iterable[str] = (),
                     on_progress: Callable[[str], None] | None = None, protocol: int = 15,
-                    protocols: list[int] | None = None) -> StageCluster:
+                    protocols: list[int] | None = None, tls=None) -> StageCluster:
     """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly.
 
     ``capture_dir``: each stage with a downstream records that hop to
@@ -201,7 +201,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     ``log_dir``: each stage's stderr goes to ``log_dir/stageK.log`` (else discarded).
     ``protocol``: the state version of every stage (``protocols``: one per stage, to test
     mixed pipelines); v17 stages share one fresh run id, the plan and the model id, and
-    the cluster's ``identity`` is the driver's.
+    the cluster's ``identity`` is the driver's.  ``tls`` (a :class:`~skippy_wire.net.tls.
+    TlsConfig`): every stage serves and forwards over mutual TLS with it.
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)
@@ -228,7 +229,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     "--stage-index", str(index), "--listen", "127.0.0.1:0",
                     "--activation-codec", codec, "--activation-codec-policy", policy,
                     "--ctx-size", str(ctx_size), "--threads", str(threads), "--protocol", str(protocols[index]),
-                    "--run-id", run_id, "--plan", plan, *extra_args]
+                    "--run-id", run_id, "--plan", plan, *(tls.as_args() if tls else ()), *extra_args]
             if io_timeout is not None:
                 args += ["--io-timeout", str(io_timeout)]
             if reply_timeout is not None:

@@ -13,19 +13,26 @@ from __future__ import annotations
 import collections
 import socket
 import time
-import time
 
 from ..errors import UnexpectedEofError
 from ..wire.frame import StageReplyDecoder, recv_ready
+from .tls import connect_tls
 
 #: Size of the buffer a reader receives into.
 RECV_CHUNK_BYTES = 1 << 16
 
 
-def connect(host: str, port: int, timeout: float) -> socket.socket:
-    """Open a TCP connection with TCP_NODELAY set."""
+def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
+    """Open a TCP connection with TCP_NODELAY set; ``tls`` (a client ``ssl.SSLContext``):
+    mutual TLS over it (:mod:`.tls`), the handshake done within ``timeout``."""
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            return connect_tls(sock, tls, host)
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 
@@ -46,7 +53,8 @@ class SocketReader:
     :meth:`read` returns the next record, None on a clean close between records, and raises
     ``UnexpectedEofError`` on a close in the middle of one; a malformed record raises the
     decoder's ``WireError`` once the records before it have been read.  :attr:`last_size` is
-    the wire size of the record :meth:`read` returned last.
+    the wire size of the record :meth:`read` returned last; :attr:`deadline` bounds a whole
+    :meth:`read` (a stage's message timeout).
     """
 
     def __init__(self, sock: socket.socket, decoder, capture=None) -> None:
@@ -59,6 +67,8 @@ class SocketReader:
         self._chunk = bytearray(RECV_CHUNK_BYTES)
         self._view = memoryview(self._chunk)
         self._pending: collections.deque = collections.deque()  # (record, wire size, arrival)
+        self.deadline: float | None = None  # monotonic time by which read() must complete
+        self.stall_timeout: float | None = None  # the per-receive timeout under a deadline
 
     def _recv(self, limit: int = 0) -> int:
         """One ``recv_into``; feeds what arrived unless ``limit`` (raw bytes) is given."""
@@ -94,10 +104,17 @@ class SocketReader:
             return False
 
     def read(self):
-        """The next record, or None on a clean close between records."""
+        """The next record, or None on a clean close between records.  With
+        :attr:`deadline` set (a ``time.monotonic()`` value), every receive waits at most
+        until it (and at most :attr:`stall_timeout`), then ``TimeoutError``."""
         while not self._pending:
             if self.decoder.error is not None:  # kept after the records before it were queued
                 raise self.decoder.error
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("message deadline passed")
+                self.sock.settimeout(left if self.stall_timeout is None else min(left, self.stall_timeout))
             if not self._recv():
                 self.decoder.close()  # raises on a partial record (or a kept error)
                 return None

@@ -32,14 +32,14 @@ from starlette.routing import Route
 from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT
 from ..net.supervision import default_model, launch_pipeline
-from ..net.server import DEFAULT_LANES
+from ..net.backend import DEFAULT_LANES
 from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec
-from .options import (DefaultsFormatter, Parser, address, describe, error_line, float_above, int_at_least,
-                      int_between)
+from .options import (DefaultsFormatter, Parser, add_tls_options, address, describe, error_line, float_above,
+                      int_at_least, int_between, tls_config)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -407,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each stage's log to DIR/stageK.log (default: discarded)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link")
+    add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")
     return p
 
 
@@ -417,6 +418,10 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
     args.listen_address, args.connect_address = args.listen, args.connect
+    try:
+        args.tls = tls_config(args)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,11 +458,11 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
-                                      on_progress=progress, protocol=args.protocol)
+                                      on_progress=progress, protocol=args.protocol, tls=args.tls)
             entry = cluster.entry
         with cluster:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
-                                      chunk_size=args.chunk_size, protocol=args.protocol,
+                                      chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
                                       identity=getattr(cluster, "identity", None))
             engine.check_ready()
             api = Api(engine, model_id=model.stem, chat_template=chat_template,

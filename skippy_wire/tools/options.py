@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Callable, NoReturn
 
+from ..net.tls import TlsConfig
 from ..net.transport import parse_address
 
 #: The prefix of every error line the command prints.
@@ -109,6 +110,22 @@ def address(text: str) -> tuple[str, int]:
     return host, port
 
 
+def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
+    """``--tls-cert/--tls-key/--tls-ca`` (docs/security.md): mutual TLS on ``what``."""
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help=f"certificate chain presented on {what} (with --tls-key and --tls-ca: mutual TLS; "
+                        "default: plain TCP)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA every peer's certificate must be signed by (peers without one are refused)")
+
+
+def tls_config(args):
+    """The ``TlsConfig`` of parsed ``--tls-*`` options (None without them); ValueError
+    unless all three are given."""
+    return TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
+
+
 def utf8(text: str) -> str:
     """A command-line string that must be valid UTF-8 (argv decodes with surrogateescape)."""
     try:
@@ -120,4 +137,4 @@ def utf8(text: str) -> str:
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
            "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least", "int_between", "float_above",
-           "float_at_least", "float_between", "address", "utf8"]
+           "float_at_least", "float_between", "address", "add_tls_options", "tls_config", "utf8"]

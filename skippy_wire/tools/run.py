@@ -30,8 +30,8 @@ from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.replies import StageReplyStats
-from .options import (DefaultsFormatter, Parser, address, describe, float_above, float_at_least, float_between,
-                      int_at_least, int_between, utf8)
+from .options import (DefaultsFormatter, Parser, add_tls_options, address, describe, float_above, float_at_least,
+                      float_between, int_at_least, int_between, tls_config, utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drive the running stages a topology file describes (like --connect to its stage 0; "
                         "its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
+    add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
     return p
 
 
@@ -254,6 +255,10 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
     _check_dir(parser, "--capture", args.capture)
     _check_dir(parser, "--log-dir", args.log_dir)
+    try:
+        args.tls = tls_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def sampling_params(args) -> SamplingParams:
@@ -342,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
-                                      reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol)
+                                      reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol,
+                                      tls=args.tls)
             entry = cluster.entry
         with cluster:
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
@@ -385,7 +391,7 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
     """One generation through the running pipeline; a failed request names the stage's reason."""
     try:
         identity = None if args.connect else cluster.identity
-        with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity,
+        with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity, tls=args.tls,
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")

@@ -18,7 +18,10 @@ import threading
 from pathlib import Path
 
 from ..errors import StageRuntimeError, TopologyError, WireError
-from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, RuntimeBackend, StageServer
+from ..net.admission import (DEFAULT_IDLE_TIMEOUT, DEFAULT_LANE_WAIT, DEFAULT_MAX_CONNECTIONS,
+                             DEFAULT_MAX_SESSIONS_PER_CONNECTION, DEFAULT_MESSAGE_TIMEOUT, StageLimits)
+from ..net.backend import RuntimeBackend
+from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
 from ..net.transport import parse_address
@@ -26,9 +29,8 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, address, describe, error_line, float_above,
-                      float_at_least,
-                      int_at_least)
+from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_tls_options, address, describe,
+                      error_line, float_above, float_at_least, int_at_least, tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -61,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute threads (default: 1, see default_threads)")
     p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message")
-    p.add_argument("--idle-timeout", type=float_above(0), default=None,
-                   help="seconds a connection may sit idle between messages (default: forever)")
+    p.add_argument("--idle-timeout", type=float_above(0), default=DEFAULT_IDLE_TIMEOUT,
+                   help="seconds a connection may sit idle between messages; its sessions are freed")
+    add_admission_options(p)
     p.add_argument("--reply-timeout", type=float_above(0), default=DEFAULT_REPLY_TIMEOUT,
                    help="seconds to wait for the downstream reply")
     p.add_argument("--capture", default=None,
@@ -86,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="stderr log level")
     return p
+
+
+def add_admission_options(p: argparse.ArgumentParser) -> None:
+    """The limits of what a stage admits from its peers (docs/security.md)."""
+    p.add_argument("--message-timeout", type=float_above(0), default=DEFAULT_MESSAGE_TIMEOUT,
+                   help="seconds a whole message may take to arrive after its first byte")
+    p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections served at once; more are refused at accept")
+    p.add_argument("--max-sessions-per-connection", type=int_at_least(1),
+                   default=DEFAULT_MAX_SESSIONS_PER_CONNECTION, help="sessions one connection may hold at once")
+    p.add_argument("--lane-wait", type=float_at_least(0), default=DEFAULT_LANE_WAIT,
+                   help="seconds a new session waits (first come, first served) when all lanes are busy")
+    p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
+                   help="largest stage message accepted (default: derived from --ctx-size and the model width)")
+    add_tls_options(p, "the listener and the downstream connection")
 
 
 def _exit_on_stdin_eof() -> None:
@@ -169,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         _exit_on_stdin_eof()
     host, port = args.listen
     downstream = args.downstream
+    try:
+        tls = tls_config(args)
+        if tls is not None:
+            tls.server_context()  # unreadable or mismatched files fail here, with their reason
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    except OSError as exc:
+        return _cannot_start(stage_index, f"TLS: {describe(exc)}")
+    limits = StageLimits(message_timeout=args.message_timeout, max_connections=args.max_connections,
+                         max_sessions_per_connection=args.max_sessions_per_connection, lane_wait=args.lane_wait,
+                         max_message_bytes=args.max_message_bytes)
     threads = args.threads or default_threads()
     config = stage_config(stage_index, args.layer_start, args.layer_end,
                           args.activation_codec, args.activation_codec_policy)
@@ -189,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
                              compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
-                             link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap)
+                             link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap,
+                             limits=limits, tls=tls)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
@@ -200,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
              stage_index, args.layer_start, args.layer_end, args.model, args.protocol, args.activation_codec,
              args.activation_codec_policy, threads, bound_host, bound_port,
              f", downstream {downstream[0]}:{downstream[1]}" if downstream else " (terminal)")
+    log.info("stage %d: at most %d connections, %d sessions each, lane wait %g s, messages up to %d bytes "
+             "within %g s, idle timeout %g s, %s", stage_index, limits.max_connections,
+             limits.max_sessions_per_connection, limits.lane_wait, server.max_message_bytes, limits.message_timeout,
+             args.idle_timeout, "mutual TLS" if tls else "plain TCP")
     _print_event({"event": "listening", "host": bound_host, "port": bound_port, "stage": stage_index,
                   "layer_start": args.layer_start, "layer_end": args.layer_end, "n_embd": backend.n_embd,
                   "protocol": args.protocol})

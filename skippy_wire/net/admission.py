@@ -1,0 +1,170 @@
+"""What a stage admits from its peers: lanes, sessions per connection, message sizes.
+
+* :class:`LaneGate` hands out the stage's execution lanes (one per open session) in FIFO
+  order: when all are busy a new session waits at most ``wait`` seconds behind the
+  sessions that asked before it, then fails with one clear line instead of the runtime's
+  native "no lane" error.
+* :func:`max_message_bytes` is the largest stage message this stage could ever execute,
+  derived from its own model (``ctx_size``, ``n_embd``) and the wire limits: the decoders
+  refuse a message declaring more from its fixed prefix, before its payload is read.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..errors import StageError
+from ..wire.constants import (
+    MAX_STAGE_DRY_SEQUENCE_BREAKERS,
+    MAX_STAGE_LOGIT_BIAS,
+    MAX_STAGE_SAMPLERS,
+    MAX_STAGE_SAMPLING_STRING_BYTES,
+    ROW_DOUBLING_SIDEBANDS,
+    STAGE_WIRE_FIXED_HEADER_BYTES,
+    activation_payload_multiplier_from_state_flags,
+)
+
+log = logging.getLogger("skippy_wire.net.server")
+
+#: Sessions one upstream connection may hold at once (the driver and the api use 1).
+DEFAULT_MAX_SESSIONS_PER_CONNECTION = 2
+#: Seconds a new session waits for a lane when all are busy.
+DEFAULT_LANE_WAIT = 10.0
+#: Connections a stage serves at once; more are refused at accept.
+DEFAULT_MAX_CONNECTIONS = 64
+#: Seconds a whole message may take to arrive after its first byte.
+DEFAULT_MESSAGE_TIMEOUT = 30.0
+#: Seconds a connection may sit idle between messages.
+DEFAULT_IDLE_TIMEOUT = 300.0
+#: Bytes of chat sampling metadata a message may carry (the wire allows 8 MiB; the
+#: driver and the api send a few hundred bytes).
+CHAT_METADATA_ALLOWANCE = 64 * 1024
+#: An upper bound of the v16/v17 activation framing around the rows: the 68-byte frame
+#: header, 16 part headers of 128 bytes, the v17 agreement header (generation, profile,
+#: counts, mask, dynamic dimensions), with room to spare.
+FRAME_OVERHEAD_ALLOWANCE = 8 * 1024
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """What one stage admits (the ``serve`` options of the same names, docs/pipeline.md).
+    ``max_message_bytes`` None: :func:`max_message_bytes` of the stage's model."""
+
+    message_timeout: float = DEFAULT_MESSAGE_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_sessions_per_connection: int = DEFAULT_MAX_SESSIONS_PER_CONNECTION
+    lane_wait: float = DEFAULT_LANE_WAIT
+    max_message_bytes: Optional[int] = None
+
+
+def sampling_block_bytes() -> int:
+    """The largest sampling block (wire-format.md 4.3: 108 bytes of fixed fields, then
+    8 per logit bias and 4 + length per DRY breaker and sampler string)."""
+    string = 4 + MAX_STAGE_SAMPLING_STRING_BYTES
+    return (108 + 8 * MAX_STAGE_LOGIT_BIAS + MAX_STAGE_DRY_SEQUENCE_BREAKERS * string
+            + MAX_STAGE_SAMPLERS * string)
+
+
+def max_message_bytes(ctx_size: int, n_embd: int) -> int:
+    """The largest stage message a stage with this context and width can execute.
+
+    The prefix, a full sampling block, the chat-metadata allowance, ``ctx_size`` tokens and
+    positions, and an f32 activation of ``ctx_size`` rows of ``n_embd`` at the largest
+    sideband multiplier (v15's row-doubling flags), plus the v16/v17 frame framing."""
+    rows = ctx_size * activation_payload_multiplier_from_state_flags(ROW_DOUBLING_SIDEBANDS)
+    return (STAGE_WIRE_FIXED_HEADER_BYTES + sampling_block_bytes() + 4 + CHAT_METADATA_ALLOWANCE
+            + 2 * 4 * ctx_size + rows * n_embd * 4 + FRAME_OVERHEAD_ALLOWANCE)
+
+
+class LaneGate:
+    """``lanes`` execution lanes, granted first come, first served.
+
+    :meth:`acquire` takes a lane or waits (FIFO) up to ``wait`` seconds, then raises
+    ``StageError("all N lanes are busy; gave up after S s")``; :meth:`release` returns one.
+    ``lanes=None`` grants every request at once (a backend that reports no lane count)."""
+
+    def __init__(self, lanes: int | None, wait: float) -> None:
+        self.lanes, self.wait = lanes, wait
+        self.busy = 0
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+
+    def acquire(self) -> None:
+        with self._cond:
+            if self.lanes is None or (not self._queue and self.busy < self.lanes):
+                self.busy += 1
+                return
+            ticket = object()
+            self._queue.append(ticket)
+            deadline = time.monotonic() + self.wait
+            try:
+                while self._queue[0] is not ticket or self.busy >= self.lanes:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StageError(f"all {self.lanes} lanes are busy; gave up after {self.wait:g} s")
+                    self._cond.wait(left)
+                self.busy += 1
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()  # the next in line may now be at the head
+
+    def release(self) -> None:
+        with self._cond:
+            self.busy -= 1
+            self._cond.notify_all()
+
+
+class SessionAdmission:
+    """The sessions of a stage: at most ``per_connection`` per connection, each on a lane
+    of a :class:`LaneGate`."""
+
+    def __init__(self, lanes: int | None, wait: float, per_connection: int) -> None:
+        self.lanes = LaneGate(lanes, wait)
+        self.per_connection = per_connection
+
+    def open(self, held: int, session_id: int, create: Callable[[], Any], lock):
+        """``create()`` (under ``lock``) a session for a connection holding ``held``, once a
+        lane is free."""
+        if held >= self.per_connection:
+            raise StageError(f"session {session_id} refused: the connection already holds {held} sessions "
+                             f"(max-sessions-per-connection {self.per_connection})")
+        self.lanes.acquire()
+        try:
+            with lock:
+                return create()
+        except BaseException:
+            self.lanes.release()
+            raise
+
+    def release(self) -> None:
+        """A session's lane back (once the session is freed)."""
+        self.lanes.release()
+
+
+class ConnectionLimit:
+    """``limit`` connections at once; a refused one is closed and logged (at most one line
+    a second, with the running count)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.refused = 0
+        self._logged = 0.0
+
+    def refuse(self, sock, addr) -> None:
+        sock.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged >= 1.0:
+            self._logged = now
+            log.warning("refused connection from %s:%d: %d connections open (max-connections; %d refused so far)",
+                        addr[0], addr[1], self.limit, self.refused)
+
+
+__all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
+           "DEFAULT_LANE_WAIT", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT", "DEFAULT_IDLE_TIMEOUT",
+           "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes", "max_message_bytes"]
