@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 REPO = Path(__file__).resolve().parents[1]
 #: The golden vectors of the contract, vendored from the upstream-generated set (v15 is
-#: shared/vectors/public); SKIPPY_WIRE_VECTORS overrides the v15 location.
+#: the contract's public set); SKIPPY_WIRE_VECTORS overrides the v15 location.
 GOLDEN = REPO / "tests" / "golden"
 VECTORS = Path(os.environ.get("SKIPPY_WIRE_VECTORS", GOLDEN / "v15"))
 

@@ -1,4 +1,4 @@
-"""Golden vectors of the activation codecs (shared/vectors/public: activation,
+"""Golden vectors of the activation codecs (tests/golden/v15: activation,
 activation_decode, select), run against every implementation.
 
 Each case compares encoded bytes, decoded f32 bit patterns, the expected wire length,

@@ -1,4 +1,4 @@
-"""Golden vectors of the framing groups (shared/vectors/public: frame, malformed) on every
+"""Golden vectors of the framing groups (tests/golden/v15: frame, malformed) on every
 implementation, through the buffer reader, the stream reader and the streaming decoder."""
 
 from __future__ import annotations
