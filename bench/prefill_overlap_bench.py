@@ -13,18 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
+from skippy_wire.tools.bench_rows import cpu_model
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def prompt_tokens(tokenizer, n: int) -> list[int]:

@@ -29,6 +29,7 @@ import numpy as np
 
 from skippy_wire.stage import _ggml, models
 from skippy_wire.stage.native import retry_with_required_capacity
+from skippy_wire.tools.bench_rows import cpu_model
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
@@ -178,15 +179,6 @@ def llama_version():
         return None
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def header():

@@ -28,7 +28,7 @@ import numpy as np
 from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
 from . import bench_gen, frame_bench
-from .bench_rows import Producer, Ratio, Row
+from .bench_rows import Producer, Ratio, Row, cpu_model
 from .options import Parser
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
@@ -185,15 +185,7 @@ def _parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model()
     k = api.kernels()
     simd = "AVX2+F16C" if getattr(k, "simd_active", lambda: False)() else "portable"
     return f"{cpu}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"

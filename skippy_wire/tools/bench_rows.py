@@ -4,6 +4,7 @@ Every benchmark module yields these; ``skippy_wire.tools.bench`` prints them."""
 from __future__ import annotations
 
 import argparse
+import platform
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -38,3 +39,16 @@ class Ratio:
 
 
 Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (recorded with every figure: machines differ between runs)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+

@@ -23,6 +23,7 @@ from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
 from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, run_cluster
+from .bench_rows import cpu_model
 
 #: Short codec names -> (activation codec identity, policy).
 CODECS = {
@@ -45,14 +46,6 @@ def _list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def row_of(res, ok: bool) -> dict:
