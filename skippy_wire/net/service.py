@@ -77,6 +77,9 @@ class TextAssembler:
     ``push(token)`` returns the text that is safe to show now: text that could still turn
     into a stop string, or an incomplete UTF-8 sequence, is held back until it is decided.
     ``stopped`` turns True when a stop string appeared; ``text`` is everything before it.
+
+    Each push decodes only the tokens since the last complete character (byte-level
+    vocabularies decode by concatenation), so a token costs the same at any length.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
@@ -86,19 +89,25 @@ class TextAssembler:
         self.text = ""
         self.shown = 0
         self.stopped = False
+        self._decoded = ""  # the text of tokens[:self._decoded_tokens], ending on a whole character
+        self._decoded_tokens = 0
+
+    def _decode(self) -> str:
+        return self._decoded + self.tokenizer.decode(self.tokens[self._decoded_tokens:])
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
+        text = self._decode()
         if text.endswith("\ufffd"):
             return ""
+        self._decoded, self._decoded_tokens = text, len(self.tokens)
         return self._advance(text, final=False)
 
     def finish(self) -> str:
         """The held-back rest once generation has ended."""
         if self.stopped:
             return ""
-        return self._advance(self.tokenizer.decode(self.tokens), final=True)
+        return self._advance(self._decode(), final=True)
 
     def _advance(self, text: str, *, final: bool) -> str:
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)

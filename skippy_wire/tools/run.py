@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import PipelineError, ToolError, TopologyError
 from ..net.server import DECODE_STRETCHES
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
-from ..net.service import SamplingParams
+from ..net.service import SamplingParams, TextAssembler
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..net.topology import load_topology
@@ -455,29 +455,32 @@ def stage_errors(log_dir: Path, limit: int = 3) -> list[str]:
 
 
 class TextStreamer:
-    """Detokenise incrementally: print only the text that is new since the last token."""
+    """Print a generation as it arrives: only the text that is new since the last token
+    (the engine's :class:`TextAssembler`, without stop strings); end-of-generation tokens
+    print nothing."""
 
     def __init__(self, tokenizer, out) -> None:
         self.tokenizer, self.out = tokenizer, out
-        self.tokens: list[int] = []
+        self._text = TextAssembler(tokenizer)
         self.printed = ""
 
-    def push(self, token: int) -> None:
-        if self.tokenizer.is_eog(token):
-            return
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence; wait for the next token
-            return
-        self.out.write(text[len(self.printed):])
+    @property
+    def tokens(self) -> list[int]:
+        return self._text.tokens
+
+    def _write(self, delta: str, end: str = "") -> None:
+        self.printed += delta
+        self.out.write(delta + end)
         self.out.flush()
-        self.printed = text
+
+    def push(self, token: int) -> None:
+        if not self.tokenizer.is_eog(token):
+            delta = self._text.push(token)
+            if delta:
+                self._write(delta)
 
     def finish(self) -> None:
-        text = self.tokenizer.decode(self.tokens)
-        self.out.write(text[len(self.printed):] + "\n")
-        self.out.flush()
-        self.printed = text
+        self._write(self._text.finish(), "\n")
 
 
 if __name__ == "__main__":

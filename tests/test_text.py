@@ -1,0 +1,45 @@
+"""Incremental detokenisation (``TextAssembler``, behind ``run`` and the API) on the real
+SmolLM2 vocabulary: the pieces add up to the whole decode, whatever the text."""
+
+import pytest
+
+from skippy_wire.net.service import TextAssembler
+from skippy_wire.stage.models import Tokenizer, smollm2_path
+
+TEXTS = [
+    "Once upon a time, in a small village by the sea, there lived a baker.",
+    "Émile a vu 3 élèves à l'école — naïve café crème, 東京 ist groß, 🙂👍🏽 done.",
+    "code: def f(x):\n    return x ** 2  # ü\n\n\tend",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_gguf(smollm2_path())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_add_up_to_the_whole_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assembler = TextAssembler(tokenizer)
+    pieces = [assembler.push(t) for t in ids] + [assembler.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids) == assembler.text
+    assert all("\ufffd" not in p for p in pieces)  # split characters wait for their last byte
+    # Decoding stays incremental: the buffered tail never grows with the text.
+    assert len(assembler.tokens) - assembler._decoded_tokens <= 4
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stop_strings_cut_and_hold_back(tokenizer, text):
+    ids = tokenizer.encode(text)
+    whole = tokenizer.decode(ids)
+    stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+    assembler = TextAssembler(tokenizer, [stop])
+    shown = ""
+    for t in ids:
+        shown += assembler.push(t)
+        assert stop not in shown and not (assembler.stopped and shown != whole[: whole.index(stop)])
+        if assembler.stopped:
+            break
+    shown += assembler.finish()
+    assert assembler.stopped and shown == whole[: whole.index(stop)] == assembler.text
