@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 #: Steps run together at most (the native batch also caps the rows at its n_batch).
@@ -35,7 +35,7 @@ class DecodeStep:
     error: Optional[BaseException] = None
     done: bool = False
     batch_size: int = 0  # how many steps ran together with this one (for the stats)
-    compute_s: float = field(default=0.0)
+    compute_s: float = 0.0
 
 
 class DecodeBatcher:

@@ -203,7 +203,7 @@ class StageServer:
                 "layer, so it needs --downstream")
         self._runtime_lock = threading.Lock()
         self.batcher = DecodeBatcher(
-            lambda steps: backend.decode_batch(steps),
+            lambda steps: backend.decode_batch(steps),  # looked up late: test fakes may lack it
             lambda step: backend.decode(step.session, step.token, step.activation, step.state_flags,
                                         sampling=step.sampling),
             self._runtime_lock, on_compute=self._trace_compute)
