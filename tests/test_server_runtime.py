@@ -16,6 +16,9 @@ from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.server import StageServer
 from skippy_wire.tools.serve import stage_config
 
+import fake_native
+from fake_native import FAKE
+
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
@@ -231,3 +234,22 @@ def test_decode_path_breakdown_adds_up(tiny):
     # the reply, so the containments below leave the relay out.)
     assert path[0]["downstream_wait"] >= path[1]["queue"] + path[1]["compute"]
     assert result.decode_round_trip_s * 1e6 >= path[0]["queue"] + path[0]["compute"] + path[0]["downstream_wait"]
+
+
+def test_exporting_stage_sizes_its_output_so_each_step_is_one_native_call(tiny):
+    """The adapter passes the output size it knows (f32 rows), so the runtime never first
+    answers BUFFER_TOO_SMALL and runs the call a second time."""
+    FAKE.reset()
+    backend = RuntimeBackend(StageModel.open(tiny, 0, 2, stage_index=0, lane_count=4, n_threads=1,
+                                             backend=fake_native))
+    a, b = backend.create_session(), backend.create_session()
+    for session in (a, b):
+        _, frame = backend.prefill(session, PROMPT, None, 0, sample=False, sampling=None)
+        assert len(frame.payload) == 4 * backend.n_embd * len(PROMPT)
+    backend.decode(a, 7, None, 0, sampling=None)
+    backend.decode_batch([DecodeStep(a, 8, None, 0, None), DecodeStep(b, 8, None, 0, None)])
+    row = 4 * backend.n_embd
+    assert [(op, cap) for op, cap in FAKE.calls if op != "decode_batch"] == \
+        [("prefill_chunk_frame", row * len(PROMPT))] * 2 + [("decode_step_frame_sampled", row)]
+    assert [cap for op, cap in FAKE.calls if op == "decode_batch"] == [[row, row]]
+    FAKE.reset()

@@ -76,6 +76,11 @@ class RuntimeBackend:
             return None
         return frame
 
+    def _capacity(self, token_count: int) -> int:
+        """The output buffer a call needs (f32 rows), so the runtime does not first answer
+        BUFFER_TOO_SMALL and run again; the terminal stage exports nothing."""
+        return 0 if self.is_terminal else 4 * self.n_embd * token_count
+
     def input_boundary(self):
         return self.model.input_activation_boundary()
 
@@ -88,19 +93,21 @@ class RuntimeBackend:
         if sample and self.is_terminal:
             token, frame = session.prefill_chunk_frame_sampled(tokens, sampling, input=inp)
         else:
-            frame, token = session.prefill_chunk_frame(tokens, input=inp), -1
+            frame, token = session.prefill_chunk_frame(tokens, input=inp, output_capacity=self._capacity(len(tokens))), -1
         return int(token), self._output(frame)
 
     def decode(self, session, token, activation, state_flags, *, sampling):
         inp = self._input(activation, 1, state_flags)
-        token, frame = session.decode_step_frame_sampled(token, sampling if self.is_terminal else None, input=inp)
+        token, frame = session.decode_step_frame_sampled(token, sampling if self.is_terminal else None, input=inp,
+                                                         output_capacity=self._capacity(1))
         return int(token), self._output(frame)
 
     def decode_batch(self, steps) -> list:
         """Several sessions' decode steps as one native batch (:mod:`.batching`)."""
         requests = [runtime.DecodeFrameBatchRequest(step.session, step.token,
                                                     step.sampling if self.is_terminal else None,
-                                                    self._input(step.activation, 1, step.state_flags))
+                                                    self._input(step.activation, 1, step.state_flags),
+                                                    self._capacity(1))
                     for step in steps]
         return [(int(out.predicted_token), self._output(out.output))
                 for out in runtime.decode_step_frame_batch_sampled(requests)]

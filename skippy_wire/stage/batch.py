@@ -49,6 +49,7 @@ class DecodeFrameBatchRequest:
     token_id: int
     sampling: Any = None
     input: Optional[ActivationFrame] = None
+    output_capacity: int = 0  # bytes; 0 = learn it from the first BUFFER_TOO_SMALL
 
 
 @dataclass
@@ -259,7 +260,7 @@ def _decode_batch_native(requests: List[DecodeFrameBatchRequest]) -> List[Decode
         result = with_output_capacity(
             lambda capacities: lib.decode_step_frame_batch_sampled(
                 sessions, token_ids, samplings, descs_in, payloads_in, capacities, len(requests)),
-            [0] * len(requests),
+            [request.output_capacity for request in requests],
         )
     except StageRuntimeError as error:
         if error.status == Status.BUFFER_TOO_SMALL:
@@ -277,7 +278,7 @@ def _decode_batch_one_at_a_time(requests: List[DecodeFrameBatchRequest]) -> List
     for request_index, request in enumerate(requests):
         try:
             predicted, output = request.session.decode_step_frame_sampled(
-                request.token_id, request.sampling, request.input, 0)
+                request.token_id, request.sampling, request.input, request.output_capacity)
         except Exception as error:  # upstream wraps every failure of the serial path
             raise PartialBatchExecution(request_index, error) from error
         outputs.append(DecodeFrameBatchOutput(predicted, output))
