@@ -14,6 +14,7 @@ without context).
 
 from __future__ import annotations
 
+import copy
 import enum
 import struct
 import time
@@ -164,7 +165,7 @@ def forwarded_stage_message_timed(
     impl: Optional[str] = None,
 ) -> ForwardedStageMessage:
     """Build the message forwarded downstream and time its activation encoding (ms)."""
-    codec_module = _impl.kernel_module("codec", impl or _impl.IMPLEMENTATION)
+    codec_module = _impl.cached_kernel_module("codec", impl)
     desc = output.desc
     check_full_range(config, incoming, desc.token_count)
     state = forwarded_state(config, incoming, activation_state_flags_from_frame_flags(desc.flags))
@@ -209,7 +210,9 @@ def forwarded_state(config: StageConfig, incoming: StageWireMessage, extra_flags
     """Step 2: the u32 stage index reinterpreted as i32; incoming flag bits kept."""
     source = config.stage_index & 0xFFFFFFFF
     source = source - (1 << 32) if source >= 1 << 31 else source
-    return replace(incoming.state, source_stage_index=source, flags=incoming.state.flags | extra_flags)
+    state = copy.copy(incoming.state)  # a flat dataclass of ints: cheaper than replace()
+    state.source_stage_index, state.flags = source, incoming.state.flags | extra_flags
+    return state
 
 
 def forwarded_message(incoming: StageWireMessage, state, activation) -> StageWireMessage:
