@@ -146,18 +146,22 @@ def _default_parts() -> list:
     return [ActivationPartDesc() for _ in range(ACTIVATION_MAX_PARTS)]
 
 
+_EMPTY_PART = ActivationPartDesc()  # never handed out: only compared with
+_EMPTY_PART_BYTES = _EMPTY_PART.to_bytes()
+
+
 def _pack_parts(parts: Sequence[ActivationPartDesc]) -> bytes:
     if len(parts) > ACTIVATION_MAX_PARTS:
         raise ActivationFrameError("activation part count exceeds maximum")
-    slots = list(parts) + [ActivationPartDesc()] * (ACTIVATION_MAX_PARTS - len(parts))
-    return b"".join(part.to_bytes() for part in slots)
+    # Most of the 16 slots are empty; their bytes are packed once (every decode step packs one).
+    packed = [_EMPTY_PART_BYTES if part == _EMPTY_PART else part.to_bytes() for part in parts]
+    return b"".join(packed) + _EMPTY_PART_BYTES * (ACTIVATION_MAX_PARTS - len(parts))
 
 
 def _unpack_parts(view: memoryview, offset: int) -> list:
-    return [
-        ActivationPartDesc.from_bytes(view[offset + i * _PART.size : offset + (i + 1) * _PART.size])
-        for i in range(ACTIVATION_MAX_PARTS)
-    ]
+    # One C-level pass over the 16 slots: every decode step parses a descriptor.
+    return [ActivationPartDesc(v[0], v[1], v[2], v[3], v[4], v[5:9], v[9:13], v[13], v[14])
+            for v in _PART.iter_unpack(view[offset: offset + ACTIVATION_MAX_PARTS * _PART.size])]
 
 
 def llama_residual_identity(n_embd: int) -> bytes:
