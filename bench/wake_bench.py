@@ -1,0 +1,95 @@
+"""What one loopback hop costs on this machine when the receiver has been idle.
+
+    python bench/wake_bench.py [--size 2314] [--gaps 0,0.2,1,5] [--count 400]
+
+A child process answers every SIZE-byte message (a SmolLM2 decode activation with its
+frame is 2,314 bytes) with 64 bytes over TCP on 127.0.0.1.  Before each message the parent
+busy-waits GAP ms, as a stage computes while its neighbour sleeps in ``recv``; the figure is
+the round trip from ``sendall`` to the answer (median and 90th percentile), and its ratio to
+the back-to-back round trip of the same run.  A pipeline hop pays this wake-up once for the
+message and once for the reply: it is the floor under the per-hop cost of
+``bench/hop_bench.py`` (on a virtual machine an idle vCPU halts, and waking it costs more
+than the bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+from skippy_wire.tools.bench_rows import cpu_model
+
+ANSWER_BYTES = 64
+
+
+def _recv_exactly(sock: socket.socket, buf: bytearray) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _answer(port: int, size: int, count: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(size)
+    for _ in range(count):
+        _recv_exactly(sock, buf)
+        sock.sendall(b"a" * ANSWER_BYTES)
+
+
+def round_trips(size: int, gap_s: float, count: int) -> list[float]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _answer(port, size, count)
+            finally:
+                os._exit(0)
+        conn, _ = server.accept()
+    try:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data, answer, times = b"m" * size, bytearray(ANSWER_BYTES), []
+        for _ in range(count):
+            until = time.perf_counter() + gap_s
+            while time.perf_counter() < until:  # compute here while the peer sleeps
+                pass
+            started = time.perf_counter()
+            conn.sendall(data)
+            _recv_exactly(conn, answer)
+            times.append(time.perf_counter() - started)
+        return times
+    finally:
+        conn.close()
+        os.waitpid(pid, 0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=2314)
+    p.add_argument("--gaps", default="0,0.2,1,5", help="comma list of idle ms before each message")
+    p.add_argument("--count", type=int, default=400)
+    args = p.parse_args(argv)
+    gaps = [float(g) for g in args.gaps.split(",")]
+    print(f"# loopback round trip of a {args.size}-byte message after the peer idled; "
+          f"{args.count} per row; CPU: {cpu_model()}, {os.cpu_count()} cores")
+    print("| idle before (ms) | median us | p90 us | median vs back-to-back |")
+    print("|---|---|---|---|")
+    base = None
+    for gap in gaps:
+        times = sorted(round_trips(args.size, gap / 1000.0, args.count))
+        median, p90 = statistics.median(times), times[int(0.9 * len(times))]
+        base = base or median
+        print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
