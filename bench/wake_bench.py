@@ -1,6 +1,6 @@
 """What one loopback hop costs on this machine when the receiver has been idle.
 
-    python bench/wake_bench.py [--size 2314] [--gaps 0,0.2,1,5] [--count 400]
+    python bench/wake_bench.py [--size 2314] [--gaps 0,0.2,1,5] [--count 400] [--compute-steps 80]
 
 A child process answers every SIZE-byte message (a SmolLM2 decode activation with its
 frame is 2,314 bytes) with 64 bytes over TCP on 127.0.0.1.  Before each message the parent
@@ -10,6 +10,11 @@ the back-to-back round trip of the same run.  A pipeline hop pays this wake-up o
 message and once for the reply: it is the floor under the per-hop cost of
 ``bench/hop_bench.py`` (on a virtual machine an idle vCPU halts, and waking it costs more
 than the bytes).
+
+A second table times one decode step of a stage holding SmolLM2's first 15 layers (1
+thread) back to back, after each GAP of sleep (the core idles, as a pipeline stage's does
+while its neighbours compute) and after each GAP of busy-waiting: the compute a stage does
+right after idling is what a split pipeline pays beyond one stage's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import statistics
 import sys
 import time
 
+from skippy_wire.net.backend import RuntimeBackend
+from skippy_wire.net.supervision import default_model
 from skippy_wire.tools.bench_rows import cpu_model
 
 ANSWER_BYTES = 64
@@ -71,11 +78,39 @@ def round_trips(size: int, gap_s: float, count: int) -> list[float]:
         os.waitpid(pid, 0)
 
 
+def _idle(gap_s: float, busy: bool) -> None:
+    if not busy:
+        time.sleep(gap_s)
+        return
+    until = time.perf_counter() + gap_s
+    while time.perf_counter() < until:
+        pass
+
+
+def compute_after_idle(gaps_s: list[float], steps: int) -> dict:
+    """Median seconds of one decode step after each (gap, busy) way of spending the gap."""
+    backend = RuntimeBackend.open(default_model(), 0, 15, stage_index=0, ctx_size=steps + 8, n_threads=1)
+    session = backend.create_session()
+    medians = {}
+    for gap in gaps_s:
+        for busy in ((False,) if gap == 0 else (False, True)):
+            times = []
+            for _ in range(steps):
+                _idle(gap, busy)
+                started = time.perf_counter()
+                backend.decode(session, 100, None, 0, sampling=None)
+                times.append(time.perf_counter() - started)
+            backend.trim(session, 0)
+            medians[gap, busy] = statistics.median(times)
+    return medians
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2314)
     p.add_argument("--gaps", default="0,0.2,1,5", help="comma list of idle ms before each message")
     p.add_argument("--count", type=int, default=400)
+    p.add_argument("--compute-steps", type=int, default=80, help="decode steps per row of the compute table (0: skip)")
     args = p.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",")]
     print(f"# loopback round trip of a {args.size}-byte message after the peer idled; "
@@ -88,6 +123,15 @@ def main(argv=None) -> int:
         median, p90 = statistics.median(times), times[int(0.9 * len(times))]
         base = base or median
         print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x |", flush=True)
+    if args.compute_steps:
+        medians = compute_after_idle([0.0] + [g / 1000.0 for g in gaps if g], args.compute_steps)
+        ref = medians[0.0, False]
+        print(f"\n# one decode step of layers 0-15 (1 thread), median of {args.compute_steps}")
+        print("| before each step | ms | vs back-to-back |")
+        print("|---|---|---|")
+        for (gap, busy), seconds in medians.items():
+            how = "nothing (back to back)" if gap == 0 else f"{gap * 1000:g} ms {'busy' if busy else 'asleep'}"
+            print(f"| {how} | {seconds * 1e3:.2f} | {seconds / ref:.2f}x |")
     return 0
 
 
