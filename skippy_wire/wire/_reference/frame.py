@@ -81,7 +81,7 @@ def _eof(needed: int) -> UnexpectedEofError:
     return error
 
 
-class _Cursor:
+class Cursor:
     """Bounds-checked little-endian reads over a byte view; never reads past ``end``."""
 
     __slots__ = ("buf", "pos", "start", "end")
@@ -132,13 +132,17 @@ class _Cursor:
         return v
 
     def i32_list(self, n: int) -> list:
-        self.need(4 * n)
-        values = list(struct.unpack_from(f"<{n}i", self.buf, self.pos))
-        self.pos += 4 * n
+        return list(self.unpack(f"<{n}i"))
+
+    def unpack(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
         return values
 
 
-def _read_string_list(cur: _Cursor, maximum: int) -> list:
+def _read_string_list(cur: Cursor, maximum: int) -> list:
     count = cur.u32()
     if count > maximum:
         raise InvalidDataError("sampling string count exceeds maximum")
@@ -155,7 +159,7 @@ def _read_string_list(cur: _Cursor, maximum: int) -> list:
     return values
 
 
-def _read_sampling(cur: _Cursor) -> SamplingConfig:
+def read_sampling(cur: Cursor) -> SamplingConfig:
     """Section 4.3, reader rules, fields in wire order."""
     values = {}
     for name, code in SAMPLING_WIRE_ORDER:
@@ -191,7 +195,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     """
     if not (I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError("n_embd does not fit in i32")
-    cur = _Cursor(data, offset)
+    cur = Cursor(data, offset)
     # 1. kind
     kind = _KINDS.get(cur.i32())
     if kind is None:
@@ -238,7 +242,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
         if _codec.activation_f32_bytes(token_count, n_embd, flags) > MAX_STAGE_DECODED_ACTIVATION_BYTES:
             raise InvalidDataError("decoded activation payload byte count exceeds maximum")
     # 8.
-    sampling = _read_sampling(cur) if flags & StateFlags.SAMPLING else None
+    sampling = read_sampling(cur) if flags & StateFlags.SAMPLING else None
     # 9.
     metadata = None
     if flags & StateFlags.CHAT_SAMPLING_METADATA:
@@ -286,9 +290,18 @@ def _readonly_bytes_view(values):
 
 
 # --- writing -----------------------------------------------------------------------------
-def _fail(error: WireError, out: bytearray) -> WireError:
-    error.partial = bytes(out)
-    return error
+def _write(write, value, out_of_range) -> bytes:
+    """``write(out, value)`` into a new buffer: a wire error carries the partial output."""
+    out = bytearray()
+    try:
+        write(out, value)
+    except WireError as error:
+        error.partial = bytes(out)
+        raise error
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
+        # A value the wire cannot represent; no partial output is defined for it.
+        raise out_of_range(value) from None
+    return bytes(out)
 
 
 def _write_string_list(out: bytearray, values, maximum: int) -> None:
@@ -341,15 +354,7 @@ def _byte_view(buf, name: str) -> memoryview:
 
 def write_stage_message(msg: StageWireMessage) -> bytes:
     """Serialize ``msg`` (section 4.4, steps in order)."""
-    out = bytearray()
-    try:
-        _write_message(out, msg)
-    except WireError as error:
-        raise _fail(error, out)
-    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        # A value the wire cannot represent; no partial output is defined for it.
-        raise out_of_range_error(msg) from None
-    return bytes(out)
+    return _write(_write_message, msg, out_of_range_error)
 
 
 def _write_message(out: bytearray, msg: StageWireMessage) -> None:
@@ -417,14 +422,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
 
 # --- replies (section 11.2) --------------------------------------------------------------
 def write_reply(reply: StageReply) -> bytes:
-    out = bytearray()
-    try:
-        _write_reply(out, reply)
-    except WireError as error:
-        raise _fail(error, out)
-    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        raise reply_out_of_range_error(reply) from None
-    return bytes(out)
+    return _write(_write_reply, reply, reply_out_of_range_error)
 
 
 def _write_reply(out: bytearray, reply: StageReply) -> None:
@@ -448,7 +446,7 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
 
 def read_reply_from_buffer(data, offset: int = 0):
     """Parse one reply at ``offset``; returns ``(reply, consumed)`` (section 11.2 order)."""
-    cur = _Cursor(data, offset)
+    cur = Cursor(data, offset)
     kind = _REPLY_KINDS.get(cur.i32())
     if kind is None:
         raise InvalidDataError("unknown stage reply kind")
