@@ -107,29 +107,23 @@ class Cursor:
         self.pos += n
         return view
 
-    def i32(self) -> int:
-        self.need(4)
-        v = _i32.unpack_from(self.buf, self.pos)[0]
-        self.pos += 4
+    def _read(self, code: struct.Struct) -> int:
+        self.need(code.size)
+        v = code.unpack_from(self.buf, self.pos)[0]
+        self.pos += code.size
         return v
+
+    def i32(self) -> int:
+        return self._read(_i32)
 
     def u32(self) -> int:
-        self.need(4)
-        v = _u32.unpack_from(self.buf, self.pos)[0]
-        self.pos += 4
-        return v
+        return self._read(_u32)
 
     def i64(self) -> int:
-        self.need(8)
-        v = _i64.unpack_from(self.buf, self.pos)[0]
-        self.pos += 8
-        return v
+        return self._read(_i64)
 
     def u64(self) -> int:
-        self.need(8)
-        v = _u64.unpack_from(self.buf, self.pos)[0]
-        self.pos += 8
-        return v
+        return self._read(_u64)
 
     def i32_list(self, n: int) -> list:
         return list(self.unpack(f"<{n}i"))
@@ -185,6 +179,16 @@ def read_sampling(cur: Cursor) -> SamplingConfig:
         else:  # ignore_eos: any non-zero u32 is true
             values[name] = cur.u32() != 0
     return SamplingConfig(**values)
+
+
+def check_sideband_counts(token_count: int, token_sidebands: int, position_sidebands: int) -> None:
+    """Steps 11-12: the counts before the token and position sidebands are read."""
+    if token_count < 0 or token_sidebands < 0 or position_sidebands < 0:
+        raise InvalidDataError("negative wire count")
+    if token_sidebands > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("token sideband count exceeds maximum")
+    if position_sidebands > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("position sideband count exceeds maximum")
 
 
 def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, policy: int = 0, offset: int = 0):
@@ -259,12 +263,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     if kind is WireMessageKind.STOP:
         return message, cur.pos - cur.start
     # 11.-12.
-    if token_count < 0 or token_sideband_count < 0 or position_sideband_count < 0:
-        raise InvalidDataError("negative wire count")
-    if token_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("token sideband count exceeds maximum")
-    if position_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("position sideband count exceeds maximum")
+    check_sideband_counts(token_count, token_sideband_count, position_sideband_count)
     # 13. StateImport: token_count raw bytes; the token/position values are not on the wire.
     if kind is WireMessageKind.STATE_IMPORT:
         if token_count > MAX_STAGE_STATE_IMPORT_BYTES:

@@ -28,7 +28,7 @@ from ..constants import ActivationCodec, CodecPolicy
 from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
 from ..messages import StageStateHeader, StageWireMessage, out_of_range_error
 from . import frame as _v15
-from .frame import Cursor, read_sampling
+from .frame import Cursor, check_sideband_counts, read_sampling
 from .frame_v16 import (
     HEADER,
     MAX_BYTES,
@@ -107,12 +107,7 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
     msg = StageWireMessage(kind, pos_start, token_count, state, request_id, session_id, sampling, metadata)
     if kind == 3:
         return msg, cur.pos - cur.start
-    if token_count < 0 or n_tokens < 0 or n_positions < 0:
-        raise InvalidDataError("negative wire count")
-    if n_tokens > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("token sideband count exceeds maximum")
-    if n_positions > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("position sideband count exceeds maximum")
+    check_sideband_counts(token_count, n_tokens, n_positions)
     if kind == 7:
         if token_count > MAX_STAGE_STATE_IMPORT_BYTES:
             raise InvalidDataError("state import byte count exceeds maximum")
