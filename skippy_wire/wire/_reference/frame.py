@@ -443,6 +443,16 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
     out += _stats.pack(*reply.stats.as_tuple())
 
 
+def _read_token_list(cur: Cursor, what: str) -> list:
+    """An i32 count (at most MAX_STAGE_PREDICTED_TOKENS) and that many i32 tokens."""
+    count = cur.i32()
+    if count < 0:
+        raise InvalidDataError(f"negative {what} count")
+    if count > MAX_STAGE_PREDICTED_TOKENS:
+        raise InvalidDataError(f"{what} count exceeds maximum")
+    return cur.i32_list(count)
+
+
 def read_reply_from_buffer(data, offset: int = 0):
     """Parse one reply at ``offset``; returns ``(reply, consumed)`` (section 11.2 order)."""
     cur = Cursor(data, offset)
@@ -450,23 +460,12 @@ def read_reply_from_buffer(data, offset: int = 0):
     if kind is None:
         raise InvalidDataError("unknown stage reply kind")
     predicted = cur.i32()
-    count = cur.i32()
-    if count < 0:
-        raise InvalidDataError("negative predicted token count")
-    if count > MAX_STAGE_PREDICTED_TOKENS:
-        raise InvalidDataError("predicted token count exceeds maximum")
-    tokens = cur.i32_list(count)
+    tokens = _read_token_list(cur, "predicted token")
     window = StageReplyWindow(cur.i32())
     marker = cur.i32()
     draft = None
     if marker == 1:
-        draft_count = cur.i32()
-        if draft_count < 0:
-            raise InvalidDataError("negative native MTP draft token count")
-        if draft_count > MAX_STAGE_PREDICTED_TOKENS:
-            raise InvalidDataError("native MTP draft token count exceeds maximum")
-        draft_tokens = cur.i32_list(draft_count)
-        draft = NativeMtpDraft(draft_tokens, cur.i64())
+        draft = NativeMtpDraft(_read_token_list(cur, "native MTP draft token"), cur.i64())
     elif marker != 0:
         raise InvalidDataError("unknown native MTP draft reply marker")
     cur.need(_stats.size)
