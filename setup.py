@@ -15,7 +15,6 @@ implementation). SKIPPY_WIRE_BUILD_ONLY=_codec,_frame limits a development build
 named extensions.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -41,52 +40,43 @@ ASAN_LINK = ["-fsanitize=address"] if os.environ.get("SKIPPY_WIRE_ASAN") else []
 
 
 def _libggml_root() -> Path:
-    """Locate the libggml-python wheel (headers in include/, shared libraries in lib64/)."""
-    spec = importlib.util.find_spec("libggml")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the build needs the PyPI package libggml-python (pip install libggml-python)")
-    return Path(list(spec.submodule_search_locations)[0])
+    """Locate the libggml-python wheel (headers in include/, shared libraries in lib64/) with
+    the package's own lookup (skippy_wire/stage/_ggml.py, as ggml_build.py loads it)."""
+    try:
+        return ggml_build.runtime.libggml_root()
+    except ImportError:
+        raise RuntimeError("the build needs the PyPI package libggml-python (pip install libggml-python)") from None
+
+
+def _wire_extension(name: str, depends: list, kernels: bool) -> Extension:
+    """A ``skippy_wire.wire`` extension; ``kernels``: it compiles the C kernels of
+    _codec_kernels.h (AVX2/F16C variants per function with __attribute__((target)), picked
+    at run time, so the default flags stay portable; -fno-math-errno lets floor() inline in
+    the S8 loop, no errno is read)."""
+    return Extension(
+        f"skippy_wire.wire.{name}",
+        sources=[f"skippy_wire/wire/{name}.pyx"],
+        depends=[f"skippy_wire/wire/{d}" for d in depends],
+        include_dirs=[str(PKG / "wire")] if kernels else [],
+        extra_compile_args=OPT_FLAGS + (["-fno-math-errno"] if kernels and sys.platform != "win32" else []),
+        extra_link_args=ASAN_LINK,
+    )
 
 
 def codec_extension() -> Extension:
-    # The C kernels live in _codec_kernels.h; AVX2/F16C variants are compiled per function
-    # with __attribute__((target)) and picked at run time, so the default flags stay
-    # portable.  -fno-math-errno lets floor() inline in the S8 loop (no errno is read).
-    return Extension(
-        "skippy_wire.wire._codec",
-        sources=["skippy_wire/wire/_codec.pyx"],
-        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_codec.pxd",
-                 "skippy_wire/wire/_codec_select.pxi", "skippy_wire/wire/_wire_constants.pxi"],
-        include_dirs=[str(PKG / "wire")],
-        extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
-        extra_link_args=ASAN_LINK,
-    )
+    return _wire_extension("_codec", ["_codec_kernels.h", "_codec.pxd", "_codec_select.pxi",
+                                      "_wire_constants.pxi"], kernels=True)
 
 
 def frame_extension() -> Extension:
-    return Extension(
-        "skippy_wire.wire._frame",
-        sources=["skippy_wire/wire/_frame.pyx"],
-        depends=["skippy_wire/wire/_codec.pxd", "skippy_wire/wire/_wire_constants.pxi",
-                 "skippy_wire/wire/_frame_read.pxi", "skippy_wire/wire/_frame_write.pxi",
-                 "skippy_wire/wire/_frame_reply.pxi"],
-        extra_compile_args=OPT_FLAGS,
-        extra_link_args=ASAN_LINK,
-    )
+    return _wire_extension("_frame", ["_codec.pxd", "_wire_constants.pxi", "_frame_read.pxi",
+                                      "_frame_write.pxi", "_frame_reply.pxi"], kernels=False)
 
 
 def frame_gen_extension() -> Extension:
-    # State versions 16 and 17; the F32 parts run the codec kernels of _codec_kernels.h.
-    return Extension(
-        "skippy_wire.wire._frame_gen",
-        sources=["skippy_wire/wire/_frame_gen.pyx"],
-        depends=["skippy_wire/wire/_codec_kernels.h", "skippy_wire/wire/_frame_gen_check.pxi",
-                 "skippy_wire/wire/_frame_gen_msg.pxi",
-                 "skippy_wire/wire/_frame_gen_agreed.pxi"],
-        include_dirs=[str(PKG / "wire")],
-        extra_compile_args=OPT_FLAGS + ([] if sys.platform == "win32" else ["-fno-math-errno"]),
-        extra_link_args=ASAN_LINK,
-    )
+    # State versions 16 and 17; the F32 parts run the codec kernels.
+    return _wire_extension("_frame_gen", ["_codec_kernels.h", "_frame_gen_check.pxi", "_frame_gen_msg.pxi",
+                                          "_frame_gen_agreed.pxi"], kernels=True)
 
 
 def backend_extension() -> Extension:

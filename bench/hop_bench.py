@@ -11,14 +11,13 @@ prints (``skippy-wire run`` shows the same block for one run).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.bench_rows import cpu_model, script_options
 from skippy_wire.tools.run import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -34,11 +33,7 @@ def one_run(model, stages: int, prompt: list[int], tokens: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--stages", default="1,2,3")
-    args = p.parse_args(argv)
+    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3")
     counts = [int(s) for s in args.stages.split(",")]
     model = default_model()
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)

@@ -10,14 +10,13 @@ whether the first generated tokens agree.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.bench_rows import cpu_model, script_options
 
 
 
@@ -41,12 +40,7 @@ def prefill(model, stages: int, prompt: list[int], chunk: int, overlap: bool) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
+    args = script_options(__doc__, argv, stages=2, tokens=512, chunk=64, rounds=3)
     model = default_model()
     prompt = prompt_tokens(Tokenizer.from_gguf(model), args.tokens)
     best = {True: 0.0, False: 0.0}

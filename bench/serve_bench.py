@@ -19,7 +19,6 @@ the fraction of the wall time during which every stage computed at once (from th
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -36,7 +35,7 @@ import httpx
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.bench_rows import cpu_model, script_options
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
@@ -122,12 +121,7 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--stages", type=int, default=2)
-    args = p.parse_args(argv)
+    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2)
     model = default_model()
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))

@@ -33,7 +33,7 @@ from skippy_wire.tools.serve import stage_config
 from skippy_wire.wire.setup import SetupError, SetupRole, StagePeer, StageSetupConfig, client_setup
 from skippy_wire.wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
 
-from test_server import N_EMBD, N_LAYER, PROMPT, FakeBackend, fake_reference
+from test_server import N_EMBD, N_LAYER, PROMPT, FakeBackend, closing_factory, fake_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,18 +51,14 @@ def _chain(protocol, splits=((0, 3), (3, 6)), codec="raw-f32-v1", policy="fixed"
     return servers
 
 
+def _shutdown(servers):
+    for server in servers:
+        server.shutdown()
+
+
 @pytest.fixture
 def chains():
-    made = []
-
-    def make(*args, **kwargs):
-        servers = _chain(*args, **kwargs)
-        made.extend(servers)
-        return servers
-
-    yield make
-    for server in made:
-        server.shutdown()
+    yield from closing_factory(_chain, _shutdown)
 
 
 @pytest.mark.parametrize("protocol", [15, 16, 17])

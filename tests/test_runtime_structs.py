@@ -226,5 +226,10 @@ def test_errors_pickle_with_their_fields():
 
 def test_sampler_defaults_are_the_wires():
     config = RuntimeSamplingConfig()
-    assert config.samplers is messages.DEFAULT_SAMPLERS
-    assert config.dry_sequence_breakers is messages.DEFAULT_DRY_SEQUENCE_BREAKERS
+    assert config.samplers == messages.DEFAULT_SAMPLERS
+    assert config.dry_sequence_breakers == messages.DEFAULT_DRY_SEQUENCE_BREAKERS
+    wire = messages.SamplingConfig()
+    for name, value in vars(config).items():
+        if name != "enabled":
+            expected = getattr(wire, name)
+            assert value == (tuple(expected) if isinstance(expected, list) else expected), name

@@ -134,18 +134,22 @@ class Chain:
             server.shutdown()
 
 
-@pytest.fixture
-def chain_factory():
-    chains = []
+def closing_factory(make_one, close):
+    """A fixture body: yields ``make_one`` and, after the test, ``close``s everything it made."""
+    made = []
 
     def make(*args, **kwargs):
-        chain = Chain(*args, **kwargs)
-        chains.append(chain)
-        return chain
+        made.append(make_one(*args, **kwargs))
+        return made[-1]
 
     yield make
-    for chain in chains:
-        chain.close()
+    for item in made:
+        close(item)
+
+
+@pytest.fixture
+def chain_factory():
+    yield from closing_factory(Chain, Chain.close)
 
 
 PROMPT = [5, 9, 13, 2, 7, 11, 3]

@@ -226,15 +226,58 @@ cdef bytes _desc_bytes(const skippy_activation_desc * d):
     return PyBytes_FromStringAndSize(<const char *> d, sizeof(skippy_activation_desc))
 
 
-cdef FrameResult _frame_result(int status, object message, const skippy_activation_desc * d, bytes buf,
-                               size_t out_bytes, int32_t predicted):
-    _check(status, message, out_bytes)
-    cdef FrameResult r = FrameResult.__new__(FrameResult)
-    r.out_desc = _desc_bytes(d)
-    r.out_payload = _out_payload(buf, out_bytes)
-    r.out_bytes = out_bytes
-    r.predicted_token = predicted
-    return r
+cdef object _boundary_bytes(bint found, const skippy_activation_boundary_desc * b):
+    """A model's activation boundary struct as bytes, or ``None`` where it has none."""
+    return PyBytes_FromStringAndSize(<const char *> b, sizeof(b[0])) if found else None
+
+
+cdef class _FrameCall:
+    """The arguments and the output buffer of one native frame call: the optional sampling
+    struct and input frame (checked as the Rust side checks them), and the output frame."""
+    cdef _Blob samp
+    cdef _Blob desc
+    cdef _Payload pay
+    cdef const skippy_sampling_config * sampling
+    cdef const skippy_activation_desc * input_desc
+    cdef const void * input_payload
+    cdef skippy_activation_desc out_desc
+    cdef bytes buf
+    cdef char * bufp
+    cdef size_t capacity
+    cdef size_t out_bytes
+    cdef skippy_error * e
+
+    @staticmethod
+    cdef _FrameCall output(size_t capacity):
+        cdef _FrameCall c = _FrameCall.__new__(_FrameCall)
+        c.buf = _new_payload(capacity)
+        c.bufp = _payload_ptr(c.buf)
+        c.capacity = capacity
+        c.out_bytes = 0
+        c.e = NULL
+        return c
+
+    @staticmethod
+    cdef _FrameCall of(object sampling, object input_desc, object input_payload, size_t capacity):
+        cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
+        cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
+        cdef _Payload pay = _Payload.of(input_payload)
+        _check_payload(desc, pay, "")
+        cdef _FrameCall c = _FrameCall.output(capacity)
+        c.samp, c.desc, c.pay = samp, desc, pay
+        c.sampling = <const skippy_sampling_config *> samp.ptr
+        c.input_desc = <const skippy_activation_desc *> desc.ptr
+        c.input_payload = pay.ptr
+        return c
+
+    cdef FrameResult result(self, int status, int32_t predicted):
+        _check(status, _take_message(self.e), self.out_bytes)
+        cdef FrameResult r = FrameResult.__new__(FrameResult)
+        r.out_desc = _desc_bytes(&self.out_desc)
+        r.out_payload = _out_payload(self.buf, self.out_bytes)
+        r.out_bytes = self.out_bytes
+        r.predicted_token = predicted
+        return r
 
 
 # ---- model / session --------------------------------------------------------------------
@@ -262,15 +305,8 @@ cdef class Model:
         self.path = str(path)
         bpath = self.path.encode()
         cdef const char * cpath = bpath
-        memset(&cfg, 0, sizeof(cfg))
-        cfg.struct_size = sizeof(cfg)
-        cfg.stage_index = stage_index
-        cfg.layer_start = layer_start
-        cfg.layer_end = layer_end
-        cfg.ctx_size = ctx_size
-        cfg.lane_count = lane_count
-        cfg.n_threads = n_threads
-        cfg.n_batch = n_batch
+        cfg = skippy_stage_config(sizeof(cfg), stage_index, layer_start, layer_end, ctx_size, lane_count,
+                                  n_threads, n_batch)
         with nogil:
             st = skippy_model_open(cpath, &cfg, &self.ptr, &e)
         _check(st, _take_message(e) or status_string(st))
@@ -339,16 +375,12 @@ cdef class Model:
     def output_activation_boundary(self):
         cdef skippy_activation_boundary_desc b
         self._check_open()
-        if not skippy_model_output_activation_boundary(self.ptr, &b):
-            return None
-        return PyBytes_FromStringAndSize(<char *> &b, sizeof(b))
+        return _boundary_bytes(skippy_model_output_activation_boundary(self.ptr, &b), &b)
 
     def input_activation_boundary(self):
         cdef skippy_activation_boundary_desc b
         self._check_open()
-        if not skippy_model_input_activation_boundary(self.ptr, &b):
-            return None
-        return PyBytes_FromStringAndSize(<char *> &b, sizeof(b))
+        return _boundary_bytes(skippy_model_input_activation_boundary(self.ptr, &b), &b)
 
     def __repr__(self):
         return (f"<skippy_wire.stage._backend.Model {self.path!r} layers [{self.info.layer_start}, "
@@ -401,97 +433,65 @@ cdef class Session:
             pos = _int32s(positions, "positions")
             if pos.size():
                 pos_ptr = pos.data()
-        cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
-        cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
-        cdef _Payload pay = _Payload.of(input_payload)
-        _check_payload(desc, pay, "")
-        cdef skippy_activation_desc out_desc
-        cdef bytes buf = _new_payload(capacity)
-        cdef char * bufp = _payload_ptr(buf)
-        cdef size_t out_bytes = 0
+        cdef _FrameCall c = _FrameCall.of(sampling, input_desc, input_payload, capacity)
         cdef int32_t predicted = -1
-        cdef skippy_error * e = NULL
         cdef skippy_status st
         with nogil:
             if sample:
                 st = skippy_prefill_chunk_frame_sampled_with_positions(
-                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(),
-                    <const skippy_sampling_config *> samp.ptr, <const skippy_activation_desc *> desc.ptr, pay.ptr,
-                    &out_desc, bufp, capacity, &out_bytes, &predicted, &e)
+                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.sampling, c.input_desc,
+                    c.input_payload, &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &predicted, &c.e)
             else:
                 st = skippy_prefill_chunk_frame_with_positions(
-                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(),
-                    <const skippy_activation_desc *> desc.ptr, pay.ptr,
-                    &out_desc, bufp, capacity, &out_bytes, &e)
-        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, predicted if sample else -1)
+                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.input_desc, c.input_payload,
+                    &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &c.e)
+        return c.result(st, predicted if sample else -1)
 
     def decode_step_frame_sampled(self, int32_t token, sampling=None, input_desc=None, input_payload=None,
                                   size_t capacity=0):
         self._check()
-        cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
-        cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
-        cdef _Payload pay = _Payload.of(input_payload)
-        _check_payload(desc, pay, "")
-        cdef skippy_activation_desc out_desc
-        cdef bytes buf = _new_payload(capacity)
-        cdef char * bufp = _payload_ptr(buf)
-        cdef size_t out_bytes = 0
+        cdef _FrameCall c = _FrameCall.of(sampling, input_desc, input_payload, capacity)
         cdef int32_t predicted = -1
-        cdef skippy_error * e = NULL
         cdef skippy_status st
         with nogil:
             st = skippy_decode_step_frame_sampled(
-                self.ptr, token, <const skippy_sampling_config *> samp.ptr,
-                <const skippy_activation_desc *> desc.ptr, pay.ptr, &out_desc, bufp, capacity, &out_bytes,
-                &predicted, &e)
-        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, predicted)
+                self.ptr, token, c.sampling, c.input_desc, c.input_payload, &c.out_desc, c.bufp, c.capacity,
+                &c.out_bytes, &predicted, &c.e)
+        return c.result(st, predicted)
 
     def verify_tokens_frame_sampled(self, tokens, sampling=None, input_desc=None, input_payload=None,
                                     size_t capacity=0, token_capacity=None, size_t max_draft=0):
         self._check()
         cdef vector[int32_t] tok = _int32s(tokens, "tokens")
-        cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
-        cdef _Blob desc = _Blob.of(input_desc, sizeof(skippy_activation_desc), "input_desc")
-        cdef _Payload pay = _Payload.of(input_payload)
+        cdef _FrameCall c = _FrameCall.of(sampling, input_desc, input_payload, capacity)
         cdef skippy_native_mtp_draft draft
         memset(&draft, 0, sizeof(draft))
-        _check_payload(desc, pay, "")
         cdef size_t tcap = tok.size() if token_capacity is None else <size_t> token_capacity
         cdef vector[int32_t] predicted
         predicted.resize(tcap if tcap else 1)
         cdef size_t n_pred = 0
-        cdef skippy_activation_desc out_desc
-        cdef bytes buf = _new_payload(capacity)
-        cdef char * bufp = _payload_ptr(buf)
-        cdef size_t out_bytes = 0
-        cdef skippy_error * e = NULL
         cdef skippy_status st
         with nogil:
             st = skippy_verify_tokens_frame_sampled(
-                self.ptr, tok.data(), tok.size(), <const skippy_sampling_config *> samp.ptr,
-                <const skippy_activation_desc *> desc.ptr, pay.ptr, &out_desc, bufp, capacity, &out_bytes,
-                predicted.data(), tcap, &n_pred, max_draft, &draft, &e)
-        _check(st, _take_message(e), out_bytes)
+                self.ptr, tok.data(), tok.size(), c.sampling, c.input_desc, c.input_payload, &c.out_desc,
+                c.bufp, c.capacity, &c.out_bytes, predicted.data(), tcap, &n_pred, max_draft, &draft, &c.e)
+        _check(st, _take_message(c.e), c.out_bytes)
         cdef VerifyResult r = VerifyResult.__new__(VerifyResult)
-        r.out_desc = _desc_bytes(&out_desc)
-        r.out_payload = _out_payload(buf, out_bytes)
-        r.out_bytes = out_bytes
+        r.out_desc = _desc_bytes(&c.out_desc)
+        r.out_payload = _out_payload(c.buf, c.out_bytes)
+        r.out_bytes = c.out_bytes
         r.predicted_tokens = [predicted[i] for i in range(min(n_pred, tcap))]
         r.mtp_draft = PyBytes_FromStringAndSize(<char *> &draft, sizeof(draft))
         return r
 
     def copy_output_activation_frame(self, size_t token_count, size_t capacity=0):
         self._check()
-        cdef skippy_activation_desc out_desc
-        cdef bytes buf = _new_payload(capacity)
-        cdef char * bufp = _payload_ptr(buf)
-        cdef size_t out_bytes = 0
-        cdef skippy_error * e = NULL
+        cdef _FrameCall c = _FrameCall.output(capacity)
         cdef skippy_status st
         with nogil:
-            st = skippy_session_copy_output_activation_frame(self.ptr, token_count, &out_desc, bufp, capacity,
-                                                             &out_bytes, &e)
-        return _frame_result(st, _take_message(e), &out_desc, buf, out_bytes, -1)
+            st = skippy_session_copy_output_activation_frame(self.ptr, token_count, &c.out_desc, c.bufp, c.capacity,
+                                                             &c.out_bytes, &c.e)
+        return c.result(st, -1)
 
     def sample_current(self, sampling=None):
         self._check()

@@ -60,7 +60,25 @@ from .sampling import sampling_to_bytes
 # --- model ------------------------------------------------------------------------------------
 
 
-class StageModel:
+class _NativeHandle:
+    """A Python owner of one native object: a context manager whose exit calls ``close()``."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_native(native: Any) -> None:
+    close = getattr(native, "close", None)
+    if close is not None:
+        close()
+
+
+class StageModel(_NativeHandle):
     """One stage of a model: the layer range ``[layer_start, layer_end)`` of a GGUF file.
 
     Open with :meth:`open`; direct construction is refused.
@@ -167,15 +185,7 @@ class StageModel:
     def close(self) -> None:
         """Free the native model (sessions keep it alive until they are closed too)."""
         native, self._native = self._native, None
-        close = getattr(native, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> "StageModel":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        _close_native(native)
 
     def __repr__(self) -> str:
         if self._native is None:
@@ -186,7 +196,7 @@ class StageModel:
 # --- session ----------------------------------------------------------------------------------
 
 
-class StageSession:
+class StageSession(_NativeHandle):
     """One sequence executing on a stage.
 
     Fields as upstream: ``token_count`` (mirror of native ``n_past``), ``terminal_stage``
@@ -407,15 +417,7 @@ class StageSession:
     def close(self) -> None:
         """Release the native session (and its lane)."""
         raw, self._raw = self._raw, None
-        close = getattr(raw, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> "StageSession":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        _close_native(raw)
 
     def __repr__(self) -> str:
         return (f"<StageSession token_count={self.token_count} terminal_stage={self.terminal_stage} "

@@ -1,18 +1,20 @@
 """The C sampling struct of the stage adapter: skippy-runtime ``SamplingConfig`` (version 2,
 2352 bytes, runtime.md section 2.4) and its packing from a runtime or a wire config.
 
-The defaults of the sampler order and the DRY sequence breakers are the wire's (one
-definition, :mod:`skippy_wire.wire.messages`).
+The runtime config's fields and defaults are the wire ``SamplingConfig``'s (one definition,
+:mod:`skippy_wire.wire.messages`), with the wire's ``flags`` word split into ``enabled`` and
+``ignore_eos``.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import MISSING, fields, make_dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import SamplingConfigError
 from ..wire.constants import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS
+from ..wire.messages import SAMPLING_F32_FIELDS, SAMPLING_WIRE_ORDER, SamplingConfig
 from .activation import SAMPLING_CONFIG_BYTES, U32_MAX
 
 # --- sampling (runtime.md section 2.4) -------------------------------------------------------
@@ -40,47 +42,27 @@ assert (_SAMPLING_HEAD.size + _SAMPLING_SAMPLERS.size + _SAMPLING_TAIL.size
         + MAX_LOGIT_BIAS * _LOGIT_BIAS.size) == SAMPLING_CONFIG_BYTES
 
 
-@dataclass
-class RuntimeSamplingConfig:
-    """skippy-runtime ``SamplingConfig`` (defaults as upstream; ``enabled=False`` is greedy).
+def _runtime_fields() -> list:
+    """The runtime struct's fields: ``enabled``/``ignore_eos`` first, then the wire block's
+    fields with the wire's defaults (lists become tuples; the wire ``flags`` word is split)."""
+    out = [("enabled", bool, False), ("ignore_eos", bool, False)]
+    for wire_field in fields(SamplingConfig):
+        if wire_field.name in ("flags", "ignore_eos"):
+            continue
+        if wire_field.default_factory is MISSING:
+            out.append((wire_field.name, wire_field.type, wire_field.default))
+        else:
+            out.append((wire_field.name, Sequence, tuple(wire_field.default_factory())))
+    return out
 
-    ``logit_bias`` is a sequence of ``(token_id, bias)``; DRY and XTC fields are flat.
-    """
 
-    enabled: bool = False
-    ignore_eos: bool = False
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    penalty_last_n: int = -1
-    logit_bias: Sequence = ()
-    typical_p: float = 1.0
-    top_nsigma: float = -1.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64
-    dry_sequence_breakers: Sequence = DEFAULT_DRY_SEQUENCE_BREAKERS
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    mirostat_mode: int = 0
-    mirostat_entropy: float = 5.0
-    mirostat_learning_rate: float = 0.1
-    samplers: Sequence = DEFAULT_SAMPLERS
-
+class _RuntimeSamplingMethods:
     @classmethod
-    def greedy(cls) -> "RuntimeSamplingConfig":
+    def greedy(cls) -> Any:
         return cls()
 
     @classmethod
-    def from_wire(cls, wire: Any) -> "RuntimeSamplingConfig":
+    def from_wire(cls, wire: Any) -> Any:
         """Convert a wire-level ``skippy_wire.wire.messages.SamplingConfig`` (section 4.3).
 
         ``enabled`` is the ENABLED flag bit; ``ignore_eos`` is the wire's ``ignore_eos``
@@ -88,10 +70,10 @@ class RuntimeSamplingConfig:
         """
         flags = int(getattr(wire, "flags", 0))
         values = {}
-        for name in _WIRE_FLOAT_FIELDS:
+        for name in SAMPLING_F32_FIELDS:
             if hasattr(wire, name):
                 values[name] = _wire_f32(getattr(wire, name))
-        for name in ("seed", "top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
+        for name in _WIRE_INT_FIELDS:
             if hasattr(wire, name):
                 values[name] = int(getattr(wire, name))
         if hasattr(wire, "logit_bias"):
@@ -149,11 +131,17 @@ class RuntimeSamplingConfig:
         )
 
 
-_WIRE_FLOAT_FIELDS = (
-    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
-    "typical_p", "top_nsigma", "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base",
-    "xtc_probability", "xtc_threshold", "mirostat_entropy", "mirostat_learning_rate",
+RuntimeSamplingConfig = make_dataclass(
+    "RuntimeSamplingConfig",
+    _runtime_fields(),
+    bases=(_RuntimeSamplingMethods,),
+    namespace={"__doc__": """skippy-runtime ``SamplingConfig`` (defaults as upstream; ``enabled=False`` is greedy).
+
+    ``logit_bias`` is a sequence of ``(token_id, bias)``; DRY and XTC fields are flat.
+    """, "__module__": __name__},
 )
+
+_WIRE_INT_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code in "iI" and name != "flags")
 
 
 def _wire_f32(value: Any) -> float:

@@ -41,6 +41,15 @@ class Ratio:
 Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
 
 
+def script_options(doc: str, argv, **defaults) -> argparse.Namespace:
+    """The command line of a ``bench/`` script: one ``--NAME`` option per default (typed as
+    its default), described by the first paragraph of the script's ``doc``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name, default in defaults.items():
+        p.add_argument(f"--{name}", type=type(default), default=default)
+    return p.parse_args(argv)
+
+
 def cpu_model() -> str:
     """The CPU's model name (recorded with every figure: machines differ between runs)."""
     try:

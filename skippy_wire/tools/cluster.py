@@ -254,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def progress_printer(quiet: bool, prefix: str):
+    """The progress callback of a cluster command: ``[prefix] text`` lines on stderr, or
+    nothing with ``--quiet``."""
+
+    def progress(text: str) -> None:
+        if not quiet:
+            print(f"[{prefix}] {text}", file=sys.stderr, flush=True)
+
+    return progress
+
+
 def _on_sigterm(*_) -> None:
     raise SystemExit(143)
 
@@ -261,10 +272,7 @@ def _on_sigterm(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-
-    def progress(text: str) -> None:
-        if not args.quiet:
-            print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
+    progress = progress_printer(args.quiet, "skippy-wire")
 
     opts = ClusterOptions(hosts=args.hosts, rate=args.rate, delay_ms=args.delay_ms, codec=args.activation_codec,
                           policy=args.activation_codec_policy, max_tokens=args.max_tokens,

@@ -22,7 +22,7 @@ from ..errors import NetnsError, PipelineError, TopologyError
 from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
-from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, run_cluster
+from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, progress_printer, run_cluster
 from .bench_rows import cpu_model
 
 #: Short codec names -> (activation codec identity, policy).
@@ -86,10 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-
-    def progress(text: str) -> None:
-        if not args.quiet:
-            print(f"[{PROG}] {text}", file=sys.stderr, flush=True)
+    progress = progress_printer(args.quiet, PROG)
 
     try:
         hosts = [int(h) for h in _list(args.hosts)]

@@ -167,54 +167,40 @@ SKW_INLINE uint32_t skw_non_finite_bf16(uint32_t h) { return (h & 0x7f80u) == 0x
 
 /* ------------------------------------------------------------------ portable loop bodies */
 
-/* Encode n f32 -> bf16.  Returns nonzero when some input is non-finite or some result
- * overflowed to infinity (the caller then finds out which, in upstream order). */
-SKW_INLINE int skw_body_encode_bf16(const uint8_t *src, uint8_t *dst, size_t n)
-{
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t b = skw_ld32(src + 4 * i);
-        uint32_t h = skw_bf16_rne(b);
-        bad |= skw_non_finite32(b) | skw_non_finite_bf16(h);
-        skw_st16(dst + 2 * i, h);
-    }
-    return bad != 0;
-}
+SKW_INLINE uint32_t skw_bf16_to_f32_bits(uint32_t h) { return h << 16; }
 
-SKW_INLINE int skw_body_encode_f16(const uint8_t *src, uint8_t *dst, size_t n)
-{
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t b = skw_ld32(src + 4 * i);
-        uint32_t h = skw_f32_to_f16_bits(b);
-        bad |= skw_non_finite32(b) | skw_non_finite16(h);
-        skw_st16(dst + 2 * i, h);
+/* Encode n f32 -> 16-bit patterns.  Returns nonzero when some input is non-finite or some
+ * result overflowed to infinity (the caller then finds out which, in upstream order). */
+#define SKW_BODY_ENCODE(name, to_half, half_non_finite)                      \
+    SKW_INLINE int name(const uint8_t *src, uint8_t *dst, size_t n)         \
+    {                                                                        \
+        uint32_t bad = 0;                                                    \
+        for (size_t i = 0; i < n; i++) {                                     \
+            uint32_t b = skw_ld32(src + 4 * i);                              \
+            uint32_t h = to_half(b);                                         \
+            bad |= skw_non_finite32(b) | half_non_finite(h);                 \
+            skw_st16(dst + 2 * i, h);                                        \
+        }                                                                    \
+        return bad != 0;                                                     \
     }
-    return bad != 0;
-}
 
-/* Decode: nonzero when some half is inf/NaN. */
-SKW_INLINE int skw_body_decode_bf16(const uint8_t *src, uint8_t *dst, size_t n)
-{
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t h = skw_ld16(src + 2 * i);
-        bad |= skw_non_finite_bf16(h);
-        skw_st32_host(dst + 4 * i, h << 16);
+/* Decode n 16-bit patterns -> f32: nonzero when some half is inf/NaN. */
+#define SKW_BODY_DECODE(name, to_f32, half_non_finite)                       \
+    SKW_INLINE int name(const uint8_t *src, uint8_t *dst, size_t n)         \
+    {                                                                        \
+        uint32_t bad = 0;                                                    \
+        for (size_t i = 0; i < n; i++) {                                     \
+            uint32_t h = skw_ld16(src + 2 * i);                              \
+            bad |= half_non_finite(h);                                       \
+            skw_st32_host(dst + 4 * i, to_f32(h));                           \
+        }                                                                    \
+        return bad != 0;                                                     \
     }
-    return bad != 0;
-}
 
-SKW_INLINE int skw_body_decode_f16(const uint8_t *src, uint8_t *dst, size_t n)
-{
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t h = skw_ld16(src + 2 * i);
-        bad |= skw_non_finite16(h);
-        skw_st32_host(dst + 4 * i, skw_f16_to_f32_bits(h));
-    }
-    return bad != 0;
-}
+SKW_BODY_ENCODE(skw_body_encode_bf16, skw_bf16_rne, skw_non_finite_bf16)
+SKW_BODY_ENCODE(skw_body_encode_f16, skw_f32_to_f16_bits, skw_non_finite16)
+SKW_BODY_DECODE(skw_body_decode_bf16, skw_bf16_to_f32_bits, skw_non_finite_bf16)
+SKW_BODY_DECODE(skw_body_decode_f16, skw_f16_to_f32_bits, skw_non_finite16)
 
 /* Exactness (8.1 step 3) fused with writing the 16-bit patterns: returns 1 when every
  * value is finite and survives the round trip bit for bit; the written halves are then

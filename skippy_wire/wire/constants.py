@@ -74,6 +74,14 @@ ACTIVATIONLESS_PAYLOAD_TEXT = "activationless stage message contains activation 
 SAMPLING_STRING_LENGTH_TEXT = "sampling string exceeds maximum length"
 
 
+def _member_named(names: dict, text: str, what: str):
+    """The enum member whose name in ``names`` is ``text`` (ValueError for none)."""
+    for member, name in names.items():
+        if name == text:
+            return member
+    raise ValueError(f"unknown {what} {text!r}")
+
+
 class ActivationCodec(enum.IntEnum):
     """Wire ids of the activation codecs (the i32 at message offset 56)."""
 
@@ -93,17 +101,11 @@ class ActivationCodec(enum.IntEnum):
 
     @classmethod
     def from_identity(cls, text: str) -> "ActivationCodec":
-        for codec, identity in _CODEC_IDENTITY.items():
-            if identity == text:
-                return codec
-        raise ValueError(f"unknown activation codec {text!r}")
+        return _member_named(_CODEC_IDENTITY, text, "activation codec")
 
     @classmethod
     def from_rust_name(cls, text: str) -> "ActivationCodec":
-        for codec, name in _CODEC_RUST_NAME.items():
-            if name == text:
-                return codec
-        raise ValueError(f"unknown activation codec {text!r}")
+        return _member_named(_CODEC_RUST_NAME, text, "activation codec")
 
     @classmethod
     def default(cls) -> "ActivationCodec":
@@ -145,10 +147,7 @@ class CodecPolicy(enum.IntEnum):
 
     @classmethod
     def from_serde_name(cls, text: str) -> "CodecPolicy":
-        for policy, name in _POLICY_SERDE_NAME.items():
-            if name == text:
-                return policy
-        raise ValueError(f"unknown activation codec policy {text!r}")
+        return _member_named(_POLICY_SERDE_NAME, text, "activation codec policy")
 
     def compatible(self, configured: ActivationCodec) -> bool:
         """Whether a producer may run this policy with ``configured`` as its codec."""

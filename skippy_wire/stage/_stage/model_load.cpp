@@ -8,10 +8,15 @@ namespace skippy_stage {
 
 namespace {
 
+// The type of ``key``'s value (GGUF_TYPE_COUNT where the key is absent) and its id.
+gguf_type gguf_key_type(const gguf_context * g, const std::string & key, int64_t * id) {
+    *id = gguf_find_key(g, key.c_str());
+    return *id < 0 ? GGUF_TYPE_COUNT : gguf_get_kv_type(g, *id);
+}
+
 bool gguf_int(const gguf_context * g, const std::string & key, int64_t * out) {
-    int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0) return false;
-    switch (gguf_get_kv_type(g, id)) {
+    int64_t id;
+    switch (gguf_key_type(g, key, &id)) {
         case GGUF_TYPE_UINT8: *out = gguf_get_val_u8(g, id); return true;
         case GGUF_TYPE_INT8: *out = gguf_get_val_i8(g, id); return true;
         case GGUF_TYPE_UINT16: *out = gguf_get_val_u16(g, id); return true;
@@ -25,9 +30,8 @@ bool gguf_int(const gguf_context * g, const std::string & key, int64_t * out) {
 }
 
 bool gguf_float(const gguf_context * g, const std::string & key, double * out) {
-    int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0) return false;
-    switch (gguf_get_kv_type(g, id)) {
+    int64_t id;
+    switch (gguf_key_type(g, key, &id)) {
         case GGUF_TYPE_FLOAT32: *out = gguf_get_val_f32(g, id); return true;
         case GGUF_TYPE_FLOAT64: *out = gguf_get_val_f64(g, id); return true;
         default: return false;

@@ -189,42 +189,30 @@ def _bf16_to_f32(h: int) -> int:
     return (h & 0xFFFF) << 16
 
 
-def _u32_array(bits) -> np.ndarray:
-    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint32:
-        raise TypeError(BITS_DTYPE_U32)
-    return bits
-
-
-def _u16_array(bits) -> np.ndarray:
-    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
-        raise TypeError(BITS_DTYPE_U16)
-    return bits
+def _map_bits(bits, in_dtype, type_error: str, convert, out_dtype) -> np.ndarray:
+    """``convert`` applied to every element of a ``in_dtype`` array, shape kept."""
+    if not isinstance(bits, np.ndarray) or bits.dtype != in_dtype:
+        raise TypeError(type_error)
+    out = [convert(int(v)) for v in bits.reshape(-1).tolist()]
+    return np.array(out, dtype=out_dtype).reshape(bits.shape)
 
 
 def f32_bits_to_bf16_bits(bits: np.ndarray) -> np.ndarray:
     """Raw 6.6 conversion of every element (no checks; NaN policy as ``_f32_to_bf16``)."""
-    a = _u32_array(bits)
-    out = [_f32_to_bf16(int(v)) for v in a.reshape(-1).tolist()]
-    return np.array(out, dtype=np.uint16).reshape(a.shape)
+    return _map_bits(bits, np.uint32, BITS_DTYPE_U32, _f32_to_bf16, np.uint16)
 
 
 def f32_bits_to_f16_bits(bits: np.ndarray) -> np.ndarray:
     """Raw 6.5 conversion of every element (no checks; NaN -> 0x7c01 | sign)."""
-    a = _u32_array(bits)
-    out = [_f32_to_f16(int(v)) for v in a.reshape(-1).tolist()]
-    return np.array(out, dtype=np.uint16).reshape(a.shape)
+    return _map_bits(bits, np.uint32, BITS_DTYPE_U32, _f32_to_f16, np.uint16)
 
 
 def bf16_bits_to_f32_bits(bits: np.ndarray) -> np.ndarray:
-    a = _u16_array(bits)
-    out = [_bf16_to_f32(int(v)) for v in a.reshape(-1).tolist()]
-    return np.array(out, dtype=np.uint32).reshape(a.shape)
+    return _map_bits(bits, np.uint16, BITS_DTYPE_U16, _bf16_to_f32, np.uint32)
 
 
 def f16_bits_to_f32_bits(bits: np.ndarray) -> np.ndarray:
-    a = _u16_array(bits)
-    out = [_f16_to_f32(int(v)) for v in a.reshape(-1).tolist()]
-    return np.array(out, dtype=np.uint32).reshape(a.shape)
+    return _map_bits(bits, np.uint16, BITS_DTYPE_U16, _f16_to_f32, np.uint32)
 
 
 # --------------------------------------------------------------------------- sizes

@@ -81,7 +81,7 @@ def _eof(needed: int) -> UnexpectedEofError:
     return error
 
 
-class _Cursor:
+class Cursor:
     """Bounds-checked little-endian reads over a byte view; never reads past ``end``."""
 
     __slots__ = ("buf", "pos", "start", "end")
@@ -107,38 +107,36 @@ class _Cursor:
         self.pos += n
         return view
 
-    def i32(self) -> int:
-        self.need(4)
-        v = _i32.unpack_from(self.buf, self.pos)[0]
-        self.pos += 4
+    def _read(self, code: struct.Struct) -> int:
+        self.need(code.size)
+        v = code.unpack_from(self.buf, self.pos)[0]
+        self.pos += code.size
         return v
+
+    def i32(self) -> int:
+        return self._read(_i32)
 
     def u32(self) -> int:
-        self.need(4)
-        v = _u32.unpack_from(self.buf, self.pos)[0]
-        self.pos += 4
-        return v
+        return self._read(_u32)
 
     def i64(self) -> int:
-        self.need(8)
-        v = _i64.unpack_from(self.buf, self.pos)[0]
-        self.pos += 8
-        return v
+        return self._read(_i64)
 
     def u64(self) -> int:
-        self.need(8)
-        v = _u64.unpack_from(self.buf, self.pos)[0]
-        self.pos += 8
-        return v
+        return self._read(_u64)
 
     def i32_list(self, n: int) -> list:
-        self.need(4 * n)
-        values = list(struct.unpack_from(f"<{n}i", self.buf, self.pos))
-        self.pos += 4 * n
+        return list(self.unpack(f"<{n}i"))
+
+    def unpack(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
         return values
 
 
-def _read_string_list(cur: _Cursor, maximum: int) -> list:
+def _read_string_list(cur: Cursor, maximum: int) -> list:
     count = cur.u32()
     if count > maximum:
         raise InvalidDataError("sampling string count exceeds maximum")
@@ -155,7 +153,7 @@ def _read_string_list(cur: _Cursor, maximum: int) -> list:
     return values
 
 
-def _read_sampling(cur: _Cursor) -> SamplingConfig:
+def read_sampling(cur: Cursor) -> SamplingConfig:
     """Section 4.3, reader rules, fields in wire order."""
     values = {}
     for name, code in SAMPLING_WIRE_ORDER:
@@ -183,6 +181,16 @@ def _read_sampling(cur: _Cursor) -> SamplingConfig:
     return SamplingConfig(**values)
 
 
+def check_sideband_counts(token_count: int, token_sidebands: int, position_sidebands: int) -> None:
+    """Steps 11-12: the counts before the token and position sidebands are read."""
+    if token_count < 0 or token_sidebands < 0 or position_sidebands < 0:
+        raise InvalidDataError("negative wire count")
+    if token_sidebands > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("token sideband count exceeds maximum")
+    if position_sidebands > MAX_STAGE_SIDEBAND_VALUES:
+        raise InvalidDataError("position sideband count exceeds maximum")
+
+
 def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, policy: int = 0, offset: int = 0):
     """Parse one stage message starting at ``offset``; returns ``(message, consumed)``.
 
@@ -191,7 +199,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     """
     if not (I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError("n_embd does not fit in i32")
-    cur = _Cursor(data, offset)
+    cur = Cursor(data, offset)
     # 1. kind
     kind = _KINDS.get(cur.i32())
     if kind is None:
@@ -238,7 +246,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
         if _codec.activation_f32_bytes(token_count, n_embd, flags) > MAX_STAGE_DECODED_ACTIVATION_BYTES:
             raise InvalidDataError("decoded activation payload byte count exceeds maximum")
     # 8.
-    sampling = _read_sampling(cur) if flags & StateFlags.SAMPLING else None
+    sampling = read_sampling(cur) if flags & StateFlags.SAMPLING else None
     # 9.
     metadata = None
     if flags & StateFlags.CHAT_SAMPLING_METADATA:
@@ -255,12 +263,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     if kind is WireMessageKind.STOP:
         return message, cur.pos - cur.start
     # 11.-12.
-    if token_count < 0 or token_sideband_count < 0 or position_sideband_count < 0:
-        raise InvalidDataError("negative wire count")
-    if token_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("token sideband count exceeds maximum")
-    if position_sideband_count > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("position sideband count exceeds maximum")
+    check_sideband_counts(token_count, token_sideband_count, position_sideband_count)
     # 13. StateImport: token_count raw bytes; the token/position values are not on the wire.
     if kind is WireMessageKind.STATE_IMPORT:
         if token_count > MAX_STAGE_STATE_IMPORT_BYTES:
@@ -286,9 +289,18 @@ def _readonly_bytes_view(values):
 
 
 # --- writing -----------------------------------------------------------------------------
-def _fail(error: WireError, out: bytearray) -> WireError:
-    error.partial = bytes(out)
-    return error
+def _write(write, value, out_of_range) -> bytes:
+    """``write(out, value)`` into a new buffer: a wire error carries the partial output."""
+    out = bytearray()
+    try:
+        write(out, value)
+    except WireError as error:
+        error.partial = bytes(out)
+        raise error
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
+        # A value the wire cannot represent; no partial output is defined for it.
+        raise out_of_range(value) from None
+    return bytes(out)
 
 
 def _write_string_list(out: bytearray, values, maximum: int) -> None:
@@ -341,15 +353,7 @@ def _byte_view(buf, name: str) -> memoryview:
 
 def write_stage_message(msg: StageWireMessage) -> bytes:
     """Serialize ``msg`` (section 4.4, steps in order)."""
-    out = bytearray()
-    try:
-        _write_message(out, msg)
-    except WireError as error:
-        raise _fail(error, out)
-    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        # A value the wire cannot represent; no partial output is defined for it.
-        raise out_of_range_error(msg) from None
-    return bytes(out)
+    return _write(_write_message, msg, out_of_range_error)
 
 
 def _write_message(out: bytearray, msg: StageWireMessage) -> None:
@@ -417,14 +421,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
 
 # --- replies (section 11.2) --------------------------------------------------------------
 def write_reply(reply: StageReply) -> bytes:
-    out = bytearray()
-    try:
-        _write_reply(out, reply)
-    except WireError as error:
-        raise _fail(error, out)
-    except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
-        raise reply_out_of_range_error(reply) from None
-    return bytes(out)
+    return _write(_write_reply, reply, reply_out_of_range_error)
 
 
 def _write_reply(out: bytearray, reply: StageReply) -> None:
@@ -446,30 +443,29 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
     out += _stats.pack(*reply.stats.as_tuple())
 
 
+def _read_token_list(cur: Cursor, what: str) -> list:
+    """An i32 count (at most MAX_STAGE_PREDICTED_TOKENS) and that many i32 tokens."""
+    count = cur.i32()
+    if count < 0:
+        raise InvalidDataError(f"negative {what} count")
+    if count > MAX_STAGE_PREDICTED_TOKENS:
+        raise InvalidDataError(f"{what} count exceeds maximum")
+    return cur.i32_list(count)
+
+
 def read_reply_from_buffer(data, offset: int = 0):
     """Parse one reply at ``offset``; returns ``(reply, consumed)`` (section 11.2 order)."""
-    cur = _Cursor(data, offset)
+    cur = Cursor(data, offset)
     kind = _REPLY_KINDS.get(cur.i32())
     if kind is None:
         raise InvalidDataError("unknown stage reply kind")
     predicted = cur.i32()
-    count = cur.i32()
-    if count < 0:
-        raise InvalidDataError("negative predicted token count")
-    if count > MAX_STAGE_PREDICTED_TOKENS:
-        raise InvalidDataError("predicted token count exceeds maximum")
-    tokens = cur.i32_list(count)
+    tokens = _read_token_list(cur, "predicted token")
     window = StageReplyWindow(cur.i32())
     marker = cur.i32()
     draft = None
     if marker == 1:
-        draft_count = cur.i32()
-        if draft_count < 0:
-            raise InvalidDataError("negative native MTP draft token count")
-        if draft_count > MAX_STAGE_PREDICTED_TOKENS:
-            raise InvalidDataError("native MTP draft token count exceeds maximum")
-        draft_tokens = cur.i32_list(draft_count)
-        draft = NativeMtpDraft(draft_tokens, cur.i64())
+        draft = NativeMtpDraft(_read_token_list(cur, "native MTP draft token"), cur.i64())
     elif marker != 0:
         raise InvalidDataError("unknown native MTP draft reply marker")
     cur.need(_stats.size)

@@ -22,28 +22,13 @@ import dataclasses
 import operator
 import struct
 
-from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
+from ...errors import InvalidDataError, InvalidInputError, WireError
 from ..activation_frame import ActivationFrameV16
 from ..constants import ActivationCodec, CodecPolicy
-from ..constants import (
-    MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES,
-    MAX_STAGE_DRY_SEQUENCE_BREAKERS,
-    MAX_STAGE_LOGIT_BIAS,
-    MAX_STAGE_SAMPLERS,
-    MAX_STAGE_SAMPLING_STRING_BYTES,
-    MAX_STAGE_SIDEBAND_VALUES,
-    MAX_STAGE_STATE_IMPORT_BYTES,
-)
-from ..messages import (
-    SAMPLING_WIRE_ORDER,
-    LogitBias,
-    SamplingConfig,
-    StageStateHeader,
-    StageWireMessage,
-    f32_from_bits,
-    out_of_range_error,
-)
+from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
+from ..messages import StageStateHeader, StageWireMessage, out_of_range_error
 from . import frame as _v15
+from .frame import Cursor, check_sideband_counts, read_sampling
 from .frame_v16 import (
     HEADER,
     MAX_BYTES,
@@ -63,73 +48,6 @@ KNOWN_KINDS = frozenset(list(range(1, 10)) + list(range(13, 24)))
 ACTIVATIONLESS = frozenset({3, 7, 15, 16, 17})
 F_SAMPLING, F_CHAT = 0x08, 0x20
 VERSIONS = (16, 17)
-
-
-def _eof(needed: int) -> UnexpectedEofError:
-    return UnexpectedEofError(needed=needed)
-
-
-class Cursor:
-    __slots__ = ("buf", "pos", "start")
-
-    def __init__(self, data, offset: int) -> None:
-        view = memoryview(data)
-        self.buf = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        if not 0 <= offset <= len(self.buf):
-            raise ValueError("offset outside the buffer")
-        self.start = self.pos = offset
-
-    def need(self, n: int) -> None:
-        if n > len(self.buf) - self.pos:
-            raise _eof(self.pos - self.start + n)
-
-    def take(self, n: int) -> memoryview:
-        self.need(n)
-        self.pos += n
-        return self.buf[self.pos - n:self.pos]
-
-    def unpack(self, fmt: str):
-        size = struct.calcsize(fmt)
-        self.need(size)
-        values = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return values
-
-
-def _strings(cur: Cursor, maximum: int) -> list:
-    count, = cur.unpack("<I")
-    if count > maximum:
-        raise InvalidDataError("sampling string count exceeds maximum")
-    out = []
-    for _ in range(count):
-        length, = cur.unpack("<I")
-        if length > MAX_STAGE_SAMPLING_STRING_BYTES:
-            raise InvalidDataError("sampling string exceeds maximum length")
-        try:
-            out.append(str(cur.take(length), "utf-8"))
-        except UnicodeDecodeError:
-            raise InvalidDataError("sampling string is not UTF-8") from None
-    return out
-
-
-def _sampling(cur: Cursor) -> SamplingConfig:
-    values = {}
-    for name, code in SAMPLING_WIRE_ORDER:
-        if code in "IiB":
-            v, = cur.unpack("<i" if code == "i" else "<I")
-            values[name] = v != 0 if code == "B" else v
-        elif code == "f":
-            values[name] = f32_from_bits(cur.unpack("<I")[0])
-        elif code == "L":
-            count, = cur.unpack("<I")
-            if count > MAX_STAGE_LOGIT_BIAS:
-                raise InvalidDataError("logit bias count exceeds maximum")
-            cur.need(8 * count)
-            values[name] = [LogitBias(t, f32_from_bits(b)) for t, b in (cur.unpack("<iI") for _ in range(count))]
-        else:
-            limit = MAX_STAGE_DRY_SEQUENCE_BREAKERS if name == "dry_sequence_breakers" else MAX_STAGE_SAMPLERS
-            values[name] = _strings(cur, limit)
-    return SamplingConfig(**values)
 
 
 def _stage_checks(desc: ActivationFrameV16, token_count: int, source: int) -> None:
@@ -176,7 +94,7 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
             raise InvalidDataError("activationless stage message contains activation payload")
     elif expected_codec is not None and not CodecPolicy(policy).permits(ActivationCodec(expected_codec), codec):
         raise InvalidDataError("stage activation codec mismatch")
-    sampling = _sampling(cur) if flags & F_SAMPLING else None
+    sampling = read_sampling(cur) if flags & F_SAMPLING else None
     metadata = None
     if flags & F_CHAT:
         length, = cur.unpack("<I")
@@ -189,12 +107,7 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
     msg = StageWireMessage(kind, pos_start, token_count, state, request_id, session_id, sampling, metadata)
     if kind == 3:
         return msg, cur.pos - cur.start
-    if token_count < 0 or n_tokens < 0 or n_positions < 0:
-        raise InvalidDataError("negative wire count")
-    if n_tokens > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("token sideband count exceeds maximum")
-    if n_positions > MAX_STAGE_SIDEBAND_VALUES:
-        raise InvalidDataError("position sideband count exceeds maximum")
+    check_sideband_counts(token_count, n_tokens, n_positions)
     if kind == 7:
         if token_count > MAX_STAGE_STATE_IMPORT_BYTES:
             raise InvalidDataError("state import byte count exceeds maximum")
