@@ -7,7 +7,7 @@ Plain Python classes shared by both framing implementations, like the messages o
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Optional, Sequence
 
 from ..errors import InvalidInputError
@@ -53,37 +53,10 @@ def _better_compute(c_us: int, c_tok: int, cur_us: int, cur_tok: int) -> bool:
     return c_us * cur_tok > cur_us * c_tok
 
 
+# The dataclass's fields are STATS_FIELDS, all i64 defaulting to 0 (one list of the names).
 @dataclass
-class StageReplyStats:
+class StageReplyStats(make_dataclass("StageReplyStatsFields", [(name, int, 0) for name in STATS_FIELDS])):
     """The 27 i64 reply statistics, in wire order (section 11.2), with section 11.3 methods."""
-
-    kv_lookup_hits: int = 0
-    kv_lookup_misses: int = 0
-    kv_lookup_errors: int = 0
-    kv_imported_pages: int = 0
-    kv_imported_tokens: int = 0
-    kv_recorded_pages: int = 0
-    kv_recorded_bytes: int = 0
-    kv_hit_stage_mask: int = 0
-    kv_record_stage_mask: int = 0
-    verify_window_compute_us: int = 0
-    verify_window_forward_write_us: int = 0
-    verify_window_downstream_wait_us: int = 0
-    verify_window_total_us: int = 0
-    verify_window_stage_count: int = 0
-    verify_window_request_count: int = 0
-    verify_window_token_count: int = 0
-    verify_window_max_tokens: int = 0
-    prefill_edge_write_us_max: int = 0
-    prefill_edge_wait_us_max: int = 0
-    prefill_edge_total_us_max: int = 0
-    prefill_edge_stage_index: int = 0
-    prefill_edge_activation_bytes_max: int = 0
-    prefill_edge_observation_count: int = 0
-    prefill_compute_us_at_slowest_rate: int = 0
-    prefill_compute_stage_index: int = 0
-    prefill_compute_token_count_at_slowest_rate: int = 0
-    prefill_compute_observation_count: int = 0
 
     FIELDS = STATS_FIELDS
 
