@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import operator
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -214,37 +214,35 @@ class LogitBias(NamedTuple):
     bias: float
 
 
-@dataclass
-class SamplingConfig:
-    """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3)."""
+#: The sampling block in wire order: (name, struct code, upstream ``Default``); lists are
+#: "L" (logit bias pairs) and "S" (strings).  SamplingConfig's fields are made from it.
+SAMPLING_FIELDS = (
+    ("flags", "I", 0), ("seed", "I", 0), ("temperature", "f", 1.0), ("top_p", "f", 1.0), ("top_k", "i", 0),
+    ("min_p", "f", 0.0), ("presence_penalty", "f", 0.0), ("frequency_penalty", "f", 0.0),
+    ("repeat_penalty", "f", 1.0), ("penalty_last_n", "i", -1), ("logit_bias", "L", ()),
+    ("typical_p", "f", 1.0), ("top_nsigma", "f", -1.0), ("dynatemp_range", "f", 0.0),
+    ("dynatemp_exponent", "f", 1.0), ("dry_multiplier", "f", 0.0), ("dry_base", "f", 1.75),
+    ("dry_allowed_length", "i", 2), ("dry_penalty_last_n", "i", 64),
+    ("dry_sequence_breakers", "S", DEFAULT_DRY_SEQUENCE_BREAKERS),
+    ("xtc_probability", "f", 0.0), ("xtc_threshold", "f", 0.1), ("mirostat_mode", "i", 0),
+    ("mirostat_entropy", "f", 5.0), ("mirostat_learning_rate", "f", 0.1), ("samplers", "S", DEFAULT_SAMPLERS),
+    ("ignore_eos", "B", False),
+)
+SAMPLING_WIRE_ORDER = tuple((name, code) for name, code, _ in SAMPLING_FIELDS)
+SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code == "f")
+_FIELD_TYPES = {"I": int, "i": int, "f": float, "B": bool}
 
-    flags: int = 0
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    penalty_last_n: int = -1
-    logit_bias: list = field(default_factory=list)  # (token_id, bias) pairs
-    typical_p: float = 1.0
-    top_nsigma: float = -1.0
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64
-    dry_sequence_breakers: list = field(default_factory=lambda: list(DEFAULT_DRY_SEQUENCE_BREAKERS))
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    mirostat_mode: int = 0
-    mirostat_entropy: float = 5.0
-    mirostat_learning_rate: float = 0.1
-    samplers: list = field(default_factory=lambda: list(DEFAULT_SAMPLERS))
-    ignore_eos: bool = False
+
+def _sampling_field(name: str, code: str, default):
+    if code in "LS":  # a fresh list per instance
+        return name, list, field(default_factory=lambda: list(default))
+    return name, _FIELD_TYPES[code], default
+
+
+@dataclass
+class SamplingConfig(make_dataclass("SamplingConfigFields", [_sampling_field(*f) for f in SAMPLING_FIELDS])):
+    """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3); logit_bias
+    holds (token_id, bias) pairs."""
 
     def enabled(self) -> bool:
         return bool(self.flags & SamplingFlags.ENABLED)
@@ -259,19 +257,6 @@ class SamplingConfig:
         return n
 
 
-#: The sampling block fields in wire order: (name, struct code), lists marked "L"/"S".
-SAMPLING_WIRE_ORDER = (
-    ("flags", "I"), ("seed", "I"), ("temperature", "f"), ("top_p", "f"), ("top_k", "i"),
-    ("min_p", "f"), ("presence_penalty", "f"), ("frequency_penalty", "f"),
-    ("repeat_penalty", "f"), ("penalty_last_n", "i"), ("logit_bias", "L"),
-    ("typical_p", "f"), ("top_nsigma", "f"), ("dynatemp_range", "f"),
-    ("dynatemp_exponent", "f"), ("dry_multiplier", "f"), ("dry_base", "f"),
-    ("dry_allowed_length", "i"), ("dry_penalty_last_n", "i"), ("dry_sequence_breakers", "S"),
-    ("xtc_probability", "f"), ("xtc_threshold", "f"), ("mirostat_mode", "i"),
-    ("mirostat_entropy", "f"), ("mirostat_learning_rate", "f"), ("samplers", "S"),
-    ("ignore_eos", "B"),
-)
-SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code == "f")
 
 
 # --- the stage message (sections 4 and 12) -----------------------------------------------
@@ -462,7 +447,7 @@ def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
 
 __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
-    "SAMPLING_F32_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
+    "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
     "first_out_of_range", "out_of_range_error",
 ]
