@@ -18,11 +18,12 @@ connection that failed is closed instead, which frees the sessions on every stag
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Optional, Sequence
 
 from ..errors import PipelineError, SkippyError
@@ -41,19 +42,18 @@ class Cancelled(SkippyError):
     """The request was cancelled between two tokens."""
 
 
-@dataclass
-class SamplingParams:
-    """OpenAI-style sampling parameters; ``temperature == 0`` is greedy."""
+#: The wire sampling fields an OpenAI-style request sets as they are (same names, and the
+#: wire's defaults).
+REQUEST_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                           "repeat_penalty")
+_WIRE_DEFAULTS = SamplingConfig()
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    logit_bias: dict = field(default_factory=dict)
+
+@dataclass
+class SamplingParams(make_dataclass("SamplingParamsFields", [
+        *((name, type(getattr(_WIRE_DEFAULTS, name)), getattr(_WIRE_DEFAULTS, name)) for name in REQUEST_SAMPLING_FIELDS),
+        ("seed", Optional[int], None), ("logit_bias", dict, field(default_factory=dict))])):
+    """OpenAI-style sampling parameters; ``temperature == 0`` is greedy, ``seed`` None is random."""
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \
@@ -65,10 +65,8 @@ class SamplingParams:
             return None
         seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
         return SamplingConfig(
-            flags=int(SamplingFlags.ENABLED), seed=seed, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repeat_penalty=self.repeat_penalty,
-            logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()))
+            flags=int(SamplingFlags.ENABLED), seed=seed, logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()),
+            **{name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS})
 
 
 class TextAssembler:
@@ -138,20 +136,6 @@ class Generation:
     elapsed_s: float = 0.0
 
 
-@dataclass
-class Counters:
-    """Process-wide figures for ``/metrics``."""
-
-    requests: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-
-
 class GenerationEngine:
     """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
 
@@ -163,7 +147,9 @@ class GenerationEngine:
         self.ctx_size = ctx_size
         self.timeout = timeout
         self.chunk_size = chunk_size
-        self.counters = Counters()
+        #: Process-wide figures for ``/metrics`` by name (requests, failed, cancelled, rejected,
+        #: prompt_tokens, completion_tokens, sent_bytes, received_bytes); absent ones read 0.
+        self.counters: collections.Counter = collections.Counter()
         self._idle: list[PipelineClient] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -226,20 +212,20 @@ class GenerationEngine:
             healthy = self._stop_session(client, session)
             if cancelled.is_set():
                 with self._lock:
-                    self.counters.cancelled += 1
+                    self.counters["cancelled"] += 1
                 raise
         except BaseException:
             healthy = False
             with self._lock:
-                self.counters.failed += 1
+                self.counters["failed"] += 1
             raise
         finally:
             with self._lock:
-                self.counters.sent_bytes += client.sent_bytes - sent0
-                self.counters.received_bytes += client.received_bytes - received0
-                self.counters.requests += 1
-                self.counters.prompt_tokens += len(prompt)
-                self.counters.completion_tokens += out.completion_tokens
+                self.counters["sent_bytes"] += client.sent_bytes - sent0
+                self.counters["received_bytes"] += client.received_bytes - received0
+                self.counters["requests"] += 1
+                self.counters["prompt_tokens"] += len(prompt)
+                self.counters["completion_tokens"] += out.completion_tokens
             if healthy:
                 self._give_back(client)
             else:

@@ -191,12 +191,12 @@ class Api:
     async def metrics(self, request: Request) -> Response:
         c, a = self.engine.counters, self.admission
         rows = [
-            ("skippy_requests_total", "counter", "Generation requests finished", c.requests),
-            ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c.failed),
-            ("skippy_requests_cancelled_total", "counter", "Requests cancelled by their client", c.cancelled),
-            ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c.rejected),
-            ("skippy_prompt_tokens_total", "counter", "Prompt tokens processed", c.prompt_tokens),
-            ("skippy_completion_tokens_total", "counter", "Tokens generated", c.completion_tokens),
+            ("skippy_requests_total", "counter", "Generation requests finished", c["requests"]),
+            ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c["failed"]),
+            ("skippy_requests_cancelled_total", "counter", "Requests cancelled by their client", c["cancelled"]),
+            ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
+            ("skippy_prompt_tokens_total", "counter", "Prompt tokens processed", c["prompt_tokens"]),
+            ("skippy_completion_tokens_total", "counter", "Tokens generated", c["completion_tokens"]),
             ("skippy_requests_running", "gauge", "Requests holding a lane", a.running),
             ("skippy_queue_depth", "gauge", "Requests waiting for a lane", a.waiting),
         ]
@@ -205,8 +205,8 @@ class Api:
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += ["# HELP skippy_hop_bytes_total Bytes on the driver's hop to stage 0",
                   "# TYPE skippy_hop_bytes_total counter",
-                  f'skippy_hop_bytes_total{{hop="0",direction="sent"}} {c.sent_bytes}',
-                  f'skippy_hop_bytes_total{{hop="0",direction="received"}} {c.received_bytes}']
+                  f'skippy_hop_bytes_total{{hop="0",direction="sent"}} {c["sent_bytes"]}',
+                  f'skippy_hop_bytes_total{{hop="0",direction="received"}} {c["received_bytes"]}']
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # -- generation routes
@@ -264,7 +264,7 @@ class Api:
         try:
             await self.admission.acquire()
         except QueueFullError as exc:
-            self.engine.counters.rejected += 1
+            self.engine.counters["rejected"] += 1
             return error_response(503, str(exc), type_="server_error", code="queue_full",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         if options.stream:
