@@ -346,61 +346,62 @@ cdef uint64_t _frame_size(int codec, const Desc* d) except? 0xFFFFFFFFFFFFFFFF:
     return total
 
 
-cdef int _encode_parts(int codec, const Desc* d, const uint8_t* payload, uint8_t* out) except -1:
-    """The payload section, parts in order; the first error wins (A.4)."""
+cdef int _code_parts(int codec, const Desc* d, const uint8_t* src, uint8_t* dst, bint encode) except -1:
+    """The payload section part by part, in order; the first error wins (A.4).  Encoding
+    reads each part at its payload offset and writes the section packed; decoding (a
+    section whose size already matches) reads it packed and writes each part at its offset."""
     cdef uint32_t i
     cdef const Part* p
     cdef uint64_t wire
-    cdef size_t n
-    cdef int bad
     for i in range(d.count):
         p = &d.parts[i]
-        wire = _part_wire(codec, p, True)
-        n = <size_t>(p.nbytes // 4)
-        if p.ggml_type != 0 or codec == RAW:
-            memcpy(out, payload + p.offset, p.nbytes)
-        elif codec == S8:
-            encoded = _codec.encode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(payload + p.offset, p.nbytes), 0)
-            memcpy(out, PyBytes_AS_STRING(encoded), wire)
+        wire = _part_wire(codec, p, encode)
+        if encode:
+            _encode_part(codec, p, src + p.offset, dst, wire)
+            dst += wire
         else:
-            with nogil:
-                bad = skw_encode_bf16(payload + p.offset, out, n) if codec == BF16 else skw_encode_f16(payload + p.offset, out, n)
-            if bad:  # the codec module raises the exact error, in its order
-                _codec.encode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(payload + p.offset, p.nbytes), 0)
-        out += wire
+            _decode_part(codec, p, src, dst + p.offset, wire)
+            src += wire
+    return 0
+
+
+cdef int _encode_part(int codec, const Part* p, const uint8_t* src, uint8_t* out, uint64_t wire) except -1:
+    cdef size_t n = <size_t>(p.nbytes // 4)
+    cdef int bad
+    if p.ggml_type != 0 or codec == RAW:
+        memcpy(out, src, p.nbytes)
+    elif codec == S8:
+        encoded = _codec.encode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(src, p.nbytes), 0)
+        memcpy(out, PyBytes_AS_STRING(encoded), wire)
+    else:
+        with nogil:
+            bad = skw_encode_bf16(src, out, n) if codec == BF16 else skw_encode_f16(src, out, n)
+        if bad:  # the codec module raises the exact error, in its order
+            _codec.encode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(src, p.nbytes), 0)
+    return 0
+
+
+cdef int _decode_part(int codec, const Part* p, const uint8_t* wire, uint8_t* out, uint64_t size) except -1:
+    cdef size_t n = <size_t>(p.nbytes // 4)
+    cdef int bad
+    if p.ggml_type != 0:
+        memcpy(out, wire, p.nbytes)
+    elif codec == RAW:
+        with nogil:
+            skw_copy_le32_to_host(wire, out, n)
+    elif codec == S8:
+        decoded = _codec.decode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
+        memcpy(out, PyBytes_AS_STRING(decoded.tobytes()), p.nbytes)
+    else:
+        with nogil:
+            bad = skw_decode_bf16(wire, out, n) if codec == BF16 else skw_decode_f16(wire, out, n)
+        if bad:
+            _codec.decode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
     return 0
 
 
 cdef object _slice(const uint8_t* p, uint64_t n):
     return PyBytes_FromStringAndSize(<const char*>p, <Py_ssize_t>n)
-
-
-cdef int _decode_parts(int codec, const Desc* d, const uint8_t* wire, uint8_t* out) except -1:
-    """Decode a payload section whose size already matches (A.4 decoding) into ``out``."""
-    cdef uint32_t i
-    cdef const Part* p
-    cdef uint64_t size
-    cdef size_t n
-    cdef int bad
-    for i in range(d.count):
-        p = &d.parts[i]
-        size = _part_wire(codec, p, False)
-        n = <size_t>(p.nbytes // 4)
-        if p.ggml_type != 0:
-            memcpy(out + p.offset, wire, p.nbytes)
-        elif codec == RAW:
-            with nogil:
-                skw_copy_le32_to_host(wire, out + p.offset, n)
-        elif codec == S8:
-            decoded = _codec.decode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
-            memcpy(out + p.offset, PyBytes_AS_STRING(decoded.tobytes()), p.nbytes)
-        else:
-            with nogil:
-                bad = skw_decode_bf16(wire, out + p.offset, n) if codec == BF16 else skw_decode_f16(wire, out + p.offset, n)
-            if bad:
-                _codec.decode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
-        wire += size
-    return 0
 
 
 cdef int _check_frame_size(int codec, const Desc* d, Py_ssize_t length, int version) except -1:
@@ -458,7 +459,7 @@ cdef bytes _encode(int c, Desc* d, object payload):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
     _write_desc(d, o)
-    _encode_parts(c, d, <const uint8_t*>buf.view.buf, o + HEADER + PART * d.count)
+    _code_parts(c, d, <const uint8_t*>buf.view.buf, o + HEADER + PART * d.count, True)
     return out
 
 
@@ -489,7 +490,7 @@ cdef bytes _finish(int c, const Desc* d, const uint8_t* header, const uint8_t* w
             memcpy(o, header, head)
         else:
             _write_desc(d, o)
-    _decode_parts(c, d, wire, o + skip)
+    _code_parts(c, d, wire, o + skip, False)
     return out
 
 
