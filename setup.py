@@ -64,19 +64,20 @@ def _wire_extension(name: str, depends: list, kernels: bool) -> Extension:
 
 
 def codec_extension() -> Extension:
-    return _wire_extension("_codec", ["_codec_kernels.h", "_codec.pxd", "_codec_select.pxi",
-                                      "_wire_constants.pxi"], kernels=True)
+    return _wire_extension("_codec", ["_codec_kernels.h", "_codec_kernels.pxd", "_codec.pxd",
+                                      "_codec_select.pxi", "_wire_constants.pxi"], kernels=True)
 
 
 def frame_extension() -> Extension:
-    return _wire_extension("_frame", ["_codec.pxd", "_wire_constants.pxi", "_frame_read.pxi",
+    return _wire_extension("_frame", ["_codec.pxd", "_le_bytes.pxd", "_wire_constants.pxi", "_frame_read.pxi",
                                       "_frame_write.pxi", "_frame_reply.pxi"], kernels=False)
 
 
 def frame_gen_extension() -> Extension:
     # State versions 16 and 17; the F32 parts run the codec kernels.
-    return _wire_extension("_frame_gen", ["_codec_kernels.h", "_frame_gen_check.pxi", "_frame_gen_msg.pxi",
-                                          "_frame_gen_agreed.pxi"], kernels=True)
+    return _wire_extension("_frame_gen", ["_codec_kernels.h", "_codec_kernels.pxd", "_le_bytes.pxd",
+                                          "_frame_gen_check.pxi", "_frame_gen_msg.pxi", "_frame_gen_agreed.pxi"],
+                           kernels=True)
 
 
 def backend_extension() -> Extension:

@@ -14,39 +14,14 @@ from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+from skippy_wire.wire._codec_kernels cimport *
+
 cimport numpy as cnp
 import numpy as np
 
 from ..errors import InvalidDataError, InvalidInputError
 
 cnp.import_array()
-
-cdef extern from "_codec_kernels.h" nogil:
-    int skw_simd_enabled
-    int skw_cpu_has_avx2_f16c()
-    int skw_mul_u64(uint64_t a, uint64_t b, uint64_t *r)
-    int skw_encode_bf16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_encode_f16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_decode_bf16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_decode_f16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_exact_bf16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_exact_f16(const uint8_t *s, uint8_t *d, size_t n)
-    Py_ssize_t skw_find_non_finite32(const uint8_t *s, size_t n)
-    Py_ssize_t skw_find_bf16_overflow(const uint8_t *s, size_t n)
-    Py_ssize_t skw_find_f16_overflow(const uint8_t *s, size_t n)
-    Py_ssize_t skw_find_non_finite_half(const uint8_t *s, size_t n, int is_f16)
-    Py_ssize_t skw_encode_s8(const uint8_t *s, uint8_t *d, size_t rows, size_t cols, int *kind)
-    Py_ssize_t skw_decode_s8(const uint8_t *s, uint8_t *d, size_t rows, size_t cols, int *kind)
-    void skw_copy_le32_to_host(const uint8_t *s, uint8_t *d, size_t n)
-    void skw_u32_to_bf16_array(const uint32_t *s, uint16_t *d, size_t n)
-    void skw_u32_to_f16_array(const uint32_t *s, uint16_t *d, size_t n)
-    void skw_bf16_to_u32_array(const uint16_t *s, uint32_t *d, size_t n)
-    void skw_f16_to_u32_array(const uint16_t *s, uint32_t *d, size_t n)
-    enum:
-        SKW_S8_BAD_SCALE
-        SKW_S8_VALUE_RANGE
-        SKW_S8_RESERVED
-        SKW_S8_NON_FINITE
 
 include "_wire_constants.pxi"
 
@@ -144,16 +119,18 @@ cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) e
     return 0
 
 
-cdef int _acquire(object obj, Py_buffer *view) except -1:
-    """Raw bytes of any C-contiguous buffer; one rule for everything else."""
+cdef int _acquire(object obj, Py_buffer *view, str object_array=OBJECT_ARRAY,
+                  str non_contiguous=NON_CONTIGUOUS) except -1:
+    """Raw bytes of any C-contiguous buffer; one rule for everything else.  An object array
+    is refused first: numpy would export (and a writer clobber) the object pointers."""
     if isinstance(obj, cnp.ndarray) and (<cnp.ndarray>obj).dtype.hasobject:
-        raise InvalidInputError(OBJECT_ARRAY)  # numpy would export the object pointers
+        raise InvalidInputError(object_array)
     try:
         PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
     except TypeError:
         raise
     except Exception:
-        raise InvalidInputError(NON_CONTIGUOUS) from None
+        raise InvalidInputError(non_contiguous) from None
     return 0
 
 
@@ -263,14 +240,7 @@ cdef int _open_out(object out, Py_buffer *ob, uint64_t size, const uint8_t *src,
                    Py_ssize_t nbytes, uint8_t **dst) except -1:
     """Acquire ``out`` into ``ob`` for writing ``size`` bytes: C-contiguous, writable, big
     enough and not overlapping the payload (the kernels read the payload after writing)."""
-    if isinstance(out, cnp.ndarray) and (<cnp.ndarray>out).dtype.hasobject:
-        raise InvalidInputError(OUT_OBJECT_ARRAY)  # writing would clobber object pointers
-    try:
-        PyObject_GetBuffer(out, ob, PyBUF_SIMPLE)
-    except TypeError:
-        raise
-    except Exception:
-        raise InvalidInputError(OUT_NON_CONTIGUOUS) from None
+    _acquire(out, ob, OUT_OBJECT_ARRAY, OUT_NON_CONTIGUOUS)
     cdef const uint8_t *o = <const uint8_t *>ob.buf
     try:
         if ob.readonly:
@@ -304,45 +274,43 @@ cdef object _out_result(object out, uint64_t size):
 
 # The payload-sized kernels, one dispatcher so that every call site releases the GIL the
 # same way: from ``_nogil_threshold`` input bytes on, never below.
+ctypedef int (*UniformKernel)(const uint8_t *s, uint8_t *d, size_t n) noexcept nogil
+
 cdef enum Kernel:
-    K_FIND_NON_FINITE  # -> index of the first non-finite f32, or -1
-    K_COPY             # n = byte count
+    # the uniform kernels, (src, dst, n) -> int, in the order of _UNIFORM
     K_ENCODE_BF16      # -> non-zero when a value needs the error walk
     K_ENCODE_F16
-    K_ENCODE_S8        # -> failing row or -1, ``kind`` set
-    K_COPY_LE32
     K_DECODE_BF16      # -> non-zero when a value is not finite
     K_DECODE_F16
-    K_DECODE_S8        # -> failing row or -1, ``kind`` set
     K_EXACT_BF16       # -> 1 when every value is exact (dst, if not NULL, gets the patterns)
     K_EXACT_F16
+    K_UNIFORM_COUNT
+    # the others
+    K_FIND_NON_FINITE  # -> index of the first non-finite f32, or -1
+    K_COPY             # n = byte count
+    K_COPY_LE32
+    K_ENCODE_S8        # -> failing row or -1, ``kind`` set
+    K_DECODE_S8        # -> failing row or -1, ``kind`` set
+
+cdef UniformKernel _UNIFORM[<int>K_UNIFORM_COUNT]
+_UNIFORM[:] = [skw_encode_bf16, skw_encode_f16, skw_decode_bf16, skw_decode_f16, skw_exact_bf16, skw_exact_f16]
 
 
 cdef Py_ssize_t _dispatch(int op, const uint8_t *src, uint8_t *dst, size_t n, size_t rows, size_t cols,
                           int *kind) noexcept nogil:
+    if op < K_UNIFORM_COUNT:
+        return _UNIFORM[op](src, dst, n)
     if op == K_FIND_NON_FINITE:
         return skw_find_non_finite32(src, n)
     if op == K_COPY:
         memcpy(dst, src, n)
-        return 0
-    if op == K_ENCODE_BF16:
-        return skw_encode_bf16(src, dst, n)
-    if op == K_ENCODE_F16:
-        return skw_encode_f16(src, dst, n)
-    if op == K_ENCODE_S8:
-        return skw_encode_s8(src, dst, rows, cols, kind)
-    if op == K_COPY_LE32:
+    elif op == K_COPY_LE32:
         skw_copy_le32_to_host(src, dst, n)
-        return 0
-    if op == K_DECODE_BF16:
-        return skw_decode_bf16(src, dst, n)
-    if op == K_DECODE_F16:
-        return skw_decode_f16(src, dst, n)
-    if op == K_DECODE_S8:
+    elif op == K_ENCODE_S8:
+        return skw_encode_s8(src, dst, rows, cols, kind)
+    else:
         return skw_decode_s8(src, dst, rows, cols, kind)
-    if op == K_EXACT_BF16:
-        return skw_exact_bf16(src, dst, n)
-    return skw_exact_f16(src, dst, n)
+    return 0
 
 
 cdef Py_ssize_t _run(int op, const uint8_t *src, uint8_t *dst, size_t n, bint release,
@@ -515,39 +483,42 @@ ctypedef void (*narrow_fn)(const uint32_t *, uint16_t *, size_t) noexcept nogil
 ctypedef void (*widen_fn)(const uint16_t *, uint32_t *, size_t) noexcept nogil
 
 
-cdef cnp.ndarray _narrow(object bits, narrow_fn convert):
-    """u32 patterns -> u16 patterns of the same shape, element by element."""
-    cdef cnp.ndarray a = _bits_in(bits, np.uint32, BITS_DTYPE_U32)
-    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint16)
-    with nogil:
-        convert(<const uint32_t *>cnp.PyArray_DATA(a), <uint16_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
-    return out
+ctypedef fused convert_fn:
+    narrow_fn
+    widen_fn
 
 
-cdef cnp.ndarray _widen(object bits, widen_fn convert):
-    """u16 patterns -> u32 patterns of the same shape, element by element."""
-    cdef cnp.ndarray a = _bits_in(bits, np.uint16, BITS_DTYPE_U16)
-    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint32)
+cdef cnp.ndarray _convert(object bits, convert_fn convert):
+    """u32 patterns -> u16 (narrow) or u16 -> u32 (widen), same shape, element by element."""
+    cdef bint narrow = convert_fn is narrow_fn
+    cdef cnp.ndarray a = _bits_in(bits, np.uint32 if narrow else np.uint16, BITS_DTYPE_U32 if narrow else BITS_DTYPE_U16)
+    cdef cnp.ndarray out = np.empty(np.shape(bits), dtype=np.uint16 if narrow else np.uint32)
+    cdef void *src = cnp.PyArray_DATA(a)
+    cdef void *dst = cnp.PyArray_DATA(out)
+    cdef size_t n = <size_t>cnp.PyArray_SIZE(a)
     with nogil:
-        convert(<const uint16_t *>cnp.PyArray_DATA(a), <uint32_t *>cnp.PyArray_DATA(out), <size_t>cnp.PyArray_SIZE(a))
+        if convert_fn is narrow_fn:
+            convert(<const uint32_t *>src, <uint16_t *>dst, n)
+        else:
+            convert(<const uint16_t *>src, <uint32_t *>dst, n)
     return out
 
 
 def f32_bits_to_bf16_bits(bits):
     """Raw 6.6 conversion of every element (no checks; NaN keeps its top bits, quieted)."""
-    return _narrow(bits, skw_u32_to_bf16_array)
+    return _convert[narrow_fn](bits, skw_u32_to_bf16_array)
 
 
 def f32_bits_to_f16_bits(bits):
     """Raw 6.5 conversion of every element (no checks; NaN -> 0x7c01 | sign)."""
-    return _narrow(bits, skw_u32_to_f16_array)
+    return _convert[narrow_fn](bits, skw_u32_to_f16_array)
 
 
 def bf16_bits_to_f32_bits(bits):
     """Raw bf16 -> f32 widening (exact)."""
-    return _widen(bits, skw_bf16_to_u32_array)
+    return _convert[widen_fn](bits, skw_bf16_to_u32_array)
 
 
 def f16_bits_to_f32_bits(bits):
     """Raw 6.5 f16 -> f32 widening (exact; NaN payloads shifted up)."""
-    return _widen(bits, skw_f16_to_u32_array)
+    return _convert[widen_fn](bits, skw_f16_to_u32_array)

@@ -255,23 +255,37 @@ SKW_AVX2 static int skw_exact_bf16_avx2(const uint8_t *s, uint8_t *d, size_t n)
     return d ? skw_body_exact_bf16(s, d, n) : skw_body_exact_bf16(s, NULL, n);
 }
 
+/* The 8-lane pieces of the f16 kernels: unaligned loads/stores and the lanes whose
+ * exponent field is all ones (inf or NaN). */
+SKW_AVX2 static inline __m256i skw_avx2_ld_f32x8(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
+SKW_AVX2 static inline __m128i skw_avx2_ld_f16x8(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)(const void *)p); }
+SKW_AVX2 static inline void skw_avx2_st_f16x8(uint8_t *p, __m128i h) { _mm_storeu_si128((__m128i *)(void *)p, h); }
+SKW_AVX2 static inline __m256i skw_avx2_non_finite32(__m256i b)
+{
+    const __m256i exp32 = _mm256_set1_epi32(0x7f800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(b, exp32), exp32);
+}
+SKW_AVX2 static inline __m128i skw_avx2_non_finite16(__m128i h)
+{
+    const __m128i exp16 = _mm_set1_epi16(0x7c00);
+    return _mm_cmpeq_epi16(_mm_and_si128(h, exp16), exp16);
+}
+
 /* f16 with F16C.  vcvtps2ph with imm 0 rounds to nearest even from the integer
  * representation of the operands, exactly as 6.5 for every finite input (f32 subnormals
  * become signed zeros either way); it would quieten NaN payloads, but non-finite inputs
  * are flagged and rejected, so no hardware NaN ever reaches the wire. */
 SKW_AVX2 static int skw_encode_f16_avx2(const uint8_t *src, uint8_t *dst, size_t n)
 {
-    const __m256i exp32 = _mm256_set1_epi32(0x7f800000);
-    const __m128i exp16 = _mm_set1_epi16(0x7c00);
     __m256i bad32 = _mm256_setzero_si256();
     __m128i bad16 = _mm_setzero_si128();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(src + 4 * i));
-        bad32 = _mm256_or_si256(bad32, _mm256_cmpeq_epi32(_mm256_and_si256(b, exp32), exp32));
+        __m256i b = skw_avx2_ld_f32x8(src + 4 * i);
         __m128i h = _mm256_cvtps_ph(_mm256_castsi256_ps(b), 0);
-        bad16 = _mm_or_si128(bad16, _mm_cmpeq_epi16(_mm_and_si128(h, exp16), exp16));
-        _mm_storeu_si128((__m128i *)(void *)(dst + 2 * i), h);
+        bad32 = _mm256_or_si256(bad32, skw_avx2_non_finite32(b));
+        bad16 = _mm_or_si128(bad16, skw_avx2_non_finite16(h));
+        skw_avx2_st_f16x8(dst + 2 * i, h);
     }
     int bad = !_mm256_testz_si256(bad32, bad32) || !_mm_testz_si128(bad16, bad16);
     return skw_body_encode_f16(src + 4 * i, dst + 2 * i, n - i) | bad;
@@ -280,12 +294,11 @@ SKW_AVX2 static int skw_encode_f16_avx2(const uint8_t *src, uint8_t *dst, size_t
 /* vcvtph2ps is exact for every finite half (subnormals included). */
 SKW_AVX2 static int skw_decode_f16_avx2(const uint8_t *src, uint8_t *dst, size_t n)
 {
-    const __m128i exp16 = _mm_set1_epi16(0x7c00);
     __m128i bad16 = _mm_setzero_si128();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * i));
-        bad16 = _mm_or_si128(bad16, _mm_cmpeq_epi16(_mm_and_si128(h, exp16), exp16));
+        __m128i h = skw_avx2_ld_f16x8(src + 2 * i);
+        bad16 = _mm_or_si128(bad16, skw_avx2_non_finite16(h));
         _mm256_storeu_ps((float *)(void *)(dst + 4 * i), _mm256_cvtph_ps(h));
     }
     int bad = !_mm_testz_si128(bad16, bad16);
@@ -296,16 +309,15 @@ SKW_AVX2 static int skw_decode_f16_avx2(const uint8_t *src, uint8_t *dst, size_t
  * round trip, so non-finite inputs are excluded explicitly (8.1 step 3). */
 SKW_AVX2 static int skw_exact_f16_avx2(const uint8_t *src, uint8_t *dst, size_t n)
 {
-    const __m256i exp32 = _mm256_set1_epi32(0x7f800000);
     __m256i bad = _mm256_setzero_si256();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(src + 4 * i));
+        __m256i b = skw_avx2_ld_f32x8(src + 4 * i);
         __m128i h = _mm256_cvtps_ph(_mm256_castsi256_ps(b), 0);
         __m256i back = _mm256_castps_si256(_mm256_cvtph_ps(h));
-        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(b, exp32), exp32));
+        bad = _mm256_or_si256(bad, skw_avx2_non_finite32(b));
         bad = _mm256_or_si256(bad, _mm256_xor_si256(back, b));
-        if (dst) _mm_storeu_si128((__m128i *)(void *)(dst + 2 * i), h);
+        if (dst) skw_avx2_st_f16x8(dst + 2 * i, h);
     }
     if (!_mm256_testz_si256(bad, bad)) return 0;
     return skw_body_exact_f16(src + 4 * i, dst ? dst + 2 * i : NULL, n - i);

@@ -24,6 +24,7 @@ from libc.string cimport memcpy, memcmp
 from skippy_wire.wire._codec cimport (
     OK, Dims, Shape, encoded_size, frame_shape, raise_status,
 )
+from skippy_wire.wire._le_bytes cimport ld_i32, ld_u32, ld_u64, st_u32, st_u64
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object, Py_ssize_t*) except NULL
@@ -116,27 +117,6 @@ cdef inline object _instance(type cls, dict values):
     Py_DECREF(obj)     # ... and drops the one tp_new returned
     PyObject_GenericSetDict(obj, values, NULL)
     return obj
-
-
-# --- little-endian loads/stores (byte-wise: payloads are unaligned, STYLE) -------------------
-cdef inline uint32_t ld_u32(const uint8_t* p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-cdef inline int32_t ld_i32(const uint8_t* p) noexcept nogil:
-    return <int32_t>ld_u32(p)
-
-cdef inline uint64_t ld_u64(const uint8_t* p) noexcept nogil:
-    return <uint64_t>ld_u32(p) | (<uint64_t>ld_u32(p + 4) << 32)
-
-cdef inline void st_u32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xff
-    p[1] = (v >> 8) & 0xff
-    p[2] = (v >> 16) & 0xff
-    p[3] = (v >> 24) & 0xff
-
-cdef inline void st_u64(uint8_t* p, uint64_t v) noexcept nogil:
-    st_u32(p, <uint32_t>(v & 0xffffffffu))
-    st_u32(p + 4, <uint32_t>(v >> 32))
 
 
 cdef inline object f32_obj(uint32_t bits):

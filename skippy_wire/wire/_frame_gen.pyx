@@ -21,13 +21,10 @@ from cpython.ref cimport Py_DECREF
 from libc.stdint cimport int32_t, uint16_t, uint32_t, int64_t, uint64_t, uint8_t
 from libc.string cimport memcpy, memcmp, memset
 
-cdef extern from "_codec_kernels.h" nogil:
-    int skw_mul_u64(uint64_t a, uint64_t b, uint64_t *r)
-    int skw_encode_bf16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_encode_f16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_decode_bf16(const uint8_t *s, uint8_t *d, size_t n)
-    int skw_decode_f16(const uint8_t *s, uint8_t *d, size_t n)
-    void skw_copy_le32_to_host(const uint8_t *s, uint8_t *d, size_t n)
+from skippy_wire.wire._codec_kernels cimport (
+    skw_copy_le32_to_host, skw_decode_bf16, skw_decode_f16, skw_encode_bf16, skw_encode_f16, skw_mul_u64,
+)
+from skippy_wire.wire._le_bytes cimport ld_u32, ld_u64, st_u32, st_u64
 
 cdef extern from "Python.h":
     ctypedef struct PyTypeObject:
@@ -125,26 +122,6 @@ cdef struct Desc:
     Part parts[16]
 
 
-cdef inline uint32_t ld32(const uint8_t* p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline uint64_t ld64(const uint8_t* p) noexcept nogil:
-    return <uint64_t>ld32(p) | (<uint64_t>ld32(p + 4) << 32)
-
-
-cdef inline void st32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = v >> 24
-
-
-cdef inline void st64(uint8_t* p, uint64_t v) noexcept nogil:
-    st32(p, <uint32_t>v)
-    st32(p + 4, <uint32_t>(v >> 32))
-
-
 cdef int _raise(str text) except -1:
     raise InvalidDataError(text)
 
@@ -231,32 +208,32 @@ cdef int _read_desc(const uint8_t* b, Py_ssize_t n, Desc* d) except -1:
     cdef Part* p
     if n < 28:
         raise UnexpectedEofError()
-    d.version = ld32(b)
-    d.producer = <int32_t>ld32(b + 4)
-    d.layer_start = <int32_t>ld32(b + 8)
-    d.layer_end = <int32_t>ld32(b + 12)
-    d.tokens = ld32(b + 16)
-    d.sequences = ld32(b + 20)
-    d.count = ld32(b + 24)
+    d.version = ld_u32(b)
+    d.producer = <int32_t>ld_u32(b + 4)
+    d.layer_start = <int32_t>ld_u32(b + 8)
+    d.layer_end = <int32_t>ld_u32(b + 12)
+    d.tokens = ld_u32(b + 16)
+    d.sequences = ld_u32(b + 20)
+    d.count = ld_u32(b + 24)
     if d.count < 1 or d.count > MAX_PARTS:
         _raise(E_PART_COUNT)
     if n < HEADER + PART * <Py_ssize_t>d.count:
         raise UnexpectedEofError()
-    d.payload = ld64(b + 28)
+    d.payload = ld_u64(b + 28)
     memcpy(d.frontier, b + 36, 32)
     for i in range(d.count):
         q = b + HEADER + PART * i
         p = &d.parts[i]
         memcpy(p.identity, q, 32)
-        p.ggml_type = ld32(q + 32)
-        p.rank = ld32(q + 36)
-        p.token_axis = <int32_t>ld32(q + 40)
-        p.flags = ld32(q + 44)
+        p.ggml_type = ld_u32(q + 32)
+        p.rank = ld_u32(q + 36)
+        p.token_axis = <int32_t>ld_u32(q + 40)
+        p.flags = ld_u32(q + 44)
         for k in range(4):
-            p.dims[k] = <int64_t>ld64(q + 48 + 8 * k)
-            p.strides[k] = ld64(q + 80 + 8 * k)
-        p.offset = ld64(q + 112)
-        p.nbytes = ld64(q + 120)
+            p.dims[k] = <int64_t>ld_u64(q + 48 + 8 * k)
+            p.strides[k] = ld_u64(q + 80 + 8 * k)
+        p.offset = ld_u64(q + 112)
+        p.nbytes = ld_u64(q + 120)
     return 0
 
 
@@ -264,28 +241,28 @@ cdef void _write_desc(const Desc* d, uint8_t* out) noexcept nogil:
     cdef uint32_t i, k
     cdef uint8_t* q
     cdef const Part* p
-    st32(out, d.version)
-    st32(out + 4, <uint32_t>d.producer)
-    st32(out + 8, <uint32_t>d.layer_start)
-    st32(out + 12, <uint32_t>d.layer_end)
-    st32(out + 16, d.tokens)
-    st32(out + 20, d.sequences)
-    st32(out + 24, d.count)
-    st64(out + 28, d.payload)
+    st_u32(out, d.version)
+    st_u32(out + 4, <uint32_t>d.producer)
+    st_u32(out + 8, <uint32_t>d.layer_start)
+    st_u32(out + 12, <uint32_t>d.layer_end)
+    st_u32(out + 16, d.tokens)
+    st_u32(out + 20, d.sequences)
+    st_u32(out + 24, d.count)
+    st_u64(out + 28, d.payload)
     memcpy(out + 36, d.frontier, 32)
     for i in range(d.count):
         q = out + HEADER + PART * i
         p = &d.parts[i]
         memcpy(q, p.identity, 32)
-        st32(q + 32, p.ggml_type)
-        st32(q + 36, p.rank)
-        st32(q + 40, <uint32_t>p.token_axis)
-        st32(q + 44, p.flags)
+        st_u32(q + 32, p.ggml_type)
+        st_u32(q + 36, p.rank)
+        st_u32(q + 40, <uint32_t>p.token_axis)
+        st_u32(q + 44, p.flags)
         for k in range(4):
-            st64(q + 48 + 8 * k, <uint64_t>p.dims[k])
-            st64(q + 80 + 8 * k, p.strides[k])
-        st64(q + 112, p.offset)
-        st64(q + 120, p.nbytes)
+            st_u64(q + 48 + 8 * k, <uint64_t>p.dims[k])
+            st_u64(q + 80 + 8 * k, p.strides[k])
+        st_u64(q + 112, p.offset)
+        st_u64(q + 120, p.nbytes)
 
 
 cdef int _validate(const Desc* d, int64_t payload_len) except -1:
@@ -369,61 +346,62 @@ cdef uint64_t _frame_size(int codec, const Desc* d) except? 0xFFFFFFFFFFFFFFFF:
     return total
 
 
-cdef int _encode_parts(int codec, const Desc* d, const uint8_t* payload, uint8_t* out) except -1:
-    """The payload section, parts in order; the first error wins (A.4)."""
+cdef int _code_parts(int codec, const Desc* d, const uint8_t* src, uint8_t* dst, bint encode) except -1:
+    """The payload section part by part, in order; the first error wins (A.4).  Encoding
+    reads each part at its payload offset and writes the section packed; decoding (a
+    section whose size already matches) reads it packed and writes each part at its offset."""
     cdef uint32_t i
     cdef const Part* p
     cdef uint64_t wire
-    cdef size_t n
-    cdef int bad
     for i in range(d.count):
         p = &d.parts[i]
-        wire = _part_wire(codec, p, True)
-        n = <size_t>(p.nbytes // 4)
-        if p.ggml_type != 0 or codec == RAW:
-            memcpy(out, payload + p.offset, p.nbytes)
-        elif codec == S8:
-            encoded = _codec.encode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(payload + p.offset, p.nbytes), 0)
-            memcpy(out, PyBytes_AS_STRING(encoded), wire)
+        wire = _part_wire(codec, p, encode)
+        if encode:
+            _encode_part(codec, p, src + p.offset, dst, wire)
+            dst += wire
         else:
-            with nogil:
-                bad = skw_encode_bf16(payload + p.offset, out, n) if codec == BF16 else skw_encode_f16(payload + p.offset, out, n)
-            if bad:  # the codec module raises the exact error, in its order
-                _codec.encode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(payload + p.offset, p.nbytes), 0)
-        out += wire
+            _decode_part(codec, p, src, dst + p.offset, wire)
+            src += wire
+    return 0
+
+
+cdef int _encode_part(int codec, const Part* p, const uint8_t* src, uint8_t* out, uint64_t wire) except -1:
+    cdef size_t n = <size_t>(p.nbytes // 4)
+    cdef int bad
+    if p.ggml_type != 0 or codec == RAW:
+        memcpy(out, src, p.nbytes)
+    elif codec == S8:
+        encoded = _codec.encode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(src, p.nbytes), 0)
+        memcpy(out, PyBytes_AS_STRING(encoded), wire)
+    else:
+        with nogil:
+            bad = skw_encode_bf16(src, out, n) if codec == BF16 else skw_encode_f16(src, out, n)
+        if bad:  # the codec module raises the exact error, in its order
+            _codec.encode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(src, p.nbytes), 0)
+    return 0
+
+
+cdef int _decode_part(int codec, const Part* p, const uint8_t* wire, uint8_t* out, uint64_t size) except -1:
+    cdef size_t n = <size_t>(p.nbytes // 4)
+    cdef int bad
+    if p.ggml_type != 0:
+        memcpy(out, wire, p.nbytes)
+    elif codec == RAW:
+        with nogil:
+            skw_copy_le32_to_host(wire, out, n)
+    elif codec == S8:
+        decoded = _codec.decode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
+        memcpy(out, PyBytes_AS_STRING(decoded.tobytes()), p.nbytes)
+    else:
+        with nogil:
+            bad = skw_decode_bf16(wire, out, n) if codec == BF16 else skw_decode_f16(wire, out, n)
+        if bad:
+            _codec.decode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
     return 0
 
 
 cdef object _slice(const uint8_t* p, uint64_t n):
     return PyBytes_FromStringAndSize(<const char*>p, <Py_ssize_t>n)
-
-
-cdef int _decode_parts(int codec, const Desc* d, const uint8_t* wire, uint8_t* out) except -1:
-    """Decode a payload section whose size already matches (A.4 decoding) into ``out``."""
-    cdef uint32_t i
-    cdef const Part* p
-    cdef uint64_t size
-    cdef size_t n
-    cdef int bad
-    for i in range(d.count):
-        p = &d.parts[i]
-        size = _part_wire(codec, p, False)
-        n = <size_t>(p.nbytes // 4)
-        if p.ggml_type != 0:
-            memcpy(out + p.offset, wire, p.nbytes)
-        elif codec == RAW:
-            with nogil:
-                skw_copy_le32_to_host(wire, out + p.offset, n)
-        elif codec == S8:
-            decoded = _codec.decode_activation(S8, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
-            memcpy(out + p.offset, PyBytes_AS_STRING(decoded.tobytes()), p.nbytes)
-        else:
-            with nogil:
-                bad = skw_decode_bf16(wire, out + p.offset, n) if codec == BF16 else skw_decode_f16(wire, out + p.offset, n)
-            if bad:
-                _codec.decode_activation(codec, n // <size_t>p.dims[0], p.dims[0], _slice(wire, size), 0)
-        wire += size
-    return 0
 
 
 cdef int _check_frame_size(int codec, const Desc* d, Py_ssize_t length, int version) except -1:
@@ -481,7 +459,7 @@ cdef bytes _encode(int c, Desc* d, object payload):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
     _write_desc(d, o)
-    _encode_parts(c, d, <const uint8_t*>buf.view.buf, o + HEADER + PART * d.count)
+    _code_parts(c, d, <const uint8_t*>buf.view.buf, o + HEADER + PART * d.count, True)
     return out
 
 
@@ -512,7 +490,7 @@ cdef bytes _finish(int c, const Desc* d, const uint8_t* header, const uint8_t* w
             memcpy(o, header, head)
         else:
             _write_desc(d, o)
-    _decode_parts(c, d, wire, o + skip)
+    _code_parts(c, d, wire, o + skip, False)
     return out
 
 

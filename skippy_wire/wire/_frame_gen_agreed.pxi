@@ -109,13 +109,13 @@ cdef bytes _agreed_header(object agreement, object profile, const Desc* d, int m
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
     cdef bytes generation = bytes(agreement.generation)
     memcpy(o, <const char*>generation, 16)
-    st32(o + 16, profile.id)
-    st32(o + 20, d.tokens)
-    st32(o + 24, d.sequences)
+    st_u32(o + 16, profile.id)
+    st_u32(o + 20, d.tokens)
+    st_u32(o + 24, d.sequences)
     o[28] = mask & 0xFF
     o[29] = (mask >> 8) & 0xFF
     for i in range(len(dynamic)):
-        st64(o + 30 + 8 * i, <uint64_t>dynamic[i])
+        st_u64(o + 30 + 8 * i, <uint64_t>dynamic[i])
     return out
 
 
@@ -182,12 +182,12 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
         _raise(E_STALE)
     if n < 20:
         raise UnexpectedEofError()
-    profile = agreement.profile(ld32(b + 16))
+    profile = agreement.profile(ld_u32(b + 16))
     if profile is None:
         _raise(E_UNKNOWN_PROFILE)
     if n < 30:
         raise UnexpectedEofError()
-    tokens, sequences, mask = ld32(b + 20), ld32(b + 24), b[28] | (b[29] << 8)
+    tokens, sequences, mask = ld_u32(b + 20), ld_u32(b + 24), b[28] | (b[29] << 8)
     if (not 1 <= tokens <= profile.max_tokens or not 1 <= sequences <= profile.max_sequences or mask == 0
             or mask >> len(profile.parts)):
         _raise(E_COUNTS)
@@ -213,7 +213,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
             else:
                 if n < pos + 8:
                     raise UnexpectedEofError()
-                v = ld64(b + pos)
+                v = ld_u64(b + pos)
                 pos += 8
                 if not dim.min <= v <= dim.max:
                     _raise(E_BOUNDS)

@@ -26,7 +26,7 @@ cdef inline int _need(Cur* c, Py_ssize_t n) except -1:
 cdef inline uint32_t _u32(Cur* c) except? 0xFFFFFFFF:
     _need(c, 4)
     c.pos += 4
-    return ld32(c.buf + c.pos - 4)
+    return ld_u32(c.buf + c.pos - 4)
 
 
 cdef object _text(Cur* c, uint32_t length, str bad):
@@ -63,7 +63,7 @@ cdef object _state(const uint8_t* h, object codec):
     cdef dict d = {}
     cdef int i
     for i in range(9):
-        d[_STATE_FIELDS[i]] = <int32_t>ld32(h + 4 * i)
+        d[_STATE_FIELDS[i]] = <int32_t>ld_u32(h + 4 * i)
     d["activation_codec"] = codec
     return _instance(StageStateHeader, d)
 
@@ -145,7 +145,7 @@ cdef list _i32_list(Cur* c, int32_t n):
     cdef int32_t i
     out = [None] * n
     for i in range(n):
-        out[i] = <int32_t>ld32(c.buf + c.pos + 4 * i)
+        out[i] = <int32_t>ld_u32(c.buf + c.pos + 4 * i)
     c.pos += 4 * n
     return out
 
@@ -181,14 +181,14 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
         _raise("unknown stage message kind")
     _need(&c, 56)
     cdef const uint8_t* h = c.buf + c.pos
-    cdef int32_t pos_start = <int32_t>ld32(h), token_count = <int32_t>ld32(h + 4)
-    cdef int32_t n_tokens = <int32_t>ld32(h + 8), n_positions = <int32_t>ld32(h + 12)
-    cdef int32_t codec_raw = <int32_t>ld32(h + 52)
+    cdef int32_t pos_start = <int32_t>ld_u32(h), token_count = <int32_t>ld_u32(h + 4)
+    cdef int32_t n_tokens = <int32_t>ld_u32(h + 8), n_positions = <int32_t>ld_u32(h + 12)
+    cdef int32_t codec_raw = <int32_t>ld_u32(h + 52)
     if codec_raw < 1 or codec_raw > 4:
         _raise(E_CODEC)
     codec = _CODECS[codec_raw]
     state = _state(h + 16, codec)
-    if <int32_t>ld32(h + 16) != version:
+    if <int32_t>ld_u32(h + 16) != version:
         _raise("unsupported stage state version")
     c.pos += 56
     cdef int32_t count = <int32_t>_u32(&c)
@@ -197,9 +197,9 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
     if <uint64_t>count > MAX_BYTES:
         _raise(E_WIRE_MAX)
     _need(&c, 16)
-    request_id, session_id = ld64(c.buf + c.pos), ld64(c.buf + c.pos + 8)
+    request_id, session_id = ld_u64(c.buf + c.pos), ld_u64(c.buf + c.pos + 8)
     c.pos += 16
-    cdef int32_t flags = <int32_t>ld32(h + 28), source = <int32_t>ld32(h + 48)
+    cdef int32_t flags = <int32_t>ld_u32(h + 28), source = <int32_t>ld_u32(h + 48)
     if kind in _ACTIVATIONLESS or source < 0:
         if count != 0:
             _raise("activationless stage message contains activation payload")
@@ -305,11 +305,11 @@ cdef bytes struct_prefix(int32_t kind, int32_t pos_start, int32_t token_count, P
                          Py_ssize_t n_positions):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, 20)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
-    st32(o, <uint32_t>kind)
-    st32(o + 4, <uint32_t>pos_start)
-    st32(o + 8, <uint32_t>token_count)
-    st32(o + 12, <uint32_t>n_tokens)
-    st32(o + 16, <uint32_t>n_positions)
+    st_u32(o, <uint32_t>kind)
+    st_u32(o + 4, <uint32_t>pos_start)
+    st_u32(o + 8, <uint32_t>token_count)
+    st_u32(o + 12, <uint32_t>n_tokens)
+    st_u32(o + 16, <uint32_t>n_positions)
     return out
 
 

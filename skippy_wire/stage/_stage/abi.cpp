@@ -289,15 +289,18 @@ enum skippy_status skippy_prefill_chunk_frame_with_positions(
                                                              output_capacity, out_bytes, nullptr, out_error);
 }
 
-// The tokens and frame arguments of a single-sequence call.
+// The tokens and frame arguments of a single-sequence call; a terminal stage samples the
+// last row when the call asks for the predicted token (out_token).
 static request_io frame_io(const int32_t * tokens, size_t n, const skippy_sampling_config * sampling,
                            const skippy_activation_desc * input_desc, const void * input_payload,
                            skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
-                           size_t * out_bytes) {
+                           size_t * out_bytes, int32_t * out_token) {
     request_io io;
     io.tokens = tokens; io.n = n;
     io.sampling = sampling; io.in_desc = input_desc; io.in_payload = input_payload;
     io.out_desc = output_desc; io.out_payload = output_payload; io.capacity = output_capacity; io.out_bytes = out_bytes;
+    io.sample = out_token != nullptr;
+    io.out_token = out_token;
     return io;
 }
 
@@ -317,10 +320,8 @@ enum skippy_status skippy_prefill_chunk_frame_sampled_with_positions(
     const void * input_payload, struct skippy_activation_desc * output_desc, void * output_payload, size_t output_capacity,
     size_t * out_bytes, int32_t * out_predicted_token, struct skippy_error ** out_error) {
     request_io io = frame_io(token_ids, token_count, sampling, input_desc, input_payload, output_desc, output_payload,
-                             output_capacity, out_bytes);
+                             output_capacity, out_bytes, out_predicted_token);
     io.positions = positions; io.position_count = position_count;
-    io.sample = out_predicted_token != nullptr;
-    io.out_token = out_predicted_token;
     return run_single(s, call_kind::prefill, io, out_error);
 }
 
@@ -330,9 +331,7 @@ enum skippy_status skippy_decode_step_frame_sampled(
     void * output_payload, size_t output_capacity, size_t * out_bytes, int32_t * out_predicted_token,
     struct skippy_error ** out_error) {
     request_io io = frame_io(&token_id, 1, sampling, input_desc, input_payload, output_desc, output_payload,
-                             output_capacity, out_bytes);
-    io.sample = true;
-    io.out_token = out_predicted_token;
+                             output_capacity, out_bytes, out_predicted_token);
     return run_single(s, call_kind::decode, io, out_error);
 }
 
@@ -356,7 +355,7 @@ enum skippy_status skippy_verify_tokens_frame_sampled(
     (void) max_draft_tokens;
     mtp_unavailable(out_mtp_draft);
     request_io io = frame_io(token_ids, token_count, sampling, input_desc, input_payload, output_desc, output_payload,
-                             output_capacity, out_bytes);
+                             output_capacity, out_bytes, nullptr);
     io.out_tokens = output_tokens; io.token_capacity = output_token_capacity; io.out_token_count = out_token_count;
     return run_single(s, call_kind::verify, io, out_error);
 }
