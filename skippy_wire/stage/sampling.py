@@ -1,20 +1,20 @@
 """The C sampling struct of the stage adapter: skippy-runtime ``SamplingConfig`` (version 2,
 2352 bytes, runtime.md section 2.4) and its packing from a runtime or a wire config.
 
-The runtime config's fields and defaults are the wire ``SamplingConfig``'s (one definition,
-:mod:`skippy_wire.wire.messages`), with the wire's ``flags`` word split into ``enabled`` and
-``ignore_eos``.
+The runtime config's fields and defaults are the wire sampling block's (``SAMPLING_FIELDS``
+of :mod:`skippy_wire.wire.messages`, one definition), with the wire's ``flags`` word split
+into ``enabled`` and ``ignore_eos``.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import MISSING, fields, make_dataclass
+from dataclasses import make_dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import SamplingConfigError
 from ..wire.constants import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS
-from ..wire.messages import SAMPLING_F32_FIELDS, SAMPLING_WIRE_ORDER, SamplingConfig
+from ..wire.messages import SAMPLING_F32_FIELDS, SAMPLING_FIELDS, SAMPLING_WIRE_ORDER
 from .activation import SAMPLING_CONFIG_BYTES, U32_MAX
 
 # --- sampling (runtime.md section 2.4) -------------------------------------------------------
@@ -46,13 +46,9 @@ def _runtime_fields() -> list:
     """The runtime struct's fields: ``enabled``/``ignore_eos`` first, then the wire block's
     fields with the wire's defaults (lists become tuples; the wire ``flags`` word is split)."""
     out = [("enabled", bool, False), ("ignore_eos", bool, False)]
-    for wire_field in fields(SamplingConfig):
-        if wire_field.name in ("flags", "ignore_eos"):
-            continue
-        if wire_field.default_factory is MISSING:
-            out.append((wire_field.name, wire_field.type, wire_field.default))
-        else:
-            out.append((wire_field.name, Sequence, tuple(wire_field.default_factory())))
+    for name, code, default in SAMPLING_FIELDS:
+        if name not in ("flags", "ignore_eos"):
+            out.append((name, Sequence, tuple(default)) if code in "LS" else (name, type(default), default))
     return out
 
 
