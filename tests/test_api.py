@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+from process_helpers import default_sigint
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,8 @@ class ApiServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--ctx-size", "512", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+            preexec_fn=default_sigint)
         self.log: list[str] = []
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_g
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import cli
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, describe
+from process_helpers import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,7 +256,7 @@ def test_ctrl_c_during_run_exits_130_and_stops_the_stages(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "run", "--model", str(model), "--raw",
                              "--temp", "0", "-n", "400", "Once upon a time"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     try:
         progress = []
         deadline = time.monotonic() + 120

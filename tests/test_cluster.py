@@ -24,6 +24,7 @@ from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
 from skippy_wire.net.topology import build_topology
 from skippy_wire.stage.models import model_shape, smollm2_path
 from skippy_wire.tools import run
+from process_helpers import default_sigint
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +142,8 @@ def test_shaped_link_lowers_throughput(netns):
 def _start_and_wait_generating(extra: list[str]):
     proc = subprocess.Popen([*CLUSTER, "--hosts", "2", "--delay-ms", "40", "--max-tokens", "200",
                              "--measure-seconds", "0", *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
     seen = []
     deadline = time.monotonic() + 120
     for line in proc.stderr:
