@@ -34,26 +34,23 @@ from ..errors import (
     Status,
     format_status_error,
 )
+from ..wire.activation_frame import GGML_TYPE_SIZE, FrameSpan, ActivationPartV16, GgmlType
+# The runtime's C structs carry the v16 wire's frame and part fields (runtime.md section 2.3).
+from ..wire.activation_frame import MAX_STAGE_ACTIVATION_DIMS as ACTIVATION_MAX_DIMS
+from ..wire.activation_frame import MAX_STAGE_ACTIVATION_PARTS as ACTIVATION_MAX_PARTS
+from ..wire.activation_frame import STAGE_ACTIVATION_FRAME_VERSION as ACTIVATION_FRAME_VERSION
+from ..wire.activation_frame import STAGE_ACTIVATION_IDENTITY_BYTES as ACTIVATION_IDENTITY_BYTES
+from ..wire.activation_frame import STAGE_ACTIVATION_PART_OPTIONAL as ACTIVATION_PART_OPTIONAL
+from ..wire.constants import (  # frame (v1 descriptor) sideband flags, wire-format.md section 2.5
+    ACTIVATION_FLAG_GEMMA3N_ALTUP, ACTIVATION_FLAG_INKLING_MTP_EMBD, ACTIVATION_FLAG_RWKV7_V_FIRST)
 from ..wire.replies import NativeMtpDraft
 
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
 
-ACTIVATION_FRAME_VERSION = 2
 ACTIVATION_BOUNDARY_DESC_VERSION = 2
-ACTIVATION_IDENTITY_BYTES = 32
-ACTIVATION_MAX_DIMS = 4
-ACTIVATION_MAX_PARTS = 16
-ACTIVATION_PART_OPTIONAL = 1 << 0
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32, GGML_TYPE_BF16 = (
+    int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.I32, GgmlType.BF16))
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_F16 = 1
-GGML_TYPE_I32 = 26
-GGML_TYPE_BF16 = 30
-
-#: Frame (v1 descriptor) sideband flags, wire-format.md section 2.5.
-ACTIVATION_FLAG_RWKV7_V_FIRST = 1 << 0
-ACTIVATION_FLAG_GEMMA3N_ALTUP = 1 << 1
-ACTIVATION_FLAG_INKLING_MTP_EMBD = 1 << 2
 
 NATIVE_MTP_MAX_DRAFT_TOKENS = 8
 NATIVE_MTP_DRAFT_VERSION = 1
@@ -85,11 +82,10 @@ _ZERO_IDENTITY = bytes(ACTIVATION_IDENTITY_BYTES)
 
 
 def ggml_type_bytes(ggml_type: int) -> int:
-    if ggml_type in (GGML_TYPE_F32, GGML_TYPE_I32):
-        return 4
-    if ggml_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
-        return 2
-    raise ActivationFrameError(f"activation transport does not support ggml type {ggml_type}")
+    try:
+        return GGML_TYPE_SIZE[ggml_type]
+    except KeyError:
+        raise ActivationFrameError(f"activation transport does not support ggml type {ggml_type}") from None
 
 
 def _exact_len(data: bytes, size: int, what: str) -> memoryview:
@@ -99,22 +95,17 @@ def _exact_len(data: bytes, size: int, what: str) -> memoryview:
     return view
 
 
-@dataclass
-class ActivationPartDesc:
-    """One typed part of a multipart activation frontier (128-byte C struct)."""
+@dataclass(repr=False)
+class ActivationPartDesc(ActivationPartV16):
+    """One typed part of a multipart activation frontier: the v16 wire's part header as the
+    128-byte C struct, all zero by default (an unused slot)."""
 
-    identity: bytes = _ZERO_IDENTITY
-    ggml_type: int = 0
     rank: int = 0
-    token_axis: int = 0
-    flags: int = 0
     dimensions: tuple = (0, 0, 0, 0)
     byte_strides: tuple = (0, 0, 0, 0)
-    payload_offset: int = 0
-    payload_bytes: int = 0
 
     def is_optional(self) -> bool:
-        return bool(self.flags & ACTIVATION_PART_OPTIONAL)
+        return self.optional
 
     def __repr__(self) -> str:
         return (f"ActivationPartDesc(identity={bytes(self.identity)[:4].hex()}.., ggml_type={self.ggml_type}, "
@@ -185,19 +176,14 @@ def frontier_identity_of(parts: Sequence[ActivationPartDesc]) -> bytes:
     return digest.digest()
 
 
-@dataclass
-class ActivationDesc:
+@dataclass(repr=False)
+class ActivationDesc(FrameSpan):
     """Version-2 activation frame descriptor (2120-byte C struct).
 
     ``parts`` holds the part slots (up to 16; ``to_bytes`` pads with zeroed slots); only
     the first ``part_count`` are meaningful, see :meth:`active_parts`.
     """
 
-    version: int = ACTIVATION_FRAME_VERSION
-    producer_stage_index: int = 0
-    layer_start: int = 0
-    layer_end: int = 0
-    token_count: int = 0
     sequence_count: int = 0
     part_count: int = 0
     payload_bytes: int = 0

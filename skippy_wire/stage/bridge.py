@@ -16,33 +16,16 @@ from ..errors import ActivationFrameError
 from ..wire import forwarding
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
-from .activation import (
-    ACTIVATION_MAX_DIMS,
-    GGML_TYPE_BF16,
-    GGML_TYPE_F16,
-    GGML_TYPE_F32,
-    ActivationBoundaryDesc,
-    ActivationDesc,
-    ActivationFrame,
-    ActivationPartDesc,
-    ACTIVATION_MAX_PARTS,
-    ggml_type_bytes,
-)
+from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32,
+                         ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc,
+                         ggml_type_bytes)
 
 #: The id of the one profile a stage admits on an activation link (ids start at 1).
 STAGE_PROFILE_ID = 1
 
-def frame_from_wire(
-    payload: bytes,
-    token_count: int,
-    n_embd: int,
-    producer_stage_index: int,
-    layer_start: int,
-    layer_end: int,
-    flags: int = 0,
-    *,
-    boundary: Optional[ActivationBoundaryDesc] = None,
-) -> ActivationFrame:
+def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stage_index: int, layer_start: int,
+                    layer_end: int, flags: int = 0, *,
+                    boundary: Optional[ActivationBoundaryDesc] = None) -> ActivationFrame:
     """Build the v2 input frame for a received (decoded, F32) wire activation.
 
     One F32 part ``[n_embd, token_count]``, token axis 1.  ``flags`` are v1 frame flags;
@@ -127,14 +110,19 @@ def _is_token_major(part: ActivationPartDesc) -> bool:
     return True
 
 
+def _part_as(cls, part: ActivationPartV16) -> ActivationPartV16:
+    # The runtime's C part and the wire's part header share every field (ActivationPartDesc
+    # is the zero-default subclass); a copy keeps the caller's part from being aliased.
+    return cls(bytes(part.identity), part.ggml_type, part.rank, part.token_axis, part.flags,
+               tuple(part.dimensions), tuple(part.byte_strides), part.payload_offset, part.payload_bytes)
+
+
 def frame_to_v16(frame: ActivationFrame) -> tuple:
     """The runtime's output frame as it is, as ``(ActivationFrameV16, payload)`` (every part,
     dimensions and strides verbatim; the runtime's reserved word is not part of the wire)."""
     frame.validate_payload_len()
     desc = frame.desc
-    parts = [ActivationPartV16(bytes(p.identity), p.ggml_type, p.rank, p.token_axis, p.flags, tuple(p.dimensions),
-                               tuple(p.byte_strides), p.payload_offset, p.payload_bytes)
-             for p in desc.active_parts()]
+    parts = [_part_as(ActivationPartV16, p) for p in desc.active_parts()]
     v16 = ActivationFrameV16(desc.version, desc.producer_stage_index, desc.layer_start, desc.layer_end,
                              desc.token_count, desc.sequence_count, desc.payload_bytes,
                              bytes(desc.frontier_identity), parts)
@@ -143,8 +131,7 @@ def frame_to_v16(frame: ActivationFrame) -> tuple:
 
 def frame_from_v16(desc: ActivationFrameV16, payload) -> ActivationFrame:
     """A received (decoded) v16/v17 frame as the runtime's input frame, field for field."""
-    parts = [ActivationPartDesc(bytes(p.identity), p.ggml_type, p.rank, p.token_axis, p.flags, tuple(p.dimensions),
-                                tuple(p.byte_strides), p.payload_offset, p.payload_bytes) for p in desc.parts]
+    parts = [_part_as(ActivationPartDesc, p) for p in desc.parts]
     if len(parts) > ACTIVATION_MAX_PARTS:
         raise ActivationFrameError("activation part count exceeds maximum")
     parts += [ActivationPartDesc() for _ in range(ACTIVATION_MAX_PARTS - len(parts))]

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .constants import UpstreamEnum
 from .messages import WireMessageKind
 
 #: ``STAGE_STATE_VERSION`` of each protocol generation this package speaks.
@@ -54,7 +55,7 @@ GGML_TYPE_SIZE = {GgmlType.F32: 4, GgmlType.F16: 2, GgmlType.I32: 4, GgmlType.BF
 
 #: v16 adds kind 23; its expected phase is Decode (2).
 DISCARD_STALE_WINDOWS = 23
-WireMessageKindV16 = enum.IntEnum(
+WireMessageKindV16 = UpstreamEnum(
     "WireMessageKindV16",
     {**{k.name: k.value for k in WireMessageKind}, "DISCARD_STALE_WINDOWS": DISCARD_STALE_WINDOWS},
 )
@@ -64,11 +65,25 @@ ACTIVATIONLESS_KINDS_V16 = frozenset({3, 7, 15, 16, 17})
 
 def kind_rust_name(kind: int) -> str:
     """The upstream variant name of a v16/v17 kind, e.g. ``"DiscardStaleWindows"``."""
-    return "".join(p.capitalize() for p in WireMessageKindV16(kind).name.split("_"))
+    return WireMessageKindV16(kind).rust_name
 
 
 def _zero_identity() -> bytes:
     return bytes(STAGE_ACTIVATION_IDENTITY_BYTES)
+
+
+@dataclass
+class FrameSpan:
+    """Where a frame sits in the pipeline: which stage produced it, the layer range it
+    leaves, and how many tokens and sequences it carries.  Shared by the v16 wire
+    descriptor and the runtime's v2 ``ActivationDesc``."""
+
+    version: int = STAGE_ACTIVATION_FRAME_VERSION
+    producer_stage_index: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    token_count: int = 0
+    sequence_count: int = 1
 
 
 @dataclass
@@ -106,15 +121,9 @@ class ActivationPartV16:
 
 
 @dataclass
-class ActivationFrameV16:
+class ActivationFrameV16(FrameSpan):
     """The frame descriptor (A.3.1); ``len(parts)`` is the wire's ``part_count``."""
 
-    version: int = STAGE_ACTIVATION_FRAME_VERSION
-    producer_stage_index: int = 0
-    layer_start: int = 0
-    layer_end: int = 0
-    token_count: int = 0
-    sequence_count: int = 1
     payload_bytes: int = 0
     frontier_identity: bytes = field(default_factory=_zero_identity)
     parts: list = field(default_factory=list)
@@ -139,5 +148,6 @@ __all__ = [
     "MAX_STAGE_ACTIVATION_PARTS", "STAGE_ACTIVATION_PART_OPTIONAL", "STAGE_ACTIVATION_FRAME_HEADER_BYTES",
     "STAGE_ACTIVATION_PART_HEADER_BYTES", "ACTIVATION_AGREEMENT_GENERATION_BYTES",
     "AGREED_ACTIVATION_HEADER_BYTES", "GgmlType", "GGML_TYPE_SIZE", "DISCARD_STALE_WINDOWS",
-    "WireMessageKindV16", "ACTIVATIONLESS_KINDS_V16", "kind_rust_name", "ActivationPartV16", "ActivationFrameV16",
+    "WireMessageKindV16", "ACTIVATIONLESS_KINDS_V16", "kind_rust_name", "FrameSpan", "ActivationPartV16",
+    "ActivationFrameV16",
 ]
