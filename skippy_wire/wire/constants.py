@@ -74,15 +74,41 @@ ACTIVATIONLESS_PAYLOAD_TEXT = "activationless stage message contains activation 
 SAMPLING_STRING_LENGTH_TEXT = "sampling string exceeds maximum length"
 
 
-def _member_named(names: dict, text: str, what: str):
-    """The enum member whose name in ``names`` is ``text`` (ValueError for none)."""
-    for member, name in names.items():
-        if name == text:
-            return member
-    raise ValueError(f"unknown {what} {text!r}")
+class UpstreamEnum(enum.IntEnum):
+    """An enum whose member names spell upstream's: ``BF16_RNE_V1`` is the Rust variant
+    ``Bf16RneV1`` and the serde string ``"bf16-rne-v1"``."""
+
+    @property
+    def rust_name(self) -> str:
+        """The upstream enum variant name (used in error texts and the vectors' names)."""
+        return "".join(part.capitalize() for part in self.name.split("_"))
+
+    @property
+    def serde_name(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def from_rust_name(cls, text: str):
+        return cls._named(text, "rust_name")
+
+    @classmethod
+    def from_serde_name(cls, text: str):
+        return cls._named(text, "serde_name")
+
+    @classmethod
+    def label(cls) -> str:
+        """What a member is called in error texts: ``ActivationCodec`` -> "activation codec"."""
+        return "".join(f" {c.lower()}" if c.isupper() else c for c in cls.__name__).strip()
+
+    @classmethod
+    def _named(cls, text: str, spelling: str):
+        for member in cls:
+            if getattr(member, spelling) == text:
+                return member
+        raise ValueError(f"unknown {cls.label()} {text!r}")
 
 
-class ActivationCodec(enum.IntEnum):
+class ActivationCodec(UpstreamEnum):
     """Wire ids of the activation codecs (the i32 at message offset 56)."""
 
     RAW_F32_V1 = 1
@@ -92,20 +118,11 @@ class ActivationCodec(enum.IntEnum):
 
     def identity(self) -> str:
         """Upstream ``StageActivationCodec::identity()``: the serde string, e.g. ``"bf16-rne-v1"``."""
-        return _CODEC_IDENTITY[self]
-
-    @property
-    def rust_name(self) -> str:
-        """The upstream enum variant name, e.g. ``"Bf16RneV1"`` (used in error texts and vectors)."""
-        return _CODEC_RUST_NAME[self]
+        return self.serde_name
 
     @classmethod
     def from_identity(cls, text: str) -> "ActivationCodec":
-        return _member_named(_CODEC_IDENTITY, text, "activation codec")
-
-    @classmethod
-    def from_rust_name(cls, text: str) -> "ActivationCodec":
-        return _member_named(_CODEC_RUST_NAME, text, "activation codec")
+        return cls.from_serde_name(text)
 
     @classmethod
     def default(cls) -> "ActivationCodec":
@@ -113,41 +130,19 @@ class ActivationCodec(enum.IntEnum):
         return cls.RAW_F32_V1
 
 
-_CODEC_IDENTITY = {
-    ActivationCodec.RAW_F32_V1: "raw-f32-v1",
-    ActivationCodec.F16_RNE_V1: "f16-rne-v1",
-    ActivationCodec.BF16_RNE_V1: "bf16-rne-v1",
-    ActivationCodec.S8_ROW_F32_RNE_V1: "s8-row-f32-rne-v1",
-}
-_CODEC_RUST_NAME = {
-    ActivationCodec.RAW_F32_V1: "RawF32V1",
-    ActivationCodec.F16_RNE_V1: "F16RneV1",
-    ActivationCodec.BF16_RNE_V1: "Bf16RneV1",
-    ActivationCodec.S8_ROW_F32_RNE_V1: "S8RowF32RneV1",
-}
-
 #: Codecs a receiver admits under AUTO_LOSSLESS_V1, and the selector's default candidate list.
 LOSSLESS_CODECS = (ActivationCodec.RAW_F32_V1, ActivationCodec.BF16_RNE_V1, ActivationCodec.F16_RNE_V1)
 
 
-class CodecPolicy(enum.IntEnum):
+class CodecPolicy(UpstreamEnum):
     """Upstream ``StageActivationCodecPolicy`` (not on the wire; values are ours)."""
 
     FIXED = 0
     AUTO_LOSSLESS_V1 = 1
 
-    @property
-    def rust_name(self) -> str:
-        return _POLICY_RUST_NAME[self]
-
-    @property
-    def serde_name(self) -> str:
-        """The upstream serde string: ``"fixed"`` or ``"auto-lossless-v1"``."""
-        return _POLICY_SERDE_NAME[self]
-
     @classmethod
-    def from_serde_name(cls, text: str) -> "CodecPolicy":
-        return _member_named(_POLICY_SERDE_NAME, text, "activation codec policy")
+    def label(cls) -> str:
+        return "activation codec policy"
 
     def compatible(self, configured: ActivationCodec) -> bool:
         """Whether a producer may run this policy with ``configured`` as its codec."""
@@ -165,9 +160,6 @@ class CodecPolicy(enum.IntEnum):
             return ActivationCodec(configured).identity()
         return self.serde_name
 
-
-_POLICY_RUST_NAME = {CodecPolicy.FIXED: "Fixed", CodecPolicy.AUTO_LOSSLESS_V1: "AutoLosslessV1"}
-_POLICY_SERDE_NAME = {CodecPolicy.FIXED: "fixed", CodecPolicy.AUTO_LOSSLESS_V1: "auto-lossless-v1"}
 
 
 class StateFlags(enum.IntFlag):

@@ -26,24 +26,21 @@ from .constants import (
     ActivationCodec,
     CodecPolicy,
     LOSSLESS_CODECS,
+    UpstreamEnum,
     activation_state_flags_from_frame_flags,
 )
 from ..errors import ForwardingError, WireError
 from .messages import StageWireMessage
 
 
-class ActivationDType(enum.IntEnum):
-    """Runtime activation dtype of the v1 descriptor (runtime.md 2.2)."""
+class ActivationDType(UpstreamEnum):
+    """Runtime activation dtype of the v1 descriptor (runtime.md 2.2); ``rust_name`` is
+    upstream's ``RuntimeActivationDType`` variant (its ``{:?}`` in error texts)."""
 
     UNKNOWN = 0
     F32 = 1
     F16 = 2
     BF16 = 3
-
-    @property
-    def rust_name(self) -> str:
-        """Upstream ``RuntimeActivationDType`` variant (its ``{:?}`` in error texts)."""
-        return {0: "Unknown", 1: "F32", 2: "F16", 3: "Bf16"}[int(self)]
 
 
 class ActivationLayout(enum.IntEnum):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import operator
 import struct
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -45,6 +45,7 @@ from .constants import (
     U64_MAX,
     ActivationCodec,
     StateFlags,
+    UpstreamEnum,
     activation_frame_flags_from_state_flags,
 )
 
@@ -56,7 +57,7 @@ class WireStagePhase(enum.IntEnum):
     DECODE_LIGHT = 4
 
 
-class WireMessageKind(enum.IntEnum):
+class WireMessageKind(UpstreamEnum):
     """Stage message kinds (section 2.1); 10, 11, 12, 23 and others are unknown."""
 
     PREFILL_EMBD = 1
@@ -80,11 +81,6 @@ class WireMessageKind(enum.IntEnum):
     RETIRE_VERIFY_WINDOW = 22
 
     @property
-    def rust_name(self) -> str:
-        """Upstream variant name, e.g. ``"DecodeEmbd"`` (the vectors' ``kind_name``)."""
-        return _KIND_RUST_NAME[self]
-
-    @property
     def expected_phase(self) -> WireStagePhase:
         if self in _DECODE_REPLAY_KINDS:
             return WireStagePhase.DECODE_REPLAY
@@ -105,7 +101,6 @@ class WireMessageKind(enum.IntEnum):
     is_activationless_prefix_cache_control = property(lambda self: 15 <= self <= 17)
 
 
-_KIND_RUST_NAME = {k: "".join(p.capitalize() for p in k.name.split("_")) for k in WireMessageKind}
 _DECODE_REPLAY_KINDS = frozenset({WireMessageKind.DECODE_REPLAY_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD})
 _PREDICTED_REPLY_KINDS = frozenset({2, 8, 9, 21, 4, 6})
 _PREFILL_PHASE_KINDS = frozenset({1, 4, 7, 13, 14, 15, 16, 17, 18, 19, 22})
@@ -302,24 +297,9 @@ class StageWireMessage:
     raw_bytes: Any = b""
 
     def __eq__(self, other: object) -> bool:
-        # Element-wise on the lists (tuples/arrays compare equal to lists), bytewise on the
-        # buffers (a memoryview equals the bytes it holds).
         if not isinstance(other, StageWireMessage):
             return NotImplemented
-        return (
-            self.kind == other.kind
-            and self.pos_start == other.pos_start
-            and self.token_count == other.token_count
-            and self.state == other.state
-            and self.request_id == other.request_id
-            and self.session_id == other.session_id
-            and self.sampling == other.sampling
-            and self.chat_sampling_metadata == other.chat_sampling_metadata
-            and list(self.tokens) == list(other.tokens)
-            and list(self.positions) == list(other.positions)
-            and bytes(self.activation) == bytes(other.activation)
-            and bytes(self.raw_bytes) == bytes(other.raw_bytes)
-        )
+        return fields_equal(self, other, as_list=("tokens", "positions"), as_bytes=("activation", "raw_bytes"))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -413,6 +393,21 @@ _I32_STATE = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "p
               "decode_step", "current_token", "source_stage_index")
 
 
+def fields_equal(a: Any, b: Any, *, as_list: tuple = (), as_bytes: tuple = ()) -> bool:
+    """Dataclass equality field by field, with the ``as_list`` fields compared element-wise
+    (a tuple or array equals the list it holds) and the ``as_bytes`` fields bytewise (a
+    memoryview equals the bytes it holds)."""
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name in as_list:
+            x, y = list(x), list(y)
+        elif f.name in as_bytes:
+            x, y = bytes(x), bytes(y)
+        if x != y:
+            return False
+    return True
+
+
 def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -> InvalidInputError:
     """The error naming the first ``(name, value, lo, hi)`` whose value is not an integer in
     [lo, hi]; a generic one about ``what`` when every value fits."""
@@ -449,5 +444,5 @@ __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "first_out_of_range", "out_of_range_error",
+    "fields_equal", "first_out_of_range", "out_of_range_error",
 ]

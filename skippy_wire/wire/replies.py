@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from ..errors import InvalidInputError
 from .constants import I32_MAX, I32_MIN, I64_MAX, I64_MIN, STAGE_REPLY_STATS_COUNT
-from .messages import first_out_of_range
+from .messages import fields_equal, first_out_of_range
 
 
 class WireReplyKind(enum.IntEnum):
@@ -156,14 +156,7 @@ class StageReply:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StageReply):
             return NotImplemented
-        return (
-            self.kind == other.kind
-            and self.predicted == other.predicted
-            and list(self.predicted_tokens) == list(other.predicted_tokens)
-            and self.window == other.window
-            and self.native_mtp_draft == other.native_mtp_draft
-            and self.stats == other.stats
-        )
+        return fields_equal(self, other, as_list=("predicted_tokens",))
 
     __hash__ = None  # type: ignore[assignment]
 
