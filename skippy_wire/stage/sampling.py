@@ -13,18 +13,18 @@ from dataclasses import make_dataclass
 from typing import Any, Optional, Sequence
 
 from ..errors import SamplingConfigError
-from ..wire.constants import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS
-from ..wire.messages import SAMPLING_F32_FIELDS, SAMPLING_FIELDS, SAMPLING_WIRE_ORDER
+from ..wire.constants import (DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS, MAX_STAGE_DRY_SEQUENCE_BREAKERS,
+                              MAX_STAGE_LOGIT_BIAS, MAX_STAGE_SAMPLERS)
+from ..wire.messages import SAMPLING_F32_FIELDS, SAMPLING_FIELDS, SAMPLING_WIRE_ORDER, SamplingFlags
 from .activation import SAMPLING_CONFIG_BYTES, U32_MAX
 
 # --- sampling (runtime.md section 2.4) -------------------------------------------------------
 
-MAX_LOGIT_BIAS = 256
-MAX_SAMPLERS = 16
-MAX_DRY_SEQUENCE_BREAKERS = 8
+# The limits and flag bits are the wire's (section 4.3); the C struct adds a breaker's size.
+MAX_LOGIT_BIAS, MAX_SAMPLERS, MAX_DRY_SEQUENCE_BREAKERS = (
+    MAX_STAGE_LOGIT_BIAS, MAX_STAGE_SAMPLERS, MAX_STAGE_DRY_SEQUENCE_BREAKERS)
+SAMPLING_FLAG_ENABLED, SAMPLING_FLAG_IGNORE_EOS = int(SamplingFlags.ENABLED), int(SamplingFlags.IGNORE_EOS)
 MAX_DRY_SEQUENCE_BREAKER_BYTES = 16
-SAMPLING_FLAG_ENABLED = 1 << 0
-SAMPLING_FLAG_IGNORE_EOS = 1 << 1
 SAMPLING_CONFIG_VERSION = 2
 
 SAMPLER_IDS = {
