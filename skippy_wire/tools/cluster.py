@@ -29,6 +29,7 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
+from .options import add_codec_options
 from .run import DEFAULT_RAW_PROMPT, TextStreamer, format_summary, merge_session_events
 
 #: The port every stage listens on inside its own namespace.
@@ -246,8 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=2, help="stage hosts (namespaces), one stage each")
     p.add_argument("--rate", default="unlimited", help="link rate for tc tbf, e.g. 100mbit (default unlimited)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, added by the senders")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec])
-    p.add_argument("--activation-codec-policy", default="fixed", choices=[x.serde_name for x in CodecPolicy])
+    add_codec_options(p)
     p.add_argument("--check", action="store_true",
                    help="also run one in-process stage and require identical tokens (exit 1 if not)")
     add_cluster_options(p)

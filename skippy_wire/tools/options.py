@@ -16,6 +16,7 @@ from typing import Callable, NoReturn
 
 from ..net.tls import TlsConfig
 from ..net.transport import parse_address
+from ..wire.constants import ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
@@ -108,6 +109,22 @@ def address(text: str) -> tuple[str, int]:
     if port > MAX_PORT:
         raise argparse.ArgumentTypeError(f"port {port} is out of range (0-{MAX_PORT})")
     return host, port
+
+
+def add_codec_options(p: argparse.ArgumentParser, what: str = "the activations between stages") -> None:
+    """``--activation-codec`` and ``--activation-codec-policy`` (wire-format.md 6.1 and 8.2)."""
+    p.add_argument("--activation-codec", default=ActivationCodec.default().identity(),
+                   choices=[c.identity() for c in ActivationCodec], help=f"codec of {what}")
+    p.add_argument("--activation-codec-policy", default=CodecPolicy.FIXED.serde_name,
+                   choices=[policy.serde_name for policy in CodecPolicy],
+                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+
+
+def check_codec_options(p: argparse.ArgumentParser, args) -> None:
+    """The one rule between the two: a lossless policy selects from raw f32 frames."""
+    if not CodecPolicy.from_serde_name(args.activation_codec_policy).compatible(
+            ActivationCodec.from_identity(args.activation_codec)):
+        p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
 
 
 def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:

@@ -28,9 +28,8 @@ from ..net.topology import load_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.replies import StageReplyStats
-from .options import (DefaultsFormatter, Parser, add_tls_options, address, describe, float_above, float_at_least,
+from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, check_codec_options, address, describe, float_above, float_at_least,
                       float_between, int_at_least, int_between, tls_config, utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
@@ -202,10 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
                    help="frequency penalty (0: off)")
     p.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes (at most the layer count)")
-    p.add_argument("--activation-codec", default="raw-f32-v1", choices=[c.identity() for c in ActivationCodec],
-                   help="codec of the activations between stages")
-    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy],
-                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    add_codec_options(p)
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
                    help="compute threads per stage (default: 1; ggml threads spin, see docs/pipeline.md)")
@@ -250,9 +246,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         args.prompt = DEFAULT_PROMPT
     if not args.prompt:
         parser.error("the prompt is empty")
-    if not CodecPolicy.from_serde_name(args.activation_codec_policy).compatible(
-            ActivationCodec.from_identity(args.activation_codec)):
-        parser.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
+    check_codec_options(parser, args)
     _check_dir(parser, "--capture", args.capture)
     _check_dir(parser, "--log-dir", args.log_dir)
     try:

@@ -29,7 +29,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_tls_options, address, describe,
+from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_codec_options, add_tls_options, address, describe,
                       error_line, float_above, float_at_least, int_at_least, tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -54,10 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, type=address,
                    help="HOST:PORT of the next stage (default: none, the last stage)")
-    p.add_argument("--activation-codec", default="raw-f32-v1",
-                   choices=[c.identity() for c in ActivationCodec], help="codec of the forwarded activations")
-    p.add_argument("--activation-codec-policy", default="fixed", choices=[policy.serde_name for policy in CodecPolicy],
-                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+    add_codec_options(p, "the forwarded activations")
     p.add_argument("--ctx-size", type=int_at_least(1), default=512, help="context (tokens)")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="compute threads (default: 1, see default_threads)")
