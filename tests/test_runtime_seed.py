@@ -12,28 +12,13 @@ import pytest
 from skippy_wire.stage import _backend as backend
 from skippy_wire.stage import native
 from skippy_wire.stage import runtime as rt
-from skippy_wire.stage.runtime import (
-    ACTIVATION_BOUNDARY_DESC_VERSION,
-    ACTIVATION_FRAME_VERSION,
-    ACTIVATION_PART_OPTIONAL,
-    GGML_TYPE_F16,
-    GGML_TYPE_F32,
-    ActivationBoundaryDesc,
-    ActivationDesc,
-    ActivationFrame,
-    ActivationPartDesc,
-    PartialBatchExecution,
-    RuntimeSamplingConfig,
-    StageRuntimeError,
-)
-from skippy_wire.stage.runtime import (
-    IterationBatchPhase,
-    IterationBatchRequest,
-    collect_iteration_samples,
-    iteration_request_requires_one_at_a_time,
-    iteration_request_should_emit_sample,
-    validate_serial_decode_request,
-)
+from skippy_wire.stage.runtime import (ACTIVATION_BOUNDARY_DESC_VERSION, ACTIVATION_FRAME_VERSION,
+                                       ACTIVATION_PART_OPTIONAL, GGML_TYPE_F16, GGML_TYPE_F32, ActivationBoundaryDesc,
+                                       ActivationDesc, ActivationFrame, ActivationPartDesc, IterationBatchPhase,
+                                       IterationBatchRequest, PartialBatchExecution, RuntimeSamplingConfig,
+                                       StageRuntimeError, collect_iteration_samples,
+                                       iteration_request_requires_one_at_a_time, iteration_request_should_emit_sample,
+                                       validate_serial_decode_request)
 
 
 def activation_desc(payload_bytes: int) -> ActivationDesc:

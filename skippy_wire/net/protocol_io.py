@@ -199,7 +199,7 @@ class LinkProtocol:
         sock = self.peer.capturing_socket()
         try:
             agreement = client_setup(sock, role, setup, output, timeout=timeout)
-        except SetupError as error:
+        except SetupError:
             if bytes(sock.received_head[:4]) == TLS_REQUIRED_NOTICE:
                 raise TlsRequired(self.who, self.me) from None
             got = self._notice_after_setup_error(sock)

@@ -109,34 +109,19 @@ class Session:
     def position(self) -> int: ...
     @property
     def model(self) -> Model: ...
-    def prefill_chunk_frame(
-        self,
-        tokens: Int32s,
-        positions: Optional[Int32s] = None,
-        sampling: Optional[bytes] = None,
-        sample: bool = False,
-        input_desc: Optional[bytes] = None,
-        input_payload: Optional[bytes] = None,
-        capacity: int = 0,
-    ) -> FrameResult: ...
-    def decode_step_frame_sampled(
-        self,
-        token: int,
-        sampling: Optional[bytes] = None,
-        input_desc: Optional[bytes] = None,
-        input_payload: Optional[bytes] = None,
-        capacity: int = 0,
-    ) -> FrameResult: ...
-    def verify_tokens_frame_sampled(
-        self,
-        tokens: Int32s,
-        sampling: Optional[bytes] = None,
-        input_desc: Optional[bytes] = None,
-        input_payload: Optional[bytes] = None,
-        capacity: int = 0,
-        token_capacity: Optional[int] = None,
-        max_draft: int = 0,
-    ) -> VerifyResult: ...
+    # Frame calls: ``input_desc``/``input_payload`` are the v2 input frame of a non-first
+    # stage; ``capacity`` is the size of the output payload buffer (too small: BUFFER_TOO_SMALL).
+    def prefill_chunk_frame(self, tokens: Int32s, positions: Optional[Int32s] = None,
+                            sampling: Optional[bytes] = None, sample: bool = False,
+                            input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
+                            capacity: int = 0) -> FrameResult: ...
+    def decode_step_frame_sampled(self, token: int, sampling: Optional[bytes] = None,
+                                  input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
+                                  capacity: int = 0) -> FrameResult: ...
+    def verify_tokens_frame_sampled(self, tokens: Int32s, sampling: Optional[bytes] = None,
+                                    input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
+                                    capacity: int = 0, token_capacity: Optional[int] = None,
+                                    max_draft: int = 0) -> VerifyResult: ...
     def copy_output_activation_frame(self, token_count: int, capacity: int = 0) -> FrameResult: ...
     def sample_current(self, sampling: Optional[bytes] = None) -> int: ...
     def copy_logits(self) -> bytes:

@@ -210,22 +210,11 @@ class StageSession(_NativeHandle):
         raise TypeError("StageSession cannot be constructed directly; use StageModel.create_session()")
 
     @classmethod
-    def _from_native(
-        cls,
-        raw: Any,
-        lib: Optional[ModuleType],
-        *,
-        token_count: int = 0,
-        terminal_stage: bool,
-        batched_activation_exports: bool,
-        model: Optional[StageModel] = None,
-    ) -> "StageSession":
+    def _from_native(cls, raw: Any, lib: Optional[ModuleType], *, token_count: int = 0, terminal_stage: bool,
+                     batched_activation_exports: bool, model: Optional[StageModel] = None) -> "StageSession":
         session = object.__new__(cls)
-        session._raw = raw
-        session._lib = lib
-        session._model = model
-        session.token_count = token_count
-        session.terminal_stage = terminal_stage
+        session._raw, session._lib, session._model = raw, lib, model
+        session.token_count, session.terminal_stage = token_count, terminal_stage
         session.batched_activation_exports = batched_activation_exports
         return session
 

@@ -188,13 +188,8 @@ def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buf
     )
 
 
-def select_lossless_codec(
-    token_count: int,
-    n_embd: int,
-    payload: Buffer,
-    state_flags: int = 0,
-    permitted: Iterable[CodecLike] = LOSSLESS_CODECS,
-) -> ActivationCodec:
+def select_lossless_codec(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0,
+                          permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> ActivationCodec:
     """The AutoLosslessV1 selector (wire-format.md 7.3 and 8.1).
 
     Returns BF16 if every value (primary and sideband) is bf16-exact and BF16 is
@@ -212,13 +207,8 @@ def select_lossless_codec(
     )
 
 
-def select_and_encode_lossless(
-    token_count: int,
-    n_embd: int,
-    payload: Buffer,
-    state_flags: int = 0,
-    permitted: Iterable[CodecLike] = LOSSLESS_CODECS,
-) -> tuple[ActivationCodec, bytes]:
+def select_and_encode_lossless(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0,
+                               permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> tuple[ActivationCodec, bytes]:
     """:func:`select_lossless_codec` and :func:`encode_activation` in one pass over the
     payload where possible.  Returns ``(codec, encoded bytes)``; raises as the two do."""
     codec, wire = kernels().select_and_encode_lossless(

@@ -23,7 +23,7 @@ The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .. import _impl
 from ..errors import InvalidDataError, UnexpectedEofError, WireError
