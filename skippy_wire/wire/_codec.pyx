@@ -63,7 +63,7 @@ _MESSAGES = {
     E_S8_RANGE: "S8 activation value is out of range",
     E_S8_RESERVED: "S8 activation payload contains reserved -128 value",
     E_DECODED_NON_FINITE: "activation payload contains non-finite value",
-    E_NO_RAW: "lossless activation selection requires RawF32 fallback",
+    E_NO_RAW: _wc.NO_RAW_FALLBACK_TEXT,
     E_UNKNOWN_CODEC: _wc.UNKNOWN_CODEC_TEXT,
 }
 

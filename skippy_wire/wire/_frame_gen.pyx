@@ -39,6 +39,10 @@ from .activation_frame import ActivationFrameV16, ActivationPartV16
 from .agreement import Dynamic, Fixed, TOKENS
 from .constants import ActivationCodec, CodecPolicy
 from .constants import (
+    DECODED_MAX_TEXT,
+    NO_RAW_FALLBACK_TEXT,
+    UNKNOWN_CODEC_TEXT,
+    WIRE_MAX_TEXT,
     MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES,
     MAX_STAGE_DRY_SEQUENCE_BREAKERS,
     MAX_STAGE_LOGIT_BIAS,
@@ -75,7 +79,7 @@ cdef uint64_t MAX_BYTES = 536870912
 # Descriptor texts (A.9), in the order of the checks.
 E_VERSION = "unsupported activation frame version"
 E_PART_COUNT = "activation frame part count is invalid"
-E_DECODED_MAX = "decoded activation payload byte count exceeds maximum"
+E_DECODED_MAX = DECODED_MAX_TEXT
 E_PAYLOAD_LEN = "activation payload byte count mismatch"
 E_FLAGS = "activation part has unsupported flags"
 E_DUPLICATE = "activation frame has duplicate part identities"
@@ -90,11 +94,11 @@ E_STRIDE = "activation part stride overflow"
 E_LAYOUT = "activation part payload layout is inconsistent"
 E_OFFSET = "activation payload byte count overflow"
 E_TOTAL = "activation descriptor payload size mismatch"
-E_WIRE_MAX = "activation payload byte count exceeds maximum"
+E_WIRE_MAX = WIRE_MAX_TEXT
 E_FRAME_MAX = "activation frame wire byte count exceeds maximum"
 E_FRAME_SIZE = "activation frame wire byte count mismatch"
-E_NO_RAW = "lossless activation selection requires RawF32 fallback"
-E_CODEC = "unknown stage activation codec"
+E_NO_RAW = NO_RAW_FALLBACK_TEXT
+E_CODEC = UNKNOWN_CODEC_TEXT
 
 
 cdef struct Part:

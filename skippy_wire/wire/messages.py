@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import InvalidDataError, InvalidInputError
 from .constants import (
+    DECODED_MAX_TEXT,
     DEFAULT_DRY_SEQUENCE_BREAKERS,
     DEFAULT_SAMPLERS,
     I32_MAX,
@@ -369,7 +370,7 @@ class StageWireMessage:
     def activation_f32_payload(self) -> bytes:
         """A copy of the (already decoded) f32 activation bytes; no decoding happens here."""
         if _nbytes(self.activation) > MAX_STAGE_DECODED_ACTIVATION_BYTES:
-            raise InvalidDataError("decoded activation payload byte count exceeds maximum")
+            raise InvalidDataError(DECODED_MAX_TEXT)
         return bytes(self.activation)
 
     def take_activation_f32_payload(self) -> bytes:

@@ -507,7 +507,7 @@ def select_lossless_codec(token_count: int, n_embd: int, payload, state_flags: i
     view = _byte_view(payload)
     _rows, _columns, elements = _checked_f32_input(token_count, n_embd, state_flags, view)
     if RAW_F32_V1 not in allowed:
-        raise _err("lossless activation selection requires RawF32 fallback")
+        raise _err(_texts.NO_RAW_FALLBACK_TEXT)
     if elements == 0:
         return RAW_F32_V1  # 0 < 0 is false: an empty frame is never compact
     bf16_ok, f16_ok = _scan_exact(_u32_words(view, elements))
