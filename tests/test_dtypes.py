@@ -2,6 +2,7 @@
 
 import pytest
 
+from skippy_wire.wire.forwarding import ActivationDType
 from skippy_wire.wire.constants import (
     LOSSLESS_CODECS,
     ActivationCodec,
@@ -21,8 +22,20 @@ def test_codec_ids_and_identities():
     assert all(ActivationCodec.from_identity(c.identity()) is c for c in ActivationCodec)
     assert all(ActivationCodec.from_rust_name(c.rust_name) is c for c in ActivationCodec)
     assert ActivationCodec.default() is RAW  # activation_codec_default_is_bit_exact
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^unknown activation codec 'q8'$"):
         ActivationCodec.from_identity("q8")
+
+
+def test_upstream_spellings_follow_from_member_names():
+    # The Rust variants and serde strings as upstream writes them (skippy-protocol).
+    assert [c.rust_name for c in ActivationCodec] == ["RawF32V1", "F16RneV1", "Bf16RneV1", "S8RowF32RneV1"]
+    assert [p.serde_name for p in CodecPolicy] == ["fixed", "auto-lossless-v1"]
+    assert [d.rust_name for d in ActivationDType] == ["Unknown", "F32", "F16", "Bf16"]
+    assert CodecPolicy.from_rust_name("AutoLosslessV1") is CodecPolicy.AUTO_LOSSLESS_V1
+    with pytest.raises(ValueError, match="^unknown activation codec policy 'auto'$"):
+        CodecPolicy.from_serde_name("auto")
+    with pytest.raises(ValueError, match="^unknown activation codec 'Bf16'$"):
+        ActivationCodec.from_rust_name("Bf16")  # case matters, as in serde
 
 
 def test_policy_compatible_permits_identity():

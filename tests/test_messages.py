@@ -169,3 +169,18 @@ def test_constants_are_the_spec_values():
     assert {name: getattr(c, name) for name in SPEC_CONSTANTS} == SPEC_CONSTANTS
     assert c.READY_BYTES == bytes.fromhex("59445253")
     assert c.STAGE_REPLY_STATS_BYTES == 27 * 8
+
+
+def test_message_and_reply_equality_compare_contents_not_containers():
+    from skippy_wire.wire.replies import StageReply, WireReplyKind
+
+    a = StageWireMessage(K.DECODE_EMBD, 3, 1, tokens=[5], positions=(3,), activation=b"\x01\x02")
+    b = StageWireMessage(K.DECODE_EMBD, 3, 1, tokens=(5,), positions=[3], activation=memoryview(b"\x01\x02"))
+    assert a == b
+    assert a != StageWireMessage(K.DECODE_EMBD, 3, 1, tokens=[5], positions=[3], activation=b"\x01\x03")
+    assert a != StageWireMessage(K.DECODE_EMBD, 3, 1, tokens=[5], positions=[3], activation=b"\x01\x02",
+                                 request_id=9)
+    assert a != "not a message" and a.__eq__(1) is NotImplemented
+    r = StageReply(WireReplyKind.PREDICTED_TOKENS, predicted=2, predicted_tokens=(2, 4))
+    assert r == StageReply(WireReplyKind.PREDICTED_TOKENS, predicted=2, predicted_tokens=[2, 4])
+    assert r != StageReply(WireReplyKind.PREDICTED_TOKENS, predicted=2, predicted_tokens=[2, 5])

@@ -233,3 +233,26 @@ def test_sampler_defaults_are_the_wires():
         if name != "enabled":
             expected = getattr(wire, name)
             assert value == (tuple(expected) if isinstance(expected, list) else expected), name
+
+
+def test_v16_bridge_carries_every_field_both_ways():
+    # The runtime's descriptors are the wire's (ActivationPartDesc is an ActivationPartV16,
+    # ActivationDesc shares FrameSpan with ActivationFrameV16): a frame crosses a v16 link and
+    # comes back byte for byte, optional bit and axes at or above the rank included.
+    from skippy_wire.stage.bridge import frame_from_v16, frame_to_v16
+    from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16, FrameSpan
+
+    desc = ActivationDesc.f32_rows(4, 3, producer_stage_index=1, layer_start=2, layer_end=5)
+    desc.parts[1] = ActivationPartDesc(identity=b"\x07" * 32, ggml_type=1, rank=1, token_axis=0, flags=1,
+                                       dimensions=(3, 9, 8, 7), byte_strides=(2, 6, 5, 4),
+                                       payload_offset=48, payload_bytes=6)
+    desc.part_count, desc.payload_bytes = 2, 54
+    frame = rt.ActivationFrame(desc, bytes(range(54)))
+    wire_desc, payload = frame_to_v16(frame)
+    assert type(wire_desc) is ActivationFrameV16 and isinstance(desc, FrameSpan)
+    assert [type(p) for p in wire_desc.parts] == [ActivationPartV16, ActivationPartV16]
+    assert wire_desc.parts[1].optional and wire_desc.parts[1].dimensions == (3, 9, 8, 7)
+    back = frame_from_v16(wire_desc, payload)
+    assert back.desc.to_bytes() == desc.to_bytes() and back.payload == frame.payload
+    assert back.desc.active_parts()[1].is_optional()
+    assert back.desc.parts[2] == ActivationPartDesc() and not any(ActivationPartDesc().to_bytes())
