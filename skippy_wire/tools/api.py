@@ -37,8 +37,8 @@ from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, check_codec_options, address, describe, error_line, float_above,
-                      int_at_least, int_between, tls_config)
+from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, address, check_codec_options,
+                      describe, error_line, float_above, int_at_least, int_between, tls_config)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16

@@ -29,8 +29,9 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.replies import StageReplyStats
-from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, check_codec_options, address, describe, float_above, float_at_least,
-                      float_between, int_at_least, int_between, tls_config, utf8)
+from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, address, check_codec_options,
+                      describe, float_above, float_at_least, float_between, int_at_least, int_between, tls_config,
+                      utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.

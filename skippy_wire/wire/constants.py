@@ -20,6 +20,7 @@ Numeric policy of each codec, in short (docs/numerics.md has the long form):
 from __future__ import annotations
 
 import enum
+import functools
 
 # --- protocol constants and limits (section 1) -------------------------------------------
 STAGE_STATE_VERSION = 15
@@ -79,12 +80,12 @@ class UpstreamEnum(enum.IntEnum):
     """An enum whose member names spell upstream's: ``BF16_RNE_V1`` is the Rust variant
     ``Bf16RneV1`` and the serde string ``"bf16-rne-v1"``."""
 
-    @property
+    @functools.cached_property
     def rust_name(self) -> str:
         """The upstream enum variant name (used in error texts and the vectors' names)."""
         return "".join(part.capitalize() for part in self.name.split("_"))
 
-    @property
+    @functools.cached_property
     def serde_name(self) -> str:
         return self.name.lower().replace("_", "-")
 
