@@ -153,6 +153,52 @@ def test_a_failing_batch_fails_only_its_own_session():
     assert isinstance(results[13], ValueError)
 
 
+def _partner_run(batch_cost_per_row: float) -> list:
+    """Four sessions decode at one stage, steps of 0.2 s alone; then session 1's step finds
+    the runtime free and session 2's arrives 30 ms later.  Returns the batch sizes of that
+    last pair (a partner wait can last up to 0.1 s)."""
+    lock = threading.Lock()
+    single = 0.2
+
+    def run_one(step):
+        time.sleep(single)
+        return step.token, None
+
+    def run_batch(steps):
+        time.sleep(batch_cost_per_row * single * len(steps))
+        return [(s.token, None) for s in steps]
+
+    batcher = DecodeBatcher(run_batch, run_one, lock)
+    sessions = [object() for _ in range(4)]
+    with lock:  # two steps queue up together: one batch measures what a batch costs
+        threads = [threading.Thread(target=batcher.decode, args=(DecodeStep(s, 0, None, 0, None),))
+                   for s in sessions[2:]]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while batcher.queued < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(10)
+    for s in sessions[:2]:  # then single steps: all four sessions have decoded here just now
+        batcher.decode(DecodeStep(s, 0, None, 0, None))
+    first, second = DecodeStep(sessions[0], 1, None, 0, None), DecodeStep(sessions[1], 2, None, 0, None)
+    a = threading.Thread(target=batcher.decode, args=(first,))
+    a.start()
+    time.sleep(0.03)
+    batcher.decode(second)
+    a.join(10)
+    return [first.batch_size, second.batch_size]
+
+
+def test_a_lone_step_waits_for_a_partner_where_batches_pay():
+    assert _partner_run(batch_cost_per_row=0.6) == [2, 2]
+
+
+def test_no_partner_wait_where_a_batch_costs_as_much_as_its_steps():
+    assert _partner_run(batch_cost_per_row=1.0) == [1, 1]
+
+
 def _outcome(batcher, step):
     try:
         return batcher.decode(step)
