@@ -136,18 +136,7 @@ def test_a_failing_batch_fails_only_its_own_session():
         return step.token * 2, None
 
     batcher = DecodeBatcher(run_batch, run_one, lock)
-    steps = [DecodeStep(None, t, None, 0, None) for t in (1, 13, 3)]
-    with lock:  # hold the runtime: all three queue up and then run together
-        results = {}
-        threads = [threading.Thread(target=lambda s=s: results.__setitem__(s.token, _outcome(batcher, s)))
-                   for s in steps]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while batcher.queued < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    for t in threads:
-        t.join(10)
+    results = _run_queued_together(batcher, lock, [DecodeStep(None, t, None, 0, None) for t in (1, 13, 3)])
     assert calls == [3]
     assert results[1] == (2, None) and results[3] == (6, None)
     assert isinstance(results[13], ValueError)
@@ -170,16 +159,8 @@ def _partner_run(batch_cost_per_row: float) -> list:
 
     batcher = DecodeBatcher(run_batch, run_one, lock)
     sessions = [object() for _ in range(4)]
-    with lock:  # two steps queue up together: one batch measures what a batch costs
-        threads = [threading.Thread(target=batcher.decode, args=(DecodeStep(s, 0, None, 0, None),))
-                   for s in sessions[2:]]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while batcher.queued < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
-    for t in threads:
-        t.join(10)
+    # Two steps run as one batch (which measures what a batch costs) ...
+    _run_queued_together(batcher, lock, [DecodeStep(s, t, None, 0, None) for t, s in enumerate(sessions[2:])])
     for s in sessions[:2]:  # then single steps: all four sessions have decoded here just now
         batcher.decode(DecodeStep(s, 0, None, 0, None))
     first, second = DecodeStep(sessions[0], 1, None, 0, None), DecodeStep(sessions[1], 2, None, 0, None)
@@ -197,6 +178,22 @@ def test_a_lone_step_waits_for_a_partner_where_batches_pay():
 
 def test_no_partner_wait_where_a_batch_costs_as_much_as_its_steps():
     assert _partner_run(batch_cost_per_row=1.0) == [1, 1]
+
+
+def _run_queued_together(batcher, lock, steps) -> dict:
+    """Hold the runtime while every step queues, then let them run; each token's outcome."""
+    results = {}
+    with lock:
+        threads = [threading.Thread(target=lambda s=s: results.__setitem__(s.token, _outcome(batcher, s)))
+                   for s in steps]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while batcher.queued < len(steps) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(10)
+    return results
 
 
 def _outcome(batcher, step):
