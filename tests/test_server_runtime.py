@@ -142,7 +142,7 @@ def test_a_failing_batch_fails_only_its_own_session():
     assert isinstance(results[13], ValueError)
 
 
-def _partner_run(batch_cost_per_row: float) -> list:
+def _partner_run(batch_cost_per_row: float, free_two: bool = False) -> list:
     """Four sessions decode at one stage, steps of 0.2 s alone; then session 1's step finds
     the runtime free and session 2's arrives 30 ms later.  Returns the batch sizes of that
     last pair (a partner wait can last up to 0.1 s)."""
@@ -163,6 +163,9 @@ def _partner_run(batch_cost_per_row: float) -> list:
     _run_queued_together(batcher, lock, [DecodeStep(s, t, None, 0, None) for t, s in enumerate(sessions[2:])])
     for s in sessions[:2]:  # then single steps: all four sessions have decoded here just now
         batcher.decode(DecodeStep(s, 0, None, 0, None))
+    if free_two:  # two of the four sessions end: two left, one per stage, nothing to wait for
+        batcher.forget(sessions[2])
+        batcher.forget(sessions[3])
     first, second = DecodeStep(sessions[0], 1, None, 0, None), DecodeStep(sessions[1], 2, None, 0, None)
     a = threading.Thread(target=batcher.decode, args=(first,))
     a.start()
@@ -178,6 +181,10 @@ def test_a_lone_step_waits_for_a_partner_where_batches_pay():
 
 def test_no_partner_wait_where_a_batch_costs_as_much_as_its_steps():
     assert _partner_run(batch_cost_per_row=1.0) == [1, 1]
+
+
+def test_freed_sessions_no_longer_count_as_decoding():
+    assert _partner_run(batch_cost_per_row=0.6, free_two=True) == [1, 1]
 
 
 def _run_queued_together(batcher, lock, steps) -> dict:

@@ -105,16 +105,23 @@ class DecodeBatcher:
             raise step.error
         return step.result
 
+    def forget(self, session: Any) -> None:
+        """A freed session no longer counts as decoding here."""
+        with self._queue_lock:
+            self._last_step.pop(id(session), None)
+
     def _wait_for_partners(self) -> None:
         """With the runtime and the queue lock held: give the sessions decoding here a short
         while to join the queue when a batch of them would pay (see the module doc)."""
         single, batched = self._row_cost.get(False), self._row_cost.get(True)
-        if single is None or (batched is not None and batched >= BATCH_PAYS_BELOW * single):
+        if single is None:
             return
         now = time.monotonic()
         window = ACTIVE_WINDOW_STEPS * single
         for key in [k for k, last in self._last_step.items() if now - last > window]:
             del self._last_step[key]
+        if batched is not None and batched >= BATCH_PAYS_BELOW * single:
+            return
         want = min(self._max_batch, -(-len(self._last_step) // PIPELINE_GROUPS))
         if len(self._queue) >= want:
             return

@@ -569,6 +569,7 @@ class StageServer:
                 f"({exc.kind}: {exc})") from None
 
     def _free(self, session: _Session, session_id: int) -> None:
+        self.batcher.forget(session.runtime)
         try:
             with self._runtime_lock:
                 self.backend.free_session(session.runtime)
