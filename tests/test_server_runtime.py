@@ -268,6 +268,13 @@ def test_decode_path_breakdown_adds_up(tiny):
         first.start()
         servers = [first, last]
         with PipelineClient(*first.address, timeout=10) as client:
+            send = client._peer.send
+
+            def send_then_stall(data):  # the driver loses its core right after the write
+                send(data)
+                time.sleep(0.03)
+
+            client._peer.send = send_then_stall
             result = client.generate(PROMPT, max_tokens=6)
     finally:
         for server in servers:

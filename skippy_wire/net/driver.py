@@ -59,8 +59,8 @@ class GenerationResult:
     sent_bytes: int = 0
     received_bytes: int = 0
     reply_stats: list[Any] = field(default_factory=list)
-    #: Decode: the driver's own share, from a token's reply to the next DecodeEmbd sent
-    #: (on_token, building and writing the message), and the round trips to stage 0.
+    #: Decode: the driver's own share, from a token's reply to the next DecodeEmbd's write
+    #: (on_token, building the message), and the round trips to stage 0 (write to reply).
     driver_gap_s: float = 0.0
     decode_round_trip_s: float = 0.0
 
@@ -96,7 +96,7 @@ class PipelineClient:
                  identity=None, tls=None) -> None:
         self.address = f"{host}:{port}"
         self.timeout = timeout
-        self.sent_at = 0.0  # perf_counter() when the last message went out
+        self.sent_at = 0.0  # perf_counter() when the last message started going out
         try:
             sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
         except ssl.SSLError as exc:
@@ -173,14 +173,15 @@ class PipelineClient:
 
     def request(self, msg, what: str | None = None):
         """Send one message and return its reply (a ``StageReply``); :attr:`sent_at` is
-        when the message went out (perf_counter)."""
+        when its write began (perf_counter): a write that waits while stage 0 already runs
+        counts in the round trip, so the round trip holds every stage's compute."""
         data = self._link.encode(msg)
         what = what or f"{msg.kind.name} (session {msg.session_id})"
 
         def exchange():
             self._peer.sock.settimeout(self.timeout)
-            self._peer.send(data)
             self.sent_at = time.perf_counter()
+            self._peer.send(data)
             return self._peer.read()
 
         return self._guard(exchange, what)
