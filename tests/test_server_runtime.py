@@ -143,11 +143,11 @@ def test_a_failing_batch_fails_only_its_own_session():
 
 
 def _partner_run(batch_cost_per_row: float, free_two: bool = False) -> list:
-    """Four sessions decode at one stage, steps of 0.2 s alone; then session 1's step finds
+    """Four sessions decode at one stage, steps of 0.4 s alone; then session 1's step finds
     the runtime free and session 2's arrives 30 ms later.  Returns the batch sizes of that
-    last pair (a partner wait can last up to 0.1 s)."""
+    last pair (a partner wait can last up to 0.2 s)."""
     lock = threading.Lock()
-    single = 0.2
+    single = 0.4
 
     def run_one(step):
         time.sleep(single)
