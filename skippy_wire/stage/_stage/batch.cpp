@@ -82,9 +82,9 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
     for (size_t li = 0; li < m->layers.size(); li++) {
         const stage_layer & L = m->layers[li];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.attn_norm);
-        ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, cur), hd, m->n_head, N);
-        ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hd, m->n_head_kv, N);
-        ggml_tensor * v = ggml_mul_mat(ctx, L.wv, cur);
+        ggml_tensor * q = ggml_reshape_3d(ctx, weight_product(ctx, L.wq, cur), hd, m->n_head, N);
+        ggml_tensor * k = ggml_reshape_3d(ctx, weight_product(ctx, L.wk, cur), hd, m->n_head_kv, N);
+        ggml_tensor * v = weight_product(ctx, L.wv, cur);
         q = ggml_rope_ext(ctx, q, inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
                           m->freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
         k = ggml_rope_ext(ctx, k, inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
@@ -101,10 +101,10 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
             ggml_tensor * o = attend(ctx, m, kc, vc, qr, n_kv[r], masks[r]);
             attn = attn ? ggml_concat(ctx, attn, o, 1) : o;
         }
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, attn));
+        x = ggml_add(ctx, x, weight_product(ctx, L.wo, attn));
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.ffn_norm);
-        cur = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.w_gate, cur), ggml_mul_mat(ctx, L.w_up, cur));
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.w_down, cur));
+        cur = ggml_swiglu_split(ctx, weight_product(ctx, L.w_gate, cur), weight_product(ctx, L.w_up, cur));
+        x = ggml_add(ctx, x, weight_product(ctx, L.w_down, cur));
     }
     ggml_tensor * out_x = nullptr, * out_logits = nullptr;
     if (!m->is_terminal) {
@@ -114,7 +114,7 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
     } else {
         ggml_tensor * h = ggml_get_rows(ctx, x, inp_last);
         h = ggml_mul(ctx, ggml_rms_norm(ctx, h, m->eps), m->output_norm);
-        out_logits = ggml_mul_mat(ctx, m->output, h);
+        out_logits = weight_product(ctx, m->output, h);
         ggml_set_output(out_logits);
         ggml_build_forward_expand(gf, out_logits);
     }

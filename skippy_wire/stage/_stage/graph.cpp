@@ -75,9 +75,9 @@ result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
         ggml_tensor * vc = s->v[li];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.attn_norm);
 
-        ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, cur), hd, m->n_head, n);
-        ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hd, m->n_head_kv, n);
-        ggml_tensor * v = ggml_mul_mat(ctx, L.wv, cur);
+        ggml_tensor * q = ggml_reshape_3d(ctx, weight_product(ctx, L.wq, cur), hd, m->n_head, n);
+        ggml_tensor * k = ggml_reshape_3d(ctx, weight_product(ctx, L.wk, cur), hd, m->n_head_kv, n);
+        ggml_tensor * v = weight_product(ctx, L.wv, cur);
         // llama GGUF: RoPE mode NORMAL (adjacent pairs), runtime.md §5.3.
         q = ggml_rope_ext(ctx, q, g.inp_pos, m->rope_freqs, m->n_rot, 0, m->n_ctx_train, m->freq_base,
                           m->freq_scale, 0.0f, 1.0f, 0.0f, 0.0f);
@@ -86,13 +86,13 @@ result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
 
         store_kv(ctx, gf, kc, vc, ggml_reshape_2d(ctx, k, n_embd_kv, n), v, g.inp_cells);
         cur = attend(ctx, m, kc, vc, q, n_kv, g.inp_mask);
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, cur));
+        x = ggml_add(ctx, x, weight_product(ctx, L.wo, cur));
 
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->eps), L.ffn_norm);
-        ggml_tensor * gate = ggml_mul_mat(ctx, L.w_gate, cur);
-        ggml_tensor * up = ggml_mul_mat(ctx, L.w_up, cur);
+        ggml_tensor * gate = weight_product(ctx, L.w_gate, cur);
+        ggml_tensor * up = weight_product(ctx, L.w_up, cur);
         cur = ggml_swiglu_split(ctx, gate, up);
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.w_down, cur));
+        x = ggml_add(ctx, x, weight_product(ctx, L.w_down, cur));
     }
 
     if (!m->is_terminal) {
@@ -105,7 +105,7 @@ result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr) {
             h = ggml_view_2d(ctx, x, m->n_embd, 1, x->nb[1], (size_t) (n - 1) * x->nb[1]);
         }
         h = ggml_mul(ctx, ggml_rms_norm(ctx, h, m->eps), m->output_norm);
-        g.out_logits = ggml_mul_mat(ctx, m->output, h);  // only the rows that are needed
+        g.out_logits = weight_product(ctx, m->output, h);  // only the rows that are needed
         ggml_set_output(g.out_logits);
         ggml_build_forward_expand(gf, g.out_logits);
     } else {

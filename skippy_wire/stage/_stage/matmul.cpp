@@ -1,0 +1,193 @@
+// matmul.cpp — products of Q4_1 weight matrices with activation rows (docs/backend.md).
+//
+// ggml's CPU backend multiplies a Q4_1 matrix by a batch one (weight row, activation row)
+// pair at a time (ggml_vec_dot_q4_1_q8_1 on x86: no multi-row kernel), so every pair pays
+// again for unpacking the weight nibbles and converting the block scales, and a decode
+// step streams each weight matrix from memory with no prefetch ahead of the dot products.
+// Here each weight block is unpacked once for up to COLS activation rows (prefill chunks,
+// multi-session decode batches), and the weight rows PREFETCH_ROWS ahead are requested
+// while the current one is multiplied.  Per output element the arithmetic is exactly
+// ggml's AVX2 dot product (the same integer sums, the same fused multiply-adds in the same
+// order, the same horizontal sum), so results are bit for bit those of ggml_mul_mat:
+// skippy_q4_1_product_check() compares the two.
+
+#include "stage_internal.h"
+
+#include <immintrin.h>
+
+#include <random>
+
+namespace skippy_stage {
+
+namespace {
+
+constexpr int QK = 32;   // values per Q4_1 / Q8_1 block
+constexpr int COLS = 4;  // activation rows per pass over a weight row
+constexpr int PREFETCH_ROWS = 8;  // 8 x 360 bytes for SmolLM2's rows: far enough to arrive in time
+
+struct block_q4_1_view { ggml_fp16_t d, m; uint8_t qs[QK / 2]; };
+struct block_q8_1_view { ggml_fp16_t d, s; int8_t qs[QK]; };
+static_assert(sizeof(block_q4_1_view) == 20 && sizeof(block_q8_1_view) == 36, "ggml's block layouts");
+
+// The activation rows in ggml's Q8_1 form, as ggml_mul_mat quantizes them (its from_float).
+void quantize_rows(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * x = dst->src[0];
+    const auto from_float = ggml_get_type_traits_cpu(GGML_TYPE_Q8_1)->from_float;
+    for (int64_t r = ith; r < x->ne[1]; r += nth) {
+        from_float(reinterpret_cast<const float *>(static_cast<const char *>(x->data) + r * x->nb[1]),
+                   static_cast<char *>(dst->data) + r * dst->nb[1], x->ne[0]);
+    }
+}
+
+// ggml's hsum_float_8 (arch/x86/quants.c): the same additions in the same order.
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1: dst = w x q (see q4_1_product).
+template <int NC>
+__attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
+                                                        const float * yd, const float * ys) {
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * q = dst->src[1];
+    const int64_t nb = w->ne[0] / QK;
+    const __m256i low = _mm256_set1_epi8(0xF);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const block_q8_1_view * y[NC];
+    for (int j = 0; j < NC; j++) {
+        y[j] = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
+    }
+    yd += c0 * nb;
+    ys += c0 * nb;
+    for (int64_t r = r0; r < r1; r++) {
+        const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
+        __m256 acc[NC];
+        __m128 summs[NC];
+        for (int j = 0; j < NC; j++) {
+            acc[j] = _mm256_setzero_ps();
+            summs[j] = _mm_setzero_ps();
+        }
+        const char * ahead = reinterpret_cast<const char *>(x) + PREFETCH_ROWS * w->nb[1];
+        for (int64_t line = 0; line < w->nb[1]; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        for (int64_t b = 0; b < nb; b++) {
+            const float d0 = _cvtsh_ss(x[b].d);  // fp16 -> fp32 is exact, as ggml's table
+            const __m128 m = _mm_set_ss(_cvtsh_ss(x[b].m));
+            const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs));
+            const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
+            for (int j = 0; j < NC; j++) {
+                const int64_t i = j * nb + b;
+                summs[j] = _mm_fmadd_ss(m, _mm_set_ss(ys[i]), summs[j]);
+                const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
+                // unsigned nibble x signed byte pairs cannot saturate (2 * 15 * 128 < 2^15),
+                // so these are the integer sums of ggml's VNNI and AVX2 paths alike
+                const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * yd[i]), _mm256_cvtepi32_ps(dot), acc[j]);
+            }
+        }
+        for (int j = 0; j < NC; j++) {
+            float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
+            out[r] = hsum8(acc[j]) + _mm_cvtss_f32(summs[j]);
+        }
+    }
+}
+
+// dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
+__attribute__((target("avx2,fma,f16c"))) void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * q = dst->src[1];
+    const int64_t rows = w->ne[1], nb = w->ne[0] / QK, n = dst->ne[1];
+    const int64_t per = (rows + nth - 1) / nth, r0 = ith * per, r1 = std::min(rows, r0 + per);
+    if (r0 >= r1) return;
+    // the activation blocks' scales and sums as floats, once instead of once per weight row
+    std::vector<float> yd((size_t) (n * nb)), ys((size_t) (n * nb));
+    for (int64_t c = 0; c < n; c++) {
+        const auto * y = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + c * q->nb[1]);
+        for (int64_t b = 0; b < nb; b++) {
+            yd[c * nb + b] = _cvtsh_ss(y[b].d);
+            ys[c * nb + b] = _cvtsh_ss(y[b].s);
+        }
+    }
+    int64_t c0 = 0;
+    for (; c0 + COLS <= n; c0 += COLS) q4_1_rows<COLS>(dst, r0, r1, c0, yd.data(), ys.data());
+    switch (n - c0) {
+        case 3: q4_1_rows<3>(dst, r0, r1, c0, yd.data(), ys.data()); break;
+        case 2: q4_1_rows<2>(dst, r0, r1, c0, yd.data(), ys.data()); break;
+        case 1: q4_1_rows<1>(dst, r0, r1, c0, yd.data(), ys.data()); break;
+        default: break;
+    }
+}
+
+// ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
+bool kernel_usable() {
+    static const bool usable = ggml_cpu_has_avx2() && ggml_cpu_has_fma() && __builtin_cpu_supports("avx2") &&
+                               __builtin_cpu_supports("fma");
+    return usable;
+}
+
+// SKIPPY_WIRE_MATMUL=ggml sends every product through ggml_mul_mat: the reference that
+// `skippy-wire bench-backend --matmul` measures this kernel against (read per graph build).
+bool kernel_wanted() {
+    const char * choice = getenv("SKIPPY_WIRE_MATMUL");
+    return !(choice && strcmp(choice, "ggml") == 0);
+}
+
+bool kernel_applies(const ggml_tensor * w, const ggml_tensor * x) {
+    return w->type == GGML_TYPE_Q4_1 && x->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1 &&
+           ggml_is_contiguous(x) && w->ne[0] % QK == 0 && kernel_usable();
+}
+
+// Two graph nodes: the rows quantized as ggml would, then the product.
+ggml_tensor * kernel_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
+    const int64_t row_bytes = w->ne[0] / QK * (int64_t) sizeof(block_q8_1_view);
+    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_I8, row_bytes, x->ne[1], 1, 1, &x, 1, quantize_rows,
+                                     GGML_N_TASKS_MAX, nullptr);
+    ggml_tensor * args[2] = {w, q};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, q4_1_product,
+                          GGML_N_TASKS_MAX, nullptr);
+}
+
+}  // namespace
+
+ggml_tensor * weight_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
+    return kernel_wanted() && kernel_applies(w, x) ? kernel_product(ctx, w, x) : ggml_mul_mat(ctx, w, x);
+}
+
+}  // namespace skippy_stage
+
+// For the tests: multiplies a random Q4_1 matrix [k, rows] by n random rows with ggml_mul_mat
+// and with the kernel in one graph; the number of output elements whose bits differ, or -1
+// where the kernel cannot run on this machine (weight_product then always uses ggml_mul_mat).
+extern "C" int64_t skippy_q4_1_product_check(int64_t k, int64_t rows, int64_t n, uint32_t seed, int n_threads) {
+    using namespace skippy_stage;
+    if (!kernel_usable()) return -1;
+    if (k % QK != 0 || k <= 0 || rows <= 0 || n <= 0) return -4;
+    ggml_init_params p = {/*.mem_size =*/(size_t) (k * rows * 8 + k * n * 16 + rows * n * 16) + (16u << 20),
+                          /*.mem_buffer =*/nullptr, /*.no_alloc =*/false};
+    ggml_context * ctx = ggml_init(p);
+    if (!ctx) return -2;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> wf((size_t) (k * rows));
+    for (float & v : wf) v = normal(rng) * 0.05f + 0.01f;
+    ggml_tensor * w = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_1, k, rows);
+    ggml_quantize_chunk(GGML_TYPE_Q4_1, wf.data(), w->data, 0, rows, k, nullptr);
+    ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    for (int64_t i = 0; i < k * n; i++) static_cast<float *>(x->data)[i] = normal(rng);
+    ggml_tensor * ours = kernel_product(ctx, w, x);
+    ggml_tensor * ref = ggml_mul_mat(ctx, w, x);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, ours);
+    ggml_build_forward_expand(gf, ref);
+    int64_t differ = -3;
+    if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS) {
+        differ = 0;
+        for (int64_t i = 0; i < rows * n; i++) {
+            differ += memcmp(static_cast<float *>(ours->data) + i, static_cast<float *>(ref->data) + i, 4) != 0;
+        }
+    }
+    ggml_free(ctx);
+    return differ;
+}
