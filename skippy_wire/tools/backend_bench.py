@@ -4,6 +4,7 @@ stage vs two stages in one process (docs/benchmarks.md, docs/backend.md "Measure
     skippy-wire bench-backend [--model PATH] [--threads 1,2] [--prefill 256] [--decode 64] [--repeat 5]
     skippy-wire bench-backend --stages [--threads 2]      # one stage vs two stages
     skippy-wire bench-backend --batch 1,2,4 [--threads 1] # a decode step of B sessions as one batch
+    skippy-wire bench-backend --matmul [--batch 2,4]      # our Q4_1 multi-row kernel vs ggml_mul_mat
 
 Side by side (the default): our backend (one stage, all layers) and llama.cpp
 (llama-cpp-python, when installed; it runs in a worker process so the two ggml builds never
@@ -16,6 +17,10 @@ one native multi-session batch, alternating the batch sizes, best of --repeat; t
 of a step against B=1 is what batching concurrent requests can save (B rows for less
 than B times the time of one).
 
+--matmul: the same backend twice, alternating, once with its multi-row Q4_1 product kernel
+and once with every product through ggml_mul_mat (``SKIPPY_WIRE_MATMUL=ggml``): prefill
+tok/s and the batched decode steps, and the ratio kernel / ggml (docs/backend.md).
+
 Prefill: one chunk of N tokens from an empty session (best of --repeat).  Decode: N
 single-token steps after a 16-token prompt.  Two stages run one after the other in this
 process with the frame handed from A to B, as a single-process pipeline would.
@@ -24,8 +29,10 @@ process with the frame handed from A to B, as a single-process pipeline would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -260,6 +267,47 @@ def batched_decode(path, threads_list, sizes, n_decode, repeat):
                   f"{(size / step) / (ref_size / ref_step):14.2f}x", flush=True)
 
 
+MATMUL_ENV = "SKIPPY_WIRE_MATMUL"
+MATMUL_MODES = {"kernel": None, "ggml": "ggml"}  # label -> value of MATMUL_ENV (None: unset)
+
+
+@contextlib.contextmanager
+def matmul_mode(value):
+    """Graphs built inside use ggml_mul_mat for every product where ``value`` is "ggml"."""
+    saved = os.environ.pop(MATMUL_ENV, None)
+    if value is not None:
+        os.environ[MATMUL_ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(MATMUL_ENV, None)
+        if saved is not None:
+            os.environ[MATMUL_ENV] = saved
+
+
+def matmul_ab(path, threads, n_prefill, sizes, repeat):
+    print(header())
+    print(f"model: {path}; one stage, all layers, {threads} thread(s); prefill-{n_prefill} and batched decode "
+          f"steps, best of {repeat}, alternating; kernel = our multi-row Q4_1 product, ggml = ggml_mul_mat")
+    runners = {}
+    for label, value in MATMUL_MODES.items():
+        with matmul_mode(value):
+            runners[label] = Ours(path, threads, n_prefill + 32)
+    prefill = dict.fromkeys(MATMUL_MODES, float("inf"))
+    steps = {(label, size): float("inf") for label in MATMUL_MODES for size in sizes}
+    for _ in range(repeat):
+        for label, value in MATMUL_MODES.items():
+            with matmul_mode(value):
+                prefill[label] = min(prefill[label], runners[label].prefill(n_prefill))
+                for size, step in batch_costs(path, threads, sizes, 16, 1).items():
+                    steps[label, size] = min(steps[label, size], step)
+    print(f"{'figure':>24} | {'kernel':>9} | {'ggml':>9} | {'kernel / ggml':>13}")
+    rows = [(f"prefill-{n_prefill} tok/s", n_prefill / prefill["kernel"], n_prefill / prefill["ggml"])]
+    rows += [(f"decode batch {size} rows/s", size / steps["kernel", size], size / steps["ggml", size]) for size in sizes]
+    for name, ours, ref in rows:
+        print(f"{name:>24} | {ours:9.1f} | {ref:9.1f} | {ours / ref:12.2f}x", flush=True)
+
+
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--llama-worker"]:
@@ -275,8 +323,16 @@ def main(argv=None):
     ap.add_argument("--split", type=int, default=None, help="--stages: first layer of stage B (default n_layer // 2)")
     ap.add_argument("--batch", default=None, metavar="B,B,...",
                     help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference")
+    ap.add_argument("--matmul", action="store_true",
+                    help="our multi-row Q4_1 product kernel against ggml_mul_mat (prefill and --batch, default 2,4)")
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
+    if args.matmul:
+        sizes = [int(b) for b in (args.batch or "2,4").split(",")]
+        if min(sizes) < 1:
+            ap.error("--batch sizes must be positive")
+        matmul_ab(path, int((args.threads or "1").split(",")[0]), args.prefill, sizes, args.repeat)
+        return 0
     if args.batch:
         sizes = [int(b) for b in args.batch.split(",")]
         if min(sizes) < 1:
