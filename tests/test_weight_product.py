@@ -1,5 +1,6 @@
-"""The backend's multi-row Q4_1 product kernel (skippy_wire/stage/_stage/matmul.cpp): bit for
-bit ggml_mul_mat, used by the stage graphs, and switched off by SKIPPY_WIRE_MATMUL=ggml."""
+"""The backend's weight product kernels (skippy_wire/stage/_stage/matmul.cpp) for Q4_1 and
+Q8_0 matrices: bit for bit ggml_mul_mat (its vec_dot for one row, and for Q8_0 with more
+rows its tinyBLAS kernel), used by the stage graphs, switched off by SKIPPY_WIRE_MATMUL=ggml."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from skippy_wire.tools import backend_bench
 B = _ggml.load_backend()
 
 
-def _check():
-    fn = ctypes.CDLL(B.__file__).skippy_q4_1_product_check
+Q4_1, Q8_0, Q4_0 = 3, 8, 2  # ggml type ids
+
+
+def _check(type_id, k, rows, n, seed, threads):
+    fn = ctypes.CDLL(B.__file__).skippy_weight_product_check
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
-    return fn
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
+    return fn(type_id, k, rows, n, seed, threads)
 
 
 def _kernel_runs_here() -> bool:
@@ -28,23 +32,26 @@ def _kernel_runs_here() -> bool:
     return {"avx2", "fma"} <= live
 
 
-# (k, weight rows, activation rows, seed, threads): every remainder of the 4-row groups, a
-# row count that two threads split unevenly, SmolLM2's shapes and a prefill-sized chunk
-SHAPES = [(576, 192, n, n, 1) for n in range(1, 10)] + [
-    (576, 1537, 3, 11, 2), (1536, 576, 64, 12, 2), (64, 33, 5, 13, 2), (576, 4096, 2, 14, 1)]
+# (type, k, weight rows, activation rows, seed, threads): Q4_1 for every remainder of the
+# 4-row groups, a row count that two threads split unevenly, SmolLM2's shapes and a
+# prefill-sized chunk; Q8_0 (SmolLM2's head) likewise
+SHAPES = [(t, 576, 192, n, n, 1) for t in (Q4_1, Q8_0) for n in range(1, 10)] + [
+    (Q4_1, 576, 1537, 3, 11, 2), (Q4_1, 1536, 576, 64, 12, 2), (Q4_1, 64, 33, 5, 13, 2), (Q4_1, 576, 4096, 2, 14, 1),
+    (Q8_0, 576, 4096, 1, 15, 1), (Q8_0, 576, 1001, 4, 16, 2), (Q8_0, 64, 7, 3, 17, 1), (Q8_0, 576, 300, 64, 18, 2)]
 
 
-@pytest.mark.parametrize("k,rows,n,seed,threads", SHAPES)
-def test_kernel_equals_ggml_mul_mat_bit_for_bit(k, rows, n, seed, threads):
-    differ = _check()(k, rows, n, seed, threads)
+@pytest.mark.parametrize("type_id,k,rows,n,seed,threads", SHAPES)
+def test_kernel_equals_ggml_mul_mat_bit_for_bit(type_id, k, rows, n, seed, threads):
+    differ = _check(type_id, k, rows, n, seed, threads)
     if not _kernel_runs_here():
         assert differ == -1  # nothing to compare: every product is ggml's own
         return
     assert differ == 0
 
 
-def test_check_rejects_shapes_the_kernel_does_not_take():
-    assert _check()(500, 10, 1, 1, 1) in (-4, -1)  # k not a multiple of the 32-value block
+def test_kernel_leaves_other_products_to_ggml():
+    assert _check(Q4_0, 576, 64, 1, 1, 1) == -1
+    assert _check(Q4_1, 500, 10, 1, 1, 1) == -4  # k not a whole number of 32-value blocks
 
 
 def test_generation_is_the_same_with_ggml_mul_mat(monkeypatch):

@@ -1,21 +1,23 @@
-// matmul.cpp — products of Q4_1 weight matrices with activation rows (docs/backend.md).
+// matmul.cpp — products of Q4_1 and Q8_0 weight matrices with activation rows
+// (docs/backend.md "The weight product kernels").
 //
 // ggml's CPU backend multiplies a Q4_1 matrix by a batch one (weight row, activation row)
 // pair at a time (ggml_vec_dot_q4_1_q8_1 on x86: no multi-row kernel), so every pair pays
 // again for unpacking the weight nibbles and converting the block scales, and a decode
 // step streams each weight matrix from memory with no prefetch ahead of the dot products.
-// Here each weight block is unpacked once for up to COLS activation rows (prefill chunks,
+// Here each weight block is loaded once for up to COLS activation rows (prefill chunks,
 // multi-session decode batches), and the weight rows PREFETCH_ROWS ahead are requested
 // while the current one is multiplied.  Per output element the arithmetic is exactly
 // ggml's AVX2 dot product (the same integer sums, the same fused multiply-adds in the same
 // order, the same horizontal sum), so results are bit for bit those of ggml_mul_mat:
-// skippy_q4_1_product_check() compares the two.
+// skippy_weight_product_check() compares the two.
 
 #include "stage_internal.h"
 
 #include <immintrin.h>
 
 #include <random>
+#include <type_traits>
 
 namespace skippy_stage {
 
@@ -27,12 +29,18 @@ constexpr int PREFETCH_ROWS = 8;  // 8 x 360 bytes for SmolLM2's rows: far enoug
 
 struct block_q4_1_view { ggml_fp16_t d, m; uint8_t qs[QK / 2]; };
 struct block_q8_1_view { ggml_fp16_t d, s; int8_t qs[QK]; };
-static_assert(sizeof(block_q4_1_view) == 20 && sizeof(block_q8_1_view) == 36, "ggml's block layouts");
+struct block_q8_0_view { ggml_fp16_t d; int8_t qs[QK]; };
+static_assert(sizeof(block_q4_1_view) == 20 && sizeof(block_q8_1_view) == 36 && sizeof(block_q8_0_view) == 34,
+              "ggml's block layouts");
 
-// The activation rows in ggml's Q8_1 form, as ggml_mul_mat quantizes them (its from_float).
-void quantize_rows(ggml_tensor * dst, int ith, int nth, void *) {
+// fp16 -> fp32 is exact, like ggml's table lookup.
+__attribute__((target("f16c"))) inline float f16_to_f32(ggml_fp16_t h) { return _cvtsh_ss(h); }
+
+// The activation rows in the form ggml_mul_mat quantizes them to for the weight's type
+// (its vec_dot_type, passed as userdata), with ggml's own from_float.
+void quantize_rows(ggml_tensor * dst, int ith, int nth, void * type) {
     const ggml_tensor * x = dst->src[0];
-    const auto from_float = ggml_get_type_traits_cpu(GGML_TYPE_Q8_1)->from_float;
+    const auto from_float = ggml_get_type_traits_cpu((ggml_type) (intptr_t) type)->from_float;
     for (int64_t r = ith; r < x->ne[1]; r += nth) {
         from_float(reinterpret_cast<const float *>(static_cast<const char *>(x->data) + r * x->nb[1]),
                    static_cast<char *>(dst->data) + r * dst->nb[1], x->ne[0]);
@@ -73,7 +81,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
         const char * ahead = reinterpret_cast<const char *>(x) + PREFETCH_ROWS * w->nb[1];
         for (int64_t line = 0; line < w->nb[1]; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         for (int64_t b = 0; b < nb; b++) {
-            const float d0 = _cvtsh_ss(x[b].d);  // fp16 -> fp32 is exact, as ggml's table
+            const float d0 = _cvtsh_ss(x[b].d);
             const __m128 m = _mm_set_ss(_cvtsh_ss(x[b].m));
             const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs));
             const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
@@ -94,30 +102,95 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
     }
 }
 
-// dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
-__attribute__((target("avx2,fma,f16c"))) void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * q = dst->src[1];
-    const int64_t rows = w->ne[1], nb = w->ne[0] / QK, n = dst->ne[1];
-    const int64_t per = (rows + nth - 1) / nth, r0 = ith * per, r1 = std::min(rows, r0 + per);
-    if (r0 >= r1) return;
-    // the activation blocks' scales and sums as floats, once instead of once per weight row
-    std::vector<float> yd((size_t) (n * nb)), ys((size_t) (n * nb));
-    for (int64_t c = 0; c < n; c++) {
-        const auto * y = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + c * q->nb[1]);
-        for (int64_t b = 0; b < nb; b++) {
-            yd[c * nb + b] = _cvtsh_ss(y[b].d);
-            ys[c * nb + b] = _cvtsh_ss(y[b].s);
-        }
-    }
+// rows(std::integral_constant<int, NC>, c0) for the activation rows in groups of COLS, then the rest.
+template <typename Rows> void by_groups(int64_t n, Rows rows) {
     int64_t c0 = 0;
-    for (; c0 + COLS <= n; c0 += COLS) q4_1_rows<COLS>(dst, r0, r1, c0, yd.data(), ys.data());
+    for (; c0 + COLS <= n; c0 += COLS) rows(std::integral_constant<int, COLS>{}, c0);
     switch (n - c0) {
-        case 3: q4_1_rows<3>(dst, r0, r1, c0, yd.data(), ys.data()); break;
-        case 2: q4_1_rows<2>(dst, r0, r1, c0, yd.data(), ys.data()); break;
-        case 1: q4_1_rows<1>(dst, r0, r1, c0, yd.data(), ys.data()); break;
+        case 3: rows(std::integral_constant<int, 3>{}, c0); break;
+        case 2: rows(std::integral_constant<int, 2>{}, c0); break;
+        case 1: rows(std::integral_constant<int, 1>{}, c0); break;
         default: break;
     }
+}
+
+// The weight rows of thread ith of nth, and the activation blocks' scales (and, for Q8_1,
+// sums) as floats: converted once instead of once per weight row.
+template <typename QBlock> struct product_setup {
+    int64_t r0, r1;
+    std::vector<float> yd, ys;
+    product_setup(const ggml_tensor * dst, int ith, int nth) {
+        const ggml_tensor * w = dst->src[0];
+        const ggml_tensor * q = dst->src[1];
+        const int64_t rows = w->ne[1], nb = w->ne[0] / QK, n = dst->ne[1];
+        const int64_t per = (rows + nth - 1) / nth;
+        r0 = ith * per;
+        r1 = std::min(rows, r0 + per);
+        yd.resize((size_t) (n * nb));
+        ys.resize((size_t) (n * nb));
+        for (int64_t c = 0; c < n; c++) {
+            const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + c * q->nb[1]);
+            for (int64_t b = 0; b < nb; b++) {
+                yd[c * nb + b] = f16_to_f32(y[b].d);
+                if constexpr (std::is_same_v<QBlock, block_q8_1_view>) ys[c * nb + b] = f16_to_f32(y[b].s);
+            }
+        }
+    }
+};
+
+// dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
+void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
+    product_setup<block_q8_1_view> p(dst, ith, nth);
+    if (p.r0 >= p.r1) return;
+    by_groups(dst->ne[1], [&](auto nc, int64_t c0) {
+        q4_1_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
+    });
+}
+
+// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1 for a Q8_0 matrix (SmolLM2's
+// tied head): ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic, which for two rows or more is also
+// that of ggml's tinyBLAS kernel (the same products, fused adds and horizontal sum).
+template <int NC>
+__attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
+                                                        const float * yd) {
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * q = dst->src[1];
+    const int64_t nb = w->ne[0] / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const block_q8_0_view * y[NC];
+    for (int j = 0; j < NC; j++) {
+        y[j] = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
+    }
+    yd += c0 * nb;
+    for (int64_t r = r0; r < r1; r++) {
+        const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
+        const char * ahead = reinterpret_cast<const char *>(x) + PREFETCH_ROWS * w->nb[1];
+        for (int64_t line = 0; line < w->nb[1]; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        __m256 acc[NC];
+        for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const float d0 = _cvtsh_ss(x[b].d);
+            const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[b].qs));
+            const __m256i ax = _mm256_sign_epi8(qx, qx);
+            for (int j = 0; j < NC; j++) {
+                const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
+                // |x| times y with x's sign: pair sums stay under 2^15 (|x| <= 128, |y| <= 127)
+                const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * yd[j * nb + b]), _mm256_cvtepi32_ps(dot), acc[j]);
+            }
+        }
+        for (int j = 0; j < NC; j++) {
+            float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
+            out[r] = hsum8(acc[j]);
+        }
+    }
+}
+
+// dst [rows, n] = w [k, rows] (Q8_0) x q [k, n] (Q8_0 rows); weight rows split over threads.
+void q8_0_product(ggml_tensor * dst, int ith, int nth, void *) {
+    product_setup<block_q8_0_view> p(dst, ith, nth);
+    if (p.r0 >= p.r1) return;
+    by_groups(dst->ne[1], [&](auto nc, int64_t c0) { q8_0_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data()); });
 }
 
 // ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
@@ -135,17 +208,19 @@ bool kernel_wanted() {
 }
 
 bool kernel_applies(const ggml_tensor * w, const ggml_tensor * x) {
-    return w->type == GGML_TYPE_Q4_1 && x->type == GGML_TYPE_F32 && x->ne[2] == 1 && x->ne[3] == 1 &&
-           ggml_is_contiguous(x) && w->ne[0] % QK == 0 && kernel_usable();
+    return (w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q8_0) && x->type == GGML_TYPE_F32 && x->ne[2] == 1 &&
+           x->ne[3] == 1 && ggml_is_contiguous(x) && w->ne[0] % QK == 0 && kernel_usable();
 }
 
 // Two graph nodes: the rows quantized as ggml would, then the product.
 ggml_tensor * kernel_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
-    const int64_t row_bytes = w->ne[0] / QK * (int64_t) sizeof(block_q8_1_view);
+    const bool q4_1 = w->type == GGML_TYPE_Q4_1;
+    const ggml_type rows_type = ggml_get_type_traits_cpu(w->type)->vec_dot_type;  // Q8_1 / Q8_0
+    const int64_t row_bytes = (int64_t) ggml_row_size(rows_type, w->ne[0]);
     ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_I8, row_bytes, x->ne[1], 1, 1, &x, 1, quantize_rows,
-                                     GGML_N_TASKS_MAX, nullptr);
+                                     GGML_N_TASKS_MAX, (void *) (intptr_t) rows_type);
     ggml_tensor * args[2] = {w, q};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, q4_1_product,
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, q4_1 ? q4_1_product : q8_0_product,
                           GGML_N_TASKS_MAX, nullptr);
 }
 
@@ -157,12 +232,13 @@ ggml_tensor * weight_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * 
 
 }  // namespace skippy_stage
 
-// For the tests: multiplies a random Q4_1 matrix [k, rows] by n random rows with ggml_mul_mat
-// and with the kernel in one graph; the number of output elements whose bits differ, or -1
-// where the kernel cannot run on this machine (weight_product then always uses ggml_mul_mat).
-extern "C" int64_t skippy_q4_1_product_check(int64_t k, int64_t rows, int64_t n, uint32_t seed, int n_threads) {
+// For the tests: multiplies a random matrix of ggml type `type` [k, rows] by n random rows
+// with ggml_mul_mat and with the kernel in one graph; the number of output elements whose
+// bits differ, or -1 where the kernel does not take this product on this machine
+// (weight_product then uses ggml_mul_mat), -4 for a k that is no whole number of blocks.
+extern "C" int64_t skippy_weight_product_check(int type, int64_t k, int64_t rows, int64_t n, uint32_t seed,
+                                               int n_threads) {
     using namespace skippy_stage;
-    if (!kernel_usable()) return -1;
     if (k % QK != 0 || k <= 0 || rows <= 0 || n <= 0) return -4;
     ggml_init_params p = {/*.mem_size =*/(size_t) (k * rows * 8 + k * n * 16 + rows * n * 16) + (16u << 20),
                           /*.mem_buffer =*/nullptr, /*.no_alloc =*/false};
@@ -172,20 +248,23 @@ extern "C" int64_t skippy_q4_1_product_check(int64_t k, int64_t rows, int64_t n,
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> wf((size_t) (k * rows));
     for (float & v : wf) v = normal(rng) * 0.05f + 0.01f;
-    ggml_tensor * w = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_1, k, rows);
-    ggml_quantize_chunk(GGML_TYPE_Q4_1, wf.data(), w->data, 0, rows, k, nullptr);
+    ggml_tensor * w = ggml_new_tensor_2d(ctx, (ggml_type) type, k, rows);
+    ggml_quantize_chunk((ggml_type) type, wf.data(), w->data, 0, rows, k, nullptr);
     ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
     for (int64_t i = 0; i < k * n; i++) static_cast<float *>(x->data)[i] = normal(rng);
-    ggml_tensor * ours = kernel_product(ctx, w, x);
-    ggml_tensor * ref = ggml_mul_mat(ctx, w, x);
-    ggml_cgraph * gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, ours);
-    ggml_build_forward_expand(gf, ref);
-    int64_t differ = -3;
-    if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS) {
-        differ = 0;
-        for (int64_t i = 0; i < rows * n; i++) {
-            differ += memcmp(static_cast<float *>(ours->data) + i, static_cast<float *>(ref->data) + i, 4) != 0;
+    int64_t differ = -1;
+    if (kernel_applies(w, x)) {
+        ggml_tensor * ours = kernel_product(ctx, w, x);
+        ggml_tensor * ref = ggml_mul_mat(ctx, w, x);
+        ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_build_forward_expand(gf, ours);
+        ggml_build_forward_expand(gf, ref);
+        differ = -3;
+        if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) == GGML_STATUS_SUCCESS) {
+            differ = 0;
+            for (int64_t i = 0; i < rows * n; i++) {
+                differ += memcmp(static_cast<float *>(ours->data) + i, static_cast<float *>(ref->data) + i, 4) != 0;
+            }
         }
     }
     ggml_free(ctx);

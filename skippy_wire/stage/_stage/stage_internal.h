@@ -181,7 +181,7 @@ void store_kv(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * kc, ggml_tenso
               ggml_tensor * v, ggml_tensor * cells);
 ggml_tensor * attend(ggml_context * ctx, const skippy_model * m, ggml_tensor * kc, ggml_tensor * vc,
                      ggml_tensor * q, int n_kv, ggml_tensor * mask);
-// w x x for a weight matrix: matmul.cpp's multi-row Q4_1 kernel where it applies, else ggml_mul_mat.
+// w x x for a weight matrix: matmul.cpp's Q4_1 / Q8_0 kernels where they apply, else ggml_mul_mat.
 ggml_tensor * weight_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x);
 result build_graph(skippy_session * s, int n, int n_kv, logit_rows lr);
 result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in_rows,
