@@ -21,6 +21,7 @@ from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_lo
 from skippy_wire.net.supervision import launch_pipeline, split_layers
 from skippy_wire.stage.models import model_shape
 from skippy_wire.tools.run import TextStreamer, format_summary, merge_session_events
+from skippy_wire.wire.messages import StageWireMessage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,6 +135,51 @@ def test_process_pipelines_match_one_stage(tiny_model, stages, codec, policy):
     for stage_events in events[:-1]:
         chosen = set(stage_events[0]["codec_counts"])
         assert chosen <= ({"raw-f32-v1", "bf16-rne-v1", "f16-rne-v1"} if policy != "fixed" else {codec})
+
+
+class _StopAt(Exception):
+    pass
+
+
+def test_next_step_is_sent_before_on_token_and_a_raising_on_token_leaves_the_link_usable(tiny_model):
+    """The stages compute token i + 1 while on_token(i) runs: at every call but the last the
+    next DecodeEmbd is already written.  An on_token that raises has its step in flight
+    read back, a before_step that raises sends none, so the same connection carries Stop
+    (answered by its own Ack) and then the next generation with the same tokens."""
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
+        with PipelineClient(*cluster.entry, timeout=30) as client:
+            sent_at_call = []
+            full = client.generate(PROMPT, max_tokens=4, chunk_size=4,
+                                   on_token=lambda _: sent_at_call.append(client.sent_bytes))
+            step = sent_at_call[1] - sent_at_call[0]  # one DecodeEmbd
+            assert step > 0 and sent_at_call[2] - sent_at_call[1] == step
+            assert sent_at_call[3] == sent_at_call[2]  # nothing is sent after the last token
+
+            def stop_at_second(token):
+                if len(seen) == 1:
+                    raise _StopAt()
+                seen.append(token)
+
+            seen: list = []
+            with pytest.raises(_StopAt):
+                client.generate(PROMPT, max_tokens=6, chunk_size=4, on_token=stop_at_second,
+                                request_id=2, session_id=2)
+            # what the engine does on a cancel; the reply is Stop's Ack, not the step in flight
+            client._expect(client.request(StageWireMessage.stop(2, 2), "Stop"), ack=True)
+
+            steps: list = []
+
+            def cancel_before_second_step():
+                steps.append(1)
+                if len(steps) == 2:
+                    raise _StopAt()
+
+            with pytest.raises(_StopAt):
+                client.generate(PROMPT, max_tokens=6, chunk_size=4, before_step=cancel_before_second_step,
+                                request_id=3, session_id=3)
+            client._expect(client.request(StageWireMessage.stop(3, 3), "Stop"), ack=True)
+            again = client.generate(PROMPT, max_tokens=4, chunk_size=4, request_id=4, session_id=4)
+    assert again.tokens == full.tokens and seen == full.tokens[:1]
 
 
 def test_killed_stage_fails_the_request_with_a_reason(tiny_model):

@@ -60,7 +60,8 @@ class GenerationResult:
     received_bytes: int = 0
     reply_stats: list[Any] = field(default_factory=list)
     #: Decode: the driver's own share, from a token's reply to the next DecodeEmbd's write
-    #: (on_token, building the message), and the round trips to stage 0 (write to reply).
+    #: (building the message; on_token runs after that write), and the round trips to
+    #: stage 0 (write to reply).
     driver_gap_s: float = 0.0
     decode_round_trip_s: float = 0.0
 
@@ -175,26 +176,38 @@ class PipelineClient:
         """Send one message and return its reply (a ``StageReply``); :attr:`sent_at` is
         when its write began (perf_counter): a write that waits while stage 0 already runs
         counts in the round trip, so the round trip holds every stage's compute."""
+        what = self.send(msg, what)
+        return self.receive(what)
+
+    def send(self, msg, what: str | None = None) -> str:
+        """Write one message (its reply is for :meth:`receive`); returns what it is called."""
         data = self._link.encode(msg)
         what = what or f"{msg.kind.name} (session {msg.session_id})"
 
-        def exchange():
+        def write():
             self._peer.sock.settimeout(self.timeout)
             self.sent_at = time.perf_counter()
             self._peer.send(data)
-            return self._peer.read()
 
-        return self._guard(exchange, what)
+        self._guard(write, what)
+        return what
+
+    def receive(self, what: str):
+        """The reply to the message sent last."""
+        return self._guard(self._peer.read, what)
 
     def generate(self, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling=None,
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
                  on_token: Callable[[int], None] | None = None, request_id: int = 1,
-                 session_id: int = 1) -> GenerationResult:
+                 session_id: int = 1, before_step: Callable[[], None] | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
 
         ``sampling`` (a ``messages.SamplingConfig``; None = greedy) travels once, in
         ConfigureGeneration, which every stage keeps for the session; prefill and decode
-        messages carry no sampling block.
+        messages carry no sampling block.  ``on_token`` runs while the stages compute the
+        next token; if it raises, that step's reply is read back before the exception
+        leaves (the connection stays usable).  ``before_step`` runs before each decode step
+        is sent: what it raises (a cancellation) leaves with no step in flight.
         """
         if not prompt:
             raise ValueError("the prompt must have at least one token")
@@ -215,15 +228,27 @@ class PipelineClient:
             pos = len(prompt)
             while token is not None:
                 result.tokens.append(token)
-                if on_token:
-                    on_token(token)
-                if is_eog is not None and is_eog(token):
-                    result.stop_reason = "eog"
-                    break
-                if len(result.tokens) >= max_tokens:
-                    break
-                reply = self.request(decode_message(token, pos, len(result.tokens) - 1, len(prompt),
+                eog = is_eog is not None and is_eog(token)
+                last = eog or len(result.tokens) >= max_tokens
+                if not last:
+                    if before_step:
+                        before_step()
+                    # The stages compute the next token while on_token runs (printing, an
+                    # HTTP stream's event loop taking the GIL), not after it.
+                    what = self.send(decode_message(token, pos, len(result.tokens) - 1, len(prompt),
                                                     request_id, session_id))
+                if on_token:
+                    try:
+                        on_token(token)
+                    except BaseException:
+                        if not last:
+                            self._drain(what)
+                        raise
+                if eog:
+                    result.stop_reason = "eog"
+                if last:
+                    break
+                reply = self.receive(what)
                 now = time.perf_counter()
                 result.driver_gap_s += self.sent_at - replied
                 result.decode_round_trip_s += now - self.sent_at
@@ -237,6 +262,14 @@ class PipelineClient:
             result.sent_bytes = self.sent_bytes - sent0
             result.received_bytes = self.received_bytes - recv0
         return result
+
+    def _drain(self, what: str) -> None:
+        """Read the reply of a step in flight that nobody wants any more (on_token raised),
+        so the connection can carry the next message; a connection that cannot is closed."""
+        try:
+            self.receive(what)
+        except PipelineError:
+            self.close()
 
     def _expect(self, reply, *, ack: bool):
         kind = int(reply.kind)

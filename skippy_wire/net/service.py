@@ -199,13 +199,18 @@ class GenerationEngine:
             if assembler.stopped or cancelled.is_set():
                 raise Cancelled("stop")
 
+        def before_step() -> None:
+            if cancelled.is_set():  # the client left while the last step ran: send no more
+                raise Cancelled("stop")
+
         client = self._take()
         sent0, received0 = client.sent_bytes, client.received_bytes
         healthy = True
         try:
             result = client.generate(prompt, max_tokens=max_tokens, sampling=sampling.wire(),
                                      chunk_size=self.chunk_size, is_eog=self.tokenizer.is_eog,
-                                     on_token=on_token, request_id=session, session_id=session)
+                                     on_token=on_token, request_id=session, session_id=session,
+                                     before_step=before_step)
             out.finish_reason = "stop" if result.stop_reason == "eog" else "length"
         except Cancelled:
             out.finish_reason = "stop"
