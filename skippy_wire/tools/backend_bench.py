@@ -4,7 +4,7 @@ stage vs two stages in one process (docs/benchmarks.md, docs/backend.md "Measure
     skippy-wire bench-backend [--model PATH] [--threads 1,2] [--prefill 256] [--decode 64] [--repeat 5]
     skippy-wire bench-backend --stages [--threads 2]      # one stage vs two stages
     skippy-wire bench-backend --batch 1,2,4 [--threads 1] # a decode step of B sessions as one batch
-    skippy-wire bench-backend --matmul [--batch 2,4]      # our Q4_1 multi-row kernel vs ggml_mul_mat
+    skippy-wire bench-backend --matmul [--batch 2,4]      # our weight product kernels vs ggml_mul_mat
 
 Side by side (the default): our backend (one stage, all layers) and llama.cpp
 (llama-cpp-python, when installed; it runs in a worker process so the two ggml builds never
@@ -17,8 +17,8 @@ one native multi-session batch, alternating the batch sizes, best of --repeat; t
 of a step against B=1 is what batching concurrent requests can save (B rows for less
 than B times the time of one).
 
---matmul: the same backend twice, alternating, once with its multi-row Q4_1 product kernel
-and once with every product through ggml_mul_mat (``SKIPPY_WIRE_MATMUL=ggml``): prefill
+--matmul: the same backend twice, alternating, once with its Q4_1 / Q8_0 weight product
+kernels and once with every product through ggml_mul_mat (``SKIPPY_WIRE_MATMUL=ggml``): prefill
 tok/s and the batched decode steps, and the ratio kernel / ggml (docs/backend.md).
 
 Prefill: one chunk of N tokens from an empty session (best of --repeat).  Decode: N
@@ -288,7 +288,7 @@ def matmul_mode(value):
 def matmul_ab(path, threads, n_prefill, sizes, repeat):
     print(header())
     print(f"model: {path}; one stage, all layers, {threads} thread(s); prefill-{n_prefill} and batched decode "
-          f"steps, best of {repeat}, alternating; kernel = our multi-row Q4_1 product, ggml = ggml_mul_mat")
+          f"steps, best of {repeat}, alternating; kernel = our Q4_1 / Q8_0 weight products, ggml = ggml_mul_mat")
     runners = {}
     for label, value in MATMUL_MODES.items():
         with matmul_mode(value):
@@ -324,7 +324,7 @@ def main(argv=None):
     ap.add_argument("--batch", default=None, metavar="B,B,...",
                     help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference")
     ap.add_argument("--matmul", action="store_true",
-                    help="our multi-row Q4_1 product kernel against ggml_mul_mat (prefill and --batch, default 2,4)")
+                    help="our Q4_1 / Q8_0 weight product kernels against ggml_mul_mat (prefill and --batch, default 2,4)")
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
     if args.matmul:

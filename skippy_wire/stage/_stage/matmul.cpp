@@ -126,13 +126,14 @@ template <typename QBlock> struct product_setup {
         const int64_t per = (rows + nth - 1) / nth;
         r0 = ith * per;
         r1 = std::min(rows, r0 + per);
+        constexpr bool sums = std::is_same_v<QBlock, block_q8_1_view>;
         yd.resize((size_t) (n * nb));
-        ys.resize((size_t) (n * nb));
+        if (sums) ys.resize((size_t) (n * nb));
         for (int64_t c = 0; c < n; c++) {
             const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + c * q->nb[1]);
             for (int64_t b = 0; b < nb; b++) {
                 yd[c * nb + b] = f16_to_f32(y[b].d);
-                if constexpr (std::is_same_v<QBlock, block_q8_1_view>) ys[c * nb + b] = f16_to_f32(y[b].s);
+                if constexpr (sums) ys[c * nb + b] = f16_to_f32(y[b].s);
             }
         }
     }
