@@ -81,6 +81,10 @@ def _one_error_line(err: str) -> str:
     (["run", "\udcff"], "argument prompt: not valid UTF-8"),  # what argv b"\xff" decodes to
     (["run", "--activation-codec", "bf16-rne-v1", "--activation-codec-policy", "auto-lossless-v1"],
      "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
+    (["run", "--activation-codec", "bf16", "--activation-codec-policy", "auto-lossless"],  # the short names
+     "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
+    (["run", "--activation-codec", "bf17"], "argument --activation-codec: invalid choice: 'bf17' (choose from "
+     "'raw-f32-v1', 'f16-rne-v1', 'bf16-rne-v1', 's8-row-f32-rne-v1')"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--listen", "127.0.0.1:99999"],
      "argument --listen: port 99999 is out of range (0-65535)"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--threads", "0"],
@@ -102,6 +106,18 @@ def test_usage_errors_are_one_line_with_status_2(capsys, args, message):
     assert code == 2
     assert out == ""
     assert _one_error_line(err) == f"skippy-wire: error: {message}"
+
+
+def test_codec_options_take_the_short_names():
+    from skippy_wire.tools import run
+
+    for short, identity in {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1",
+                            "s8": "s8-row-f32-rne-v1"}.items():
+        args = run.build_parser().parse_args(["--activation-codec", short])
+        assert args.activation_codec == identity
+        assert run.build_parser().parse_args(["--activation-codec", identity]).activation_codec == identity
+    assert run.build_parser().parse_args(["--activation-codec-policy", "auto-lossless"]).activation_codec_policy \
+        == "auto-lossless-v1"
 
 
 def test_a_file_where_a_directory_is_needed_is_refused(capsys, tmp_path):

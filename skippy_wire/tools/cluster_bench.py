@@ -24,15 +24,12 @@ from ..net.supervision import default_model
 from ..stage.models import Tokenizer
 from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, progress_printer, run_cluster
 from .bench_rows import cpu_model
+from .options import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES
 
-#: Short codec names -> (activation codec identity, policy).
-CODECS = {
-    "raw-f32": ("raw-f32-v1", "fixed"),
-    "f16": ("f16-rne-v1", "fixed"),
-    "bf16": ("bf16-rne-v1", "fixed"),
-    "auto-lossless": ("raw-f32-v1", "auto-lossless-v1"),
-    "s8": ("s8-row-f32-rne-v1", "fixed"),
-}
+#: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
+#: and the lossless policy over raw f32.
+CODECS = {name: (identity, "fixed") for name, identity in CODEC_SHORT_NAMES.items()}
+CODECS["auto-lossless"] = (CODEC_SHORT_NAMES["raw-f32"], POLICY_SHORT_NAMES["auto-lossless"])
 DEFAULT_RATES = "unlimited,1gbit,100mbit,20mbit,5mbit,2mbit"
 DEFAULT_DELAYS = "0,5,20"
 DEFAULT_HOSTS = "2,3"

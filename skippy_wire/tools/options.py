@@ -111,13 +111,23 @@ def address(text: str) -> tuple[str, int]:
     return host, port
 
 
+#: The short names ``--activation-codec`` and ``--activation-codec-policy`` take beside the
+#: wire identities (and bench-cluster's row names).
+CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1", "s8": "s8-row-f32-rne-v1"}
+POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
+
+
 def add_codec_options(p: argparse.ArgumentParser, what: str = "the activations between stages") -> None:
     """``--activation-codec`` and ``--activation-codec-policy`` (wire-format.md 6.1 and 8.2)."""
     p.add_argument("--activation-codec", default=ActivationCodec.default().identity(),
-                   choices=[c.identity() for c in ActivationCodec], help=f"codec of {what}")
+                   type=lambda name: CODEC_SHORT_NAMES.get(name, name),
+                   choices=[c.identity() for c in ActivationCodec],
+                   help=f"codec of {what} (or {', '.join(CODEC_SHORT_NAMES)})")
     p.add_argument("--activation-codec-policy", default=CodecPolicy.FIXED.serde_name,
+                   type=lambda name: POLICY_SHORT_NAMES.get(name, name),
                    choices=[policy.serde_name for policy in CodecPolicy],
-                   help="fixed: always the codec; auto-lossless-v1: the smallest exact codec per frame")
+                   help="fixed: always the codec; auto-lossless-v1 (or auto-lossless): the smallest exact "
+                        "codec per frame")
 
 
 def check_codec_options(p: argparse.ArgumentParser, args) -> None:
