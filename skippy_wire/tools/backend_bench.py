@@ -327,16 +327,13 @@ def main(argv=None):
                     help="our Q4_1 / Q8_0 weight product kernels against ggml_mul_mat (prefill and --batch, default 2,4)")
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
+    sizes = [int(b) for b in (args.batch or "2,4").split(",")]
+    if min(sizes) < 1:
+        ap.error("--batch sizes must be positive")
     if args.matmul:
-        sizes = [int(b) for b in (args.batch or "2,4").split(",")]
-        if min(sizes) < 1:
-            ap.error("--batch sizes must be positive")
         matmul_ab(path, int((args.threads or "1").split(",")[0]), args.prefill, sizes, args.repeat)
         return 0
     if args.batch:
-        sizes = [int(b) for b in args.batch.split(",")]
-        if min(sizes) < 1:
-            ap.error("--batch sizes must be positive")
         batched_decode(path, [int(t) for t in (args.threads or "1").split(",")], sizes, args.decode, args.repeat)
         return 0
     threads_list = [int(t) for t in (args.threads or ("2" if args.stages else "1,2")).split(",")]

@@ -22,13 +22,14 @@ from ..errors import NetnsError, PipelineError, TopologyError
 from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
+from ..wire.constants import CodecPolicy
 from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, progress_printer, run_cluster
 from .bench_rows import cpu_model
 from .options import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.
-CODECS = {name: (identity, "fixed") for name, identity in CODEC_SHORT_NAMES.items()}
+CODECS = {name: (identity, CodecPolicy.FIXED.serde_name) for name, identity in CODEC_SHORT_NAMES.items()}
 CODECS["auto-lossless"] = (CODEC_SHORT_NAMES["raw-f32"], POLICY_SHORT_NAMES["auto-lossless"])
 DEFAULT_RATES = "unlimited,1gbit,100mbit,20mbit,5mbit,2mbit"
 DEFAULT_DELAYS = "0,5,20"

@@ -47,6 +47,12 @@ void quantize_rows(ggml_tensor * dst, int ith, int nth, void * type) {
     }
 }
 
+// Asks for the weight row PREFETCH_ROWS ahead of `row` while `row` is multiplied.
+__attribute__((target("avx2"))) inline void prefetch_ahead(const void * row, size_t row_bytes) {
+    const char * ahead = static_cast<const char *>(row) + PREFETCH_ROWS * row_bytes;
+    for (size_t line = 0; line < row_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 // ggml's hsum_float_8 (arch/x86/quants.c): the same additions in the same order.
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
     __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
@@ -78,8 +84,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
             acc[j] = _mm256_setzero_ps();
             summs[j] = _mm_setzero_ps();
         }
-        const char * ahead = reinterpret_cast<const char *>(x) + PREFETCH_ROWS * w->nb[1];
-        for (int64_t line = 0; line < w->nb[1]; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        prefetch_ahead(x, w->nb[1]);
         for (int64_t b = 0; b < nb; b++) {
             const float d0 = _cvtsh_ss(x[b].d);
             const __m128 m = _mm_set_ss(_cvtsh_ss(x[b].m));
@@ -165,8 +170,7 @@ __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64
     yd += c0 * nb;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
-        const char * ahead = reinterpret_cast<const char *>(x) + PREFETCH_ROWS * w->nb[1];
-        for (int64_t line = 0; line < w->nb[1]; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        prefetch_ahead(x, w->nb[1]);
         __m256 acc[NC];
         for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
