@@ -34,6 +34,7 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
+from ..wire.frame import DecodeStepWriter
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
@@ -181,8 +182,10 @@ class PipelineClient:
 
     def send(self, msg, what: str | None = None) -> str:
         """Write one message (its reply is for :meth:`receive`); returns what it is called."""
-        data = self._link.encode(msg)
-        what = what or f"{msg.kind.name} (session {msg.session_id})"
+        return self.send_bytes(self._link.encode(msg), what or f"{msg.kind.name} (session {msg.session_id})")
+
+    def send_bytes(self, data: bytes, what: str) -> str:
+        """Write one message already encoded for this link (:meth:`send`)."""
 
         def write():
             self._peer.sock.settimeout(self.timeout)
@@ -226,6 +229,8 @@ class PipelineClient:
             result.prefill_s = time.perf_counter() - started
             started = replied = time.perf_counter()
             pos = len(prompt)
+            steps = None  # the DecodeEmbd bytes, from the first one's encoding
+            what = f"DECODE_EMBD (session {session_id})"
             while token is not None:
                 result.tokens.append(token)
                 eog = is_eog is not None and is_eog(token)
@@ -235,8 +240,11 @@ class PipelineClient:
                         before_step()
                     # The stages compute the next token while on_token runs (printing, an
                     # HTTP stream's event loop taking the GIL), not after it.
-                    what = self.send(decode_message(token, pos, len(result.tokens) - 1, len(prompt),
-                                                    request_id, session_id))
+                    step = len(result.tokens) - 1
+                    if steps is None:
+                        steps = DecodeStepWriter(self._link.encode(decode_message(
+                            token, pos, step, len(prompt), request_id, session_id)))
+                    self.send_bytes(steps.message(token, pos, step), what)
                 if on_token:
                     try:
                         on_token(token)

@@ -45,6 +45,7 @@ from ..stage import runtime
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.frame import (
+    predicted_reply_bytes,
     send_reply_ack,
     send_reply_predicted,
     write_reply,
@@ -444,6 +445,8 @@ class StageServer:
         session.stats.compute_ms += compute_us / 1000.0
 
         if downstream is None:
+            if kind == K.DECODE_EMBD:  # the per-token reply, from a template (stats: prefill only)
+                return predicted_reply_bytes(predicted)
             stats = self._own_stats(kind, compute_us, msg.token_count)
             if kind.requires_predicted_reply:
                 return _reply_bytes(send_reply_predicted, predicted, stats)

@@ -60,6 +60,7 @@ from .messages import (
     out_of_range_error,
 )
 from .replies import (
+    STATS_FIELDS,
     NativeMtpDraft,
     StageReply,
     StageReplyStats,
@@ -105,6 +106,9 @@ cdef dict _MESSAGE_KEYS = dict.fromkeys(["kind", "pos_start", "token_count", "st
 cdef dict _STATE_KEYS = dict.fromkeys(["version", "seq_id", "phase", "flags", "checkpoint_generation",
                                        "prompt_token_count", "decode_step", "current_token",
                                        "source_stage_index", "activation_codec"])
+cdef dict _REPLY_KEYS = dict.fromkeys(["kind", "predicted", "predicted_tokens", "window", "native_mtp_draft", "stats"])
+cdef dict _WINDOW_KEYS = dict.fromkeys(["window_id"])
+cdef dict _STATS_KEYS = dict.fromkeys(STATS_FIELDS)
 
 
 cdef inline object _instance(type cls, dict values):

@@ -82,7 +82,9 @@ def read_reply_from_buffer(data, Py_ssize_t offset=0):
         if count > MAX_PREDICTED:
             raise InvalidDataError("predicted token count exceeds maximum")
         tokens = rd_i32_list(&c, count)
-        window = StageReplyWindow(rd_i32(&c))
+        window = PyDict_Copy(_WINDOW_KEYS)
+        window["window_id"] = rd_i32(&c)
+        window = _instance(StageReplyWindow, window)
         marker = rd_i32(&c)
         draft = None
         if marker == 1:
@@ -98,8 +100,19 @@ def read_reply_from_buffer(data, Py_ssize_t offset=0):
         elif marker != 0:
             raise InvalidDataError("unknown native MTP draft reply marker")
         need(&c, 8 * STATS_COUNT)
-        values = [<int64_t>ld_u64(c.p + c.pos + 8 * i) for i in range(STATS_COUNT)]
+        # Built like the messages (_instance): a reply is read on every hop of every token,
+        # and running three dataclass __init__s there costs more than the parse itself.
+        stats = PyDict_Copy(_STATS_KEYS)
+        for i in range(STATS_COUNT):
+            stats[STATS_FIELDS[i]] = <int64_t>ld_u64(c.p + c.pos + 8 * i)
         c.pos += 8 * STATS_COUNT
-        return StageReply(kind, predicted, tokens, window, draft, StageReplyStats(*values)), c.pos - c.start
+        reply = PyDict_Copy(_REPLY_KEYS)
+        reply["kind"] = kind
+        reply["predicted"] = predicted
+        reply["predicted_tokens"] = tokens
+        reply["window"] = window
+        reply["native_mtp_draft"] = draft
+        reply["stats"] = _instance(StageReplyStats, stats)
+        return _instance(StageReply, reply), c.pos - c.start
     finally:
         PyBuffer_Release(&view)

@@ -23,6 +23,7 @@ The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Optional, Sequence
 
 from .. import _impl
@@ -402,8 +403,55 @@ def send_reply_predicted_tokens_with_window_and_stats(
     send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKENS, predicted, tokens, window, None, _stats(stats)))
 
 
+# --- the per-token fast paths of a decode step ---------------------------------------------
+# One reply and one DecodeEmbd cross every hop for every generated token, right after the
+# stage's compute has streamed its weights through the caches; building them from a template
+# touches a few cache lines where the reply and message objects touch hundreds.
+
+#: kind, predicted, token count 1, the token: the head of ``send_reply_predicted(p)``.
+_PREDICTED_HEAD = struct.Struct("<iiii")
+#: The rest with zero stats: window 0, no MTP draft, 27 zero statistics.
+_PREDICTED_TAIL = bytes(8 + 8 * len(StageReplyStats.FIELDS))
+
+
+def predicted_reply_bytes(predicted: int) -> bytes:
+    """The bytes of ``send_reply_predicted(predicted)`` with all-zero statistics (a decode
+    step's reply: stages observe prefill only), without building a reply object."""
+    try:
+        return _PREDICTED_HEAD.pack(WireReplyKind.PREDICTED_TOKEN, predicted, 1, predicted) + _PREDICTED_TAIL
+    except struct.error:
+        return write_reply(StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted]))  # raises the wire's error
+
+
+class DecodeStepWriter:
+    """The DecodeEmbd messages of one generation as bytes, patched into the first one's
+    encoding: from step to step only ``pos_start``, ``decode_step``, ``current_token`` and the
+    one token change (section 4.2; the prefix is the same in state versions 15, 16 and 17).
+
+    ``first`` is an encoded DecodeEmbd with one token and no sampling block, chat metadata,
+    positions or activation (what a driver sends); anything else is refused.
+    """
+
+    _POS = struct.Struct("<i")  # pos_start, at offset 4
+    _STEP = struct.Struct("<ii")  # decode_step and current_token, at offset 44
+    _TOKEN_OFFSET = 80  # the token sideband right after the 80-byte prefix
+
+    def __init__(self, first: bytes) -> None:
+        if len(first) != self._TOKEN_OFFSET + 4 or first[12:20] != b"\x01\x00\x00\x00\x00\x00\x00\x00":
+            raise ValueError("a DecodeStepWriter needs a DecodeEmbd with one token and nothing else")
+        self._buf = bytearray(first)
+
+    def message(self, token: int, pos: int, step: int) -> bytes:
+        """The step's message; the same bytes as encoding ``driver.decode_message``."""
+        buf = self._buf
+        self._POS.pack_into(buf, 4, pos)
+        self._STEP.pack_into(buf, 44, step, token)
+        self._POS.pack_into(buf, self._TOKEN_OFFSET, token)
+        return bytes(buf)
+
+
 __all__ = [
-    "STREAM_CHUNK_BYTES", "READY", "kernels",
+    "STREAM_CHUNK_BYTES", "READY", "kernels", "predicted_reply_bytes", "DecodeStepWriter",
     "write_stage_message", "write_stage_message_to", "read_stage_message", "read_stage_message_from_buffer",
     "StageMessageDecoder", "StageReplyDecoder", "RecordDecoder", "iter_stage_messages", "send_ready", "recv_ready",
     "write_reply", "send_reply_message", "read_reply", "read_reply_from_buffer", "recv_reply",
