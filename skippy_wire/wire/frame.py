@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 from .. import _impl
 from ..errors import InvalidDataError, UnexpectedEofError, WireError
-from .constants import READY_BYTES, READY_MAGIC, ActivationCodec, CodecPolicy
+from .constants import READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec, CodecPolicy
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -434,7 +434,7 @@ class DecodeStepWriter:
 
     _POS = struct.Struct("<i")  # pos_start, at offset 4
     _STEP = struct.Struct("<ii")  # decode_step and current_token, at offset 44
-    _TOKEN_OFFSET = 80  # the token sideband right after the 80-byte prefix
+    _TOKEN_OFFSET = STAGE_WIRE_FIXED_HEADER_BYTES  # the token sideband follows the fixed prefix
 
     def __init__(self, first: bytes) -> None:
         if len(first) != self._TOKEN_OFFSET + 4 or first[12:20] != b"\x01\x00\x00\x00\x00\x00\x00\x00":
@@ -442,7 +442,7 @@ class DecodeStepWriter:
         self._buf = bytearray(first)
 
     def message(self, token: int, pos: int, step: int) -> bytes:
-        """The step's message; the same bytes as encoding ``driver.decode_message``."""
+        """The step's message: the bytes the link's encoder gives the DecodeEmbd with these fields."""
         buf = self._buf
         self._POS.pack_into(buf, 4, pos)
         self._STEP.pack_into(buf, 44, step, token)
