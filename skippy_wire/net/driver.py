@@ -230,7 +230,7 @@ class PipelineClient:
             started = replied = time.perf_counter()
             pos = len(prompt)
             steps = None  # the DecodeEmbd bytes, from the first one's encoding
-            what = f"DECODE_EMBD (session {session_id})"
+            what = f"{WireMessageKind.DECODE_EMBD.name} (session {session_id})"
             while token is not None:
                 result.tokens.append(token)
                 eog = is_eog is not None and is_eog(token)

@@ -108,7 +108,8 @@ cdef dict _STATE_KEYS = dict.fromkeys(["version", "seq_id", "phase", "flags", "c
                                        "source_stage_index", "activation_codec"])
 cdef dict _REPLY_KEYS = dict.fromkeys(["kind", "predicted", "predicted_tokens", "window", "native_mtp_draft", "stats"])
 cdef dict _WINDOW_KEYS = dict.fromkeys(["window_id"])
-cdef dict _STATS_KEYS = dict.fromkeys(STATS_FIELDS)
+cdef tuple _STATS_NAMES = STATS_FIELDS
+cdef dict _STATS_KEYS = dict.fromkeys(_STATS_NAMES)
 
 
 cdef inline object _instance(type cls, dict values):

@@ -104,7 +104,7 @@ def read_reply_from_buffer(data, Py_ssize_t offset=0):
         # and running three dataclass __init__s there costs more than the parse itself.
         stats = PyDict_Copy(_STATS_KEYS)
         for i in range(STATS_COUNT):
-            stats[STATS_FIELDS[i]] = <int64_t>ld_u64(c.p + c.pos + 8 * i)
+            stats[_STATS_NAMES[i]] = <int64_t>ld_u64(c.p + c.pos + 8 * i)
         c.pos += 8 * STATS_COUNT
         reply = PyDict_Copy(_REPLY_KEYS)
         reply["kind"] = kind

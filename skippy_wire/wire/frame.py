@@ -432,21 +432,25 @@ class DecodeStepWriter:
     positions or activation (what a driver sends); anything else is refused.
     """
 
-    _POS = struct.Struct("<i")  # pos_start, at offset 4
-    _STEP = struct.Struct("<ii")  # decode_step and current_token, at offset 44
+    _I32 = struct.Struct("<i")
+    _PAIR = struct.Struct("<ii")
+    _POS_OFFSET = 4  # pos_start
+    _SIDEBAND_COUNTS_OFFSET = 12  # token and position sideband counts
+    _STEP_OFFSET = 44  # decode_step, then current_token (state header at 20, + 24)
     _TOKEN_OFFSET = STAGE_WIRE_FIXED_HEADER_BYTES  # the token sideband follows the fixed prefix
 
     def __init__(self, first: bytes) -> None:
-        if len(first) != self._TOKEN_OFFSET + 4 or first[12:20] != b"\x01\x00\x00\x00\x00\x00\x00\x00":
+        if (len(first) != self._TOKEN_OFFSET + 4
+                or self._PAIR.unpack_from(first, self._SIDEBAND_COUNTS_OFFSET) != (1, 0)):
             raise ValueError("a DecodeStepWriter needs a DecodeEmbd with one token and nothing else")
         self._buf = bytearray(first)
 
     def message(self, token: int, pos: int, step: int) -> bytes:
         """The step's message: the bytes the link's encoder gives the DecodeEmbd with these fields."""
         buf = self._buf
-        self._POS.pack_into(buf, 4, pos)
-        self._STEP.pack_into(buf, 44, step, token)
-        self._POS.pack_into(buf, self._TOKEN_OFFSET, token)
+        self._I32.pack_into(buf, self._POS_OFFSET, pos)
+        self._PAIR.pack_into(buf, self._STEP_OFFSET, step, token)
+        self._I32.pack_into(buf, self._TOKEN_OFFSET, token)
         return bytes(buf)
 
 
