@@ -11,7 +11,8 @@ on the version themselves:
   runtime's input frame, an ``ActivationFrame``); replies are the same in every version;
 * forwarding: :meth:`forwarded` builds the message a stage sends downstream from the
   runtime's output frame (v15: the v1 frame of wire-format.md 9; v16/v17: the multipart
-  frame as it is).
+  frame as it is); :meth:`forward` gives its bytes (a v15 decode step's straight from the
+  incoming message's bytes).
 
 Version mismatch.  A record from the peer that does not parse is looked at once more: a
 stage message whose version word (offset 20) is not ours, or a v17 setup packet reaching a
@@ -33,12 +34,14 @@ import time
 from typing import Optional
 
 from ..errors import StateVersionMismatch, TlsRequired, WireError
-from ..stage.bridge import frame_from_v16, frame_to_v1, frame_to_v16
+from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
 from ..wire.constants import READY_BYTES, ActivationCodec
 from ..wire.forwarding import (
     ActivationFrameV1,
+    ForwardedBytes,
+    forwarded_decode_bytes,
     forwarded_frame_message_timed,
     forwarded_stage_message_timed,
 )
@@ -312,6 +315,23 @@ class LinkProtocol:
         return self.wire.write(msg, self.conn.agreement)
 
     # --- forwarding -------------------------------------------------------------------
+    def forward(self, config, incoming, frame, n_embd: int, incoming_raw: Optional[bytes] = None) -> ForwardedBytes:
+        """The bytes forwarding ``frame`` downstream, with what a stage counts of them.
+
+        ``incoming_raw``: the incoming message's own bytes.  With them a DecodeEmbd of state
+        version 15 is forwarded as bytes (:func:`forwarded_decode_bytes`: the same bytes,
+        without the message objects, on the path every generated token takes)."""
+        if incoming_raw is not None and self.version == STAGE_STATE_VERSION_V15 and isinstance(frame, ActivationFrame):
+            payload = f32_part_payload(frame)
+            if payload is not None:
+                fast = forwarded_decode_bytes(config, incoming_raw, payload, frame.desc.token_count, n_embd)
+                if fast is not None:
+                    return fast
+        forwarded = self.forwarded(config, incoming, frame, n_embd)
+        out = forwarded.message
+        return ForwardedBytes(self.encode(out), ActivationCodec(out.state.activation_codec), len(out.activation),
+                              forwarded.activation_encode_ms)
+
     def forwarded(self, config, incoming, frame, n_embd: int):
         """The message forwarding ``frame`` (the runtime's ``ActivationFrame``, or a v1 frame
         of a test backend) downstream, as a ``ForwardedStageMessage``."""

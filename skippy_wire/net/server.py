@@ -299,7 +299,8 @@ class StageServer:
                     log.info("%s: closed by peer", name)
                     break
                 timer = _DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
-                reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer)
+                reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
+                                     upstream.reader.last_raw)
                 upstream.send(reply)
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
@@ -390,7 +391,8 @@ class StageServer:
     # -- execution -----------------------------------------------------------------------
 
     def _handle(self, msg, sessions: dict, size: int, downstream: LinkProtocol | None,
-                timer: _DecodeTimer | None = None) -> bytes:
+                timer: _DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
+        """Execute ``msg`` (``raw``: its bytes, when the reader kept them) and return the reply."""
         kind = K(msg.kind)
         session = sessions.get(msg.session_id)
         if session is not None:
@@ -451,7 +453,7 @@ class StageServer:
             if kind.requires_predicted_reply:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
-        return self._forward(msg, frame, session, downstream, compute_us, timer)
+        return self._forward(msg, frame, session, downstream, compute_us, timer, raw)
 
     def _trace_compute(self, start_ns: int, end_ns: int) -> None:
         """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
@@ -484,21 +486,19 @@ class StageServer:
         return stats
 
     def _forward(self, msg, frame, session: _Session, downstream: LinkProtocol, compute_us: int,
-                 timer: _DecodeTimer | None = None) -> bytes:
+                 timer: _DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
         if frame is None:
             raise StageError("the runtime produced no activation frame to forward")
         try:
-            forwarded = downstream.forwarded(self.config, msg, frame, self.backend.n_embd)
-            out = forwarded.message
-            data = downstream.encode(out)
+            forwarded = downstream.forward(self.config, msg, frame, self.backend.n_embd, raw)
         except (WireError, ValueError, StageRuntimeError) as exc:
             raise StageError(f"cannot forward {msg.kind!r}: {exc}") from exc
-        codec = ActivationCodec(out.state.activation_codec).identity()
+        data, codec = forwarded.data, forwarded.codec.identity()
         st = session.stats
         st.encode_ms += forwarded.activation_encode_ms
         st.forwarded_messages += 1
         st.forwarded_bytes[codec] = st.forwarded_bytes.get(codec, 0) + len(data)
-        st.activation_bytes[codec] = st.activation_bytes.get(codec, 0) + len(out.activation)
+        st.activation_bytes[codec] = st.activation_bytes.get(codec, 0) + forwarded.activation_bytes
         st.codec_counts[codec] = st.codec_counts.get(codec, 0) + 1
         if timer is not None:
             timer.encoded = time.perf_counter()
@@ -508,7 +508,7 @@ class StageServer:
             self._send_downstream(downstream, data)
             downstream.unread_replies += 1
             return _reply_bytes(send_reply_ack, self._own_stats(msg.kind, compute_us, msg.token_count))
-        return self._exchange(msg, data, downstream, session, compute_us, len(out.activation), timer)
+        return self._exchange(msg, data, downstream, session, compute_us, forwarded.activation_bytes, timer)
 
     def _relay(self, msg, downstream: LinkProtocol, session: _Session | None) -> bytes:
         """Forward an activation-less control message as is and relay the reply."""
@@ -526,12 +526,16 @@ class StageServer:
         if session is not None:
             session.stats.downstream_wait_ms += (done - started) * 1000.0
         reply = owed[-1]
+        observed = compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS
+        relayed = downstream.peer.reader.last_raw
+        if len(owed) == 1 and not observed and relayed is not None:
+            return relayed  # unchanged: relayed as received (a reply's encoding is canonical)
         for ack in owed[:-1]:  # the Acks of overlapped prefill chunks, in order
             if ack.kind != WireReplyKind.ACK:
                 raise StageError(f"downstream {self.downstream[0]}:{self.downstream[1]} answered an "
                                  f"overlapped PrefillEmbd with reply kind {int(ack.kind)}, not Ack")
             reply.stats.merge(ack.stats)
-        if compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS:
+        if observed:
             stats = reply.stats
             if hasattr(stats, "observe_prefill_edge_transport"):
                 stats.observe_prefill_edge_transport(

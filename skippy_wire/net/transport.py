@@ -53,7 +53,8 @@ class SocketReader:
     :meth:`read` returns the next record, None on a clean close between records, and raises
     ``UnexpectedEofError`` on a close in the middle of one; a malformed record raises the
     decoder's ``WireError`` once the records before it have been read.  :attr:`last_size` is
-    the wire size of the record :meth:`read` returned last; :attr:`deadline` bounds a whole
+    the wire size of the record :meth:`read` returned last (:attr:`last_raw` its bytes, when
+    it arrived within one receive); :attr:`deadline` bounds a whole
     :meth:`read` (a stage's message timeout).
     """
 
@@ -63,6 +64,7 @@ class SocketReader:
         self.count = 0
         self.last_size = 0
         self.last_time = 0.0  # perf_counter() when the record read last had fully arrived
+        self.last_raw: bytes | None = None  # its bytes, when it arrived within one receive
         self._capture = capture
         self._chunk = bytearray(RECV_CHUNK_BYTES)
         self._view = memoryview(self._chunk)
@@ -80,18 +82,21 @@ class SocketReader:
                 self._capture.write(data)
                 self._capture.flush()
             if not limit:
-                start = self.decoder.consumed
+                chunk_start, start = self.decoder.received, self.decoder.consumed
                 records = self.decoder.feed(data)
                 arrived = time.perf_counter()
                 for record, end in zip(records, self.decoder.ends):
-                    self._pending.append((record, end - start, arrived))
+                    # A record that came in one receive keeps its bytes (a stage forwards a
+                    # decode step's message and relays replies as bytes).
+                    raw = bytes(data[start - chunk_start:end - chunk_start]) if start >= chunk_start else None
+                    self._pending.append((record, end - start, arrived, raw))
                     start = end
         return n
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as part of a record."""
-        return self.decoder.buffered + sum(size for _, size, _ in self._pending)
+        return self.decoder.buffered + sum(pending[1] for pending in self._pending)
 
     def wait_readable(self, timeout: float | None) -> bool:
         """Block until at least one byte is buffered (False on a clean close)."""
@@ -118,7 +123,7 @@ class SocketReader:
             if not self._recv():
                 self.decoder.close()  # raises on a partial record (or a kept error)
                 return None
-        record, self.last_size, self.last_time = self._pending.popleft()
+        record, self.last_size, self.last_time, self.last_raw = self._pending.popleft()
         return record
 
     def read_exact(self, n: int) -> bytes:

@@ -95,6 +95,15 @@ def frame_to_v1(frame: ActivationFrame) -> forwarding.ActivationFrameV1:
     return forwarding.ActivationFrameV1(desc=v1, payload=bytes(frame.payload))
 
 
+def f32_part_payload(frame: ActivationFrame) -> Optional[bytes]:
+    """The payload of a frame whose one part is F32 (the frames :func:`frame_to_v1` turns
+    into dtype F32 with flags 0), or None for any other frame."""
+    desc = frame.desc
+    if desc.part_count != 1 or desc.parts[0].ggml_type != GGML_TYPE_F32:
+        return None
+    return frame.payload if memoryview(frame.payload).nbytes == desc.payload_bytes else None
+
+
 def _is_token_major(part: ActivationPartDesc) -> bool:
     rank = part.rank
     if rank == 0 or rank > ACTIVATION_MAX_DIMS or part.token_axis != rank - 1:
@@ -164,4 +173,4 @@ def boundary_profile(boundary: ActivationBoundaryDesc, producer_stage_index: int
                              bytes(boundary.frontier_identity), max_tokens, max_sequences, parts)
 
 
-__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "frame_to_v1", "frame_to_v16", "frame_from_v16", "boundary_profile"]
+__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "frame_to_v1", "f32_part_payload", "frame_to_v16", "frame_from_v16", "boundary_profile"]

@@ -23,14 +23,17 @@ from typing import NamedTuple, Optional
 
 from .. import _impl
 from .constants import (
+    STAGE_WIRE_FIXED_HEADER_BYTES,
     ActivationCodec,
     CodecPolicy,
     LOSSLESS_CODECS,
+    StateFlags,
     UpstreamEnum,
     activation_state_flags_from_frame_flags,
 )
 from ..errors import ForwardingError, WireError
-from .messages import StageWireMessage
+from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
+from .messages import StageWireMessage, WireMessageKind
 
 
 class ActivationDType(UpstreamEnum):
@@ -203,10 +206,15 @@ def check_full_range(config: StageConfig, incoming: StageWireMessage, produced_t
         )
 
 
+def _as_i32(stage_index: int) -> int:
+    """The u32 stage index reinterpreted as i32 (the header's source_stage_index)."""
+    source = stage_index & 0xFFFFFFFF
+    return source - (1 << 32) if source >= 1 << 31 else source
+
+
 def forwarded_state(config: StageConfig, incoming: StageWireMessage, extra_flags: int = 0):
     """Step 2: the u32 stage index reinterpreted as i32; incoming flag bits kept."""
-    source = config.stage_index & 0xFFFFFFFF
-    source = source - (1 << 32) if source >= 1 << 31 else source
+    source = _as_i32(config.stage_index)
     state = copy.copy(incoming.state)  # a flat dataclass of ints: cheaper than replace()
     state.source_stage_index, state.flags = source, incoming.state.flags | extra_flags
     return state
@@ -258,6 +266,62 @@ def forwarded_frame_message_timed(config: StageConfig, incoming: StageWireMessag
     return ForwardedStageMessage(forwarded_message(incoming, state, wire), encode_ms)
 
 
+class ForwardedBytes(NamedTuple):
+    """A forwarded message as the bytes to send, with what a stage counts of it."""
+
+    data: bytes
+    codec: ActivationCodec
+    activation_bytes: int
+    activation_encode_ms: float
+
+
+_MESSAGE_HEAD = struct.Struct("<iiiii")  # kind, pos_start, token_count, token and position counts
+_I32 = struct.Struct("<i")
+_SOURCE_CODEC_COUNT = struct.Struct("<iii")
+#: Bits the writer sets from the message's sampling block and chat metadata (section 4.4).
+_WRITER_OWNED_FLAGS = int(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
+
+
+def forwarded_decode_bytes(config: StageConfig, incoming_raw, output_f32, produced_tokens: int,
+                           activation_width: int, *, impl: Optional[str] = None) -> Optional[ForwardedBytes]:
+    """Section 9 for a DecodeEmbd of state version 15, done on the incoming message's own
+    bytes: the bytes of ``write_stage_message(forwarded_stage_message(...))`` without
+    building a message.
+
+    ``incoming_raw`` is the whole incoming message as received, ``output_f32`` the runtime's
+    single F32 output part (what its v1 frame carries, v1 frame flags 0) with
+    ``produced_tokens`` rows.  The forwarded message is the incoming one with the source
+    stage, the codec and the activation replaced: the prefix, tokens and positions are
+    copied, which is exact when no sampling block or chat metadata is present (the writer
+    rewrites those).  Returns None when that does not hold, or the policy is not Fixed, or
+    the shapes disagree, or the encoder refuses the values: the caller then takes
+    :func:`forwarded_stage_message_timed`, which raises the upstream error where there is one.
+    """
+    if len(incoming_raw) < STAGE_WIRE_FIXED_HEADER_BYTES:
+        return None
+    kind, _, token_count, n_tokens, n_positions = _MESSAGE_HEAD.unpack_from(incoming_raw, 0)
+    flags = _I32.unpack_from(incoming_raw, MESSAGE_FLAGS_OFFSET)[0]
+    source = _as_i32(config.stage_index)
+    head = STAGE_WIRE_FIXED_HEADER_BYTES + 4 * (n_tokens + n_positions)
+    policy = CodecPolicy(config.activation_codec_policy)
+    if (kind != WireMessageKind.DECODE_EMBD or flags & _WRITER_OWNED_FLAGS or n_tokens < 0 or n_positions < 0
+            or head > len(incoming_raw) or policy is not CodecPolicy.FIXED or source < 0
+            or produced_tokens != token_count or len(output_f32) != 4 * activation_width * token_count):
+        return None
+    codec = ActivationCodec(config.activation_codec)
+    started = time.perf_counter()
+    try:
+        wire = _impl.cached_kernel_module("codec", impl).encode_activation(
+            int(codec), token_count, activation_width, output_f32, flags)
+    except WireError:
+        return None
+    encode_ms = (time.perf_counter() - started) * 1000.0
+    out = bytearray(memoryview(incoming_raw)[:head])
+    _SOURCE_CODEC_COUNT.pack_into(out, MESSAGE_SOURCE_STAGE_OFFSET, source, int(codec), len(wire))
+    out += wire
+    return ForwardedBytes(bytes(out), codec, len(wire), encode_ms)
+
+
 def forwarded_stage_message(
     config: StageConfig,
     incoming: StageWireMessage,
@@ -272,6 +336,6 @@ def forwarded_stage_message(
 
 __all__ = [
     "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
-    "StageConfig", "ForwardedStageMessage", "forwarded_stage_message", "forwarded_stage_message_timed",
+    "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message", "forwarded_stage_message_timed",
     "forwarded_frame_message_timed", "checked_codec_policy", "check_full_range", "forwarded_state", "forwarded_message",
 ]

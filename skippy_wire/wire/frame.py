@@ -408,6 +408,16 @@ def send_reply_predicted_tokens_with_window_and_stats(
 # stage's compute has streamed its weights through the caches; building them from a template
 # touches a few cache lines where the reply and message objects touch hundreds.
 
+#: Offsets of fields in a stage message's fixed prefix (section 4.2; the same in state
+#: versions 15, 16 and 17; the state header starts at 20).
+MESSAGE_POS_START_OFFSET = 4
+MESSAGE_SIDEBAND_COUNTS_OFFSET = 12  # the token count, then the position count
+MESSAGE_FLAGS_OFFSET = 32
+MESSAGE_DECODE_STEP_OFFSET = 44  # decode_step, then current_token
+MESSAGE_SOURCE_STAGE_OFFSET = 52  # source_stage_index, the codec id, the activation byte count
+_I32 = struct.Struct("<i")
+_PAIR = struct.Struct("<ii")
+
 #: kind, predicted, token count 1, the token: the head of ``send_reply_predicted(p)``.
 _PREDICTED_HEAD = struct.Struct("<iiii")
 #: The rest with zero stats: window 0, no MTP draft, 27 zero statistics.
@@ -432,30 +442,25 @@ class DecodeStepWriter:
     positions or activation (what a driver sends); anything else is refused.
     """
 
-    _I32 = struct.Struct("<i")
-    _PAIR = struct.Struct("<ii")
-    _POS_OFFSET = 4  # pos_start
-    _SIDEBAND_COUNTS_OFFSET = 12  # token and position sideband counts
-    _STEP_OFFSET = 44  # decode_step, then current_token (state header at 20, + 24)
-    _TOKEN_OFFSET = STAGE_WIRE_FIXED_HEADER_BYTES  # the token sideband follows the fixed prefix
-
     def __init__(self, first: bytes) -> None:
-        if (len(first) != self._TOKEN_OFFSET + 4
-                or self._PAIR.unpack_from(first, self._SIDEBAND_COUNTS_OFFSET) != (1, 0)):
+        if (len(first) != STAGE_WIRE_FIXED_HEADER_BYTES + 4
+                or _PAIR.unpack_from(first, MESSAGE_SIDEBAND_COUNTS_OFFSET) != (1, 0)):
             raise ValueError("a DecodeStepWriter needs a DecodeEmbd with one token and nothing else")
         self._buf = bytearray(first)
 
     def message(self, token: int, pos: int, step: int) -> bytes:
         """The step's message: the bytes the link's encoder gives the DecodeEmbd with these fields."""
         buf = self._buf
-        self._I32.pack_into(buf, self._POS_OFFSET, pos)
-        self._PAIR.pack_into(buf, self._STEP_OFFSET, step, token)
-        self._I32.pack_into(buf, self._TOKEN_OFFSET, token)
+        _I32.pack_into(buf, MESSAGE_POS_START_OFFSET, pos)
+        _PAIR.pack_into(buf, MESSAGE_DECODE_STEP_OFFSET, step, token)
+        _I32.pack_into(buf, STAGE_WIRE_FIXED_HEADER_BYTES, token)  # the token sideband follows the prefix
         return bytes(buf)
 
 
 __all__ = [
     "STREAM_CHUNK_BYTES", "READY", "kernels", "predicted_reply_bytes", "DecodeStepWriter",
+    "MESSAGE_POS_START_OFFSET", "MESSAGE_SIDEBAND_COUNTS_OFFSET", "MESSAGE_FLAGS_OFFSET", "MESSAGE_DECODE_STEP_OFFSET",
+    "MESSAGE_SOURCE_STAGE_OFFSET",
     "write_stage_message", "write_stage_message_to", "read_stage_message", "read_stage_message_from_buffer",
     "StageMessageDecoder", "StageReplyDecoder", "RecordDecoder", "iter_stage_messages", "send_ready", "recv_ready",
     "write_reply", "send_reply_message", "read_reply", "read_reply_from_buffer", "recv_reply",
