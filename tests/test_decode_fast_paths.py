@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import io
 import random
+import re
 import socket
 import struct
 from pathlib import Path
 
 import pytest
 
-from skippy_wire.errors import InvalidInputError, WireError
+from skippy_wire.errors import ActivationFrameError, InvalidInputError, WireError
 from skippy_wire.net.driver import decode_message
-from skippy_wire.net.protocol_io import LinkProtocol
+from skippy_wire.net.protocol_io import LinkProtocol, rows_boundary
 from skippy_wire.net.transport import Peer
 from skippy_wire.stage.activation import ActivationDesc, ActivationFrame
+from skippy_wire.stage.bridge import frame_from_wire, packed_frame_from_wire
+from skippy_wire.stage.native import raw_input
 from skippy_wire.wire import codec, frame
 from skippy_wire.wire.constants import I32_MAX, I32_MIN, ActivationCodec, CodecPolicy, StateFlags
 from skippy_wire.wire.forwarding import ActivationFrameV1, StageConfig, forwarded_decode_bytes, forwarded_stage_message
@@ -238,3 +241,29 @@ def test_the_reader_keeps_the_bytes_of_a_record_that_arrived_in_one_receive():
     finally:
         a.close()
         b.close()
+
+
+# --- a decode step's input on a later stage: the descriptor packed once per shape ---
+
+@pytest.mark.parametrize("token_count", [0, 1, 3])
+@pytest.mark.parametrize("with_boundary", [False, True])
+def test_packed_wire_input_equals_the_frame_packed(token_count, with_boundary):
+    n_embd = 8
+    boundary = rows_boundary(n_embd) if with_boundary else None
+    if with_boundary:
+        boundary.parts[0].identity = bytes(range(32))
+        boundary.frontier_identity = bytes(range(32, 64))
+    payload = struct.pack(f"<{n_embd * token_count}f", *range(n_embd * token_count))
+    args = (payload, token_count, n_embd, 1, 0, 15)
+    for _ in range(2):  # the second from the cache
+        packed = packed_frame_from_wire(*args, boundary=boundary)
+        assert raw_input(packed) == raw_input(frame_from_wire(*args, boundary=boundary))
+        assert not packed.has_optional_parts()
+
+
+def test_packed_wire_input_refuses_what_the_frame_refuses():
+    for args in ((bytes(28), 1, 8, 1, 0, 15), (bytes(32), 1, 8, 1, 0, 15, 1)):
+        with pytest.raises(ActivationFrameError) as want:
+            frame_from_wire(*args)
+        with pytest.raises(ActivationFrameError, match=re.escape(str(want.value))):
+            packed_frame_from_wire(*args)

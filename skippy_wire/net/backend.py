@@ -65,7 +65,7 @@ class RuntimeBackend:
             return activation
         if self._boundary is False:
             self._boundary = self.model.input_activation_boundary()
-        return runtime.frame_from_wire(
+        return runtime.packed_frame_from_wire(
             activation, token_count, self.n_embd, self.stage_index - 1, 0, self.layer_start,
             activation_frame_flags_from_state_flags(state_flags), boundary=self._boundary,
         )

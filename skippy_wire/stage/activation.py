@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from ..errors import (
     ActivationFrameError,
@@ -372,6 +372,19 @@ class ActivationFrame:
             return True
 
 
+class PackedFrame(NamedTuple):
+    """An input frame already in the runtime's C layout: the descriptor's bytes (one
+    required F32 part, as :func:`skippy_wire.stage.bridge.packed_frame_from_wire` packs it)
+    and the payload.  A decode step's input takes this form, so its descriptor is packed
+    once per shape rather than built and packed for every token."""
+
+    desc: bytes
+    payload: bytes
+
+    def has_optional_parts(self) -> bool:
+        return False
+
+
 # --- native MTP draft (runtime.md section 2.5) ----------------------------------------------
 
 
@@ -402,7 +415,7 @@ __all__ = [
     "GGML_TYPE_F32", "GGML_TYPE_I32", "I32_MAX", "I32_MIN", "MTP_DRAFT_BYTES", "NATIVE_MTP_DRAFT_VERSION", "NATIVE_MTP_MAX_DRAFT_TOKENS",
     "SAMPLING_CONFIG_BYTES", "U32_MAX", "U64_MAX",
     "ActivationBoundaryDesc", "ActivationDesc", "ActivationFrame", "ActivationFrameError",
-    "ActivationPartDesc", "NativeMtpDraft", "PartialBatchExecution",
+    "ActivationPartDesc", "NativeMtpDraft", "PackedFrame", "PartialBatchExecution",
     "SamplingConfigError", "StageArgumentError", "StageRuntimeError", "Status",
     "format_status_error", "frontier_identity_of", "ggml_type_bytes", "llama_residual_identity",
     "mtp_draft_from_bytes", "pack_mtp_draft",

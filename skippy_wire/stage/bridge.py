@@ -10,6 +10,7 @@ the runtime's multipart frame itself: :func:`frame_to_v16` / :func:`frame_from_v
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from ..errors import ActivationFrameError
@@ -17,11 +18,30 @@ from ..wire import forwarding
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
 from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32,
-                         ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc,
+                         ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc, PackedFrame,
                          ggml_type_bytes)
 
 #: The id of the one profile a stage admits on an activation link (ids start at 1).
 STAGE_PROFILE_ID = 1
+
+def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) -> bytes:
+    if flags:
+        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
+    data = bytes(payload)
+    expected = 4 * n_embd * token_count
+    if len(data) != expected:
+        raise ActivationFrameError(
+            f"activation payload length {len(data)} does not match {token_count} tokens x "
+            f"{n_embd} f32 ({expected} bytes)"
+        )
+    return data
+
+
+def _identities(boundary: Optional[ActivationBoundaryDesc]) -> tuple:
+    if boundary is None:
+        return None, None
+    return bytes(boundary.active_parts()[0].identity), bytes(boundary.frontier_identity)
+
 
 def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stage_index: int, layer_start: int,
                     layer_end: int, flags: int = 0, *,
@@ -33,24 +53,31 @@ def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stag
     ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
     frontier identities; without it they are the backend's llama residual identities.
     """
-    if flags:
-        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
-    data = bytes(payload)
-    expected = 4 * n_embd * token_count
-    if len(data) != expected:
-        raise ActivationFrameError(
-            f"activation payload length {len(data)} does not match {token_count} tokens x "
-            f"{n_embd} f32 ({expected} bytes)"
-        )
-    identity = frontier = None
-    if boundary is not None:
-        parts = boundary.active_parts()
-        identity, frontier = parts[0].identity, boundary.frontier_identity
+    data = _checked_wire_payload(payload, token_count, n_embd, flags)
+    identity, frontier = _identities(boundary)
     desc = ActivationDesc.f32_rows(
         n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
         layer_end=layer_end, identity=identity, frontier_identity=frontier,
     )
     return ActivationFrame(desc, data)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_rows_desc(n_embd: int, token_count: int, producer_stage_index: int, layer_start: int, layer_end: int,
+                      identity: Optional[bytes], frontier: Optional[bytes]) -> bytes:
+    return ActivationDesc.f32_rows(n_embd, token_count, producer_stage_index=producer_stage_index,
+                                   layer_start=layer_start, layer_end=layer_end, identity=identity,
+                                   frontier_identity=frontier).to_bytes()
+
+
+def packed_frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stage_index: int,
+                           layer_start: int, layer_end: int, flags: int = 0, *,
+                           boundary: Optional[ActivationBoundaryDesc] = None) -> PackedFrame:
+    """:func:`frame_from_wire`'s frame in the runtime's C layout (the same checks and the
+    same descriptor bytes), the descriptor packed once per shape."""
+    data = _checked_wire_payload(payload, token_count, n_embd, flags)
+    desc = _packed_rows_desc(n_embd, token_count, producer_stage_index, layer_start, layer_end, *_identities(boundary))
+    return PackedFrame(desc, data)
 
 
 _V1_DTYPE_NAMES = {GGML_TYPE_F32: "F32", GGML_TYPE_F16: "F16", GGML_TYPE_BF16: "BF16"}
@@ -173,4 +200,4 @@ def boundary_profile(boundary: ActivationBoundaryDesc, producer_stage_index: int
                              bytes(boundary.frontier_identity), max_tokens, max_sequences, parts)
 
 
-__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "frame_to_v1", "f32_part_payload", "frame_to_v16", "frame_from_v16", "boundary_profile"]
+__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "packed_frame_from_wire", "frame_to_v1", "f32_part_payload", "frame_to_v16", "frame_from_v16", "boundary_profile"]

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import StageArgumentError, StageRuntimeError, Status
 from . import _ggml
-from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame
+from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame, PackedFrame
 
 # The compiled backend is imported here, at module top; it is missing only from a
 # pure-Python install (SKIPPY_WIRE_PUREPYTHON=1), where the wire layer still works and
@@ -69,10 +69,12 @@ def to_positions(positions: Optional[Sequence[int]]) -> Optional[List[int]]:
     return [to_i32(p, "position") for p in positions] if positions is not None and len(positions) else None
 
 
-def raw_input(frame: Optional[ActivationFrame]) -> Tuple[Optional[bytes], Optional[bytes]]:
+def raw_input(frame: "ActivationFrame | PackedFrame | None") -> Tuple[Optional[bytes], Optional[bytes]]:
     """Upstream ``raw_input_frame``: ``(desc bytes, payload)`` or ``(None, None)``."""
     if frame is None:
         return None, None
+    if isinstance(frame, PackedFrame):
+        return frame
     frame.validate_payload_len()
     return frame.desc.to_bytes(), bytes(frame.payload)
 
