@@ -73,6 +73,7 @@ def _one_error_line(err: str) -> str:
     (["run", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
     (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
+    (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
     (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
     (["run", ""], "the prompt is empty"),
@@ -262,6 +263,14 @@ def test_a_closed_stdout_ends_quietly(tiny_model, tmp_path):
         assert proc.returncode == EXIT_BROKEN_PIPE, proc.stderr
         assert proc.stderr == ""
     assert not _pids_of(str(model))
+
+
+def test_polling_stages_and_driver_give_the_one_stage_tokens(capsys, tiny_model):
+    """--poll-ms reaches the started stages (their ``serve`` accepts it) and the driver."""
+    code, out, err = _main(capsys, "run", "--model", str(tiny_model), "--stages", "2", "--poll-ms", "0.5", "--json",
+                           "--quiet", "--temp", "0", "--check", "-n", "8", "hello")
+    assert code == 0, err
+    assert json.loads(out)["check"]["ok"]
 
 
 @pytest.mark.slow

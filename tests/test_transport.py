@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+import time
 
 import pytest
 
@@ -101,3 +103,34 @@ def test_a_bad_ready_magic(pair):
     a.sendall(b"NOPE")
     with pytest.raises(InvalidDataError, match="^stage ready magic mismatch$"):
         Peer(b).recv_ready()
+
+
+def _answer_each_request(sock, replies, delay_s):
+    """A peer that answers each request byte with the next reply, ``delay_s`` later."""
+    for reply in replies:
+        if not sock.recv(1):
+            return
+        time.sleep(delay_s)
+        sock.sendall(frame.write_reply(reply))
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.015])
+def test_a_polling_reader_finds_replies_near_their_expected_arrival(pair, poll_s):
+    """Replies that take as long as the one before are found by polling (not by a wake-up
+    from recv) when a window is set, and never without one; either way every record is whole."""
+    a, b = pair
+    replies = [StageReply(WireReplyKind.PREDICTED_TOKEN, t, [t]) for t in range(6)]
+    answering = threading.Thread(target=_answer_each_request, args=(b, replies, 0.04))
+    answering.start()
+    peer = Peer(a)
+    peer.reader.poll_s = poll_s
+    try:
+        for reply in replies:
+            a.sendall(b"?")
+            assert peer.read() == reply
+    finally:
+        answering.join(10)
+    if poll_s:
+        assert peer.reader.polled_arrivals >= 2  # the first wait only sets the expectation
+    else:
+        assert peer.reader.polled_arrivals == 0

@@ -91,11 +91,12 @@ class PipelineClient:
     :func:`~skippy_wire.net.protocol_io.driver_identity`) makes it check that it reached
     stage 0 of that run.  A stage speaking another version -> one-line PipelineError.
     ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
+    ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
-                 identity=None, tls=None) -> None:
+                 identity=None, tls=None, poll_s: float = 0.0) -> None:
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
@@ -107,6 +108,7 @@ class PipelineClient:
         except OSError as exc:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
+        self._peer.reader.poll_s = poll_s
         self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")
         try:
             self._guard(lambda: self._link.connect(SetupRole.TOKENS_AND_CONTROL, identity, None, timeout=timeout),

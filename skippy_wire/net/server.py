@@ -166,7 +166,9 @@ class StageServer:
     a forwarded PrefillEmbd at once instead of after the downstream's Ack, so this stage
     computes the next chunk while the downstream computes this one), ``limits`` (a
     :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
-    both sides).
+    both sides), ``poll_s`` (seconds: busy-poll this long around a message's or reply's
+    expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`;
+    0: sleep).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -175,8 +177,9 @@ class StageServer:
                  capture: str | None = None, events: EventSink | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
-                 limits: StageLimits | None = None, tls=None) -> None:
+                 limits: StageLimits | None = None, tls=None, poll_s: float = 0.0) -> None:
         self.backend = backend
+        self.poll_s = poll_s
         self.compute_trace = compute_trace
         self.protocol = protocol
         self.identity = identity or link_identity(config, downstream is not None)
@@ -280,6 +283,7 @@ class StageServer:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
                 with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
                     self._connections.add(upstream.sock)
+            upstream.reader.poll_s = self.poll_s
             if self.config.stage_index > 0:
                 upstream.send_delay = self.link_delay
             link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
@@ -353,6 +357,7 @@ class StageServer:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
+        peer.reader.poll_s = self.poll_s
         link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}")
         peer.send_delay = self.link_delay
         try:

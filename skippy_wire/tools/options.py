@@ -137,6 +137,20 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
 
 
+def add_poll_option(p: argparse.ArgumentParser) -> None:
+    """``--poll-ms``: the busy-poll window of every socket read of a pipeline
+    (:attr:`skippy_wire.net.transport.SocketReader.poll_s`)."""
+    p.add_argument("--poll-ms", type=float_at_least(0), default=0.0, metavar="MS",
+                   help="busy-poll the socket from MS before to MS after a message's or reply's expected "
+                        "arrival (the previous wait) instead of sleeping through the wait: saves waking an "
+                        "idle CPU on every hop, costs CPU time (0: sleep)")
+
+
+def poll_args(poll_ms: float) -> list[str]:
+    """The ``serve`` arguments that give a started stage the same ``--poll-ms``."""
+    return ["--poll-ms", repr(poll_ms)] if poll_ms else []
+
+
 def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
     """``--tls-cert/--tls-key/--tls-ca`` (docs/security.md): mutual TLS on ``what``."""
     p.add_argument("--tls-cert", default=None, metavar="PEM",

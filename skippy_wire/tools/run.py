@@ -29,9 +29,9 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.replies import StageReplyStats
-from .options import (DefaultsFormatter, Parser, add_codec_options, add_tls_options, address, check_codec_options,
-                      describe, float_above, float_at_least, float_between, int_at_least, int_between, tls_config,
-                      utf8)
+from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
+                      check_codec_options, describe, float_above, float_at_least, float_between, int_at_least,
+                      int_between, poll_args, tls_config, utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
+    add_poll_option(p)
     return p
 
 
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
                                       reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol,
-                                      tls=args.tls)
+                                      tls=args.tls, extra_args=poll_args(args.poll_ms))
             entry = cluster.entry
         with cluster:
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
@@ -387,6 +388,7 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
     try:
         identity = None if args.connect else cluster.identity
         with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity, tls=args.tls,
+                            poll_s=args.poll_ms / 1000.0,
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")

@@ -29,7 +29,8 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_codec_options, add_tls_options,
+from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_codec_options, add_poll_option,
+                      add_tls_options,
                       address, describe, error_line, float_above, float_at_least, int_at_least, tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -101,6 +102,7 @@ def add_admission_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
                    help="largest stage message accepted (default: derived from --ctx-size and the model width)")
     add_tls_options(p, "the listener and the downstream connection")
+    add_poll_option(p)
 
 
 def _exit_on_stdin_eof() -> None:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
                              compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
                              link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap,
-                             limits=limits, tls=tls)
+                             limits=limits, tls=tls, poll_s=args.poll_ms / 1000.0)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
