@@ -128,10 +128,11 @@ class SocketReader:
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN)
         timeout = self.sock.gettimeout()
-        sleep_ms = int((expected - window) * 1000)
-        if self._poller.poll(sleep_ms if timeout is None else min(sleep_ms, int(timeout * 1000))):
+        # Within the socket's timeout: the receive that follows waits up to it once more.
+        until = expected + window if timeout is None else min(expected + window, timeout)
+        if self._poller.poll(int(min(until, expected - window) * 1000)):
             return False  # it came early
-        until = started + expected + window
+        until += started
         while time.perf_counter() < until:
             if self._poller.poll(0):
                 return True

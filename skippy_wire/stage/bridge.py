@@ -24,6 +24,7 @@ from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF
 #: The id of the one profile a stage admits on an activation link (ids start at 1).
 STAGE_PROFILE_ID = 1
 
+
 def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) -> bytes:
     if flags:
         raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
@@ -200,4 +201,5 @@ def boundary_profile(boundary: ActivationBoundaryDesc, producer_stage_index: int
                              bytes(boundary.frontier_identity), max_tokens, max_sequences, parts)
 
 
-__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "packed_frame_from_wire", "frame_to_v1", "f32_part_payload", "frame_to_v16", "frame_from_v16", "boundary_profile"]
+__all__ = ["STAGE_PROFILE_ID", "frame_from_wire", "packed_frame_from_wire", "frame_to_v1", "f32_part_payload",
+           "frame_to_v16", "frame_from_v16", "boundary_profile"]

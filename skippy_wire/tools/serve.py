@@ -30,8 +30,8 @@ from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
 from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_codec_options, add_poll_option,
-                      add_tls_options,
-                      address, describe, error_line, float_above, float_at_least, int_at_least, tls_config)
+                      add_tls_options, address, describe, error_line, float_above, float_at_least, int_at_least,
+                      tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
