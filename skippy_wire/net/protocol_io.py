@@ -45,7 +45,8 @@ from ..wire.forwarding import (
     forwarded_frame_message_timed,
     forwarded_stage_message_timed,
 )
-from ..wire.frame import RecordDecoder, read_reply_from_buffer, recv_ready, write_stage_message
+from ..wire.frame import RecordDecoder, recv_ready, write_stage_message
+from ..wire.frame import kernels as frame_kernels
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
 from .tls import TLS_REQUIRED_NOTICE
 from ..wire.setup import (
@@ -284,17 +285,12 @@ class LinkProtocol:
 
     def message_decoder(self):
         """The incremental decoder of the stage messages this side receives."""
-        wire, codec, policy, n_embd = self.wire, self.codec, self.policy, self.n_embd
-
-        def parse(data, offset):
-            return wire.read_from_buffer(data, n_embd, codec, policy, offset=offset, agreement=self.conn.agreement)
-
+        parse = self.wire.buffer_reader(self.n_embd, self.codec, self.policy, lambda: self.conn.agreement)
         return RecordDecoder(self._checked_parse(parse), max_message_bytes=self.max_message_bytes)
 
     def reply_decoder(self):
         """The incremental decoder of the replies this side receives (the same in every version)."""
-        return RecordDecoder(self._checked_parse(lambda data, offset: read_reply_from_buffer(data, offset=offset)),
-                             "stage reply")
+        return RecordDecoder(self._checked_parse(frame_kernels().read_reply_from_buffer), "stage reply")
 
     def read_message(self):
         """The next message, None on a clean close; v16/v17 activations come back as the

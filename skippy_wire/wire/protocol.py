@@ -98,15 +98,35 @@ class WireProtocol:
                          agreement: Optional[ActivationAgreement] = None) -> tuple:
         """One message from a bytes-like object -> ``(message, consumed)``.  ``n_embd`` is
         used by v15 only.  A message of another state version -> ProtocolVersionError."""
-        try:
-            if self._k is None:
-                return _v15.read_stage_message_from_buffer(data, n_embd, codec, policy, offset=offset, impl=self.impl)
-            expected, pol = read_arguments(codec, policy)
-            return self._k.read_stage_message_from_buffer(self.version, data, expected, pol, offset, agreement)
-        except InvalidDataError as error:
-            if type(error) is InvalidDataError and error.message == UPSTREAM_VERSION_TEXT:
-                raise ProtocolVersionError(_version_word(data, offset), self.version) from None
-            raise
+        return self.buffer_reader(n_embd, codec, policy, lambda: agreement)(data, offset)
+
+    def buffer_reader(self, n_embd: int = 0, codec=None, policy=None, agreement=lambda: None):
+        """:meth:`read_from_buffer` with its arguments bound once, as ``parse(data, offset)``
+        (a stream decoder parses every message with it: the kernel is called directly).
+        ``agreement()`` gives the v17 agreement at each call (a link establishes it after
+        its decoder is made)."""
+        expected, pol = read_arguments(codec, policy)
+        version = self.version
+        if self._k is None:
+            v15_kernel = _v15.kernels(self.impl).read_stage_message_from_buffer
+
+            def read(data, offset):
+                return v15_kernel(data, n_embd, expected, pol, offset)
+        else:
+            kernel = self._k.read_stage_message_from_buffer
+
+            def read(data, offset):
+                return kernel(version, data, expected, pol, offset, agreement())
+
+        def parse(data, offset: int = 0) -> tuple:
+            try:
+                return read(data, offset)
+            except InvalidDataError as error:
+                if type(error) is InvalidDataError and error.message == UPSTREAM_VERSION_TEXT:
+                    raise ProtocolVersionError(_version_word(data, offset), version) from None
+                raise
+
+        return parse
 
     def read(self, data_or_stream, n_embd: int = 0, codec=None, policy=None, *,
              agreement: Optional[ActivationAgreement] = None) -> StageWireMessage:
