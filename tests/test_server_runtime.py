@@ -142,6 +142,31 @@ def test_a_failing_batch_fails_only_its_own_session():
     assert isinstance(results[13], ValueError)
 
 
+def test_a_step_arriving_while_a_lone_session_runs_queues_and_gets_its_own_result():
+    """The lone session runs at once, on its own thread; a second session's step that
+    arrives meanwhile waits for the runtime and then runs with its own result."""
+    lock, started, threads = threading.Lock(), threading.Event(), {}
+
+    def run_one(step):
+        threads[step.token] = threading.current_thread().name
+        if step.token == 1:
+            started.set()
+            time.sleep(0.2)
+        return step.token * 10, None
+
+    batcher = DecodeBatcher(lambda steps: [run_one(s) for s in steps], run_one, lock)
+    first, second = DecodeStep(object(), 1, None, 0, None), DecodeStep(object(), 2, None, 0, None)
+    lone = threading.Thread(target=batcher.decode, args=(first,), name="lone")
+    lone.start()
+    assert started.wait(10)
+    assert lock.locked()  # the lone step holds the runtime while it runs
+    assert batcher.decode(second) == (20, None)
+    lone.join(10)
+    assert first.result == (10, None) and first.batch_size == second.batch_size == 1
+    assert threads == {1: "lone", 2: threading.current_thread().name}
+    assert batcher.queued == 0
+
+
 def _partner_run(batch_cost_per_row: float, free_two: bool = False) -> list:
     """Four sessions decode at one stage, steps of 0.4 s alone; then session 1's step finds
     the runtime free and session 2's arrives 30 ms later.  Returns the batch sizes of that

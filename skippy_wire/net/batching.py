@@ -5,7 +5,8 @@ decode at once, their DecodeEmbd messages reach a stage while it is computing an
 session's step; :class:`DecodeBatcher` queues them, and the next thread to get the runtime
 runs everything queued as ONE native batch (the weight matmuls run over all rows together,
 attention per session over its own cache), then hands each thread its own result.  A lone
-session pays nothing extra: its thread finds the runtime free and runs its step alone.
+session pays nothing extra: its thread finds the runtime free and runs its step alone,
+without queueing it.
 
 A failed batch is retried one step at a time, so one session's failure (its context is
 full, say) fails only that session.
@@ -88,9 +89,19 @@ class DecodeBatcher:
     def decode(self, step: DecodeStep) -> tuple:
         """Run ``step`` (alone or with the steps queued beside it); its result or error."""
         with self._queue_lock:
-            self._queue.append(step)
             self._last_step[id(step.session)] = time.monotonic()
-            self._arrived.notify_all()
+            alone = not self._queue and len(self._last_step) == 1
+        # The only session decoding here, with the runtime free: nothing to batch with, so
+        # it runs at once, without the queue and the hand-off (a single request's path).
+        if alone and self._lock.acquire(blocking=False):
+            try:
+                self._run([step])
+            finally:
+                self._lock.release()
+        else:
+            with self._queue_lock:
+                self._queue.append(step)
+                self._arrived.notify_all()
         while not step.done:
             with self._lock:
                 if step.done:  # another thread ran it while this one waited for the lock
@@ -98,12 +109,16 @@ class DecodeBatcher:
                 with self._queue_lock:
                     self._wait_for_partners()
                     batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch:]
-                start_ns = time.monotonic_ns()
-                self._execute(batch)
-                self._on_compute(start_ns, time.monotonic_ns())
+                self._run(batch)
         if step.error is not None:
             raise step.error
         return step.result
+
+    def _run(self, batch: list[DecodeStep]) -> None:
+        """Run ``batch`` (the runtime lock held) and report its compute stretch."""
+        start_ns = time.monotonic_ns()
+        self._execute(batch)
+        self._on_compute(start_ns, time.monotonic_ns())
 
     def forget(self, session: Any) -> None:
         """A freed session no longer counts as decoding here."""
