@@ -122,7 +122,8 @@ def _random_decode(rng, n_embd):
         state.source_stage_index = rng.randrange(0, 4)
         state.activation_codec = rng.choice(CODECS)
         values = [rng.uniform(-4, 4) for _ in range(token_count * n_embd)]
-        activation = codec.encode_activation(state.activation_codec, token_count, n_embd, struct.pack(f"<{len(values)}f", *values))
+        activation = codec.encode_activation(state.activation_codec, token_count, n_embd,
+                                             struct.pack(f"<{len(values)}f", *values))
     msg = StageWireMessage(WireMessageKind.DECODE_EMBD, rng.randrange(0, I32_MAX), token_count, state,
                            rng.randrange(0, 1 << 64), rng.randrange(0, 1 << 64), tokens=tokens, positions=positions,
                            activation=activation)
@@ -134,7 +135,8 @@ def test_forwarded_decode_bytes_equal_the_general_path(impl):
     for _ in range(300):
         raw = _random_decode(rng, n_embd)
         token_count = struct.unpack_from("<i", raw, 8)[0]
-        payload = struct.pack(f"<{token_count * n_embd}f", *(rng.uniform(-70000, 70000) for _ in range(token_count * n_embd)))
+        rows = token_count * n_embd
+        payload = struct.pack(f"<{rows}f", *(rng.uniform(-70000, 70000) for _ in range(rows)))
         config = StageConfig(stage_index=rng.choice([0, 1, 2, 2**31 - 1, 2**31 + 5]), layer_start=rng.choice([0, 4]),
                              layer_end=8, activation_codec=rng.choice(CODECS))
         fast = forwarded_decode_bytes(config, raw, payload, token_count, n_embd, impl=impl)
@@ -173,7 +175,8 @@ def test_forwarded_decode_bytes_leave_the_rest_to_the_general_path():
     config = StageConfig(stage_index=1, layer_start=4, layer_end=8, activation_codec=ActivationCodec.F16_RNE_V1)
     plain = frame.write_stage_message(decode_message(5, 10, 0, 10, 1, 1))
     assert forwarded_decode_bytes(config, plain, payload, 1, n_embd) is not None
-    with_sampling = frame.write_stage_message(decode_message(5, 10, 0, 10, 1, 1, sampling=SamplingConfig(temperature=0.5)))
+    with_sampling = frame.write_stage_message(
+        decode_message(5, 10, 0, 10, 1, 1, sampling=SamplingConfig(temperature=0.5)))
     with_metadata = decode_message(5, 10, 0, 10, 1, 1)
     with_metadata.chat_sampling_metadata = "{}"
     prefill = decode_message(5, 10, 0, 10, 1, 1)

@@ -336,6 +336,7 @@ def forwarded_stage_message(
 
 __all__ = [
     "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
-    "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message", "forwarded_stage_message_timed",
+    "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message",
+    "forwarded_stage_message_timed",
     "forwarded_frame_message_timed", "checked_codec_policy", "check_full_range", "forwarded_state", "forwarded_message",
 ]
