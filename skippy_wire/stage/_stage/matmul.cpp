@@ -7,7 +7,9 @@
 // step streams each weight matrix from memory with no prefetch ahead of the dot products.
 // Here each weight block is loaded once for up to COLS activation rows (prefill chunks,
 // multi-session decode batches), and the weight rows PREFETCH_ROWS ahead are requested
-// while the current one is multiplied.  Per output element the arithmetic is exactly
+// while the current one is multiplied.  Where the CPU has AVX-512 VNNI, two activation rows
+// share each 512-bit register from two rows on (paired_rows): one integer dot product, one
+// scale product and one fused multiply-add serve both.  Per output element the arithmetic is exactly
 // ggml's AVX2 dot product (the same integer sums, the same fused multiply-adds in the same
 // order, the same horizontal sum), so results are bit for bit those of ggml_mul_mat:
 // skippy_weight_product_check() compares the two.
@@ -107,6 +109,136 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
     }
 }
 
+// The activation rows side by side for the 512-bit kernels: per pair of rows (the last
+// row of an odd count paired with itself) and block, the two rows' 32 values (64 bytes) and
+// their block scales, each repeated over its 8 lanes; per group of COLS rows and block,
+// the rows' Q8_1 sums, or for Q8_0 per pair and block -128 x each lane's sum of 4 values.
+struct paired_rows {
+    std::vector<int8_t> qs;
+    std::vector<float> d;
+    std::vector<float> s;      // Q8_1: [group][block][COLS]
+    std::vector<int32_t> fix;  // Q8_0: [pair][block][16]
+};
+
+template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb) {
+    constexpr bool q8_1 = std::is_same_v<QBlock, block_q8_1_view>;
+    const int64_t pairs = (n + 1) / 2, groups = (n + COLS - 1) / COLS;
+    paired_rows p;
+    p.qs.resize((size_t) (pairs * nb * 2 * QK));
+    p.d.resize((size_t) (pairs * nb * 16));
+    if constexpr (q8_1) p.s.assign((size_t) (groups * nb * COLS), 0.0f);
+    else p.fix.resize((size_t) (pairs * nb * 16));
+    for (int64_t c = 0; c < 2 * pairs; c++) {
+        const int64_t row = std::min(c, n - 1), pair = c / 2, half = c % 2;
+        const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + row * q->nb[1]);
+        for (int64_t b = 0; b < nb; b++) {
+            const size_t at = (size_t) ((pair * nb + b) * 16 + half * 8);
+            memcpy(&p.qs[at * 4], y[b].qs, QK);
+            std::fill_n(&p.d[at], 8, f16_to_f32(y[b].d));
+            if constexpr (q8_1) {
+                if (c < n) p.s[(size_t) (((c / COLS) * nb + b) * COLS + c % COLS)] = f16_to_f32(y[b].s);
+            } else {
+                for (int lane = 0; lane < 8; lane++) {
+                    const int8_t * v = y[b].qs + 4 * lane;
+                    p.fix[at + lane] = -128 * (v[0] + v[1] + v[2] + v[3]);
+                }
+            }
+        }
+    }
+    return p;
+}
+
+// ggml's hsum of each 256-bit half of `acc`: rows 2k and 2k + 1 of a pair.
+__attribute__((target("avx512f,avx2,fma"))) inline void store_pair(ggml_tensor * dst, int64_t r, int64_t c, int nc,
+                                                                    __m512 acc, const float * extra) {
+    const __m256 halves[2] = {_mm512_castps512_ps256(acc),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))};
+    for (int h = 0; h < 2 && h < nc; h++) {
+        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c + h) * dst->nb[1]);
+        out[r] = hsum8(halves[h]) + (extra ? extra[h] : 0.0f);
+    }
+}
+
+#define SKIPPY_AVX512_VNNI "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+
+// q4_1_rows for NC >= 2 rows with the rows in pairs (p: pair_rows<block_q8_1_view>): a
+// block's nibbles are unpacked once into both 256-bit halves, and VNNI's dpbusd gives
+// the same int32 sums of 4 (nibble x byte) products as maddubs + madd.
+template <int NC>
+__attribute__((target(SKIPPY_AVX512_VNNI))) void q4_1_rows_paired(ggml_tensor * dst, int64_t r0, int64_t r1,
+                                                                  int64_t c0, const paired_rows & p) {
+    constexpr int NP = (NC + 1) / 2;
+    const ggml_tensor * w = dst->src[0];
+    const int64_t nb = w->ne[0] / QK;
+    const __m512i low = _mm512_set1_epi8(0xF);
+    // the 16 packed bytes in all four 128-bit lanes; lanes 1 and 3 take the high nibbles
+    const __m512i shifts = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0,
+                                            0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
+    const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
+    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
+    for (int64_t r = r0; r < r1; r++) {
+        const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
+        __m512 acc[NP];
+        for (int k = 0; k < NP; k++) acc[k] = _mm512_setzero_ps();
+        __m128 summs = _mm_setzero_ps();
+        prefetch_ahead(x, w->nb[1]);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 d0 = _mm512_set1_ps(_cvtsh_ss(x[b].d));
+            summs = _mm_fmadd_ps(_mm_set1_ps(_cvtsh_ss(x[b].m)), _mm_loadu_ps(ys + b * COLS), summs);
+            const __m512i packed = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs)));
+            const __m512i qx = _mm512_and_si512(low, _mm512_srlv_epi16(packed, shifts));
+            for (int k = 0; k < NP; k++) {
+                const size_t at = (size_t) ((k * nb + b) * 16);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, _mm512_loadu_si512(qs + at * 4));
+                acc[k] = _mm512_fmadd_ps(_mm512_mul_ps(d0, _mm512_loadu_ps(yd + at)), _mm512_cvtepi32_ps(dot), acc[k]);
+            }
+        }
+        float sums[4];
+        _mm_storeu_ps(sums, summs);
+        for (int k = 0; k < NP; k++) store_pair(dst, r, c0 + 2 * k, NC - 2 * k, acc[k], sums + 2 * k);
+    }
+}
+
+// q8_0_rows for NC >= 2 rows in pairs (p: pair_rows<block_q8_0_view>): dpbusd multiplies
+// unsigned bytes, so the weights are offset by 128 (x ^ 0x80) and each lane's sum starts
+// at -128 x the sum of its 4 activation values: the same int32 as maddubs(|x|, sign(y, x)) + madd.
+template <int NC>
+__attribute__((target(SKIPPY_AVX512_VNNI))) void q8_0_rows_paired(ggml_tensor * dst, int64_t r0, int64_t r1,
+                                                                  int64_t c0, const paired_rows & p) {
+    constexpr int NP = (NC + 1) / 2;
+    const ggml_tensor * w = dst->src[0];
+    const int64_t nb = w->ne[0] / QK;
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
+    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const int32_t * fix = p.fix.data() + (c0 / 2) * nb * 16;
+    for (int64_t r = r0; r < r1; r++) {
+        const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
+        prefetch_ahead(x, w->nb[1]);
+        __m512 acc[NP];
+        for (int k = 0; k < NP; k++) acc[k] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 d0 = _mm512_set1_ps(_cvtsh_ss(x[b].d));
+            const __m512i ux = _mm512_xor_si512(
+                offset, _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[b].qs))));
+            for (int k = 0; k < NP; k++) {
+                const size_t at = (size_t) ((k * nb + b) * 16);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(fix + at), ux, _mm512_loadu_si512(qs + at * 4));
+                acc[k] = _mm512_fmadd_ps(_mm512_mul_ps(d0, _mm512_loadu_ps(yd + at)), _mm512_cvtepi32_ps(dot), acc[k]);
+            }
+        }
+        for (int k = 0; k < NP; k++) store_pair(dst, r, c0 + 2 * k, NC - 2 * k, acc[k], nullptr);
+    }
+}
+
+// The 512-bit kernels run where the CPU (not only the compiler) has AVX-512 VNNI.
+bool paired_usable() {
+    static const bool usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return usable;
+}
+
 // rows(std::integral_constant<int, NC>, c0) for the activation rows in groups of COLS, then the rest.
 template <typename Rows> void by_groups(int64_t n, Rows rows) {
     int64_t c0 = 0;
@@ -148,8 +280,13 @@ template <typename QBlock> struct product_setup {
 void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
     product_setup<block_q8_1_view> p(dst, ith, nth);
     if (p.r0 >= p.r1) return;
-    by_groups(dst->ne[1], [&](auto nc, int64_t c0) {
-        q4_1_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
+    const int64_t n = dst->ne[1];
+    const paired_rows y = n > 1 && paired_usable() ? pair_rows<block_q8_1_view>(dst->src[1], n, dst->src[0]->ne[0] / QK)
+                                                   : paired_rows{};
+    by_groups(n, [&](auto nc, int64_t c0) {
+        constexpr int NC = decltype(nc)::value;
+        if (NC > 1 && !y.qs.empty()) q4_1_rows_paired<NC>(dst, p.r0, p.r1, c0, y);
+        else q4_1_rows<NC>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
     });
 }
 
@@ -195,7 +332,14 @@ __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64
 void q8_0_product(ggml_tensor * dst, int ith, int nth, void *) {
     product_setup<block_q8_0_view> p(dst, ith, nth);
     if (p.r0 >= p.r1) return;
-    by_groups(dst->ne[1], [&](auto nc, int64_t c0) { q8_0_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data()); });
+    const int64_t n = dst->ne[1];
+    const paired_rows y = n > 1 && paired_usable() ? pair_rows<block_q8_0_view>(dst->src[1], n, dst->src[0]->ne[0] / QK)
+                                                   : paired_rows{};
+    by_groups(n, [&](auto nc, int64_t c0) {
+        constexpr int NC = decltype(nc)::value;
+        if (NC > 1 && !y.qs.empty()) q8_0_rows_paired<NC>(dst, p.r0, p.r1, c0, y);
+        else q8_0_rows<NC>(dst, p.r0, p.r1, c0, p.yd.data());
+    });
 }
 
 // ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
