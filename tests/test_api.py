@@ -225,3 +225,19 @@ def test_full_queue_gets_503_with_retry_after():
     finally:
         log = server.close()
     assert "Traceback" not in log, log
+
+
+def test_polling_stages_and_connections_serve_the_same_texts(api):
+    """--poll-ms reaches the stages it starts (their ``serve`` accepts it) and its own
+    connections; two requests at once still get their greedy texts."""
+    prompts = [f"{PROMPT} {name}" for name in ("Anna", "Ben")]
+    expected = [_complete(api, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+    server = ApiServer("--poll-ms", "0.5")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(lambda p: _complete(server, prompt=p, max_tokens=12, temperature=0).choices[0].text,
+                                  prompts))
+    finally:
+        log = server.close()
+    assert "Traceback" not in log, log
+    assert texts == expected

@@ -74,6 +74,7 @@ def _one_error_line(err: str) -> str:
     (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
+    (["api", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
     (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
     (["run", ""], "the prompt is empty"),

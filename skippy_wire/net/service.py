@@ -140,9 +140,10 @@ class GenerationEngine:
     """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
 
     def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
-                 chunk_size: int, protocol: int = 15, identity=None, tls=None) -> None:
+                 chunk_size: int, protocol: int = 15, identity=None, tls=None, poll_s: float = 0.0) -> None:
         self.entry = entry
         self.protocol, self.identity, self.tls = protocol, identity, tls
+        self.poll_s = poll_s  # each connection's busy-poll window (PipelineClient)
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
         self.timeout = timeout
@@ -162,7 +163,7 @@ class GenerationEngine:
                     return client
                 client.close()  # closed by the stage meanwhile (e.g. its idle timeout)
         return PipelineClient(*self.entry, timeout=self.timeout, protocol=self.protocol, identity=self.identity,
-                              tls=self.tls)
+                              tls=self.tls, poll_s=self.poll_s)
 
     def _give_back(self, client: PipelineClient) -> None:
         with self._lock:
