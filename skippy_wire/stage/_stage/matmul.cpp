@@ -81,20 +81,20 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         __m256 acc[NC];
-        __m128 summs[NC];
+        float summs[NC];
         for (int j = 0; j < NC; j++) {
             acc[j] = _mm256_setzero_ps();
-            summs[j] = _mm_setzero_ps();
+            summs[j] = 0.0f;
         }
         prefetch_ahead(x, w->nb[1]);
         for (int64_t b = 0; b < nb; b++) {
             const float d0 = _cvtsh_ss(x[b].d);
-            const __m128 m = _mm_set_ss(_cvtsh_ss(x[b].m));
+            const float m = _cvtsh_ss(x[b].m);
             const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs));
             const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
             for (int j = 0; j < NC; j++) {
                 const int64_t i = j * nb + b;
-                summs[j] = _mm_fmadd_ss(m, _mm_set_ss(ys[i]), summs[j]);
+                summs[j] = __builtin_fmaf(m, ys[i], summs[j]);  // one rounding, as ggml's contracted m * s + summs
                 const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
                 // unsigned nibble x signed byte pairs cannot saturate (2 * 15 * 128 < 2^15),
                 // so these are the integer sums of ggml's VNNI and AVX2 paths alike
@@ -104,7 +104,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
         }
         for (int j = 0; j < NC; j++) {
             float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
-            out[r] = hsum8(acc[j]) + _mm_cvtss_f32(summs[j]);
+            out[r] = hsum8(acc[j]) + summs[j];
         }
     }
 }
