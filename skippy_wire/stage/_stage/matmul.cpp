@@ -113,6 +113,8 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
 // row of an odd count paired with itself) and block, the two rows' 32 values (64 bytes) and
 // their block scales, each repeated over its 8 lanes; per group of COLS rows and block,
 // the rows' Q8_1 sums, or for Q8_0 per pair and block -128 x each lane's sum of 4 values.
+static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register of the paired Q4_1 loop");
+
 struct paired_rows {
     std::vector<int8_t> qs;
     std::vector<float> d;
