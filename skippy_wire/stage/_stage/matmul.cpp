@@ -157,7 +157,7 @@ __attribute__((target("avx512f,avx2,fma"))) inline void store_pair(ggml_tensor *
                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))};
     for (int h = 0; h < 2 && h < nc; h++) {
         float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c + h) * dst->nb[1]);
-        out[r] = hsum8(halves[h]) + (extra ? extra[h] : 0.0f);
+        out[r] = extra ? hsum8(halves[h]) + extra[h] : hsum8(halves[h]);  // no + 0.0f: it would turn -0 into +0
     }
 }
 
@@ -278,18 +278,32 @@ template <typename QBlock> struct product_setup {
     }
 };
 
-// dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
-void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
-    product_setup<block_q8_1_view> p(dst, ith, nth);
+// Thread ith's weight rows times the activation rows in groups (by_groups): a group of two
+// rows or more through `paired(nc, r0, r1, c0, pairs)` where the 512-bit kernels run, the
+// others through `avx2(nc, setup, c0)`.
+template <typename QBlock, typename Paired, typename Avx2>
+void product_by_groups(ggml_tensor * dst, int ith, int nth, Paired paired, Avx2 avx2) {
+    product_setup<QBlock> p(dst, ith, nth);
     if (p.r0 >= p.r1) return;
     const int64_t n = dst->ne[1];
-    const paired_rows y = n > 1 && paired_usable() ? pair_rows<block_q8_1_view>(dst->src[1], n, dst->src[0]->ne[0] / QK)
+    const paired_rows y = n > 1 && paired_usable() ? pair_rows<QBlock>(dst->src[1], n, dst->src[0]->ne[0] / QK)
                                                    : paired_rows{};
     by_groups(n, [&](auto nc, int64_t c0) {
-        constexpr int NC = decltype(nc)::value;
-        if (NC > 1 && !y.qs.empty()) q4_1_rows_paired<NC>(dst, p.r0, p.r1, c0, y);
-        else q4_1_rows<NC>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
+        if (nc > 1 && !y.qs.empty()) paired(nc, p.r0, p.r1, c0, y);
+        else avx2(nc, p, c0);
     });
+}
+
+// dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
+void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
+    product_by_groups<block_q8_1_view>(
+        dst, ith, nth,
+        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
+            q4_1_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
+        },
+        [dst](auto nc, const auto & p, int64_t c0) {
+            q4_1_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
+        });
 }
 
 // Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1 for a Q8_0 matrix (SmolLM2's
@@ -332,16 +346,12 @@ __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64
 
 // dst [rows, n] = w [k, rows] (Q8_0) x q [k, n] (Q8_0 rows); weight rows split over threads.
 void q8_0_product(ggml_tensor * dst, int ith, int nth, void *) {
-    product_setup<block_q8_0_view> p(dst, ith, nth);
-    if (p.r0 >= p.r1) return;
-    const int64_t n = dst->ne[1];
-    const paired_rows y = n > 1 && paired_usable() ? pair_rows<block_q8_0_view>(dst->src[1], n, dst->src[0]->ne[0] / QK)
-                                                   : paired_rows{};
-    by_groups(n, [&](auto nc, int64_t c0) {
-        constexpr int NC = decltype(nc)::value;
-        if (NC > 1 && !y.qs.empty()) q8_0_rows_paired<NC>(dst, p.r0, p.r1, c0, y);
-        else q8_0_rows<NC>(dst, p.r0, p.r1, c0, p.yd.data());
-    });
+    product_by_groups<block_q8_0_view>(
+        dst, ith, nth,
+        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
+            q8_0_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
+        },
+        [dst](auto nc, const auto & p, int64_t c0) { q8_0_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data()); });
 }
 
 // ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
