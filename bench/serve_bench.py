@@ -12,9 +12,12 @@ rounds, measures on the same stages:
 
 each greedy with ``--tokens`` new tokens.  It prints the best round of each: aggregate
 tokens/s (completion tokens of all requests over the wall time from the first request sent
-to the last token received), decode tokens/s of a single stream, time to first token, and
-the fraction of the wall time during which every stage computed at once (from the stages'
-``--trace-compute`` files).  Ratios are against the one-request figures of the same run.
+to the last token received, so the prompts' prefill counts), aggregate decode tokens/s (the
+tokens received while every request was decoding, from the last request's first token to
+the first request's last token, over that window: prefill and time to first token, printed
+on their own, do not count), time to first token, and the fraction of the wall time during
+which every stage computed at once (from the stages' ``--trace-compute`` files).  Ratios are
+against the one-request figures of the same run.
 """
 
 from __future__ import annotations
@@ -95,6 +98,16 @@ def all_busy_fraction(traces: list[Path], start_ns: int, end_ns: int) -> float:
     return sum(b - a for a, b in common) / max(1, end_ns - start_ns)
 
 
+def decode_window_rate(results: list[dict]) -> float:
+    """Tokens per second received while every request was decoding: from the last request's
+    first token to the first request's last token (one request: its decode rate)."""
+    start = max(r["stamps"][0] for r in results)
+    end = min(r["stamps"][-1] for r in results)
+    if end <= start:
+        return 0.0
+    return sum(start < t <= end for r in results for t in r["stamps"]) / (end - start)
+
+
 def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     start_ns = time.monotonic_ns()
     t0 = time.perf_counter()
@@ -106,7 +119,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     end_ns = time.monotonic_ns()
     count = sum(len(r["stamps"]) for r in results)
     single = results[0]["stamps"]
-    return {"agg_tok_s": count / wall, "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
+    return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results), "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
             "all_busy": all_busy_fraction(traces, start_ns, end_ns), "texts": [r["text"] for r in results]}
 
@@ -169,6 +182,9 @@ def main(argv=None) -> int:
     print(f"| 1 request: aggregate tok/s | {one['agg_tok_s']:.1f} | 1.00x |")
     print(f"| {args.concurrency} concurrent requests: aggregate tok/s | {many['agg_tok_s']:.1f} | "
           f"{many['agg_tok_s'] / one['agg_tok_s']:.2f}x one request |")
+    print(f"| 1 request: aggregate decode tok/s | {one['decode_agg_tok_s']:.1f} | 1.00x |")
+    print(f"| {args.concurrency} concurrent requests: aggregate decode tok/s | {many['decode_agg_tok_s']:.1f} | "
+          f"{many['decode_agg_tok_s'] / one['decode_agg_tok_s']:.2f}x one request |")
     print(f"| time to first token, 1 request | {one['ttft_s'] * 1000:.0f} ms | |")
     print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
     print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")

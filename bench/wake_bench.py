@@ -1,6 +1,6 @@
 """What one loopback hop costs on this machine when the receiver has been idle.
 
-    python bench/wake_bench.py [--size 2314] [--gaps 0,0.2,1,5] [--count 400] [--compute-steps 80]
+    python bench/wake_bench.py [--size 2314] [--gaps 0,0.2,1,5,12] [--count 400] [--compute-steps 80]
 
 A child process answers every SIZE-byte message (a SmolLM2 decode activation with its
 frame is 2,314 bytes) with 64 bytes over TCP on 127.0.0.1.  Before each message the parent
@@ -9,7 +9,9 @@ the round trip from ``sendall`` to the answer (median and 90th percentile), and 
 the back-to-back round trip of the same run.  A pipeline hop pays this wake-up once for the
 message and once for the reply: it is the floor under the per-hop cost of
 ``bench/hop_bench.py`` (on a virtual machine an idle vCPU halts, and waking it costs more
-than the bytes).
+than the bytes).  The same round trip is also timed with both ends polling the socket
+(non-blocking receives in a loop) instead of sleeping in ``recv``: what is left is what the
+kernel and the host charge for the bytes after the caches went cold.
 
 A second table times one decode step of a stage holding SmolLM2's first 15 layers (1
 thread) back to back, after each GAP of sleep (the core idles, as a pipeline stage's does
@@ -34,42 +36,49 @@ ANSWER_BYTES = 64
 
 
 def _recv_exactly(sock: socket.socket, buf: bytearray) -> None:
+    """Fill ``buf``; on a non-blocking socket, by polling (never sleeping)."""
     view, got = memoryview(buf), 0
     while got < len(buf):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            continue
         if not n:
             raise ConnectionError("peer closed")
         got += n
 
 
-def _answer(port: int, size: int, count: int) -> None:
+def _answer(port: int, size: int, count: int, poll: bool) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(not poll)
     buf = bytearray(size)
     for _ in range(count):
         _recv_exactly(sock, buf)
         sock.sendall(b"a" * ANSWER_BYTES)
 
 
-def round_trips(size: int, gap_s: float, count: int) -> list[float]:
+def round_trips(size: int, gap_s: float, count: int, poll: bool = False) -> list[float]:
+    """Seconds of each round trip after ``gap_s`` of busy-waiting; ``poll``: both ends poll."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         pid = os.fork()
         if pid == 0:
             try:
-                _answer(port, size, count)
+                _answer(port, size, count, poll)
             finally:
                 os._exit(0)
         conn, _ = server.accept()
     try:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.setblocking(not poll)
         data, answer, times = b"m" * size, bytearray(ANSWER_BYTES), []
         for _ in range(count):
             until = time.perf_counter() + gap_s
             while time.perf_counter() < until:  # compute here while the peer sleeps
                 pass
             started = time.perf_counter()
-            conn.sendall(data)
+            conn.sendall(data)  # one 2-3 KiB write fits the socket buffer, even non-blocking
             _recv_exactly(conn, answer)
             times.append(time.perf_counter() - started)
         return times
@@ -108,21 +117,25 @@ def compute_after_idle(gaps_s: list[float], steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2314)
-    p.add_argument("--gaps", default="0,0.2,1,5", help="comma list of idle ms before each message")
+    p.add_argument("--gaps", default="0,0.2,1,5,12", help="comma list of idle ms before each message")
     p.add_argument("--count", type=int, default=400)
     p.add_argument("--compute-steps", type=int, default=80, help="decode steps per row of the compute table (0: skip)")
     args = p.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",")]
     print(f"# loopback round trip of a {args.size}-byte message after the peer idled; "
           f"{args.count} per row; CPU: {cpu_model()}, {os.cpu_count()} cores")
-    print("| idle before (ms) | median us | p90 us | median vs back-to-back |")
-    print("|---|---|---|---|")
+    print("| idle before (ms) | median us | p90 us | median vs back-to-back | both ends polling: median us | p90 us |")
+    print("|---|---|---|---|---|---|")
     base = None
     for gap in gaps:
-        times = sorted(round_trips(args.size, gap / 1000.0, args.count))
-        median, p90 = statistics.median(times), times[int(0.9 * len(times))]
+        cells = []
+        for poll in (False, True):
+            times = sorted(round_trips(args.size, gap / 1000.0, args.count, poll))
+            cells.append((statistics.median(times), times[int(0.9 * len(times))]))
+        (median, p90), (polled, polled_p90) = cells
         base = base or median
-        print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x |", flush=True)
+        print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x | {polled * 1e6:.0f} | "
+              f"{polled_p90 * 1e6:.0f} |", flush=True)
     if args.compute_steps:
         medians = compute_after_idle([0.0] + [g / 1000.0 for g in gaps if g], args.compute_steps)
         ref = medians[0.0, False]
