@@ -1,6 +1,6 @@
 """Decode through 1, 2 and 3 stage processes, alternating, with the per-hop breakdown.
 
-    python bench/hop_bench.py [--tokens 96] [--rounds 3] [--stages 1,2,3] [--poll-ms 0,1]
+    python bench/hop_bench.py [--tokens 96] [--rounds 3] [--stages 1,2,3] [--poll-ms 0,1] [--ahead on,off]
 
 Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
 generates ``--tokens`` tokens; the best round of each stage count is printed with its
@@ -8,7 +8,9 @@ decode tokens/s, the ratio to one stage, the stages' decode compute per token, t
 outside compute per token and per hop, and the per-stage breakdown the ``run`` summary
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
 busy-poll windows to compare (``skippy-wire run --poll-ms``); each round runs every stage
-count with each window, and every window's table is printed.
+count with each window, and every window's table is printed.  ``--ahead`` lists the stage
+settings to compare: ``on`` (the default: the first stage computes a lone session's next
+decode step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 
-def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float):
+def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float, ahead: bool):
     with launch_pipeline(model, stages, threads=1, ctx_size=len(prompt) + tokens + 8,
-                         extra_args=poll_args(poll_ms)) as cluster:
+                         extra_args=poll_args(poll_ms) + ([] if ahead else ["--no-decode-ahead"])) as cluster:
         with PipelineClient(*cluster.entry, poll_s=poll_ms / 1000.0) as client:
             result = client.generate(prompt, max_tokens=tokens)
         events = cluster.session_events(wait=5.0)
@@ -37,38 +39,39 @@ def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float):
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3", **{"poll-ms": "0"})
+    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "0"})
     counts = [int(s) for s in args.stages.split(",")]
-    polls = [float(p) for p in args.poll_ms.split(",")]
+    settings = [(float(p), a == "on") for a in args.ahead.split(",") for p in args.poll_ms.split(",")]
     model = default_model()
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)
     best: dict[tuple, tuple] = {}
     for _ in range(args.rounds):
-        for poll in polls:
+        for setting in settings:
             for n in counts:
-                result, events = one_run(model, n, prompt, args.tokens, poll)
-                if (poll, n) not in best or result.decode_tok_s > best[poll, n][0].decode_tok_s:
-                    best[poll, n] = (result, events)
+                result, events = one_run(model, n, prompt, args.tokens, *setting)
+                if (setting, n) not in best or result.decode_tok_s > best[setting, n][0].decode_tok_s:
+                    best[setting, n] = (result, events)
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
           f"tokens, best of {args.rounds} alternating rounds; CPU: {cpu_model()}, {os.cpu_count()} cores")
-    print("| poll | stages | decode tok/s | ratio to 1 stage | compute per token | outside compute per token "
+    print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | compute per token | outside compute per token "
           "| per hop |")
-    print("|---|---|---|---|---|---|---|")
-    for poll in polls:
-        base = best[poll, counts[0]][0].decode_tok_s
+    print("|---|---|---|---|---|---|---|---|")
+    for setting in settings:
+        poll, ahead = setting
+        base = best[setting, counts[0]][0].decode_tok_s
         for n in counts:
-            result, events = best[poll, n]
+            result, events = best[setting, n]
             tokens = result.decode_messages
             compute = sum(merge_session_events(e).get("decode_path_us", {}).get("compute", 0) for e in events) / tokens
             round_trip = result.decode_round_trip_s * 1e6 / tokens
-            print(f"| {poll:g} ms | {n} | {result.decode_tok_s:.1f} | {result.decode_tok_s / base:.2f}x | "
+            print(f"| {poll:g} ms | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | {result.decode_tok_s / base:.2f}x | "
                   f"{compute / 1000:.2f} ms | {(round_trip - compute) / 1000:.3f} ms | "
                   f"{(round_trip - compute) / n / 1000:.3f} ms |")
-    for (poll, n), run in best.items():
-        print(f"\n{n} stage(s), poll {poll:g} ms:")
+    for ((poll, ahead), n), run in best.items():
+        print(f"\n{n} stage(s), poll {poll:g} ms, decode ahead {'on' if ahead else 'off'}:")
         print("\n".join(decode_path_lines(*run)))
     same = len({tuple(run[0].tokens) for run in best.values()}) == 1
-    print(f"\nsame tokens for every stage count and poll window: {same}")
+    print(f"\nsame tokens for every stage count and setting: {same}")
     return 0 if same else 1
 
 

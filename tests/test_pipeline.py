@@ -62,7 +62,8 @@ def test_summary_reports_rates_hops_codecs_and_encode_time():
     stage0 = [{"event": "session", "stage": 0, "forwarded_messages": 3, "messages": 5,
                "forwarded_bytes": {"bf16-rne-v1": 300, "raw-f32-v1": 400},
                "activation_bytes": {"bf16-rne-v1": 100, "raw-f32-v1": 200},
-               "codec_counts": {"bf16-rne-v1": 2, "raw-f32-v1": 1}, "encode_ms": 0.3, "compute_ms": 9.0}]
+               "codec_counts": {"bf16-rne-v1": 2, "raw-f32-v1": 1}, "encode_ms": 0.3, "compute_ms": 9.0,
+               "decode_tokens": 2, "decoded_ahead": 2}]
     stage1 = [{"event": "session", "stage": 1, "forwarded_messages": 0, "messages": 5, "compute_ms": 8.0}]
     text = format_summary(result, [stage0, stage1], stages=2, model="m.gguf", codec="raw-f32-v1",
                           policy="auto-lossless-v1", threads=2)
@@ -72,6 +73,8 @@ def test_summary_reports_rates_hops_codecs_and_encode_time():
     assert "hop 1 stage 0->stage 1" in text and "bf16-rne-v1 0.3 KiB in 2 frames" in text
     assert "codec chosen: bf16-rne-v1 2x (67%), raw-f32-v1 1x (33%)" in text
     assert "activation encode: 0.30 ms total, 100.0 us/frame" in text
+    assert "stage 0: compute 9.0 ms, 5 messages, 2 of 2 decode steps computed ahead" in text
+    assert "stage 1: compute 8.0 ms, 5 messages\n" in text + "\n"
 
 
 def test_merge_session_events_sums_counters():

@@ -108,7 +108,7 @@ class Chain:
     """In-process stage servers (threads) wired stage 0 -> ... -> terminal."""
 
     def __init__(self, splits, codec="raw-f32-v1", policy="fixed", *, io_timeout=5.0, reply_timeout=5.0,
-                 capture=None, backends=None) -> None:
+                 capture=None, backends=None, decode_ahead=True) -> None:
         self.servers: list[StageServer] = []
         self.events: list[dict] = []
         self.backends = []
@@ -120,7 +120,7 @@ class Chain:
             server = StageServer(
                 backend, stage_config(index, start, end, codec, policy), downstream=downstream,
                 io_timeout=io_timeout, reply_timeout=reply_timeout, events=self.events.append,
-                capture=f"{capture}/hop{index + 1}" if capture and downstream else None)
+                capture=f"{capture}/hop{index + 1}" if capture and downstream else None, decode_ahead=decode_ahead)
             server.start()
             self.servers.insert(0, server)
             downstream = server.address
@@ -213,6 +213,83 @@ def test_configure_generation_reaches_the_terminal_stage(chain_factory):
     with PipelineClient(*chain.entry, timeout=10) as client:
         client.generate(PROMPT, max_tokens=2, chunk_size=8, sampling=sampling)
     assert seen[-1].seed == 42 and seen[-1].top_k == 40
+
+
+def _session_events(chain, count: int) -> dict:
+    """The "session" event of each stage (by stage index), once ``count`` have come."""
+    deadline = time.monotonic() + 5
+    while len(chain.events) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {e["stage"]: e for e in chain.events}
+
+
+def test_first_stage_decodes_ahead_and_the_stages_exchange_the_same_messages(chain_factory, tmp_path):
+    # Stage 0 computes each decode step while its reply travels to the driver and back; the
+    # tokens and every message between the stages are those of a chain that waits for the
+    # message (the replies differ only in the prefill compute times they report).
+    runs = {}
+    for ahead in (True, False):
+        capture = tmp_path / f"ahead-{ahead}"
+        capture.mkdir()
+        chain = chain_factory([(0, 3), (3, 6)], capture=str(capture), decode_ahead=ahead)
+        with PipelineClient(*chain.entry, timeout=10) as client:
+            tokens = client.generate(PROMPT, max_tokens=12, chunk_size=4).tokens
+        events = _session_events(chain, 2)
+        runs[ahead] = (tokens, (capture / "hop1-messages.bin").read_bytes(), events)
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][0] == fake_reference(PROMPT, 12)
+    on, off = runs[True][2], runs[False][2]
+    assert on[0]["decoded_ahead"] == 11  # every decode step
+    assert on[0]["discarded_ahead"] == 1  # the step after the last token, dropped at Stop
+    assert on[1]["decoded_ahead"] == off[0]["decoded_ahead"] == 0
+    assert on[0]["decode_tokens"] == off[0]["decode_tokens"] == 11
+
+
+def test_a_message_other_than_the_step_computed_ahead_finds_the_session_as_without(chain_factory):
+    # Another token, a rewound position, a repeated step, a prompt continuing the session:
+    # stage 0 trims the step it computed ahead and every stage answers and holds what it
+    # would have without decoding ahead.
+    from skippy_wire.net.driver import decode_message, prefill_messages
+
+    def drive(ahead: bool):
+        chain = chain_factory([(0, 3), (3, 6)], decode_ahead=ahead)
+        n = len(PROMPT)
+        with PipelineClient(*chain.entry, timeout=10) as client:
+            for msg in prefill_messages(PROMPT, 4, 1, 1):
+                reply = client.request(msg)
+            out = [int(reply.predicted)]
+
+            def decode(token, pos):
+                out.append(int(client.request(decode_message(token, pos, pos - n, n, 1, 1)).predicted))
+
+            decode(out[0], n)           # the step computed ahead
+            decode(out[-1] + 1, n + 1)  # another token than the predicted one
+            decode(out[0], n)           # back one position
+            decode(out[0], n)           # the same step again
+            decode(out[-1], n + 1)      # on as predicted
+            decode(out[-1], n + 2)
+            more = next(prefill_messages([4, 4], 4, 1, 1))  # the next turn's prompt
+            more.pos_start = n + 3
+            out.append(int(client.request(more).predicted))
+        return out, [list(b.sessions[0].history) for b in chain.backends]
+
+    (tokens_on, held_on), (tokens_off, held_off) = drive(True), drive(False)
+    assert tokens_on == tokens_off
+    assert held_on[0][:-1] == held_off[0] and held_on[0][-1] == tokens_on[-1]  # one step ahead
+    assert held_on[1] == held_off[1]
+
+
+def test_a_one_stage_pipeline_decodes_ahead_only_for_greedy_sessions(chain_factory):
+    # A terminal first stage samples the step it computes ahead, and a sampler's state
+    # cannot be rolled back: sampled sessions wait for their messages.
+    from skippy_wire.wire.messages import SamplingConfig
+
+    for sampling, ahead in ((None, 11), (SamplingConfig(flags=1, seed=42, top_k=40), 0)):
+        chain = chain_factory([(0, 6)])
+        with PipelineClient(*chain.entry, timeout=10) as client:
+            tokens = client.generate(PROMPT, max_tokens=12, chunk_size=4, sampling=sampling).tokens
+        assert tokens == fake_reference(PROMPT, 12)  # (the fake model does not sample)
+        assert _session_events(chain, 1)[0]["decoded_ahead"] == ahead
 
 
 # -- faults --------------------------------------------------------------------------------
@@ -493,7 +570,7 @@ def test_concurrent_connections_each_get_their_own_chain(chain_factory):
 def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_factory, caplog):
     from skippy_wire.net.driver import decode_message, prefill_messages
 
-    chain = chain_factory([(0, 3), (3, 6)])
+    chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)  # (decode ahead: the test below)
     with PipelineClient(*chain.entry, timeout=10) as client:
         for msg in prefill_messages(PROMPT, 16, 1, 1):
             first = client.request(msg).predicted

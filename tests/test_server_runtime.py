@@ -70,6 +70,50 @@ def test_runtime_stages_match_one_stage(tiny, splits, codec, policy):
     assert len(result.tokens) == 10
 
 
+@pytest.mark.parametrize("splits", [[(0, 4)], [(0, 2), (2, 4)]], ids=["1", "2"])
+def test_decoding_ahead_changes_no_answer_of_the_runtime(tiny, splits):
+    # The first stage computes a lone session's next step before its message arrives; the
+    # native caches are trimmed back when the message asks for something else (another
+    # token, a rewound position, the next turn's prompt), so every answer is the one a
+    # stage gives that waits for its messages.
+    from skippy_wire.net.driver import decode_message
+
+    def drive(ahead: bool) -> tuple[list, int]:
+        servers, events = [], []
+        try:
+            downstream = None
+            for index in reversed(range(len(splits))):
+                start, end = splits[index]
+                server = StageServer(_open(tiny, start, end, index),
+                                     stage_config(index, start, end, "raw-f32-v1", "fixed"), downstream=downstream,
+                                     io_timeout=5, reply_timeout=5, decode_ahead=ahead, events=events.append)
+                server.start()
+                servers.insert(0, server)
+                downstream = server.address
+            n = len(PROMPT)
+            with PipelineClient(*servers[0].address, timeout=10) as client:
+                out = client.generate(PROMPT, max_tokens=6, chunk_size=3).tokens
+                for msg in prefill_messages(PROMPT, 8, 1, 2):
+                    out.append(int(client.request(msg).predicted))
+                for token, pos in ((out[-1], n), (out[-1] + 1, n + 1), (out[-1], n), (out[-1], n + 1)):
+                    out.append(int(client.request(decode_message(token, pos, pos - n, n, 1, 2)).predicted))
+                turn = next(prefill_messages([5, 3, 5], 8, 1, 2))
+                turn.pos_start = n + 2
+                out.append(int(client.request(turn).predicted))
+        finally:
+            for server in servers:
+                server.shutdown()
+        deadline = time.monotonic() + 5
+        while not any(e["stage"] == 0 for e in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return out, sum(e.get("decoded_ahead", 0) for e in events if e["stage"] == 0)
+
+    (on, ahead_steps), (off, none) = drive(True), drive(False)
+    assert on == off
+    assert on[:6] == _reference(tiny, 6, 3)
+    assert ahead_steps >= 5 and none == 0
+
+
 class _SlowSoloDecode(RuntimeBackend):
     """The real backend, with a lone decode step made slow (50 ms): the tiny model computes in
     microseconds, so without it concurrent steps would rarely meet at a stage."""

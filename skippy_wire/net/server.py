@@ -19,6 +19,15 @@ Stop frees the session and is acknowledged; the connection stays open.
 Sessions are keyed by ``session_id`` and belong to the connection that opened them; a
 closed connection frees its sessions.  Runtime calls are serialised by one lock.
 
+Decode ahead: the first stage knows the next decode step before the driver asks for it --
+the token is the one in the reply it has just passed upstream, at the next position.  When
+the session is the only one decoding here, the stage computes that step right after sending
+the reply, while the reply travels to the driver and the driver's next DecodeEmbd travels
+back; when that message arrives and asks for exactly this step (same session, token and
+position), its result is forwarded at once.  Anything else first trims the session back, so
+the bytes on the wire never change.  A terminal first stage (a one-stage pipeline) does the
+same for greedy sessions only, since a sampler's state cannot be rolled back.
+
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
 prefix), an idle timeout; optional mutual TLS (:mod:`.tls`).  A peer that disconnects
@@ -80,15 +89,18 @@ DECODE_STRETCHES = ("queue", "compute", "encode", "send", "downstream_wait", "re
 class _DecodeTimer:
     """perf_counter() marks along one DecodeEmbd's path (see DECODE_STRETCHES)."""
 
-    __slots__ = ("received", "compute_start", "compute_end", "encoded", "sent", "replied")
+    __slots__ = ("received", "compute_start", "compute_end", "encoded", "sent", "replied", "ahead_s")
 
     def __init__(self, received: float) -> None:
         self.received = received
         self.compute_start = self.compute_end = self.encoded = self.sent = self.replied = 0.0
+        self.ahead_s = 0.0  # a step computed ahead: its compute; compute_start/end mark its take-over
 
     def add_to(self, totals: dict, relayed: float) -> None:
         end = self.compute_end
         stretches = {"queue": self.compute_start - self.received, "compute": end - self.compute_start}
+        if self.ahead_s:
+            stretches["compute"] = self.ahead_s
         if self.sent:  # a forwarding stage
             stretches.update(encode=self.encoded - end, send=self.sent - self.encoded,
                              downstream_wait=self.replied - self.sent, relay=relayed - self.replied)
@@ -119,6 +131,8 @@ class SessionStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batched_decode_steps: int = 0  # decode steps that ran in a batch with other sessions'
+    decoded_ahead: int = 0  # decode steps computed before their message arrived (module doc)
+    discarded_ahead: int = 0  # steps computed ahead that the next message did not ask for
     #: Where a DecodeEmbd's time goes at this stage, summed over the session (microseconds):
     #: see DECODE_STRETCHES.
     decode_path_us: dict = field(default_factory=lambda: dict.fromkeys(DECODE_STRETCHES, 0))
@@ -128,11 +142,25 @@ class SessionStats:
 
 
 @dataclass
+class _Ahead:
+    """A decode step computed ahead (module doc): ``token`` at position ``pos``."""
+
+    pos: int
+    token: int
+    predicted: int = -1
+    frame: Any = None
+    compute_s: float = 0.0
+
+
+@dataclass
 class _Session:
     runtime: Any
     sampling: Any = None
     chat_metadata: str | None = None
     stats: SessionStats = field(default_factory=SessionStats)
+    #: The step to compute ahead once the reply is sent, then that step's result.
+    next_step: _Ahead | None = None
+    ahead: _Ahead | None = None
 
 
 def _reply_bytes(writer: Callable, *args) -> bytes:
@@ -168,7 +196,8 @@ class StageServer:
     :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
     both sides), ``poll_s`` (seconds: busy-poll this long around a message's or reply's
     expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`;
-    0: sleep).
+    0: sleep), ``decode_ahead`` (on a first stage: compute a lone session's next decode
+    step before its message arrives, see the module doc).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -177,8 +206,10 @@ class StageServer:
                  capture: str | None = None, events: EventSink | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
-                 limits: StageLimits | None = None, tls=None, poll_s: float = 0.0) -> None:
+                 limits: StageLimits | None = None, tls=None, poll_s: float = 0.0,
+                 decode_ahead: bool = True) -> None:
         self.backend = backend
+        self.decode_ahead = decode_ahead and backend.is_source
         self.poll_s = poll_s
         self.compute_trace = compute_trace
         self.protocol = protocol
@@ -309,6 +340,8 @@ class StageServer:
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
+                if session is not None and session.next_step is not None:
+                    self._compute_ahead(session)
         except StateVersionMismatch as exc:
             log.error("%s: %s; closing", name, exc)
         except SetupError as exc:
@@ -400,9 +433,12 @@ class StageServer:
         """Execute ``msg`` (``raw``: its bytes, when the reader kept them) and return the reply."""
         kind = K(msg.kind)
         session = sessions.get(msg.session_id)
+        ahead = None
         if session is not None:
             session.stats.messages += 1
             session.stats.received_bytes += size
+            if session.ahead is not None:
+                ahead = self._claim_ahead(msg, session)
         if kind == K.STOP:
             reply = self._relay(msg, downstream, session) if downstream else _reply_bytes(send_reply_ack)
             if session is not None:
@@ -424,13 +460,22 @@ class StageServer:
         if kind not in (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD, K.DECODE_EMBD):
             raise StageError(f"unsupported stage message kind {kind.name} ({int(kind)})")
 
-        self._check_position(msg, session)
         sampling = msg.sampling if msg.sampling is not None else session.sampling
         tokens = list(msg.tokens)
         if self.backend.is_source and len(tokens) != msg.token_count:
             raise StageError(f"first stage needs {msg.token_count} tokens, message carries {len(tokens)}")
+        if ahead is None:
+            self._check_position(msg, session)
         started = time.perf_counter()
-        if kind == K.DECODE_EMBD:
+        if ahead is not None:  # computed before the message arrived
+            predicted, frame = ahead.predicted, ahead.frame
+            if timer is not None:
+                timer.compute_start = timer.compute_end = time.perf_counter()
+                timer.ahead_s = ahead.compute_s
+            started -= ahead.compute_s
+            session.stats.decode_tokens += 1
+            session.stats.decoded_ahead += 1
+        elif kind == K.DECODE_EMBD:
             token = tokens[0] if tokens else msg.state.current_token
             step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
             predicted, frame = self.batcher.decode(step)
@@ -450,6 +495,9 @@ class StageServer:
             session.stats.prefill_tokens += len(tokens)
         compute_us = int((time.perf_counter() - started) * 1e6)
         session.stats.compute_ms += compute_us / 1000.0
+        if self.decode_ahead and kind in (K.DECODE_EMBD, K.PREFILL_FINAL_EMBD) and downstream is None \
+                and sampling is None:  # a greedy one-stage pipeline: the token is our own
+            session.next_step = _Ahead(msg.pos_start + msg.token_count, predicted)
 
         if downstream is None:
             if kind == K.DECODE_EMBD:  # the per-token reply, from a template (stats: prefill only)
@@ -459,6 +507,38 @@ class StageServer:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
         return self._forward(msg, frame, session, downstream, compute_us, timer, raw)
+
+    def _compute_ahead(self, session: _Session) -> None:
+        """Run ``session.next_step`` now (module doc), if the session is alone here."""
+        step, session.next_step = session.next_step, None
+        if getattr(session.runtime, "token_count", None) != step.pos or not self.batcher.lone(session.runtime):
+            return
+        with self._runtime_lock:
+            start_ns = time.monotonic_ns()
+            try:
+                step.predicted, step.frame = self.backend.decode(session.runtime, step.token, None, 0, sampling=None)
+            except StageRuntimeError as exc:  # e.g. the context is full: the driver asks no more
+                log.debug("no decode ahead at position %d: %s", step.pos, exc)
+                return
+            finally:
+                end_ns = time.monotonic_ns()
+                self._trace_compute(start_ns, end_ns)
+        step.compute_s = (end_ns - start_ns) / 1e9
+        session.ahead = step
+
+    def _claim_ahead(self, msg, session: _Session) -> _Ahead | None:
+        """The step computed ahead if ``msg`` asks for exactly it; otherwise the session is
+        trimmed back to where it was before that step, and None."""
+        ahead, session.ahead = session.ahead, None
+        if (msg.kind == K.DECODE_EMBD and msg.pos_start == ahead.pos and msg.token_count == 1
+                and list(msg.tokens) == [ahead.token]
+                and (not self.backend.is_terminal or (msg.sampling is None and session.sampling is None))):
+            return ahead
+        session.stats.discarded_ahead += 1
+        session.stats.compute_ms += ahead.compute_s * 1000.0
+        with self._runtime_lock:
+            self.backend.trim(session.runtime, ahead.pos)
+        return None
 
     def _trace_compute(self, start_ns: int, end_ns: int) -> None:
         """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
@@ -531,6 +611,9 @@ class StageServer:
         if session is not None:
             session.stats.downstream_wait_ms += (done - started) * 1000.0
         reply = owed[-1]
+        if self.decode_ahead and session is not None and msg.kind in (K.DECODE_EMBD, K.PREFILL_FINAL_EMBD) \
+                and reply.kind in (WireReplyKind.PREDICTED_TOKEN, WireReplyKind.PREDICTED_TOKENS):
+            session.next_step = _Ahead(msg.pos_start + msg.token_count, int(reply.predicted))
         observed = compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS
         relayed = downstream.peer.reader.last_raw
         if len(owed) == 1 and not observed and relayed is not None:

@@ -123,8 +123,10 @@ def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | 
     for index, events in enumerate(cluster_events or []):
         s = merge_session_events(events)
         if s:
+            ahead = (f", {s['decoded_ahead']} of {s.get('decode_tokens', 0)} decode steps computed ahead"
+                     if s.get("decoded_ahead") else "")
             lines.append(f"  stage {index}: compute {s.get('compute_ms', 0.0):.1f} ms, "
-                         f"{s.get('messages', 0)} messages")
+                         f"{s.get('messages', 0)} messages{ahead}")
     lines += decode_path_lines(result, cluster_events)
     return "\n".join(lines)
 

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
                    help="wait for the downstream's Ack of every PrefillEmbd before acknowledging it "
                         "(default: acknowledge at once, so consecutive chunks overlap across stages)")
+    p.add_argument("--no-decode-ahead", dest="decode_ahead", action="store_false",
+                   help="first stage: compute each decode step only when its message arrives (default: a lone "
+                        "session's next step is computed while its reply travels to the driver and back)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
                    help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
                         "(monotonic clock; the serving benchmark measures overlap with it; default: off)")
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
                              compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
                              link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap,
+                             decode_ahead=args.decode_ahead,
                              limits=limits, tls=tls, poll_s=args.poll_ms / 1000.0)
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
