@@ -1,6 +1,6 @@
 """Serving throughput of ``skippy-wire api`` against one request and against ``run``.
 
-    python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2]
+    python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2] [--ahead on]
 
 Starts the stage processes once (1 thread each) with a compute trace, then, alternating in
 rounds, measures on the same stages:
@@ -17,7 +17,8 @@ tokens received while every request was decoding, from the last request's first 
 the first request's last token, over that window: prefill and time to first token, printed
 on their own, do not count), time to first token, and the fraction of the wall time during
 which every stage computed at once (from the stages' ``--trace-compute`` files).  Ratios are
-against the one-request figures of the same run.
+against the one-request figures of the same run.  ``--ahead off`` starts the stages with
+``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead").
 """
 
 from __future__ import annotations
@@ -134,12 +135,13 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2)
+    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2, ahead="on")
     model = default_model()
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
     with launch_pipeline(model, args.stages, threads=1, ctx_size=1024,
-                         extra_args=["--trace-compute", str(trace_dir)]) as cluster:
+                         extra_args=["--trace-compute", str(trace_dir)]
+                         + ([] if args.ahead == "on" else ["--no-decode-ahead"])) as cluster:
         host, port = cluster.entry
         api = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--connect", f"{host}:{port}",
                                 "--listen", "127.0.0.1:0", "--ctx-size", "1024"],
@@ -171,7 +173,8 @@ def main(argv=None) -> int:
     batched = sum(e.get("batched_decode_steps", 0) for e in events)
     decoded = sum(e.get("decode_tokens", 0) for e in events)
     one, many, run = best["1"], best[str(args.concurrency)], best["run"]
-    print(f"# serving benchmark: {args.stages} stage processes x 1 thread, SmolLM2-135M Q4_1, greedy, "
+    print(f"# serving benchmark: {args.stages} stage processes x 1 thread (decode ahead {args.ahead}), "
+          "SmolLM2-135M Q4_1, greedy, "
           f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
           f"{os.cpu_count()} cores")
     print("| figure | value | ratio |")

@@ -114,13 +114,6 @@ class DecodeBatcher:
             raise step.error
         return step.result
 
-    def lone(self, session: Any) -> bool:
-        """Note a decode step of ``session`` run outside the queue (a step computed ahead by
-        the server); True when no other session decodes here and none is queued."""
-        with self._queue_lock:
-            self._last_step[id(session)] = time.monotonic()
-            return not self._queue and len(self._last_step) == 1
-
     def _run(self, batch: list[DecodeStep]) -> None:
         """Run ``batch`` (the runtime lock held) and report its compute stretch."""
         start_ns = time.monotonic_ns()

@@ -20,13 +20,14 @@ Sessions are keyed by ``session_id`` and belong to the connection that opened th
 closed connection frees its sessions.  Runtime calls are serialised by one lock.
 
 Decode ahead: the first stage knows the next decode step before the driver asks for it --
-the token is the one in the reply it has just passed upstream, at the next position.  When
-the session is the only one decoding here, the stage computes that step right after sending
-the reply, while the reply travels to the driver and the driver's next DecodeEmbd travels
-back; when that message arrives and asks for exactly this step (same session, token and
-position), its result is forwarded at once.  Anything else first trims the session back, so
-the bytes on the wire never change.  A terminal first stage (a one-stage pipeline) does the
-same for greedy sessions only, since a sampler's state cannot be rolled back.
+the token is the one in the reply it has just passed upstream, at the next position.  So it
+computes that step right after sending the reply (batched with the other sessions' steps
+that meet it, like any decode step), while the reply travels to the driver and the driver's
+next DecodeEmbd travels back; when that message arrives and asks for exactly this step
+(same session, token and position), its result is forwarded at once.  Anything else first
+trims the session back, so the bytes on the wire never change.  A terminal first stage (a
+one-stage pipeline) does the same for greedy sessions only, since a sampler's state cannot
+be rolled back.
 
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
@@ -150,6 +151,7 @@ class _Ahead:
     predicted: int = -1
     frame: Any = None
     compute_s: float = 0.0
+    batch_size: int = 0
 
 
 @dataclass
@@ -196,8 +198,8 @@ class StageServer:
     :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
     both sides), ``poll_s`` (seconds: busy-poll this long around a message's or reply's
     expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`;
-    0: sleep), ``decode_ahead`` (on a first stage: compute a lone session's next decode
-    step before its message arrives, see the module doc).
+    0: sleep), ``decode_ahead`` (on a first stage: compute a session's next decode step
+    before its message arrives, see the module doc).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -475,6 +477,8 @@ class StageServer:
             started -= ahead.compute_s
             session.stats.decode_tokens += 1
             session.stats.decoded_ahead += 1
+            if ahead.batch_size > 1:
+                session.stats.batched_decode_steps += 1
         elif kind == K.DECODE_EMBD:
             token = tokens[0] if tokens else msg.state.current_token
             step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
@@ -509,21 +513,19 @@ class StageServer:
         return self._forward(msg, frame, session, downstream, compute_us, timer, raw)
 
     def _compute_ahead(self, session: _Session) -> None:
-        """Run ``session.next_step`` now (module doc), if the session is alone here."""
+        """Run ``session.next_step`` now (module doc), batched with the steps of other
+        sessions that meet it here like any decode step."""
         step, session.next_step = session.next_step, None
-        if getattr(session.runtime, "token_count", None) != step.pos or not self.batcher.lone(session.runtime):
+        if getattr(session.runtime, "token_count", None) != step.pos:
             return
-        with self._runtime_lock:
-            start_ns = time.monotonic_ns()
-            try:
-                step.predicted, step.frame = self.backend.decode(session.runtime, step.token, None, 0, sampling=None)
-            except StageRuntimeError as exc:  # e.g. the context is full: the driver asks no more
-                log.debug("no decode ahead at position %d: %s", step.pos, exc)
-                return
-            finally:
-                end_ns = time.monotonic_ns()
-                self._trace_compute(start_ns, end_ns)
-        step.compute_s = (end_ns - start_ns) / 1e9
+        decode = DecodeStep(session.runtime, step.token, None, 0, None)
+        try:
+            step.predicted, step.frame = self.batcher.decode(decode)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a full context; a step nobody asked for
+            # must not fail the connection: a message that asks for it gets its own error.
+            log.debug("no decode ahead at position %d: %s", step.pos, exc)
+            return
+        step.compute_s, step.batch_size = decode.compute_s, decode.batch_size
         session.ahead = step
 
     def _claim_ahead(self, msg, session: _Session) -> _Ahead | None:
