@@ -1,6 +1,7 @@
 """Serving throughput of ``skippy-wire api`` against one request and against ``run``.
 
     python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2] [--ahead on]
+                                [--split 15,15]
 
 Starts the stage processes once (1 thread each) with a compute trace, then, alternating in
 rounds, measures on the same stages:
@@ -18,7 +19,9 @@ the first request's last token, over that window: prefill and time to first toke
 on their own, do not count), time to first token, and the fraction of the wall time during
 which every stage computed at once (from the stages' ``--trace-compute`` files).  Ratios are
 against the one-request figures of the same run.  ``--ahead off`` starts the stages with
-``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead").
+``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
+stage's number of layers (default: an even split), and the fraction of the time each stage
+computed with the concurrent requests is printed too.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ def busy_intervals(path: Path, start_ns: int, end_ns: int) -> list[tuple[int, in
     return [(a, b) for a, b in merged]
 
 
+def busy_fraction(trace: Path, start_ns: int, end_ns: int) -> float:
+    """Fraction of [start_ns, end_ns] during which the stage computed."""
+    return sum(b - a for a, b in busy_intervals(trace, start_ns, end_ns)) / max(1, end_ns - start_ns)
+
+
 def all_busy_fraction(traces: list[Path], start_ns: int, end_ns: int) -> float:
     """Fraction of [start_ns, end_ns] during which every stage computed."""
     common = busy_intervals(traces[0], start_ns, end_ns)
@@ -122,7 +130,8 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     single = results[0]["stamps"]
     return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results), "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
-            "all_busy": all_busy_fraction(traces, start_ns, end_ns), "texts": [r["text"] for r in results]}
+            "all_busy": all_busy_fraction(traces, start_ns, end_ns),
+            "busy": [busy_fraction(trace, start_ns, end_ns) for trace in traces], "texts": [r["text"] for r in results]}
 
 
 def run_round(entry, tokenizer, tokens: int) -> dict:
@@ -135,11 +144,16 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2, ahead="on")
+    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="")
+    layers = None
+    if args.split:
+        counts = [int(n) for n in args.split.split(",")]
+        layers = [(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(counts))]
+        args.stages = len(counts)
     model = default_model()
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
-    with launch_pipeline(model, args.stages, threads=1, ctx_size=1024,
+    with launch_pipeline(model, args.stages, threads=1, ctx_size=1024, layers=layers,
                          extra_args=["--trace-compute", str(trace_dir)]
                          + ([] if args.ahead == "on" else ["--no-decode-ahead"])) as cluster:
         host, port = cluster.entry
@@ -173,7 +187,8 @@ def main(argv=None) -> int:
     batched = sum(e.get("batched_decode_steps", 0) for e in events)
     decoded = sum(e.get("decode_tokens", 0) for e in events)
     one, many, run = best["1"], best[str(args.concurrency)], best["run"]
-    print(f"# serving benchmark: {args.stages} stage processes x 1 thread (decode ahead {args.ahead}), "
+    print(f"# serving benchmark: {args.stages} stage processes x 1 thread (layers {args.split or 'even'}, "
+          f"decode ahead {args.ahead}), "
           "SmolLM2-135M Q4_1, greedy, "
           f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
           f"{os.cpu_count()} cores")
@@ -192,6 +207,8 @@ def main(argv=None) -> int:
     print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
     print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")
     print(f"| all stages computing at once, {args.concurrency} requests | {many['all_busy'] * 100:.1f}% | |")
+    print(f"| each stage computing, {args.concurrency} requests | "
+          + " / ".join(f"{b * 100:.0f}%" for b in many["busy"]) + " | |")
     print(f"| decode steps that ran in a multi-session batch (all rounds, all stages) | "
           f"{100 * batched / max(decoded, 1):.1f}% | |")
     same = many["texts"][0] == one["texts"][0]
