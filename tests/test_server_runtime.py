@@ -3,6 +3,7 @@ tiny generated GGUF: split stages behind TCP give the tokens of one whole stage.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -112,6 +113,33 @@ def test_decoding_ahead_changes_no_answer_of_the_runtime(tiny, splits):
     assert on == off
     assert on[:6] == _reference(tiny, 6, 3)
     assert ahead_steps >= 5 and none == 0
+
+
+def test_a_step_ahead_past_the_context_is_not_an_error(tiny, caplog):
+    # The last step a full context allows is answered; the step after it, computed ahead,
+    # cannot run -- that is nobody's error, and the session still stops cleanly.
+    ctx = len(PROMPT) + 4
+    servers = []
+    caplog.set_level(logging.DEBUG, logger="skippy_wire.net.server")
+    try:
+        downstream = None
+        for index, (start, end) in reversed(list(enumerate([(0, 2), (2, 4)]))):
+            backend = RuntimeBackend(StageModel.open(tiny, start, end, stage_index=index, ctx_size=ctx,
+                                                     lane_count=2, n_threads=1))
+            server = StageServer(backend, stage_config(index, start, end, "raw-f32-v1", "fixed"),
+                                 downstream=downstream, io_timeout=5, reply_timeout=5)
+            server.start()
+            servers.insert(0, server)
+            downstream = server.address
+        with PipelineClient(*servers[0].address, timeout=10) as client:
+            tokens = client.generate(PROMPT, max_tokens=5).tokens  # fills the context
+            again = client.generate(PROMPT, max_tokens=5, session_id=2).tokens
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert tokens == again == _reference(tiny, 5, len(PROMPT))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"no decode ahead at position {ctx}" in caplog.text
 
 
 class _SlowSoloDecode(RuntimeBackend):
