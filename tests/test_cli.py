@@ -196,6 +196,11 @@ def test_version_and_help(capsys):
                    "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty",
                    "--raw", "--json", "-sys"):
         assert option in out, option
+    code, out, _ = _main(capsys, "serve", "--help")
+    out = " ".join(out.split())
+    # A flag says what its absence means in its own words, not "(default: True)".
+    assert "(default: True)" not in out and "(default: False)" not in out
+    assert "--no-decode-ahead first stage: compute each decode step only when its message arrives" in out
 
 
 # -- real processes ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
             return text
         return f"{text} (default: %(default)s)"
 

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait for the downstream's Ack of every PrefillEmbd before acknowledging it "
                         "(default: acknowledge at once, so consecutive chunks overlap across stages)")
     p.add_argument("--no-decode-ahead", dest="decode_ahead", action="store_false",
-                   help="first stage: compute each decode step only when its message arrives (default: a lone "
+                   help="first stage: compute each decode step only when its message arrives (default: a "
                         "session's next step is computed while its reply travels to the driver and back)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
                    help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
