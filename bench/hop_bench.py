@@ -9,8 +9,8 @@ outside compute per token and per hop, and the per-stage breakdown the ``run`` s
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
 busy-poll windows to compare (``skippy-wire run --poll-ms``); each round runs every stage
 count with each window, and every window's table is printed.  ``--ahead`` lists the stage
-settings to compare: ``on`` (the default: the first stage computes a lone session's next
-decode step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
+settings to compare: ``on`` (the default: the first stage computes a session's next decode
+step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
             tokens = result.decode_messages
             compute = sum(merge_session_events(e).get("decode_path_us", {}).get("compute", 0) for e in events) / tokens
             round_trip = result.decode_round_trip_s * 1e6 / tokens
-            print(f"| {poll:g} ms | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | {result.decode_tok_s / base:.2f}x | "
-                  f"{compute / 1000:.2f} ms | {(round_trip - compute) / 1000:.3f} ms | "
-                  f"{(round_trip - compute) / n / 1000:.3f} ms |")
+            print(f"| {poll:g} ms | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | "
+                  f"{result.decode_tok_s / base:.2f}x | {compute / 1000:.2f} ms | "
+                  f"{(round_trip - compute) / 1000:.3f} ms | {(round_trip - compute) / n / 1000:.3f} ms |")
     for ((poll, ahead), n), run in best.items():
         print(f"\n{n} stage(s), poll {poll:g} ms, decode ahead {'on' if ahead else 'off'}:")
         print("\n".join(decode_path_lines(*run)))

@@ -128,7 +128,8 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     end_ns = time.monotonic_ns()
     count = sum(len(r["stamps"]) for r in results)
     single = results[0]["stamps"]
-    return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results), "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
+    return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results),
+            "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
             "all_busy": all_busy_fraction(traces, start_ns, end_ns),
             "busy": [busy_fraction(trace, start_ns, end_ns) for trace in traces], "texts": [r["text"] for r in results]}
