@@ -190,6 +190,8 @@ def test_concurrent_sessions_batch_their_decode_steps_and_match_alone(tiny):
     assert together == alone
     assert batched > 0, "no decode step ever ran in a batch"
     assert sum(e["batched_decode_steps"] for e in events if e["event"] == "session") > 0
+    # Stage 0 computed steps ahead, through the same batcher, and still every token matches.
+    assert sum(e["decoded_ahead"] for e in events if e["event"] == "session" and e["stage"] == 0) > 0
 
 
 def test_a_failing_batch_fails_only_its_own_session():
