@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from skippy_wire.net.batching import DecodeBatcher, DecodeStep
@@ -16,6 +17,7 @@ from skippy_wire.stage.runtime import StageModel
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.server import StageServer
 from skippy_wire.tools.serve import stage_config
+from skippy_wire.wire.messages import StageWireMessage
 
 import fake_native
 from fake_native import FAKE
@@ -140,6 +142,36 @@ def test_a_step_ahead_past_the_context_is_not_an_error(tiny, caplog):
     assert tokens == again == _reference(tiny, 5, len(PROMPT))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert f"no decode ahead at position {ctx}" in caplog.text
+
+
+@pytest.mark.parametrize("layers", [(0, 2), (0, 4)], ids=["exporting", "terminal"])
+def test_a_prefill_chunk_batched_with_a_decode_step_gives_their_results_alone(tiny, layers):
+    # One scheduler iteration: session A's decode step beside session B's prompt.  Each
+    # gets what it gets alone, and both sessions go on from the same state.
+    def sessions():
+        backend = _open(tiny, *layers, 0)
+        a, b = backend.create_session(), backend.create_session()
+        backend.prefill(a, PROMPT, None, 0, sample=True, sampling=None)
+        return backend, a, b
+
+    def outcome(results):
+        return [(token, None if frame is None else np.frombuffer(bytes(frame.payload), np.float32))
+                for token, frame in results]
+
+    def same(xs, ys):  # (the tiny model's f32 products round by the batch's shape: 1 ulp)
+        return all(p == q and (f is None) == (g is None) and (f is None or np.allclose(f, g, rtol=1e-5, atol=1e-6))
+                   for (p, f), (q, g) in zip(xs, ys)) and len(xs) == len(ys)
+
+    backend, a, b = sessions()
+    together = outcome(backend.iteration_batch([DecodeStep(a, 7, None, 0, None),
+                                                DecodeStep(b, -1, None, 0, None, tokens=PROMPT[:5])]))
+    after = outcome([backend.decode(a, 8, None, 0, sampling=None), backend.decode(b, 9, None, 0, sampling=None)])
+    backend, a, b = sessions()
+    alone = outcome([backend.decode(a, 7, None, 0, sampling=None),
+                     backend.prefill(b, PROMPT[:5], None, 0, sample=True, sampling=None)])
+    alone_after = outcome([backend.decode(a, 8, None, 0, sampling=None), backend.decode(b, 9, None, 0, sampling=None)])
+    assert same(together, alone) and same(after, alone_after)
+    assert (together[1][0] >= 0) == backend.is_terminal  # the prompt's first token, where sampled
 
 
 class _SlowSoloDecode(RuntimeBackend):
@@ -321,6 +353,50 @@ class _SlowPrefill(RuntimeBackend):
         out = super().prefill(*args, **kwargs)
         self.log.append(time.perf_counter())
         return out
+
+
+def test_prompts_arriving_while_a_stage_computes_run_together_and_keep_their_tokens(tiny):
+    # Continuous batching: while stage 0 spends 150 ms on one prompt alone, the prompts and
+    # steps that arrive queue and then run as one scheduler iteration; every session still
+    # gets the tokens it gets alone.
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 8, 9]]
+    servers = []
+    try:
+        last = StageServer(_open(tiny, 2, 4, 1), stage_config(1, 2, 4, "raw-f32-v1", "fixed"),
+                           io_timeout=5, reply_timeout=10)
+        last.start()
+        first = StageServer(_SlowPrefill(StageModel.open(tiny, 0, 2, stage_index=0, lane_count=4, n_threads=1), []),
+                            stage_config(0, 0, 2, "raw-f32-v1", "fixed"), downstream=last.address,
+                            io_timeout=5, reply_timeout=10)
+        first.start()
+        servers = [first, last]
+        alone = []
+        for prompt in prompts:
+            with PipelineClient(*first.address, timeout=10) as client:
+                alone.append(client.generate(prompt, max_tokens=8, chunk_size=16).tokens)
+        together: list = [None] * len(prompts)
+        opened = threading.Barrier(len(prompts))
+
+        def worker(i):
+            with PipelineClient(*first.address, timeout=10) as client:
+                # Open the session first (creating one waits for the runtime), then come
+                # while the first prompt is computing.
+                client.request(StageWireMessage.configure_generation(i + 1, i + 1, len(prompts[i]), None, None))
+                opened.wait(10)
+                time.sleep(0.03 * i)
+                together[i] = client.generate(prompts[i], max_tokens=8, chunk_size=16, request_id=i + 1,
+                                              session_id=i + 1).tokens
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert together == alone
+    assert first.batcher.batched_prefills >= 2
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -112,5 +112,22 @@ class RuntimeBackend:
         return [(int(out.predicted_token), self._output(out.output))
                 for out in runtime.decode_step_frame_batch_sampled(requests)]
 
+    def iteration_batch(self, steps) -> list:
+        """Prefill chunks and decode steps (``DecodeStep``s with or without ``tokens``) of
+        several sessions as one native batch, one scheduler iteration of the runtime;
+        ``[(predicted token or -1, frame), ...]`` in order."""
+        requests = []
+        for step in steps:
+            prefill = step.tokens is not None
+            tokens = list(step.tokens) if prefill else [step.token]
+            sample = self.is_terminal and step.sample
+            requests.append(runtime.IterationBatchRequest(
+                step.session, tokens, (), step.sampling if sample else None,
+                self._input(step.activation, len(tokens), step.state_flags), sample_last=sample,
+                phase=runtime.IterationBatchPhase.PREFILL if prefill else runtime.IterationBatchPhase.DECODE))
+        out = runtime.iteration_batch_sampled(requests)
+        predicted = {sample.request_index: sample.predicted_token for sample in out.samples}
+        return [(int(predicted.get(i, -1)), self._output(frame)) for i, frame in enumerate(out.request_outputs)]
+
     def trim(self, session, token_count: int) -> None:
         session.trim_session(token_count)

@@ -8,6 +8,10 @@ attention per session over its own cache), then hands each thread its own result
 session pays nothing extra: its thread finds the runtime free and runs its step alone,
 without queueing it.
 
+Prefill chunks join the same queue (continuous batching): a prompt that arrives while the
+stage computes runs in the next batch beside the decode steps waiting there, as one
+scheduler iteration of the runtime, instead of after them.  They never wait for partners.
+
 A failed batch is retried one step at a time, so one session's failure (its context is
 full, say) fails only that session.
 
@@ -42,13 +46,16 @@ COST_SMOOTHING = 0.2
 
 @dataclass
 class DecodeStep:
-    """One session's decode step and, once run, its outcome."""
+    """One session's decode step -- or, with ``tokens``, a prefill chunk (sampled at the
+    terminal stage when ``sample``) -- and, once run, its outcome."""
 
     session: Any
     token: int
     activation: Any
     state_flags: int
     sampling: Any
+    tokens: Optional[Sequence[int]] = None  # a prefill chunk's tokens; None: a decode step
+    sample: bool = True
     result: Optional[tuple] = None  # (predicted token, output frame)
     error: Optional[BaseException] = None
     done: bool = False
@@ -76,6 +83,7 @@ class DecodeBatcher:
         self._queue_lock = threading.Lock()
         self.batches = 0
         self.batched_steps = 0
+        self.batched_prefills = 0  # prefill chunks that ran in a batch
         self.partner_waits = 0
         self._arrived = threading.Condition(self._queue_lock)
         self._last_step: dict[int, float] = {}  # id(session) -> monotonic time of its last step
@@ -129,7 +137,7 @@ class DecodeBatcher:
         """With the runtime and the queue lock held: give the sessions decoding here a short
         while to join the queue when a batch of them would pay (see the module doc)."""
         single, batched = self._row_cost.get(False), self._row_cost.get(True)
-        if single is None:
+        if single is None or any(step.tokens is not None for step in self._queue):
             return
         now = time.monotonic()
         window = ACTIVE_WINDOW_STEPS * single
@@ -159,10 +167,13 @@ class DecodeBatcher:
             except Exception:  # noqa: BLE001 -- isolate the failing step below
                 results = None
             if results is not None:
+                prefills = sum(step.tokens is not None for step in batch)
                 self.batches += 1
                 self.batched_steps += len(batch)
+                self.batched_prefills += prefills
                 elapsed = time.perf_counter() - started
-                self._measured(len(batch), elapsed)
+                if not prefills:  # the running costs are of decode rows
+                    self._measured(len(batch), elapsed)
                 for step, result in zip(batch, results):
                     step.result, step.batch_size, step.compute_s, step.done = result, len(batch), elapsed, True
                 return
@@ -173,5 +184,5 @@ class DecodeBatcher:
             except BaseException as exc:  # noqa: BLE001 -- re-raised in the step's own thread
                 step.error = exc
             step.batch_size, step.compute_s, step.done = 1, time.perf_counter() - one_started, True
-            if step.error is None:
+            if step.error is None and step.tokens is None:
                 self._measured(1, step.compute_s)

@@ -239,11 +239,8 @@ class StageServer:
                 f"stage {config.stage_index} ends at layer {backend.layer_end}, not the last "
                 "layer, so it needs --downstream")
         self._runtime_lock = threading.Lock()
-        self.batcher = DecodeBatcher(
-            lambda steps: backend.decode_batch(steps),  # looked up late: test fakes may lack it
-            lambda step: backend.decode(step.session, step.token, step.activation, step.state_flags,
-                                        sampling=step.sampling),
-            self._runtime_lock, on_compute=self._trace_compute)
+        self.batcher = DecodeBatcher(self._run_batch, self._run_step, self._runtime_lock,
+                                     on_compute=self._trace_compute)
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
@@ -490,12 +487,9 @@ class StageServer:
             if step.batch_size > 1:
                 session.stats.batched_decode_steps += 1
         else:
-            with self._runtime_lock:
-                start_ns = time.monotonic_ns()
-                predicted, frame = self.backend.prefill(
-                    session.runtime, tokens, msg.activation, msg.state.flags,
-                    sample=kind.requires_predicted_reply, sampling=sampling)
-                self._trace_compute(start_ns, time.monotonic_ns())
+            step = DecodeStep(session.runtime, -1, msg.activation, msg.state.flags, sampling, tokens=tokens,
+                              sample=kind.requires_predicted_reply)
+            predicted, frame = self.batcher.decode(step)
             session.stats.prefill_tokens += len(tokens)
         compute_us = int((time.perf_counter() - started) * 1e6)
         session.stats.compute_ms += compute_us / 1000.0
@@ -511,6 +505,21 @@ class StageServer:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
         return self._forward(msg, frame, session, downstream, compute_us, timer, raw)
+
+    def _run_step(self, step: DecodeStep) -> tuple:
+        """One decode step or prefill chunk alone (the batcher holds the runtime lock)."""
+        if step.tokens is None:
+            return self.backend.decode(step.session, step.token, step.activation, step.state_flags,
+                                       sampling=step.sampling)
+        return self.backend.prefill(step.session, step.tokens, step.activation, step.state_flags,
+                                    sample=step.sample, sampling=step.sampling)
+
+    def _run_batch(self, steps) -> list:
+        """Several sessions' steps as one native batch: decode steps alone batch as decode
+        steps, with a prefill chunk among them as one scheduler iteration."""
+        if all(step.tokens is None for step in steps):
+            return self.backend.decode_batch(steps)
+        return self.backend.iteration_batch(steps)
 
     def _compute_ahead(self, session: _Session) -> None:
         """Run ``session.next_step`` now (module doc), batched with the steps of other
