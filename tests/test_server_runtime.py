@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -172,6 +173,18 @@ def test_a_prefill_chunk_batched_with_a_decode_step_gives_their_results_alone(ti
     alone_after = outcome([backend.decode(a, 8, None, 0, sampling=None), backend.decode(b, 9, None, 0, sampling=None)])
     assert same(together, alone) and same(after, alone_after)
     assert (together[1][0] >= 0) == backend.is_terminal  # the prompt's first token, where sampled
+
+
+def test_a_batch_the_runtime_would_run_request_by_request_is_refused_before_it_runs(tiny):
+    # (The runtime runs such a batch one request at a time; a failure midway would leave the
+    # first requests done, and the batcher's step-by-step retry would run them again.)
+    backend = _open(tiny, 0, 2, 0)
+    real = backend.create_session()
+    splitting = types.SimpleNamespace(terminal_stage=False, batched_activation_exports=False, token_count=0)
+    for run in (backend.decode_batch, backend.iteration_batch):
+        with pytest.raises(ValueError, match="must run on its own"):
+            run([DecodeStep(real, 1, None, 0, None), DecodeStep(splitting, 2, None, 0, None)])
+    assert real.token_count == 0
 
 
 class _SlowSoloDecode(RuntimeBackend):

@@ -20,6 +20,14 @@ from ..wire.constants import activation_frame_flags_from_state_flags
 DEFAULT_LANES = 4
 
 
+def _check_one_graph(requests) -> None:
+    """Refuse, before anything runs, a batch the runtime would run one request at a time:
+    a failure midway would leave the earlier requests done, and the batcher, which then
+    retries every step on its own, would run them twice."""
+    if any(runtime.iteration_request_requires_one_at_a_time(request) for request in requests):
+        raise ValueError("a request of this batch must run on its own")
+
+
 class RuntimeBackend:
     """What the server needs from a stage runtime, over ``skippy_wire.stage.runtime``.
 
@@ -109,6 +117,7 @@ class RuntimeBackend:
                                                     self._input(step.activation, 1, step.state_flags),
                                                     self._capacity(1))
                     for step in steps]
+        _check_one_graph(requests)
         return [(int(out.predicted_token), self._output(out.output))
                 for out in runtime.decode_step_frame_batch_sampled(requests)]
 
@@ -125,6 +134,7 @@ class RuntimeBackend:
                 step.session, tokens, (), step.sampling if sample else None,
                 self._input(step.activation, len(tokens), step.state_flags), sample_last=sample,
                 phase=runtime.IterationBatchPhase.PREFILL if prefill else runtime.IterationBatchPhase.DECODE))
+        _check_one_graph(requests)
         out = runtime.iteration_batch_sampled(requests)
         predicted = {sample.request_index: sample.predicted_token for sample in out.samples}
         return [(int(predicted.get(i, -1)), self._output(frame)) for i, frame in enumerate(out.request_outputs)]
