@@ -19,15 +19,8 @@ Stop frees the session and is acknowledged; the connection stays open.
 Sessions are keyed by ``session_id`` and belong to the connection that opened them; a
 closed connection frees its sessions.  Runtime calls are serialised by one lock.
 
-Decode ahead: the first stage knows the next decode step before the driver asks for it --
-the token is the one in the reply it has just passed upstream, at the next position.  So it
-computes that step right after sending the reply (batched with the other sessions' steps
-that meet it, like any decode step), while the reply travels to the driver and the driver's
-next DecodeEmbd travels back; when that message arrives and asks for exactly this step
-(same session, token and position), its result is forwarded at once.  Anything else first
-trims the session back, so the bytes on the wire never change.  A terminal first stage (a
-one-stage pipeline) does the same for greedy sessions only, since a sampler's state cannot
-be rolled back.
+Decode ahead (:mod:`.decode_ahead`): a first stage computes a session's next decode step
+while its reply travels to the driver and the next DecodeEmbd travels back.
 
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
@@ -47,8 +40,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage import runtime
@@ -66,6 +58,8 @@ from ..wire.setup import SetupError, SetupRole
 from .admission import DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, max_message_bytes
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
+from .decode_ahead import DecodeAhead
+from .session_state import DecodeTimer, ServedSession
 from .tls import PLAIN_EXPOSED_WARNING, accept_tls, is_loopback
 from .transport import Peer, connect
 
@@ -78,92 +72,6 @@ DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
 
 EventSink = Callable[[dict], None]
-
-#: The stretches of a DecodeEmbd's path through a stage, in order: from its last byte
-#: received to the runtime call (``queue``: reading it out, waiting for the runtime and
-#: the batch), the runtime call, encoding the forwarded message, sending it, waiting for
-#: the downstream reply, and relaying that reply upstream (on the terminal stage: writing
-#: and sending its own reply).
-DECODE_STRETCHES = ("queue", "compute", "encode", "send", "downstream_wait", "relay")
-
-
-class _DecodeTimer:
-    """perf_counter() marks along one DecodeEmbd's path (see DECODE_STRETCHES)."""
-
-    __slots__ = ("received", "compute_start", "compute_end", "encoded", "sent", "replied", "ahead_s")
-
-    def __init__(self, received: float) -> None:
-        self.received = received
-        self.compute_start = self.compute_end = self.encoded = self.sent = self.replied = 0.0
-        self.ahead_s = 0.0  # a step computed ahead: its compute; compute_start/end mark its take-over
-
-    def add_to(self, totals: dict, relayed: float) -> None:
-        end = self.compute_end
-        stretches = {"queue": self.compute_start - self.received, "compute": end - self.compute_start}
-        if self.ahead_s:
-            stretches["compute"] = self.ahead_s
-        if self.sent:  # a forwarding stage
-            stretches.update(encode=self.encoded - end, send=self.sent - self.encoded,
-                             downstream_wait=self.replied - self.sent, relay=relayed - self.replied)
-        else:
-            stretches["relay"] = relayed - end
-        for name, seconds in stretches.items():
-            totals[name] += int(seconds * 1e6)
-
-
-# --------------------------------------------------------------------------------------
-# Per-session and per-connection state
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class SessionStats:
-    """Traffic counters of one session on one stage (reported in the "session" event)."""
-
-    messages: int = 0
-    received_bytes: int = 0
-    forwarded_messages: int = 0
-    forwarded_bytes: dict = field(default_factory=dict)  # codec identity -> wire bytes
-    activation_bytes: dict = field(default_factory=dict)  # codec identity -> payload bytes
-    codec_counts: dict = field(default_factory=dict)  # codec identity -> frames
-    encode_ms: float = 0.0
-    compute_ms: float = 0.0
-    downstream_wait_ms: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    batched_decode_steps: int = 0  # decode steps that ran in a batch with other sessions'
-    decoded_ahead: int = 0  # decode steps computed before their message arrived (module doc)
-    discarded_ahead: int = 0  # steps computed ahead that the next message did not ask for
-    #: Where a DecodeEmbd's time goes at this stage, summed over the session (microseconds):
-    #: see DECODE_STRETCHES.
-    decode_path_us: dict = field(default_factory=lambda: dict.fromkeys(DECODE_STRETCHES, 0))
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
-class _Ahead:
-    """A decode step computed ahead (module doc): ``token`` at position ``pos``."""
-
-    pos: int
-    token: int
-    predicted: int = -1
-    frame: Any = None
-    compute_s: float = 0.0
-    batch_size: int = 0
-
-
-@dataclass
-class _Session:
-    runtime: Any
-    sampling: Any = None
-    chat_metadata: str | None = None
-    stats: SessionStats = field(default_factory=SessionStats)
-    #: The step to compute ahead once the reply is sent, then that step's result.
-    next_step: _Ahead | None = None
-    ahead: _Ahead | None = None
-
 
 def _reply_bytes(writer: Callable, *args) -> bytes:
     buf = io.BytesIO()
@@ -211,7 +119,6 @@ class StageServer:
                  limits: StageLimits | None = None, tls=None, poll_s: float = 0.0,
                  decode_ahead: bool = True) -> None:
         self.backend = backend
-        self.decode_ahead = decode_ahead and backend.is_source
         self.poll_s = poll_s
         self.compute_trace = compute_trace
         self.protocol = protocol
@@ -241,6 +148,8 @@ class StageServer:
         self._runtime_lock = threading.Lock()
         self.batcher = DecodeBatcher(self._run_batch, self._run_step, self._runtime_lock,
                                      on_compute=self._trace_compute)
+        self.ahead = DecodeAhead(backend, self.batcher, self._runtime_lock) \
+            if decode_ahead and backend.is_source else None
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
@@ -307,7 +216,7 @@ class StageServer:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
         upstream = Peer(sock)
         opened: list = []
-        sessions: dict[int, _Session] = {}
+        sessions: dict[int, ServedSession] = {}
         try:
             if self._tls_server is not None:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
@@ -332,7 +241,7 @@ class StageServer:
                 if msg is None:
                     log.info("%s: closed by peer", name)
                     break
-                timer = _DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
+                timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
                 upstream.send(reply)
@@ -340,7 +249,7 @@ class StageServer:
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
                 if session is not None and session.next_step is not None:
-                    self._compute_ahead(session)
+                    self.ahead.compute(session)
         except StateVersionMismatch as exc:
             log.error("%s: %s; closing", name, exc)
         except SetupError as exc:
@@ -428,7 +337,7 @@ class StageServer:
     # -- execution -----------------------------------------------------------------------
 
     def _handle(self, msg, sessions: dict, size: int, downstream: LinkProtocol | None,
-                timer: _DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
+                timer: DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
         """Execute ``msg`` (``raw``: its bytes, when the reader kept them) and return the reply."""
         kind = K(msg.kind)
         session = sessions.get(msg.session_id)
@@ -437,7 +346,7 @@ class StageServer:
             session.stats.messages += 1
             session.stats.received_bytes += size
             if session.ahead is not None:
-                ahead = self._claim_ahead(msg, session)
+                ahead = self.ahead.claim(msg, session)
         if kind == K.STOP:
             reply = self._relay(msg, downstream, session) if downstream else _reply_bytes(send_reply_ack)
             if session is not None:
@@ -445,7 +354,7 @@ class StageServer:
             return reply
         if session is None:
             session = sessions[msg.session_id] = self.admission.open(
-                len(sessions), msg.session_id, lambda: _Session(self.backend.create_session()), self._runtime_lock)
+                len(sessions), msg.session_id, lambda: ServedSession(self.backend.create_session()), self._runtime_lock)
             session.stats.messages += 1
             session.stats.received_bytes += size
         if kind == K.CONFIGURE_GENERATION:
@@ -493,9 +402,8 @@ class StageServer:
             session.stats.prefill_tokens += len(tokens)
         compute_us = int((time.perf_counter() - started) * 1e6)
         session.stats.compute_ms += compute_us / 1000.0
-        if self.decode_ahead and kind in (K.DECODE_EMBD, K.PREFILL_FINAL_EMBD) and downstream is None \
-                and sampling is None:  # a greedy one-stage pipeline: the token is our own
-            session.next_step = _Ahead(msg.pos_start + msg.token_count, predicted)
+        if self.ahead is not None and downstream is None and sampling is None:
+            self.ahead.plan(msg, session, predicted)  # a greedy one-stage pipeline: the token is our own
 
         if downstream is None:
             if kind == K.DECODE_EMBD:  # the per-token reply, from a template (stats: prefill only)
@@ -521,43 +429,13 @@ class StageServer:
             return self.backend.decode_batch(steps)
         return self.backend.iteration_batch(steps)
 
-    def _compute_ahead(self, session: _Session) -> None:
-        """Run ``session.next_step`` now (module doc), batched with the steps of other
-        sessions that meet it here like any decode step."""
-        step, session.next_step = session.next_step, None
-        if getattr(session.runtime, "token_count", None) != step.pos:
-            return
-        decode = DecodeStep(session.runtime, step.token, None, 0, None)
-        try:
-            step.predicted, step.frame = self.batcher.decode(decode)
-        except Exception as exc:  # noqa: BLE001 -- e.g. a full context; a step nobody asked for
-            # must not fail the connection: a message that asks for it gets its own error.
-            log.debug("no decode ahead at position %d: %s", step.pos, exc)
-            return
-        step.compute_s, step.batch_size = decode.compute_s, decode.batch_size
-        session.ahead = step
-
-    def _claim_ahead(self, msg, session: _Session) -> _Ahead | None:
-        """The step computed ahead if ``msg`` asks for exactly it; otherwise the session is
-        trimmed back to where it was before that step, and None."""
-        ahead, session.ahead = session.ahead, None
-        if (msg.kind == K.DECODE_EMBD and msg.pos_start == ahead.pos and msg.token_count == 1
-                and list(msg.tokens) == [ahead.token]
-                and (not self.backend.is_terminal or (msg.sampling is None and session.sampling is None))):
-            return ahead
-        session.stats.discarded_ahead += 1
-        session.stats.compute_ms += ahead.compute_s * 1000.0
-        with self._runtime_lock:
-            self.backend.trim(session.runtime, ahead.pos)
-        return None
-
     def _trace_compute(self, start_ns: int, end_ns: int) -> None:
         """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
         across the stage processes of one machine) when a trace file was given."""
         if self.compute_trace is not None:
             self.compute_trace.write(f"{start_ns} {end_ns}\n")
 
-    def _check_position(self, msg, session: _Session) -> None:
+    def _check_position(self, msg, session: ServedSession) -> None:
         """``pos_start`` against the session's token count.
 
         A decode position is authoritative (wire-format.md 12): one behind the session
@@ -581,8 +459,8 @@ class StageServer:
             stats.observe_prefill_compute(self.config.stage_index, compute_us, token_count)
         return stats
 
-    def _forward(self, msg, frame, session: _Session, downstream: LinkProtocol, compute_us: int,
-                 timer: _DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
+    def _forward(self, msg, frame, session: ServedSession, downstream: LinkProtocol, compute_us: int,
+                 timer: DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
         if frame is None:
             raise StageError("the runtime produced no activation frame to forward")
         try:
@@ -606,12 +484,12 @@ class StageServer:
             return _reply_bytes(send_reply_ack, self._own_stats(msg.kind, compute_us, msg.token_count))
         return self._exchange(msg, data, downstream, session, compute_us, forwarded.activation_bytes, timer)
 
-    def _relay(self, msg, downstream: LinkProtocol, session: _Session | None) -> bytes:
+    def _relay(self, msg, downstream: LinkProtocol, session: ServedSession | None) -> bytes:
         """Forward an activation-less control message as is and relay the reply."""
         return self._exchange(msg, downstream.encode(msg), downstream, session, None, 0)
 
     def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes,
-                  timer: _DecodeTimer | None = None) -> bytes:
+                  timer: DecodeTimer | None = None) -> bytes:
         started = time.perf_counter()
         self._send_downstream(downstream, data)
         written = time.perf_counter()
@@ -622,9 +500,9 @@ class StageServer:
         if session is not None:
             session.stats.downstream_wait_ms += (done - started) * 1000.0
         reply = owed[-1]
-        if self.decode_ahead and session is not None and msg.kind in (K.DECODE_EMBD, K.PREFILL_FINAL_EMBD) \
+        if self.ahead is not None and session is not None \
                 and reply.kind in (WireReplyKind.PREDICTED_TOKEN, WireReplyKind.PREDICTED_TOKENS):
-            session.next_step = _Ahead(msg.pos_start + msg.token_count, int(reply.predicted))
+            self.ahead.plan(msg, session, int(reply.predicted))
         observed = compute_us is not None and msg.kind in _OBSERVED_PREFILL_KINDS
         relayed = downstream.peer.reader.last_raw
         if len(owed) == 1 and not observed and relayed is not None:
@@ -674,7 +552,7 @@ class StageServer:
                 f"downstream {self.downstream[0]}:{self.downstream[1]} sent a malformed reply "
                 f"({exc.kind}: {exc})") from None
 
-    def _free(self, session: _Session, session_id: int) -> None:
+    def _free(self, session: ServedSession, session_id: int) -> None:
         self.batcher.forget(session.runtime)
         try:
             with self._runtime_lock:
@@ -685,4 +563,4 @@ class StageServer:
                      **session.stats.as_dict()})
 
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "SessionStats", "StageServer"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "StageServer"]

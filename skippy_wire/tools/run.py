@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PipelineError, ToolError, TopologyError
-from ..net.server import DECODE_STRETCHES
+from ..net.session_state import DECODE_STRETCHES
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
 from ..net.service import SamplingParams, TextAssembler
 from ..net.supervision import default_model, launch_pipeline
