@@ -21,6 +21,9 @@ import openai
 import pytest
 from process_helpers import default_sigint
 
+from skippy_wire.net.supervision import default_model
+from skippy_wire.stage.models import Tokenizer
+
 pytestmark = pytest.mark.slow
 
 STARTUP_S = 120
@@ -129,6 +132,16 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(api):
     assert others != {greedy} and len(others | {first.choices[0].text}) > 1
 
 
+def test_top_k_off_below_one_and_logit_bias_reaches_the_sampler(api):
+    kw = dict(max_tokens=8, temperature=1.0, seed=7)
+    assert _complete(api, extra_body={"top_k": -1}, **kw).choices[0].text == \
+        _complete(api, extra_body={"top_k": 0}, **kw).choices[0].text
+    greedy = _complete(api, max_tokens=1, temperature=0)
+    first = Tokenizer.from_gguf(default_model()).encode(greedy.choices[0].text)[0]
+    banned = _complete(api, max_tokens=1, temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].text and banned.choices[0].text != greedy.choices[0].text
+
+
 def test_stop_string_cuts_the_text(api):
     whole = _complete(api, max_tokens=24, temperature=0).choices[0].text
     words = whole.split()
@@ -182,6 +195,10 @@ def _post(api, path, body, **kw):
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"49152": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {str(t): 1 for t in range(257)}}, "logit_bias"),
 ])
 def test_bad_requests_get_openai_errors(api, path, body, param):
     r = _post(api, path, body)

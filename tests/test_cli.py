@@ -70,7 +70,7 @@ def _one_error_line(err: str) -> str:
     (["run", "--temp", "-1"], "argument --temp/--temperature: must be at least 0, got -1"),
     (["run", "--top-p", "1.5"], "argument --top-p: must be between 0 and 1, got 1.5"),
     (["run", "--min-p", "nan"], "argument --min-p: must be between 0 and 1, got nan"),
-    (["run", "--top-k", "-1"], "argument --top-k: must be at least 0, got -1"),
+    (["run", "--top-k", "few"], "argument --top-k: expected an integer, got 'few'"),
     (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
@@ -120,6 +120,14 @@ def test_codec_options_take_the_short_names():
         assert run.build_parser().parse_args(["--activation-codec", identity]).activation_codec == identity
     assert run.build_parser().parse_args(["--activation-codec-policy", "auto-lossless"]).activation_codec_policy \
         == "auto-lossless-v1"
+
+
+def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
+    from skippy_wire.tools import run
+
+    for value in ("-1", "0"):
+        assert run.sampling_params(run.build_parser().parse_args(["--top-k", value])).top_k == 0
+    assert run.sampling_params(run.build_parser().parse_args(["--top-k", "7"])).top_k == 7
 
 
 def test_a_file_where_a_directory_is_needed_is_refused(capsys, tmp_path):

@@ -37,6 +37,7 @@ from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       check_codec_options, describe, error_line, float_above, int_at_least, int_between, poll_args,
                       tls_config)
@@ -72,8 +73,14 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
     if not lo <= value <= hi:
-        raise BadRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
+        bounds = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
+        raise BadRequest(f"'{name}' must be between {bounds[0]} and {bounds[1]}, got {value}", name)
     return value
+
+
+def _check_token_ids(ids, n_vocab: int, param: str) -> None:
+    if any(not 0 <= t < n_vocab for t in ids):
+        raise BadRequest(f"'{param}' token ids must be in [0, {n_vocab})", param)
 
 
 @dataclass
@@ -92,6 +99,9 @@ def parse_options(body: dict) -> Options:
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, [], 0):
             raise BadRequest(f"'{name}' is not supported", name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, 2**31 - 1, integer=True)
@@ -111,13 +121,15 @@ def parse_options(body: dict) -> Options:
         raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias") from None
     if any(not -100 <= v <= 100 for v in logit_bias.values()):
         raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
+    if len(logit_bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     seed = body.get("seed")
     if seed is not None:
         seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True) & 0xFFFF_FFFF
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_number(body, "top_k", 0, 0, 2**31 - 1, integer=True),
+        top_k=max(0, _number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True)),  # <= 0: off, as llama.cpp
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -235,8 +247,7 @@ class Api:
                 raise BadRequest("'prompt' must not be empty", "prompt")
             return tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(not 0 <= t < tokenizer.n_vocab for t in prompt):
-                raise BadRequest(f"'prompt' token ids must be in [0, {tokenizer.n_vocab})", "prompt")
+            _check_token_ids(prompt, tokenizer.n_vocab, "prompt")
             return list(prompt)
         raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
 
@@ -249,6 +260,7 @@ class Api:
             return error_response(400, "the request body must be a JSON object")
         try:
             options = parse_options(body)
+            _check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             prompt = self._prompt_tokens(body, chat)
             ctx = self.engine.ctx_size
             max_tokens = options.max_tokens if options.max_tokens is not None else ctx - len(prompt)

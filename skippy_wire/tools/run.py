@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed (-1: random)")
     p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
                    default=DEFAULT_TEMPERATURE, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int_at_least(0), default=DEFAULT_TOP_K, help="top-k (0: off)")
+    p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=DEFAULT_TOP_K,
+                   help="top-k (0 or below: off)")
     p.add_argument("--top-p", type=float_between(0, 1), default=DEFAULT_TOP_P, help="top-p (1: off)")
     p.add_argument("--min-p", type=float_between(0, 1), default=DEFAULT_MIN_P, help="min-p (0: off)")
     p.add_argument("--repeat-penalty", type=float_above(0), default=DEFAULT_REPEAT_PENALTY,
@@ -260,7 +261,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=max(0, args.top_k), min_p=args.min_p,
                           seed=None if args.seed == RANDOM_SEED else args.seed,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repeat_penalty=args.repeat_penalty)
