@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,19 @@ def test_bad_requests_get_openai_errors(api, path, body, param):
     assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
 
 
+def test_an_oversized_body_gets_413_and_the_server_serves_on(api):
+    from skippy_wire.tools.api import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    declared = _post(api, "/v1/completions", big)
+    chunked = httpx.post(api.url + "/v1/completions", timeout=30,
+                         content=(big[i:i + 65536] for i in range(0, len(big), 65536)))
+    for r in (declared, chunked):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert _complete(api, max_tokens=2, temperature=0).choices[0].text
+
+
 def test_prompt_longer_than_the_context(api):
     r = _post(api, "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4})
     assert r.status_code == 400
@@ -225,7 +239,7 @@ def test_unknown_route_and_health(api):
 
 
 def test_full_queue_gets_503_with_retry_after():
-    server = ApiServer("--max-inflight", "1", "--max-queue", "0")
+    server = ApiServer("--max-inflight", "1", "--max-queue", "0", "--max-connections", "8")
     try:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}) as r:
@@ -239,6 +253,18 @@ def test_full_queue_gets_503_with_retry_after():
         # The lane is free again once the stream is gone.
         assert httpx.post(server.url + "/v1/completions", timeout=60,
                           json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+        # Idle connections up to --max-connections: the next client is refused, not queued
+        # behind them, and served once they close.
+        host, port = server.url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(8)]
+        try:
+            time.sleep(0.5)
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.5)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
     finally:
         log = server.close()
     assert "Traceback" not in log, log

@@ -47,6 +47,26 @@ DEFAULT_MAX_QUEUE = 16
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
 MAX_STOP_STRINGS = 4
+#: The largest request body read (a context's worth of text is far smaller); a larger one
+#: gets 413 before more of it is buffered.
+MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_CONNECTIONS = 512
+
+
+class BodyTooLarge(Exception):
+    """A request body over :data:`MAX_BODY_BYTES`."""
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise BodyTooLarge
+    return bytes(body)
 
 
 class BadRequest(Exception):
@@ -253,7 +273,9 @@ class Api:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = await request.json()
+            body = json.loads(await _read_body(request))
+        except BodyTooLarge:
+            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
         except (ValueError, UnicodeDecodeError):
             return error_response(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
@@ -261,7 +283,8 @@ class Api:
         try:
             options = parse_options(body)
             _check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
-            prompt = self._prompt_tokens(body, chat)
+            # Rendering and tokenizing a long prompt takes a while: not on the event loop.
+            prompt = await asyncio.to_thread(self._prompt_tokens, body, chat)
             ctx = self.engine.ctx_size
             max_tokens = options.max_tokens if options.max_tokens is not None else ctx - len(prompt)
             if len(prompt) + max(max_tokens, 1) > ctx:
@@ -407,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generating at once (each holds one lane on every stage)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
+    p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
+                   help="open HTTP connections at most, so idle or slow clients cannot take every file "
+                        "descriptor (beyond it: 503)")
     p.add_argument("-c", "--ctx-size", type=int_at_least(16), default=2048,
                    help="tokens per request (prompt + completion)")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
@@ -480,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             host, port = listener.getsockname()[:2]
             progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")
-            config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off")
+            config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
+                                    limit_concurrency=args.max_connections)
             try:
                 uvicorn.Server(config).run(sockets=[listener])
             finally:
