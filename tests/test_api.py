@@ -284,3 +284,27 @@ def test_polling_stages_and_connections_serve_the_same_texts(api):
         log = server.close()
     assert "Traceback" not in log, log
     assert texts == expected
+
+
+def test_api_key_guards_every_route_but_health_and_models_retrieve():
+    """In process (no stages needed: the routes checked never reach the engine)."""
+    from starlette.testclient import TestClient
+
+    from skippy_wire.tools.api import Api
+
+    class IdleEngine:
+        def check_ready(self) -> None:
+            pass
+
+    app = Api(IdleEngine(), model_id="smol", chat_template=None, max_inflight=1, api_key="s3cret").app()
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == "smol"
+        assert client.get("/v1/models/smol", headers=ok).json()["id"] == "smol"
+        missing = client.get("/v1/models/gpt-4", headers=ok)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

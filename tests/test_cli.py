@@ -75,6 +75,8 @@ def _one_error_line(err: str) -> str:
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
     (["api", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
+    (["api", "--api-key", ""], "the API key is empty"),
+    (["api", "--api-key-file", "/nonexistent/key"], "--api-key-file: /nonexistent/key: no such file or directory"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
     (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
     (["run", ""], "the prompt is empty"),

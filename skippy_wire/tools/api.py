@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
 import socket
 import sys
@@ -25,6 +26,7 @@ from typing import Any, Optional
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -51,6 +53,28 @@ MAX_STOP_STRINGS = 4
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_CONNECTIONS = 512
+
+
+#: Routes open without the API key (as llama-server keeps its health check open).
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class RequireApiKey:
+    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs ``Authorization: Bearer
+    KEY`` (``--api-key``), else 401 with an OpenAI error object."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                          type_="authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(Exception):
@@ -172,8 +196,9 @@ class Api:
     """The routes over one :class:`GenerationEngine`."""
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
-                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None) -> None:
         self.engine = engine
+        self.api_key = api_key
         self.model_id = model_id
         self.chat_template = chat_template
         self.max_inflight = max_inflight
@@ -192,12 +217,14 @@ class Api:
     def app(self) -> Starlette:
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        middleware = [Middleware(RequireApiKey, key=self.api_key)] if self.api_key else []
+        return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail), type_="not_found_error"
@@ -209,9 +236,17 @@ class Api:
 
     # -- simple routes
 
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy-wire"}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy-wire"}]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.model_id:
+            return error_response(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(self._model_object())
 
     async def health(self, request: Request) -> Response:
         try:
@@ -430,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generating at once (each holds one lane on every stage)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="the same, the key read from FILE's first line (kept out of the process list)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (beyond it: 503)")
@@ -453,6 +493,15 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
     args.listen_address, args.connect_address = args.listen, args.connect
+    if args.api_key_file:
+        try:
+            args.api_key = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, UnicodeError) as exc:
+            p.error(f"--api-key-file: {describe(exc)}")
+        except IndexError:
+            args.api_key = ""
+    if args.api_key is not None and not args.api_key:
+        p.error("the API key is empty")
     try:
         args.tls = tls_config(args)
     except ValueError as exc:
@@ -502,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                                       identity=getattr(cluster, "identity", None), poll_s=args.poll_ms / 1000.0)
             engine.check_ready()
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
-                      max_inflight=args.max_inflight, max_queue=args.max_queue)
+                      max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key)
             host, port = listener.getsockname()[:2]
             progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")
