@@ -17,6 +17,10 @@ A second table times one decode step of a stage holding SmolLM2's first 15 layer
 thread) back to back, after each GAP of sleep (the core idles, as a pipeline stage's does
 while its neighbours compute) and after each GAP of busy-waiting: the compute a stage does
 right after idling is what a split pipeline pays beyond one stage's.
+
+A third table does the same for one small step of a stage's Python path: encoding a decode
+step's activation (576 f32 values) for the wire, under a microsecond back to back.  What
+it costs after a gap is what every stretch of the per-hop breakdown pays on this host.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
+from skippy_wire import ActivationCodec, encode_activation
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.supervision import default_model
 from skippy_wire.tools.bench_rows import cpu_model
 
 ANSWER_BYTES = 64
+N_EMBD = 576  # SmolLM2-135M's activation width
 
 
 def _recv_exactly(sock: socket.socket, buf: bytearray) -> None:
@@ -114,6 +122,33 @@ def compute_after_idle(gaps_s: list[float], steps: int) -> dict:
     return medians
 
 
+def call_after_idle(gaps_s: list[float], count: int) -> dict:
+    """Median seconds of one activation encode (the forwarding stage's) after each (gap,
+    busy) way of spending the gap."""
+    values = np.linspace(-1.0, 1.0, N_EMBD, dtype=np.float32)
+    medians = {}
+    for gap in gaps_s:
+        for busy in ((False,) if gap == 0 else (False, True)):
+            times = []
+            for _ in range(count):
+                _idle(gap, busy)
+                started = time.perf_counter()
+                encode_activation(ActivationCodec.RAW_F32_V1, 1, N_EMBD, values)
+                times.append(time.perf_counter() - started)
+            medians[gap, busy] = statistics.median(times)
+    return medians
+
+
+def _idle_table(title: str, medians: dict, unit: str, scale: float) -> None:
+    ref = medians[0.0, False]
+    print(f"\n# {title}")
+    print(f"| before each | {unit} | vs back-to-back |")
+    print("|---|---|---|")
+    for (gap, busy), seconds in medians.items():
+        how = "nothing (back to back)" if gap == 0 else f"{gap * 1000:g} ms {'busy' if busy else 'asleep'}"
+        print(f"| {how} | {seconds * scale:.2f} | {seconds / ref:.2f}x |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2314)
@@ -136,15 +171,12 @@ def main(argv=None) -> int:
         base = base or median
         print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x | {polled * 1e6:.0f} | "
               f"{polled_p90 * 1e6:.0f} |", flush=True)
+    idle_gaps = [0.0] + [g / 1000.0 for g in gaps if g]
     if args.compute_steps:
-        medians = compute_after_idle([0.0] + [g / 1000.0 for g in gaps if g], args.compute_steps)
-        ref = medians[0.0, False]
-        print(f"\n# one decode step of layers 0-15 (1 thread), median of {args.compute_steps}")
-        print("| before each step | ms | vs back-to-back |")
-        print("|---|---|---|")
-        for (gap, busy), seconds in medians.items():
-            how = "nothing (back to back)" if gap == 0 else f"{gap * 1000:g} ms {'busy' if busy else 'asleep'}"
-            print(f"| {how} | {seconds * 1e3:.2f} | {seconds / ref:.2f}x |")
+        _idle_table(f"one decode step of layers 0-15 (1 thread), median of {args.compute_steps}",
+                    compute_after_idle(idle_gaps, args.compute_steps), "ms", 1e3)
+    _idle_table(f"one raw-f32 activation encode ({N_EMBD} values), median of {args.count}",
+                call_after_idle(idle_gaps, args.count), "us", 1e6)
     return 0
 
 

@@ -114,10 +114,11 @@ def _answer_each_request(sock, replies, delay_s):
         sock.sendall(frame.write_reply(reply))
 
 
-@pytest.mark.parametrize("poll_s", [0.0, 0.015])
+@pytest.mark.parametrize("poll_s", [0.0, 0.015, 0.2])
 def test_a_polling_reader_finds_replies_near_their_expected_arrival(pair, poll_s):
     """Replies that take as long as the one before are found by polling (not by a wake-up
-    from recv) when a window is set, and never without one; either way every record is whole."""
+    from recv) when a window is set -- one wider than the wait polls all of it -- and never
+    without one; either way every record is whole."""
     a, b = pair
     replies = [StageReply(WireReplyKind.PREDICTED_TOKEN, t, [t]) for t in range(6)]
     answering = threading.Thread(target=_answer_each_request, args=(b, replies, 0.04))

@@ -107,8 +107,9 @@ class SocketReader:
     def _receive_first(self) -> int:
         """The receive that waits for a record to begin.  With :attr:`poll_s`, the wait is
         expected to last as long as the previous one did (decode steps repeat): the reader
-        sleeps until ``poll_s`` before then and polls the socket, yielding the CPU between
-        polls, until ``poll_s`` after it.  A sleeping reader pays for its wake-up on every
+        sleeps until ``poll_s`` before then (not at all when the wait is shorter than
+        ``poll_s``) and polls the socket, yielding the CPU between polls, until ``poll_s``
+        after it.  A sleeping reader pays for its wake-up on every
         message: on a virtual machine whose idle vCPU halts, tens of microseconds."""
         if not self.poll_s:
             return self._recv()
@@ -122,7 +123,7 @@ class SocketReader:
     def _poll_near_arrival(self, started: float) -> bool:
         expected, window = self._expected_wait, self.poll_s
         pending = getattr(self.sock, "pending", None)  # TLS: decrypted bytes the socket cannot show
-        if expected is None or not window < expected < MAX_POLLED_WAIT or (pending is not None and pending()):
+        if expected is None or not expected < MAX_POLLED_WAIT or (pending is not None and pending()):
             return False
         if self._poller is None:
             self._poller = select.poll()
@@ -130,7 +131,7 @@ class SocketReader:
         timeout = self.sock.gettimeout()
         # Within the socket's timeout: the receive that follows waits up to it once more.
         until = expected + window if timeout is None else min(expected + window, timeout)
-        if self._poller.poll(int(min(until, expected - window) * 1000)):
+        if expected > window and self._poller.poll(int(min(until, expected - window) * 1000)):
             return False  # it came early
         until += started
         while time.perf_counter() < until:

@@ -141,9 +141,10 @@ def add_poll_option(p: argparse.ArgumentParser) -> None:
     """``--poll-ms``: the busy-poll window of every socket read of a pipeline
     (:attr:`skippy_wire.net.transport.SocketReader.poll_s`)."""
     p.add_argument("--poll-ms", type=float_at_least(0), default=0.0, metavar="MS",
-                   help="busy-poll the socket from MS before to MS after a message's or reply's expected "
-                        "arrival (the previous wait) instead of sleeping through the wait: saves waking an "
-                        "idle CPU on every hop, costs CPU time (0: sleep)")
+                   help="busy-poll the socket from MS before (or from the start of a wait shorter than "
+                        "MS) to MS after a message's or reply's expected arrival (the previous wait) instead "
+                        "of sleeping through the wait: saves waking an idle CPU on every hop, costs CPU time "
+                        "(0: sleep)")
 
 
 def poll_args(poll_ms: float) -> list[str]:
