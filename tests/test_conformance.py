@@ -77,6 +77,14 @@ def test_missing_path_is_a_usage_error(tmp_path, capsys):
     assert capsys.readouterr().err == f"skippy-wire: error: {tmp_path / 'absent'}: no such file or directory\n"
 
 
+def test_a_directory_without_cases_fails(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("no vectors here")
+    assert conformance.main([str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().endswith("conformance: 0 passed, 0 failed")
+    assert captured.err == f"skippy-wire: error: no cases in {tmp_path} (*.jsonl files of golden vectors)\n"
+
+
 def test_command_line_entry_point(vectors_dir):
     result = subprocess.run(
         [sys.executable, "-m", "skippy_wire", "conformance", str(vectors_dir / "frame.jsonl"), "--impl", "python"],

@@ -9,7 +9,7 @@ error kinds and exact texts (and, for writer failures, the partial output).
 
 The first failures are reported with the case id, file, note and the first difference;
 the last line is always ``conformance: N passed, M failed``; the exit status is 1 when
-M > 0 (2 for usage errors).
+M > 0 or no case was found (2 for usage errors).
 """
 
 from __future__ import annotations
@@ -236,11 +236,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(error_line(f"{missing[0]}: no such file or directory"), file=sys.stderr)
         return EXIT_USAGE
     try:
-        _, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report, verbose=args.verbose,
-                        protocol=args.protocol)
+        passed, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report,
+                             verbose=args.verbose, protocol=args.protocol)
     except ImportError as exc:
         print(error_line(f"implementation {args.impl} is not available: {exc}"), file=sys.stderr)
         return EXIT_USAGE
+    if not passed + failed:  # a wrong path must not pass a check that ran nothing
+        print(error_line(f"no cases in {', '.join(args.paths)} (*.jsonl files of golden vectors)"), file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 
