@@ -104,28 +104,9 @@ def _idle(gap_s: float, busy: bool) -> None:
         pass
 
 
-def compute_after_idle(gaps_s: list[float], steps: int) -> dict:
-    """Median seconds of one decode step after each (gap, busy) way of spending the gap."""
-    backend = RuntimeBackend.open(default_model(), 0, 15, stage_index=0, ctx_size=steps + 8, n_threads=1)
-    session = backend.create_session()
-    medians = {}
-    for gap in gaps_s:
-        for busy in ((False,) if gap == 0 else (False, True)):
-            times = []
-            for _ in range(steps):
-                _idle(gap, busy)
-                started = time.perf_counter()
-                backend.decode(session, 100, None, 0, sampling=None)
-                times.append(time.perf_counter() - started)
-            backend.trim(session, 0)
-            medians[gap, busy] = statistics.median(times)
-    return medians
-
-
-def call_after_idle(gaps_s: list[float], count: int) -> dict:
-    """Median seconds of one activation encode (the forwarding stage's) after each (gap,
-    busy) way of spending the gap."""
-    values = np.linspace(-1.0, 1.0, N_EMBD, dtype=np.float32)
+def medians_after_idle(gaps_s: list[float], count: int, step, reset=lambda: None) -> dict:
+    """Median seconds of ``step()`` after each (gap, busy) way of spending the gap, ``count``
+    times each; ``reset()`` after each row."""
     medians = {}
     for gap in gaps_s:
         for busy in ((False,) if gap == 0 else (False, True)):
@@ -133,10 +114,26 @@ def call_after_idle(gaps_s: list[float], count: int) -> dict:
             for _ in range(count):
                 _idle(gap, busy)
                 started = time.perf_counter()
-                encode_activation(ActivationCodec.RAW_F32_V1, 1, N_EMBD, values)
+                step()
                 times.append(time.perf_counter() - started)
+            reset()
             medians[gap, busy] = statistics.median(times)
     return medians
+
+
+def compute_after_idle(gaps_s: list[float], steps: int) -> dict:
+    """One decode step of a stage holding SmolLM2's first 15 layers, after each gap."""
+    backend = RuntimeBackend.open(default_model(), 0, 15, stage_index=0, ctx_size=steps + 8, n_threads=1)
+    session = backend.create_session()
+    return medians_after_idle(gaps_s, steps, lambda: backend.decode(session, 100, None, 0, sampling=None),
+                              reset=lambda: backend.trim(session, 0))
+
+
+def call_after_idle(gaps_s: list[float], count: int) -> dict:
+    """One activation encode (the forwarding stage's), after each gap."""
+    values = np.linspace(-1.0, 1.0, N_EMBD, dtype=np.float32)
+    return medians_after_idle(gaps_s, count,
+                              lambda: encode_activation(ActivationCodec.RAW_F32_V1, 1, N_EMBD, values))
 
 
 def _idle_table(title: str, medians: dict, unit: str, scale: float) -> None:
