@@ -52,9 +52,8 @@ MAX_STOP_STRINGS = 4
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
+#: Open HTTP connections (``--max-connections``); uvicorn answers 503 beyond them.
 DEFAULT_MAX_CONNECTIONS = 512
-
-
 #: Routes open without the API key (as llama-server keeps its health check open).
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -82,6 +81,7 @@ class BodyTooLarge(Exception):
 
 
 async def _read_body(request: Request) -> bytes:
+    """The whole body, refused (BodyTooLarge) as soon as it is known to pass the limit."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BodyTooLarge
@@ -117,8 +117,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
     if not lo <= value <= hi:
-        bounds = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
-        raise BadRequest(f"'{name}' must be between {bounds[0]} and {bounds[1]}, got {value}", name)
+        low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
+        raise BadRequest(f"'{name}' must be between {low} and {high}, got {value}", name)
     return value
 
 
