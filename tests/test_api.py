@@ -133,7 +133,7 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(api):
     assert others != {greedy} and len(others | {first.choices[0].text}) > 1
 
 
-def test_top_k_off_below_one_and_logit_bias_reaches_the_sampler(api):
+def test_top_k_at_or_below_zero_is_off_and_logit_bias_reaches_the_sampler(api):
     kw = dict(max_tokens=8, temperature=1.0, seed=7)
     assert _complete(api, extra_body={"top_k": -1}, **kw).choices[0].text == \
         _complete(api, extra_body={"top_k": 0}, **kw).choices[0].text
