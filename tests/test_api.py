@@ -308,3 +308,32 @@ def test_api_key_guards_every_route_but_health_and_models_retrieve():
         assert client.get("/v1/models/smol", headers=ok).json()["id"] == "smol"
         missing = client.get("/v1/models/gpt-4", headers=ok)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def test_a_stage_that_dies_stops_the_api_with_one_line():
+    """Nothing can be served once a stage it started is gone: the command exits 1 with the
+    reason (for a supervisor to restart it) instead of answering 502 forever."""
+    server = ApiServer()
+    try:
+        stages = _children(server.proc.pid)
+        assert len(stages) == 2, stages
+        os.kill(max(stages), signal.SIGKILL)  # the stage started last
+        assert server.proc.wait(30) == 1
+    finally:
+        log = server.close()
+    assert "Traceback" not in log, log
+    assert re.search(r"^skippy-wire: error: stage \d \(layers \d+\.\.\d+\) was killed by SIGKILL; the API stopped$",
+                     log, re.M), log

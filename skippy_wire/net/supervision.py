@@ -12,6 +12,7 @@ import atexit
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -150,6 +151,16 @@ class StageProcess:
         _LIVE.discard(self)
 
 
+def _ending(code: int) -> str:
+    """A child's return code in words."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 @dataclass
 class StageCluster:
     """Running stage processes (stage 0 first).  Use as a context manager."""
@@ -166,6 +177,14 @@ class StageCluster:
     @property
     def entry(self) -> tuple[str, int]:
         return self.stages[0].host, int(self.stages[0].port)
+
+    def exited(self) -> str | None:
+        """How the first stage process that has ended ended, or None while all run."""
+        for stage in self.stages:
+            code = stage.popen.poll()
+            if code is not None:
+                return f"stage {stage.index} (layers {stage.layers[0]}..{stage.layers[1]}) {_ending(code)}"
+        return None
 
     def close(self) -> None:
         # Stage 0 first: it closes its downstream connection cleanly before the next dies.

@@ -54,6 +54,8 @@ MAX_STOP_STRINGS = 4
 MAX_BODY_BYTES = 8 << 20
 #: Open HTTP connections (``--max-connections``); uvicorn answers 503 beyond them.
 DEFAULT_MAX_CONNECTIONS = 512
+#: Seconds between checks that the stage processes this command started still run.
+STAGE_WATCH_S = 0.5
 #: Routes open without the API key (as llama-server keeps its health check open).
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -508,6 +510,19 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(str(exc))
 
 
+def _stop_when_a_stage_ends(cluster, server: "uvicorn.Server", ended: list) -> None:
+    """A stage process this command started has ended: nothing can be served any more, so
+    the server stops (and the command exits 1, for a supervisor to restart it) instead of
+    answering every request with 502."""
+    while not server.should_exit:
+        how = cluster.exited()
+        if how is not None:
+            ended.append(how)
+            server.should_exit = True
+            return
+        time.sleep(STAGE_WATCH_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -557,10 +572,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections)
+            server, ended = uvicorn.Server(config), []
+            if not args.connect_address:
+                threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
+                                 name="stage-watch", daemon=True).start()
             try:
-                uvicorn.Server(config).run(sockets=[listener])
+                server.run(sockets=[listener])
             finally:
                 api.close()
+            if ended:
+                print(error_line(f"{ended[0]}; the API stopped"), file=sys.stderr)
+                return 1
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         progress("stopped")
         return 130
