@@ -1,13 +1,14 @@
 """Decode through 1, 2 and 3 stage processes, alternating, with the per-hop breakdown.
 
-    python bench/hop_bench.py [--tokens 96] [--rounds 3] [--stages 1,2,3] [--poll-ms 0,1] [--ahead on,off]
+    python bench/hop_bench.py [--tokens 96] [--rounds 3] [--stages 1,2,3] [--poll-ms auto,0] [--ahead on,off]
 
 Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
 generates ``--tokens`` tokens; the best round of each stage count is printed with its
 decode tokens/s, the ratio to one stage, the stages' decode compute per token, the time
 outside compute per token and per hop, and the per-stage breakdown the ``run`` summary
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
-busy-poll windows to compare (``skippy-wire run --poll-ms``); each round runs every stage
+busy-poll windows to compare (``skippy-wire run --poll-ms``; ``auto``, the default, is what
+``run`` does without the option); each round runs every stage
 count with each window, and every window's table is printed.  ``--ahead`` lists the stage
 settings to compare: ``on`` (the default: the first stage computes a session's next decode
 step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
@@ -22,26 +23,31 @@ from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, script_options
-from skippy_wire.tools.options import poll_args
+from skippy_wire.tools.options import driver_poll_s, poll_args
 from skippy_wire.tools.run import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 
-def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float, ahead: bool):
+def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float | None, ahead: bool):
     with launch_pipeline(model, stages, threads=1, ctx_size=len(prompt) + tokens + 8,
-                         extra_args=poll_args(poll_ms) + ([] if ahead else ["--no-decode-ahead"])) as cluster:
-        with PipelineClient(*cluster.entry, poll_s=poll_ms / 1000.0) as client:
+                         extra_args=poll_args(poll_ms, stages) + ([] if ahead else ["--no-decode-ahead"])) as cluster:
+        with PipelineClient(*cluster.entry, poll_s=driver_poll_s(poll_ms)) as client:
             result = client.generate(prompt, max_tokens=tokens)
         events = cluster.session_events(wait=5.0)
     return result, events
 
 
+def _poll_text(poll_ms: float | None) -> str:
+    return "auto" if poll_ms is None else f"{poll_ms:g} ms"
+
+
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "0"})
+    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
     counts = [int(s) for s in args.stages.split(",")]
-    settings = [(float(p), a == "on") for a in args.ahead.split(",") for p in args.poll_ms.split(",")]
+    settings = [(None if p == "auto" else float(p), a == "on") for a in args.ahead.split(",")
+                for p in args.poll_ms.split(",")]
     model = default_model()
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)
     best: dict[tuple, tuple] = {}
@@ -64,11 +70,11 @@ def main(argv=None) -> int:
             tokens = result.decode_messages
             compute = sum(merge_session_events(e).get("decode_path_us", {}).get("compute", 0) for e in events) / tokens
             round_trip = result.decode_round_trip_s * 1e6 / tokens
-            print(f"| {poll:g} ms | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | "
+            print(f"| {_poll_text(poll)} | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | "
                   f"{result.decode_tok_s / base:.2f}x | {compute / 1000:.2f} ms | "
                   f"{(round_trip - compute) / 1000:.3f} ms | {(round_trip - compute) / n / 1000:.3f} ms |")
     for ((poll, ahead), n), run in best.items():
-        print(f"\n{n} stage(s), poll {poll:g} ms, decode ahead {'on' if ahead else 'off'}:")
+        print(f"\n{n} stage(s), poll {_poll_text(poll)}, decode ahead {'on' if ahead else 'off'}:")
         print("\n".join(decode_path_lines(*run)))
     same = len({tuple(run[0].tokens) for run in best.values()}) == 1
     print(f"\nsame tokens for every stage count and setting: {same}")

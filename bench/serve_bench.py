@@ -1,7 +1,7 @@
 """Serving throughput of ``skippy-wire api`` against one request and against ``run``.
 
     python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2] [--ahead on]
-                                [--split 15,15] [--poll-ms 0]
+                                [--split 15,15] [--poll-ms auto]
 
 Starts the stage processes once (1 thread each) with a compute trace, then, alternating in
 rounds, measures on the same stages:
@@ -22,7 +22,8 @@ against the one-request figures of the same run.  ``--ahead off`` starts the sta
 ``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
 stage's number of layers (default: an even split), and the fraction of the time each stage
 computed with the concurrent requests is printed too.  ``--poll-ms`` is given to the stages
-(``serve --poll-ms``); the API process and the driver of ``run`` sleep.
+(``serve --poll-ms``; ``auto``, the default, is what ``api`` gives them without the option);
+the API process and the driver of ``run`` sleep.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="",
-                          **{"poll-ms": 0.0})
+                          **{"poll-ms": "auto"})
+    poll_ms = None if args.poll_ms == "auto" else float(args.poll_ms)
     layers = None
     if args.split:
         counts = [int(n) for n in args.split.split(",")]
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
     with launch_pipeline(model, args.stages, threads=1, ctx_size=1024, layers=layers,
-                         extra_args=["--trace-compute", str(trace_dir)] + poll_args(args.poll_ms)
+                         extra_args=["--trace-compute", str(trace_dir)] + poll_args(poll_ms, args.stages)
                          + ([] if args.ahead == "on" else ["--no-decode-ahead"])) as cluster:
         host, port = cluster.entry
         api = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--connect", f"{host}:{port}",
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     decoded = sum(e.get("decode_tokens", 0) for e in events)
     one, many, run = best["1"], best[str(args.concurrency)], best["run"]
     print(f"# serving benchmark: {args.stages} stage processes x 1 thread (layers {args.split or 'even'}, "
-          f"decode ahead {args.ahead}, stages poll {args.poll_ms:g} ms), "
+          f"decode ahead {args.ahead}, stages poll {args.poll_ms}), "
           "SmolLM2-135M Q4_1, greedy, "
           f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
           f"{os.cpu_count()} cores")

@@ -381,3 +381,13 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
     sampled = [_run_json(capsys, smollm2_pipeline, "-s", str(seed), "--temp", "0.9", *prompt)["summary"]["tokens"]
                for seed in (1, 2, 3)]
     assert any(tokens != greedy for tokens in sampled)
+
+
+def test_started_stages_poll_by_default_only_with_a_cpu_each():
+    from skippy_wire.tools.options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
+
+    cpus = len(os.sched_getaffinity(0))
+    assert poll_args(None, cpus) == ["--poll-ms", repr(AUTO_STAGE_POLL_MS)]
+    assert poll_args(None, cpus + 1) == []
+    assert poll_args(0.0, 1) == [] and poll_args(2.0, cpus + 1) == ["--poll-ms", "2.0"]
+    assert driver_poll_s(None) == 0.0 and driver_poll_s(3.0) == 0.003

@@ -589,3 +589,24 @@ def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_f
         with pytest.raises(PipelineError, match="closed the connection"):
             client.request(gap)
     assert "PREFILL_FINAL_EMBD at position 3, but session 1 holds 0 tokens" in caplog.text
+
+
+def test_a_stage_polls_only_while_one_session_decodes_there():
+    """Polling readers (``poll_s``) would take the GIL and the cores from the batches of
+    several sessions, so a stage polls only while at most one session decodes there."""
+    from skippy_wire.net.batching import DecodeStep
+
+    backend = FakeBackend(0, N_LAYER)
+    server = StageServer(backend, stage_config(0, 0, N_LAYER, "raw-f32-v1", "fixed"), poll_s=0.05)
+    try:
+        first, second = backend.create_session(), backend.create_session()
+        assert server._poll_window() == 0.05
+        server.batcher.decode(DecodeStep(first, 3, None, 0, None))
+        assert server._poll_window() == 0.05
+        server.batcher.decode(DecodeStep(second, 4, None, 0, None))
+        assert server._poll_window() == 0.0
+        server.batcher.forget(second)
+        assert server._poll_window() == 0.05
+    finally:
+        server.shutdown()
+        server._listener.close()

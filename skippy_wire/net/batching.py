@@ -90,6 +90,11 @@ class DecodeBatcher:
         self._row_cost: dict[bool, float] = {}  # batched? -> running compute seconds per row
 
     @property
+    def decoding(self) -> int:
+        """Sessions counted as decoding here (see ACTIVE_WINDOW_STEPS)."""
+        return len(self._last_step)
+
+    @property
     def queued(self) -> int:
         """Steps waiting for the runtime."""
         return len(self._queue)

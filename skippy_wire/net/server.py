@@ -105,8 +105,8 @@ class StageServer:
     computes the next chunk while the downstream computes this one), ``limits`` (a
     :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
     both sides), ``poll_s`` (seconds: busy-poll this long around a message's or reply's
-    expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`;
-    0: sleep), ``decode_ahead`` (on a first stage: compute a session's next decode step
+    expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`,
+    while at most one session decodes here; 0: sleep), ``decode_ahead`` (on a first stage: compute a session's next decode step
     before its message arrives, see the module doc).
     """
 
@@ -222,7 +222,6 @@ class StageServer:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
                 with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
                     self._connections.add(upstream.sock)
-            upstream.reader.poll_s = self.poll_s
             if self.config.stage_index > 0:
                 upstream.send_delay = self.link_delay
             link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
@@ -237,6 +236,7 @@ class StageServer:
             downstream = opened[0] if opened else None
             log.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
+                upstream.reader.poll_s = self._poll_window()
                 msg = self._read_message(link)
                 if msg is None:
                     log.info("%s: closed by peer", name)
@@ -298,7 +298,6 @@ class StageServer:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
-        peer.reader.poll_s = self.poll_s
         link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}")
         peer.send_delay = self.link_delay
         try:
@@ -429,6 +428,12 @@ class StageServer:
             return self.backend.decode_batch(steps)
         return self.backend.iteration_batch(steps)
 
+    def _poll_window(self) -> float:
+        """``poll_s`` while at most one session decodes here, else 0 (sleep): with several,
+        the stage has other work while a message is out, and polling readers would take
+        the GIL and the cores from the batches (docs/benchmarks.md, "Eleventh session")."""
+        return self.poll_s if self.batcher.decoding <= 1 else 0.0
+
     def _trace_compute(self, start_ns: int, end_ns: int) -> None:
         """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
         across the stage processes of one machine) when a trace file was given."""
@@ -536,6 +541,7 @@ class StageServer:
         """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
         reply to the message just sent."""
         peer = downstream.peer
+        peer.reader.poll_s = self._poll_window()
         try:
             replies = [peer.read() for _ in range(downstream.unread_replies + 1)]
             downstream.unread_replies = 0

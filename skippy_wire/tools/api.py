@@ -41,8 +41,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      check_codec_options, describe, error_line, float_above, int_at_least, int_between, poll_args,
-                      tls_config)
+                      check_codec_options, describe, driver_poll_s, error_line, float_above, int_at_least,
+                      int_between, poll_args, tls_config)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link")
     add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")
-    add_poll_option(p)
+    add_poll_option(p, starts_stages=True)
     return p
 
 
@@ -558,12 +558,12 @@ def main(argv: list[str] | None = None) -> int:
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
-                                      extra_args=poll_args(args.poll_ms))
+                                      extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
         with cluster:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
-                                      identity=getattr(cluster, "identity", None), poll_s=args.poll_ms / 1000.0)
+                                      identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))
             engine.check_ready()
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
                       max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, NoReturn
 
@@ -137,19 +138,37 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
 
 
-def add_poll_option(p: argparse.ArgumentParser) -> None:
+#: ``run`` and ``api`` without ``--poll-ms``: the stages they start poll with this window,
+#: wide enough to cover a decode step's whole wait, while a lone session decodes there, when
+#: no more stages than CPUs share the machine; the driver sleeps (docs/pipeline.md, "Polling").
+AUTO_STAGE_POLL_MS = 50.0
+
+
+def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) -> None:
     """``--poll-ms``: the busy-poll window of every socket read of a pipeline
-    (:attr:`skippy_wire.net.transport.SocketReader.poll_s`)."""
-    p.add_argument("--poll-ms", type=float_at_least(0), default=0.0, metavar="MS",
-                   help="busy-poll the socket from MS before (or from the start of a wait shorter than "
-                        "MS) to MS after a message's or reply's expected arrival (the previous wait) instead "
-                        "of sleeping through the wait: saves waking an idle CPU on every hop, costs CPU time "
-                        "(0: sleep)")
+    (:attr:`skippy_wire.net.transport.SocketReader.poll_s`); ``starts_stages``: the command
+    starts stage processes, and without the option they poll as :func:`poll_args` says."""
+    text = ("busy-poll the socket from MS before (or from the start of a wait shorter than MS) to MS after "
+            "a message's or reply's expected arrival (the previous wait) instead of sleeping through the "
+            "wait: saves waking an idle CPU on every hop, costs CPU time (0: sleep)")
+    if starts_stages:
+        text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
+                 "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
+    p.add_argument("--poll-ms", type=float_at_least(0), default=None if starts_stages else 0.0, metavar="MS",
+                   help=text)
 
 
-def poll_args(poll_ms: float) -> list[str]:
-    """The ``serve`` arguments that give a started stage the same ``--poll-ms``."""
+def poll_args(poll_ms: float | None, stages: int) -> list[str]:
+    """The ``serve`` arguments that give each of ``stages`` started stages ``--poll-ms``:
+    as given, or for None :data:`AUTO_STAGE_POLL_MS` when every stage has a CPU."""
+    if poll_ms is None:
+        poll_ms = AUTO_STAGE_POLL_MS if stages <= len(os.sched_getaffinity(0)) else 0.0
     return ["--poll-ms", repr(poll_ms)] if poll_ms else []
+
+
+def driver_poll_s(poll_ms: float | None) -> float:
+    """The driver's poll window in seconds: ``--poll-ms`` as given, else sleep."""
+    return (poll_ms or 0.0) / 1000.0
 
 
 def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
@@ -178,5 +197,6 @@ def utf8(text: str) -> str:
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
-           "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least", "int_between", "float_above",
-           "float_at_least", "float_between", "address", "add_tls_options", "tls_config", "utf8"]
+           "AUTO_STAGE_POLL_MS", "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least",
+           "int_between", "float_above", "float_at_least", "float_between", "address", "add_poll_option",
+           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "utf8"]

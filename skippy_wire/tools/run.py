@@ -31,7 +31,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.replies import StageReplyStats
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       check_codec_options, describe, float_above, float_at_least, float_between, int_at_least,
-                      int_between, poll_args, tls_config, utf8)
+                      int_between, driver_poll_s, poll_args, tls_config, utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
-    add_poll_option(p)
+    add_poll_option(p, starts_stages=True)
     return p
 
 
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, capture_dir=args.capture, log_dir=log_dir,
                                       reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol,
-                                      tls=args.tls, extra_args=poll_args(args.poll_ms))
+                                      tls=args.tls, extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
         with cluster:
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
@@ -391,7 +391,7 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
     try:
         identity = None if args.connect else cluster.identity
         with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity, tls=args.tls,
-                            poll_s=args.poll_ms / 1000.0,
+                            poll_s=driver_poll_s(args.poll_ms),
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")
