@@ -150,7 +150,8 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
     starts stage processes, and without the option they poll as :func:`poll_args` says."""
     text = ("busy-poll the socket from MS before (or from the start of a wait shorter than MS) to MS after "
             "a message's or reply's expected arrival (the previous wait) instead of sleeping through the "
-            "wait: saves waking an idle CPU on every hop, costs CPU time (0: sleep)")
+            "wait (a stage: while at most one session decodes there): saves waking an idle CPU on every hop, "
+            "costs CPU time (0: sleep)")
     if starts_stages:
         text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
                  "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
