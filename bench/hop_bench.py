@@ -5,7 +5,8 @@
 Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
 generates ``--tokens`` tokens; the best round of each stage count is printed with its
 decode tokens/s, the ratio to one stage, the stages' decode compute per token, the time
-outside compute per token and per hop, and the per-stage breakdown the ``run`` summary
+outside compute per token and per hop, the cores the stage processes kept busy meanwhile
+(their CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
 busy-poll windows to compare (``skippy-wire run --poll-ms``; ``auto``, the default, is what
 ``run`` does without the option); each round runs every stage
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
@@ -30,13 +32,24 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float | None, ahead: bool):
+    """The generation, the stages' session events and the cores the stages kept busy."""
     with launch_pipeline(model, stages, threads=1, ctx_size=len(prompt) + tokens + 8,
                          extra_args=poll_args(poll_ms, stages) + ([] if ahead else ["--no-decode-ahead"])) as cluster:
+        pids = [stage.popen.pid for stage in cluster.stages]
+        cpu_before, started = sum(map(_cpu_seconds, pids)), time.perf_counter()
         with PipelineClient(*cluster.entry, poll_s=driver_poll_s(poll_ms)) as client:
             result = client.generate(prompt, max_tokens=tokens)
+        cores = (sum(map(_cpu_seconds, pids)) - cpu_before) / (time.perf_counter() - started)
         events = cluster.session_events(wait=5.0)
-    return result, events
+    return result, events, cores
 
 
 def _poll_text(poll_ms: float | None) -> str:
@@ -54,28 +67,29 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for setting in settings:
             for n in counts:
-                result, events = one_run(model, n, prompt, args.tokens, *setting)
-                if (setting, n) not in best or result.decode_tok_s > best[setting, n][0].decode_tok_s:
-                    best[setting, n] = (result, events)
+                run = one_run(model, n, prompt, args.tokens, *setting)
+                if (setting, n) not in best or run[0].decode_tok_s > best[setting, n][0].decode_tok_s:
+                    best[setting, n] = run
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
           f"tokens, best of {args.rounds} alternating rounds; CPU: {cpu_model()}, {os.cpu_count()} cores")
     print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | compute per token | outside compute per token "
-          "| per hop |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| per hop | stages' CPU (cores) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for setting in settings:
         poll, ahead = setting
         base = best[setting, counts[0]][0].decode_tok_s
         for n in counts:
-            result, events = best[setting, n]
+            result, events, cores = best[setting, n]
             tokens = result.decode_messages
             compute = sum(merge_session_events(e).get("decode_path_us", {}).get("compute", 0) for e in events) / tokens
             round_trip = result.decode_round_trip_s * 1e6 / tokens
             print(f"| {_poll_text(poll)} | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | "
                   f"{result.decode_tok_s / base:.2f}x | {compute / 1000:.2f} ms | "
-                  f"{(round_trip - compute) / 1000:.3f} ms | {(round_trip - compute) / n / 1000:.3f} ms |")
+                  f"{(round_trip - compute) / 1000:.3f} ms | {(round_trip - compute) / n / 1000:.3f} ms | "
+                  f"{cores:.2f} |")
     for ((poll, ahead), n), run in best.items():
         print(f"\n{n} stage(s), poll {_poll_text(poll)}, decode ahead {'on' if ahead else 'off'}:")
-        print("\n".join(decode_path_lines(*run)))
+        print("\n".join(decode_path_lines(*run[:2])))
     same = len({tuple(run[0].tokens) for run in best.values()}) == 1
     print(f"\nsame tokens for every stage count and setting: {same}")
     return 0 if same else 1
