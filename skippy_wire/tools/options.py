@@ -159,11 +159,19 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
                    help=text)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: containers, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def poll_args(poll_ms: float | None, stages: int) -> list[str]:
     """The ``serve`` arguments that give each of ``stages`` started stages ``--poll-ms``:
     as given, or for None :data:`AUTO_STAGE_POLL_MS` when every stage has a CPU."""
     if poll_ms is None:
-        poll_ms = AUTO_STAGE_POLL_MS if stages <= len(os.sched_getaffinity(0)) else 0.0
+        poll_ms = AUTO_STAGE_POLL_MS if stages <= available_cpus() else 0.0
     return ["--poll-ms", repr(poll_ms)] if poll_ms else []
 
 
@@ -200,4 +208,4 @@ def utf8(text: str) -> str:
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
            "AUTO_STAGE_POLL_MS", "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least",
            "int_between", "float_above", "float_at_least", "float_between", "address", "add_poll_option",
-           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "utf8"]
+           "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "utf8"]

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -61,6 +60,7 @@ import numpy as np
 from .._impl import kernel_module
 from ..errors import InvalidDataError
 from ..wire.constants import ActivationCodec
+from .options import available_cpus
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -496,16 +496,9 @@ def parse_args(argv):
     return args
 
 
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    workers = args.workers or _available_cpus()
+    workers = args.workers or available_cpus()
     kernel_module("codec", args.impl)  # fail here, not in every worker, if it is not built
 
     t0 = time.monotonic()
