@@ -53,7 +53,11 @@ _WIRE_DEFAULTS = SamplingConfig()
 class SamplingParams(make_dataclass("SamplingParamsFields", [
         *((name, type(getattr(_WIRE_DEFAULTS, name)), getattr(_WIRE_DEFAULTS, name)) for name in REQUEST_SAMPLING_FIELDS),
         ("seed", Optional[int], None), ("logit_bias", dict, field(default_factory=dict))])):
-    """OpenAI-style sampling parameters; ``temperature == 0`` is greedy, ``seed`` None is random."""
+    """OpenAI-style sampling parameters; ``temperature == 0`` is greedy, ``seed`` None is random,
+    ``top_k`` at or below 0 is off (as in llama.cpp; vLLM sends -1)."""
+
+    def __post_init__(self) -> None:
+        self.top_k = max(0, self.top_k)
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \

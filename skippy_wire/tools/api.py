@@ -175,7 +175,7 @@ def parse_options(body: dict) -> Options:
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=max(0, _number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True)),  # <= 0: off, as llama.cpp
+        top_k=_number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),

@@ -261,7 +261,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=max(0, args.top_k), min_p=args.min_p,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=None if args.seed == RANDOM_SEED else args.seed,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repeat_penalty=args.repeat_penalty)
