@@ -4,7 +4,8 @@
 
 Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
 generates ``--tokens`` tokens; the best round of each stage count is printed with its
-decode tokens/s, the ratio to one stage, the stages' decode compute per token, the time
+decode tokens/s, the ratio to one stage (of the best rounds, and the median and range of
+each round's own ratio, which the host's drift between rounds does not enter), the stages' decode compute per token, the time
 outside compute per token and per hop, the cores the stage processes kept busy meanwhile
 (their CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
@@ -24,7 +25,7 @@ import time
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, script_options
+from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
 from skippy_wire.tools.options import driver_poll_s, poll_args
 from skippy_wire.tools.run import decode_path_lines, merge_session_events
 
@@ -64,17 +65,21 @@ def main(argv=None) -> int:
     model = default_model()
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)
     best: dict[tuple, tuple] = {}
+    ratios: dict[tuple, list[float]] = {}  # (setting, stages) -> each round's ratio to 1 stage
     for _ in range(args.rounds):
         for setting in settings:
             for n in counts:
                 run = one_run(model, n, prompt, args.tokens, *setting)
                 if (setting, n) not in best or run[0].decode_tok_s > best[setting, n][0].decode_tok_s:
                     best[setting, n] = run
+                if n == counts[0]:
+                    base = run[0].decode_tok_s
+                ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
           f"tokens, best of {args.rounds} alternating rounds; CPU: {cpu_model()}, {os.cpu_count()} cores")
-    print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | compute per token | outside compute per token "
-          "| per hop | stages' CPU (cores) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | ratio within a round | compute per token "
+          "| outside compute per token | per hop | stages' CPU (cores) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for setting in settings:
         poll, ahead = setting
         base = best[setting, counts[0]][0].decode_tok_s
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
             compute = sum(merge_session_events(e).get("decode_path_us", {}).get("compute", 0) for e in events) / tokens
             round_trip = result.decode_round_trip_s * 1e6 / tokens
             print(f"| {_poll_text(poll)} | {'on' if ahead else 'off'} | {n} | {result.decode_tok_s:.1f} | "
-                  f"{result.decode_tok_s / base:.2f}x | {compute / 1000:.2f} ms | "
+                  f"{result.decode_tok_s / base:.2f}x | {round_ratios(ratios[setting, n])} | {compute / 1000:.2f} ms | "
                   f"{(round_trip - compute) / 1000:.3f} ms | {(round_trip - compute) / n / 1000:.3f} ms | "
                   f"{cores:.2f} |")
     for ((poll, ahead), n), run in best.items():

@@ -18,7 +18,9 @@ tokens received while every request was decoding, from the last request's first 
 the first request's last token, over that window: prefill and time to first token, printed
 on their own, do not count), time to first token, and the fraction of the wall time during
 which every stage computed at once (from the stages' ``--trace-compute`` files).  Ratios are
-against the one-request figures of the same run.  ``--ahead off`` starts the stages with
+against the one-request figures of the same run; the two that the goals name are also given
+as the median and range of each round's own ratio, which the host's drift between rounds does
+not enter.  ``--ahead off`` starts the stages with
 ``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
 stage's number of layers (default: an even split), and the fraction of the time each stage
 computed with the concurrent requests is printed too.  ``--poll-ms`` is given to the stages
@@ -44,7 +46,7 @@ import httpx
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, script_options
+from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
 from skippy_wire.tools.options import poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
@@ -177,14 +179,18 @@ def main(argv=None) -> int:
             traces = [trace_dir / f"stage{i}.trace" for i in range(args.stages)]
             stream(url, PROMPTS[0], 8)  # warm-up
             best: dict[str, dict] = {}
+            stream_to_run, many_to_one = [], []  # each round's own ratios
             for _ in range(args.rounds):
+                this: dict[str, dict] = {}
                 for name, fn in (("run", lambda: run_round(cluster.entry, tokenizer, args.tokens)),
                                  ("1", lambda: concurrent_round(url, 1, args.tokens, traces)),
                                  (str(args.concurrency),
                                   lambda: concurrent_round(url, args.concurrency, args.tokens, traces))):
-                    r = fn()
+                    r = this[name] = fn()
                     if name not in best or r["agg_tok_s"] > best[name]["agg_tok_s"]:
                         best[name] = r
+                stream_to_run.append(this["1"]["stream_decode_tok_s"] / this["run"]["decode_tok_s"])
+                many_to_one.append(this[str(args.concurrency)]["decode_agg_tok_s"] / this["1"]["decode_agg_tok_s"])
         finally:
             os.killpg(api.pid, signal.SIGINT)
             api.wait(30)
@@ -209,6 +215,9 @@ def main(argv=None) -> int:
     print(f"| 1 request: aggregate decode tok/s | {one['decode_agg_tok_s']:.1f} | 1.00x |")
     print(f"| {args.concurrency} concurrent requests: aggregate decode tok/s | {many['decode_agg_tok_s']:.1f} | "
           f"{many['decode_agg_tok_s'] / one['decode_agg_tok_s']:.2f}x one request |")
+    print(f"| 1 streaming request over HTTP / `run`, within each round | | {round_ratios(stream_to_run)} |")
+    print(f"| {args.concurrency} concurrent / 1 request, aggregate decode, within each round | | "
+          f"{round_ratios(many_to_one)} |")
     print(f"| time to first token, 1 request | {one['ttft_s'] * 1000:.0f} ms | |")
     print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
     print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")

@@ -36,3 +36,10 @@ def test_bench_ratio_marks_goals():
     assert bench.Ratio("x", 1.6, 1.5).met and not bench.Ratio("x", 1.4, 1.5).met
     row = bench.Row("op", "1x1", "impl", 2e-6, 4000)
     assert abs(row.gbps - 2.0) < 1e-9
+
+
+def test_round_ratios_give_the_median_and_range_of_the_rounds():
+    from skippy_wire.tools.bench_rows import round_ratios
+
+    # An even count: the median lies between the middle two (a max or mean would not).
+    assert round_ratios([0.9, 1.2, 0.5, 1.0]) == "0.95x (0.50-1.20x)"

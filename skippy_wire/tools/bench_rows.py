@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -48,6 +49,13 @@ def script_options(doc: str, argv, **defaults) -> argparse.Namespace:
     for name, default in defaults.items():
         p.add_argument(f"--{name}", type=type(default), default=default)
     return p.parse_args(argv)
+
+
+def round_ratios(ratios: list[float]) -> str:
+    """Ratios measured back to back within each round, as ``median (min-max)``: on a host
+    whose speed drifts between minutes, a ratio of two runs of the same round is steadier
+    than the ratio of each figure's best round."""
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
 
 
 def cpu_model() -> str:
