@@ -240,6 +240,19 @@ def test_two_stage_split_matches_one_stage():
     assert whole.token_count == first.token_count == second.token_count == 8
 
 
+def test_raw_decode_step_is_the_sampled_one_with_the_frame_left_packed():
+    prompt = [3, 1, 4, 1, 5]
+    parsed, packed = (open_stage(0, 1, stage_index=0).create_session() for _ in range(2))
+    for session in (parsed, packed):
+        session.prefill_chunk_frame(prompt)
+    for token in (7, 9):
+        predicted, frame = parsed.decode_step_frame_sampled(token, output_capacity=ROW)
+        raw_predicted, raw = packed.decode_step_frame_raw(token, output_capacity=ROW)
+        assert isinstance(raw, rt.PackedFrame) and raw_predicted == predicted == -1
+        assert raw.desc == frame.desc.to_bytes() and raw.payload == frame.payload and len(raw.payload) == ROW
+    assert packed.token_count == parsed.token_count == len(prompt) + 2
+
+
 def test_mismatched_frame_is_a_native_invalid_argument():
     second = open_stage(2, None).create_session()
     wrong_edge = frame_from_wire(bytes(ROW), 1, N_EMBD, 0, 0, 1)

@@ -14,7 +14,7 @@ import pytest
 from skippy_wire.net.batching import DecodeBatcher, DecodeStep
 from skippy_wire.net.driver import PipelineClient, prefill_messages
 from skippy_wire.stage import models
-from skippy_wire.stage.runtime import StageModel
+from skippy_wire.stage.runtime import ActivationDesc, StageModel
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.server import StageServer
 from skippy_wire.tools.serve import stage_config
@@ -498,3 +498,28 @@ def test_exporting_stage_sizes_its_output_so_each_step_is_one_native_call(tiny):
         [("prefill_chunk_frame", row * len(PROMPT))] * 2 + [("decode_step_frame_sampled", row)]
     assert [cap for op, cap in FAKE.calls if op == "decode_batch"] == [[row, row]]
     FAKE.reset()
+
+
+def test_a_terminal_decode_step_leaves_its_empty_output_frame_unparsed(tiny, monkeypatch):
+    backend = _open(tiny, 0, 4, 0)
+    session = backend.create_session()
+    token, _ = backend.prefill(session, PROMPT, None, 0, sample=True, sampling=None)
+    expected = _reference(tiny, 2, len(PROMPT))[1]
+    # Parsing the descriptor cost every token tens of microseconds for a frame nobody reads.
+    monkeypatch.setattr(ActivationDesc, "from_bytes", classmethod(lambda cls, data: pytest.fail("parsed")))
+    assert backend.decode(session, token, None, 0, sampling=None) == (expected, None)
+
+
+def test_a_forwarding_decode_step_parses_each_output_descriptor_once(tiny, monkeypatch):
+    backend, reference = _open(tiny, 0, 2, 0), _open(tiny, 0, 2, 0)
+    session, expected_session = backend.create_session(), reference.create_session()
+    for b, s in ((backend, session), (reference, expected_session)):
+        b.prefill(s, PROMPT, None, 0, sample=False, sampling=None)
+    expected = [expected_session.decode_step_frame_sampled(token, output_capacity=4 * backend.n_embd)[1]
+                for token in (7, 9)]
+    parsed = []
+    real = ActivationDesc.from_bytes.__func__
+    monkeypatch.setattr(ActivationDesc, "from_bytes", classmethod(lambda cls, data: parsed.append(1) or real(cls, data)))
+    frames = [backend.decode(session, token, None, 0, sampling=None)[1] for token in (7, 9)]
+    assert [(f.desc, f.payload) for f in frames] == [(f.desc, f.payload) for f in expected]
+    assert len(parsed) == 1 and frames[0].payload != frames[1].payload

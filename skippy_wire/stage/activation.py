@@ -373,10 +373,11 @@ class ActivationFrame:
 
 
 class PackedFrame(NamedTuple):
-    """An input frame already in the runtime's C layout: the descriptor's bytes (one
-    required F32 part, as :func:`skippy_wire.stage.bridge.packed_frame_from_wire` packs it)
-    and the payload.  A decode step's input takes this form, so its descriptor is packed
-    once per shape rather than built and packed for every token."""
+    """A frame in the runtime's C layout: the descriptor's bytes and the payload.  A decode
+    step's input takes this form (one required F32 part, as
+    :func:`skippy_wire.stage.bridge.packed_frame_from_wire` packs it), so its descriptor is
+    packed once per shape rather than built and packed for every token; so does the output
+    of ``decode_step_frame_raw``, whose descriptor is not parsed."""
 
     desc: bytes
     payload: bytes

@@ -33,6 +33,7 @@ from .activation import (
     ActivationBoundaryDesc,
     ActivationFrame,
     NativeMtpDraft,
+    PackedFrame,
     mtp_draft_from_bytes,
 )
 from .bridge import *  # noqa: F401,F403  (re-exported wire conversions)
@@ -303,6 +304,16 @@ class StageSession(_NativeHandle):
                                   input: Optional[ActivationFrame] = None,
                                   output_capacity: int = 0) -> Tuple[int, ActivationFrame]:
         """One decode step; returns ``(predicted token or -1, output frame)``; +1 token."""
+        predicted, (desc, payload) = self.decode_step_frame_raw(token_id, sampling, input, output_capacity)
+        return predicted, output_frame(desc, payload, len(payload))
+
+    def decode_step_frame_raw(self, token_id: int, sampling: Any = None,
+                              input: Optional[ActivationFrame] = None,
+                              output_capacity: int = 0) -> Tuple[int, PackedFrame]:
+        """:meth:`decode_step_frame_sampled` with the output frame left in the runtime's C
+        layout (upstream ``decode_step_frame_raw``): its descriptor is not parsed, which
+        costs a decode step tens of microseconds, for a caller that does not read it (a
+        terminal stage's output frame is empty)."""
         desc, payload = raw_input(input)
         raw_sampling = sampling_to_bytes(sampling)
         native = self._native()
@@ -314,7 +325,7 @@ class StageSession(_NativeHandle):
             output_capacity,
         )
         self._advance(1)
-        return result.predicted_token, output_frame(result.out_desc, result.out_payload, result.out_bytes)
+        return result.predicted_token, PackedFrame(result.out_desc, result.out_payload)
 
     # -- verify
 
