@@ -404,6 +404,26 @@ def test_decode_batch_native_path_and_retry():
     assert (a.token_count, b.token_count) == (2, 1)
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["native", "one-at-a-time"])
+def test_a_packed_decode_batch_is_the_parsed_one_left_in_the_runtime_layout(serial):
+    outputs = {}
+    for packed in (False, True):
+        model = open_stage(0, 2, lane_count=2)
+        a, b = model.create_session(), model.create_session()
+        for session in (a, b):
+            session.batched_activation_exports = not serial
+            session.prefill_chunk_frame([1, 2])
+        outputs[packed] = rt.decode_step_frame_batch_sampled(
+            [DecodeFrameBatchRequest(a, 5, output_capacity=ROW), DecodeFrameBatchRequest(b, 6, output_capacity=ROW)],
+            packed=packed)
+        assert (a.token_count, b.token_count) == (3, 3)
+    assert ("decode_batch" in [name for name, _ in FAKE.calls]) is not serial
+    assert all(isinstance(out.output, rt.PackedFrame) for out in outputs[True])
+    assert [(out.predicted_token, out.output.desc, out.output.payload) for out in outputs[True]] == \
+        [(out.predicted_token, out.output.desc.to_bytes(), out.output.payload) for out in outputs[False]]
+    assert len({out.output.payload for out in outputs[True]}) == 2
+
+
 def _two_sessions_failing_batch(call, message):
     """Two sessions of a 2-lane stage whose next batch ``call`` fails with a
     BUFFER_TOO_SMALL that asks for no more room (``required=[0, 0]``)."""

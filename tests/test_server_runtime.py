@@ -502,24 +502,32 @@ def test_exporting_stage_sizes_its_output_so_each_step_is_one_native_call(tiny):
 
 def test_a_terminal_decode_step_leaves_its_empty_output_frame_unparsed(tiny, monkeypatch):
     backend = _open(tiny, 0, 4, 0)
-    session = backend.create_session()
-    token, _ = backend.prefill(session, PROMPT, None, 0, sample=True, sampling=None)
+    sessions = [backend.create_session() for _ in range(3)]
+    tokens = [backend.prefill(s, PROMPT, None, 0, sample=True, sampling=None)[0] for s in sessions]
     expected = _reference(tiny, 2, len(PROMPT))[1]
     # Parsing the descriptor cost every token tens of microseconds for a frame nobody reads.
     monkeypatch.setattr(ActivationDesc, "from_bytes", classmethod(lambda cls, data: pytest.fail("parsed")))
-    assert backend.decode(session, token, None, 0, sampling=None) == (expected, None)
+    assert backend.decode(sessions[0], tokens[0], None, 0, sampling=None) == (expected, None)
+    batch = [DecodeStep(s, token, None, 0, None) for s, token in zip(sessions[1:], tokens[1:])]
+    assert backend.decode_batch(batch) == [(expected, None)] * 2
 
 
 def test_a_forwarding_decode_step_parses_each_output_descriptor_once(tiny, monkeypatch):
     backend, reference = _open(tiny, 0, 2, 0), _open(tiny, 0, 2, 0)
-    session, expected_session = backend.create_session(), reference.create_session()
-    for b, s in ((backend, session), (reference, expected_session)):
+    sessions = [backend.create_session() for _ in range(3)]
+    expected_session = reference.create_session()
+    for b, s in [(backend, s) for s in sessions] + [(reference, expected_session)]:
         b.prefill(s, PROMPT, None, 0, sample=False, sampling=None)
     expected = [expected_session.decode_step_frame_sampled(token, output_capacity=4 * backend.n_embd)[1]
                 for token in (7, 9)]
     parsed = []
     real = ActivationDesc.from_bytes.__func__
     monkeypatch.setattr(ActivationDesc, "from_bytes", classmethod(lambda cls, data: parsed.append(1) or real(cls, data)))
-    frames = [backend.decode(session, token, None, 0, sampling=None)[1] for token in (7, 9)]
+    frames = [backend.decode(sessions[0], token, None, 0, sampling=None)[1] for token in (7, 9)]
     assert [(f.desc, f.payload) for f in frames] == [(f.desc, f.payload) for f in expected]
     assert len(parsed) == 1 and frames[0].payload != frames[1].payload
+    batch = backend.decode_batch([DecodeStep(s, 7, None, 0, None) for s in sessions[1:]])
+    # Both rows decode the same token after the same prompt; a batch's float sums may
+    # differ from a lone step's in the last bits on this f32 model.
+    assert [f.desc for _, f in batch] == [expected[0].desc] * 2 and batch[0][1].payload == batch[1][1].payload
+    assert len(parsed) == 1  # the batch's rows share the decode step's descriptor

@@ -109,22 +109,24 @@ class RuntimeBackend:
 
     def decode(self, session, token, activation, state_flags, *, sampling):
         inp = self._input(activation, 1, state_flags)
-        token, (desc, payload) = session.decode_step_frame_raw(token, sampling if self.is_terminal else None,
-                                                               input=inp, output_capacity=self._capacity(1))
-        if self.is_terminal:  # its output frame is empty
-            return int(token), None
-        return int(token), ActivationFrame(self._parsed(desc), payload)
+        token, packed = session.decode_step_frame_raw(token, sampling if self.is_terminal else None,
+                                                      input=inp, output_capacity=self._capacity(1))
+        return int(token), self._decode_output(packed)
 
-    def _parsed(self, desc: bytes):
-        """The parsed output descriptor, once per distinct descriptor (a decode step's is the
-        same every token): parsing its sixteen part slots cost each step 30-120 us.  The
-        frames share it; nothing downstream changes a frame's descriptor."""
-        parsed = self._descs.get(desc)
+    def _decode_output(self, packed):
+        """A decode step's output frame (a ``PackedFrame``): None on the terminal stage (its
+        frame is empty), else the frame with its descriptor parsed once per distinct
+        descriptor (a decode step's is the same every token): parsing its sixteen part slots
+        cost each step 30-120 us.  The frames share it; nothing downstream changes a frame's
+        descriptor."""
+        if self.is_terminal:
+            return None
+        parsed = self._descs.get(packed.desc)
         if parsed is None:
             if len(self._descs) >= MAX_KEPT_DESCS:
                 self._descs.clear()
-            parsed = self._descs[desc] = ActivationDesc.from_bytes(desc)
-        return parsed
+            parsed = self._descs[packed.desc] = ActivationDesc.from_bytes(packed.desc)
+        return ActivationFrame(parsed, packed.payload)
 
     def decode_batch(self, steps) -> list:
         """Several sessions' decode steps as one native batch (:mod:`.batching`)."""
@@ -134,8 +136,8 @@ class RuntimeBackend:
                                                     self._capacity(1))
                     for step in steps]
         _check_one_graph(requests)
-        return [(int(out.predicted_token), self._output(out.output))
-                for out in runtime.decode_step_frame_batch_sampled(requests)]
+        return [(int(out.predicted_token), self._decode_output(out.output))
+                for out in runtime.decode_step_frame_batch_sampled(requests, packed=True)]
 
     def iteration_batch(self, steps) -> list:
         """Prefill chunks and decode steps (``DecodeStep``s with or without ``tokens``) of

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import PartialBatchExecution, StageRuntimeError, Status
-from .activation import ActivationFrame
+from .activation import ActivationFrame, PackedFrame
 from .native import (
     checked_add,
     default_backend,
@@ -66,7 +66,7 @@ class IterationBatchRequest:
 @dataclass(frozen=True)
 class DecodeFrameBatchOutput:
     predicted_token: int
-    output: ActivationFrame
+    output: ActivationFrame  # a PackedFrame when asked for ``packed``
 
 
 @dataclass(frozen=True)
@@ -237,16 +237,19 @@ def _execute_one_iteration_request(request: IterationBatchRequest) -> Tuple[int,
     return -1, output
 
 
-def decode_step_frame_batch_sampled(requests: Sequence[DecodeFrameBatchRequest]) -> List[DecodeFrameBatchOutput]:
+def decode_step_frame_batch_sampled(requests: Sequence[DecodeFrameBatchRequest], *,
+                                    packed: bool = False) -> List[DecodeFrameBatchOutput]:
     """Decode one token for every request as a single native batch (see
-    :func:`iteration_batch_sampled` for the one-at-a-time decision)."""
+    :func:`iteration_batch_sampled` for the one-at-a-time decision).  ``packed``: each
+    output frame is left in the runtime's layout, a ``PackedFrame`` (as
+    ``StageSession.decode_step_frame_raw`` returns it)."""
     requests = list(requests)
     if any(decode_request_requires_one_at_a_time(request) for request in requests):
-        return _decode_batch_one_at_a_time(requests)
-    return _decode_batch_native(requests)
+        return _decode_batch_one_at_a_time(requests, packed)
+    return _decode_batch_native(requests, packed)
 
 
-def _decode_batch_native(requests: List[DecodeFrameBatchRequest]) -> List[DecodeFrameBatchOutput]:
+def _decode_batch_native(requests: List[DecodeFrameBatchRequest], packed: bool) -> List[DecodeFrameBatchOutput]:
     if not requests:
         return []
     sessions = [request.session.native_session for request in requests]
@@ -269,16 +272,18 @@ def _decode_batch_native(requests: List[DecodeFrameBatchRequest]) -> List[Decode
             raise StageRuntimeError.from_native(error.status, None) from None
         raise
     _store_counts([request.session for request in requests], [1] * len(requests))
-    return [DecodeFrameBatchOutput(token, frame)
-            for token, frame in zip(result.predicted_tokens, _output_frames(result))]
+    frames = ([PackedFrame(desc, payload[:size])
+               for desc, payload, size in zip(result.out_descs, result.out_payloads, result.out_bytes)]
+              if packed else _output_frames(result))
+    return [DecodeFrameBatchOutput(token, frame) for token, frame in zip(result.predicted_tokens, frames)]
 
 
-def _decode_batch_one_at_a_time(requests: List[DecodeFrameBatchRequest]) -> List[DecodeFrameBatchOutput]:
+def _decode_batch_one_at_a_time(requests: List[DecodeFrameBatchRequest], packed: bool) -> List[DecodeFrameBatchOutput]:
     outputs = []
     for request_index, request in enumerate(requests):
+        step = request.session.decode_step_frame_raw if packed else request.session.decode_step_frame_sampled
         try:
-            predicted, output = request.session.decode_step_frame_sampled(
-                request.token_id, request.sampling, request.input, request.output_capacity)
+            predicted, output = step(request.token_id, request.sampling, request.input, request.output_capacity)
         except Exception as error:  # upstream wraps every failure of the serial path
             raise PartialBatchExecution(request_index, error) from error
         outputs.append(DecodeFrameBatchOutput(predicted, output))
