@@ -5,13 +5,13 @@
 Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
 generates ``--tokens`` tokens; the best round of each stage count is printed with its
 decode tokens/s, the ratio to one stage (of the best rounds, and the median and range of
-each round's own ratio, which the host's drift between rounds does not enter), the stages' decode compute per token, the time
-outside compute per token and per hop, the cores the stage processes kept busy meanwhile
-(their CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
-prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
-busy-poll windows to compare (``skippy-wire run --poll-ms``; ``auto``, the default, is what
-``run`` does without the option); each round runs every stage
-count with each window, and every window's table is printed.  ``--ahead`` lists the stage
+each round's own ratio, which the host's drift between rounds does not enter), the stages'
+decode compute per token, the time outside compute per token and per hop, the cores the
+stage processes kept busy meanwhile (their CPU time over the generation's wall time), and
+the per-stage breakdown the ``run`` summary prints (``skippy-wire run`` shows the same
+block for one run).  ``--poll-ms`` lists the busy-poll windows to compare (``skippy-wire
+run --poll-ms``; ``auto``, the default, is what ``run`` does without the option); each
+round runs every stage count with each window, and every window's table is printed.  ``--ahead`` lists the stage
 settings to compare: ``on`` (the default: the first stage computes a session's next decode
 step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
 """
