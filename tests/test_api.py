@@ -250,9 +250,14 @@ def test_full_queue_gets_503_with_retry_after():
             assert busy.status_code == 503
             assert busy.headers["retry-after"] == "1"
             assert busy.json()["error"]["code"] == "queue_full"
-        # The lane is free again once the stream is gone.
-        assert httpx.post(server.url + "/v1/completions", timeout=60,
-                          json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+        # The lane is free again once the server has seen the stream go (it cancels the
+        # request at its next step, then frees the session on every stage).
+        deadline = time.monotonic() + 20
+        while (status := httpx.post(server.url + "/v1/completions", timeout=60,
+                                    json={"prompt": PROMPT, "max_tokens": 4}).status_code) == 503 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status == 200
         # Idle connections up to --max-connections: the next client is refused, not queued
         # behind them, and served once they close.
         host, port = server.url.removeprefix("http://").split(":")
