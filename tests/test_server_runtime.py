@@ -286,6 +286,43 @@ def test_a_step_arriving_while_a_lone_session_runs_queues_and_gets_its_own_resul
     assert batcher.queued == 0
 
 
+class _CountingLock:
+    """A runtime lock that records the threads that took it."""
+
+    def __init__(self):
+        self._lock, self.takers = threading.Lock(), []
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self.takers.append(threading.current_thread().name)
+        return got
+
+    def release(self):
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_step_run_in_another_threads_batch_returns_without_taking_the_runtime():
+    # Once a batch is done its steps' threads return at once: none of them queues for the
+    # runtime lock behind the next batch (on a terminal stage that queueing stood between
+    # one pair's batch and the next, the GIL passing through every thread in between).
+    lock, batches = _CountingLock(), []
+
+    def run_batch(steps):
+        batches.append(len(steps))
+        return [(s.token * 2, None) for s in steps]
+
+    batcher = DecodeBatcher(run_batch, lambda s: (s.token * 2, None), lock)
+    results = _run_queued_together(batcher, lock, [DecodeStep(object(), t, None, 0, None) for t in (1, 2, 3)])
+    assert results == {1: (2, None), 2: (4, None), 3: (6, None)} and batches == [3]
+    assert lock.takers[0] == threading.current_thread().name and len(lock.takers) == 2  # the test, the runner
+
+
 def _partner_run(batch_cost_per_row: float, free_two: bool = False) -> list:
     """Four sessions decode at one stage, steps of 0.4 s alone; then session 1's step finds
     the runtime free and session 2's arrives 30 ms later.  Returns the batch sizes of that

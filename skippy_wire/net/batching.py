@@ -2,11 +2,12 @@
 
 Each upstream connection of a stage is served by its own thread.  When several sessions
 decode at once, their DecodeEmbd messages reach a stage while it is computing another
-session's step; :class:`DecodeBatcher` queues them, and the next thread to get the runtime
-runs everything queued as ONE native batch (the weight matmuls run over all rows together,
-attention per session over its own cache), then hands each thread its own result.  A lone
-session pays nothing extra: its thread finds the runtime free and runs its step alone,
-without queueing it.
+session's step; :class:`DecodeBatcher` queues them, and one waiting thread at a time takes
+the runtime and runs everything queued as ONE native batch (the weight matmuls run over all
+rows together, attention per session over its own cache), then hands each thread its own
+result: those threads return without taking the runtime, so only the thread that runs the
+next batch stands between two batches.  A lone session pays nothing extra: its thread finds
+the runtime free and runs its step alone, without queueing it.
 
 Prefill chunks join the same queue (continuous batching): a prompt that arrives while the
 stage computes runs in the next batch beside the decode steps waiting there, as one
@@ -86,6 +87,8 @@ class DecodeBatcher:
         self.batched_prefills = 0  # prefill chunks that ran in a batch
         self.partner_waits = 0
         self._arrived = threading.Condition(self._queue_lock)
+        self._running = False  # a thread is running (or about to run) a batch of the queue
+        self._ran = threading.Condition(self._queue_lock)  # notified when that batch is done
         self._last_step: dict[int, float] = {}  # id(session) -> monotonic time of its last step
         self._row_cost: dict[bool, float] = {}  # batched? -> running compute seconds per row
 
@@ -116,13 +119,25 @@ class DecodeBatcher:
                 self._queue.append(step)
                 self._arrived.notify_all()
         while not step.done:
-            with self._lock:
-                if step.done:  # another thread ran it while this one waited for the lock
+            # Wait for this step's batch, or for the turn to run the next one.  A step that
+            # ran in another thread's batch is done without queueing for the runtime lock
+            # (which would put its thread between that batch and the next).
+            with self._queue_lock:
+                while not step.done and self._running:
+                    self._ran.wait()
+                if step.done:
                     break
+                self._running = True
+            try:
+                with self._lock:
+                    with self._queue_lock:
+                        self._wait_for_partners()
+                        batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch:]
+                    self._run(batch)
+            finally:
                 with self._queue_lock:
-                    self._wait_for_partners()
-                    batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch:]
-                self._run(batch)
+                    self._running = False
+                    self._ran.notify_all()
         if step.error is not None:
             raise step.error
         return step.result
