@@ -202,8 +202,9 @@ def _iteration_batch_native(requests: List[IterationBatchRequest]) -> IterationB
     return IterationBatchOutput(_output_frames(result), samples)
 
 
-def _output_frames(result: Any) -> List[ActivationFrame]:
-    return [output_frame(desc, payload, size)
+def _output_frames(result: Any, packed: bool = False) -> list:
+    """A batch's output frames, parsed, or with ``packed`` as ``PackedFrame``s."""
+    return [PackedFrame(desc, payload[:size]) if packed else output_frame(desc, payload, size)
             for desc, payload, size in zip(result.out_descs, result.out_payloads, result.out_bytes)]
 
 
@@ -272,10 +273,8 @@ def _decode_batch_native(requests: List[DecodeFrameBatchRequest], packed: bool) 
             raise StageRuntimeError.from_native(error.status, None) from None
         raise
     _store_counts([request.session for request in requests], [1] * len(requests))
-    frames = ([PackedFrame(desc, payload[:size])
-               for desc, payload, size in zip(result.out_descs, result.out_payloads, result.out_bytes)]
-              if packed else _output_frames(result))
-    return [DecodeFrameBatchOutput(token, frame) for token, frame in zip(result.predicted_tokens, frames)]
+    return [DecodeFrameBatchOutput(token, frame)
+            for token, frame in zip(result.predicted_tokens, _output_frames(result, packed))]
 
 
 def _decode_batch_one_at_a_time(requests: List[DecodeFrameBatchRequest], packed: bool) -> List[DecodeFrameBatchOutput]:
