@@ -11,9 +11,10 @@ stage processes kept busy meanwhile (their CPU time over the generation's wall t
 the per-stage breakdown the ``run`` summary prints (``skippy-wire run`` shows the same
 block for one run).  ``--poll-ms`` lists the busy-poll windows to compare (``skippy-wire
 run --poll-ms``; ``auto``, the default, is what ``run`` does without the option); each
-round runs every stage count with each window, and every window's table is printed.  ``--ahead`` lists the stage
-settings to compare: ``on`` (the default: the first stage computes a session's next decode
-step before its message arrives) and ``off`` (``serve --no-decode-ahead``).
+round runs every stage count with each window, and every window's table is printed.
+``--ahead`` lists the stage settings to compare: ``on`` (the default: the first stage
+computes a session's next decode step before its message arrives) and ``off`` (``serve
+--no-decode-ahead``).
 """
 
 from __future__ import annotations
