@@ -63,10 +63,70 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
     return _mm_cvtss_f32(r);
 }
 
-// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1: dst = w x q (see q4_1_product).
+// The activation rows prepared once per product for the kernels: per pair of rows (the last
+// row of an odd count paired with itself) and block, the two rows' block scales, each
+// repeated over its 8 lanes, and per group of COLS rows and block the rows' Q8_1 sums, so
+// that a block's scale products and sums take one vector operation instead of one scalar
+// operation per row.  For the 512-bit kernels (side_by_side) also the pair's 32 values
+// each (64 bytes), and for Q8_0 per pair and block -128 x each lane's sum of 4 values.
+static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register");
+
+struct paired_rows {
+    std::vector<float> d;      // [pair][block][16]
+    std::vector<float> s;      // Q8_1: [group][block][COLS]
+    std::vector<int8_t> qs;    // side by side: [pair][block][64]
+    std::vector<int32_t> fix;  // side by side, Q8_0: [pair][block][16]
+};
+
+template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by_side) {
+    constexpr bool q8_1 = std::is_same_v<QBlock, block_q8_1_view>;
+    const int64_t pairs = (n + 1) / 2, groups = (n + COLS - 1) / COLS;
+    paired_rows p;
+    p.d.resize((size_t) (pairs * nb * 16));
+    if constexpr (q8_1) p.s.assign((size_t) (groups * nb * COLS), 0.0f);
+    if (side_by_side) {
+        p.qs.resize((size_t) (pairs * nb * 2 * QK));
+        if constexpr (!q8_1) p.fix.resize((size_t) (pairs * nb * 16));
+    }
+    for (int64_t c = 0; c < 2 * pairs; c++) {
+        const int64_t row = std::min(c, n - 1), pair = c / 2, half = c % 2;
+        const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + row * q->nb[1]);
+        for (int64_t b = 0; b < nb; b++) {
+            const size_t at = (size_t) ((pair * nb + b) * 16 + half * 8);
+            std::fill_n(&p.d[at], 8, f16_to_f32(y[b].d));
+            if constexpr (q8_1) {
+                if (c < n) p.s[(size_t) (((c / COLS) * nb + b) * COLS + c % COLS)] = f16_to_f32(y[b].s);
+            }
+            if (!side_by_side) continue;
+            memcpy(&p.qs[at * 4], y[b].qs, QK);
+            if constexpr (!q8_1) {
+                for (int lane = 0; lane < 8; lane++) {
+                    const int8_t * v = y[b].qs + 4 * lane;
+                    p.fix[at + lane] = -128 * (v[0] + v[1] + v[2] + v[3]);
+                }
+            }
+        }
+    }
+    return p;
+}
+
+// A Q4_1 block's scale d and minimum m (lanes 0 and 1) in one conversion of their 4 bytes.
+__attribute__((target("avx2,f16c"))) inline __m128 scale_and_min(const block_q4_1_view & x) {
+    int32_t dm;
+    memcpy(&dm, &x.d, sizeof dm);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+}
+
+// Row c's 8 repeated scales of block b among the prepared rows from c0 (p.d).
+inline const float * lane_scales(const float * d, int64_t nb, int64_t c, int64_t b) {
+    return d + ((c / 2) * nb + b) * 16 + (c % 2) * 8;
+}
+
+// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1 (c0 a multiple of COLS): dst =
+// w x q (see q4_1_product), ggml's AVX2 arithmetic per output element.
 template <int NC>
 __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
-                                                        const float * yd, const float * ys) {
+                                                        const paired_rows & p) {
     const ggml_tensor * w = dst->src[0];
     const ggml_tensor * q = dst->src[1];
     const int64_t nb = w->ne[0] / QK;
@@ -76,78 +136,37 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
     for (int j = 0; j < NC; j++) {
         y[j] = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
     }
-    yd += c0 * nb;
-    ys += c0 * nb;
+    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         __m256 acc[NC];
-        float summs[NC];
-        for (int j = 0; j < NC; j++) {
-            acc[j] = _mm256_setzero_ps();
-            summs[j] = 0.0f;
-        }
+        for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
+        __m128 summs = _mm_setzero_ps();
         prefetch_ahead(x, w->nb[1]);
         for (int64_t b = 0; b < nb; b++) {
-            const float d0 = _cvtsh_ss(x[b].d);
-            const float m = _cvtsh_ss(x[b].m);
+            const __m128 dm = scale_and_min(x[b]);
+            const __m256 d0 = _mm256_broadcastss_ps(dm);
+            // one rounding per row, as ggml's contracted m * s + summs
+            summs = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_loadu_ps(ys + b * COLS), summs);
             const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs));
             const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
             for (int j = 0; j < NC; j++) {
-                const int64_t i = j * nb + b;
-                summs[j] = __builtin_fmaf(m, ys[i], summs[j]);  // one rounding, as ggml's contracted m * s + summs
                 const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
                 // unsigned nibble x signed byte pairs cannot saturate (2 * 15 * 128 < 2^15),
                 // so these are the integer sums of ggml's VNNI and AVX2 paths alike
                 const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy));
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * yd[i]), _mm256_cvtepi32_ps(dot), acc[j]);
+                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
+                acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
             }
         }
+        float sums[COLS];
+        _mm_storeu_ps(sums, summs);
         for (int j = 0; j < NC; j++) {
             float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
-            out[r] = hsum8(acc[j]) + summs[j];
+            out[r] = hsum8(acc[j]) + sums[j];
         }
     }
-}
-
-// The activation rows side by side for the 512-bit kernels: per pair of rows (the last
-// row of an odd count paired with itself) and block, the two rows' 32 values (64 bytes) and
-// their block scales, each repeated over its 8 lanes; per group of COLS rows and block,
-// the rows' Q8_1 sums, or for Q8_0 per pair and block -128 x each lane's sum of 4 values.
-static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register of the paired Q4_1 loop");
-
-struct paired_rows {
-    std::vector<int8_t> qs;
-    std::vector<float> d;
-    std::vector<float> s;      // Q8_1: [group][block][COLS]
-    std::vector<int32_t> fix;  // Q8_0: [pair][block][16]
-};
-
-template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb) {
-    constexpr bool q8_1 = std::is_same_v<QBlock, block_q8_1_view>;
-    const int64_t pairs = (n + 1) / 2, groups = (n + COLS - 1) / COLS;
-    paired_rows p;
-    p.qs.resize((size_t) (pairs * nb * 2 * QK));
-    p.d.resize((size_t) (pairs * nb * 16));
-    if constexpr (q8_1) p.s.assign((size_t) (groups * nb * COLS), 0.0f);
-    else p.fix.resize((size_t) (pairs * nb * 16));
-    for (int64_t c = 0; c < 2 * pairs; c++) {
-        const int64_t row = std::min(c, n - 1), pair = c / 2, half = c % 2;
-        const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + row * q->nb[1]);
-        for (int64_t b = 0; b < nb; b++) {
-            const size_t at = (size_t) ((pair * nb + b) * 16 + half * 8);
-            memcpy(&p.qs[at * 4], y[b].qs, QK);
-            std::fill_n(&p.d[at], 8, f16_to_f32(y[b].d));
-            if constexpr (q8_1) {
-                if (c < n) p.s[(size_t) (((c / COLS) * nb + b) * COLS + c % COLS)] = f16_to_f32(y[b].s);
-            } else {
-                for (int lane = 0; lane < 8; lane++) {
-                    const int8_t * v = y[b].qs + 4 * lane;
-                    p.fix[at + lane] = -128 * (v[0] + v[1] + v[2] + v[3]);
-                }
-            }
-        }
-    }
-    return p;
 }
 
 // ggml's hsum of each 256-bit half of `acc`: rows 2k and 2k + 1 of a pair.
@@ -253,44 +272,20 @@ template <typename Rows> void by_groups(int64_t n, Rows rows) {
     }
 }
 
-// The weight rows of thread ith of nth, and the activation blocks' scales (and, for Q8_1,
-// sums) as floats: converted once instead of once per weight row.
-template <typename QBlock> struct product_setup {
-    int64_t r0, r1;
-    std::vector<float> yd, ys;
-    product_setup(const ggml_tensor * dst, int ith, int nth) {
-        const ggml_tensor * w = dst->src[0];
-        const ggml_tensor * q = dst->src[1];
-        const int64_t rows = w->ne[1], nb = w->ne[0] / QK, n = dst->ne[1];
-        const int64_t per = (rows + nth - 1) / nth;
-        r0 = ith * per;
-        r1 = std::min(rows, r0 + per);
-        constexpr bool sums = std::is_same_v<QBlock, block_q8_1_view>;
-        yd.resize((size_t) (n * nb));
-        if (sums) ys.resize((size_t) (n * nb));
-        for (int64_t c = 0; c < n; c++) {
-            const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + c * q->nb[1]);
-            for (int64_t b = 0; b < nb; b++) {
-                yd[c * nb + b] = f16_to_f32(y[b].d);
-                if constexpr (sums) ys[c * nb + b] = f16_to_f32(y[b].s);
-            }
-        }
-    }
-};
-
-// Thread ith's weight rows times the activation rows in groups (by_groups): a group of two
-// rows or more through `paired(nc, r0, r1, c0, pairs)` where the 512-bit kernels run, the
-// others through `avx2(nc, setup, c0)`.
+// Thread ith's weight rows (of nth) times the activation rows, prepared once (pair_rows),
+// in groups (by_groups): a group of two rows or more through `paired(nc, r0, r1, c0, rows)`
+// where the 512-bit kernels run, the others through `avx2(nc, r0, r1, c0, rows)`.
 template <typename QBlock, typename Paired, typename Avx2>
 void product_by_groups(ggml_tensor * dst, int ith, int nth, Paired paired, Avx2 avx2) {
-    product_setup<QBlock> p(dst, ith, nth);
-    if (p.r0 >= p.r1) return;
-    const int64_t n = dst->ne[1];
-    const paired_rows y = n > 1 && paired_usable() ? pair_rows<QBlock>(dst->src[1], n, dst->src[0]->ne[0] / QK)
-                                                   : paired_rows{};
+    const int64_t rows = dst->src[0]->ne[1], n = dst->ne[1];
+    const int64_t per = (rows + nth - 1) / nth;
+    const int64_t r0 = ith * per, r1 = std::min(rows, r0 + per);
+    if (r0 >= r1) return;
+    const bool side_by_side = n > 1 && paired_usable();
+    const paired_rows y = pair_rows<QBlock>(dst->src[1], n, dst->src[0]->ne[0] / QK, side_by_side);
     by_groups(n, [&](auto nc, int64_t c0) {
-        if (nc > 1 && !y.qs.empty()) paired(nc, p.r0, p.r1, c0, y);
-        else avx2(nc, p, c0);
+        if (nc > 1 && side_by_side) paired(nc, r0, r1, c0, y);
+        else avx2(nc, r0, r1, c0, y);
     });
 }
 
@@ -301,8 +296,8 @@ void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
         [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
             q4_1_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
         },
-        [dst](auto nc, const auto & p, int64_t c0) {
-            q4_1_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data(), p.ys.data());
+        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
+            q4_1_rows<decltype(nc)::value>(dst, r0, r1, c0, y);
         });
 }
 
@@ -311,7 +306,7 @@ void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
 // that of ggml's tinyBLAS kernel (the same products, fused adds and horizontal sum).
 template <int NC>
 __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
-                                                        const float * yd) {
+                                                        const paired_rows & p) {
     const ggml_tensor * w = dst->src[0];
     const ggml_tensor * q = dst->src[1];
     const int64_t nb = w->ne[0] / QK;
@@ -320,21 +315,22 @@ __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64
     for (int j = 0; j < NC; j++) {
         y[j] = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
     }
-    yd += c0 * nb;
+    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         prefetch_ahead(x, w->nb[1]);
         __m256 acc[NC];
         for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            const float d0 = _cvtsh_ss(x[b].d);
+            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[b].d));
             const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[b].qs));
             const __m256i ax = _mm256_sign_epi8(qx, qx);
             for (int j = 0; j < NC; j++) {
                 const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
                 // |x| times y with x's sign: pair sums stay under 2^15 (|x| <= 128, |y| <= 127)
                 const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)));
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * yd[j * nb + b]), _mm256_cvtepi32_ps(dot), acc[j]);
+                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
+                acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
             }
         }
         for (int j = 0; j < NC; j++) {
@@ -351,7 +347,9 @@ void q8_0_product(ggml_tensor * dst, int ith, int nth, void *) {
         [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
             q8_0_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
         },
-        [dst](auto nc, const auto & p, int64_t c0) { q8_0_rows<decltype(nc)::value>(dst, p.r0, p.r1, c0, p.yd.data()); });
+        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
+            q8_0_rows<decltype(nc)::value>(dst, r0, r1, c0, y);
+        });
 }
 
 // ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
