@@ -2,23 +2,26 @@
 
     python bench/hop_bench.py [--tokens 96] [--rounds 3] [--stages 1,2,3] [--poll-ms auto,0] [--ahead on,off]
 
-Each round starts every pipeline (1 thread per stage, greedy, SmolLM2-135M Q4_1) and
-generates ``--tokens`` tokens; the best round of each stage count is printed with its
-decode tokens/s, the ratio to one stage (of the best rounds, and the median and range of
-each round's own ratio, which the host's drift between rounds does not enter), the stages'
-decode compute per token, the time outside compute per token and per hop, the cores the
-stage processes kept busy meanwhile (their CPU time over the generation's wall time), and
-the per-stage breakdown the ``run`` summary prints (``skippy-wire run`` shows the same
-block for one run).  ``--poll-ms`` lists the busy-poll windows to compare (``skippy-wire
-run --poll-ms``; ``auto``, the default, is what ``run`` does without the option); each
-round runs every stage count with each window, and every window's table is printed.
-``--ahead`` lists the stage settings to compare: ``on`` (the default: the first stage
-computes a session's next decode step before its message arrives) and ``off`` (``serve
---no-decode-ahead``).
+Starts every pipeline once (1 thread per stage, greedy, SmolLM2-135M Q4_1), warms each with
+one short generation, then in each round generates ``--tokens`` tokens on every pipeline
+in turn, so that the generations compared within a round run seconds apart (the host's
+speed drifts over minutes; stage processes that are not generating sleep).  The best round
+of each stage count is printed with its decode tokens/s, the ratio to one stage (of the
+best rounds, and the median and range of each round's own ratio, which the host's drift
+between rounds does not enter), the stages' decode compute per token, the time outside
+compute per token and per hop, the cores the stage processes kept busy meanwhile (their
+CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
+prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the
+busy-poll windows to compare (``skippy-wire run --poll-ms``; ``auto``, the default, is
+what ``run`` does without the option); each round runs every stage count with each window,
+and every window's table is printed.  ``--ahead`` lists the stage settings to compare:
+``on`` (the default: the first stage computes a session's next decode step before its
+message arrives) and ``off`` (``serve --no-decode-ahead``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -41,16 +44,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(model, stages: int, prompt: list[int], tokens: int, poll_ms: float | None, ahead: bool):
-    """The generation, the stages' session events and the cores the stages kept busy."""
-    with launch_pipeline(model, stages, threads=1, ctx_size=len(prompt) + tokens + 8,
-                         extra_args=poll_args(poll_ms, stages) + ([] if ahead else ["--no-decode-ahead"])) as cluster:
-        pids = [stage.popen.pid for stage in cluster.stages]
-        cpu_before, started = sum(map(_cpu_seconds, pids)), time.perf_counter()
-        with PipelineClient(*cluster.entry, poll_s=driver_poll_s(poll_ms)) as client:
-            result = client.generate(prompt, max_tokens=tokens)
-        cores = (sum(map(_cpu_seconds, pids)) - cpu_before) / (time.perf_counter() - started)
-        events = cluster.session_events(wait=5.0)
+def start_pipeline(stack: contextlib.ExitStack, model, stages: int, ctx_size: int, poll_ms: float | None,
+                   ahead: bool):
+    """Stage processes that stay up for the whole benchmark."""
+    return stack.enter_context(launch_pipeline(
+        model, stages, threads=1, ctx_size=ctx_size,
+        extra_args=poll_args(poll_ms, stages) + ([] if ahead else ["--no-decode-ahead"])))
+
+
+def one_run(cluster, prompt: list[int], tokens: int, poll_ms: float | None):
+    """One generation on running stages: its result, this session's events per stage and
+    the cores the stages kept busy meanwhile."""
+    pids = [stage.popen.pid for stage in cluster.stages]
+    done = min(len(stage.session_events) for stage in cluster.stages)
+    cpu_before, started = sum(map(_cpu_seconds, pids)), time.perf_counter()
+    with PipelineClient(*cluster.entry, poll_s=driver_poll_s(poll_ms)) as client:
+        result = client.generate(prompt, max_tokens=tokens)
+    cores = (sum(map(_cpu_seconds, pids)) - cpu_before) / (time.perf_counter() - started)
+    events = [stage[done:done + 1] for stage in cluster.session_events(wait=5.0, count=done + 1)]
     return result, events, cores
 
 
@@ -67,17 +78,22 @@ def main(argv=None) -> int:
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)
     best: dict[tuple, tuple] = {}
     ratios: dict[tuple, list[float]] = {}  # (setting, stages) -> each round's ratio to 1 stage
-    for _ in range(args.rounds):
-        for setting in settings:
-            for n in counts:
-                run = one_run(model, n, prompt, args.tokens, *setting)
-                if (setting, n) not in best or run[0].decode_tok_s > best[setting, n][0].decode_tok_s:
-                    best[setting, n] = run
-                if n == counts[0]:
-                    base = run[0].decode_tok_s
-                ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
+    with contextlib.ExitStack() as stack:
+        clusters = {(setting, n): start_pipeline(stack, model, n, len(prompt) + args.tokens + 8, *setting)
+                    for setting in settings for n in counts}
+        for (setting, _), cluster in clusters.items():
+            one_run(cluster, prompt, 8, setting[0])  # warm-up: page in the weights, first-call paths
+        for _ in range(args.rounds):
+            for setting in settings:
+                for n in counts:
+                    run = one_run(clusters[setting, n], prompt, args.tokens, setting[0])
+                    if (setting, n) not in best or run[0].decode_tok_s > best[setting, n][0].decode_tok_s:
+                        best[setting, n] = run
+                    if n == counts[0]:
+                        base = run[0].decode_tok_s
+                    ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
-          f"tokens, best of {args.rounds} alternating rounds; CPU: {cpu_model()}, {os.cpu_count()} cores")
+          f"tokens, best of {args.rounds} alternating rounds on running stages; CPU: {cpu_model()}, {os.cpu_count()} cores")
     print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | ratio within a round | compute per token "
           "| outside compute per token | per hop | stages' CPU (cores) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
