@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         clusters = {(setting, n): start_pipeline(stack, model, n, len(prompt) + args.tokens + 8, *setting)
                     for setting in settings for n in counts}
+        stack.enter_context(yielding_to_stages())  # as the drivers of `run` and `api` do
         for (setting, _), cluster in clusters.items():
             one_run(cluster, prompt, 8, setting[0])  # warm-up: page in the weights, first-call paths
         for _ in range(args.rounds):

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
@@ -142,7 +142,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
 
 def run_round(entry, tokenizer, tokens: int) -> dict:
     prompt = tokenizer.encode(PROMPTS[0])
-    with PipelineClient(*entry) as client:
+    with PipelineClient(*entry) as client, yielding_to_stages():  # as the driver of `run` does
         t0 = time.perf_counter()
         result = client.generate(prompt, max_tokens=tokens, is_eog=tokenizer.is_eog)
         wall = time.perf_counter() - t0

@@ -89,6 +89,41 @@ def test_models_lists_the_model(api):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
 
 
+def _policies(pid: int) -> dict[int, int]:
+    """Scheduling policy (field 41 of /proc/PID/task/TID/stat) of each thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as fh:
+            out[int(tid)] = int(fh.read().rsplit(")", 1)[1].split()[38])
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except OSError:
+                continue
+    return kids
+
+
+def test_the_front_end_and_drivers_yield_to_the_stages_they_started(api):
+    """The API process's HTTP loop (its main thread) and the generation workers it starts run
+    SCHED_BATCH, so a token's arrival never preempts a stage mid-hop; its stage processes
+    keep the normal policy."""
+    api.client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0)
+    policies = _policies(api.proc.pid)
+    assert policies.pop(api.proc.pid) == os.SCHED_BATCH
+    assert os.SCHED_BATCH in policies.values()  # the worker that drove the completion
+    stages = _children(api.proc.pid)
+    assert len(stages) == 2
+    assert {policy for pid in stages for policy in _policies(pid).values()} == {os.SCHED_OTHER}
+
+
 def test_chat_completion_uses_the_chat_template(api):
     reply = api.client.chat.completions.create(model="any", messages=CHAT, max_tokens=24, temperature=0)
     choice = reply.choices[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError
-from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local
+from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local, yielding_to_stages
 from skippy_wire.net.supervision import launch_pipeline, split_layers
 from skippy_wire.stage.models import model_shape
 from skippy_wire.tools.run import TextStreamer, format_summary, merge_session_events
@@ -302,9 +302,13 @@ def test_stage_errors_quotes_the_last_error_lines(tmp_path):
     assert stage_errors(tmp_path) == ["stage0: t stage[1] ERROR connection 1: boom; closing"]
 
 
-def test_run_connects_to_running_stages(tiny_model, capsys):
+def test_run_connects_to_running_stages(tiny_model, capsys, monkeypatch):
     from skippy_wire.tools.run import main
 
+    policies = []  # the driver's scheduling policy while it generates: it yields to the stages
+    generate = PipelineClient.generate
+    monkeypatch.setattr(PipelineClient, "generate",
+                        lambda *a, **k: policies.append(os.sched_getscheduler(0)) or generate(*a, **k))
     with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
         address = "%s:%d" % cluster.entry
         assert main(["hello", "--connect", address, "--model", str(tiny_model), "--max-tokens", "5",
@@ -312,3 +316,19 @@ def test_run_connects_to_running_stages(tiny_model, capsys):
     out = capsys.readouterr().out
     assert f"summary: the pipeline at {address}, tiny.gguf" in out
     assert "check: OK, 5 tokens identical" in out
+    assert (policies, os.sched_getscheduler(0)) == ([os.SCHED_BATCH], os.SCHED_OTHER)
+
+
+def test_yielding_to_stages_is_batch_for_the_thread_and_its_new_threads_then_restored():
+    import threading
+
+    seen = []
+    before = os.sched_getscheduler(0)
+    with yielding_to_stages():
+        inside = os.sched_getscheduler(0)
+        worker = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        worker.start()
+        worker.join(10)
+    assert (before, inside, seen, os.sched_getscheduler(0)) == (
+        os.SCHED_OTHER, os.SCHED_BATCH, [os.SCHED_BATCH], os.SCHED_OTHER)
+

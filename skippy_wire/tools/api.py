@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..errors import PipelineError, SkippyError
-from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT
+from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
 from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
@@ -560,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
                                       extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
-        with cluster:
+        # the HTTP front end and the engine's drivers (threads started inside) yield to the stages
+        with cluster, yielding_to_stages():
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
                                       identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..errors import PipelineError, ToolError, TopologyError
 from ..net.session_state import DECODE_STRETCHES
-from ..net.driver import DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
+from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, GenerationResult, PipelineClient,
+                          generate_local, yielding_to_stages)
 from ..net.service import SamplingParams, TextAssembler
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                                       reply_timeout=args.timeout, on_progress=progress, protocol=args.protocol,
                                       tls=args.tls, extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
-        with cluster:
+        with cluster, yielding_to_stages():
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
                                        progress, log_dir)
     finally:
