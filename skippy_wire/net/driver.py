@@ -69,7 +69,8 @@ def yielding_to_stages():
         yield
     finally:
         if previous is not None:
-            os.sched_setscheduler(0, *previous)
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, *previous)
 
 
 @dataclass
