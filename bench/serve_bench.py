@@ -23,9 +23,11 @@ as the median and range of each round's own ratio, which the host's drift betwee
 not enter.  ``--ahead off`` starts the stages with
 ``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
 stage's number of layers (default: an even split), and the fraction of the time each stage
-computed with the concurrent requests is printed too.  ``--poll-ms`` is given to the stages
+computed with the concurrent requests is printed too, over the whole round and over the
+decode window (the stage that computes nearly all of the window bounds the throughput).  ``--poll-ms`` is given to the stages
 (``serve --poll-ms``; ``auto``, the default, is what ``api`` gives them without the option);
-the API process and the driver of ``run`` sleep.
+the API process and the driver of ``run`` sleep, and yield to the stages
+(``net.driver.yielding_to_stages``).
 """
 
 from __future__ import annotations
@@ -133,7 +135,11 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     end_ns = time.monotonic_ns()
     count = sum(len(r["stamps"]) for r in results)
     single = results[0]["stamps"]
+    # the decode window (decode_window_rate) on the traces' clock
+    window = [start_ns + int((max(r["stamps"][0] for r in results) - t0) * 1e9),
+              start_ns + int((min(r["stamps"][-1] for r in results) - t0) * 1e9)]
     return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results),
+            "window_busy": [busy_fraction(trace, *window) for trace in traces],
             "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
             "all_busy": all_busy_fraction(traces, start_ns, end_ns),
@@ -224,6 +230,8 @@ def main(argv=None) -> int:
     print(f"| all stages computing at once, {args.concurrency} requests | {many['all_busy'] * 100:.1f}% | |")
     print(f"| each stage computing, {args.concurrency} requests | "
           + " / ".join(f"{b * 100:.0f}%" for b in many["busy"]) + " | |")
+    print(f"| each stage computing while all {args.concurrency} decode | "
+          + " / ".join(f"{b * 100:.0f}%" for b in many["window_busy"]) + " | |")
     print(f"| decode steps that ran in a multi-session batch (all rounds, all stages) | "
           f"{100 * batched / max(decoded, 1):.1f}% | |")
     same = many["texts"][0] == one["texts"][0]
