@@ -53,8 +53,8 @@ def yielding_to_stages():
     """Run the calling thread, and the threads it starts meanwhile, under ``SCHED_BATCH``
     (the previous policy back on exit): a driver woken by a token then waits for a free CPU
     instead of preempting the stage process that woke it in the middle of relaying that
-    token and starting the next step (on two CPUs, stage 0's relay of a reply took 214 us
-    with the driver preempting it and 76 us without: docs/benchmarks.md, "Thirteenth
+    token and starting the next step (on two CPUs, stage 0's relay of a reply took 284 us
+    with the driver preempting it and 103 us without: docs/benchmarks.md, "Thirteenth
     session").  Enter it after starting the stage processes: a child inherits the policy.
     Where the platform lacks or refuses the policy nothing changes."""
     batch = getattr(os, "SCHED_BATCH", None)
