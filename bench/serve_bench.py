@@ -24,10 +24,10 @@ not enter.  ``--ahead off`` starts the stages with
 ``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
 stage's number of layers (default: an even split), and the fraction of the time each stage
 computed with the concurrent requests is printed too, over the whole round and over the
-decode window (the stage that computes nearly all of the window bounds the throughput).  ``--poll-ms`` is given to the stages
-(``serve --poll-ms``; ``auto``, the default, is what ``api`` gives them without the option);
-the API process and the driver of ``run`` sleep, and yield to the stages
-(``net.driver.yielding_to_stages``).
+decode window (the stage that computes nearly all of the window bounds the throughput).
+``--poll-ms`` is given to the stages (``serve --poll-ms``; ``auto``, the default, is what
+``api`` gives them without the option); the API process and the driver of ``run`` sleep,
+and yield to the stages (``net.driver.yielding_to_stages``).
 """
 
 from __future__ import annotations
@@ -114,11 +114,15 @@ def all_busy_fraction(traces: list[Path], start_ns: int, end_ns: int) -> float:
     return sum(b - a for a, b in common) / max(1, end_ns - start_ns)
 
 
+def decode_window(results: list[dict]) -> tuple[float, float]:
+    """While every request was decoding: from the last request's first token to the first
+    request's last token (one request: its first to its last token)."""
+    return max(r["stamps"][0] for r in results), min(r["stamps"][-1] for r in results)
+
+
 def decode_window_rate(results: list[dict]) -> float:
-    """Tokens per second received while every request was decoding: from the last request's
-    first token to the first request's last token (one request: its decode rate)."""
-    start = max(r["stamps"][0] for r in results)
-    end = min(r["stamps"][-1] for r in results)
+    """Tokens per second received in the :func:`decode_window` (one request: its decode rate)."""
+    start, end = decode_window(results)
     if end <= start:
         return 0.0
     return sum(start < t <= end for r in results for t in r["stamps"]) / (end - start)
@@ -135,9 +139,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
     end_ns = time.monotonic_ns()
     count = sum(len(r["stamps"]) for r in results)
     single = results[0]["stamps"]
-    # the decode window (decode_window_rate) on the traces' clock
-    window = [start_ns + int((max(r["stamps"][0] for r in results) - t0) * 1e9),
-              start_ns + int((min(r["stamps"][-1] for r in results) - t0) * 1e9)]
+    window = [start_ns + int((stamp - t0) * 1e9) for stamp in decode_window(results)]  # on the traces' clock
     return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results),
             "window_busy": [busy_fraction(trace, *window) for trace in traces],
             "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,

@@ -89,25 +89,26 @@ def test_models_lists_the_model(api):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
 
 
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a /proc stat file after the command name (field 3 first)."""
+    with open(path, encoding="ascii") as fh:
+        return fh.read().rsplit(")", 1)[1].split()
+
+
 def _policies(pid: int) -> dict[int, int]:
     """Scheduling policy (field 41 of /proc/PID/task/TID/stat) of each thread of ``pid``."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as fh:
-            out[int(tid)] = int(fh.read().rsplit(")", 1)[1].split()[38])
-    return out
+    return {int(tid): int(_stat_fields(f"/proc/{pid}/task/{tid}/stat")[38]) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def _children(pid: int) -> list[int]:
+    """The processes whose parent (field 4) is ``pid``."""
     kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except OSError:
-                continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(_stat_fields(f"/proc/{entry}/stat")[1]) == pid:
+                kids.append(int(entry))
+        except OSError:  # the process ended meanwhile
+            continue
     return kids
 
 
