@@ -100,18 +100,6 @@ def _policies(pid: int) -> dict[int, int]:
     return {int(tid): int(_stat_fields(f"/proc/{pid}/task/{tid}/stat")[38]) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent (field 4) is ``pid``."""
-    kids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(_stat_fields(f"/proc/{entry}/stat")[1]) == pid:
-                kids.append(int(entry))
-        except OSError:  # the process ended meanwhile
-            continue
-    return kids
-
-
 def test_the_front_end_and_drivers_yield_to_the_stages_they_started(api):
     """The API process's HTTP loop (its main thread) and the generation workers it starts run
     SCHED_BATCH, so a token's arrival never preempts a stage mid-hop; its stage processes
@@ -353,15 +341,14 @@ def test_api_key_guards_every_route_but_health_and_models_retrieve():
 
 
 def _children(pid: int) -> list[int]:
+    """The processes whose parent (field 4) is ``pid``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(_stat_fields(f"/proc/{entry}/stat")[1]) == pid:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            pass
     return found
 
 
