@@ -76,6 +76,9 @@ struct paired_rows {
     std::vector<float> s;      // Q8_1: [group][block][COLS]
     std::vector<int8_t> qs;    // side by side: [pair][block][64]
     std::vector<int32_t> fix;  // side by side, Q8_0: [pair][block][16]
+
+    // The repeated block scales from row c0 (even) on.
+    const float * scales_from(int64_t c0, int64_t nb) const { return d.data() + (c0 / 2) * nb * 16; }
 };
 
 template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by_side) {
@@ -136,7 +139,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64
     for (int j = 0; j < NC; j++) {
         y[j] = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
     }
-    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * yd = p.scales_from(c0, nb);
     const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
@@ -196,7 +199,7 @@ __attribute__((target(SKIPPY_AVX512_VNNI))) void q4_1_rows_paired(ggml_tensor * 
     const __m512i shifts = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0,
                                             0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
     const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
-    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * yd = p.scales_from(c0, nb);
     const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
@@ -232,7 +235,7 @@ __attribute__((target(SKIPPY_AVX512_VNNI))) void q8_0_rows_paired(ggml_tensor * 
     const int64_t nb = w->ne[0] / QK;
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
-    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * yd = p.scales_from(c0, nb);
     const int32_t * fix = p.fix.data() + (c0 / 2) * nb * 16;
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
@@ -315,7 +318,7 @@ __attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64
     for (int j = 0; j < NC; j++) {
         y[j] = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
     }
-    const float * yd = p.d.data() + (c0 / 2) * nb * 16;
+    const float * yd = p.scales_from(c0, nb);
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         prefetch_ahead(x, w->nb[1]);
