@@ -112,8 +112,15 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
 # --- request parsing ----------------------------------------------------------------------
 
 
+def _given(body: dict, name: str, default=None):
+    """The field's value, or ``default`` where it is absent or null (clients that serialise
+    every field send ``null`` for those they leave unset)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
 def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False):
-    value = body.get(name, default)
+    value = _given(body, name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
@@ -140,7 +147,7 @@ class Options:
 
 def parse_options(body: dict) -> Options:
     for name in ("n", "best_of"):
-        if body.get(name, 1) != 1:
+        if _given(body, name, 1) != 1:
             raise BadRequest(f"'{name}' other than 1 is not supported", name)
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, [], 0):
@@ -148,7 +155,7 @@ def parse_options(body: dict) -> Options:
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _given(body, "max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, 2**31 - 1, integer=True)
     stop = body.get("stop")
@@ -182,7 +189,7 @@ def parse_options(body: dict) -> Options:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0),
         logit_bias=logit_bias)
-    stream = body.get("stream", False)
+    stream = _given(body, "stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     stream_options = body.get("stream_options") or {}
