@@ -234,7 +234,7 @@ def test_bad_requests_get_openai_errors(api, path, body, param):
 
 
 def test_an_oversized_body_gets_413_and_the_server_serves_on(api):
-    from skippy_wire.tools.api import MAX_BODY_BYTES
+    from skippy_wire.tools.http_front import MAX_BODY_BYTES
 
     big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
     declared = _post(api, "/v1/completions", big)

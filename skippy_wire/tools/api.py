@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import socket
 import sys
@@ -27,7 +26,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -40,6 +39,8 @@ from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
+from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyTooLarge, IdleSheddingProtocol, RequireApiKey,
+                         error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       check_codec_options, describe, driver_poll_s, error_line, float_above, int_at_least,
                       int_between, poll_args, tls_config)
@@ -49,50 +50,11 @@ DEFAULT_MAX_QUEUE = 16
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
 MAX_STOP_STRINGS = 4
-#: The largest request body read (a context's worth of text is far smaller); a larger one
-#: gets 413 before more of it is buffered.
-MAX_BODY_BYTES = 8 << 20
-#: Open HTTP connections (``--max-connections``); uvicorn answers 503 beyond them.
+#: Open HTTP connections (``--max-connections``); a new one beyond them sheds the one quiet
+#: longest (:class:`.http_front.IdleSheddingProtocol`), else its request gets 503.
 DEFAULT_MAX_CONNECTIONS = 512
 #: Seconds between checks that the stage processes this command started still run.
 STAGE_WATCH_S = 0.5
-#: Routes open without the API key (as llama-server keeps its health check open).
-PUBLIC_PATHS = frozenset({"/health"})
-
-
-class RequireApiKey:
-    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs ``Authorization: Bearer
-    KEY`` (``--api-key``), else 401 with an OpenAI error object."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, b"Bearer " + key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                          type_="authentication_error", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyTooLarge(Exception):
-    """A request body over :data:`MAX_BODY_BYTES`."""
-
-
-async def _read_body(request: Request) -> bytes:
-    """The whole body, refused (BodyTooLarge) as soon as it is known to pass the limit."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BodyTooLarge
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise BodyTooLarge
-    return bytes(body)
 
 
 class BadRequest(Exception):
@@ -101,12 +63,6 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
-
-
-def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
-                   param: Optional[str] = None, code: Optional[str] = None, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
 
 
 # --- request parsing ----------------------------------------------------------------------
@@ -317,9 +273,13 @@ class Api:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = json.loads(await _read_body(request))
+            body = json.loads(await read_body(request))
         except BodyTooLarge:
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        except asyncio.TimeoutError:
+            return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody is left to read it
         except (ValueError, UnicodeDecodeError):
             return error_response(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
@@ -481,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the same, the key read from FILE's first line (kept out of the process list)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
-                        "descriptor (beyond it: 503)")
+                        "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
     p.add_argument("-c", "--ctx-size", type=int_at_least(16), default=2048,
                    help="tokens per request (prompt + completion)")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
@@ -579,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
-                                    limit_concurrency=args.max_connections)
+                                    limit_concurrency=args.max_connections, http=IdleSheddingProtocol)
             server, ended = uvicorn.Server(config), []
             if not args.connect_address:
                 threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),

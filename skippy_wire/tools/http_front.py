@@ -1,0 +1,102 @@
+"""The HTTP front end's plumbing beneath the routes of :mod:`.api`: OpenAI error objects,
+the API-key middleware, bounded request-body reads, and the uvicorn protocol that sheds
+idle connections at the connection limit (docs/security.md "The HTTP endpoint")."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Optional
+
+import h11
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: Routes open without the API key (as llama-server keeps its health check open).
+PUBLIC_PATHS = frozenset({"/health"})
+#: The largest request body read (a context's worth of text is far smaller); a larger one
+#: gets 413 before more of it is buffered.
+MAX_BODY_BYTES = 8 << 20
+#: Seconds a request body may take to arrive once its head has (as a stage's
+#: --message-timeout); a slower one gets 408.
+BODY_TIMEOUT_S = 30
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
+                   param: Optional[str] = None, code: Optional[str] = None, headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class RequireApiKey:
+    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs ``Authorization: Bearer
+    KEY`` (``--api-key``), else 401 with an OpenAI error object."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                          type_="authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    """A request body over :data:`MAX_BODY_BYTES`."""
+
+
+async def read_body(request: Request) -> bytes:
+    """The whole body, refused (BodyTooLarge) as soon as it is known to pass the limit;
+    ``asyncio.TimeoutError`` after :data:`BODY_TIMEOUT_S`, ``ClientDisconnect`` if the client
+    left."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge
+    return await asyncio.wait_for(_gather(request), BODY_TIMEOUT_S)
+
+
+async def _gather(request: Request) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise BodyTooLarge
+    return bytes(body)
+
+
+class IdleSheddingProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, except that a new connection at the connection limit
+    closes the one that has been quiet longest instead of leaving every request 503.
+
+    uvicorn answers 503 to any request while ``limit_concurrency`` connections are open,
+    idle ones included, and a connection that never finishes its request head stays open,
+    so one peer holding that many idle connections would lock every client out.  Here a
+    connection is quiet while it has no request whose head has arrived and whose response
+    is unfinished (the test uvicorn's own graceful shutdown uses to close connections), or
+    while its request's body is still arriving; it is shed oldest first, counting from its
+    opening or its last response.  Requests being served are never shed."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.quiet_since = self.loop.time()
+        super().connection_made(transport)
+        if self.limit_concurrency is not None and len(self.connections) >= self.limit_concurrency:
+            quiet = [c for c in self.connections if c is not self and c.is_quiet()]
+            if quiet:
+                min(quiet, key=lambda c: c.quiet_since).shed()
+
+    def on_response_complete(self) -> None:
+        self.quiet_since = self.loop.time()
+        super().on_response_complete()
+
+    def is_quiet(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete or self.conn.their_state is h11.SEND_BODY
+
+    def shed(self) -> None:
+        self.connections.discard(self)  # counted out now, not when the loop gets to it
+        self.transport.close()
