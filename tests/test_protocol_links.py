@@ -225,3 +225,44 @@ def test_inspect_dissects_v16_and_v17_captures(tmp_path, capsys, protocol):
         assert '"role":"TokensAndControl"' in out and '"role":"Activation"' in out
     # Forcing the wrong version fails at the first message.
     assert inspect_main([str(tmp_path / "hop1-messages.bin"), "--protocol", "15"]) == 1
+
+
+def _logged_after(caplog, text: str) -> str:
+    deadline = time.monotonic() + 5
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return caplog.text
+
+
+@pytest.mark.parametrize("protocol", [15, 16, 17])
+def test_a_message_at_a_wrong_position_is_one_line_in_every_version(chains, caplog, protocol):
+    # The v16/v17 readers give the kind as a plain int: naming it must not need the enum.
+    from skippy_wire.net.driver import decode_message
+
+    servers = chains(protocol)
+    with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
+        with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.request(decode_message(5, 100, 0, 100, 78, 78))
+        text = _logged_after(caplog, "holds 0 tokens")
+    assert "DECODE_EMBD at position 100, but session 78 holds 0 tokens; closing" in text
+    assert "unexpected error" not in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("protocol", [16, 17])
+def test_kind_23_is_read_and_refused_as_unsupported(chains, caplog, protocol):
+    from skippy_wire.wire.activation_frame import DISCARD_STALE_WINDOWS
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireStagePhase
+
+    servers = chains(protocol)
+    discard = StageWireMessage(DISCARD_STALE_WINDOWS, 1, 1, StageStateHeader(phase=WireStagePhase.DECODE), 0, 0)
+    with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
+        with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.send_bytes(client._link.encode(discard), "DiscardStaleWindows")
+                client.receive("DiscardStaleWindows")
+        text = _logged_after(caplog, "DISCARD_STALE_WINDOWS")
+    assert "unsupported stage message kind DISCARD_STALE_WINDOWS (23); closing" in text
+    assert "unexpected error" not in text
+    with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)

@@ -44,7 +44,8 @@ from typing import Callable
 
 from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage import runtime
-from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
+from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
+                                    WireMessageKindV16)
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.frame import (
     predicted_reply_bytes,
@@ -338,7 +339,9 @@ class StageServer:
     def _handle(self, msg, sessions: dict, size: int, downstream: LinkProtocol | None,
                 timer: DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
         """Execute ``msg`` (``raw``: its bytes, when the reader kept them) and return the reply."""
-        kind = K(msg.kind)
+        if msg.kind == DISCARD_STALE_WINDOWS:  # read from v16 on, executed nowhere here
+            raise StageError(f"unsupported stage message kind {WireMessageKindV16(msg.kind).name} ({msg.kind})")
+        kind = K(msg.kind)  # the v16/v17 readers give a plain int
         session = sessions.get(msg.session_id)
         ahead = None
         if session is not None:
@@ -454,8 +457,7 @@ class StageServer:
             with self._runtime_lock:
                 self.backend.trim(session.runtime, msg.pos_start)
             return
-        raise StageError(f"{msg.kind.name} at position {msg.pos_start}, but session {msg.session_id} "
-                         f"holds {have} tokens")
+        raise StageError(f"{K(msg.kind).name} at position {msg.pos_start}, but session {msg.session_id} holds {have} tokens")
 
     def _own_stats(self, kind: int, compute_us: int, token_count: int):
         """Prefill compute observation of this stage (wire-format.md 11.3)."""
