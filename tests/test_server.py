@@ -610,3 +610,37 @@ def test_a_stage_polls_only_while_one_session_decodes_there():
     finally:
         server.shutdown()
         server._listener.close()
+
+
+def test_peer_that_never_reads_its_replies_times_out(chain_factory, caplog):
+    """The replies' sends wait at most --io-timeout, not the idle timeout (300 s here)."""
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.wire.messages import StageWireMessage
+
+    chain = chain_factory([(0, 6)], io_timeout=0.3)
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(chain.entry)
+    assert sock.recv(4) == b"\x59\x44\x52\x53"
+    # Whole messages in small bursts, each read at once while the server waits between
+    # messages (the idle timeout's wait), each answered by an ACK that nobody reads.
+    stops = write_stage_message(StageWireMessage.stop(1, 999)) * 32
+    sock.setblocking(False)
+    closed = False
+    deadline = time.monotonic() + 20
+    while not closed and time.monotonic() < deadline:
+        try:
+            sent = sock.send(stops)
+            if sent < len(stops):
+                break  # the server no longer reads: it is blocked sending
+            time.sleep(0.002)
+        except BlockingIOError:
+            break
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+    while "stalled" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close()
+    assert "peer stalled for more than 0.3 s" in caplog.text
+    _still_serves(chain)

@@ -245,6 +245,8 @@ class StageServer:
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
+                # A peer that stops reading its replies stalls like one that stops writing.
+                upstream.sock.settimeout(self.io_timeout)
                 upstream.send(reply)
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
