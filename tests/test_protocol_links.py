@@ -266,3 +266,13 @@ def test_kind_23_is_read_and_refused_as_unsupported(chains, caplog, protocol):
     assert "unexpected error" not in text
     with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
         assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+def test_v17_connect_and_close_is_not_an_error(chains, caplog):
+    # A port check connects and leaves: as on v15, an INFO line, not a failed setup.
+    servers = chains(17)
+    with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
+        socket.create_connection(servers[0].address, timeout=5).close()
+        text = _logged_after(caplog, "before its setup")
+    assert "closed by peer before its setup" in text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -644,3 +644,16 @@ def test_peer_that_never_reads_its_replies_times_out(chain_factory, caplog):
     sock.close()
     assert "peer stalled for more than 0.3 s" in caplog.text
     _still_serves(chain)
+
+
+def test_peer_resetting_mid_message_is_named(chain_factory, caplog):
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
+    sock.sendall(_prefill_bytes()[:50])
+    time.sleep(0.1)  # the first bytes are read before the reset
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # RST
+    deadline = time.monotonic() + 5
+    while "reset" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "peer reset the connection in the middle of a message; closing" in caplog.text
+    _still_serves(chain)

@@ -256,9 +256,15 @@ class StageServer:
         except StateVersionMismatch as exc:
             log.error("%s: %s; closing", name, exc)
         except SetupError as exc:
-            log.error("%s: stage setup failed: %s%s; closing", name, exc, f" ({exc.detail})" if exc.detail else "")
+            if upstream.received == 0:  # connected and left (a port check), as a v15 peer may
+                log.info("%s: closed by peer before its setup", name)
+            else:
+                log.error("%s: stage setup failed: %s%s; closing", name, exc, f" ({exc.detail})" if exc.detail else "")
         except UnexpectedEofError:
             log.error("%s: peer disconnected in the middle of a message; closing", name)
+        except ConnectionResetError:
+            log.error("%s: peer reset the connection%s; closing", name,
+                      " in the middle of a message" if upstream.reader.buffered else "")
         except (socket.timeout, TimeoutError):
             log.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
         except WireError as exc:
