@@ -108,7 +108,7 @@ class Chain:
     """In-process stage servers (threads) wired stage 0 -> ... -> terminal."""
 
     def __init__(self, splits, codec="raw-f32-v1", policy="fixed", *, io_timeout=5.0, reply_timeout=5.0,
-                 capture=None, backends=None, decode_ahead=True) -> None:
+                 capture=None, backends=None, decode_ahead=True, limits=None) -> None:
         self.servers: list[StageServer] = []
         self.events: list[dict] = []
         self.backends = []
@@ -120,7 +120,8 @@ class Chain:
             server = StageServer(
                 backend, stage_config(index, start, end, codec, policy), downstream=downstream,
                 io_timeout=io_timeout, reply_timeout=reply_timeout, events=self.events.append,
-                capture=f"{capture}/hop{index + 1}" if capture and downstream else None, decode_ahead=decode_ahead)
+                capture=f"{capture}/hop{index + 1}" if capture and downstream else None, decode_ahead=decode_ahead,
+                limits=limits)
             server.start()
             self.servers.insert(0, server)
             downstream = server.address
@@ -657,3 +658,63 @@ def test_peer_resetting_mid_message_is_named(chain_factory, caplog):
         time.sleep(0.01)
     assert "peer reset the connection in the middle of a message; closing" in caplog.text
     _still_serves(chain)
+
+
+def _open_idle(address, count: int) -> list:
+    """``count`` connections that send nothing (closed by the caller)."""
+    return [socket.create_connection(address, timeout=5) for _ in range(count)]
+
+
+def _still_open(sock) -> bool:
+    sock.settimeout(0.5)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return False
+    except (socket.timeout, TimeoutError):
+        return True
+    except ConnectionError:
+        return False
+
+
+def test_idle_connections_at_the_limit_make_room_for_a_user(chain_factory, caplog):
+    """A new connection at --max-connections closes the one quiet longest instead of being
+    refused, so idle peers cannot lock users out until their idle timeout."""
+    from skippy_wire.net.admission import StageLimits
+
+    chain = chain_factory([(0, 6)], limits=StageLimits(max_connections=4))
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    idle = _open_idle(chain.entry, 12)
+    try:
+        time.sleep(0.2)
+        _still_serves(chain)
+        assert sum(_still_open(sock) for sock in idle) <= 4
+        assert not _still_open(idle[0])  # the oldest went first
+        assert "to make room" in caplog.text
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_session_is_never_shed_and_a_shed_downstream_link_is_reopened(chain_factory, caplog):
+    from skippy_wire.net.admission import StageLimits
+    from skippy_wire.net.driver import decode_message, prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)], limits=StageLimits(max_connections=3))
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as busy, PipelineClient(*chain.entry, timeout=10) as later:
+        for msg in prefill_messages(PROMPT, 16, 1, 1):
+            first = busy.request(msg).predicted  # holds a session on both stages
+        # Idle connections straight to stage 1 shed its quiet links from stage 0 (later's),
+        # never the one holding busy's session.
+        idle = _open_idle(chain.servers[1].address, 6)
+        try:
+            time.sleep(0.2)
+            assert busy.request(decode_message(first, len(PROMPT), 0, len(PROMPT), 1, 1)).predicted \
+                == fake_reference(PROMPT, 2, chunk=16)[1]
+            assert later.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+        finally:
+            for sock in idle:
+                sock.close()
+    assert "downstream had closed the idle link; reconnected" in caplog.text

@@ -147,22 +147,35 @@ class SessionAdmission:
 
 
 class ConnectionLimit:
-    """``limit`` connections at once; a refused one is closed and logged (at most one line
-    a second, with the running count)."""
+    """``limit`` connections at once.  At the limit a new connection sheds the one quiet
+    longest (no session, no message being executed), else it is refused and closed; both are
+    logged at most one line a second, with the running counts."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.refused = 0
+        self.shed_count = 0
         self._logged = 0.0
+
+    def _log_now(self) -> bool:
+        now = time.monotonic()
+        if now - self._logged < 1.0:
+            return False
+        self._logged = now
+        return True
 
     def refuse(self, sock, addr) -> None:
         sock.close()
         self.refused += 1
-        now = time.monotonic()
-        if now - self._logged >= 1.0:
-            self._logged = now
-            log.warning("refused connection from %s:%d: %d connections open (max-connections; %d refused so far)",
-                        addr[0], addr[1], self.limit, self.refused)
+        if self._log_now():
+            log.warning("refused connection from %s:%d: %d connections open, none quiet (max-connections; "
+                        "%d refused so far)", addr[0], addr[1], self.limit, self.refused)
+
+    def shed(self, seq: int, quiet_s: float) -> None:
+        self.shed_count += 1
+        if self._log_now():
+            log.warning("closed connection %d, quiet for %.1f s, to make room: %d connections open "
+                        "(max-connections; %d closed so far)", seq, quiet_s, self.limit, self.shed_count)
 
 
 __all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import socket
 import ssl
 import time
@@ -158,23 +157,7 @@ class PipelineClient:
     def alive(self) -> bool:
         """Whether the connection is still open between requests (a stage closes an idle
         one after its idle timeout: the socket then turns readable with EOF)."""
-        sock = self._peer.sock
-        try:
-            if self._peer.reader.buffered:
-                return False  # nothing may arrive between requests
-            if not select.select([sock], [], [], 0)[0]:
-                return True
-            timeout = sock.gettimeout()
-            sock.setblocking(False)
-            try:
-                sock.recv(1)  # EOF, or bytes nobody asked for: either way the link is unusable
-            except (ssl.SSLWantReadError, BlockingIOError):
-                return True  # only TLS housekeeping (e.g. a TLS 1.3 session ticket) had arrived
-            finally:
-                sock.settimeout(timeout)
-        except (OSError, ValueError):
-            pass
-        return False
+        return self._peer.open_between_messages()
 
     def __enter__(self) -> "PipelineClient":
         return self

@@ -153,6 +153,9 @@ class StageServer:
             if decode_ahead and backend.is_source else None
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
+        # Connections holding no session and executing no message: seq -> (since, Peer),
+        # the ones a new connection at the limit may shed (oldest first).
+        self._quiet: dict[int, tuple[float, Peer]] = {}
         self._conn_lock = threading.Lock()
         self._conn_seq = 0
         self.limits = limits = limits or StageLimits()
@@ -183,6 +186,8 @@ class StageServer:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with self._conn_lock:
+                    if len(self._connections) >= self.connection_limit.limit:
+                        self._shed_quietest()
                     full = len(self._connections) >= self.connection_limit.limit
                     if not full:
                         self._conn_seq += 1
@@ -195,6 +200,28 @@ class StageServer:
                                  name=f"stage-conn-{seq}", daemon=True).start()
         finally:
             self._listener.close()
+
+    def _shed_quietest(self) -> None:
+        """Close the connection quiet longest (no session, no message being executed: idle,
+        a setup or a message still arriving) to make room at the connection limit, so idle
+        peers cannot lock users out until their idle timeout.  Called under the lock."""
+        if not self._quiet:
+            return
+        seq = min(self._quiet, key=lambda k: self._quiet[k][0])
+        since, peer = self._quiet.pop(seq)
+        self._connections.discard(peer.sock)  # counted out now, not when its thread ends
+        self.connection_limit.shed(seq, time.monotonic() - since)
+        try:
+            peer.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _set_quiet(self, seq: int, peer: Peer | None) -> None:
+        with self._conn_lock:
+            if peer is None:
+                self._quiet.pop(seq, None)
+            else:
+                self._quiet[seq] = (time.monotonic(), peer)
 
     def start(self) -> threading.Thread:
         """Serve on a background thread (tests, in-process pipelines)."""
@@ -218,11 +245,13 @@ class StageServer:
         upstream = Peer(sock)
         opened: list = []
         sessions: dict[int, ServedSession] = {}
+        self._set_quiet(seq, upstream)
         try:
             if self._tls_server is not None:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
                 with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
                     self._connections.add(upstream.sock)
+                self._set_quiet(seq, upstream)
             if self.config.stage_index > 0:
                 upstream.send_delay = self.link_delay
             link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
@@ -243,11 +272,20 @@ class StageServer:
                     log.info("%s: closed by peer", name)
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
+                if not sessions:
+                    self._set_quiet(seq, None)
+                    if downstream is not None and not downstream.peer.open_between_messages():
+                        # the next stage closed the idle link (its idle timeout, or shed)
+                        downstream.peer.close()
+                        downstream = opened[0] = self._open_downstream(seq)
+                        log.info("%s: downstream had closed the idle link; reconnected", name)
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
                 # A peer that stops reading its replies stalls like one that stops writing.
                 upstream.sock.settimeout(self.io_timeout)
                 upstream.send(reply)
+                if not sessions:
+                    self._set_quiet(seq, upstream)
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
@@ -277,6 +315,7 @@ class StageServer:
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
             log.exception("%s: unexpected error (%s); closing", name, exc)
         finally:
+            self._set_quiet(seq, None)
             for session_id in list(sessions):
                 self._free(sessions.pop(session_id), session_id)
             for down in opened:

@@ -14,6 +14,7 @@ import collections
 import os
 import select
 import socket
+import ssl
 import time
 
 from ..errors import UnexpectedEofError
@@ -218,6 +219,28 @@ class Peer:
         if self._cap_out is not None:
             self._cap_out.write(data)
             self._cap_out.flush()
+
+    def open_between_messages(self) -> bool:
+        """Whether the connection is still usable while nothing is owed on it: False once the
+        other end closed it (the socket turned readable with EOF) or sent bytes nobody asked
+        for."""
+        sock = self.sock
+        try:
+            if self.reader.buffered:
+                return False
+            if not select.select([sock], [], [], 0)[0]:
+                return True
+            timeout = sock.gettimeout()
+            sock.setblocking(False)
+            try:
+                sock.recv(1)  # EOF, or bytes nobody asked for: either way the link is unusable
+            except (ssl.SSLWantReadError, BlockingIOError):
+                return True  # only TLS housekeeping (e.g. a TLS 1.3 session ticket) had arrived
+            finally:
+                sock.settimeout(timeout)
+        except (OSError, ValueError):
+            pass
+        return False
 
     def capturing_socket(self) -> "CountingSocket":
         """The socket for a handshake run outside the reader (the v17 setup): what passes
