@@ -46,11 +46,24 @@ def test_content_parts_are_joined():
     assert template.render(parts) == "[ab]"
 
 
+def test_a_developer_message_is_the_system_turn():
+    # OpenAI's newer name for the system instructions; templates know only "system"
+    # (llama.cpp maps it the same way), so SmolLM2 renders it as its system turn.
+    template = ChatTemplate("{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}")
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert template.render(turns) == "[system: Be brief.][user: Hi]"
+    smollm2 = ChatTemplate.from_gguf(smollm2_path())
+    assert smollm2.render(turns) == smollm2.render([{**turns[0], "role": "system"}, turns[1]])
+
+
 @pytest.mark.parametrize("messages, fragment", [
     ([], "non-empty list"),
     ([{"role": "wizard", "content": "x"}], "role must be one of"),
     ([{"role": "user", "content": 5}], "content must be a string"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
+    ([{"role": "user"}], "content is required"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "content is required"),
+    ([{"role": "developer", "content": []}], "content is required"),
 ])
 def test_bad_messages_are_one_line_errors(messages, fragment):
     with pytest.raises(ChatTemplateError, match=fragment) as info:

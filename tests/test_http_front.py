@@ -1,9 +1,12 @@
-"""The HTTP front end's limits against real sockets: uvicorn serving in a thread on
-127.0.0.1, with the shedding protocol, and the API's body reads (no stages needed)."""
+"""The HTTP front end against real sockets (uvicorn serving in a thread on 127.0.0.1,
+with the shedding protocol) and in process (Starlette's TestClient): its limits, the API's
+body reads, errors, key, queue and health, over a fake engine or in-process fake stages
+(no model, no stage processes)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import http.client
 import json
@@ -19,7 +22,11 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+from starlette.testclient import TestClient
+from test_server import Chain
 
+from skippy_wire.net.service import Cancelled, Generation, GenerationEngine
+from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api
 
@@ -27,11 +34,14 @@ LIMIT = 6
 
 
 @contextlib.contextmanager
-def serving(app, **config):
+def serving(app, servers=None, **config):
+    """Serve ``app`` in a thread; yields its URL (``servers``: a list the server is added to)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
                                            http=http_front.IdleSheddingProtocol, **config))
+    if servers is not None:
+        servers.append(server)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
@@ -106,8 +116,12 @@ def test_requests_being_served_are_never_shed(gated):
         while gate.entered < busy and time.monotonic() < deadline:
             time.sleep(0.01)
         assert gate.entered == busy
-        # Every other connection serves a request: nothing to shed, so the newcomer gets 503.
-        assert httpx.get(url + "/ok", timeout=10).status_code == 503
+        # Every other connection serves a request: nothing to shed, so the newcomer gets 503,
+        # as an OpenAI error object with Retry-After (not uvicorn's plain text).
+        refused = httpx.get(url + "/ok", timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == str(http_front.RETRY_AFTER_S)
+        assert refused.json()["error"]["type"] == "server_error"
+        assert refused.json()["error"]["code"] == "too_many_connections"
         gate.open.set()
         assert [f.result().text for f in waiting] == ["done"] * busy
     assert httpx.get(url + "/ok", timeout=10).text == "ok"
@@ -159,3 +173,192 @@ def test_a_body_dribbled_at_the_limit_is_shed_for_a_newcomer(api_url):
     finally:
         for s in stalled:
             s.close()
+
+
+# --- the API over a fake engine ------------------------------------------------------------
+
+
+class FakeTokenizer:
+    """One token per UTF-8 byte; like the real one, it cannot encode an unpaired surrogate.
+    ``hold``: encode() waits until it is set (``encoding`` is set meanwhile)."""
+
+    n_vocab = 256
+
+    def __init__(self) -> None:
+        self.hold, self.encoding = threading.Event(), threading.Event()
+        self.hold.set()
+
+    def encode(self, text: str) -> list[int]:
+        self.encoding.set()
+        assert self.hold.wait(30)
+        return list(text.encode("utf-8"))
+
+    def is_eog(self, token: int) -> bool:
+        return False
+
+
+class FakeEngine:
+    """What :class:`Api` uses of a GenerationEngine; generate() answers "ok" once ``gate``
+    is open (or raises Cancelled if cancelled by then), and records each prompt."""
+
+    def __init__(self, ctx_size: int = 64) -> None:
+        self.tokenizer, self.ctx_size = FakeTokenizer(), ctx_size
+        self.counters: collections.Counter = collections.Counter()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.prompts: list[str] = []
+
+    def check_ready(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
+        self.prompts.append(bytes(prompt).decode())
+        assert self.gate.wait(30)
+        if cancelled.is_set():
+            raise Cancelled("stop")
+        on_text("ok")
+        return Generation(text="ok", prompt_tokens=len(prompt), completion_tokens=1, finish_reason="stop")
+
+
+ROLE_TEMPLATE = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def _fake_api(engine=None, **kwargs) -> Api:
+    return Api(engine or FakeEngine(), model_id="m", chat_template=ROLE_TEMPLATE, **{"max_inflight": 1, **kwargs})
+
+
+def _until(condition, what: str) -> None:
+    """Wait (10 s at most) for ``condition()``."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "Hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["Hi \\udc00 there"]}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "Hi", "stop": ["\\ud800"]}', "stop"),
+])
+def test_an_unpaired_surrogate_is_a_400_naming_the_field(path, body, param):
+    with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+        # a pair (one character outside the BMP) is text like any other
+        ok = client.post("/v1/completions", content='{"prompt": "Hi \\ud83d\\ude00"}',
+                         headers={"Content-Type": "application/json"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_deeply_nested_json_is_a_400():
+    body = '{"prompt": "Hi", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+
+
+@pytest.mark.parametrize("prompt, ctx, fragment", [
+    ("x" * 20, 16, "at least 21 tokens (20 in the prompt, at least 1 in the completion)"),
+    ("x" * 16, 16, "at least 17 tokens (16 in the prompt, at least 1 in the completion)"),
+])
+def test_the_context_length_error_counts_truly(prompt, ctx, fragment):
+    with TestClient(_fake_api(FakeEngine(ctx_size=ctx)).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert fragment in r.json()["error"]["message"], r.json()
+        fits = client.post("/v1/completions", json={"prompt": "x" * (ctx - 4), "max_tokens": 5}).json()["error"]
+        assert f"{ctx + 1} tokens ({ctx - 4} in the prompt, 5 in the completion)" in fits["message"]
+        assert client.post("/v1/completions", json={"prompt": "x" * (ctx - 1)}).status_code == 200
+
+
+def test_routing_errors_are_openai_errors():
+    with TestClient(_fake_api().app()) as client:
+        missing = client.post("/v1/foo", json={})
+        assert missing.status_code == 404
+        assert missing.json()["error"] == {"message": "Invalid URL (POST /v1/foo)", "type": "invalid_request_error",
+                                           "param": None, "code": None}
+        wrong = client.get("/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
+    with TestClient(_fake_api(api_key="s3cret").app()) as client:
+        for headers in ({"Authorization": "Bearer s3cret"}, {"Authorization": "bearer s3cret"},
+                        {"Authorization": "BEARER  s3cret"}, {"X-Api-Key": "s3cret"}):
+            assert client.get("/v1/models", headers=headers).status_code == 200, headers
+        for headers in ({"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}, {"X-Api-Key": "wrong"},
+                        {"Authorization": "Bearer s3cret2"}, {"X-Api-Key": "Bearer s3cret"}):
+            r = client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+
+
+def _post_raw(url: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = _connect(url)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
+    engine = FakeEngine()
+    api = _fake_api(engine, max_queue=1)
+    engine.gate.clear()
+    with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "A"}, timeout=30)
+        _until(lambda: engine.prompts == ["A"], "the first request generates")
+        with _post_raw(url, {"prompt": "B"}):
+            _until(lambda: api.admission.waiting == 1, "the second request queues")
+        # Its client gone, it leaves the queue while the lane is still busy ...
+        _until(lambda: api.admission.waiting == 0, "the abandoned request leaves the queue")
+        third = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "C"}, timeout=30)
+        _until(lambda: api.admission.waiting == 1, "the third request queues in its place")
+        assert httpx.get(url + "/metrics", timeout=10).text.count("\nskippy_queue_depth 1\n") == 1
+        engine.gate.set()
+        # ... and never runs: the lane goes to the next in line.
+        assert [f.result().json()["choices"][0]["text"] for f in (first, third)] == ["ok", "ok"]
+    assert engine.prompts == ["A", "C"]
+    assert (api.admission.running, api.admission.waiting) == (0, 0)
+
+
+def test_a_request_whose_client_left_before_admission_never_generates():
+    # (a stream: one that has started would be cancelled, but only after its prefill)
+    engine, servers = FakeEngine(), []
+    api = _fake_api(engine)
+    engine.tokenizer.hold.clear()
+    with serving(api.app(), servers, limit_concurrency=LIMIT) as url:
+        with _post_raw(url, {"prompt": "A", "stream": True}):
+            assert engine.tokenizer.encoding.wait(10)
+        _until(lambda: not servers[0].server_state.connections, "the server sees the client go")
+        engine.tokenizer.hold.set()  # the request goes on to admission, a lane free
+        _until(lambda: not servers[0].server_state.tasks, "the request is handled")
+        assert (api.admission.running, api.admission.waiting) == (0, 0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "B", "stream": True}, timeout=30)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert engine.prompts == ["B"]
+
+
+def test_health_asks_every_stage():
+    """With stages someone else runs (``--connect``), a later stage that is gone makes
+    /health 503 although stage 0 still holds a live connection for the engine."""
+    chain = Chain([(0, 2), (2, 4), (4, 6)])
+    api = Api(GenerationEngine(chain.entry, FakeTokenizer(), ctx_size=64, timeout=10, chunk_size=4),
+              model_id="m", chat_template=None, max_inflight=1)
+    try:
+        with TestClient(api.app()) as client:
+            assert client.get("/health").json() == {"status": "ok"}
+            assert client.get("/health").json() == {"status": "ok"}  # a pooled connection reused
+            chain.servers[2].shutdown()  # the last stage goes
+            r = client.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "unavailable" and r.json()["error"], r.json()
+    finally:
+        api.close()
+        chain.close()

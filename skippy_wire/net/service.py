@@ -6,8 +6,9 @@ requests move through the pipeline independently: stage 0 computes request B whi
 stage 1 computes request A.  Idle connections are pooled and reused.
 
 Admission (in the event loop, see :class:`Admission`): up to ``max_inflight`` requests
-run; up to ``max_queue`` more wait in FIFO order (asyncio's semaphore is fair); beyond
-that a request is refused at once (:class:`QueueFullError`, HTTP 503).
+run; up to ``max_queue`` more wait in FIFO order; beyond that a request is refused at once
+(:class:`QueueFullError`, HTTP 503).  A waiter that gives up (its client went away) leaves
+the queue at once.
 
 A request is cancelled (its client went away, or a stop string matched) between two
 tokens: the engine then sends Stop for its session, which every stage relays and acts
@@ -28,10 +29,14 @@ from typing import Callable, Optional, Sequence
 
 from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
+from ..wire.replies import WireReplyKind
 from .driver import PipelineClient
 
 #: Upper bound of the random seed drawn for a sampled request that names none.
 _SEED_RANGE = 2**31 - 1
+#: Seconds the readiness probe (:meth:`GenerationEngine.check_ready`, ``GET /health``)
+#: waits for each step of its answer from the pipeline.
+READY_TIMEOUT_S = 5.0
 
 
 class QueueFullError(SkippyError):
@@ -159,24 +164,44 @@ class GenerationEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
-    def _take(self) -> PipelineClient:
+    def _take(self, timeout: Optional[float] = None) -> PipelineClient:
+        """A pooled connection, else a new one (``timeout``: for its handshake; default:
+        the engine's)."""
         with self._lock:
             while self._idle:
                 client = self._idle.pop()
                 if client.alive():
                     return client
                 client.close()  # closed by the stage meanwhile (e.g. its idle timeout)
-        return PipelineClient(*self.entry, timeout=self.timeout, protocol=self.protocol, identity=self.identity,
-                              tls=self.tls, poll_s=self.poll_s)
+        return PipelineClient(*self.entry, timeout=self.timeout if timeout is None else timeout,
+                              protocol=self.protocol, identity=self.identity, tls=self.tls, poll_s=self.poll_s)
 
     def _give_back(self, client: PipelineClient) -> None:
+        client.timeout = self.timeout
         with self._lock:
             self._idle.append(client)
 
-    def check_ready(self) -> None:
-        """Raise PipelineError unless a connection through every stage can be had (each
-        stage sends READY only once its own downstream did)."""
-        self._give_back(self._take())
+    def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raise PipelineError unless every stage answers now, each wait bounded by
+        ``timeout``.
+
+        A pooled connection to stage 0 can look alive while a later stage is gone (stage 0
+        notices only when it next relays), so this sends a Stop for a session no stage
+        holds: every stage relays it downstream, the last acknowledges it, and the Ack
+        comes back through all of them.  It opens no session, so it takes no lane."""
+        timeout = min(timeout, self.timeout)
+        client = self._take(timeout)
+        client.timeout = timeout
+        try:
+            session = next(self._ids)
+            reply = client.request(StageWireMessage.stop(session, session), "a readiness Stop")
+            if int(reply.kind) != WireReplyKind.ACK:
+                raise PipelineError(f"stage 0 at {client.address} answered a readiness Stop with reply kind "
+                                    f"{int(reply.kind)}, not Ack")
+        except BaseException:
+            client.close()  # a late answer would stay unread on it
+            raise
+        self._give_back(client)
 
     def close(self) -> None:
         with self._lock:
@@ -258,28 +283,52 @@ class GenerationEngine:
 
 
 class Admission:
-    """Up to ``max_inflight`` requests run, ``max_queue`` wait (FIFO), the rest are refused."""
+    """Up to ``max_inflight`` requests run, ``max_queue`` wait (FIFO), the rest are refused.
+
+    Event-loop only.  :meth:`ticket` asks for a lane and :meth:`withdraw` gives the ask
+    up, whether it still waits (it leaves the queue) or was just granted (the lane goes to
+    the next in line): a lane is never leaked nor skipped, whatever the waiter's timing."""
 
     def __init__(self, max_inflight: int, max_queue: int) -> None:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
-        self._slots = asyncio.Semaphore(max_inflight)
-        self.waiting = 0
         self.running = 0
+        self._queue: collections.deque[asyncio.Future] = collections.deque()
 
-    async def acquire(self) -> None:
-        """Wait for a lane in FIFO order; QueueFullError when too many already wait."""
-        if self._slots.locked() and self.waiting >= self.max_queue:
-            raise QueueFullError(f"all {self.max_inflight} lanes are busy and {self.waiting} requests are "
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def ticket(self) -> asyncio.Future:
+        """A future done once a lane is this request's: at once when one is free, else
+        in arrival order; QueueFullError when too many already wait."""
+        ticket = asyncio.get_running_loop().create_future()
+        if self.running < self.max_inflight and not self._queue:
+            self.running += 1
+            ticket.set_result(None)
+        elif len(self._queue) >= self.max_queue:
+            raise QueueFullError(f"all {self.max_inflight} lanes are busy and {len(self._queue)} requests are "
                                  "queued; retry later")
-        self.waiting += 1
+        else:
+            self._queue.append(ticket)
+        return ticket
+
+    def withdraw(self, ticket: asyncio.Future) -> None:
+        """Give a ticket up: out of the queue, or its lane back if it was granted."""
+        if ticket.done() and not ticket.cancelled():
+            self.release()
+            return
+        ticket.cancel()
         try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
+            self._queue.remove(ticket)
+        except ValueError:
+            pass
 
     def release(self) -> None:
-        """Give the lane back (call in the event loop's thread)."""
+        """Give a granted lane back: to the next in line, if any."""
         self.running -= 1
-        self._slots.release()
+        while self._queue and self.running < self.max_inflight:
+            ticket = self._queue.popleft()
+            if not ticket.done():  # one cancelled without withdraw() holds nothing
+                self.running += 1
+                ticket.set_result(None)

@@ -23,6 +23,8 @@ from .models import read_gguf_metadata
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool", "developer")
+#: Roles whose messages must carry content (an assistant's may be null beside tool calls).
+CONTENT_ROLES = ("system", "user", "tool", "developer")
 
 
 class ChatTemplateError(StageRuntimeError, ValueError):
@@ -53,7 +55,9 @@ def _environment() -> jinja2.Environment:
 
 def check_messages(messages: Any) -> list[dict]:
     """Messages as a list of ``{"role", "content"}`` dicts; content parts of type "text"
-    are joined (the OpenAI list form).  Raises ChatTemplateError with one line."""
+    are joined (the OpenAI list form).  A ``developer`` message is the system instructions
+    (OpenAI's newer name for them), so it reaches the template as ``system``, as llama.cpp
+    passes it: templates know only ``system``.  Raises ChatTemplateError with one line."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("'messages' must be a non-empty list")
     out = []
@@ -63,6 +67,9 @@ def check_messages(messages: Any) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if role in CONTENT_ROLES and (content is None or content == []):
+            raise ChatTemplateError(f"messages[{i}].content is required for a {role} message"
+                                    + (" (a list of at least one part)" if content == [] else ""))
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -74,7 +81,7 @@ def check_messages(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string")
-        out.append({**m, "role": role, "content": content})
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
     return out
 
 
@@ -112,5 +119,6 @@ class ChatTemplate:
         try:
             return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token, **extra)
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001 -- over the client's data, any failure is the request's
+            # (a TemplateError, or e.g. a TypeError from a message field of an unexpected type)
             raise ChatTemplateError(f"the chat template failed: {exc}") from None

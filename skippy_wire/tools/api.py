@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,124 +33,27 @@ from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
-from ..net.service import Admission, Cancelled, GenerationEngine, QueueFullError, SamplingParams
+from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyTooLarge, IdleSheddingProtocol, RequireApiKey,
-                         error_response, read_body)
+from .api_params import BadRequest, Options, check_context, check_text, check_token_ids, parse_options
+from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
+                         RequireApiKey, error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       check_codec_options, describe, driver_poll_s, error_line, float_above, int_at_least,
                       int_between, poll_args, tls_config)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
-#: Seconds a client is told to wait before retrying a refused (503) request.
-RETRY_AFTER_S = 1
-MAX_STOP_STRINGS = 4
 #: Open HTTP connections (``--max-connections``); a new one beyond them sheds the one quiet
 #: longest (:class:`.http_front.IdleSheddingProtocol`), else its request gets 503.
 DEFAULT_MAX_CONNECTIONS = 512
 #: Seconds between checks that the stage processes this command started still run.
 STAGE_WATCH_S = 0.5
-
-
-class BadRequest(Exception):
-    """A request the endpoint refuses with HTTP 400 (``param`` names the culprit)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-# --- request parsing ----------------------------------------------------------------------
-
-
-def _given(body: dict, name: str, default=None):
-    """The field's value, or ``default`` where it is absent or null (clients that serialise
-    every field send ``null`` for those they leave unset)."""
-    value = body.get(name)
-    return default if value is None else value
-
-
-def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False):
-    value = _given(body, name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if not lo <= value <= hi:
-        low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
-        raise BadRequest(f"'{name}' must be between {low} and {high}, got {value}", name)
-    return value
-
-
-def _check_token_ids(ids, n_vocab: int, param: str) -> None:
-    if any(not 0 <= t < n_vocab for t in ids):
-        raise BadRequest(f"'{param}' token ids must be in [0, {n_vocab})", param)
-
-
-@dataclass
-class Options:
-    max_tokens: Optional[int]
-    sampling: SamplingParams
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-
-
-def parse_options(body: dict) -> Options:
-    for name in ("n", "best_of"):
-        if _given(body, name, 1) != 1:
-            raise BadRequest(f"'{name}' other than 1 is not supported", name)
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-        if body.get(name) not in (None, False, [], 0):
-            raise BadRequest(f"'{name}' is not supported", name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
-    max_tokens = _given(body, "max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, 2**31 - 1, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
-    try:
-        logit_bias = {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError):
-        raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias") from None
-    if any(not -100 <= v <= 100 for v in logit_bias.values()):
-        raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
-    if len(logit_bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
-        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
-    seed = body.get("seed")
-    if seed is not None:
-        seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True) & 0xFFFF_FFFF
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=seed,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0),
-        logit_bias=logit_bias)
-    stream = _given(body, "stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
-    return Options(max_tokens, sampling, stop, stream, bool(stream_options.get("include_usage")))
+#: Seconds between checks that the client of a waiting request (queued, or generating
+#: without a stream) is still connected.
+DISCONNECT_POLL_S = 0.25
 
 
 # --- the application ----------------------------------------------------------------------
@@ -170,7 +72,11 @@ class Api:
         self.max_queue = max_queue
         self.created = int(time.time())
         self._admission: Optional[Admission] = None
-        self._workers = ThreadPoolExecutor(max_workers=max_inflight + 1, thread_name_prefix="generate")
+        self._workers = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="generate")
+        # The readiness probe runs apart from the generations, one at a time, however many
+        # /health requests wait on it.
+        self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="health")
+        self._probe: Optional[asyncio.Future] = None
 
     @property
     def admission(self) -> Admission:
@@ -192,11 +98,15 @@ class Api:
         return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail), type_="not_found_error"
-                              if exc.status_code == 404 else "invalid_request_error")
+        # Routing's errors: 404 for an unknown route (in OpenAI's words), 405 with Allow.
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}.get(exc.status_code,
+                                                                                          str(exc.detail))
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._prober.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     # -- simple routes
@@ -214,11 +124,21 @@ class Api:
         return JSONResponse(self._model_object())
 
     async def health(self, request: Request) -> Response:
+        """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else
+        503; within :data:`READY_TIMEOUT_S` whatever the pipeline does (a probe left running
+        then serves the next /health)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().run_in_executor(self._prober, self.engine.check_ready)
+            self._probe.add_done_callback(lambda probe: probe.cancelled() or probe.exception())  # read, if late
         try:
-            await asyncio.get_running_loop().run_in_executor(self._workers, self.engine.check_ready)
+            await asyncio.wait_for(asyncio.shield(self._probe), READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            error = f"the pipeline did not answer within {READY_TIMEOUT_S:g} s"
         except SkippyError as exc:
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            error = str(exc)
+        else:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "error": error}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         c, a = self.engine.counters, self.admission
@@ -267,7 +187,7 @@ class Api:
                 raise BadRequest("'prompt' must not be empty", "prompt")
             return tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            _check_token_ids(prompt, tokenizer.n_vocab, "prompt")
+            check_token_ids(prompt, tokenizer.n_vocab, "prompt")
             return list(prompt)
         raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
 
@@ -280,32 +200,28 @@ class Api:
             return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
         except ClientDisconnect:
             return Response(status_code=499)  # nobody is left to read it
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
             return error_response(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         try:
-            options = parse_options(body)
-            _check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
+            check_text(body)
+            options = parse_options(body, chat=chat)
+            check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
             prompt = await asyncio.to_thread(self._prompt_tokens, body, chat)
-            ctx = self.engine.ctx_size
-            max_tokens = options.max_tokens if options.max_tokens is not None else ctx - len(prompt)
-            if len(prompt) + max(max_tokens, 1) > ctx:
-                raise BadRequest(
-                    f"This model's maximum context length is {ctx} tokens. However, you requested "
-                    f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the "
-                    "completion). Please reduce the length of the prompt or max_tokens.",
-                    "messages" if chat else "prompt", "context_length_exceeded")
+            max_tokens = check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
+                                       "messages" if chat else "prompt")
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
-        job = _Job(self, prompt, max_tokens, options, chat)
         try:
-            await self.admission.acquire()
+            if not await self._admit(request):
+                return Response(status_code=499)
         except QueueFullError as exc:
             self.engine.counters["rejected"] += 1
             return error_response(503, str(exc), type_="server_error", code="queue_full",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
+        job = _Job(self, prompt, max_tokens, options, chat)
         if options.stream:
             return StreamingResponse(job.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -316,6 +232,21 @@ class Api:
         except PipelineError as exc:
             return error_response(502, f"the pipeline failed: {exc}", type_="server_error")
         return JSONResponse(job.final_object(result))
+
+    async def _admit(self, request: Request) -> bool:
+        """Wait for a lane (QueueFullError when the queue is full); False, with the lane or
+        the place in the queue given up at once, when the client has gone meanwhile."""
+        ticket = self.admission.ticket()
+        try:
+            while not await request.is_disconnected():
+                if ticket.done():
+                    return True
+                await asyncio.wait({ticket}, timeout=DISCONNECT_POLL_S)
+        except BaseException:
+            self.admission.withdraw(ticket)
+            raise
+        self.admission.withdraw(ticket)
+        return False
 
 
 class _Job:
@@ -346,7 +277,7 @@ class _Job:
     async def run(self, request: Request):
         future = self._start(lambda text: None)
         while True:
-            done, _ = await asyncio.wait({future}, timeout=0.25)
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
             if done:
                 return future.result()
             if await request.is_disconnected():
@@ -436,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a lane before new ones get 503")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on every route but /health (default: open)")
+                     help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every route but /health "
+                          "(default: open)")
     key.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="the same, the key read from FILE's first line (kept out of the process list)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,

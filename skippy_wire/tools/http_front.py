@@ -1,6 +1,7 @@
 """The HTTP front end's plumbing beneath the routes of :mod:`.api`: OpenAI error objects,
 the API-key middleware, bounded request-body reads, and the uvicorn protocol that sheds
-idle connections at the connection limit (docs/security.md "The HTTP endpoint")."""
+idle connections at the connection limit and answers an OpenAI error beyond it
+(docs/security.md "The HTTP endpoint")."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ MAX_BODY_BYTES = 8 << 20
 #: Seconds a request body may take to arrive once its head has (as a stage's
 #: --message-timeout); a slower one gets 408.
 BODY_TIMEOUT_S = 30
+#: Seconds a client is told to wait before retrying a refused (503) request.
+RETRY_AFTER_S = 1
 
 
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
@@ -30,20 +33,26 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
 
 
 class RequireApiKey:
-    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs ``Authorization: Bearer
-    KEY`` (``--api-key``), else 401 with an OpenAI error object."""
+    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs the key (``--api-key``)
+    in ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (the two headers llama-server
+    reads), else 401 with an OpenAI error object.  Each is compared in constant time."""
 
     def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, b"Bearer " + key.encode()
+        self.app, self.expected = app, key.encode()
+
+    def _admits(self, headers: dict) -> bool:
+        # RFC 9110 11.1: the auth-scheme is case-insensitive; one or more spaces follow it.
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = hmac.compare_digest(token.lstrip(b" "), self.expected) and scheme.lower() == b"bearer"
+        api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected)
+        return bearer or api_key
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                          type_="authentication_error", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._admits(dict(scope["headers"])):
+            response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY, or X-Api-Key: KEY)",
+                                      type_="authentication_error", code="invalid_api_key")
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -70,9 +79,19 @@ async def _gather(request: Request) -> bytes:
     return bytes(body)
 
 
+async def too_many_connections(scope, receive, send) -> None:
+    """The answer to a request beyond the connection limit: an OpenAI error object where
+    uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
+    response = error_response(503, "every connection is serving a request; retry later", type_="server_error",
+                              code="too_many_connections",
+                              headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+    await response(scope, receive, send)
+
+
 class IdleSheddingProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, except that a new connection at the connection limit
-    closes the one that has been quiet longest instead of leaving every request 503.
+    closes the one that has been quiet longest instead of leaving every request 503, and
+    that a request still refused gets :func:`too_many_connections`.
 
     uvicorn answers 503 to any request while ``limit_concurrency`` connections are open,
     idle ones included, and a connection that never finishes its request head stays open,
@@ -80,12 +99,33 @@ class IdleSheddingProtocol(H11Protocol):
     connection is quiet while it has no request whose head has arrived and whose response
     is unfinished (the test uvicorn's own graceful shutdown uses to close connections), or
     while its request's body is still arriving; it is shed oldest first, counting from its
-    opening or its last response.  Requests being served are never shed."""
+    opening or its last response.  Requests being served are never shed.
+
+    The limit is taken from uvicorn (``limit_concurrency`` None to it) and applied in
+    :attr:`app`, which uvicorn reads the moment a request head arrives to pick the ASGI
+    application to run: the same test at the same moment as uvicorn's own, with this
+    answer instead of its plain text one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+
+    @property
+    def app(self):
+        limit = self.max_connections
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            self.logger.warning("Exceeded concurrency limit.")
+            return too_many_connections
+        return self._app
+
+    @app.setter
+    def app(self, app) -> None:
+        self._app = app
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.quiet_since = self.loop.time()
         super().connection_made(transport)
-        if self.limit_concurrency is not None and len(self.connections) >= self.limit_concurrency:
+        if self.max_connections is not None and len(self.connections) >= self.max_connections:
             quiet = [c for c in self.connections if c is not self and c.is_quiet()]
             if quiet:
                 min(quiet, key=lambda c: c.quiet_since).shed()

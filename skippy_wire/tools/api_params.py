@@ -1,0 +1,218 @@
+"""How ``skippy-wire api`` reads a request body: the OpenAI fields it honours, checked and
+gathered in :class:`Options`, and the ones it refuses with HTTP 400 naming the field
+(:class:`BadRequest`), rather than ignoring what a client asked for.
+
+The checks follow the OpenAI API where it fixes one (``stream_options`` only with
+``stream``, ``tool_choice`` only with ``tools``) and llama-server where it extends it
+(``seed: -1`` draws one, ``top_k``, ``min_p``, ``repeat_penalty``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..net.service import SamplingParams
+from ..wire.constants import MAX_STAGE_LOGIT_BIAS
+
+MAX_STOP_STRINGS = 4
+#: The wire carries a u32 seed (wire-format.md 4.3), and llama-server reads ``seed`` as a
+#: uint32 too: a seed is reduced modulo this.
+SEED_MODULUS = 2**32
+#: The reduced seed that asks for a random one: -1 (or 2**32 - 1), llama-server's
+#: ``LLAMA_DEFAULT_SEED``.
+RANDOM_SEED = SEED_MODULUS - 1
+#: A logit_bias key is a token id: decimal digits, no more than a u32 has.
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+#: An unpaired UTF-16 surrogate: what a JSON ``\\ud800`` escape without its partner decodes
+#: to; no UTF-8 encoder and no tokenizer takes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+#: Fields the stages cannot honour, with the values that ask for nothing and so pass
+#: (compared with their type: ``0`` is not ``false``).  ``logprobs`` is told apart below.
+_HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,)}
+#: Fields only meaningful beside another one (OpenAI refuses them alone).
+_NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function_call", "functions"))
+
+
+class BadRequest(Exception):
+    """A request the endpoint refuses with HTTP 400 (``param`` names the culprit)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_text(body: dict) -> None:
+    """Refuse a string anywhere in ``body`` (keys included) that holds an unpaired UTF-16
+    surrogate: everything a request carries may become text for the tokenizer, a stop
+    string or a template.  Walks without recursion, as deep as the body is nested; the
+    error's ``param`` is the top-level field."""
+    stack: list[tuple[Any, str, Optional[str]]] = [(body, "", None)]
+    while stack:
+        value, path, field = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            # The message never quotes the text itself: it could not be encoded either.
+            if isinstance(key, str) and _SURROGATE.search(key):
+                owner = f"'{path}'" if path else "the request body"
+                raise BadRequest(f"a key of {owner} is not valid text: it holds an unpaired UTF-16 surrogate", field)
+            if isinstance(item, (str, dict, list)):
+                where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+                if isinstance(item, str):
+                    if not item.isascii() and _SURROGATE.search(item):
+                        raise BadRequest(f"'{where}' is not valid text: it holds an unpaired UTF-16 surrogate",
+                                         field or key)
+                else:
+                    stack.append((item, where, field or key))
+
+
+def _given(body: dict, name: str, default=None):
+    """The field's value, or ``default`` where it is absent or null (clients that serialise
+    every field send ``null`` for those they leave unset)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False,
+            above: bool = False):
+    """``body[name]`` checked to lie in [lo, hi] (``above``: in (lo, hi])."""
+    value = _given(body, name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if not (lo < value if above else lo <= value) or not value <= hi:
+        low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
+        span = f"above {low} and at most {high}" if above else f"between {low} and {high}"
+        raise BadRequest(f"'{name}' must be {span}, got {value}", name)
+    return value
+
+
+def check_token_ids(ids, n_vocab: int, param: str) -> None:
+    if any(not 0 <= t < n_vocab for t in ids):
+        raise BadRequest(f"'{param}' token ids must be in [0, {n_vocab})", param)
+
+
+def check_context(prompt_tokens: int, max_tokens: Optional[int], ctx: int, param: str) -> int:
+    """The completion's token budget: ``max_tokens``, or (omitted) the rest of the context;
+    BadRequest ``context_length_exceeded`` when the prompt and at least one completion
+    token, or the prompt and ``max_tokens``, do not fit ``ctx``."""
+    if max_tokens is None:
+        if prompt_tokens < ctx:
+            return ctx - prompt_tokens
+        asked = f"at least {prompt_tokens + 1} tokens ({prompt_tokens} in the prompt, at least 1 in the completion)"
+        advice = "the prompt"
+    elif prompt_tokens + max_tokens <= ctx:
+        return max_tokens
+    else:
+        asked = (f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                 "completion)")
+        advice = "the prompt or max_tokens"
+    raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, you requested {asked}. "
+                     f"Please reduce the length of {advice}.", param, "context_length_exceeded")
+
+
+@dataclass
+class Options:
+    max_tokens: Optional[int]
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _check_unsupported(body: dict, chat: bool) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    for name in ("n", "best_of"):
+        if _number(body, name, 1, -(2**63), 2**63, integer=True) != 1:
+            raise BadRequest(f"'{name}' other than 1 is not supported", name)
+    # Chat's logprobs is a boolean (false asks for nothing); a completion's is a count, and
+    # 0 still asks for the sampled token's log probability, which no stage returns.
+    harmless = {**_HARMLESS, "logprobs": (False,) if chat else ()}
+    for name, values in harmless.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(h) and value == h for h in values):
+            raise BadRequest(f"'{name}' is not supported", name)
+    for name, needs in _NEEDS:
+        if body.get(name) is not None and not _given(body, needs):
+            raise BadRequest(f"'{name}' is only allowed when '{needs}' are specified", name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = _given(body, "logit_bias", {})
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    if len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise BadRequest("'logit_bias' keys must be token ids", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+        if not -100 <= value <= 100:
+            raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = _given(body, "stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    include_usage = _given(options, "include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    return stream, include_usage
+
+
+def parse_options(body: dict, *, chat: bool = False) -> Options:
+    """The generation options of a request body (``chat``: /v1/chat/completions);
+    BadRequest for a field out of range, of the wrong type, or asking for what the stages
+    cannot do."""
+    _check_unsupported(body, chat)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, None, 1, 2**31 - 1, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
+    if seed is not None:
+        seed %= SEED_MODULUS
+        if seed == RANDOM_SEED:
+            seed = None
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
+        logit_bias=_logit_bias(body))
+    stream, include_usage = _stream(body)
+    return Options(max_tokens, sampling, stop, stream, include_usage)
+
+
+__all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
+           "MAX_STOP_STRINGS", "RANDOM_SEED", "SEED_MODULUS"]
