@@ -665,19 +665,6 @@ def _open_idle(address, count: int) -> list:
     return [socket.create_connection(address, timeout=5) for _ in range(count)]
 
 
-def _still_open(sock) -> bool:
-    sock.settimeout(0.5)
-    try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return False
-    except (socket.timeout, TimeoutError):
-        return True
-    except ConnectionError:
-        return False
-
-
 def test_idle_connections_at_the_limit_make_room_for_a_user(chain_factory, caplog):
     """A new connection at --max-connections closes the one quiet longest instead of being
     refused, so idle peers cannot lock users out until their idle timeout."""
@@ -689,8 +676,8 @@ def test_idle_connections_at_the_limit_make_room_for_a_user(chain_factory, caplo
     try:
         time.sleep(0.2)
         _still_serves(chain)
-        assert sum(_still_open(sock) for sock in idle) <= 4
-        assert not _still_open(idle[0])  # the oldest went first
+        assert sum(not _wait_closed(sock, 0.5) for sock in idle) <= 4
+        assert _wait_closed(idle[0], 0.5)  # the oldest went first
         assert "to make room" in caplog.text
     finally:
         for sock in idle:
