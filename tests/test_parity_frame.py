@@ -236,3 +236,29 @@ def test_unrepresentable_reply_values_fail_alike(value, field, too_many):
     target = getattr(reply, owner) if owner else reply
     setattr(target, name, [value] if name in ("predicted_tokens", "token_ids") else value)
     assert outcome(CY.write_reply, reply) == outcome(PY.write_reply, reply)
+
+
+def _failure(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- the class is what is compared
+        return type(exc)
+    return None
+
+
+def test_arguments_of_the_wrong_kind_fail_alike_in_both_twins():
+    """Not wire bytes but a caller's mistakes: an offset no C ssize_t holds, a strided view,
+    text where bytes belong fail with the same class in both implementations."""
+    gen_cy, gen_py = kernel_module("frame_gen", "cython"), kernel_module("frame_gen", "python")
+    message = bytes(160)
+    cases = [
+        (lambda m: m.read_stage_message_from_buffer, (message, 64), {"offset": 2**70}),
+        (lambda m: m.read_stage_message_from_buffer, (memoryview(message * 2)[::2], 64), {}),
+        (lambda m: m.read_stage_message_from_buffer, ("x" * 160, 64), {}),
+    ]
+    for pick, args, kwargs in cases:
+        cy, py = _failure(pick(CY), *args, **kwargs), _failure(pick(PY), *args, **kwargs)
+        assert cy is not None and cy == py, (args[1:], kwargs, cy, py)
+    for data in ("x" * 300, None, memoryview(bytes(600))[::2]):
+        cy, py = _failure(gen_cy.decode_frame, 1, data, 16), _failure(gen_py.decode_frame, 1, data, 16)
+        assert cy is not None and cy == py, (type(data), cy, py)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from ..constants import (
@@ -63,6 +64,8 @@ from ..replies import (
 )
 from . import codec as _codec
 
+_SSIZE_MAX = sys.maxsize
+
 _i32 = struct.Struct("<i")
 _u32 = struct.Struct("<I")
 _i64 = struct.Struct("<q")
@@ -87,7 +90,14 @@ class Cursor:
     __slots__ = ("buf", "pos", "start", "end")
 
     def __init__(self, data, offset: int) -> None:
-        self.buf = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+        # The compiled twin's argument conversions: an offset beyond a C ssize_t, and a
+        # buffer that is not C-contiguous (PyBUF_SIMPLE), fail as they do there.
+        if not -_SSIZE_MAX - 1 <= offset <= _SSIZE_MAX:
+            raise OverflowError("Python int too large to convert to C ssize_t")
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise BufferError("memoryview: underlying buffer is not C-contiguous")
+        self.buf = view.cast("B") if not isinstance(data, (bytes, bytearray)) else view
         self.start = self.pos = offset
         self.end = len(self.buf)
         if offset < 0 or offset > self.end:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import struct
 
-from ...errors import InvalidDataError, UnexpectedEofError
+from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from . import codec as _codec
 
@@ -130,7 +130,13 @@ def desc_bytes(desc: ActivationFrameV16) -> bytes:
 
 
 def _view(data) -> memoryview:
-    view = memoryview(data)
+    """The bytes of a C-contiguous buffer (as the compiled twin's PyBUF_SIMPLE request)."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        view = None
+    if view is None or not view.c_contiguous:
+        raise InvalidInputError("activation must be a C-contiguous bytes-like object")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
