@@ -22,7 +22,7 @@ import pytest
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import cli
-from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, describe
+from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_HANGUP, EXIT_INTERRUPTED, describe
 from process_helpers import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,12 +62,20 @@ def _one_error_line(err: str) -> str:
     (["run", "--stages", "-1"], "argument --stages: must be at least 1, got -1"),
     (["run", "--chunk-size", "0"], "argument --chunk-size: must be at least 1, got 0"),
     (["run", "--chunk-size", "-1"], "argument --chunk-size: must be at least 1, got -1"),
-    (["run", "--max-tokens", "0"], "argument -n/--max-tokens/--n-predict: must be at least 1, got 0"),
-    (["run", "-n", "-5"], "argument -n/--max-tokens/--n-predict: must be at least 1, got -5"),
-    (["run", "--threads", "0"], "argument -t/--threads: must be at least 1, got 0"),
-    (["run", "--ctx-size", "0"], "argument -c/--ctx-size: must be at least 1, got 0"),
+    (["run", "--max-tokens", "0"],
+     "argument -n/--max-tokens/--n-predict: must be -1 (until the context is full) or at least 1, got 0"),
+    (["run", "-n", "-5"],
+     "argument -n/--max-tokens/--n-predict: must be -1 (until the context is full) or at least 1, got -5"),
+    (["run", "--threads", "0"], "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 0"),
+    (["run", "-t", "99999999999"],
+     "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 99999999999"),
+    (["run", "--ctx-size", "-1"], "argument -c/--ctx-size: must be between 0 and 16777216, got -1"),
+    (["run", "-c", "99999999999", "hi", "-n", "2"],
+     "argument -c/--ctx-size: must be between 0 and 16777216, got 99999999999"),
     (["run", "--timeout", "0"], "argument --timeout: must be greater than 0, got 0"),
     (["run", "--temp", "-1"], "argument --temp/--temperature: must be at least 0, got -1"),
+    (["run", "--temp", "inf"], "argument --temp/--temperature: must be finite, got inf"),
+    (["run", "--timeout", "inf"], "argument --timeout: must be finite, got inf"),
     (["run", "--top-p", "1.5"], "argument --top-p: must be between 0 and 1, got 1.5"),
     (["run", "--min-p", "nan"], "argument --min-p: must be between 0 and 1, got nan"),
     (["run", "--top-k", "few"], "argument --top-k: expected an integer, got 'few'"),
@@ -81,18 +89,29 @@ def _one_error_line(err: str) -> str:
     (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
     (["run", ""], "the prompt is empty"),
     (["run", "-p", ""], "the prompt is empty"),
-    (["run", "a", "-p", "b"], "give the prompt once: as an argument or with -p/--prompt"),
+    (["run", "a", "-p", "b"], "give the prompt once: as an argument, with -p/--prompt or with -f/--file"),
+    (["run", "a", "-f", "/nonexistent"], "give the prompt once: as an argument, with -p/--prompt or with -f/--file"),
+    (["run", "-f", "/nonexistent"], "-f/--file: /nonexistent: no such file or directory"),
+    (["run", "--topology", "t.json", "--connect", "127.0.0.1:9"],
+     "argument --connect: not allowed with argument --topology"),
+    (["run", "--tls-cert", "/nonexistent/cert.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "hi"],
+     "--tls-cert: /nonexistent/cert.pem: no such file or directory"),
     (["run", "\udcff"], "argument prompt: not valid UTF-8"),  # what argv b"\xff" decodes to
     (["run", "--activation-codec", "bf16-rne-v1", "--activation-codec-policy", "auto-lossless-v1"],
      "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
     (["run", "--activation-codec", "bf16", "--activation-codec-policy", "auto-lossless"],  # the short names
      "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
     (["run", "--activation-codec", "bf17"], "argument --activation-codec: invalid choice: 'bf17' (choose from "
-     "'raw-f32-v1', 'f16-rne-v1', 'bf16-rne-v1', 's8-row-f32-rne-v1')"),
+     "'raw-f32-v1', 'f16-rne-v1', 'bf16-rne-v1', 's8-row-f32-rne-v1'; or the short names 'raw-f32', 'f16', "
+     "'bf16', 's8')"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--listen", "127.0.0.1:99999"],
      "argument --listen: port 99999 is out of range (0-65535)"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--threads", "0"],
-     "argument --threads: must be at least 1, got 0"),
+     "argument --threads: must be between 1 and 512, got 0"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--threads", "99999999999"],
+     "argument --threads: must be between 1 and 512, got 99999999999"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--ctx-size", "99999999999"],
+     "argument --ctx-size: must be between 1 and 16777216, got 99999999999"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--io-timeout", "-1"],
      "argument --io-timeout: must be greater than 0, got -1"),
     (["serve", "--model", "m.gguf", "--layer-start", "3", "--layer-end", "2", "--stage-index", "1"],
@@ -156,6 +175,138 @@ def test_a_missing_model_is_a_runtime_error(capsys, tmp_path):
     code, out, err = _main(capsys, "run", "--model", str(missing), "hi")
     assert code == 1 and out == ""
     assert _one_error_line(err) == f"skippy-wire: error: {missing}: no such file or directory"
+
+
+def test_an_empty_model_file_is_named(capsys, tmp_path):
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    code, out, err = _main(capsys, "run", "-m", str(empty), "hi")
+    assert code == 1 and out == ""
+    assert _one_error_line(err) == f"skippy-wire: error: {empty}: the file is empty"
+
+
+class _FakeClient:
+    """A ``PipelineClient`` for ``run --connect``: records ``generate``'s ``max_tokens``,
+    streams ``tokens`` through ``on_token``, then calls ``then`` (to raise or signal)."""
+
+    max_tokens: list[int] = []
+
+    def __init__(self, tokens, then=None) -> None:
+        self.tokens, self.then = tokens, then
+
+    def __call__(self, *args, **kwargs) -> "_FakeClient":
+        return self
+
+    def __enter__(self) -> "_FakeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def generate(self, prompt, *, max_tokens, on_token, **kwargs):
+        from skippy_wire.net.driver import GenerationResult
+
+        self.max_tokens.append(max_tokens)
+        for token in self.tokens:
+            on_token(token)
+        if self.then:
+            self.then()
+        return GenerationResult(prompt_tokens=list(prompt), tokens=list(self.tokens), prefill_s=0.01, decode_s=0.01)
+
+
+@pytest.fixture
+def fake_client(monkeypatch, tiny_model):
+    """``run --connect`` against a fake stage 0 (no process): returns a function that
+    installs one ``_FakeClient`` streaming the tokens of ``text``."""
+    tokens = Tokenizer.from_gguf(tiny_model).encode
+
+    def install(text: str = " world", then=None) -> _FakeClient:
+        client = _FakeClient(tokens(text)[1:], then)  # without BOS
+        _FakeClient.max_tokens = []
+        monkeypatch.setattr("skippy_wire.tools.run.PipelineClient", client)
+        return client
+
+    return install
+
+
+def test_connect_json_reports_null_for_what_the_driver_cannot_know(capsys, tiny_model, fake_client):
+    fake_client()
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                           "--activation-codec", "bf16", "-t", "4", "hello")
+    assert code == 0, err
+    summary = json.loads(out)["summary"]
+    assert summary["connected"] == "127.0.0.1:9"
+    assert [summary[k] for k in ("stages", "codec", "policy", "threads")] == [None, None, None, None]
+
+
+def test_llama_cli_special_values_fill_the_training_context(capsys, tiny_model, fake_client):
+    """-n -1: until the context is full; -c 0: the model's training context (256 tokens)."""
+    fake_client()
+    code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                         "-c", "0", "-n", "-1", "-t", "-1", "hello")
+    assert code == 0, err
+    assert _FakeClient.max_tokens == [256 - 6]  # "hello": BOS + 5 byte tokens
+    code, _, err = _main(capsys, "run", "-m", str(tiny_model), "-c", "6", "-n", "-1", "hello")
+    assert code == 2
+    assert _one_error_line(err) == "skippy-wire: error: 6 prompt tokens leave no room for new tokens in --ctx-size 6"
+    code, _, err = _main(capsys, "run", "-m", str(tiny_model), "-c", "0", "-n", "300", "hello")
+    assert _one_error_line(err) == ("skippy-wire: error: 6 prompt tokens + 300 new tokens exceed --ctx-size 256 "
+                                    "(the model's training context)")
+
+
+def test_the_prompt_can_come_from_a_file(capsys, tmp_path, tiny_model, fake_client):
+    fake_client()
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello\nthere\n")
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                           "-f", str(prompt))
+    assert code == 0, err
+    assert json.loads(out)["prompt"] == "hello\nthere"  # one trailing newline dropped, as llama-cli does
+    prompt.write_bytes(b"\xff")
+    code, _, err = _main(capsys, "run", "-f", str(prompt))
+    assert code == 2 and _one_error_line(err) == f"skippy-wire: error: -f/--file: {prompt}: not valid UTF-8"
+
+
+def test_ctrl_c_mid_generation_ends_the_partial_line(capsys, tiny_model, fake_client):
+    def interrupt():
+        raise KeyboardInterrupt
+
+    fake_client(" world", then=interrupt)
+    code, out, _ = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hello")
+    assert code == EXIT_INTERRUPTED
+    assert out == "hello world\n"
+
+
+def test_sighup_cleans_up_like_ctrl_c(capsys, monkeypatch, tmp_path, tiny_model, fake_client):
+    """SIGHUP (a closed terminal) exits 129 after the cleanup: the temporary log directory is gone."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    previous = signal.signal(signal.SIGHUP, lambda *_: seen.append("not handled by run"))  # old code: would die
+    try:
+        fake_client(" world", then=lambda: (os.kill(os.getpid(), signal.SIGHUP), time.sleep(0.5)))
+        code, out, _ = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hello")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert (code, seen) == (EXIT_HANGUP, [])
+    assert out.endswith("\n")
+    assert not list(tmp_path.glob("skippy-wire-logs-*"))
+
+
+def test_progress_says_one_stage_process_and_t_minus_1_is_the_default(capsys, monkeypatch, tiny_model):
+    from skippy_wire.errors import PipelineError
+
+    started = []
+
+    def launch(model, stages, **kwargs):
+        started.append(kwargs["threads"])
+        raise PipelineError("stage 0 cannot start: stop here")
+
+    monkeypatch.setattr("skippy_wire.tools.run.launch_pipeline", launch)
+    code, _, err = _main(capsys, "run", "-m", str(tiny_model), "--stages", "1", "-t", "-1", "hello")
+    assert code == 1 and started == [None]
+    assert "; 1 stage process;" in err
 
 
 def test_top_level_handler_turns_escaping_errors_into_one_line(capsys, monkeypatch):

@@ -161,7 +161,7 @@ def test_killed_stage_ends_the_driver_with_one_line(netns):
     os.kill(pids[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
-    errors = [line for line in err.splitlines() if line.startswith("skippy-wire cluster:")]
+    errors = [line for line in err.splitlines() if line.startswith("skippy-wire: error:")]
     assert len(errors) == 1, err
     assert "request failed: stage 0 at 10.77.0.1:19000 closed the connection" in errors[0]
     assert "stage 1 (pid" in errors[0] and "exited with status -9" in errors[0]
@@ -185,7 +185,7 @@ def test_failure_at_startup_removes_everything(netns, tmp_path, model):
     done = subprocess.run([*CLUSTER, "--hosts", "2", "--measure-seconds", "0", "--model", str(broken),
                            "--max-tokens", "2", "x"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("skippy-wire cluster:")]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("skippy-wire: error:")]
     assert len(errors) == 1, done.stderr
     assert re.search(r"cannot start the stages: stage \d cannot start: ModelError: GGUF is truncated", errors[0]), \
         errors[0]
@@ -199,7 +199,7 @@ def test_unavailable_netns_is_a_one_line_error(tmp_path):
                           env=env)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        "skippy-wire cluster: cannot make namespace hosts: the `ip` command (iproute2) is not installed"]
+        "skippy-wire: error: cannot make namespace hosts: the `ip` command (iproute2) is not installed"]
 
 
 def test_topology_file_of_a_cluster_is_valid(model):

@@ -126,9 +126,11 @@ class StageProcess:
                                     f"{self._log_hint()}")
 
     def _log_hint(self) -> str:
+        """``": "`` and the last line of the stage's log (for a traceback: the exception), so
+        that the error stays one line; empty without a log."""
         if self.log_path and self.log_path.exists():
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            return ":\n  " + "\n  ".join(tail) if tail else ""
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()
+            return f": {tail[-1].strip()}" if tail else ""
         return ""
 
     @property

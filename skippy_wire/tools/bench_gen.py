@@ -24,6 +24,7 @@ from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
 from .bench_rows import Ratio, Row
+from .options import Parser, doc_summary, float_above, int_at_least
 
 V16_GOAL_RATIO = 0.9
 N_EMBD = 4096
@@ -104,10 +105,11 @@ ROW_PRODUCERS = [frame_gen_rows]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="skippy_wire.tools.bench_gen", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--min-time", type=float, default=0.2)
+    parser = Parser(prog="python -m skippy_wire.tools.bench_gen", description=doc_summary(__doc__))
+    parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
+                        help="kernels measured (default: the live ones)")
+    parser.add_argument("--repeat", type=int_at_least(1), default=5, help="timing rounds (the best is kept)")
+    parser.add_argument("--min-time", type=float_above(0), default=0.2, help="seconds per timing round")
     opts = parser.parse_args(argv)
     met = True
     for item in frame_gen_rows(opts):

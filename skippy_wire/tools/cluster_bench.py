@@ -23,9 +23,11 @@ from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
 from ..wire.constants import CodecPolicy
-from .cluster import ClusterOptions, add_cluster_options, check_tokens, local_reference, progress_printer, run_cluster
+from .cluster import (ClusterOptions, add_cluster_options, check_tokens, link_rate, local_reference, progress_printer,
+                      run_cluster)
 from .bench_rows import cpu_model
-from .options import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES
+from .options import (CODEC_SHORT_NAMES, EXIT_FAILURE, POLICY_SHORT_NAMES, Parser, describe, doc_summary,
+                      error_line, exiting_on_signals, float_at_least, int_list)
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.
@@ -44,6 +46,23 @@ def _list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def comma_list(one):
+    """A ``--NAME A,B,...`` option: every item converted (and checked) by ``one``."""
+
+    def convert(text: str) -> list:
+        items = _list(text)
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
+        return [one(item) for item in items]
+
+    convert.__name__ = "list"
+    return convert
+
+
+def codec_row(name: str) -> str:
+    if name not in CODECS:
+        raise argparse.ArgumentTypeError(f"unknown codec {name!r} (one of {', '.join(CODECS)})")
+    return name
 
 
 def row_of(res, ok: bool) -> dict:
@@ -68,16 +87,18 @@ def markdown(rows: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--hosts", default=DEFAULT_HOSTS, help="comma list (default %(default)s)")
-    p.add_argument("--rates", default=DEFAULT_RATES, help="comma list (default %(default)s)")
-    p.add_argument("--delays", default=DEFAULT_DELAYS, help="comma list of one-way ms (default %(default)s)")
-    p.add_argument("--codecs", default=",".join(CODECS), help="comma list of " + ", ".join(CODECS))
+    p = Parser(prog=PROG, description=doc_summary(__doc__.splitlines()[0]))
+    p.add_argument("--hosts", type=int_list(1), default=DEFAULT_HOSTS, help="comma list of host counts")
+    p.add_argument("--rates", type=comma_list(link_rate), default=DEFAULT_RATES, help="comma list of link rates")
+    p.add_argument("--delays", type=comma_list(float_at_least(0)), default=DEFAULT_DELAYS,
+                   help="comma list of one-way ms")
+    p.add_argument("--codecs", type=comma_list(codec_row), default=",".join(CODECS),
+                   help="comma list of " + ", ".join(CODECS))
     p.add_argument("--prompt", default="Once upon a time, in a small village by the sea, there lived a fisherman "
-                                       "who knew every wave by name and every star by heart.")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
-    add_cluster_options(p)
-    p.set_defaults(prompt_tokens=512, max_tokens=32)
+                                       "who knew every wave by name and every star by heart.",
+                   help="text repeated and cut to --prompt-tokens")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (default: none)")
+    add_cluster_options(p, max_tokens=32, prompt_tokens=512)
     return p
 
 
@@ -86,21 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, PROG)
 
+    hosts, rates, delays, codecs = args.hosts, args.rates, args.delays, args.codecs
     try:
-        hosts = [int(h) for h in _list(args.hosts)]
-        rates = _list(args.rates)
-        for rate in rates:
-            parse_rate(rate)
-        delays = [float(d) for d in _list(args.delays)]
-        codecs = _list(args.codecs)
-        unknown = [c for c in codecs if c not in CODECS]
-        if unknown:
-            raise ValueError(f"unknown codec {unknown[0]!r} (one of {', '.join(CODECS)})")
         model = Path(args.model) if args.model else default_model()
         tokenizer = Tokenizer.from_gguf(model)
     except (ValueError, OSError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        print(error_line(describe(exc)), file=sys.stderr)
+        return EXIT_FAILURE
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
           f"{args.threads or 1} thread(s) per stage")
@@ -108,29 +121,30 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     started = time.perf_counter()
     try:
-        for n in hosts:
-            for rate in rates:
-                for delay in delays:
-                    for name in codecs:
-                        codec, policy = CODECS[name]
-                        opts = ClusterOptions(hosts=n, rate=rate, delay_ms=delay, codec=codec, policy=policy,
-                                              max_tokens=args.max_tokens, chunk_size=args.chunk_size,
-                                              prompt=args.prompt, prompt_tokens=args.prompt_tokens,
-                                              ctx_size=args.ctx_size, threads=args.threads, model=str(model),
-                                              timeout=args.timeout, measure_seconds=args.measure_seconds)
-                        progress(f"{n} hosts, {rate}, {delay:g} ms, {name}")
-                        res = run_cluster(opts, tokenizer=tokenizer)
-                        if reference is None:
-                            reference = local_reference(res, tokenizer)
-                        ok, _ = check_tokens(res, reference)
-                        rows.append(row_of(res, ok))
-                        progress(json.dumps(rows[-1]))
+        with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
+            for n in hosts:
+                for rate in rates:
+                    for delay in delays:
+                        for name in codecs:
+                            codec, policy = CODECS[name]
+                            opts = ClusterOptions(hosts=n, rate=rate, delay_ms=delay, codec=codec, policy=policy,
+                                                  max_tokens=args.max_tokens, chunk_size=args.chunk_size,
+                                                  prompt=args.prompt, prompt_tokens=args.prompt_tokens,
+                                                  ctx_size=args.ctx_size, threads=args.threads, model=str(model),
+                                                  timeout=args.timeout, measure_seconds=args.measure_seconds)
+                            progress(f"{n} hosts, {rate}, {delay:g} ms, {name}")
+                            res = run_cluster(opts, tokenizer=tokenizer)
+                            if reference is None:
+                                reference = local_reference(res, tokenizer)
+                            ok, _ = check_tokens(res, reference)
+                            rows.append(row_of(res, ok))
+                            progress(json.dumps(rows[-1]))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted after {len(rows)} rows", file=sys.stderr)
+        print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
     except (NetnsError, TopologyError, PipelineError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(error_line(describe(exc)), file=sys.stderr)
         if not rows:
-            return 1
+            return EXIT_FAILURE
     print(markdown(rows))
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s")
     if args.json:

@@ -14,6 +14,7 @@ M > 0 or no case was found (2 for usage errors).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from . import conformance_gen
 from ..wire.constants import ActivationCodec
 from ..errors import Mismatch
 from ..wire.frame import reader_expectation
-from .options import EXIT_USAGE, Parser, error_line, int_at_least
+from .options import EXIT_USAGE, Parser, doc_summary, error_line, int_at_least
 from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
                            read_expectation, require_ok)
 
@@ -220,16 +221,20 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
     return passed, failed
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = Parser(prog="skippy-wire conformance", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="skippy-wire conformance", description=doc_summary(__doc__))
     parser.add_argument("paths", nargs="+", metavar="DIR", help="directories (searched for *.jsonl) or files")
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
-    parser.add_argument("--max-report", type=int_at_least(0), default=10,
-                        help="failures to print in full (default 10)")
+    parser.add_argument("--max-report", type=int_at_least(0), default=10, help="failures to print in full")
     parser.add_argument("--protocol", type=int, choices=(16, 17), default=None,
                         help="state version of the cases (default: from each case id, v15 otherwise)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print per-group counts")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     missing = [path for path in args.paths if not Path(path).exists()]
     if missing:

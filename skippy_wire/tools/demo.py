@@ -1,4 +1,4 @@
-"""``python -m skippy_wire demo``: one realistic activation through every codec.
+"""``skippy-wire demo``: one realistic activation through every codec.
 
 The frame is a deterministic 8 x 576 residual-stream-like tensor (the width of a small
 transformer): Gaussian features with per-channel scales and a few large outlier
@@ -8,6 +8,7 @@ selector does with data a bf16 model produced.
 
 from __future__ import annotations
 
+import argparse
 
 import ml_dtypes
 import numpy as np
@@ -16,12 +17,13 @@ from ..wire import codec as api
 from .._impl import IMPLEMENTATION
 from ..wire.constants import ActivationCodec
 from ..errors import WireError
-from .options import Parser
+from .options import Parser, doc_summary, int_at_least
 
 TOKENS, N_EMBD = 8, 576
+DEFAULT_SEED = 576
 
 
-def residual_stream(tokens: int = TOKENS, n_embd: int = N_EMBD, seed: int = 576) -> np.ndarray:
+def residual_stream(tokens: int = TOKENS, n_embd: int = N_EMBD, seed: int = DEFAULT_SEED) -> np.ndarray:
     """A deterministic hidden-state-like f32 frame (tokens x n_embd)."""
     rng = np.random.default_rng(seed)
     channel_scale = np.exp(rng.normal(-0.5, 0.6, n_embd)).astype(np.float32)
@@ -53,10 +55,14 @@ def _report(name: str, x: np.ndarray) -> list[str]:
     return lines
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="skippy-wire demo", description=doc_summary(__doc__))
+    parser.add_argument("--seed", type=int_at_least(0), default=DEFAULT_SEED, help="seed of the synthetic frame")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="skippy-wire demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=576, help="seed of the synthetic frame")
-    opts = parser.parse_args(argv)
+    opts = build_parser().parse_args(argv)
     x = residual_stream(seed=opts.seed)
     print(f"skippy_wire activation codecs (kernels: {IMPLEMENTATION})\n")
     print("\n".join(_report("residual stream", x)))

@@ -18,7 +18,9 @@ overrides the inference (and is then validated like a stage would).
 
 Every field is printed; activations are summarised (codec, sizes, shape, min/max, first
 values) unless ``--values`` asks for every value.  Exit status 0 when the whole stream
-parsed, 1 at the first malformed or truncated record (printed with its offset).
+parsed (an empty one too: "0 records ... nothing to dissect", a hop that carried nothing),
+1 at the first malformed or truncated record (one line ``skippy-wire: error: #K @OFFSET:
+...``) or an unreadable file.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activatio
 from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.messages import WireStagePhase
-from .options import Parser
+from .options import Parser, describe, error_line, int_at_least
 from .inspect_gen import detect_protocol, dissect_gen
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
@@ -203,13 +205,15 @@ def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="skippy-wire inspect",
-                                description="Dissect a captured byte stream of stage messages or replies.")
+    p = Parser(prog="skippy-wire inspect", description="Dissect a captured byte stream of stage messages or replies.")
     p.add_argument("file", help="capture file, or - for stdin")
     direction = p.add_mutually_exclusive_group()
-    direction.add_argument("--replies", action="store_true", help="the stream is READY + replies")
-    direction.add_argument("--messages", action="store_true", help="the stream is stage messages")
-    p.add_argument("--n-embd", type=int, default=None, help="activation width (default: inferred per message)")
+    direction.add_argument("--replies", action="store_true",
+                           help="the stream is READY + replies (default: detected from the bytes and the name)")
+    direction.add_argument("--messages", action="store_true",
+                           help="the stream is stage messages (default: detected as for --replies)")
+    p.add_argument("--n-embd", type=int_at_least(1), default=None,
+                   help="activation width (default: inferred per message)")
     p.add_argument("--values", action="store_true", help="print every activation value")
     p.add_argument("--protocol", type=int, choices=PROTOCOL_VERSIONS, default=None,
                    help="state version of the capture (default: detected from its bytes)")
@@ -224,15 +228,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             data, name = Path(args.file).read_bytes(), args.file
         except OSError as exc:
-            print(f"skippy-wire inspect: {exc}", file=sys.stderr)
+            print(error_line(describe(exc)), file=sys.stderr)
             return 1
+    if not data:
+        print(f"0 records, 0 bytes: {'stdin' if name == '-' else name} is empty, nothing to dissect")
+        return 0
     replies = True if args.replies else False if args.messages else None
     try:
         count = dissect(data, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name,
                         protocol=args.protocol)
     except DissectError as exc:
         sys.stdout.flush()
-        print(f"skippy-wire inspect: {exc}", file=sys.stderr)
+        print(error_line(str(exc)), file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `skippy-wire inspect FILE | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -2,18 +2,24 @@
 
 * :class:`DefaultsFormatter`: ``--help`` shows every default.
 * :class:`Parser`: an ``argparse.ArgumentParser`` whose usage errors read
-  ``skippy-wire: error: ...`` (after argparse's usage line) and exit with status 2.
+  ``skippy-wire: error: ...`` (after argparse's usage line) and exit with status 2, with
+  :class:`DefaultsFormatter` and no reStructuredText double backticks in ``--help``.
 * Range-checked argument types (:func:`int_at_least`, :func:`float_above`, ...), so that
-  every numeric option is refused before any process starts.
+  every numeric option is refused before any process starts; :data:`MAX_THREADS` and
+  :data:`MAX_CTX_SIZE` bound the thread count and context of every command.
 * :func:`describe`: one line for an exception that reaches the user.
+* :func:`exiting_on_signals`: SIGTERM and SIGHUP unwind like Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
+import signal
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 from ..net.tls import TlsConfig
 from ..net.transport import parse_address
@@ -21,32 +27,59 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
-#: Exit statuses: a runtime failure, a usage error, Ctrl-C (128 + SIGINT), a closed stdout (128 + SIGPIPE).
+#: Exit statuses: a runtime failure, a usage error, and 128 + the signal: SIGHUP, Ctrl-C
+#: (SIGINT), a closed stdout (SIGPIPE), SIGTERM.
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-EXIT_BROKEN_PIPE = 141
+EXIT_HANGUP = 128 + signal.SIGHUP
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+EXIT_TERMINATED = 128 + signal.SIGTERM
 #: The TCP port range (port 0: any free port).
 MAX_PORT = 65535
+#: The most compute threads a stage takes: ggml's ``GGML_MAX_N_THREADS`` (ggml.h).
+MAX_THREADS = 512
+#: The largest context (tokens per session) a stage takes: the backend refuses more
+#: (``skippy_stage_init``, stage/_stage/abi.cpp).
+MAX_CTX_SIZE = 1 << 24
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Help that shows every default: argparse's ``(default: X)`` where there is a value;
-    options without one (None, flags) say what their absence means in their own text."""
+    """Help that shows every default: argparse's ``(default: X)`` where there is a value,
+    ``(default: off)`` for a flag; options without a value (None) and flags that switch
+    something off say what their absence means in their own text, which then names it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+        default = action.default
+        if "%(default)" in text or "default" in text or default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a flag: only one that switches something on has a plain default
+            return f"{text} (default: off)" if default is False else text
+        if default is None:
             return text
         return f"{text} (default: %(default)s)"
 
 
 class Parser(argparse.ArgumentParser):
-    """``argparse`` with the command's one error prefix."""
+    """``argparse`` with the command's one error prefix, :class:`DefaultsFormatter`
+    unless told otherwise, and help without the docstrings' double backticks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        return super().format_help().replace("``", "")
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}\n")
+
+
+def doc_summary(doc: str | None) -> str:
+    """A command's description from its module docstring: the first paragraph on one line."""
+    return " ".join((doc or "").split("\n\n")[0].split())
 
 
 def error_line(message: str) -> str:
@@ -66,13 +99,32 @@ def describe(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _number(kind: type, check: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+def file_error(path, exc: BaseException) -> str:
+    """One line for ``exc`` raised while reading the file ``path``, naming it once (an empty
+    file says so rather than how the reader failed)."""
+    try:
+        empty = os.path.getsize(path) == 0
+    except OSError:
+        empty = False
+    text = "the file is empty" if empty else describe(exc)
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def _number(kind: type, check: Callable[[float], bool], rule: str, *, base: int = 10, finite: bool = False,
+            special: tuple[int, str] | None = None) -> Callable[[str], float]:
+    if special is not None:
+        rule = f"{special[0]} ({special[1]}) or {rule}"
+
     def convert(text: str):
         try:
-            value = kind(text)
+            value = int(text, base) if kind is int else kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
+        if special is not None and value == special[0]:
+            return value
+        if finite and math.isinf(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
         if value != value or not check(value):  # NaN is refused too
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
@@ -81,20 +133,43 @@ def _number(kind: type, check: Callable[[float], bool], rule: str) -> Callable[[
     return convert
 
 
-def int_at_least(lo: int) -> Callable[[str], int]:
-    return _number(int, lambda v: v >= lo, f"at least {lo}")
+def int_at_least(lo: int, *, base: int = 10, special: tuple[int, str] | None = None) -> Callable[[str], int]:
+    """An integer ``>= lo``.  ``base`` 0 takes ``0x`` prefixes too; ``special`` is a value
+    outside the range accepted as is and what it means (llama-cli's ``-n -1``: "until the
+    context is full"), named in the error."""
+    return _number(int, lambda v: v >= lo, f"at least {lo}", base=base, special=special)
 
 
-def int_between(lo: int, hi: int) -> Callable[[str], int]:
-    return _number(int, lambda v: lo <= v <= hi, f"between {lo} and {hi}")
+def int_between(lo: int, hi: int, *, base: int = 10,
+                special: tuple[int, str] | None = None) -> Callable[[str], int]:
+    """An integer in ``[lo, hi]`` (``base`` and ``special``: as :func:`int_at_least`)."""
+    return _number(int, lambda v: lo <= v <= hi, f"between {lo} and {hi}", base=base, special=special)
+
+
+def int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each ``>= lo`` (and ``<= hi``): ``1,2,4``."""
+    one = int_at_least(lo) if hi is None else int_between(lo, hi)
+
+    def convert(text: str) -> list[int]:
+        try:
+            values = [int(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        try:
+            return [one(str(value)) for value in values]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"each value {exc}") from None
+
+    convert.__name__ = "list"
+    return convert
 
 
 def float_above(lo: float) -> Callable[[str], float]:
-    return _number(float, lambda v: v > lo and v != float("inf"), f"greater than {lo:g}")
+    return _number(float, lambda v: v > lo, f"greater than {lo:g}", finite=True)
 
 
 def float_at_least(lo: float) -> Callable[[str], float]:
-    return _number(float, lambda v: v >= lo and v != float("inf"), f"at least {lo:g}")
+    return _number(float, lambda v: v >= lo, f"at least {lo:g}", finite=True)
 
 
 def float_between(lo: float, hi: float) -> Callable[[str], float]:
@@ -118,15 +193,31 @@ CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16
 POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
 
 
+def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
+    """A choice among ``names`` or their ``short`` aliases (returned as the full name); a
+    wrong one lists both."""
+
+    def convert(text: str) -> str:
+        name = short.get(text, text)
+        if name not in names:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))}; "
+                f"or the short names {', '.join(map(repr, short))})")
+        return name
+
+    convert.__name__ = "choice"
+    return convert
+
+
 def add_codec_options(p: argparse.ArgumentParser, what: str = "the activations between stages") -> None:
     """``--activation-codec`` and ``--activation-codec-policy`` (wire-format.md 6.1 and 8.2)."""
+    codecs = [c.identity() for c in ActivationCodec]
+    policies = [policy.serde_name for policy in CodecPolicy]
     p.add_argument("--activation-codec", default=ActivationCodec.default().identity(),
-                   type=lambda name: CODEC_SHORT_NAMES.get(name, name),
-                   choices=[c.identity() for c in ActivationCodec],
+                   type=_named_choice(codecs, CODEC_SHORT_NAMES), metavar="{" + ",".join(codecs) + "}",
                    help=f"codec of {what} (or {', '.join(CODEC_SHORT_NAMES)})")
     p.add_argument("--activation-codec-policy", default=CodecPolicy.FIXED.serde_name,
-                   type=lambda name: POLICY_SHORT_NAMES.get(name, name),
-                   choices=[policy.serde_name for policy in CodecPolicy],
+                   type=_named_choice(policies, POLICY_SHORT_NAMES), metavar="{" + ",".join(policies) + "}",
                    help="fixed: always the codec; auto-lossless-v1 (or auto-lossless): the smallest exact "
                         "codec per frame")
 
@@ -185,15 +276,25 @@ def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help=f"certificate chain presented on {what} (with --tls-key and --tls-ca: mutual TLS; "
                         "default: plain TCP)")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="the private key of --tls-cert (default: none)")
     p.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA every peer's certificate must be signed by (peers without one are refused)")
+                   help="CA every peer's certificate must be signed by (peers without one are refused; "
+                        "default: none)")
 
 
 def tls_config(args):
     """The ``TlsConfig`` of parsed ``--tls-*`` options (None without them); ValueError
-    unless all three are given."""
-    return TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    unless all three are given and each names a readable file (the option and the path)."""
+    config = TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    if config is not None:
+        for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"{option}: {describe(exc)}") from None
+    return config
 
 
 def utf8(text: str) -> str:
@@ -205,7 +306,29 @@ def utf8(text: str) -> str:
     return text
 
 
-__all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "MAX_PORT",
-           "AUTO_STAGE_POLL_MS", "DefaultsFormatter", "Parser", "error_line", "describe", "int_at_least",
-           "int_between", "float_above", "float_at_least", "float_between", "address", "add_poll_option",
-           "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "utf8"]
+@contextlib.contextmanager
+def exiting_on_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP unwind like Ctrl-C, as ``SystemExit(128 + signal)`` raised
+    in the main thread, so that ``with``/``finally`` blocks stop stage processes and remove
+    temporary files before the command exits 143 or 129.  A signal ignored on entry (``nohup``)
+    stays ignored."""
+
+    def on_signal(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+__all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
+           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
+           "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
+           "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
+           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "utf8"]

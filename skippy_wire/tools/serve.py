@@ -29,23 +29,24 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_USAGE, DefaultsFormatter, Parser, add_codec_options, add_poll_option,
-                      add_tls_options, address, describe, error_line, float_above, float_at_least, int_at_least,
-                      tls_config)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
+                      add_codec_options, add_poll_option, add_tls_options, address, describe, error_line,
+                      exiting_on_signals, float_above, float_at_least, int_at_least, int_between, tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.",
-               formatter_class=DefaultsFormatter)
+    p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.")
     p.add_argument("--model", default=None, help="GGUF model path (required without --topology)")
     p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
     p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
     p.add_argument("--topology", default=None, metavar="FILE",
                    help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, listen "
-                        "address, downstream, codec, policy and threads (--model overrides its model path)")
-    p.add_argument("--stage", type=int_at_least(0), default=None, metavar="K", help="the stage of --topology to run")
+                        "address, downstream, codec, policy and threads (--model overrides its model path; "
+                        "default: none, the options give them)")
+    p.add_argument("--stage", type=int_at_least(0), default=None, metavar="K",
+                   help="the stage of --topology to run (required with --topology; default: none)")
     p.add_argument("--link-delay-ms", type=float_at_least(0), default=0.0,
                    help="sleep this long before every send over a stage-to-stage link (emulated one-way "
                         "link delay: downstream sends, and replies upstream on stages after the first)")
@@ -56,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--downstream", default=None, type=address,
                    help="HOST:PORT of the next stage (default: none, the last stage)")
     add_codec_options(p, "the forwarded activations")
-    p.add_argument("--ctx-size", type=int_at_least(1), default=512, help="context (tokens)")
-    p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="compute threads (default: 1, see default_threads)")
+    p.add_argument("--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=512, help="context (tokens)")
+    p.add_argument("--threads", type=int_between(1, MAX_THREADS), default=None,
+                   help=f"compute threads (default: {default_threads()}; ggml threads spin, see docs/pipeline.md)")
     p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
-                   help="seconds a peer may stall inside a message")
+                   help="seconds a peer may stall inside a message or in reading a reply")
     p.add_argument("--idle-timeout", type=float_above(0), default=DEFAULT_IDLE_TIMEOUT,
                    help="seconds a connection may sit idle between messages; its sessions are freed")
     add_admission_options(p)
@@ -97,7 +98,8 @@ def add_admission_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-timeout", type=float_above(0), default=DEFAULT_MESSAGE_TIMEOUT,
                    help="seconds a whole message may take to arrive after its first byte")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
-                   help="connections served at once; more are refused at accept")
+                   help="connections served at once; a new one beyond them closes the one quiet longest "
+                        "(no session, no message being executed), else it is refused")
     p.add_argument("--max-sessions-per-connection", type=int_at_least(1),
                    default=DEFAULT_MAX_SESSIONS_PER_CONNECTION, help="sessions one connection may hold at once")
     p.add_argument("--lane-wait", type=float_at_least(0), default=DEFAULT_LANE_WAIT,
@@ -174,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             _apply_topology(args)
         except TopologyError as exc:
             return _usage_error(str(exc))
+        # The file's values meet the command line's bounds too.
+        if not 1 <= args.ctx_size <= MAX_CTX_SIZE:
+            return _usage_error(f"{args.topology}: ctx_size {args.ctx_size} is not between 1 and {MAX_CTX_SIZE}")
+        if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+            return _usage_error(f"{args.topology}: threads {args.threads} is not between 1 and {MAX_THREADS}")
     elif args.model is None or args.layer_start is None or args.layer_end is None:
         return _usage_error("--model, --layer-start and --layer-end are required without --topology")
     if args.layer_end <= args.layer_start:
@@ -187,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
         _exit_on_stdin_eof()
+    # SIGTERM (143) and SIGHUP (129) end the stage like Ctrl-C (130).
+    with exiting_on_signals():
+        try:
+            return _serve(args, stage_index)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+
+
+def _serve(args, stage_index: int) -> int:
     host, port = args.listen
     downstream = args.downstream
     try:
@@ -206,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend = RuntimeBackend.open(args.model, args.layer_start, args.layer_end, stage_index=stage_index,
                                       ctx_size=args.ctx_size, n_threads=threads)
-    except (OSError, ValueError, WireError, ImportError, StageRuntimeError) as exc:
+    except (OSError, ValueError, OverflowError, WireError, ImportError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     try:
         config.ctx_size = args.ctx_size
@@ -240,10 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_event({"event": "listening", "host": bound_host, "port": bound_port, "stage": stage_index,
                   "layer_start": args.layer_start, "layer_end": args.layer_end, "n_embd": backend.n_embd,
                   "protocol": args.protocol})
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    server.serve_forever()
     return 0
 
 

@@ -60,7 +60,8 @@ import numpy as np
 from .._impl import kernel_module
 from ..errors import InvalidDataError
 from ..wire.constants import ActivationCodec
-from .options import available_cpus
+from ..errors import ToolError
+from .options import Parser, available_cpus, doc_summary, int_at_least, int_between
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -470,36 +471,41 @@ class Progress:
             self.stream.flush()
 
 
-def _int(text: str) -> int:
-    return int(text, 0)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="skippy-wire verify-exhaustive", description=doc_summary(__doc__))
+    p.add_argument("--start", type=int_between(0, TOTAL - 1, base=0), default=0,
+                   help="first f32 pattern (0x prefixes allowed)")
+    p.add_argument("--limit", type=int_between(1, TOTAL, base=0), default=None,
+                   help="number of patterns (default: all up to 2^32)")
+    p.add_argument("--chunk", type=int_at_least(1, base=0), default=DEFAULT_CHUNK,
+                   help="patterns per chunk (default: 2^22)")
+    p.add_argument("--workers", type=int_at_least(1), default=None,
+                   help="worker processes (default: one per core; 1: in this process)")
+    p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test")
+    p.add_argument("--samples", type=int_at_least(0), default=SAMPLES,
+                   help="error and inexact elements checked alone per chunk")
+    p.add_argument("--show", type=int_at_least(0), default=20, help="mismatches to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on stderr)")
+    return p
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="skippy-wire verify-exhaustive", description=__doc__.split("\n\n")[0])
-    p.add_argument("--start", type=_int, default=0, help="first f32 pattern (default 0; hex allowed)")
-    p.add_argument("--limit", type=_int, default=None, help="number of patterns (default: all up to 2^32)")
-    p.add_argument("--chunk", type=_int, default=DEFAULT_CHUNK, help="patterns per chunk (default 2^22)")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core; 1 = in process)")
-    p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test (default cython)")
-    p.add_argument("--samples", type=int, default=SAMPLES, help="error/inexact elements checked alone per chunk")
-    p.add_argument("--show", type=int, default=20, help="mismatches to print")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = build_parser()
     args = p.parse_args(argv)
-    if not 0 <= args.start < TOTAL:
-        p.error("--start must be in [0, 2^32)")
     if args.limit is None:
         args.limit = TOTAL - args.start
-    if args.limit <= 0 or args.start + args.limit > TOTAL:
-        p.error("--limit must be positive and stay within 2^32")
-    if args.chunk <= 0:
-        p.error("--chunk must be positive")
+    if args.start + args.limit > TOTAL:
+        p.error(f"--start 0x{args.start:x} + --limit {args.limit} go past 2^32")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     workers = args.workers or available_cpus()
-    kernel_module("codec", args.impl)  # fail here, not in every worker, if it is not built
+    try:
+        kernel_module("codec", args.impl)  # fail here, not in every worker, if it is not built
+    except ImportError as exc:
+        raise ToolError(str(exc)) from None
 
     t0 = time.monotonic()
     results: list[ChunkResult] = [check_decode16(args.impl)]
