@@ -504,7 +504,8 @@ class StageServer:
             with self._runtime_lock:
                 self.backend.trim(session.runtime, msg.pos_start)
             return
-        raise StageError(f"{K(msg.kind).name} at position {msg.pos_start}, but session {msg.session_id} holds {have} tokens")
+        raise StageError(f"{K(msg.kind).name} at position {msg.pos_start}, but session {msg.session_id} "
+                         f"holds {have} tokens")
 
     def _own_stats(self, kind: int, compute_us: int, token_count: int):
         """Prefill compute observation of this stage (wire-format.md 11.3)."""
