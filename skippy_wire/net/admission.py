@@ -148,14 +148,43 @@ class SessionAdmission:
 
 class ConnectionLimit:
     """``limit`` connections at once.  At the limit a new connection sheds the one quiet
-    longest (no session, no message being executed), else it is refused and closed; both are
-    logged at most one line a second, with the running counts."""
+    longest (:meth:`quiet`: holding no session and executing no message, so idle, in its
+    setup or with a message still arriving), else it is refused and closed; both are logged
+    at most one line a second, with the running counts.  Idle peers thus cannot lock users
+    out until their idle timeout, and a connection serving a session is never shed."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.refused = 0
         self.shed_count = 0
         self._logged = 0.0
+        self._quiet: dict[int, tuple[float, object]] = {}  # seq -> (since, socket)
+        self._lock = threading.Lock()
+
+    def quiet(self, seq: int, sock) -> None:
+        """Connection ``seq`` holds no session and executes no message from now on."""
+        with self._lock:
+            self._quiet[seq] = (time.monotonic(), sock)
+
+    def busy(self, seq: int) -> None:
+        """Connection ``seq`` executes a message (or has ended): not to be shed."""
+        with self._lock:
+            self._quiet.pop(seq, None)
+
+    def shed_quietest(self):
+        """The socket of the connection quiet longest, taken off the quiet ones (the caller
+        closes it), or None when none is quiet."""
+        with self._lock:
+            if not self._quiet:
+                return None
+            seq = min(self._quiet, key=lambda k: self._quiet[k][0])
+            since, sock = self._quiet.pop(seq)
+        self.shed_count += 1
+        if self._log_now():
+            log.warning("closed connection %d, quiet for %.1f s, to make room: %d connections open "
+                        "(max-connections; %d closed so far)", seq, time.monotonic() - since, self.limit,
+                        self.shed_count)
+        return sock
 
     def _log_now(self) -> bool:
         now = time.monotonic()
@@ -170,12 +199,6 @@ class ConnectionLimit:
         if self._log_now():
             log.warning("refused connection from %s:%d: %d connections open, none quiet (max-connections; "
                         "%d refused so far)", addr[0], addr[1], self.limit, self.refused)
-
-    def shed(self, seq: int, quiet_s: float) -> None:
-        self.shed_count += 1
-        if self._log_now():
-            log.warning("closed connection %d, quiet for %.1f s, to make room: %d connections open "
-                        "(max-connections; %d closed so far)", seq, quiet_s, self.limit, self.shed_count)
 
 
 __all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",

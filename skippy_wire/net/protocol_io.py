@@ -33,7 +33,7 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import StateVersionMismatch, TlsRequired, WireError
+from ..errors import StageError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -301,6 +301,33 @@ class LinkProtocol:
         desc, payload = self.wire.decode_frame(ActivationCodec.RAW_F32_V1, record.activation)
         record.activation = frame_from_v16(desc, payload)
         return record
+
+    def send_within(self, data: bytes, timeout: float) -> None:
+        """Send one message to :attr:`who`, a stage downstream; StageError (naming it) when
+        it takes nothing for ``timeout`` seconds or has closed the connection."""
+        try:
+            self.peer.sock.settimeout(timeout)
+            self.peer.send(data)
+        except (socket.timeout, TimeoutError):
+            raise StageError(f"{self.who} took no data for {timeout} s") from None
+        except ConnectionError as exc:
+            raise StageError(f"{self.who} closed the connection ({exc})") from None
+
+    def read_owed_replies(self, timeout: float, poll_s: float) -> list:
+        """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
+        reply to the message just sent; StageError (naming :attr:`who`) on silence past
+        ``timeout`` (the socket's), a close or a malformed reply."""
+        self.peer.reader.poll_s = poll_s
+        try:
+            replies = [self.peer.read() for _ in range(self.unread_replies + 1)]
+            self.unread_replies = 0
+            return replies
+        except (socket.timeout, TimeoutError):
+            raise StageError(f"{self.who} sent no reply within {timeout} s") from None
+        except (UnexpectedEofError, ConnectionError) as exc:
+            raise StageError(f"{self.who} closed the connection ({exc})") from None
+        except WireError as exc:
+            raise StageError(f"{self.who} sent a malformed reply ({exc.kind}: {exc})") from None
 
     def encode(self, msg) -> bytes:
         """``msg`` in this link's version (its state header says which; set here)."""

@@ -153,9 +153,6 @@ class StageServer:
             if decode_ahead and backend.is_source else None
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
-        # Connections holding no session and executing no message: seq -> (since, Peer),
-        # the ones a new connection at the limit may shed (oldest first).
-        self._quiet: dict[int, tuple[float, Peer]] = {}
         self._conn_lock = threading.Lock()
         self._conn_seq = 0
         self.limits = limits = limits or StageLimits()
@@ -187,7 +184,7 @@ class StageServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with self._conn_lock:
                     if len(self._connections) >= self.connection_limit.limit:
-                        self._shed_quietest()
+                        self._shed(self.connection_limit.shed_quietest())
                     full = len(self._connections) >= self.connection_limit.limit
                     if not full:
                         self._conn_seq += 1
@@ -201,27 +198,15 @@ class StageServer:
         finally:
             self._listener.close()
 
-    def _shed_quietest(self) -> None:
-        """Close the connection quiet longest (no session, no message being executed: idle,
-        a setup or a message still arriving) to make room at the connection limit, so idle
-        peers cannot lock users out until their idle timeout.  Called under the lock."""
-        if not self._quiet:
+    def _shed(self, sock: socket.socket | None) -> None:
+        """Close a connection shed at the limit (called under the lock)."""
+        if sock is None:
             return
-        seq = min(self._quiet, key=lambda k: self._quiet[k][0])
-        since, peer = self._quiet.pop(seq)
-        self._connections.discard(peer.sock)  # counted out now, not when its thread ends
-        self.connection_limit.shed(seq, time.monotonic() - since)
+        self._connections.discard(sock)  # counted out now, not when its thread ends
         try:
-            peer.sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-
-    def _set_quiet(self, seq: int, peer: Peer | None) -> None:
-        with self._conn_lock:
-            if peer is None:
-                self._quiet.pop(seq, None)
-            else:
-                self._quiet[seq] = (time.monotonic(), peer)
 
     def start(self) -> threading.Thread:
         """Serve on a background thread (tests, in-process pipelines)."""
@@ -245,13 +230,14 @@ class StageServer:
         upstream = Peer(sock)
         opened: list = []
         sessions: dict[int, ServedSession] = {}
-        self._set_quiet(seq, upstream)
+        quiet = self.connection_limit.quiet
+        quiet(seq, upstream.sock)
         try:
             if self._tls_server is not None:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
                 with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
                     self._connections.add(upstream.sock)
-                self._set_quiet(seq, upstream)
+                quiet(seq, upstream.sock)
             if self.config.stage_index > 0:
                 upstream.send_delay = self.link_delay
             link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
@@ -273,7 +259,7 @@ class StageServer:
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
                 if not sessions:
-                    self._set_quiet(seq, None)
+                    self.connection_limit.busy(seq)
                     if downstream is not None and not downstream.peer.open_between_messages():
                         # the next stage closed the idle link (its idle timeout, or shed)
                         downstream.peer.close()
@@ -285,7 +271,7 @@ class StageServer:
                 upstream.sock.settimeout(self.io_timeout)
                 upstream.send(reply)
                 if not sessions:
-                    self._set_quiet(seq, upstream)
+                    quiet(seq, upstream.sock)
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
@@ -315,7 +301,7 @@ class StageServer:
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
             log.exception("%s: unexpected error (%s); closing", name, exc)
         finally:
-            self._set_quiet(seq, None)
+            self.connection_limit.busy(seq)
             for session_id in list(sessions):
                 self._free(sessions.pop(session_id), session_id)
             for down in opened:
@@ -534,7 +520,7 @@ class StageServer:
         if self.prefill_overlap and msg.kind == K.PREFILL_EMBD:
             # Overlap: send the chunk on and acknowledge it now; the downstream's Ack is read
             # (and checked) before the reply to the next message that needs one.
-            self._send_downstream(downstream, data)
+            downstream.send_within(data, self.reply_timeout)
             downstream.unread_replies += 1
             return _reply_bytes(send_reply_ack, self._own_stats(msg.kind, compute_us, msg.token_count))
         return self._exchange(msg, data, downstream, session, compute_us, forwarded.activation_bytes, timer)
@@ -546,9 +532,9 @@ class StageServer:
     def _exchange(self, msg, data: bytes, downstream: LinkProtocol, session, compute_us, activation_bytes,
                   timer: DecodeTimer | None = None) -> bytes:
         started = time.perf_counter()
-        self._send_downstream(downstream, data)
+        downstream.send_within(data, self.reply_timeout)
         written = time.perf_counter()
-        owed = self._read_reply(downstream)
+        owed = downstream.read_owed_replies(self.reply_timeout, self._poll_window())
         done = time.perf_counter()
         if timer is not None:
             timer.sent, timer.replied = written, done
@@ -575,38 +561,6 @@ class StageServer:
                     int((done - written) * 1e6), activation_bytes)
                 stats.observe_prefill_compute(self.config.stage_index, compute_us, msg.token_count)
         return write_reply(reply)
-
-    def _send_downstream(self, downstream: LinkProtocol, data: bytes) -> None:
-        try:
-            downstream.peer.sock.settimeout(self.reply_timeout)
-            downstream.peer.send(data)
-        except (socket.timeout, TimeoutError):
-            raise StageError(f"downstream {self.downstream[0]}:{self.downstream[1]} took no data for "
-                             f"{self.reply_timeout} s") from None
-        except ConnectionError as exc:
-            raise StageError(
-                f"downstream {self.downstream[0]}:{self.downstream[1]} closed the connection ({exc})") from None
-
-    def _read_reply(self, downstream: LinkProtocol) -> list:
-        """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
-        reply to the message just sent."""
-        peer = downstream.peer
-        peer.reader.poll_s = self._poll_window()
-        try:
-            replies = [peer.read() for _ in range(downstream.unread_replies + 1)]
-            downstream.unread_replies = 0
-            return replies
-        except (socket.timeout, TimeoutError):
-            raise StageError(
-                f"downstream {self.downstream[0]}:{self.downstream[1]} sent no reply within "
-                f"{self.reply_timeout} s") from None
-        except (UnexpectedEofError, ConnectionError) as exc:
-            raise StageError(
-                f"downstream {self.downstream[0]}:{self.downstream[1]} closed the connection ({exc})") from None
-        except WireError as exc:
-            raise StageError(
-                f"downstream {self.downstream[0]}:{self.downstream[1]} sent a malformed reply "
-                f"({exc.kind}: {exc})") from None
 
     def _free(self, session: ServedSession, session_id: int) -> None:
         self.batcher.forget(session.runtime)
