@@ -125,6 +125,11 @@ def _one_error_line(err: str) -> str:
     (["inpsect", "x.bin"], "unknown command 'inpsect'; did you mean 'inspect'?"),
 ])
 def test_usage_errors_are_one_line_with_status_2(capsys, args, message):
+    assert_usage_error(capsys, args, message)
+
+
+def assert_usage_error(capsys, args, message: str) -> None:
+    """``skippy-wire ARGS`` exits 2 with ``message`` as its one error line, nothing on stdout."""
     code, out, err = _main(capsys, *args)
     assert code == 2
     assert out == ""

@@ -18,11 +18,9 @@ import pytest
 
 from skippy_wire.tools import bench, cli
 from skippy_wire.tools.options import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_TERMINATED
-from test_cli import _main, _one_error_line, tiny_model  # noqa: F401  (tiny_model: a fixture)
+from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
-#: ``api`` is left out: its module belongs to the HTTP front end (its --api-key-file does
-#: not say what its absence means yet).
-HELPED = sorted(set(cli.COMMANDS) - {"api"})
+HELPED = sorted(cli.COMMANDS)
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -91,10 +89,7 @@ def test_bench_backend_describes_itself_in_full(capsys):
      "argument --codecs: unknown codec 'f17' (one of raw-f32, f16, bf16, s8, auto-lossless)"),
 ])
 def test_usage_errors_name_the_option(capsys, args, message):
-    code, out, err = _main(capsys, *args)
-    assert code == 2
-    assert out == ""
-    assert _one_error_line(err) == f"skippy-wire: error: {message}"
+    assert_usage_error(capsys, args, message)
 
 
 def test_bench_quick_gives_way_to_options_given():
