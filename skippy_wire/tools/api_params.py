@@ -15,14 +15,13 @@ from typing import Any, Optional
 
 from ..net.service import SamplingParams
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
+from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
-#: The wire carries a u32 seed (wire-format.md 4.3), and llama-server reads ``seed`` as a
-#: uint32 too: a seed is reduced modulo this.
-SEED_MODULUS = 2**32
 #: The reduced seed that asks for a random one: -1 (or 2**32 - 1), llama-server's
-#: ``LLAMA_DEFAULT_SEED``.
-RANDOM_SEED = SEED_MODULUS - 1
+#: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
+#: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
+LLAMA_DEFAULT_SEED = SEED_RANGE - 1
 #: A logit_bias key is a token id: decimal digits, no more than a u32 has.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: An unpaired UTF-16 surrogate: what a JSON ``\\ud800`` escape without its partner decodes
@@ -196,8 +195,8 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
     if seed is not None:
-        seed %= SEED_MODULUS
-        if seed == RANDOM_SEED:
+        seed %= SEED_RANGE
+        if seed == LLAMA_DEFAULT_SEED:
             seed = None
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -215,4 +214,4 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
 
 
 __all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
-           "MAX_STOP_STRINGS", "RANDOM_SEED", "SEED_MODULUS"]
+           "MAX_STOP_STRINGS", "LLAMA_DEFAULT_SEED"]

@@ -37,6 +37,8 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 EXIT_TERMINATED = 128 + signal.SIGTERM
 #: The TCP port range (port 0: any free port).
 MAX_PORT = 65535
+#: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
+SEED_RANGE = 2**32
 #: The most compute threads a stage takes: ggml's ``GGML_MAX_N_THREADS`` (ggml.h).
 MAX_THREADS = 512
 #: The largest context (tokens per session) a stage takes: the backend refuses more

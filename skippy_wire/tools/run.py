@@ -32,7 +32,7 @@ from ..wire.replies import StageReplyStats
 from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
                       address, check_codec_options, describe, driver_poll_s, exiting_on_signals, file_error,
                       float_above, float_at_least, float_between, int_at_least, int_between, poll_args, tls_config,
-                      utf8)
+                      utf8, SEED_RANGE)
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -170,7 +170,7 @@ DEFAULT_MIN_P = 0.05
 DEFAULT_REPEAT_PENALTY = 1.0
 #: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
 RANDOM_SEED = -1
-MAX_SEED = 2**32 - 1
+MAX_SEED = SEED_RANGE - 1
 #: llama-cli's special values: ``-n -1`` generates until the context is full (or an
 #: end-of-generation token), ``-t -1`` is the default thread count, ``-c 0`` the model's
 #: training context (``{arch}.context_length`` in the GGUF).
