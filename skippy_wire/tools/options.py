@@ -330,7 +330,7 @@ def exiting_on_signals() -> Iterator[None]:
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
+           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
            "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
            "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
            "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "utf8"]
