@@ -372,3 +372,22 @@ def test_a_stage_that_dies_stops_the_api_with_one_line():
     assert "Traceback" not in log, log
     assert re.search(r"^skippy-wire: error: stage \d \(layers \d+\.\.\d+\) was killed by SIGKILL; the API stopped$",
                      log, re.M), log
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status):
+    """uvicorn stops gracefully on SIGTERM and used to return 0 from the command; a closed
+    terminal (SIGHUP) killed it without stopping its stage processes."""
+    server = ApiServer("--stages", "2")
+    try:
+        stages = _children(server.proc.pid)
+        assert len(stages) == 2, stages
+        server.proc.send_signal(signum)
+        assert server.proc.wait(30) == status
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in stages) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in stages if os.path.exists(f"/proc/{pid}")]
+    finally:
+        log = server.close()
+    assert "Traceback" not in log, log

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import sys
 import threading
@@ -41,8 +42,8 @@ from .api_params import BadRequest, Options, check_context, check_text, check_to
 from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
                          RequireApiKey, error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      check_codec_options, describe, driver_poll_s, error_line, float_above, int_at_least,
-                      int_between, poll_args, tls_config, MAX_CTX_SIZE, MAX_THREADS)
+                      check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
+                      int_at_least, int_between, poll_args, tls_config, EXIT_HANGUP, MAX_CTX_SIZE, MAX_THREADS)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -422,10 +423,37 @@ def _stop_when_a_stage_ends(cluster, server: "uvicorn.Server", ended: list) -> N
         time.sleep(STAGE_WATCH_S)
 
 
+class _stopping_gracefully_on_hangup:
+    """While uvicorn serves, SIGHUP stops it as its own SIGTERM handling does (in-flight
+    responses end, then the command unwinds); ``seen`` says whether it came."""
+
+    def __init__(self, server: "uvicorn.Server") -> None:
+        self.seen = False
+        self._server = server
+        self._previous = signal.getsignal(signal.SIGHUP)
+        if self._previous is not signal.SIG_IGN:  # nohup: stays ignored
+            signal.signal(signal.SIGHUP, self._hang_up)
+
+    def _hang_up(self, _signum: int, _frame) -> None:
+        self.seen = True
+        self._server.should_exit = True
+
+    def close(self) -> None:
+        if self._previous is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, self._previous if self._previous is not None else signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    # SIGTERM and SIGHUP unwind like Ctrl-C once the server has shut down (uvicorn re-raises
+    # SIGTERM after its graceful stop): the stages are stopped before the exit with 143 or 129.
+    with exiting_on_signals():
+        return _serve(parser, args)
+
+
+def _serve(parser: argparse.ArgumentParser, args) -> int:
 
     def progress(text: str) -> None:
         print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
@@ -476,10 +504,14 @@ def main(argv: list[str] | None = None) -> int:
             if not args.connect_address:
                 threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
                                  name="stage-watch", daemon=True).start()
+            hangups = _stopping_gracefully_on_hangup(server)
             try:
                 server.run(sockets=[listener])
             finally:
+                hangups.close()
                 api.close()
+            if hangups.seen:
+                raise SystemExit(EXIT_HANGUP)
             if ended:
                 print(error_line(f"{ended[0]}; the API stopped"), file=sys.stderr)
                 return 1
