@@ -31,7 +31,7 @@ from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
 from skippy_wire.tools.options import driver_poll_s, poll_args
-from skippy_wire.tools.run import decode_path_lines, merge_session_events
+from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 

@@ -20,7 +20,7 @@ from skippy_wire.errors import PipelineError
 from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local, yielding_to_stages
 from skippy_wire.net.supervision import launch_pipeline, split_layers
 from skippy_wire.stage.models import model_shape
-from skippy_wire.tools.run import TextStreamer, format_summary, merge_session_events
+from skippy_wire.tools.run_report import TextStreamer, format_summary, merge_session_events
 from skippy_wire.wire.messages import StageWireMessage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,7 +295,7 @@ def test_stage_process_survives_garbage_and_logs_it(tiny_model, tmp_path):
 
 
 def test_stage_errors_quotes_the_last_error_lines(tmp_path):
-    from skippy_wire.tools.run import stage_errors
+    from skippy_wire.tools.run_report import stage_errors
 
     (tmp_path / "stage0.log").write_text("t stage[1] INFO ready\nt stage[1] ERROR connection 1: boom; closing\n")
     (tmp_path / "stage1.log").write_text("t stage[2] INFO ready\n")

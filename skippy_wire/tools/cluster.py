@@ -32,7 +32,8 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
                       add_codec_options, describe, error_line, exiting_on_signals, float_above, float_at_least,
                       int_at_least, int_between)
-from .run import DEFAULT_RAW_PROMPT, TextStreamer, format_summary, merge_session_events
+from .run import DEFAULT_RAW_PROMPT
+from .run_report import TextStreamer, format_summary, merge_session_events
 
 #: The port every stage listens on inside its own namespace.
 STAGE_PORT = 19000
