@@ -172,6 +172,20 @@ def test_top_k_at_or_below_zero_is_off_and_logit_bias_reaches_the_sampler(api):
     assert banned.choices[0].text and banned.choices[0].text != greedy.choices[0].text
 
 
+def test_top_p_0_is_greedy_and_ignore_eos_runs_to_max_tokens(api):
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    greedy = api.client.chat.completions.create(model="any", messages=question, max_tokens=48, temperature=0)
+    assert greedy.choices[0].finish_reason == "stop"  # a short answer, then the end of the turn
+    sampled = [api.client.chat.completions.create(model="any", messages=question, max_tokens=48, temperature=1.5,
+                                                  seed=seed, top_p=0).choices[0].message.content for seed in (1, 2)]
+    assert sampled == [greedy.choices[0].message.content] * 2
+    n = greedy.usage.completion_tokens + 8
+    endless = api.client.chat.completions.create(model="any", messages=question, max_tokens=n, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    assert endless.choices[0].finish_reason == "length" and endless.usage.completion_tokens == n
+    assert endless.choices[0].message.content.startswith(greedy.choices[0].message.content)
+
+
 def test_stop_string_cuts_the_text(api):
     whole = _complete(api, max_tokens=24, temperature=0).choices[0].text
     words = whole.split()

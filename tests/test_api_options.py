@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_wire.tools.api_params import BadRequest, parse_options
+from skippy_wire.tools.api_params import BadRequest, parse_options, suppress_end_of_generation
+from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
 
 def test_null_fields_mean_their_defaults():
@@ -20,6 +21,40 @@ def test_null_fields_mean_their_defaults():
 
 def test_max_completion_tokens_wins_over_max_tokens():
     assert parse_options({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+
+
+def test_llama_server_names_for_the_token_budget():
+    assert parse_options({"n_predict": 5}).max_tokens == 5
+    assert parse_options({"max_tokens": 3, "n_predict": 5}).max_tokens == 3
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        assert parse_options({name: -1}).max_tokens is None  # llama.cpp's -1: until the context is full
+        with pytest.raises(BadRequest) as err:
+            parse_options({name: 0})
+        assert err.value.param == name
+        with pytest.raises(BadRequest):
+            parse_options({name: -2})
+
+
+def test_top_p_0_and_min_p_1_keep_only_the_best_token():
+    # the wire applies both filters only for 0 < p < 1; llama.cpp keeps the best candidate
+    for body in ({"top_p": 0}, {"min_p": 1}, {"top_p": 0.0, "top_k": 40}):
+        assert parse_options({"temperature": 1, **body}).sampling.wire().top_k == 1
+    assert parse_options({"temperature": 1, "top_p": 0.5, "min_p": 0.5}).sampling.wire().top_k == 0
+
+
+def test_ignore_eos_bans_every_end_of_generation_token():
+    sampling = parse_options({"ignore_eos": True, "temperature": 0}).sampling
+    assert not sampling.is_greedy()  # the ban travels in the sampling block
+    suppress_end_of_generation(sampling, (0, 2))
+    wire = sampling.wire()
+    assert wire.ignore_eos and wire.flags == 3
+    assert [tuple(b) for b in wire.logit_bias] == [(0, float("-inf")), (2, float("-inf"))]
+    full = {"ignore_eos": True, "logit_bias": {str(t): 1 for t in range(10, 10 + MAX_STAGE_LOGIT_BIAS - 1)}}
+    with pytest.raises(BadRequest) as err:
+        suppress_end_of_generation(parse_options(full).sampling, (0, 2))
+    assert err.value.param == "logit_bias"
+    with pytest.raises(BadRequest):
+        parse_options({"ignore_eos": "yes"})
 
 
 @pytest.mark.parametrize("body, param", [
@@ -56,6 +91,13 @@ def test_given_values_are_still_checked(body, param):
     ({"max_completion_tokens": 1.5}, "max_completion_tokens"),
     ({"logprobs": 0}, "logprobs"),
     ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"json_schema": {"type": "object"}}, "json_schema"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"typical_p": 0.5}, "typical_p"),
+    ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"n_probs": 3}, "n_probs"),
 ])
 def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
     with pytest.raises(BadRequest) as err:
@@ -70,6 +112,10 @@ def test_what_asks_for_nothing_passes():
     with pytest.raises(BadRequest):
         parse_options({"logprobs": True}, chat=True)
     assert parse_options({"stream": True, "stream_options": {"include_usage": None}}).include_usage is False
+    # llama-server's web UI sends its sampling controls at their defaults
+    web_ui = {"grammar": "", "mirostat": 0, "typical_p": 1, "tfs_z": 1.0, "dynatemp_range": 0, "xtc_probability": 0,
+              "dry_multiplier": 0, "top_n_sigma": -1, "n_probs": 0, "samplers": "edkypmxt", "cache_prompt": True}
+    assert parse_options(web_ui).max_tokens is None
 
 
 def test_seed_minus_one_draws_one_and_others_are_reduced_to_32_bits():

@@ -40,10 +40,22 @@ def test_template_features_as_transformers():
         failing.render(msgs)
 
 
-def test_content_parts_are_joined():
+def test_content_parts_are_joined_with_newlines_as_llama_cpp_joins_them():
     template = ChatTemplate("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert template.render(parts) == "[ab]"
+    assert template.render(parts) == "[a\nb]"
+
+
+def test_a_final_assistant_message_is_continued_when_asked():
+    template = ChatTemplate.from_gguf(smollm2_path())
+    started = TWO_TURNS[:2]
+    assert template.render(started, continue_final_message=True) == \
+        template.render(TWO_TURNS[:1]) + "The capital of France is Paris."
+    # otherwise (transformers' default) the assistant turn is closed and a new one opened
+    assert template.render(started).endswith("Paris.<|im_end|>\n<|im_start|>assistant\n")
+    # a lone assistant message is not a conversation to continue
+    lone = [{"role": "assistant", "content": "Hi"}]
+    assert template.render(lone, continue_final_message=True) == template.render(lone)
 
 
 def test_a_developer_message_is_the_system_turn():

@@ -183,6 +183,7 @@ class FakeTokenizer:
     ``hold``: encode() waits until it is set (``encoding`` is set meanwhile)."""
 
     n_vocab = 256
+    eog_ids = (0,)
 
     def __init__(self) -> None:
         self.hold, self.encoding = threading.Event(), threading.Event()
@@ -194,7 +195,7 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))
 
     def is_eog(self, token: int) -> bool:
-        return False
+        return token in self.eog_ids
 
 
 class FakeEngine:
@@ -207,6 +208,7 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.prompts: list[str] = []
+        self.requests: list[dict] = []  # each generate()'s max_tokens and sampling
 
     def check_ready(self) -> None:
         pass
@@ -216,6 +218,7 @@ class FakeEngine:
 
     def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
         self.prompts.append(bytes(prompt).decode())
+        self.requests.append({"max_tokens": max_tokens, "sampling": sampling})
         assert self.gate.wait(30)
         if cancelled.is_set():
             raise Cancelled("stop")
@@ -362,3 +365,28 @@ def test_health_asks_every_stage():
     finally:
         api.close()
         chain.close()
+
+
+def test_llama_server_request_conventions():
+    engine = FakeEngine(ctx_size=64)
+    with TestClient(_fake_api(engine).app()) as client:
+        # a batch of one token list, as the openai client types allow
+        assert client.post("/v1/completions", json={"prompt": [[104, 105]]}).status_code == 200
+        assert engine.prompts[-1] == "hi"
+        # n_predict is max_tokens; -1 is the rest of the context
+        client.post("/v1/completions", json={"prompt": "hi", "n_predict": 5})
+        assert engine.requests[-1]["max_tokens"] == 5
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+        assert engine.requests[-1]["max_tokens"] == 64 - 2
+        # ignore_eos: every end-of-generation token is banned, beside the client's own biases
+        client.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True, "logit_bias": {"7": 1}})
+        sampling = engine.requests[-1]["sampling"]
+        assert sampling.logit_bias == {7: 1.0, 0: float("-inf")} and sampling.wire().ignore_eos
+        # a final assistant message is continued from its text
+        client.post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]})
+        assert engine.prompts[-1] == "user: Count\n1, 2,"
+        # a trailing slash is not a route (Starlette would redirect, which clients don't follow)
+        for method, path in (("GET", "/v1/models/"), ("POST", "/v1/chat/completions/")):
+            r = client.request(method, path, json={}, follow_redirects=False)
+            assert r.status_code == 404, (path, r.status_code)

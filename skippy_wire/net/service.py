@@ -57,16 +57,21 @@ _WIRE_DEFAULTS = SamplingConfig()
 @dataclass
 class SamplingParams(make_dataclass("SamplingParamsFields", [
         *((name, type(getattr(_WIRE_DEFAULTS, name)), getattr(_WIRE_DEFAULTS, name)) for name in REQUEST_SAMPLING_FIELDS),
-        ("seed", Optional[int], None), ("logit_bias", dict, field(default_factory=dict))])):
+        ("seed", Optional[int], None), ("logit_bias", dict, field(default_factory=dict)),
+        ("ignore_eos", bool, False)])):
     """OpenAI-style sampling parameters; ``temperature == 0`` is greedy, ``seed`` None is random,
     ``top_k`` at or below 0 is off (as in llama.cpp; vLLM sends -1)."""
 
     def __post_init__(self) -> None:
         self.top_k = max(0, self.top_k)
+        # llama.cpp keeps only the best candidate at top_p 0 or min_p 1, where the wire's
+        # filters apply only for 0 < p < 1 and would let every candidate through.
+        if self.top_p <= 0.0 or self.min_p >= 1.0:
+            self.top_k = 1
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \
-            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and not self.ignore_eos
 
     def wire(self) -> Optional[SamplingConfig]:
         """The wire's sampling block (None = greedy, the backend's argmax)."""
@@ -74,7 +79,9 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
             return None
         seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
         return SamplingConfig(
-            flags=int(SamplingFlags.ENABLED), seed=seed, logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()),
+            flags=int(SamplingFlags.ENABLED | (SamplingFlags.IGNORE_EOS if self.ignore_eos else 0)),
+            ignore_eos=self.ignore_eos, seed=seed,
+            logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()),
             **{name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS})
 
 

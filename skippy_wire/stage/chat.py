@@ -55,7 +55,7 @@ def _environment() -> jinja2.Environment:
 
 def check_messages(messages: Any) -> list[dict]:
     """Messages as a list of ``{"role", "content"}`` dicts; content parts of type "text"
-    are joined (the OpenAI list form).  A ``developer`` message is the system instructions
+    are joined with newlines, as llama.cpp joins them (the OpenAI list form).  A ``developer`` message is the system instructions
     (OpenAI's newer name for them), so it reaches the template as ``system``, as llama.cpp
     passes it: templates know only ``system``.  Raises ChatTemplateError with one line."""
     if not isinstance(messages, list) or not messages:
@@ -76,7 +76,7 @@ def check_messages(messages: Any) -> list[dict]:
                 if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ChatTemplateError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):
@@ -113,12 +113,18 @@ class ChatTemplate:
         return cls(source, bos_token=text_of("tokenizer.ggml.bos_token_id"),
                    eos_token=text_of("tokenizer.ggml.eos_token_id"))
 
-    def render(self, messages: Any, *, add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The prompt text of ``messages`` (OpenAI chat form)."""
+    def render(self, messages: Any, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **extra: Any) -> str:
+        """The prompt text of ``messages`` (OpenAI chat form).  ``continue_final_message``:
+        a conversation that ends with an assistant message is continued from its text, as
+        llama-server does (the rest rendered with the generation prompt, that text after it)."""
         checked = check_messages(messages)
+        prefill = ""
+        if continue_final_message and len(checked) > 1 and checked[-1]["role"] == "assistant":
+            prefill, add_generation_prompt = checked.pop()["content"], True
         try:
             return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra) + prefill
         except Exception as exc:  # noqa: BLE001 -- over the client's data, any failure is the request's
             # (a TemplateError, or e.g. a TypeError from a message field of an unexpected type)
             raise ChatTemplateError(f"the chat template failed: {exc}") from None

