@@ -46,6 +46,7 @@ from .wire.messages import (
 from .wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 from .wire.frame import (
     StageMessageDecoder,
+    StageReplyDecoder,
     iter_stage_messages,
     read_reply,
     read_reply_from_buffer,

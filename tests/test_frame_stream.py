@@ -323,3 +323,10 @@ def test_decoder_agrees_with_sequential_reads_under_any_split(impl, picks, noise
         error = (type(exc), str(exc))
     assert got == want
     assert error == want_error
+
+
+def test_both_incremental_decoders_are_in_the_public_api():
+    import skippy_wire as sw
+    from skippy_wire.wire import frame
+
+    assert sw.StageMessageDecoder is frame.StageMessageDecoder and sw.StageReplyDecoder is frame.StageReplyDecoder

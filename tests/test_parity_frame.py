@@ -262,3 +262,32 @@ def test_arguments_of_the_wrong_kind_fail_alike_in_both_twins():
     for data in ("x" * 300, None, memoryview(bytes(600))[::2]):
         cy, py = _failure(gen_cy.decode_frame, 1, data, 16), _failure(gen_py.decode_frame, 1, data, 16)
         assert cy is not None and cy == py, (type(data), cy, py)
+
+
+def test_a_token_list_changed_by_its_own_items_writes_alike():
+    """Converting an item may run code (``__index__``) that empties the list being written:
+    the compiled writer indexed it unchecked (a segfault); both now write the snapshot."""
+    written = []
+    for twin in (CY, PY):
+        tokens: list = []
+
+        class Shrinking:
+            def __index__(self) -> int:
+                tokens.clear()
+                return 1
+
+        tokens += [Shrinking(), *range(1000)]
+        msg = StageWireMessage(WireMessageKind.PREFILL_EMBD, token_count=1, tokens=tokens,
+                               state=StageStateHeader(source_stage_index=-1))
+        written.append(outcome(twin.write_stage_message, msg))
+    assert written[0] == written[1] and written[0][0] == "ok"
+
+
+def test_an_integer_beyond_f32_is_infinity_in_both_twins():
+    # as a float beyond f32::MAX rounds (IEEE RNE); the twin refused an int that large
+    for value in (2**128, 10**400, -(2**200)):
+        msg = StageWireMessage(WireMessageKind.CONFIGURE_GENERATION,
+                               state=StageStateHeader(source_stage_index=-1), sampling=SamplingConfig(top_p=value))
+        cy, py = outcome(CY.write_stage_message, msg), outcome(PY.write_stage_message, msg)
+        assert cy == py and cy[0] == "ok", value
+        assert struct.pack("<f", float("inf") if value > 0 else float("-inf")) in cy[1]

@@ -46,7 +46,7 @@ include "_wire_constants.pxi"
 
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from . import _codec
-from .constants import ActivationCodec
+from .constants import SEQUENCE_CHANGED_TEXT, ActivationCodec
 from .messages import (
     ACTIVATIONLESS_READ_KINDS,
     ACTIVATIONLESS_WRITE_KINDS,

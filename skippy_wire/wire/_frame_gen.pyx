@@ -16,6 +16,7 @@ This file: descriptors and frames.  ``_frame_gen_check.pxi``: the writer's value
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.dict cimport PyDict_Copy
+from cpython.number cimport PyNumber_Index
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF
 from libc.stdint cimport int32_t, uint16_t, uint32_t, int64_t, uint64_t, uint8_t
@@ -40,6 +41,8 @@ from .agreement import Dynamic, Fixed, TOKENS
 from .constants import ActivationCodec, CodecPolicy
 from .constants import (
     DECODED_MAX_TEXT,
+    DESCRIPTOR_RANGE_TEXT,
+    PART_AXES_TEXT,
     NO_RAW_FALLBACK_TEXT,
     UNKNOWN_CODEC_TEXT,
     WIRE_MAX_TEXT,
@@ -146,6 +149,11 @@ cdef inline int _element_bytes(uint32_t ggml_type) noexcept nogil:
 
 
 # --- descriptors -----------------------------------------------------------------------------
+_FIELD_NAMES = ("version", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count",
+                "payload_bytes", "ggml_type", "rank", "token_axis", "flags", "dimensions", "byte_strides",
+                "payload_offset", "payload_bytes")
+
+
 cdef int _from_object(object obj, Desc* d) except -1:
     """A Python descriptor into ``d``; version and part count are checked first (A.5 1-2)."""
     if obj.version != FRAME_VERSION:
@@ -155,31 +163,53 @@ cdef int _from_object(object obj, Desc* d) except -1:
     if n < 1 or n > MAX_PARTS:
         _raise(E_PART_COUNT)
     cdef Part* p
+    cdef int f = 0  # the field being converted (_FIELD_NAMES), of part i, axis k: for the error
     try:
-        d.version = obj.version
-        d.producer = obj.producer_stage_index
-        d.layer_start = obj.layer_start
-        d.layer_end = obj.layer_end
-        d.tokens = obj.token_count
-        d.sequences = obj.sequence_count
+        d.version = PyNumber_Index(obj.version)
+        f = 1
+        d.producer = PyNumber_Index(obj.producer_stage_index)
+        f = 2
+        d.layer_start = PyNumber_Index(obj.layer_start)
+        f = 3
+        d.layer_end = PyNumber_Index(obj.layer_end)
+        f = 4
+        d.tokens = PyNumber_Index(obj.token_count)
+        f = 5
+        d.sequences = PyNumber_Index(obj.sequence_count)
         d.count = <uint32_t>n
-        d.payload = obj.payload_bytes
+        f = 6
+        d.payload = PyNumber_Index(obj.payload_bytes)
         _copy32(d.frontier, obj.frontier_identity)
         for i in range(n):
             part = parts[i]
             p = &d.parts[i]
             _copy32(p.identity, part.identity)
-            p.ggml_type = part.ggml_type
-            p.rank = part.rank
-            p.token_axis = part.token_axis
-            p.flags = part.flags
+            f = 7
+            p.ggml_type = PyNumber_Index(part.ggml_type)
+            f = 8
+            p.rank = PyNumber_Index(part.rank)
+            f = 9
+            p.token_axis = PyNumber_Index(part.token_axis)
+            f = 10
+            p.flags = PyNumber_Index(part.flags)
+            # tuples: a snapshot that converting an item cannot shrink, indexed unchecked below
+            dims, strides = tuple(part.dimensions), tuple(part.byte_strides)
+            if len(dims) != 4 or len(strides) != 4:
+                raise InvalidInputError(PART_AXES_TEXT)
             for k in range(4):
-                p.dims[k] = part.dimensions[k]
-                p.strides[k] = part.byte_strides[k]
-            p.offset = part.payload_offset
-            p.nbytes = part.payload_bytes
-    except (OverflowError, TypeError, IndexError) as exc:
-        raise InvalidInputError(f"activation frame descriptor field out of range: {exc}") from None
+                f = 11
+                p.dims[k] = PyNumber_Index(dims[k])
+                f = 12
+                p.strides[k] = PyNumber_Index(strides[k])
+            f = 13
+            p.offset = PyNumber_Index(part.payload_offset)
+            f = 14
+            p.nbytes = PyNumber_Index(part.payload_bytes)
+    except (OverflowError, TypeError, IndexError):
+        name = _FIELD_NAMES[f]
+        if f >= 7:
+            name = f"parts[{i}].{name}" + (f"[{k}]" if f in (11, 12) else "")
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}") from None
     return 0
 
 

@@ -50,8 +50,11 @@ def validate_agreement(agreement):
             if not 1 <= part.rank <= 4 or part.token_axis >= part.rank or identity in identities:
                 _raise(E_PART_PROFILE)
             identities.add(identity)
+            dims = tuple(part.dimensions)  # indexed unchecked below: four admitted dimensions or none
+            if len(dims) != 4:
+                _raise(E_DIMENSION)
             for axis in range(4):
-                if not _admitted(part.dimensions[axis], axis, part.rank, part.token_axis):
+                if not _admitted(dims[axis], axis, part.rank, part.token_axis):
                     _raise(E_DIMENSION)
 
 
@@ -71,8 +74,11 @@ cdef object _match(object profile, const Desc* d):
             if (fp.ggml_type != pp.ggml_type or fp.rank != pp.rank or fp.token_axis != pp.token_axis
                     or fp.flags != (OPTIONAL if pp.optional else 0)):
                 return None
+            dims = tuple(pp.dimensions)
+            if len(dims) < fp.rank:  # a profile changed since it was validated
+                return None
             for k in range(fp.rank):
-                dim = pp.dimensions[k]
+                dim = dims[k]
                 if dim is TOKENS:
                     if fp.dims[k] != <int64_t>d.tokens:
                         return None

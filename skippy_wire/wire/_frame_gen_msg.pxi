@@ -264,7 +264,11 @@ cdef object _checked_activation(int version, object msg, object agreement):
         return activation
     if <uint64_t>buf.view.len > MAX_BYTES:
         raise InvalidInputError(E_WIRE_MAX)
-    cdef int codec = _codec_id(state.activation_codec)
+    try:
+        codec_value = operator.index(state.activation_codec)
+    except TypeError:
+        raise out_of_range_error(msg) from None
+    cdef int codec = _codec_id(codec_value)
     _check_frame(codec, &d, <const uint8_t*>buf.view.buf, buf.view.len, version)
     _stage_checks(&d, msg.token_count, state.source_stage_index)
     if version == 16:
@@ -278,6 +282,12 @@ def write_stage_message(int version, msg, agreement=None):
     if version != 16 and version != 17:
         raise ValueError(f"state version {version} is not 16 or 17")
     cdef Py_ssize_t emitted = 20
+    try:  # the first fields on the wire, integers that fit (as the twin packs them first)
+        kind, pos_start, token_count = operator.index(msg.kind), operator.index(msg.pos_start), \
+            operator.index(msg.token_count)
+        struct_prefix(kind, pos_start, token_count, 0, 0)
+    except (OverflowError, TypeError, ValueError, AttributeError):
+        raise out_of_range_error(msg) from None
     try:
         if len(msg.tokens) > MAX_STAGE_SIDEBAND_VALUES:
             emitted = 12
@@ -288,11 +298,7 @@ def write_stage_message(int version, msg, agreement=None):
         activation = _checked_activation(version, msg, agreement)
     except WireError as error:
         if version == 16:
-            try:
-                error.partial = struct_prefix(operator.index(msg.kind), msg.pos_start, msg.token_count,
-                                              len(msg.tokens), len(msg.positions))[:emitted]
-            except (OverflowError, TypeError, ValueError, AttributeError):
-                raise out_of_range_error(msg) from None
+            error.partial = struct_prefix(kind, pos_start, token_count, len(msg.tokens), len(msg.positions))[:emitted]
         else:
             error.partial = b""
         raise

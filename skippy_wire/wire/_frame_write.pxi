@@ -94,19 +94,24 @@ cdef inline uint64_t as_i64(object v) except? 0xFFFFFFFFFFFFFFFF:
 
 
 cdef int _write_i32_seq(_Out out, object seq, Py_ssize_t n) except -1:
-    cdef Py_ssize_t i
-    cdef list lst
-    if type(seq) is list:
-        lst = <list>seq
+    """The ``n`` items of ``seq`` (its length when the count was written) as i32s."""
+    cdef Py_ssize_t i = 0
+    cdef tuple items
+    if type(seq) is list or type(seq) is tuple:
+        # a snapshot: converting an item may run code that changes the list, which is indexed unchecked
+        items = tuple(seq)
+        if len(items) != n:
+            raise InvalidInputError(SEQUENCE_CHANGED_TEXT)
         for i in range(n):
-            out.u32(as_i32(lst[i]))
+            out.u32(as_i32(items[i]))
     else:
-        i = 0
         for v in seq:
             if i >= n:
                 break
             out.u32(as_i32(v))
             i += 1
+        if i != n:
+            raise InvalidInputError(SEQUENCE_CHANGED_TEXT)
     return 0
 
 

@@ -173,8 +173,8 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer
 def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buffer, state_flags: int = 0) -> np.ndarray:
     """Decode an activation wire payload (wire-format.md 7.4 and 6.3).
 
-    Returns a new 1-D ``float32`` array (it owns its memory) with every value, bit
-    patterns preserved.
+    Returns a new 1-D ``float32`` array (its memory shared with nothing else) with every
+    value, bit patterns preserved.
 
     Raises :class:`InvalidDataError`: "unknown stage activation codec", "negative
     activation dimensions", "decoded activation payload byte count exceeds maximum",

@@ -20,6 +20,7 @@ Representation choices:
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
 import struct
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -149,7 +150,10 @@ def f32_bits(value: float) -> int:
         return value.bits
     try:
         return _unpack_I(_pack_f(value))[0]
-    except OverflowError:  # |value| rounds beyond f32::MAX: IEEE RNE gives infinity
+    except (OverflowError, struct.error):
+        if not isinstance(value, numbers.Real):
+            raise
+        # |value| rounds beyond f32::MAX (a float, or an int beyond even f64): IEEE RNE gives infinity
         return 0xFF800000 if value < 0 else 0x7F800000
 
 
@@ -391,7 +395,7 @@ def _nbytes(buf: Any) -> int:
 
 # --- writer input validation shared by both implementations ------------------------------
 _I32_STATE = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
-              "decode_step", "current_token", "source_stage_index")
+              "decode_step", "current_token", "source_stage_index", "activation_codec")
 
 
 def fields_equal(a: Any, b: Any, *, as_list: tuple = (), as_bytes: tuple = ()) -> bool:

@@ -150,7 +150,11 @@ def _checked_activation(version: int, msg: StageWireMessage, agreement) -> memor
         return activation
     if len(activation) > MAX_BYTES:
         raise InvalidInputError("activation payload byte count exceeds maximum")
-    codec = codec_id(state.activation_codec)
+    try:
+        codec = operator.index(state.activation_codec)
+    except TypeError:
+        raise out_of_range_error(msg) from None
+    codec = codec_id(codec)
     desc, _payload = decode_frame(codec, activation, version)
     _stage_checks(desc, msg.token_count, state.source_stage_index)
     if version == 16:
@@ -164,7 +168,7 @@ def write_stage_message(version: int, msg: StageWireMessage, agreement=None) -> 
     if version not in VERSIONS:
         raise ValueError(f"state version {version} is not 16 or 17")
     try:
-        prefix = struct.pack("<iii", operator.index(msg.kind), msg.pos_start, msg.token_count)
+        prefix = struct.pack("<iii", *map(operator.index, (msg.kind, msg.pos_start, msg.token_count)))
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
         raise out_of_range_error(msg) from None
     # v16 emits as it goes (20 bytes precede the activation checks); v17 emits nothing

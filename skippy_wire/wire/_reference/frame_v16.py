@@ -16,6 +16,7 @@ import struct
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
+from ..constants import DESCRIPTOR_RANGE_TEXT, PART_AXES_TEXT
 from . import codec as _codec
 
 FRAME_VERSION = 2
@@ -43,11 +44,50 @@ def codec_id(codec) -> int:
     return codec
 
 
+def _field(code: str, value, name: str) -> None:
+    """``value`` fits the descriptor field's wire type (the compiled twin converts each one
+    to its C type before any rule of A.5 is checked)."""
+    try:
+        struct.pack("<" + code, value)
+    except (struct.error, TypeError, OverflowError):
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}") from None
+
+
+def _identity(value) -> None:
+    if len(bytes(value)) != 32:
+        raise InvalidInputError("activation identities are 32 bytes")
+
+
+_FRAME_FIELDS = (("I", "version"), ("i", "producer_stage_index"), ("i", "layer_start"), ("i", "layer_end"),
+                 ("I", "token_count"), ("I", "sequence_count"), ("Q", "payload_bytes"))
+_PART_FIELDS = (("I", "ggml_type"), ("I", "rank"), ("i", "token_axis"), ("I", "flags"))
+
+
+def check_fields(desc: ActivationFrameV16) -> None:
+    """Every field of ``desc`` fits its wire type, in the compiled twin's order."""
+    for code, name in _FRAME_FIELDS:
+        _field(code, getattr(desc, name), name)
+    _identity(desc.frontier_identity)
+    for i, p in enumerate(desc.parts):
+        _identity(p.identity)
+        for code, name in _PART_FIELDS:
+            _field(code, getattr(p, name), f"parts[{i}].{name}")
+        dims, strides = tuple(p.dimensions), tuple(p.byte_strides)
+        if len(dims) != 4 or len(strides) != 4:
+            raise InvalidInputError(PART_AXES_TEXT)
+        for k, (dim, stride) in enumerate(zip(dims, strides)):
+            _field("q", dim, f"parts[{i}].dimensions[{k}]")
+            _field("Q", stride, f"parts[{i}].byte_strides[{k}]")
+        _field("Q", p.payload_offset, f"parts[{i}].payload_offset")
+        _field("Q", p.payload_bytes, f"parts[{i}].payload_bytes")
+
+
 def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
     if desc.version != FRAME_VERSION:
         raise _err("unsupported activation frame version")
     if not 1 <= len(desc.parts) <= MAX_PARTS:
         raise _err("activation frame part count is invalid")
+    check_fields(desc)
     if desc.payload_bytes > MAX_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if payload_len is not None and payload_len != desc.payload_bytes:

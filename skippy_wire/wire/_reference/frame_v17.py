@@ -55,6 +55,8 @@ def validate_agreement(agreement: ActivationAgreement) -> None:
             if not 1 <= part.rank <= 4 or part.token_axis >= part.rank or bytes(part.identity) in seen:
                 raise _err("invalid activation part profile")
             seen.append(bytes(part.identity))
+            if len(part.dimensions) != 4:
+                raise _err("invalid admitted activation dimension")
             for axis, d in enumerate(part.dimensions):
                 if not _dimension_ok(d, axis, part.rank, part.token_axis):
                     raise _err("invalid admitted activation dimension")
