@@ -405,3 +405,36 @@ def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status):
     finally:
         log = server.close()
     assert "Traceback" not in log, log
+
+
+def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp_path):
+    """With someone else's stages the API waits for them (/health 503) instead of exiting 1,
+    so a supervisor may start it first; it takes the topology's model and stage 0."""
+    from skippy_wire.stage.models import write_tiny_llama_gguf
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    topology = tmp_path / "one.json"
+    topology.write_text(json.dumps({"model_path": str(model), "ctx_size": 128, "stages": [
+        {"endpoint": f"127.0.0.1:{port}", "layer_start": 0, "layer_end": 4}]}))
+    server = ApiServer("--topology", str(topology))
+    stage = None
+    try:
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "--topology", str(topology),
+                                  "--stage", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline and stage.poll() is None, "the stage never answered"
+            time.sleep(0.2)
+        reply = _complete(server, prompt="Hello", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens >= 1 and reply.model
+    finally:
+        if stage is not None:
+            stage.terminate()
+            stage.wait(30)
+        log = server.close()
+    assert "Traceback" not in log, log
+    assert "until the stages answer" in log, log

