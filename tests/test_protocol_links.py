@@ -114,7 +114,8 @@ def test_v17_stage_refuses_a_hello_with_a_wrong_sender_index(chains, caplog):
 
 def test_v17_driver_checks_the_run_it_reached(chains):
     servers = chains(17)
-    with pytest.raises(PipelineError, match="stage setup failed: admitted downstream relationship mismatch"):
+    with pytest.raises(PipelineError, match="stage setup failed: admitted downstream relationship mismatch "
+                                            r"\(run 'skippy-wire', here 'another-run'\)"):
         PipelineClient(*servers[0].address, timeout=5, protocol=17, identity=driver_identity("another-run"))
 
 

@@ -169,11 +169,13 @@ def test_non_contiguous_layers(impl):
     # the sender ends at layer 3 but the receiver starts at layer 4
     error = _server_error(_hello(sender={"layer_end": 3}, layers=(0, 3)), impl)
     assert str(error) == "admitted upstream relationship mismatch"
+    assert error.detail == "upstream layer_end 3, here 4"  # the operator's clue; the text is upstream's
 
 
 def test_wrong_sender_index(impl):
     error = _server_error(_hello(sender={"stage_index": 1}, producer=1), impl)
     assert str(error) == "admitted upstream relationship mismatch"
+    assert error.detail == "upstream stage index 1, here 0"
 
 
 def test_client_rejects_a_stale_ready_generation(impl):

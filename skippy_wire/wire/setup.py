@@ -24,7 +24,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .constants import READY_BYTES
 from ..errors import InvalidDataError, WireError
@@ -341,15 +341,24 @@ def _client(t: _Transport, role: SetupRole, config, output, impl) -> ActivationA
             raise SetupError("stage peer identity absent")
         if downstream is None:
             raise SetupError("downstream identity absent")
-        if ((receiver.run, receiver.topology, receiver.model) != (config.run_id, config.topology_id, config.model_id)
-                or receiver.stage != downstream.stage_id or receiver.index != downstream.stage_index
-                or receiver.layer_start != config.layer_end):
-            raise SetupError("admitted downstream relationship mismatch")
+        _check_relationship("admitted downstream relationship mismatch", [
+            ("run", receiver.run, config.run_id), ("topology", receiver.topology, config.topology_id),
+            ("model", receiver.model, config.model_id), ("downstream stage", receiver.stage, downstream.stage_id),
+            ("downstream stage index", receiver.index, downstream.stage_index),
+            ("downstream layer_start", receiver.layer_start, config.layer_end)])
     t.write(encode_packet(list(agreement.generation)))
     ready = _decode(_read_packet(t), generation_from_json)
     if ready != bytes(agreement.generation):
         raise SetupError("setup confirmation generation mismatch")
     return agreement
+
+
+def _check_relationship(text: str, checks: list[tuple[str, Any, Any]]) -> None:
+    """SetupError ``text`` (the upstream wording) when a peer's ``(name, theirs, ours)``
+    differ; the detail names each difference, for the operator reading the log."""
+    differences = [f"{name} {theirs!r}, here {ours!r}" for name, theirs, ours in checks if theirs != ours]
+    if differences:
+        raise SetupError(text, "; ".join(differences))
 
 
 # --- the listening side (B.4.2-B.4.3) -------------------------------------------------------
@@ -375,11 +384,14 @@ def _activation_output(hello: Hello, config, input_profile, topology, recording)
         raise SetupError("activation sender identity missing")
     if output is None:
         raise SetupError("activation output contract missing")
-    if ((sender.run, sender.topology, sender.model) != (config.run_id, config.topology_id, config.model_id)
-            or hello.target != (config.stage_id, config.stage_index) or sender.index + 1 != config.stage_index
-            or sender.layer_end != config.layer_start or output.producer_stage_index != sender.index
-            or output.layer_start != sender.layer_start or output.layer_end != sender.layer_end):
-        raise SetupError("admitted upstream relationship mismatch")
+    _check_relationship("admitted upstream relationship mismatch", [
+        ("run", sender.run, config.run_id), ("topology", sender.topology, config.topology_id),
+        ("model", sender.model, config.model_id), ("target", hello.target, (config.stage_id, config.stage_index)),
+        ("upstream stage index", sender.index, config.stage_index - 1),
+        ("upstream layer_end", sender.layer_end, config.layer_start),
+        ("output producer_stage_index", output.producer_stage_index, sender.index),
+        ("output layer_start", output.layer_start, sender.layer_start),
+        ("output layer_end", output.layer_end, sender.layer_end)])
     up = config.upstream
     if up is not None and (up.stage_id != sender.stage or up.stage_index != sender.index):
         raise SetupError("upstream identity differs from configured peer")
