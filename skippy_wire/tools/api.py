@@ -54,6 +54,9 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_CONNECTIONS = 512
 #: Seconds between checks that the stage processes this command started still run.
 STAGE_WATCH_S = 0.5
+#: On Ctrl-C, SIGTERM or SIGHUP, the seconds responses in flight get to finish before they
+#: are cut off (a long stream would otherwise hold the shutdown for as long as it runs).
+GRACEFUL_STOP_S = 10
 #: Seconds between checks that the client of a waiting request (queued, or generating
 #: without a stream) is still connected.
 DISCONNECT_POLL_S = 0.25
@@ -520,7 +523,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
-                                    limit_concurrency=args.max_connections, http=IdleSheddingProtocol)
+                                    limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
+                                    timeout_graceful_shutdown=GRACEFUL_STOP_S)
             server, ended = uvicorn.Server(config), []
             if not args.connect_address:
                 threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
