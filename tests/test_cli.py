@@ -556,3 +556,42 @@ def test_started_stages_poll_by_default_only_with_a_cpu_each():
     assert poll_args(None, cpus + 1) == []
     assert poll_args(0.0, 1) == [] and poll_args(2.0, cpus + 1) == ["--poll-ms", "2.0"]
     assert driver_poll_s(None) == 0.0 and driver_poll_s(3.0) == 0.003
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--listen", "[::1]:0"],
+     "argument --listen: IPv6 addresses are not supported: '[::1]:0' (use an IPv4 address or a host name)"),
+    (["run", "--connect", "::1:9000"],
+     "argument --connect: IPv6 addresses are not supported: '::1:9000' (use an IPv4 address or a host name)"),
+    *[([*command, "--tls-cert", "BAD", "--tls-key", "BAD", "--tls-ca", "BAD"], "--tls-cert BAD: not a PEM certificate")
+      for command in (["run", "--model", "/nonexistent.gguf", "--connect", "127.0.0.1:1", "hi"],
+                      ["serve", "--model", "/nonexistent.gguf", "--layer-start", "0", "--layer-end", "1"],
+                      ["api", "--model", "/nonexistent.gguf"])],
+])
+def test_ipv6_and_tls_files_that_do_not_load_are_usage_errors(capsys, tmp_path, args, message):
+    """Refused with the options: IPv6 (was "cannot listen on ::1:0: unknown error -9") and a
+    --tls-cert without a certificate (was a handshake failure or serve's bare "TLS: PEM lib")."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    assert_usage_error(capsys, [str(bad) if a == "BAD" else a for a in args], message.replace("BAD", str(bad)))
+
+
+@pytest.mark.parametrize("status", [EXIT_INTERRUPTED, 1])
+def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsys, monkeypatch, tiny_model, status):
+    from types import SimpleNamespace
+    from skippy_wire.errors import PipelineError
+    from skippy_wire.tools import cluster_bench
+
+    def run_cluster(opts, tokenizer):  # Ctrl-C in, or a failure of, the second run (it was: exit status 0)
+        if opts.rate != "unlimited":
+            raise KeyboardInterrupt if status == EXIT_INTERRUPTED else PipelineError("gone")
+        result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
+        return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
+
+    monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
+                           "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet")
+    assert code == status, err
+    assert ("interrupted after 1 rows" if status == EXIT_INTERRUPTED else "error: gone") in err
+    assert "| 2 | unlimited | 0 | raw-f32 |" in out and "5mbit" not in out

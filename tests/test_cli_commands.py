@@ -208,3 +208,52 @@ def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, t
             signal.signal(sig, handler)
     assert code == status
     assert json.loads(out.splitlines()[0])["event"] == "listening"
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--capture", "{tmp}/missing/cap", "--capture: directory {tmp}/missing does not exist"),
+    ("--capture", "{tmp}/file/cap", "--capture: {tmp}/file is not a directory"),
+    ("--trace-compute", "{tmp}/missing", "--trace-compute: directory {tmp}/missing does not exist"),
+    ("--trace-compute", "{tmp}/file", "--trace-compute: {tmp}/file is not a directory"),
+])
+def test_serve_checks_its_output_directories_before_starting(capsys, tmp_path, option, value, message):
+    """Else the stage starts, then fails every connection (--capture) or is misreported as a
+    listen failure (--trace-compute).  The model need not exist: nothing is loaded."""
+    (tmp_path / "file").write_text("")
+    assert_usage_error(capsys, ["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1",
+                                option, value.format(tmp=tmp_path)], message.format(tmp=tmp_path))
+
+
+def test_serve_names_an_unwritable_trace_file(capsys, tmp_path, tiny_model):
+    (tmp_path / "stage0.trace").mkdir()  # the directory is fine, the file cannot be opened
+    code, out, err = _main(capsys, "serve", "--model", str(tiny_model), "--layer-start", "0", "--layer-end", "4",
+                           "--trace-compute", str(tmp_path))
+    assert code == 1
+    line = _one_error_line(err)
+    assert line.startswith("skippy-wire: error: stage 0 cannot start: --trace-compute: ") and "listen" not in line
+    assert str(tmp_path / "stage0.trace") in line
+
+
+def test_serve_logs_one_thread_in_the_singular(capsys, caplog, monkeypatch, tiny_model):
+    import logging
+
+    from skippy_wire.net.server import StageServer
+
+    serve_forever = StageServer.serve_forever
+
+    def stopped(server):  # the start-up lines are logged by now; close the listener and return
+        server.shutdown()
+        serve_forever(server)
+
+    monkeypatch.setattr(StageServer, "serve_forever", stopped)
+    caplog.set_level(logging.INFO, logger="skippy_wire.tools.serve")
+    code, _, _ = _main(capsys, "serve", "--model", str(tiny_model), "--layer-start", "0", "--layer-end", "4",
+                       "--threads", "1")
+    assert code == 0
+    assert ", 1 thread, listening on " in caplog.text
+
+
+def test_serve_topology_help_lists_what_the_file_overrides():
+    topology = next(a for a in _parser("serve")._actions if "--topology" in a.option_strings)
+    for name in ("ctx_size", "threads", "--listen", "--ctx-size", "--threads"):
+        assert name in topology.help, name

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from skippy_wire.errors import NetnsError
 from skippy_wire.net.netns import NETNS_PREFIX, NO_NETNS_ENV, NetnsChain, list_netns, netns_unavailable, parse_rate
 from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
 from skippy_wire.net.topology import build_topology
-from skippy_wire.stage.models import model_shape, smollm2_path
-from skippy_wire.tools import run
+from skippy_wire.stage.models import model_shape, smollm2_path, write_tiny_llama_gguf
+from skippy_wire.tools import cluster, run
+from skippy_wire.tools.options import exiting_on_signals
 from process_helpers import default_sigint
 
 pytestmark = pytest.mark.slow
@@ -209,3 +211,34 @@ def test_topology_file_of_a_cluster_is_valid(model):
     topo = build_topology(model, split_layers(n_layer, 3), [f"{chain.host_address(h)}:19000" for h in range(3)])
     assert [s.endpoint for s in topo.stages] == ["10.77.0.1:19000", "10.77.0.2:19000", "10.77.1.2:19000"]
     assert json.loads(json.dumps(topo.to_json()))["stages"][2]["layer_end"] == n_layer
+
+
+@pytest.mark.parametrize("signum,stops", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path, monkeypatch, signum, stops):
+    """Ctrl-C (SIGTERM) while a run's namespaces are removed: the removal finishes, then the
+    command stops (it was: Ctrl-C ignored, so bench-cluster went on; SIGTERM cut the removal short)."""
+    steps = []
+
+    class Chain:  # namespaces that fail to come up; their removal is signalled halfway through
+        run_id = "0"
+
+        def __init__(self, hosts, rate_bits):
+            pass
+
+        def create(self):
+            raise NetnsError("no namespaces here")
+
+        def close(self):
+            steps.append("removing")
+            os.kill(os.getpid(), signum)
+            time.sleep(0.2)
+            steps.append("removed")
+            return []
+
+    monkeypatch.setattr(cluster, "NetnsChain", Chain)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    opts = cluster.ClusterOptions(model=str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), measure_seconds=0)
+    with pytest.raises(stops) as caught, exiting_on_signals():
+        cluster.run_cluster(opts)
+    assert steps == ["removing", "removed"]
+    assert not isinstance(caught.value, SystemExit) or caught.value.code == 128 + signum

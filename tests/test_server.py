@@ -513,8 +513,11 @@ def test_parse_address():
 def test_serve_cli_reports_bad_arguments(capsys):
     from skippy_wire.tools.serve import main
 
-    assert main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"]) == 2
-    assert "--stage-index is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, after its usage block
+        main(["--model", "/nonexistent.gguf", "--layer-start", "2", "--layer-end", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "--stage-index is required" in err
 
 
 def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, caplog):

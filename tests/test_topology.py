@@ -140,23 +140,113 @@ def test_build_topology_validates():
         build_topology("/m.gguf", [(0, 16), (15, 30)], ["a:1", "b:1"], shape=shape)
 
 
+def _serve_usage_error(capsys, args) -> str:
+    """``serve ARGS`` is a usage error: status 2, argparse's usage block, one error line."""
+    with pytest.raises(SystemExit) as info:
+        serve.main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("usage: skippy-wire serve"), err
+    errors = [line for line in err.splitlines() if line.startswith("skippy-wire: error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
 def test_serve_rejects_a_bad_topology_before_starting(tmp_path, capsys):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(_with(_set(1, "layer_start", 11))))
-    assert serve.main(["--topology", str(path), "--stage", "0"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "leaves a gap" in err, err
-    assert serve.main(["--topology", str(path)]) == 2  # --stage is required with --topology
-    assert "--topology and --stage go together" in capsys.readouterr().err
+    assert "leaves a gap" in _serve_usage_error(capsys, ["--topology", str(path), "--stage", "0"])
+    # --stage is required with --topology
+    assert "--topology and --stage go together" in _serve_usage_error(capsys, ["--topology", str(path)])
 
 
-def test_serve_stage_out_of_range(tmp_path, capsys):
+def test_serve_stage_out_of_range_names_the_file(tmp_path, capsys):
+    n_layer, _ = model_shape(smollm2_path())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_id": "smollm2-135m", "topology_id": "one", "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
+    assert _serve_usage_error(capsys, ["--topology", str(path), "--stage", "3"]) == \
+        f"skippy-wire: error: {path}: no stage 3 (it has 1)"
+
+
+def test_serve_topology_threads_out_of_range_names_file_and_stage(tmp_path, capsys):
     n_layer, _ = model_shape(smollm2_path())
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"model_id": "smollm2-135m", "stages": [
-        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
-    assert serve.main(["--topology", str(path), "--stage", "3"]) == 2
-    assert "no stage 3 (it has 1)" in capsys.readouterr().err
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": 1},
+        {"endpoint": "127.0.0.1:2", "layer_start": 1, "layer_end": n_layer, "threads": 513}]}))
+    for stage in ("1", "0"):  # the file is checked as a whole: stage 0 does not start either
+        assert _serve_usage_error(capsys, ["--topology", str(path), "--stage", stage]) == \
+            f"skippy-wire: error: {path}: stage 1: threads 513 is not between 1 and 512"
+
+
+def test_non_utf8_topology_names_the_file(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(TopologyError, match=r"t\.json: not valid UTF-8$"):
+        load_topology(path, shape=shape)
+    assert _serve_usage_error(capsys, ["--topology", str(path), "--stage", "0"]) == \
+        f"skippy-wire: error: {path}: not valid UTF-8"
+
+
+def test_utf8_topology_reads_whatever_the_locale(tmp_path, monkeypatch):
+    """JSON is UTF-8: a stage_id outside ASCII reads under an ASCII locale too."""
+    import locale
+
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda do_setlocale=True: "ascii")
+    monkeypatch.setattr(locale, "getencoding", lambda: "ascii", raising=False)
+    path = tmp_path / "t.json"
+    path.write_bytes(json.dumps(_with(_set(0, "stage_id", "étage")), ensure_ascii=False).encode())
+    assert load_topology(path, shape=shape).stages[0].stage_id == "étage"
+
+
+NULLS = [
+    ("ctx_size", lambda d: d.update(ctx_size=None), "f.json: ctx_size must be an integer, not null"),
+    ("threads", _set(0, "threads", "null"), "stage 0: threads must be an integer, not null"),
+    ("layer_end", _set(1, "layer_end", "null"), "stage 1: layer_end must be an integer, not null"),
+    ("bind_addr", _set(0, "bind_addr", "null"), 'stage 0: bind_addr must be a "HOST:PORT" string, not null'),
+    ("codec", _set(0, "activation_codec", "null"), "stage 0: activation_codec must be a name string, not null"),
+    ("model_id", lambda d: d.update(model_id=None), "f.json: model_id must be a non-empty string, not null"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", NULLS, ids=[c[0] for c in NULLS])
+def test_null_is_not_missing(name, mutate, message):
+    """``"key": null`` names the key's type; "missing" is only for a key that is absent."""
+    data = json.loads(json.dumps(_with(mutate)).replace('"null"', "null"))
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, name="f.json", shape=shape)
+    assert message in str(info.value) and "missing" not in str(info.value)
+
+
+def test_two_names_of_one_address_are_a_duplicate():
+    """localhost:P and 127.0.0.1:P are one listener: stage 0 would forward to itself."""
+    data = _with(lambda d: (d["stages"][0].update(endpoint="localhost:19101"),
+                            d["stages"][1].update(endpoint="127.0.0.1:19101")))
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, name="f.json", shape=shape)
+    assert str(info.value) == ("f.json: stage 1: endpoint 127.0.0.1:19101 is already used by stage 0 "
+                               "(as localhost:19101)")
+
+
+def test_hosts_are_resolved_only_where_ports_meet(monkeypatch):
+    """Distinct ports cost no lookup; an unresolvable host is compared as written."""
+    from skippy_wire.net import topology
+
+    looked_up = []
+
+    def getaddrinfo(host, *args, **kwargs):
+        looked_up.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(topology.socket, "getaddrinfo", getaddrinfo)
+    ports = _with(lambda d: [s.update(endpoint=f"h{i}.example:{19001 + i}") for i, s in enumerate(d["stages"])])
+    assert parse_topology(ports, shape=shape).stages[2].endpoint == "h2.example:19003"
+    assert looked_up == []
+    names = _with(lambda d: [s.update(endpoint=f"h{i}.example:19000") for i, s in enumerate(d["stages"])])
+    assert parse_topology(names, shape=shape).downstream(0) == ("h1.example", 19000)
+    assert sorted(set(looked_up)) == ["0.0.0.0", "h0.example", "h1.example", "h2.example"]
+    with pytest.raises(TopologyError, match="stage 1: endpoint h0.example:19000 is already used by stage 0"):
+        parse_topology(dict(names, stages=[names["stages"][0], *names["stages"]]), shape=shape)
 
 
 def test_rates_and_tbf_sizing():

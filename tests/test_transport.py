@@ -1,17 +1,20 @@
 """The socket side of the wire (``skippy_wire.net.transport``): records off a socket through
-the incremental decoders, whatever the segmentation; clean and unclean closes; READY."""
+the incremental decoders, whatever the segmentation; clean and unclean closes; READY;
+addresses; the local TLS files checked before any connection (``skippy_wire.net.tls``)."""
 
 from __future__ import annotations
 
 import socket
 import struct
+import subprocess
 import threading
 import time
 
 import pytest
 
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
-from skippy_wire.net.transport import Peer, SocketReader
+from skippy_wire.net.tls import TlsConfig
+from skippy_wire.net.transport import Peer, SocketReader, parse_address
 from skippy_wire.wire import frame
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -135,3 +138,45 @@ def test_a_polling_reader_finds_replies_near_their_expected_arrival(pair, poll_s
         assert peer.reader.polled_arrivals >= 2  # the first wait only sets the expectation
     else:
         assert peer.reader.polled_arrivals == 0
+
+
+@pytest.mark.parametrize("text", ["[::1]:9000", "::1:0", "tcp://[fe80::1%eth0]:19000", "[::]:0"])
+def test_ipv6_addresses_are_refused(text):
+    """Listeners are IPv4: "[::1]:0" was accepted and then failed with "unknown error -9"."""
+    with pytest.raises(ValueError, match=r"^IPv6 addresses are not supported: "):
+        parse_address(text)
+    assert parse_address("[127.0.0.1]:5") == ("127.0.0.1", 5) and parse_address(":7") == ("127.0.0.1", 7)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a certificate it signed with its key, and another (self-signed) key."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for name in ("ca", "other"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+                "-keyout", f"{name}.key", "-out", f"{name}.pem")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=node", "-keyout", "node.key", "-out", "node.csr")
+    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+            "-out", "node.pem")
+    return d
+
+
+@pytest.mark.parametrize("cert,key,ca,message", [
+    ("node.pem", "other.key", "ca.pem", "--tls-key {key} does not match --tls-cert {cert}"),
+    ("node.key", "node.key", "ca.pem", "--tls-cert {cert}: not a PEM certificate"),
+    ("node.pem", "node.pem", "ca.pem", "--tls-key {key}: not a PEM private key"),
+    ("node.pem", "node.key", "ca.key", "--tls-ca {ca}: no CA certificate in it"),
+    ("node.pem", "node.key", "node.csr", "--tls-ca {ca}: no CA certificate in it"),
+])
+def test_tls_files_are_checked_before_any_connection(pki, cert, key, ca, message):
+    """Each wrong file is named with its option (a mismatched key was a handshake failure
+    blamed on stage 0; a key given as the certificate "[SSL] PEM lib (_ssl.c:3905)")."""
+    cert, key, ca = (str(pki / name) for name in (cert, key, ca))
+    with pytest.raises(ValueError) as caught:
+        TlsConfig(cert, key, ca).check()
+    assert str(caught.value) == message.format(cert=cert, key=key, ca=ca)
+    TlsConfig(str(pki / "node.pem"), str(pki / "node.key"), str(pki / "ca.pem")).check()  # the right files load

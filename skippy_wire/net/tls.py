@@ -63,6 +63,35 @@ class TlsConfig:
             raise ValueError(TLS_OPTIONS_TOGETHER)
         return cls(cert, key, ca)
 
+    def check(self) -> None:
+        """Load the certificate, the key and the CA as a context will, before any connection:
+        ValueError naming the option and the file at fault (a key that does not match the
+        certificate, a file without a PEM certificate, a CA file without a CA certificate)."""
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            probe.load_verify_locations(cafile=self.cert)
+        except ssl.SSLError:
+            pass
+        if not probe.cert_store_stats()["x509"]:
+            raise ValueError(f"--tls-cert {self.cert}: not a PEM certificate")
+        encrypted = []
+        try:
+            probe.load_cert_chain(self.cert, self.key, password=lambda: encrypted.append(True) or b"")
+        except ssl.SSLError as exc:
+            if exc.reason == "KEY_VALUES_MISMATCH":
+                raise ValueError(f"--tls-key {self.key} does not match --tls-cert {self.cert}") from None
+            if encrypted:
+                raise ValueError(f"--tls-key {self.key}: the key is encrypted (give it without a passphrase)") \
+                    from None
+            raise ValueError(f"--tls-key {self.key}: not a PEM private key") from None
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            probe.load_verify_locations(cafile=self.ca)
+        except ssl.SSLError:
+            pass
+        if not probe.cert_store_stats()["x509_ca"]:
+            raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
+
     def _context(self, purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=self.ca)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2

@@ -23,17 +23,20 @@ it, ``model_id`` must name a packaged model (:data:`PACKAGED_MODELS`).  Optional
 ``stage_id`` (default ``stage-K``), ``activation_codec`` (default ``raw-f32-v1``),
 ``activation_codec_policy`` (default ``fixed``), ``threads`` (default: ``default_threads()``).
 A stage's codec and policy describe what it *sends*; the receiver reads with the sender's,
-so every stage of a file must agree on them.
+so every stage of a file must agree on them.  An optional key given as ``null`` is an error
+(its type is named), not its default.
 
 :func:`load_topology` validates everything (ranges contiguous from 0 to the model's
-``n_layer``, no duplicate addresses, codec/policy compatible) and raises
+``n_layer``, no duplicate addresses, names that resolve to one address included,
+codec/policy compatible) and raises
 :class:`skippy_wire.errors.TopologyError` with one line naming the file and the stage.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,6 +101,8 @@ class Topology:
     topology_id: str = "topology"
     model_id: str | None = None
     ctx_size: int = DEFAULT_CTX_SIZE
+    #: Where it came from (the file), for errors; not part of the topology itself.
+    name: str = field(default="topology", compare=False)
 
     @property
     def entry(self) -> tuple[str, int]:
@@ -106,7 +111,7 @@ class Topology:
 
     def stage(self, index: int) -> TopologyStage:
         if not 0 <= index < len(self.stages):
-            raise TopologyError(f"topology {self.topology_id}: no stage {index} (it has {len(self.stages)})")
+            raise TopologyError(f"{self.name}: no stage {index} (it has {len(self.stages)})")
         return self.stages[index]
 
     def downstream(self, index: int) -> tuple[str, int] | None:
@@ -126,12 +131,17 @@ class Topology:
         return path
 
 
+def _shown(value) -> str:
+    """A JSON value in an error: ``null`` as the file spells it, else its repr."""
+    return "null" if value is None else repr(value)
+
+
 def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> int:
-    value = obj.get(key, default)
-    if value is None:
+    if key not in obj and default is None:
         raise TopologyError(f"{where}: {key} is missing")
+    value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TopologyError(f"{where}: {key} must be an integer, not {value!r}")
+        raise TopologyError(f"{where}: {key} must be an integer, not {_shown(value)}")
     if value < minimum:
         raise TopologyError(f"{where}: {key} must be >= {minimum}, not {value}")
     return value
@@ -139,7 +149,7 @@ def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> 
 
 def _address(where: str, key: str, text) -> str:
     if not isinstance(text, str):
-        raise TopologyError(f"{where}: {key} must be a \"HOST:PORT\" string, not {text!r}")
+        raise TopologyError(f"{where}: {key} must be a \"HOST:PORT\" string, not {_shown(text)}")
     try:
         host, port = parse_address(text)
     except ValueError as exc:
@@ -151,6 +161,8 @@ def _address(where: str, key: str, text) -> str:
 
 def _model(name: str, data: dict, model_override) -> tuple[Path, str | None]:
     model_id = data.get("model_id")
+    if "model_id" in data and (not isinstance(model_id, str) or not model_id):
+        raise TopologyError(f"{name}: model_id must be a non-empty string, not {_shown(model_id)}")
     if model_override is not None:
         return Path(model_override), model_id
     if "model_path" in data:
@@ -186,6 +198,9 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
         raise TopologyError(f"{where}: layer range {start}..{end} is empty (layer_end is exclusive)")
     codec = raw.get("activation_codec", DEFAULT_CODEC)
     policy = raw.get("activation_codec_policy", DEFAULT_POLICY)
+    for key, value in (("activation_codec", codec), ("activation_codec_policy", policy)):
+        if not isinstance(value, str):
+            raise TopologyError(f"{where}: {key} must be a name string, not {_shown(value)}")
     try:
         codec_enum = ActivationCodec.from_identity(codec)
         policy_enum = CodecPolicy.from_serde_name(policy)
@@ -194,11 +209,45 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
     if not policy_enum.compatible(codec_enum):
         raise TopologyError(f"{where}: activation_codec_policy {policy} requires activation_codec "
                             f"{ActivationCodec.RAW_F32_V1.identity()}, not {codec}")
-    threads = _int(where, raw, "threads", minimum=1) if raw.get("threads") is not None else None
+    threads = _int(where, raw, "threads", minimum=1) if "threads" in raw else None
     stage_id = raw.get("stage_id", f"stage-{index}")
     if not isinstance(stage_id, str) or not stage_id:
         raise TopologyError(f"{where}: stage_id must be a non-empty string")
     return TopologyStage(index, stage_id, endpoint, bind_addr, start, end, codec, policy, threads)
+
+
+def _resolve(host: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:
+    """The IP addresses ``host`` names (once per host): two spellings of one address are one
+    listener, and a stage whose downstream is itself floods itself with connections.  An
+    unresolvable host (another site's name) is compared as written."""
+    if host not in cache:
+        try:
+            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)  # IPv4, as connect()
+            cache[host] = frozenset(info[4][0] for info in infos) or frozenset([host])
+        except (OSError, UnicodeError):
+            cache[host] = frozenset([host])
+    return cache[host]
+
+
+def _check_addresses(name: str, stages: list[TopologyStage]) -> None:
+    """No two stages on one address (``endpoint`` or ``bind_addr``).  Only hosts that share a
+    port with another stage are resolved: a file of distinct ports costs no lookup."""
+    used = [(s, key, getattr(s, key)) for s in stages
+            for key in (("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",))]
+    ports: dict[int, set[int]] = {}
+    for s, _, text in used:
+        ports.setdefault(parse_address(text)[1], set()).add(s.index)
+    cache: dict[str, frozenset[str]] = {}
+    seen: list[tuple[frozenset[str], int, int, str]] = []
+    for s, key, text in used:
+        host, port = parse_address(text)
+        hosts = _resolve(host, cache) if len(ports[port]) > 1 else frozenset([host])
+        for other_hosts, other_port, other_index, other_text in seen:
+            if other_port == port and other_index != s.index and hosts & other_hosts:
+                same = "" if parse_address(other_text) == (host, port) else f" (as {other_text})"
+                raise TopologyError(f"{name}: stage {s.index}: {key} {host}:{port} is already used by "
+                                    f"stage {other_index}{same}")
+        seen.append((hosts, port, s.index, text))
 
 
 def parse_topology(data, *, name: str = "topology", model: str | Path | None = None,
@@ -213,15 +262,9 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
     if not isinstance(raw_stages, list) or not raw_stages:
         raise TopologyError(f"{name}: stages must be a non-empty list")
     stages = [_stage(name, i, raw) for i, raw in enumerate(raw_stages)]
-    seen: dict[tuple[str, int], int] = {}
+    _check_addresses(name, stages)
     ids: dict[str, int] = {}
     for s in stages:
-        for key in ("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",):
-            addr = parse_address(getattr(s, key))
-            if addr in seen and seen[addr] != s.index:
-                raise TopologyError(f"{name}: stage {s.index}: {key} {addr[0]}:{addr[1]} is already "
-                                    f"used by stage {seen[addr]}")
-            seen[addr] = s.index
         if s.stage_id in ids:
             raise TopologyError(f"{name}: stage {s.index}: stage_id {s.stage_id!r} is already used by "
                                 f"stage {ids[s.stage_id]}")
@@ -253,7 +296,7 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
     if stages[-1].layer_end != n_layer:
         raise TopologyError(f"{name}: the last stage ends at layer {stages[-1].layer_end}, but "
                             f"{model_path.name} has {n_layer} layers")
-    return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size)
+    return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size, name)
 
 
 def load_topology(path: str | Path, *, model: str | Path | None = None,
@@ -261,13 +304,17 @@ def load_topology(path: str | Path, *, model: str | Path | None = None,
     """Read and validate a topology file (see the module docstring)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
     except OSError as exc:
         raise TopologyError(f"cannot read topology {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise TopologyError(f"{path}: not valid UTF-8") from None
     try:
         data = json.loads(text)
     except ValueError as exc:
         raise TopologyError(f"{path}: not JSON: {exc}") from None
+    except RecursionError:
+        raise TopologyError(f"{path}: not JSON: nested too deeply") from None
     return parse_topology(data, name=str(path), model=model, shape=shape)
 
 

@@ -42,13 +42,18 @@ def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"tcp://host:port"``) to ``(host, port)``."""
+    """``"host:port"`` (or ``"tcp://host:port"``) to ``(host, port)``.  IPv6 literals
+    (``[::1]:9000``) are refused: listeners and connections are IPv4 (a host name resolves
+    to its IPv4 address)."""
     if text.startswith("tcp://"):
         text = text[len("tcp://"):]
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host = host.strip("[]")
+    if ":" in host:
+        raise ValueError(f"IPv6 addresses are not supported: {text!r} (use an IPv4 address or a host name)")
+    return host or "127.0.0.1", int(port)
 
 
 class SocketReader:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
                       add_codec_options, describe, error_line, exiting_on_signals, float_above, float_at_least,
-                      int_at_least, int_between)
+                      int_at_least, int_between, signals_deferred)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
 
@@ -180,18 +179,16 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         client = None
         events = StageCluster(procs, model, opts.codec, opts.policy, threads).session_events()
     finally:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the cleanup
         problems: list[str] = []
-        try:
+        # Ctrl-C (or SIGTERM, SIGHUP) must not stop the cleanup, and is acted on after it.
+        with signals_deferred():
             if client is not None:
                 client.close()
             problems = chain.close()
             if not opts.log_dir:
                 shutil.rmtree(work, ignore_errors=True)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        if problems:
-            progress("cleanup problems: " + "; ".join(problems))
+            if problems:
+                progress("cleanup problems: " + "; ".join(problems))
     hop_bytes = [sum(merge_session_events(ev).get("forwarded_bytes", {}).values()) for ev in events[:-1]]
     return ClusterResult(opts, chain.run_id, model, prompt, result, events, link_bits, threads, hop_bytes)
 

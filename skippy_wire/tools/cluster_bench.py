@@ -26,8 +26,8 @@ from ..wire.constants import CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, link_rate, local_reference, progress_printer,
                       run_cluster)
 from .bench_rows import cpu_model
-from .options import (CODEC_SHORT_NAMES, EXIT_FAILURE, POLICY_SHORT_NAMES, Parser, describe, doc_summary,
-                      error_line, exiting_on_signals, float_at_least, int_list)
+from .options import (CODEC_SHORT_NAMES, EXIT_FAILURE, EXIT_INTERRUPTED, POLICY_SHORT_NAMES, Parser, describe,
+                      doc_summary, error_line, exiting_on_signals, float_at_least, int_list)
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     reference = None
     started = time.perf_counter()
+    status = 0
     try:
         with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
             for n in hosts:
@@ -139,17 +140,19 @@ def main(argv: list[str] | None = None) -> int:
                             ok, _ = check_tokens(res, reference)
                             rows.append(row_of(res, ok))
                             progress(json.dumps(rows[-1]))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the rows measured so far are still printed (and written)
         print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
-    except (NetnsError, TopologyError, PipelineError) as exc:
+        status = EXIT_INTERRUPTED
+    except (NetnsError, TopologyError, PipelineError) as exc:  # the rows so far, then exit 1
         print(error_line(describe(exc)), file=sys.stderr)
+        status = EXIT_FAILURE
         if not rows:
-            return EXIT_FAILURE
+            return status
     print(markdown(rows))
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    return status
 
 
 __all__ = ["CODECS", "cpu_model", "markdown", "row_of", "main"]

@@ -8,7 +8,8 @@
   every numeric option is refused before any process starts; :data:`MAX_THREADS` and
   :data:`MAX_CTX_SIZE` bound the thread count and context of every command.
 * :func:`describe`: one line for an exception that reaches the user.
-* :func:`exiting_on_signals`: SIGTERM and SIGHUP unwind like Ctrl-C.
+* :func:`exiting_on_signals`: SIGTERM and SIGHUP unwind like Ctrl-C;
+  :func:`signals_deferred`: a cleanup they wait for.
 """
 
 from __future__ import annotations
@@ -287,7 +288,8 @@ def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
 
 def tls_config(args):
     """The ``TlsConfig`` of parsed ``--tls-*`` options (None without them); ValueError
-    unless all three are given and each names a readable file (the option and the path)."""
+    unless all three are given, each names a readable file (the option and the path) and
+    they load: a certificate, its key, a CA (:meth:`TlsConfig.check`)."""
     config = TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
     if config is not None:
         for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
@@ -296,7 +298,36 @@ def tls_config(args):
                     pass
             except OSError as exc:
                 raise ValueError(f"{option}: {describe(exc)}") from None
+        config.check()
     return config
+
+
+#: The signals that stop a command: Ctrl-C, and those :func:`exiting_on_signals` turns into exits.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish) but are
+    remembered; on leaving, the first one is delivered again to the handler it would have met
+    (Ctrl-C raises KeyboardInterrupt there), unless a KeyboardInterrupt or SystemExit is already
+    unwinding (the command is stopping anyway).  A signal ignored on entry stays ignored."""
+    pending: list[int] = []
+
+    def remember(signum: int, _frame) -> None:
+        pending.append(signum)
+
+    previous = {}
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, remember)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if pending and not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
+        signal.raise_signal(pending[0])
 
 
 def utf8(text: str) -> str:
@@ -333,4 +364,5 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
            "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
            "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
-           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "utf8"]
+           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "signals_deferred",
+           "STOP_SIGNALS", "utf8"]

@@ -29,7 +29,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser,
                       add_codec_options, add_poll_option, add_tls_options, address, describe, error_line,
                       exiting_on_signals, float_above, float_at_least, int_at_least, int_between, tls_config)
 
@@ -42,9 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
     p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
     p.add_argument("--topology", default=None, metavar="FILE",
-                   help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, listen "
-                        "address, downstream, codec, policy and threads (--model overrides its model path; "
-                        "default: none, the options give them)")
+                   help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, stage "
+                        "index, listen address, downstream, codec, policy, ctx_size and threads, over "
+                        "--layer-start, --layer-end, --stage-index, --listen, --downstream, the codec options "
+                        "and --ctx-size (--threads counts only where the stage has no threads; --model "
+                        "overrides its model path; default: none, the options give them)")
     p.add_argument("--stage", type=int_at_least(0), default=None, metavar="K",
                    help="the stage of --topology to run (required with --topology; default: none)")
     p.add_argument("--link-delay-ms", type=float_at_least(0), default=0.0,
@@ -67,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_admission_options(p)
     p.add_argument("--reply-timeout", type=float_above(0), default=DEFAULT_REPLY_TIMEOUT,
                    help="seconds to wait for the downstream reply")
-    p.add_argument("--capture", default=None,
+    p.add_argument("--capture", default=None, metavar="PREFIX",
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin "
-                        "(default: none)")
+                        "(its directory must exist; default: none)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="v17: the run id the setup handshake checks")
@@ -134,10 +136,20 @@ def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str,
                        activation_codec_policy=CodecPolicy.from_serde_name(policy))
 
 
-def _apply_topology(args) -> None:
-    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first)."""
-    topology = load_topology(args.topology, model=args.model)
-    stage = topology.stage(args.stage)
+def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
+    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first);
+    the file's values meet the command line's bounds too."""
+    try:
+        topology = load_topology(args.topology, model=args.model)
+        stage = topology.stage(args.stage)
+    except TopologyError as exc:
+        parser.error(str(exc))
+    if not 1 <= topology.ctx_size <= MAX_CTX_SIZE:
+        parser.error(f"{args.topology}: ctx_size {topology.ctx_size} is not between 1 and {MAX_CTX_SIZE}")
+    for other in topology.stages:  # every stage's, as the file is validated as a whole
+        if other.threads is not None and not 1 <= other.threads <= MAX_THREADS:
+            parser.error(f"{args.topology}: stage {other.index}: threads {other.threads} is not between 1 and "
+                         f"{MAX_THREADS}")
     downstream = topology.downstream(args.stage)
     args.model = str(topology.model_path)
     args.layer_start, args.layer_end, args.stage_index = stage.layer_start, stage.layer_end, stage.index
@@ -153,9 +165,40 @@ def _print_event(event: dict) -> None:
     sys.stdout.flush()
 
 
-def _usage_error(message: str) -> int:
-    print(error_line(message), file=sys.stderr)
-    return EXIT_USAGE
+def _check_output_dir(parser: argparse.ArgumentParser, option: str, directory: str) -> None:
+    """A directory the stage writes into exists and is writable before it starts: else the
+    stage would start, then fail at every connection (--capture) or compute (--trace-compute)."""
+    if not os.path.exists(directory):
+        parser.error(f"{option}: directory {directory} does not exist")
+    if not os.path.isdir(directory):
+        parser.error(f"{option}: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        parser.error(f"{option}: directory {directory} is not writable")
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Every check that needs no model: usage errors (status 2) before anything starts."""
+    if (args.topology is None) != (args.stage is None):
+        parser.error("--topology and --stage go together")
+    if args.topology is not None:
+        _apply_topology(parser, args)
+    elif args.model is None or args.layer_start is None or args.layer_end is None:
+        parser.error("--model, --layer-start and --layer-end are required without --topology")
+    if args.layer_end <= args.layer_start:
+        parser.error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
+    if args.stage_index is None:
+        if args.layer_start != 0:
+            parser.error("--stage-index is required when --layer-start > 0")
+        args.stage_index = 0
+    if args.capture:
+        # PREFIX-messages.bin: the directory is the text before the last slash, as written.
+        _check_output_dir(parser, "--capture", os.path.dirname(args.capture) or os.curdir)
+    if args.trace_compute:
+        _check_output_dir(parser, "--trace-compute", args.trace_compute)
+    try:
+        args.tls = tls_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _cannot_start(stage_index: int, reason: str) -> int:
@@ -169,27 +212,7 @@ def _cannot_start(stage_index: int, reason: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.topology is None) != (args.stage is None):
-        return _usage_error("--topology and --stage go together")
-    if args.topology is not None:
-        try:
-            _apply_topology(args)
-        except TopologyError as exc:
-            return _usage_error(str(exc))
-        # The file's values meet the command line's bounds too.
-        if not 1 <= args.ctx_size <= MAX_CTX_SIZE:
-            return _usage_error(f"{args.topology}: ctx_size {args.ctx_size} is not between 1 and {MAX_CTX_SIZE}")
-        if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
-            return _usage_error(f"{args.topology}: threads {args.threads} is not between 1 and {MAX_THREADS}")
-    elif args.model is None or args.layer_start is None or args.layer_end is None:
-        return _usage_error("--model, --layer-start and --layer-end are required without --topology")
-    if args.layer_end <= args.layer_start:
-        return _usage_error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
-    stage_index = args.stage_index
-    if stage_index is None:
-        if args.layer_start != 0:
-            return _usage_error("--stage-index is required when --layer-start > 0")
-        stage_index = 0
+    _check_args(parser, args)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
@@ -197,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (143) and SIGHUP (129) end the stage like Ctrl-C (130).
     with exiting_on_signals():
         try:
-            return _serve(args, stage_index)
+            return _serve(args, args.stage_index)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
 
@@ -205,12 +228,10 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args, stage_index: int) -> int:
     host, port = args.listen
     downstream = args.downstream
+    tls = args.tls
     try:
-        tls = tls_config(args)
         if tls is not None:
             tls.server_context()  # unreadable or mismatched files fail here, with their reason
-    except ValueError as exc:
-        return _usage_error(str(exc))
     except OSError as exc:
         return _cannot_start(stage_index, f"TLS: {describe(exc)}")
     limits = StageLimits(message_timeout=args.message_timeout, max_connections=args.max_connections,
@@ -224,14 +245,17 @@ def _serve(args, stage_index: int) -> int:
                                       ctx_size=args.ctx_size, n_threads=threads)
     except (OSError, ValueError, OverflowError, WireError, ImportError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
+    trace_path = os.path.join(args.trace_compute, f"stage{stage_index}.trace") if args.trace_compute else None
+    try:
+        trace = open(trace_path, "a", buffering=1) if trace_path else None
+    except OSError as exc:  # checked at start-up, but e.g. DIR/stageK.trace may be a directory
+        return _cannot_start(stage_index, f"--trace-compute: {describe(exc)}")
     try:
         config.ctx_size = args.ctx_size
         plan = parse_plan(args.plan) if args.plan else None
         identity = link_identity(config, downstream is not None, run_id=args.run_id,
                                  topology_id=args.plan or DEFAULT_RUN_ID,
                                  model_id=args.model_id or Path(args.model).stem)
-        trace = (open(os.path.join(args.trace_compute, f"stage{stage_index}.trace"), "a", buffering=1)
-                 if args.trace_compute else None)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
                              reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
@@ -245,9 +269,10 @@ def _serve(args, stage_index: int) -> int:
     except (ValueError, WireError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     bound_host, bound_port = server.address
-    log.info("stage %d: layers %d..%d of %s, state version %d, codec %s, policy %s, %d threads, listening on %s:%d%s",
-             stage_index, args.layer_start, args.layer_end, args.model, args.protocol, args.activation_codec,
-             args.activation_codec_policy, threads, bound_host, bound_port,
+    log.info("stage %d: layers %d..%d of %s, state version %d, codec %s, policy %s, %d thread%s, listening on "
+             "%s:%d%s", stage_index, args.layer_start, args.layer_end, args.model, args.protocol,
+             args.activation_codec, args.activation_codec_policy, threads, "" if threads == 1 else "s",
+             bound_host, bound_port,
              f", downstream {downstream[0]}:{downstream[1]}" if downstream else " (terminal)")
     log.info("stage %d: at most %d connections, %d sessions each, lane wait %g s, messages up to %d bytes "
              "within %g s, idle timeout %g s, %s", stage_index, limits.max_connections,
