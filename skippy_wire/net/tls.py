@@ -45,6 +45,17 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _certificates_in(path: str) -> dict:
+    """How many certificates (``x509``) and CA certificates (``x509_ca``) a PEM file holds
+    (none for a file that is not PEM)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        probe.load_verify_locations(cafile=path)
+    except ssl.SSLError:
+        pass
+    return probe.cert_store_stats()
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """A certificate chain, its key and the CA every peer must be signed by (PEM paths)."""
@@ -67,13 +78,9 @@ class TlsConfig:
         """Load the certificate, the key and the CA as a context will, before any connection:
         ValueError naming the option and the file at fault (a key that does not match the
         certificate, a file without a PEM certificate, a CA file without a CA certificate)."""
-        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        try:
-            probe.load_verify_locations(cafile=self.cert)
-        except ssl.SSLError:
-            pass
-        if not probe.cert_store_stats()["x509"]:
+        if not _certificates_in(self.cert)["x509"]:
             raise ValueError(f"--tls-cert {self.cert}: not a PEM certificate")
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         encrypted = []
         try:
             probe.load_cert_chain(self.cert, self.key, password=lambda: encrypted.append(True) or b"")
@@ -84,12 +91,7 @@ class TlsConfig:
                 raise ValueError(f"--tls-key {self.key}: the key is encrypted (give it without a passphrase)") \
                     from None
             raise ValueError(f"--tls-key {self.key}: not a PEM private key") from None
-        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        try:
-            probe.load_verify_locations(cafile=self.ca)
-        except ssl.SSLError:
-            pass
-        if not probe.cert_store_stats()["x509_ca"]:
+        if not _certificates_in(self.ca)["x509_ca"]:
             raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
 
     def _context(self, purpose) -> ssl.SSLContext:

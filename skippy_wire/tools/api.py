@@ -30,10 +30,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import PipelineError, SkippyError, TopologyError
+from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
-from ..net.topology import load_topology
 from ..net.backend import DEFAULT_LANES
 from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
@@ -44,8 +43,9 @@ from .api_params import (BadRequest, Options, check_context, check_text, check_t
 from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
                          RequireApiKey, error_response, read_body)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
-                      int_at_least, int_between, poll_args, tls_config, EXIT_HANGUP, MAX_CTX_SIZE, MAX_THREADS)
+                      apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
+                      float_above, handling_signals, int_at_least, int_between, poll_args, tls_config, EXIT_HANGUP,
+                      MAX_CTX_SIZE, MAX_THREADS)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -405,14 +405,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     check_codec_options(p, args)
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
-    args.listen_address, args.connect_address = args.listen, args.connect
-    if args.topology:
-        try:
-            topology = load_topology(args.topology, model=args.model)
-        except TopologyError as exc:
-            p.error(str(exc))
-        args.connect_address = tuple(topology.entry)
-        args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
+    args.listen_address, args.connect_address = args.listen, apply_topology(p, args) or args.connect
     if args.api_key_file:
         try:
             args.api_key = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()[0].strip()
@@ -439,26 +432,6 @@ def _stop_when_a_stage_ends(cluster, server: "uvicorn.Server", ended: list) -> N
             server.should_exit = True
             return
         time.sleep(STAGE_WATCH_S)
-
-
-class _stopping_gracefully_on_hangup:
-    """While uvicorn serves, SIGHUP stops it as its own SIGTERM handling does (in-flight
-    responses end, then the command unwinds); ``seen`` says whether it came."""
-
-    def __init__(self, server: "uvicorn.Server") -> None:
-        self.seen = False
-        self._server = server
-        self._previous = signal.getsignal(signal.SIGHUP)
-        if self._previous is not signal.SIG_IGN:  # nohup: stays ignored
-            signal.signal(signal.SIGHUP, self._hang_up)
-
-    def _hang_up(self, _signum: int, _frame) -> None:
-        self.seen = True
-        self._server.should_exit = True
-
-    def close(self) -> None:
-        if self._previous is not signal.SIG_IGN:
-            signal.signal(signal.SIGHUP, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,13 +502,18 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             if not args.connect_address:
                 threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
                                  name="stage-watch", daemon=True).start()
-            hangups = _stopping_gracefully_on_hangup(server)
-            try:
-                server.run(sockets=[listener])
-            finally:
-                hangups.close()
-                api.close()
-            if hangups.seen:
+            hangups: list[int] = []
+
+            def hang_up(signum: int, _frame) -> None:  # stops uvicorn as its own SIGTERM handling does
+                hangups.append(signum)
+                server.should_exit = True
+
+            with handling_signals((signal.SIGHUP,), hang_up):
+                try:
+                    server.run(sockets=[listener])
+                finally:
+                    api.close()
+            if hangups:
                 raise SystemExit(EXIT_HANGUP)
             if ended:
                 print(error_line(f"{ended[0]}; the API stopped"), file=sys.stderr)

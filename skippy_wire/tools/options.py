@@ -22,6 +22,7 @@ import signal
 import sys
 from typing import Callable, Iterator, NoReturn
 
+from ..errors import TopologyError
 from ..net.tls import TlsConfig
 from ..net.transport import parse_address
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -307,25 +308,29 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
+def handling_signals(signals, handler) -> Iterator[None]:
+    """Inside: ``handler`` for each of ``signals`` not ignored on entry (``nohup``: it stays
+    ignored); the previous handlers come back on leaving."""
+    previous = {}
+    for sig in signals:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish) but are
     remembered; on leaving, the first one is delivered again to the handler it would have met
     (Ctrl-C raises KeyboardInterrupt there), unless a KeyboardInterrupt or SystemExit is already
     unwinding (the command is stopping anyway).  A signal ignored on entry stays ignored."""
     pending: list[int] = []
-
-    def remember(signum: int, _frame) -> None:
-        pending.append(signum)
-
-    previous = {}
-    for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, remember)
-    try:
+    with handling_signals(STOP_SIGNALS, lambda signum, _frame: pending.append(signum)):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if pending and not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
         signal.raise_signal(pending[0])
 
@@ -349,20 +354,28 @@ def exiting_on_signals() -> Iterator[None]:
     def on_signal(signum: int, _frame) -> None:
         raise SystemExit(128 + signum)
 
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, on_signal)
-    try:
+    with handling_signals((signal.SIGTERM, signal.SIGHUP), on_signal):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | None:
+    """``--topology FILE``: its model and ctx_size replace ``args``'; returns its stage 0's
+    address (None without the option).  A bad file is a usage error."""
+    if not args.topology:
+        return None
+    from ..net.topology import load_topology  # here: it loads the model reader, which --help need not
+
+    try:
+        topology = load_topology(args.topology, model=args.model)
+    except TopologyError as exc:
+        parser.error(str(exc))
+    args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
+    return tuple(topology.entry)
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
            "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
            "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
-           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "signals_deferred",
+           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology",
            "STOP_SIGNALS", "utf8"]

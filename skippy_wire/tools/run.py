@@ -17,17 +17,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import PipelineError, ToolError, TopologyError
+from ..errors import PipelineError, ToolError
 from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, PipelineClient,
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from ..net.topology import load_topology
 from ..stage.models import Tokenizer, model_shape, read_gguf_metadata
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
+                      apply_topology,
                       address, check_codec_options, describe, driver_poll_s, exiting_on_signals, file_error,
                       float_above, float_at_least, float_between, int_at_least, int_between, poll_args, tls_config,
                       utf8, SEED_RANGE)
@@ -252,13 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args) -> int:
-    if args.topology:
-        try:
-            topology = load_topology(args.topology, model=args.model)
-        except TopologyError as exc:
-            parser.error(str(exc))
-        args.connect = tuple(topology.entry)
-        args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
+    args.connect = apply_topology(parser, args) or args.connect
 
     def progress(text: str) -> None:
         if not args.quiet:
