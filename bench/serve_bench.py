@@ -17,7 +17,8 @@ to the last token received, so the prompts' prefill counts), aggregate decode to
 tokens received while every request was decoding, from the last request's first token to
 the first request's last token, over that window: prefill and time to first token, printed
 on their own, do not count), time to first token, and the fraction of the wall time during
-which every stage computed at once (from the stages' ``--trace-compute`` files).  Ratios are
+which every stage computed at once (from the stages' ``--trace-compute`` files), and the CPU
+each process used over the round (the API, this client and each stage, from ``/proc``).  Ratios are
 against the one-request figures of the same run; the two that the goals name are also given
 as the median and range of each round's own ratio, which the host's drift between rounds does
 not enter.  ``--ahead off`` starts the stages with
@@ -33,6 +34,7 @@ and yield to the stages (``net.driver.yielding_to_stages``).
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import re
@@ -43,7 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
@@ -58,18 +59,27 @@ PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} n
 
 
 def stream(url: str, prompt: str, tokens: int) -> dict:
-    """One streaming completion: send time, token arrival times, text."""
-    sent = time.perf_counter()
+    """One streaming completion: send time, token arrival times, text.  Read with the
+    standard library's HTTP client, a line at a time: the load generator shares the two CPUs
+    with the stages, so it should cost them as little as it can."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True})
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
     stamps, text = [], []
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
+    try:
+        sent = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise SystemExit(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in iter(response.readline, b""):
+            if line.startswith(b"data: {"):
                 piece = json.loads(line[6:])["choices"][0]
                 if piece["text"]:
                     stamps.append(time.perf_counter())
                     text.append(piece["text"])
+    finally:
+        conn.close()
     return {"sent": sent, "stamps": stamps, "text": "".join(text)}
 
 
@@ -128,7 +138,14 @@ def decode_window_rate(results: list[dict]) -> float:
     return sum(start < t <= end for r in results for t in r["stamps"]) / (end - start)
 
 
-def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def concurrent_round(url: str, n: int, tokens: int, traces: list[Path], pids: dict[str, int]) -> dict:
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     start_ns = time.monotonic_ns()
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -137,6 +154,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
         raise SystemExit("a request produced fewer than 2 tokens; choose prompts the model continues")
     wall = max(r["stamps"][-1] for r in results) - t0
     end_ns = time.monotonic_ns()
+    cpu = {name: (cpu_seconds(pid) - cpu0[name]) / wall for name, pid in pids.items()}
     count = sum(len(r["stamps"]) for r in results)
     single = results[0]["stamps"]
     window = [start_ns + int((stamp - t0) * 1e9) for stamp in decode_window(results)]  # on the traces' clock
@@ -145,7 +163,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path]) -> dict:
             "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
             "all_busy": all_busy_fraction(traces, start_ns, end_ns),
-            "busy": [busy_fraction(trace, start_ns, end_ns) for trace in traces], "texts": [r["text"] for r in results]}
+            "busy": [busy_fraction(trace, start_ns, end_ns) for trace in traces], "texts": [r["text"] for r in results], "cpu": cpu}
 
 
 def run_round(entry, tokenizer, tokens: int) -> dict:
@@ -184,6 +202,8 @@ def main(argv=None) -> int:
                     raise SystemExit("the api process ended before listening")
                 m = re.search(r"API on (http://[\d.]+:\d+)/v1", line)
                 url = m.group(1) if m else None
+            pids = {"api": api.pid, "client": os.getpid(),
+                    **{f"stage {i}": stage.popen.pid for i, stage in enumerate(cluster.stages)}}
             traces = [trace_dir / f"stage{i}.trace" for i in range(args.stages)]
             stream(url, PROMPTS[0], 8)  # warm-up
             best: dict[str, dict] = {}
@@ -191,9 +211,9 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 this: dict[str, dict] = {}
                 for name, fn in (("run", lambda: run_round(cluster.entry, tokenizer, args.tokens)),
-                                 ("1", lambda: concurrent_round(url, 1, args.tokens, traces)),
+                                 ("1", lambda: concurrent_round(url, 1, args.tokens, traces, pids)),
                                  (str(args.concurrency),
-                                  lambda: concurrent_round(url, args.concurrency, args.tokens, traces))):
+                                  lambda: concurrent_round(url, args.concurrency, args.tokens, traces, pids))):
                     r = this[name] = fn()
                     if name not in best or r["agg_tok_s"] > best[name]["agg_tok_s"]:
                         best[name] = r
@@ -234,6 +254,9 @@ def main(argv=None) -> int:
           + " / ".join(f"{b * 100:.0f}%" for b in many["busy"]) + " | |")
     print(f"| each stage computing while all {args.concurrency} decode | "
           + " / ".join(f"{b * 100:.0f}%" for b in many["window_busy"]) + " | |")
+    for label, r in (("1 request", one), (f"{args.concurrency} requests", many)):
+        print(f"| CPU used over the round, {label}: " + " / ".join(r["cpu"]) + " | "
+              + " / ".join(f"{share * 100:.0f}%" for share in r["cpu"].values()) + " | |")
     print(f"| decode steps that ran in a multi-session batch (all rounds, all stages) | "
           f"{100 * batched / max(decoded, 1):.1f}% | |")
     same = many["texts"][0] == one["texts"][0]
