@@ -23,7 +23,7 @@ from skippy_wire.net.admission import LaneGate, max_message_bytes
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import LinkProtocol
 from skippy_wire.net.supervision import launch_pipeline
-from skippy_wire.net.tls import TlsConfig
+from skippy_wire.net.tls import TLS_CLIENT_ON_PLAIN_STAGE, TlsConfig
 from skippy_wire.net.transport import Peer
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.messages import StageWireMessage
@@ -330,6 +330,24 @@ def test_mutual_tls_pipeline_matches_plain_and_refuses_strangers(tiny_model, tmp
     log = _log(tmp_path, 0)
     assert "did not start a TLS handshake" in log
     assert "mutual TLS" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", [15, 16, 17])
+def test_a_mutual_tls_driver_on_plain_stages_is_told_so_on_both_ends(tiny_model, tmp_path, reference, certs,
+                                                                      protocol):
+    """The plain stage read the ClientHello as an unknown message kind (v15, v16) or an
+    absurd state version (v17)."""
+    with _cluster(tiny_model, tmp_path, protocol=protocol) as cluster:
+        with pytest.raises(PipelineError, match=r"^TLS handshake with stage 0 at 127\.0\.0\.1:\d+ failed: .* "
+                                                r"\(does it use mutual TLS with the same CA\?\)$"):
+            PipelineClient(*cluster.entry, timeout=30, tls=certs["node"], protocol=protocol,
+                           identity=cluster.identity)
+        with PipelineClient(*cluster.entry, timeout=30, protocol=protocol, identity=cluster.identity) as client:
+            assert client.generate(PROMPT, max_tokens=MAX_TOKENS, chunk_size=4).tokens == reference
+    log = _log(tmp_path, 0)
+    assert TLS_CLIENT_ON_PLAIN_STAGE in log
+    assert "unknown stage message kind" not in log and "peer speaks state version" not in log
 
 
 @pytest.mark.slow

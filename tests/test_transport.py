@@ -5,6 +5,7 @@ addresses; the local TLS files checked before any connection (``skippy_wire.net.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import subprocess
 import threading
@@ -13,8 +14,8 @@ import time
 import pytest
 
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
-from skippy_wire.net.tls import TlsConfig
-from skippy_wire.net.transport import Peer, SocketReader, parse_address
+from skippy_wire.net.tls import TlsConfig, starts_tls_handshake
+from skippy_wire.net.transport import HEAD_BYTES, Peer, SocketReader, parse_address
 from skippy_wire.wire import frame
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -180,3 +181,30 @@ def test_tls_files_are_checked_before_any_connection(pki, cert, key, ca, message
         TlsConfig(cert, key, ca).check()
     assert str(caught.value) == message.format(cert=cert, key=key, ca=ca)
     TlsConfig(str(pki / "node.pem"), str(pki / "node.key"), str(pki / "ca.pem")).check()  # the right files load
+
+
+def test_a_reader_keeps_the_connection_s_first_bytes_whatever_the_segmentation(pair):
+    """Through the records' reader and through the v17 handshake's socket alike."""
+    a, b = pair
+    data = bytes(range(100))
+    peer = Peer(b)
+    handshake = peer.capturing_socket()
+    for piece in (data[:3], data[3:20], data[20:70], data[70:]):
+        a.sendall(piece)
+        if len(piece) == 17:
+            assert handshake.recv(len(piece)) == piece
+        else:
+            peer.reader.read_exact(len(piece))
+    assert bytes(peer.reader.head) == data[:HEAD_BYTES] and peer.received == 100
+
+
+def test_a_client_hello_is_told_from_the_stage_wire():
+    """A plain stage that a mutual-TLS peer opens reads the ClientHello as nonsense (an
+    unknown message kind, an absurd state version): the log names the TLS instead."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname="stage")
+    with pytest.raises(ssl.SSLWantReadError):
+        hello.do_handshake()
+    assert starts_tls_handshake(outgoing.read())
+    for plain in (READY_BYTES, frame.write_stage_message(_messages()[0]), b"\x16", b""):
+        assert not starts_tls_handshake(plain)

@@ -40,6 +40,7 @@ from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
+from .tls import handshake_failure
 from .transport import Peer, connect
 
 DEFAULT_MAX_TOKENS = 64
@@ -129,8 +130,7 @@ class PipelineClient:
         try:
             sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
         except ssl.SSLError as exc:
-            raise PipelineError(f"TLS handshake with stage 0 at {self.address} failed: {exc.reason or exc} "
-                                "(does the stage use mutual TLS with the same CA?)") from None
+            raise PipelineError(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
             raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)

@@ -204,18 +204,18 @@ class LinkProtocol:
         try:
             agreement = client_setup(sock, role, setup, output, timeout=timeout)
         except SetupError:
-            if bytes(sock.received_head[:4]) == TLS_REQUIRED_NOTICE:
+            if bytes(self.peer.reader.head[:4]) == TLS_REQUIRED_NOTICE:
                 raise TlsRequired(self.who, self.me) from None
-            got = self._notice_after_setup_error(sock)
+            got = self._notice_after_setup_error()
             if got is not None:
                 raise self.mismatch(got) from None
             raise
         self.conn.establish(agreement)
 
-    def _notice_after_setup_error(self, sock) -> Optional[int]:
+    def _notice_after_setup_error(self) -> Optional[int]:
         """After a failed handshake: did a v15/v16 peer of this package send its notice
         (right after its READY)?"""
-        head = bytes(sock.received_head)
+        head = bytes(self.peer.reader.head)
         if head[:4] == READY_BYTES:
             head = head[4:]
         return parse_version_notice(head)
@@ -238,7 +238,7 @@ class LinkProtocol:
             role, agreement = server_setup(sock, setup, input_profile, topology=plan, prepare=prepare,
                                            timeout=timeout)
         except SetupError as error:
-            peer = self._version_after_setup_error(sock, error)
+            peer = self._version_after_setup_error(error)
             if peer is not None:
                 self.refuse()
                 raise self.mismatch(peer) from None
@@ -246,11 +246,11 @@ class LinkProtocol:
         self.conn.establish(agreement)
         return role
 
-    def _version_after_setup_error(self, sock, error: SetupError) -> Optional[int]:
+    def _version_after_setup_error(self, error: SetupError) -> Optional[int]:
         """A v15/v16 peer sent a stage message instead of Hello: its version word says which."""
         if error.message != "incompatible stage setup protocol":
             return None
-        head = bytearray(sock.received_head)
+        head = bytearray(self.peer.reader.head)
         try:
             self.peer.sock.settimeout(NOTICE_WAIT_SECONDS)
             while len(head) < _PEEK_BYTES:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Callable
@@ -61,7 +62,8 @@ from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
-from .tls import PLAIN_EXPOSED_WARNING, accept_tls, is_loopback
+from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, accept_tls, handshake_failure, is_loopback,
+                  starts_tls_handshake)
 from .transport import Peer, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -278,12 +280,13 @@ class StageServer:
                 if session is not None and session.next_step is not None:
                     self.ahead.compute(session)
         except StateVersionMismatch as exc:
-            log.error("%s: %s; closing", name, exc)
+            log.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
         except SetupError as exc:
             if upstream.received == 0:  # connected and left (a port check), as a v15 peer may
                 log.info("%s: closed by peer before its setup", name)
             else:
-                log.error("%s: stage setup failed: %s%s; closing", name, exc, f" ({exc.detail})" if exc.detail else "")
+                detail = f" ({exc.detail})" if exc.detail else ""
+                log.error("%s: %s; closing", name, self._diagnosis(upstream, f"stage setup failed: {exc}{detail}"))
         except UnexpectedEofError:
             log.error("%s: peer disconnected in the middle of a message; closing", name)
         except ConnectionResetError:
@@ -292,7 +295,8 @@ class StageServer:
         except (socket.timeout, TimeoutError):
             log.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
         except WireError as exc:
-            log.error("%s: malformed stage message (%s: %s); closing", name, exc.kind, exc)
+            malformed = f"malformed stage message ({exc.kind}: {exc})"
+            log.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
         except (StageError, ConnectionError, OSError) as exc:
             if not self._stop.is_set():
                 log.error("%s: %s; closing", name, exc)
@@ -311,6 +315,13 @@ class StageServer:
                 self._connections.discard(sock)
                 self._connections.discard(upstream.sock)
 
+    def _diagnosis(self, upstream: Peer, text: str) -> str:
+        """``text``, unless the peer opened with a TLS handshake that this plain stage cannot
+        answer: its bytes then read as nonsense, and the real cause is the missing TLS."""
+        if self._tls_server is None and starts_tls_handshake(upstream.reader.head):
+            return TLS_CLIENT_ON_PLAIN_STAGE
+        return text
+
     def _profile(self, edge: str):
         """The v17 activation profile of this stage's input or output edge."""
         b = self.backend
@@ -328,6 +339,8 @@ class StageServer:
         host, port = self.downstream
         try:
             sock = connect(host, port, timeout=self.reply_timeout, tls=self._tls_client)
+        except ssl.SSLError as exc:
+            raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
         except OSError as exc:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture

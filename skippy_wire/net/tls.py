@@ -30,7 +30,12 @@ TLS_REQUIRED_NOTICE = b"STLS"
 PLAIN_PEER_GRACE_SECONDS = 2.0
 #: The first byte of a TLS handshake record.
 TLS_HANDSHAKE_RECORD = 0x16
+#: The record's major version byte (TLS 1.0-1.3 all write 3).
+TLS_MAJOR_VERSION = 0x03
 TLS_OPTIONS_TOGETHER = "--tls-cert, --tls-key and --tls-ca go together"
+#: Logged by a plain stage whose peer opened with a TLS handshake.
+TLS_CLIENT_ON_PLAIN_STAGE = ("the peer started a TLS handshake (a mutual-TLS client; this stage speaks plain TCP: "
+                             "give it --tls-cert, --tls-key and --tls-ca too)")
 #: Logged by a plain stage bound beyond loopback (host, port).
 PLAIN_EXPOSED_WARNING = ("listening on %s:%d, beyond loopback: the stage data plane is unauthenticated plain TCP "
                          "(anyone who can reach this port can drive the stage); use --tls-cert/--tls-key/--tls-ca "
@@ -142,10 +147,21 @@ def _handshake(tls: ssl.SSLSocket) -> ssl.SSLSocket:
     return tls
 
 
+def starts_tls_handshake(head: bytes) -> bool:
+    """Whether a connection's first bytes are a TLS handshake record's (a ClientHello)."""
+    return head[:2] == bytes((TLS_HANDSHAKE_RECORD, TLS_MAJOR_VERSION))
+
+
+def handshake_failure(who: str, exc: ssl.SSLError) -> str:
+    """The one-line error of a failed client handshake with ``who``."""
+    return f"TLS handshake with {who} failed: {exc.reason or exc} (does it use mutual TLS with the same CA?)"
+
+
 def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:
     """The client side: wrap and handshake (under ``sock``'s timeout)."""
     return _handshake(context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False))
 
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
+           "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
            "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls"]

@@ -23,6 +23,8 @@ from .tls import connect_tls
 
 #: Size of the buffer a reader receives into.
 RECV_CHUNK_BYTES = 1 << 16
+#: How many of a connection's first bytes a reader keeps (:attr:`SocketReader.head`).
+HEAD_BYTES = 64
 #: Waits longer than this are not decode steps: a polling reader just sleeps through them.
 MAX_POLLED_WAIT = 1.0
 
@@ -79,6 +81,7 @@ class SocketReader:
         self._poller = None
         self.decoder = decoder
         self.count = 0
+        self.head = bytearray()  # the connection's first bytes (which protocol does the peer speak?)
         self.last_size = 0
         self.last_time = 0.0  # perf_counter() when the record read last had fully arrived
         self.last_raw: bytes | None = None  # its bytes, when it arrived within one receive
@@ -93,6 +96,8 @@ class SocketReader:
         """One ``recv_into``; feeds what arrived unless ``limit`` (raw bytes) is given."""
         n = self.sock.recv_into(self._chunk, limit)
         if n:
+            if self.count < HEAD_BYTES:
+                self.head += self._view[:min(n, HEAD_BYTES - self.count)]
             self.count += n
             data = self._view[:n]
             if self._capture is not None:
@@ -250,7 +255,7 @@ class Peer:
     def capturing_socket(self) -> "CountingSocket":
         """The socket for a handshake run outside the reader (the v17 setup): what passes
         through it is counted and captured like the records, and its first received bytes
-        are kept in ``received_head``."""
+        are kept in the reader's ``head``."""
         return CountingSocket(self)
 
     def read(self):
@@ -278,12 +283,8 @@ class CountingSocket:
     """``recv`` / ``send`` / ``sendall`` / timeouts of a :class:`Peer`'s socket, teed to the
     peer's counters and capture files."""
 
-    #: Received bytes kept in ``received_head``.
-    HEAD_BYTES = 64
-
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
-        self.received_head = bytearray()
 
     def settimeout(self, timeout) -> None:
         self.peer.sock.settimeout(timeout)
@@ -294,9 +295,10 @@ class CountingSocket:
     def recv(self, n: int) -> bytes:
         data = self.peer.sock.recv(n)
         if data:
-            self.peer.reader.count += len(data)
-            if len(self.received_head) < self.HEAD_BYTES:
-                self.received_head += data[: self.HEAD_BYTES - len(self.received_head)]
+            reader = self.peer.reader
+            if reader.count < HEAD_BYTES:
+                reader.head += data[:HEAD_BYTES - reader.count]
+            reader.count += len(data)
             if self.peer._cap_in is not None:
                 self.peer._cap_in.write(data)
                 self.peer._cap_in.flush()
