@@ -114,6 +114,17 @@ def test_invalid_topology_is_one_line(name, mutate, message):
     assert message in text
 
 
+def test_codecs_go_by_short_name_as_on_the_command_line():
+    """A stage may say ``f16`` where the next says ``f16-rne-v1``: the same codec, stored by
+    its identity (what ``serve`` is given)."""
+    mixed = _with(_all_codec("f16", "fixed"))
+    mixed["stages"][1]["activation_codec"] = "f16-rne-v1"
+    t = parse_topology(mixed, shape=shape)
+    assert {(s.activation_codec, s.activation_codec_policy) for s in t.stages} == {("f16-rne-v1", "fixed")}
+    t = parse_topology(_with(_all_codec("raw-f32", "auto-lossless")), shape=shape)
+    assert {(s.activation_codec, s.activation_codec_policy) for s in t.stages} == {("raw-f32-v1", "auto-lossless-v1")}
+
+
 def test_model_that_cannot_be_read(tmp_path):
     with pytest.raises(TopologyError, match=r"^t\.json: cannot read the model: .*no-such\.gguf"):
         parse_topology(_with(lambda d: d.update(model_path=str(tmp_path / "no-such.gguf"))), name="t.json")

@@ -21,8 +21,9 @@ optionally ``tcp://``) is where stage K reaches it; a stage listens on ``bind_ad
 (default: its ``endpoint``).  Ranges are half-open.  ``model_path`` locates the GGUF; without
 it, ``model_id`` must name a packaged model (:data:`PACKAGED_MODELS`).  Optional per stage:
 ``stage_id`` (default ``stage-K``), ``activation_codec`` (default ``raw-f32-v1``),
-``activation_codec_policy`` (default ``fixed``), ``threads`` (default: ``default_threads()``).
-A stage's codec and policy describe what it *sends*; the receiver reads with the sender's,
+``activation_codec_policy`` (default ``fixed``), ``threads`` (default: ``default_threads()``);
+codecs and policies go by their identities or the command line's short names (``f16``,
+``auto-lossless``).  A stage's codec and policy describe what it *sends*; the receiver reads with the sender's,
 so every stage of a file must agree on them.  An optional key given as ``null`` is an error
 (its type is named), not its default.
 
@@ -42,7 +43,7 @@ from typing import Any, Callable
 
 from ..errors import TopologyError
 from ..stage.models import model_shape, smollm2_path
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from .transport import parse_address
 
 #: Model identities a file may name without a ``model_path``.
@@ -201,6 +202,7 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
     for key, value in (("activation_codec", codec), ("activation_codec_policy", policy)):
         if not isinstance(value, str):
             raise TopologyError(f"{where}: {key} must be a name string, not {_shown(value)}")
+    codec, policy = CODEC_SHORT_NAMES.get(codec, codec), POLICY_SHORT_NAMES.get(policy, policy)
     try:
         codec_enum = ActivationCodec.from_identity(codec)
         policy_enum = CodecPolicy.from_serde_name(policy)

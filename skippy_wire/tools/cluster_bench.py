@@ -22,12 +22,12 @@ from ..errors import NetnsError, PipelineError, TopologyError
 from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
-from ..wire.constants import CodecPolicy
+from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, link_rate, local_reference, progress_printer,
                       run_cluster)
 from .bench_rows import cpu_model
-from .options import (CODEC_SHORT_NAMES, EXIT_FAILURE, EXIT_INTERRUPTED, POLICY_SHORT_NAMES, Parser, describe,
-                      doc_summary, error_line, exiting_on_signals, float_at_least, int_list)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, Parser, describe, doc_summary, error_line, exiting_on_signals,
+                      float_at_least, int_list)
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, NoReturn
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
 from ..net.transport import parse_address
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
@@ -193,10 +193,6 @@ def address(text: str) -> tuple[str, int]:
 
 #: The short names ``--activation-codec`` and ``--activation-codec-policy`` take beside the
 #: wire identities (and bench-cluster's row names).
-CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1", "s8": "s8-row-f32-rne-v1"}
-POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
-
-
 def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
     """A choice among ``names`` or their ``short`` aliases (returned as the full name); a
     wrong one lists both."""

@@ -166,6 +166,11 @@ class CodecPolicy(UpstreamEnum):
         return self.serde_name
 
 
+#: Short names that the command line and topology files accept beside the identities.
+CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1", "s8": "s8-row-f32-rne-v1"}
+POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
+
+
 
 class StateFlags(enum.IntFlag):
     """Bits of the header ``flags`` word (section 2.4).  Unknown bits are carried untouched,
