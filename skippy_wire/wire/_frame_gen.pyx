@@ -39,7 +39,9 @@ from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, Wi
 from .activation_frame import ActivationFrameV16, ActivationPartV16
 from .agreement import Dynamic, Fixed, TOKENS
 from .constants import ActivationCodec, CodecPolicy
+from .constants import I32_MAX, I32_MIN, U32_MAX, U64_MAX
 from .constants import (
+    AGREEMENT_RANGE_TEXT,
     DECODED_MAX_TEXT,
     DESCRIPTOR_RANGE_TEXT,
     PART_AXES_TEXT,

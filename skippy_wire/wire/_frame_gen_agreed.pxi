@@ -29,8 +29,57 @@ cdef bint _admitted(object dim, int axis, object rank, object token_axis):
     return False
 
 
+cdef int _int_field(object value, object low, object high, str name) except -1:
+    try:
+        value = PyNumber_Index(value)
+    except TypeError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+    return 0
+
+
+cdef int _bytes_field(object value, Py_ssize_t length, str name) except -1:
+    cdef bint ok
+    try:  # an int would make bytes(n) zeros: refused like any non-bytes value
+        ok = not isinstance(value, int) and len(bytes(value)) == length
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+    return 0
+
+
+cdef int _agreement_fields(object agreement) except -1:
+    """Every field has its setup type (B.3), before any rule of B.5 (the twin's
+    ``check_agreement_fields``): the generation copied into headers is 16 bytes, ids and
+    counts fit their u32, the dimension bounds are integers."""
+    _bytes_field(agreement.generation, 16, "generation")
+    for i, p in enumerate(agreement.profiles):
+        at = f"profiles[{i}]"
+        _int_field(p.id, 0, U32_MAX, f"{at}.id")
+        for name in ("producer_stage_index", "layer_start", "layer_end"):
+            _int_field(getattr(p, name), I32_MIN, I32_MAX, f"{at}.{name}")
+        _bytes_field(p.frontier_identity, 32, f"{at}.frontier_identity")
+        for name in ("max_tokens", "max_sequences"):
+            _int_field(getattr(p, name), 0, U32_MAX, f"{at}.{name}")
+        for j, part in enumerate(p.parts):
+            where = f"{at}.parts[{j}]"
+            _bytes_field(part.identity, 32, f"{where}.identity")
+            for name in ("ggml_type", "rank", "token_axis"):
+                _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
+            for k, d in enumerate(tuple(part.dimensions)):
+                if isinstance(d, Fixed):
+                    _int_field(d.value, 0, U64_MAX, f"{where}.dimensions[{k}]")
+                elif isinstance(d, Dynamic):
+                    _int_field(d.min, 0, U64_MAX, f"{where}.dimensions[{k}]")
+                    _int_field(d.max, 0, U64_MAX, f"{where}.dimensions[{k}]")
+    return 0
+
+
 def validate_agreement(agreement):
     cdef int axis
+    _agreement_fields(agreement)
     generation = bytes(agreement.generation)
     if generation.count(0) == len(generation) or len(agreement.profiles) > MAX_PARTS:
         _raise(E_AGREEMENT)
@@ -161,6 +210,8 @@ cdef bytes _agreed_reframe(object agreement, const Desc* d, _Buffer frame):
     validate_agreement(agreement)
     profile, mask, dynamic = _first_match(agreement, d)
     cdef Py_ssize_t start = HEADER + PART * d.count
+    if frame.view.len < start:  # a caller's frame shorter than its descriptor's headers
+        _raise(E_FRAME_SIZE)
     return _agreed_header(agreement, profile, d, mask, dynamic) + PyBytes_FromStringAndSize(
         <const char*>frame.view.buf + start, frame.view.len - start)
 

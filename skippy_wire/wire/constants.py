@@ -75,6 +75,7 @@ OUT_OVERLAP_TEXT = "out must not overlap the payload"
 SEQUENCE_CHANGED_TEXT = "a token or position list changed length while the message was written"
 PART_AXES_TEXT = "activation part dimensions and byte strides are 4 values each"
 DESCRIPTOR_RANGE_TEXT = "activation frame descriptor field out of range"
+AGREEMENT_RANGE_TEXT = "activation agreement field out of range"
 ACTIVATIONLESS_PAYLOAD_TEXT = "activationless stage message contains activation payload"
 SAMPLING_STRING_LENGTH_TEXT = "sampling string exceeds maximum length"
 
@@ -169,7 +170,6 @@ class CodecPolicy(UpstreamEnum):
 #: Short names that the command line and topology files accept beside the identities.
 CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1", "s8": "s8-row-f32-rne-v1"}
 POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
-
 
 
 class StateFlags(enum.IntFlag):

@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import operator
 import struct
 
-from ...errors import InvalidDataError, UnexpectedEofError
+from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..agreement import ActivationAgreement, Dynamic, Fixed, TOKENS
+from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
 from . import frame_v16 as _v16
 
 MAX_PROFILES = 16
@@ -37,7 +39,48 @@ def _dimension_ok(d, axis: int, rank: int, token_axis: int) -> bool:
     return False
 
 
+def _int_field(value, low: int, high: int, name: str) -> None:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+
+
+def _bytes_field(value, length: int, name: str) -> None:
+    try:  # an int would make bytes(n) zeros: refused like any non-bytes value
+        ok = not isinstance(value, int) and len(bytes(value)) == length
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+
+
+def check_agreement_fields(agreement: ActivationAgreement) -> None:
+    """Every field of ``agreement`` has its setup type (B.3): a caller's object is refused
+    with InvalidInputError naming the field before any rule of B.5 runs."""
+    _bytes_field(agreement.generation, GEN, "generation")
+    for i, p in enumerate(agreement.profiles):
+        at = f"profiles[{i}]"
+        _int_field(p.id, 0, U32_MAX, f"{at}.id")
+        for name in ("producer_stage_index", "layer_start", "layer_end"):
+            _int_field(getattr(p, name), I32_MIN, I32_MAX, f"{at}.{name}")
+        _bytes_field(p.frontier_identity, 32, f"{at}.frontier_identity")
+        for name in ("max_tokens", "max_sequences"):
+            _int_field(getattr(p, name), 0, U32_MAX, f"{at}.{name}")
+        for j, part in enumerate(p.parts):
+            where = f"{at}.parts[{j}]"
+            _bytes_field(part.identity, 32, f"{where}.identity")
+            for name in ("ggml_type", "rank", "token_axis"):
+                _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
+            for k, d in enumerate(tuple(part.dimensions)):
+                for value in (d.value,) if isinstance(d, Fixed) else (d.min, d.max) if isinstance(d, Dynamic) else ():
+                    _int_field(value, 0, U64_MAX, f"{where}.dimensions[{k}]")
+
+
 def validate_agreement(agreement: ActivationAgreement) -> None:
+    check_agreement_fields(agreement)
     if not any(agreement.generation) or len(agreement.profiles) > MAX_PROFILES:
         raise _err("invalid activation agreement")
     ids = set()
@@ -123,7 +166,7 @@ def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFra
 def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = _v16.codec_id(codec)
     validate_agreement(agreement)
-    payload = memoryview(payload).cast("B")
+    payload = _v16._view(payload)
     _v16.validate_frame(desc, len(payload))
     profile, mask, dynamic = _first_match(agreement, desc)
     out = _header(agreement, profile, desc, mask, dynamic) + _v16.encode_parts(codec, desc, payload)
@@ -134,16 +177,26 @@ def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV1
 
 def agreed_reframe(agreement: ActivationAgreement, desc: ActivationFrameV16, frame) -> bytes:
     """``encode_existing``: ``frame`` is the encoded v16 frame already decoded as ``desc``;
-    its payload section is copied, not re-encoded."""
+    its payload section is copied, not re-encoded.  A ``frame`` shorter than the
+    descriptor's headers is a size mismatch."""
+    # what the compiled twin checks while converting ``desc`` (A.5 steps 1-2, field types)
+    if desc.version != _v16.FRAME_VERSION:
+        raise _err("unsupported activation frame version")
+    if not 1 <= len(desc.parts) <= _v16.MAX_PARTS:
+        raise _err("activation frame part count is invalid")
+    _v16.check_fields(desc)
+    view = _v16._view(frame)
     validate_agreement(agreement)
     profile, mask, dynamic = _first_match(agreement, desc)
     start = _v16.HEADER + _v16.PART * len(desc.parts)
-    return _header(agreement, profile, desc, mask, dynamic) + bytes(memoryview(frame).cast("B")[start:])
+    if len(view) < start:
+        raise _err("activation frame wire byte count mismatch")
+    return _header(agreement, profile, desc, mask, dynamic) + bytes(view[start:])
 
 
 def agreed_decode(agreement: ActivationAgreement, codec, data):
     codec = _v16.codec_id(codec)
-    view = memoryview(data).cast("B")
+    view = _v16._view(data)
     if len(view) > _v16.MAX_BYTES:
         raise _err("activation frame exceeds maximum")
     validate_agreement(agreement)

@@ -1,0 +1,146 @@
+"""A caller's v17 agreement or frame of the wrong shape fails alike in both twins.
+
+Agreements parsed from setup JSON always have their setup types (B.3); one built in code may
+not.  Before, a generation of 3 bytes made the compiled twin copy 16 bytes out of a 3-byte
+object into the agreed header (an out-of-bounds read), an ``int`` generation was 16 zero
+bytes to one twin and a TypeError to the other, and ids, stage indexes or dimension bounds
+outside their wire types leaked OverflowError / struct.error / TypeError, or were encoded by
+one twin and refused by the other.  Now every such field is an InvalidInputError naming it,
+raised before any rule of B.5.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
+from skippy_wire.tools.conformance_gen import desc_from_case
+from skippy_wire.wire.agreement import ActivationAgreement, Dynamic, Fixed, TOKENS
+from skippy_wire.wire.protocol import kernels
+
+GOLDEN = Path(__file__).parent / "golden" / "v17"
+IMPLS = ("cython", "python")
+RANGE = "activation agreement field out of range"
+
+
+def _case() -> dict:
+    for line in (GOLDEN / "agreed_activation.jsonl").read_text().splitlines():
+        case = json.loads(line)
+        if case["encode"]["ok"]:
+            return case
+    raise AssertionError("no encodable agreed_activation case")
+
+
+CASE = _case()
+AGREEMENT = ActivationAgreement.from_json(CASE["agreement"])
+DESC = desc_from_case(CASE["desc"])
+PAYLOAD = bytes.fromhex(CASE["payload_hex"])
+WIRE = bytes.fromhex(CASE["encode"]["hex"])
+CODEC = CASE["codec_id"]
+
+
+def _outcome(fn):
+    try:
+        result = fn()
+    except WireError as exc:
+        return type(exc), str(exc)
+    return "ok", result if not isinstance(result, tuple) else (repr(result[0]), bytes(result[1]))
+
+
+def _every_entry(impl: str, agreement) -> list:
+    k = kernels(impl)
+    return [_outcome(lambda: k.validate_agreement(agreement)),
+            _outcome(lambda: k.agreed_encode(agreement, CODEC, DESC, PAYLOAD)),
+            _outcome(lambda: k.agreed_wire_bytes(agreement, CODEC, DESC)),
+            _outcome(lambda: k.agreed_decode(agreement, CODEC, WIRE))]
+
+
+def _set(path: str, value):
+    def edit(agreement):
+        *parents, last = path.split(".")
+        target = agreement
+        for key in parents:
+            target = target[int(key)] if key.isdigit() else getattr(target, key)
+        setattr(target, last, value(getattr(target, last)) if callable(value) else value)
+    return edit
+
+
+def _dims(*dims):
+    return _set("profiles.0.parts.0.dimensions", tuple(dims))
+
+
+@pytest.mark.parametrize("edit, name", [
+    (_set("generation", lambda g: bytes(g)[:3]), "generation"),
+    (_set("generation", lambda g: bytes(g)[:15]), "generation"),
+    (_set("generation", lambda g: bytes(g) + b"\x01"), "generation"),
+    (_set("generation", 16), "generation"),
+    (_set("generation", "x" * 16), "generation"),
+    (_set("profiles.0.id", 2**32 + 1), "profiles[0].id"),
+    (_set("profiles.0.id", -1), "profiles[0].id"),
+    (_set("profiles.0.id", 1.0), "profiles[0].id"),
+    (_set("profiles.0.producer_stage_index", 2**31), "profiles[0].producer_stage_index"),
+    (_set("profiles.0.layer_end", 2**31), "profiles[0].layer_end"),
+    (_set("profiles.0.max_tokens", None), "profiles[0].max_tokens"),
+    (_set("profiles.0.max_sequences", 2**32), "profiles[0].max_sequences"),
+    (_set("profiles.0.frontier_identity", b"\x03" * 31), "profiles[0].frontier_identity"),
+    (_set("profiles.0.parts.0.identity", 32), "profiles[0].parts[0].identity"),
+    (_set("profiles.0.parts.0.ggml_type", None), "profiles[0].parts[0].ggml_type"),
+    (_set("profiles.0.parts.0.ggml_type", -1), "profiles[0].parts[0].ggml_type"),
+    (_set("profiles.0.parts.0.rank", 2**32 + 2), "profiles[0].parts[0].rank"),
+    (_dims(Fixed(4.0), TOKENS, Fixed(1), Fixed(1)), "profiles[0].parts[0].dimensions[0]"),
+    (_dims(Fixed("4"), TOKENS, Fixed(1), Fixed(1)), "profiles[0].parts[0].dimensions[0]"),
+    (_dims(Fixed(4), TOKENS, Fixed(1), Fixed(2**64)), "profiles[0].parts[0].dimensions[3]"),
+    (_dims(Dynamic(1.5, 8), TOKENS, Fixed(1), Fixed(1)), "profiles[0].parts[0].dimensions[0]"),
+    (_dims(Dynamic(1, "b"), TOKENS, Fixed(1), Fixed(1)), "profiles[0].parts[0].dimensions[0]"),
+])
+def test_a_field_beyond_its_setup_type_is_named_alike(edit, name):
+    want = (InvalidInputError, f"{RANGE}: {name}")
+    for impl in IMPLS:
+        agreement = copy.deepcopy(AGREEMENT)
+        edit(agreement)
+        assert _every_entry(impl, agreement) == [want] * 4, impl
+
+
+def test_the_golden_agreement_is_untouched_by_the_field_checks():
+    outcomes = [_every_entry(impl, copy.deepcopy(AGREEMENT)) for impl in IMPLS]
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == ("ok", None) and outcomes[0][1] == ("ok", WIRE)
+
+
+def test_rule_texts_of_b5_are_kept_for_well_typed_fields():
+    for impl in IMPLS:
+        zero = copy.deepcopy(AGREEMENT)
+        zero.generation = bytes(16)
+        assert _every_entry(impl, zero)[0] == (InvalidDataError, "invalid activation agreement")
+        odd = copy.deepcopy(AGREEMENT)
+        odd.profiles[0].parts[0].ggml_type = 2
+        assert _every_entry(impl, odd)[0] == (InvalidDataError, "activation part has unsupported ggml type")
+        short = copy.deepcopy(AGREEMENT)
+        short.profiles[0].parts[0].dimensions = short.profiles[0].parts[0].dimensions[:3]
+        assert _every_entry(impl, short)[0] == (InvalidDataError, "invalid admitted activation dimension")
+
+
+@pytest.mark.parametrize("data", ["x" * 64, None, 7, [1, 2, 3], memoryview(bytes(200))[::2]])
+def test_agreed_entries_refuse_a_non_buffer_alike(data):
+    # the twin raised TypeError where the compiled one raised InvalidInputError
+    want = (InvalidInputError, "activation must be a C-contiguous bytes-like object")
+    frame = kernels("python").encode_frame(CODEC, DESC, PAYLOAD)
+    for impl in IMPLS:
+        k = kernels(impl)
+        assert _outcome(lambda: k.agreed_decode(AGREEMENT, CODEC, data)) == want, impl
+        assert _outcome(lambda: k.agreed_encode(AGREEMENT, CODEC, DESC, data)) == want, impl
+        assert _outcome(lambda: k.agreed_reframe(AGREEMENT, DESC, data)) == want, impl
+        assert _outcome(lambda: k.agreed_reframe(AGREEMENT, DESC, frame))[0] == "ok", impl
+
+
+@pytest.mark.parametrize("cut", [0, 1, 67, 68 + 127])
+def test_reframing_a_frame_shorter_than_its_headers_is_a_size_mismatch(cut):
+    # the compiled twin passed a negative length to PyBytes_FromStringAndSize (SystemError)
+    frame = kernels("python").encode_frame(CODEC, DESC, PAYLOAD)[:cut]
+    want = (InvalidDataError, "activation frame wire byte count mismatch")
+    for impl in IMPLS:
+        assert _outcome(lambda: kernels(impl).agreed_reframe(AGREEMENT, DESC, frame)) == want, impl
