@@ -98,6 +98,10 @@ def test_given_values_are_still_checked(body, param):
     ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"n_probs": 3}, "n_probs"),
+    # an audio reply (OpenAI's gpt-4o-audio): text alone would silently drop what was asked
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": "text"}, "modalities"),
 ])
 def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
     with pytest.raises(BadRequest) as err:
@@ -107,7 +111,7 @@ def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
 
 def test_what_asks_for_nothing_passes():
     # an empty suffix (nothing after the completion) and a chat's logprobs: false
-    assert parse_options({"suffix": "", "echo": False, "top_logprobs": 0}).max_tokens is None
+    assert parse_options({"suffix": "", "echo": False, "top_logprobs": 0, "modalities": ["text"]}).max_tokens is None
     assert parse_options({"logprobs": False}, chat=True).stream is False
     with pytest.raises(BadRequest):
         parse_options({"logprobs": True}, chat=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import signal
 import socket
@@ -40,8 +41,10 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
                          suppress_end_of_generation)
+from .cli import DISTRIBUTION
 from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
-                         RequireApiKey, error_response, read_body)
+                         RequireApiKey, error_object, error_response, read_body, shutting_down_error,
+                         shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
                       float_above, handling_signals, int_at_least, int_between, poll_args, tls_config, EXIT_HANGUP,
@@ -77,6 +80,7 @@ class Api:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.created = int(time.time())
+        self.fingerprint = _fingerprint()
         self._admission: Optional[Admission] = None
         self._workers = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="generate")
         # The readiness probe runs apart from the generations, one at a time, however many
@@ -172,10 +176,16 @@ class Api:
     # -- generation routes
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._answer(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._answer(request, chat=True)
+
+    async def _answer(self, request: Request, *, chat: bool) -> Response:
+        try:
+            return await self._generate(request, chat=chat)
+        except asyncio.CancelledError:  # the server stops (its graceful period over): say so
+            return shutting_down_response()
 
     def _prompt_tokens(self, body: dict, chat: bool) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -232,8 +242,7 @@ class Api:
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         job = _Job(self, prompt, max_tokens, options, chat)
         if options.stream:
-            return StreamingResponse(job.stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(job)
         try:
             result = await job.run(request)
         except Cancelled:
@@ -266,10 +275,12 @@ class _Job:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.cancel = threading.Event()
+        self.started = False
 
     def _start(self, on_text) -> asyncio.Future:
         """Run the generation on a worker; its lane is given back when the worker is done
         (after a cancelled session was stopped on every stage), whatever the client does."""
+        self.started = True
         loop = asyncio.get_running_loop()
         engine, o = self.api.engine, self.options
         future = loop.run_in_executor(self.api._workers, lambda: engine.generate(
@@ -285,12 +296,15 @@ class _Job:
 
     async def run(self, request: Request):
         future = self._start(lambda text: None)
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return future.result()
-            if await request.is_disconnected():
-                self.cancel.set()
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return future.result()
+                if await request.is_disconnected():
+                    self.cancel.set()
+        finally:
+            self.cancel.set()  # no effect once done; else (awaiting cancelled) the generation stops
 
     def _usage(self, result) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
@@ -298,8 +312,11 @@ class _Job:
 
     def _envelope(self, choices: list, *, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.api.model_id,
-                "choices": choices}
+        envelope = {"id": self.id, "object": kind, "created": self.created, "model": self.api.model_id,
+                    "system_fingerprint": self.api.fingerprint, "choices": choices}
+        if chunk and self.options.include_usage:
+            envelope["usage"] = None  # OpenAI: every chunk but the last then has a null usage
+        return envelope
 
     def final_object(self, result) -> dict:
         if self.chat:
@@ -334,8 +351,7 @@ class _Job:
             try:
                 result = future.result()
             except PipelineError as exc:
-                yield _sse({"error": {"message": f"the pipeline failed: {exc}", "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
                 return
             yield self._chunk(None if self.chat else "", result.finish_reason)
             if self.options.include_usage:
@@ -344,6 +360,55 @@ class _Job:
         finally:
             # A client that went away cancels the generation between two tokens.
             self.cancel.set()
+
+    def abandon(self) -> None:
+        """The response has ended: a generation still running stops at its next token, and
+        the lane of one that never started is given back here."""
+        self.cancel.set()
+        if not self.started:
+            self.started = True
+            self.api.admission.release()
+
+
+class _EventStream(StreamingResponse):
+    """A job's server-sent events.  Starlette can end the response before its body iterator
+    first runs (the client gone while the head waited to be written, or its send raising),
+    and then the iterator's own cleanup never runs: the job is abandoned here whatever
+    happened."""
+
+    def __init__(self, job: _Job) -> None:
+        super().__init__(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            await send(message)
+            started = started or message["type"] == "http.response.start"
+
+        try:
+            await super().__call__(scope, receive, sending)
+        except asyncio.CancelledError:  # the server stops, its graceful period over: say so
+            if not started:
+                await shutting_down_response()(scope, receive, send)
+            else:  # mid-stream: an error event, as for a pipeline failure, and the end of the body
+                event = _sse(shutting_down_error()).encode()
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.body_iterator.aclose()  # one left at a yield: its generation is cancelled now
+            self.job.abandon()
+
+
+def _fingerprint() -> str:
+    """``system_fingerprint``: the build that serves (llama-server names its build there),
+    for a client that seeds its requests to see when the backend changed."""
+    try:
+        return f"skippy-wire-{importlib.metadata.version(DISTRIBUTION)}"
+    except importlib.metadata.PackageNotFoundError:
+        return "skippy-wire"
 
 
 def _sse(obj: dict) -> str:

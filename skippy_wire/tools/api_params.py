@@ -29,8 +29,10 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: to; no UTF-8 encoder and no tokenizer takes it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
-#: (compared with their type: ``0`` is not ``false``).  ``logprobs`` is told apart below.
-_HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,)}
+#: (compared with their type: ``0`` is not ``false``; ``audio``, the spoken reply's voice,
+#: has none).  ``logprobs`` is told apart below.
+_HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,),
+             "modalities": (["text"],), "audio": ()}
 #: llama-server's own sampling and output controls that the stages cannot honour, with the
 #: values that ask for nothing (llama-server's defaults; its web UI sends them all).
 _LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typical_p": (1, 1.0),

@@ -26,10 +26,26 @@ BODY_TIMEOUT_S = 30
 RETRY_AFTER_S = 1
 
 
+def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None) -> dict:
+    """An OpenAI error object (also what a stream sends once its head has gone)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[str] = None, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_object(message, type_=type_, param=param, code=code), status_code=status,
+                        headers=headers)
+
+
+def shutting_down_error() -> dict:
+    """What a request still unanswered when the server stops is told (uvicorn cancels what
+    outlives its graceful period, and would log a traceback and send a text 500)."""
+    return error_object("the server is shutting down; retry later", type_="server_error", code="shutting_down")
+
+
+def shutting_down_response() -> JSONResponse:
+    return JSONResponse(shutting_down_error(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class RequireApiKey:
