@@ -5,6 +5,7 @@ body reads, errors, key, queue and health, over a fake engine or in-process fake
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import contextlib
@@ -28,7 +29,7 @@ from test_server import Chain
 from skippy_wire.net.service import Cancelled, Generation, GenerationEngine
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
-from skippy_wire.tools.api import Api
+from skippy_wire.tools.api import Api, _origin
 
 LIMIT = 6
 
@@ -390,3 +391,33 @@ def test_llama_server_request_conventions():
         for method, path in (("GET", "/v1/models/"), ("POST", "/v1/chat/completions/")):
             r = client.request(method, path, json={}, follow_redirects=False)
             assert r.status_code == 404, (path, r.status_code)
+
+
+def test_cross_origin_calls_only_from_the_origins_given():
+    """A browser page may call the API only from a ``--cors-origin``; its preflight needs no
+    key, the call itself still does."""
+    page, key = "http://page.example:8080", {"Authorization": "Bearer k"}
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with TestClient(_fake_api(api_key="k").app()) as client:  # the default: no cross-origin calls
+        r = client.options("/v1/completions", headers=preflight)
+        assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page, **key})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with TestClient(_fake_api(api_key="k", cors_origins=(page,)).app()) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page, **key})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page}).status_code == 401
+        other = client.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize("text", ["http://page.example/", "page.example", "ftp://page.example", "http://a:99999",
+                                  "http://[::1"])
+def test_a_cors_origin_is_checked_as_browsers_send_it(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="an origin is SCHEME://HOST"):
+        _origin(text)
+    assert _origin("https://page.example") == "https://page.example" and _origin("*") == "*"

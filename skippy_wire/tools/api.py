@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +28,9 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..errors import PipelineError, SkippyError
@@ -42,8 +44,8 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
                          suppress_end_of_generation)
 from .cli import DISTRIBUTION
-from .http_front import (BODY_TIMEOUT_S, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, IdleSheddingProtocol,
-                         RequireApiKey, error_object, error_response, read_body, shutting_down_error,
+from .http_front import (BODY_TIMEOUT_S, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, EventStream,
+                         IdleSheddingProtocol, RequireApiKey, error_object, error_response, read_body, sse,
                          shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
@@ -72,9 +74,11 @@ class Api:
     """The routes over one :class:`GenerationEngine`."""
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
-                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None) -> None:
+                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.cors_origins = cors_origins
         self.model_id = model_id
         self.chat_template = chat_template
         self.max_inflight = max_inflight
@@ -104,7 +108,11 @@ class Api:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        middleware = [Middleware(RequireApiKey, key=self.api_key)] if self.api_key else []
+        # CORS outermost: a browser's preflight carries no key.
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(self.cors_origins), allow_methods=["GET", "POST"],
+                                 allow_headers=CORS_HEADERS)] if self.cors_origins else []
+        if self.api_key:
+            middleware.append(Middleware(RequireApiKey, key=self.api_key))
         app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
         app.router.redirect_slashes = False  # "/v1/models/" is not a route: 404, not a redirect clients don't follow
         return app
@@ -242,7 +250,7 @@ class Api:
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         job = _Job(self, prompt, max_tokens, options, chat)
         if options.stream:
-            return _EventStream(job)
+            return EventStream(job)
         try:
             result = await job.run(request)
         except Cancelled:
@@ -336,7 +344,7 @@ class _Job:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return _sse(self._envelope([choice], chunk=True))
+        return sse(self._envelope([choice], chunk=True))
 
     async def stream(self):
         loop = asyncio.get_running_loop()
@@ -351,11 +359,11 @@ class _Job:
             try:
                 result = future.result()
             except PipelineError as exc:
-                yield _sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
+                yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
                 return
             yield self._chunk(None if self.chat else "", result.finish_reason)
             if self.options.include_usage:
-                yield _sse({**self._envelope([], chunk=True), "usage": self._usage(result)})
+                yield sse({**self._envelope([], chunk=True), "usage": self._usage(result)})
             yield "data: [DONE]\n\n"
         finally:
             # A client that went away cancels the generation between two tokens.
@@ -370,38 +378,6 @@ class _Job:
             self.api.admission.release()
 
 
-class _EventStream(StreamingResponse):
-    """A job's server-sent events.  Starlette can end the response before its body iterator
-    first runs (the client gone while the head waited to be written, or its send raising),
-    and then the iterator's own cleanup never runs: the job is abandoned here whatever
-    happened."""
-
-    def __init__(self, job: _Job) -> None:
-        super().__init__(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send) -> None:
-        started = False
-
-        async def sending(message) -> None:
-            nonlocal started
-            await send(message)
-            started = started or message["type"] == "http.response.start"
-
-        try:
-            await super().__call__(scope, receive, sending)
-        except asyncio.CancelledError:  # the server stops, its graceful period over: say so
-            if not started:
-                await shutting_down_response()(scope, receive, send)
-            else:  # mid-stream: an error event, as for a pipeline failure, and the end of the body
-                event = _sse(shutting_down_error()).encode()
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await self.body_iterator.aclose()  # one left at a yield: its generation is cancelled now
-            self.job.abandon()
-
-
 def _fingerprint() -> str:
     """``system_fingerprint``: the build that serves (llama-server names its build there),
     for a client that seeds its requests to see when the backend changed."""
@@ -409,10 +385,6 @@ def _fingerprint() -> str:
         return f"skippy-wire-{importlib.metadata.version(DISTRIBUTION)}"
     except importlib.metadata.PackageNotFoundError:
         return "skippy-wire"
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -448,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: open)")
     key.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="the same, the key read from FILE's first line (kept out of the process list; default: none)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=_origin,
+                   help="let web pages from ORIGIN (e.g. http://localhost:8080; '*': any) call the API from a "
+                        "browser; repeatable (default: none, as a page on any site could otherwise drive it)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
@@ -463,6 +438,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
     return p
+
+
+def _origin(text: str) -> str:
+    """A browser's Origin header as it is sent (matched exactly), or ``*``."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # raises on a port out of range
+        ok = text == "*" or (parts.scheme in ("http", "https") and bool(parts.hostname)
+                             and text == f"{parts.scheme}://{parts.netloc}")
+    except ValueError:  # a broken IPv6 literal, a port out of range
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"an origin is SCHEME://HOST[:PORT] (no path) or '*', not {text!r}")
+    return text
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
@@ -556,7 +545,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
-                      max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key)
+                      max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key,
+                      cors_origins=tuple(args.cors_origin))
             host, port = listener.getsockname()[:2]
             progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                      f"{args.max_inflight} in flight, Ctrl-C to stop)")

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from typing import Optional
 
 import h11
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: Routes open without the API key (as llama-server keeps its health check open).
@@ -24,6 +25,9 @@ MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
+#: Request headers a browser page may send cross-origin (``--cors-origin``): the key's two
+#: headers and the JSON body's type.
+CORS_HEADERS = ["Authorization", "X-Api-Key", "Content-Type"]
 
 
 def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
@@ -156,3 +160,41 @@ class IdleSheddingProtocol(H11Protocol):
     def shed(self) -> None:
         self.connections.discard(self)  # counted out now, not when the loop gets to it
         self.transport.close()
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A job's server-sent events (``job.stream()``, an async iterator of them;
+    ``job.abandon()`` stops the job and gives back what it holds).  Starlette can end the
+    response before its body iterator first runs (the client gone while the head waited to
+    be written, or its send raising), and then the iterator's own cleanup never runs: the job
+    is abandoned here whatever happened."""
+
+    def __init__(self, job) -> None:
+        super().__init__(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            await send(message)
+            started = started or message["type"] == "http.response.start"
+
+        try:
+            await super().__call__(scope, receive, sending)
+        except asyncio.CancelledError:  # the server stops, its graceful period over: say so
+            if not started:
+                await shutting_down_response()(scope, receive, send)
+            else:  # mid-stream: an error event, as for a pipeline failure, and the end of the body
+                event = sse(shutting_down_error()).encode()
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.body_iterator.aclose()  # one left at a yield: its generation is cancelled now
+            self.job.abandon()
