@@ -221,10 +221,12 @@ class LinkProtocol:
         return parse_version_notice(head)
 
     def accept(self, setup=None, input_profile=None, *, plan=None, prepare=None,
-               timeout: Optional[float] = None):
+               timeout: Optional[float] = None, serves: Optional[SetupRole] = None):
         """The listening side: ``prepare()`` (e.g. open the downstream link), then READY
         (15, 16) or the setup handshake (17, ``prepare`` runs before ready is sent).
-        Returns the role the peer asked for (15, 16: ACTIVATION)."""
+        Returns the role the peer asked for (15, 16: ACTIVATION).  ``serves``: the one role
+        this side takes (17); a peer that set up another one (a driver's TokensAndControl
+        on a later stage) -> StageError, once the handshake is over (only it tells)."""
         if self.version != STAGE_STATE_VERSION_V17:
             if prepare is not None:
                 prepare()
@@ -244,6 +246,8 @@ class LinkProtocol:
                 raise self.mismatch(peer) from None
             raise
         self.conn.establish(agreement)
+        if serves is not None and role is not serves:
+            raise StageError(f"peer set up a {role.value} link; {self.me} takes only {serves.value} links")
         return role
 
     def _version_after_setup_error(self, error: SetupError) -> Optional[int]:

@@ -60,11 +60,12 @@ from ..wire.setup import SetupError, SetupRole
 from .admission import DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, max_message_bytes
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
+from .connlog import ConnectionLog
 from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, accept_tls, handshake_failure, is_loopback,
                   starts_tls_handshake)
-from .transport import Peer, connect
+from .transport import Peer, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -136,6 +137,7 @@ class StageServer:
         self.link_delay = link_delay
         self.prefill_overlap = prefill_overlap
         self.events = events or (lambda event: None)
+        self.clog = ConnectionLog(log)  # lines about connections (peers decide how many)
         self.codec = ActivationCodec(config.activation_codec)
         self.policy = CodecPolicy(config.activation_codec_policy)
         if not self.policy.compatible(self.codec):
@@ -175,15 +177,12 @@ class StageServer:
         try:
             while not self._stop.is_set():
                 try:
-                    sock, addr = self._listener.accept()
-                except socket.timeout:
+                    accepted = accept_connection(self._listener, self._stop, self.clog.error)
+                except OSError:  # the listener was closed
+                    break
+                if accepted is None:
                     continue
-                except OSError:
-                    if self._stop.is_set():
-                        break
-                    raise
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock, addr = accepted
                 with self._conn_lock:
                     if len(self._connections) >= self.connection_limit.limit:
                         self._shed(self.connection_limit.shed_quietest())
@@ -195,8 +194,14 @@ class StageServer:
                 if full:
                     self.connection_limit.refuse(sock, addr)
                     continue
-                threading.Thread(target=self._serve_connection, args=(sock, addr, seq),
-                                 name=f"stage-conn-{seq}", daemon=True).start()
+                try:
+                    threading.Thread(target=self._serve_connection, args=(sock, addr, seq),
+                                     name=f"stage-conn-{seq}", daemon=True).start()
+                except RuntimeError as exc:  # no thread to spare: this connection only
+                    self.clog.error("connection %d from %s:%d: %s; closing", seq, addr[0], addr[1], exc)
+                    with self._conn_lock:
+                        self._connections.discard(sock)
+                    sock.close()
         finally:
             self._listener.close()
 
@@ -249,15 +254,16 @@ class StageServer:
                 if self.downstream is not None:
                     opened.append(self._open_downstream(seq))
 
+            serves = SetupRole.TOKENS_AND_CONTROL if self.backend.is_source else SetupRole.ACTIVATION
             role = link.accept(self.identity, self._profile("input"), plan=self.plan, prepare=prepare,
-                               timeout=self.io_timeout)
+                               timeout=self.io_timeout, serves=serves)
             downstream = opened[0] if opened else None
-            log.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
+            self.clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
                 upstream.reader.poll_s = self._poll_window()
                 msg = self._read_message(link)
                 if msg is None:
-                    log.info("%s: closed by peer", name)
+                    self.clog.info("%s: closed by peer", name)
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
                 if not sessions:
@@ -266,7 +272,7 @@ class StageServer:
                         # the next stage closed the idle link (its idle timeout, or shed)
                         downstream.peer.close()
                         downstream = opened[0] = self._open_downstream(seq)
-                        log.info("%s: downstream had closed the idle link; reconnected", name)
+                        self.clog.info("%s: downstream had closed the idle link; reconnected", name)
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
                 # A peer that stops reading its replies stalls like one that stops writing.
@@ -280,30 +286,30 @@ class StageServer:
                 if session is not None and session.next_step is not None:
                     self.ahead.compute(session)
         except StateVersionMismatch as exc:
-            log.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
+            self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
         except SetupError as exc:
             if upstream.received == 0:  # connected and left (a port check), as a v15 peer may
-                log.info("%s: closed by peer before its setup", name)
+                self.clog.info("%s: closed by peer before its setup", name)
             else:
-                detail = f" ({exc.detail})" if exc.detail else ""
-                log.error("%s: %s; closing", name, self._diagnosis(upstream, f"stage setup failed: {exc}{detail}"))
+                failed = f"stage setup failed: {exc}" + (f" ({exc.detail})" if exc.detail else "")
+                self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, failed))
         except UnexpectedEofError:
-            log.error("%s: peer disconnected in the middle of a message; closing", name)
-        except ConnectionResetError:
-            log.error("%s: peer reset the connection%s; closing", name,
-                      " in the middle of a message" if upstream.reader.buffered else "")
+            self.clog.error("%s: peer disconnected in the middle of a message; closing", name)
+        except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
+            self.clog.error("%s: peer reset the connection%s; closing", name,
+                            " in the middle of a message" if upstream.reader.buffered else "")
         except (socket.timeout, TimeoutError):
-            log.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
+            self.clog.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
         except WireError as exc:
             malformed = f"malformed stage message ({exc.kind}: {exc})"
-            log.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
+            self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
         except (StageError, ConnectionError, OSError) as exc:
             if not self._stop.is_set():
-                log.error("%s: %s; closing", name, exc)
+                self.clog.error("%s: %s; closing", name, exc)
         except StageRuntimeError as exc:  # e.g. context full
-            log.error("%s: stage runtime error: %s; closing", name, exc)
+            self.clog.error("%s: stage runtime error: %s; closing", name, exc)
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
-            log.exception("%s: unexpected error (%s); closing", name, exc)
+            self.clog.unexpected("%s: unexpected error (%s); closing", name, exc)
         finally:
             self.connection_limit.busy(seq)
             for session_id in list(sessions):

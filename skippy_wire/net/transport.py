@@ -27,6 +27,8 @@ RECV_CHUNK_BYTES = 1 << 16
 HEAD_BYTES = 64
 #: Waits longer than this are not decode steps: a polling reader just sleeps through them.
 MAX_POLLED_WAIT = 1.0
+#: Seconds a listener pauses after a failed accept (descriptors run out: some may free up).
+ACCEPT_RETRY_S = 0.1
 
 
 def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
@@ -41,6 +43,26 @@ def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
             sock.close()
             raise
     return sock
+
+
+def accept_connection(listener: socket.socket, stopped, log_error) -> tuple | None:
+    """``listener.accept()`` (its timeout set), the connection in blocking mode with
+    TCP_NODELAY; None on the listener's timeout, or when accepting failed (e.g. out of file
+    descriptors): ``log_error(fmt, *args)`` hears of it and the listener pauses
+    :data:`ACCEPT_RETRY_S`, so it outlives the failure.  OSError once ``stopped`` is set."""
+    try:
+        sock, addr = listener.accept()
+    except socket.timeout:
+        return None
+    except OSError as exc:
+        if stopped.is_set():
+            raise
+        log_error("cannot accept a connection (%s); retrying", exc)
+        stopped.wait(ACCEPT_RETRY_S)
+        return None
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, addr
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -319,4 +341,5 @@ class CountingSocket:
         self.peer.send(data)
 
 
-__all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "connect", "parse_address", "SocketReader", "Peer", "CountingSocket"]
+__all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "connect", "accept_connection", "parse_address",
+           "SocketReader", "Peer", "CountingSocket"]
