@@ -107,11 +107,11 @@ def _one_error_line(err: str) -> str:
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--listen", "127.0.0.1:99999"],
      "argument --listen: port 99999 is out of range (0-65535)"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--threads", "0"],
-     "argument --threads: must be between 1 and 512, got 0"),
+     "argument -t/--threads: must be between 1 and 512, got 0"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--threads", "99999999999"],
-     "argument --threads: must be between 1 and 512, got 99999999999"),
+     "argument -t/--threads: must be between 1 and 512, got 99999999999"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--ctx-size", "99999999999"],
-     "argument --ctx-size: must be between 1 and 16777216, got 99999999999"),
+     "argument -c/--ctx-size: must be between 1 and 16777216, got 99999999999"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--io-timeout", "-1"],
      "argument --io-timeout: must be greater than 0, got -1"),
     (["serve", "--model", "m.gguf", "--layer-start", "3", "--layer-end", "2", "--stage-index", "1"],
@@ -514,7 +514,7 @@ def test_json_is_one_object_with_text_and_summary(capsys, smollm2_pipeline):
     assert doc["prompt"] == "What is the capital of France?"
     assert doc["text"] and doc["check"]["ok"]
     summary = doc["summary"]
-    assert summary["sampling"] is None and summary["chat_template"] is True
+    assert summary["sampling"] is None and summary["chat_template"] is True and summary["protocol"] == 15
     assert summary["connected"] == smollm2_pipeline
     assert 1 <= summary["completion_tokens"] <= 12 and summary["stop_reason"] in ("eog", "max_tokens")
 

@@ -176,6 +176,7 @@ def test_ctrl_c_removes_everything(netns):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted; namespaces and stage processes removed" in err
+    assert out.startswith("Once upon a time") and out.endswith("\n")  # the partial text ends its line
     _assert_nothing_left(_run_id(seen), _pids(seen))
 
 

@@ -44,10 +44,12 @@ from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.tools.bench_rows import cpu_model
-from skippy_wire.tools.options import MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
+from skippy_wire.tools.options import MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
+#: Context beyond the measured tokens (the 16-token decode prompt and a margin).
+CTX_SLACK = 32
 
 
 class Chain:
@@ -59,6 +61,7 @@ class Chain:
             for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
         ]
         self.sessions = [m.create_session() for m in self.models]
+        self.n_vocab = self.models[0].n_vocab
         self.caps = [0] * len(self.sessions)
 
     def reset(self):
@@ -83,7 +86,7 @@ class Chain:
 def measure(chain, n_prefill, n_decode, repeat):
     """Best-of-``repeat`` tok/s for prefill and decode, each with the process CPU time over
     wall time of that best run (on shared cores: the share of a core the run got)."""
-    prompt = prompt_tokens(n_prefill)
+    prompt = prompt_tokens(n_prefill, chain.n_vocab)
     best_prefill = (float("inf"), 0.0)
     for _ in range(repeat):
         chain.reset()
@@ -103,8 +106,15 @@ def measure(chain, n_prefill, n_decode, repeat):
     return n_prefill / best_prefill[0], best_prefill[1], n_decode / best_decode[0], best_decode[1]
 
 
-def prompt_tokens(n):
-    return [(17 * i + 5) % 1000 + 100 for i in range(n)]
+#: The measured prompts' token ids: 1000 ids from 100 on; a smaller vocabulary (the tiny test
+#: model's 256) gets them folded into its own range.
+PROMPT_FIRST, PROMPT_SPAN = 100, 1000
+
+
+def prompt_tokens(n, n_vocab):
+    if n_vocab >= PROMPT_FIRST + PROMPT_SPAN:
+        return [(17 * i + 5) % PROMPT_SPAN + PROMPT_FIRST for i in range(n)]
+    return [(17 * i + 5) % n_vocab for i in range(n)]
 
 
 class Ours:
@@ -116,12 +126,12 @@ class Ours:
     def prefill(self, n):
         self.chain.reset()
         t = time.perf_counter()
-        self.chain.prefill(prompt_tokens(n))
+        self.chain.prefill(prompt_tokens(n, self.chain.n_vocab))
         return time.perf_counter() - t
 
     def decode(self, n):
         self.chain.reset()
-        tok = self.chain.prefill(prompt_tokens(16))
+        tok = self.chain.prefill(prompt_tokens(16, self.chain.n_vocab))
         t = time.perf_counter()
         for _ in range(n):
             tok = self.chain.decode(tok)
@@ -138,12 +148,12 @@ def llama_worker(path, threads, ctx):
     def prefill(n):
         llm.reset()
         t = time.perf_counter()
-        llm.eval(prompt_tokens(n))
+        llm.eval(prompt_tokens(n, llm.n_vocab()))
         return time.perf_counter() - t
 
     def decode(n):
         llm.reset()
-        llm.eval(prompt_tokens(16))
+        llm.eval(prompt_tokens(16, llm.n_vocab()))
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         t = time.perf_counter()
         for _ in range(n):
@@ -208,7 +218,7 @@ def header():
 
 
 def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
-    ctx = n_prefill + n_decode + 32
+    ctx = n_prefill + n_decode + CTX_SLACK
     print(header())
     print(f"model: {path}; prefill-{n_prefill} and decode-{n_decode} (after a 16-token prompt), best of {repeat}, alternating")
     print(f"{'threads':>7} | {'ours pf':>9} {'llama pf':>9} {'ratio':>6} | {'ours dec':>9} {'llama dec':>9} {'ratio':>6}   (tok/s)")
@@ -234,9 +244,10 @@ def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
 
 def batch_costs(path, threads, sizes, n_decode, repeat):
     """Seconds per batched decode step for each batch size (best of ``repeat``)."""
-    prompt = prompt_tokens(16)
+    prompt_len = 16
     model = runtime.StageModel.open(path, 0, None, n_threads=threads, lane_count=max(sizes),
-                                    ctx_size=len(prompt) + n_decode + 8)
+                                    ctx_size=prompt_len + n_decode + 8)
+    prompt = prompt_tokens(prompt_len, model.n_vocab)
     sessions = [model.create_session() for _ in range(max(sizes))]
     best = {size: float("inf") for size in sizes}
     for _ in range(repeat):
@@ -292,7 +303,7 @@ def matmul_ab(path, threads, n_prefill, sizes, repeat):
     runners = {}
     for label, value in MATMUL_MODES.items():
         with matmul_mode(value):
-            runners[label] = Ours(path, threads, n_prefill + 32)
+            runners[label] = Ours(path, threads, n_prefill + CTX_SLACK)
     prefill = dict.fromkeys(MATMUL_MODES, float("inf"))
     steps = {(label, size): float("inf") for label in MATMUL_MODES for size in sizes}
     for _ in range(repeat):
@@ -343,6 +354,9 @@ def main(argv=None):
     n_layer = _model_layers(path)  # a bad model is reported before any table starts
     if args.split is not None and not (args.stages and args.split < n_layer):
         ap.error(f"--split {args.split}: needs --stages and a layer below the model's {n_layer}")
+    if args.prefill + args.decode + CTX_SLACK > MAX_CTX_SIZE:  # else the backend refuses it mid-table
+        ap.error(f"--prefill {args.prefill} + --decode {args.decode} exceed the backend's context of {MAX_CTX_SIZE} "
+                 "tokens")
     sizes = args.batch or [2, 4]
     if args.matmul:
         matmul_ab(path, (args.threads or [1])[0], args.prefill, sizes, args.repeat)
@@ -356,7 +370,7 @@ def main(argv=None):
         return 0
     print(header())
     split = args.split if args.split is not None else n_layer // 2
-    ctx = args.prefill + args.decode + 32
+    ctx = args.prefill + args.decode + CTX_SLACK
     for threads in threads_list:
         for name, cuts in (("one stage", []), (f"two stages (split at {split})", [split])):
             pf, pf_cpu, dc, dc_cpu = measure(Chain(path, cuts, threads, ctx), args.prefill, args.decode, args.repeat)

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
+from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row, cpu_model
 from .options import Parser, doc_summary, float_above, int_at_least
@@ -192,6 +193,9 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
         if not x or size is None or min(size) < 1:
             raise argparse.ArgumentTypeError(f"expected comma-separated TOKENSxN_EMBD of positive integers "
                                              f"(e.g. 1x4096,128x4096), got {text!r}")
+        if size[0] * size[1] * 4 > MAX_STAGE_DECODED_ACTIVATION_BYTES:  # else numpy's MemoryError, late
+            raise argparse.ArgumentTypeError(f"{_label(size)} is {size[0] * size[1] * 4} bytes of f32, over the "
+                                             f"wire's limit of {MAX_STAGE_DECODED_ACTIVATION_BYTES} per activation")
         sizes.append(size)
     return tuple(sizes)
 

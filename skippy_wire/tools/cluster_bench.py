@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import NetnsError, PipelineError, TopologyError
+from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer
@@ -103,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # checked now, not after the runs: a JSON file that cannot be written would lose them
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        parser.error(f"--json {args.json}: not a file in an existing directory")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, PROG)
 
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the rows measured so far are still printed (and written)
         print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
         status = EXIT_INTERRUPTED
-    except (NetnsError, TopologyError, PipelineError) as exc:  # the rows so far, then exit 1
+    except (NetnsError, TopologyError, PipelineError, ToolError) as exc:  # the rows so far, then exit 1
         print(error_line(describe(exc)), file=sys.stderr)
         status = EXIT_FAILURE
         if not rows:

@@ -155,15 +155,15 @@ def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy:
 
 def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,
                  codec: str, policy: str, threads: int, connected: str | None, sampling, chat: bool,
-                 completion_tokens: int) -> dict:
+                 completion_tokens: int, protocol: int = 15) -> dict:
     """The summary of ``--json``: the figures of :func:`format_summary` as numbers.  With
     ``connected`` the stages are someone else's: their count, codec, policy and threads are
-    null, as the text summary leaves them out."""
+    null, as the text summary leaves them out (the state version is the driver's own)."""
     mine = connected is None
     return {
         "model": Path(model).name, "connected": connected, "stages": stages if mine else None,
         "codec": codec if mine else None, "policy": policy if mine else None, "threads": threads if mine else None,
-        "chat_template": chat,
+        "protocol": protocol, "chat_template": chat,
         "sampling": None if sampling is None else {
             "seed": sampling.seed, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,

@@ -38,7 +38,7 @@ log = logging.getLogger("skippy_wire.tools.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.")
-    p.add_argument("--model", default=None, help="GGUF model path (required without --topology)")
+    p.add_argument("-m", "--model", default=None, help="GGUF model path (required without --topology)")
     p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
     p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
     p.add_argument("--topology", default=None, metavar="FILE",
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--downstream", default=None, type=address,
                    help="HOST:PORT of the next stage (default: none, the last stage)")
     add_codec_options(p, "the forwarded activations")
-    p.add_argument("--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=512, help="context (tokens)")
-    p.add_argument("--threads", type=int_between(1, MAX_THREADS), default=None,
+    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=512, help="context (tokens)")
+    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
                    help=f"compute threads (default: {default_threads()}; ggml threads spin, see docs/pipeline.md)")
     p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message or in reading a reply")
@@ -264,7 +264,10 @@ def _serve(args, stage_index: int) -> int:
                              decode_ahead=args.decode_ahead,
                              limits=limits, tls=tls, poll_s=args.poll_ms / 1000.0)
     except OSError as exc:
-        reason = os.strerror(exc.errno).lower() if exc.errno else describe(exc)
+        # errno's own text (socket.create_server's adds the address again); a host name that does
+        # not resolve has a negative errno (getaddrinfo's) that os.strerror does not know
+        reason = (os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0
+                  else describe(exc).split(" (while attempting")[0])
         return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
     except (ValueError, WireError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))

@@ -61,7 +61,7 @@ from .._impl import kernel_module
 from ..errors import InvalidDataError
 from ..wire.constants import ActivationCodec
 from ..errors import ToolError
-from .options import Parser, available_cpus, doc_summary, int_at_least, int_between
+from .options import Parser, available_cpus, doc_summary, exiting_on_signals, int_at_least, int_between
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -471,6 +471,51 @@ class Progress:
             self.stream.flush()
 
 
+def _stopping(pool: ProcessPoolExecutor) -> None:
+    """Ctrl-C, SIGTERM, SIGHUP: end the workers now (else they finish their chunks in flight)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before 3.14
+    [proc.terminate() for proc in procs]
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.join(5)
+
+
+def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
+    """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks."""
+    failures: list[str] = []
+    done, mismatches = 0, sum(r.mismatches for r in results)
+    # spawn: no fork of a (possibly threaded) parent; each worker imports its own kernels.
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    try:
+        pending, todo = {}, iter(chunks)
+        for start, n in todo:
+            pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                start, n = pending.pop(fut)
+                try:
+                    r = fut.result()
+                except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
+                    failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
+                    r = ChunkResult(start, n)
+                results.append(r)
+                done += n
+                mismatches += r.mismatches
+                if progress:
+                    progress.update(done, mismatches)
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
+    except BaseException:
+        _stopping(pool)
+        raise
+    pool.shutdown()
+    return failures
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire verify-exhaustive", description=doc_summary(__doc__))
     p.add_argument("--start", type=int_between(0, TOTAL - 1, base=0), default=0,
@@ -511,45 +556,20 @@ def main(argv=None) -> int:
     results: list[ChunkResult] = [check_decode16(args.impl)]
     failures: list[str] = []
     progress = None if args.no_progress else Progress(args.limit)
-    done = 0
-    mismatches = results[0].mismatches
     chunks = list(_chunks(args.start, args.limit, args.chunk))
-    if workers <= 1:
-        for start, n in chunks:
-            r = check_chunk(start, n, args.impl, args.samples)
-            results.append(r)
-            done += n
-            mismatches += r.mismatches
-            if progress:
-                progress.update(done, mismatches)
-    else:
-        # spawn: no fork of a (possibly threaded) parent; each worker imports its own kernels.
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            pending = {}
-            todo = iter(chunks)
-            for start, n in todo:  # keep 2 chunks per worker in flight, bounded memory
-                pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
-                if len(pending) >= 2 * workers:
-                    break
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    start, n = pending.pop(fut)
-                    try:
-                        r = fut.result()
-                    except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
-                        failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
-                        r = ChunkResult(start, n)
-                    results.append(r)
-                    done += n
-                    mismatches += r.mismatches
+    with exiting_on_signals():  # SIGTERM and SIGHUP unwind like Ctrl-C (the workers stopped first)
+        try:
+            if workers <= 1:
+                for start, n in chunks:
+                    results.append(check_chunk(start, n, args.impl, args.samples))
                     if progress:
-                        progress.update(done, mismatches)
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
-    if progress:
-        progress.close()
+                        progress.update(sum(r.count for r in results[1:]), sum(r.mismatches for r in results))
+            else:
+                failures = _run_pool(args, workers, chunks, results, progress)
+        finally:
+            if progress:
+                progress.close()  # a bar cut short by a signal still ends its line
+    mismatches = sum(r.mismatches for r in results)
     elapsed = time.monotonic() - t0
 
     stats: dict = {}

@@ -1,0 +1,153 @@
+"""What an operator meets beside ``run``: llama.cpp's short options and ``--version`` on every
+command, inputs refused before any work starts (``bench --sizes`` over the wire's limit,
+``bench-backend`` beyond the backend's context, ``cluster --hosts`` over the layer count,
+``bench-cluster --json`` that cannot be written), a broken model as a runtime failure, a
+listen host that does not resolve named as such, an out-of-memory one line, and the worker
+processes of ``verify-exhaustive`` stopped with it on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.tools import backend_bench, cli, cluster, serve
+from skippy_wire.tools.options import EXIT_TERMINATED
+from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "inspect", "bench-backend"])
+def test_version_after_a_command_prints_the_version(capsys, command):
+    """llama-cli takes ``--version`` anywhere; argparse refused it after a command."""
+    code, out, err = _main(capsys, command, "--version")
+    assert (code, err) == (0, "")
+    assert out.startswith("skippy-wire ") and out == cli.version_text() + "\n"
+
+
+def test_serve_and_cluster_take_llama_cpps_short_options():
+    args = serve.build_parser().parse_args(["-m", "m.gguf", "-c", "64", "-t", "2", "--layer-start", "0",
+                                            "--layer-end", "1"])
+    assert (args.model, args.ctx_size, args.threads) == ("m.gguf", 64, 2)
+    args = cluster.build_parser().parse_args(["-m", "m.gguf", "-n", "3", "-c", "64", "-t", "2"])
+    assert (args.model, args.max_tokens, args.ctx_size, args.threads) == ("m.gguf", 3, 64, 2)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--sizes", "1x64,99999999x99999999"],
+     "argument --sizes: 99999999x99999999 is 39999999200000004 bytes of f32, over the wire's limit of 536870912 "
+     "per activation"),
+    (["bench-backend", "--prefill", "16777216"],
+     "--prefill 16777216 + --decode 64 exceed the backend's context of 16777216 tokens"),
+])
+def test_sizes_beyond_the_limits_are_usage_errors(capsys, args, message):
+    """Else numpy's MemoryError traceback (bench), the backend's refusal after the header."""
+    assert_usage_error(capsys, args, message)
+
+
+def test_bench_cluster_json_file_is_checked_before_the_runs(capsys, tmp_path):
+    for target in (tmp_path, tmp_path / "missing" / "rows.json"):
+        assert_usage_error(capsys, ["bench-cluster", "--json", str(target)],
+                           f"--json {target}: not a file in an existing directory")
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch):
+    def main(argv):
+        raise MemoryError("Unable to allocate 35.5 PiB for an array")
+
+    monkeypatch.setattr("skippy_wire.tools.demo.main", main)
+    code, out, err = _main(capsys, "demo")
+    assert (code, out) == (1, "")
+    assert err == "skippy-wire: error: out of memory: Unable to allocate 35.5 PiB for an array\n"
+
+
+def test_bench_backend_prompts_fit_a_small_vocabulary(capsys, tiny_model):
+    """The measured prompts used ids 100..1099: the tiny model (256 tokens) was refused."""
+    code, out, err = _main(capsys, "bench-backend", "--model", str(tiny_model), "--prefill", "24", "--decode", "2",
+                           "--repeat", "1", "--threads", "1")
+    assert code == 0, err
+    assert out.splitlines()[-1].split()[0] == "1"  # the row of 1 thread
+    assert backend_bench.prompt_tokens(3, 49152) == [105, 122, 139]  # real vocabularies: the same ids
+
+
+def test_cluster_with_a_broken_model_is_a_runtime_failure(capsys, tmp_path):
+    text = tmp_path / "text.gguf"
+    text.write_text("hello\n")
+    code, out, err = _main(capsys, "cluster", "-m", str(text))
+    assert (code, out) == (1, "")
+    assert _one_error_line(err) == f"skippy-wire: error: {text} is not a GGUF file"
+
+
+def test_cluster_refuses_more_hosts_than_layers_before_making_any(monkeypatch, tiny_model):
+    class NoChain:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("namespaces made for a split that cannot be")
+
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster, "NetnsChain", NoChain)
+    with pytest.raises(cluster.TopologyError, match=r"^--hosts 9: tiny.gguf has only 4 layers$"):
+        cluster.run_cluster(cluster.ClusterOptions(hosts=9, model=str(tiny_model)))
+
+
+def test_serve_names_a_listen_host_that_does_not_resolve(capsys, monkeypatch, tiny_model):
+    import socket
+
+    def no_such_host(*args, **kwargs):  # what socket.create_server raises for it
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (while attempting to bind on "
+                                                 "address ('nosuchhost.invalid', 19000))")
+
+    monkeypatch.setattr(serve, "StageServer", no_such_host)
+    code, _, err = _main(capsys, "serve", "-m", str(tiny_model), "--layer-start", "0", "--layer-end", "4",
+                         "--listen", "nosuchhost.invalid:19000")
+    assert code == 1
+    assert _one_error_line(err) == ("skippy-wire: error: stage 0 cannot start: cannot listen on "
+                                    "nosuchhost.invalid:19000: name or service not known")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_verify_exhaustive_stops_its_workers_on_sigterm():
+    """SIGTERM to the command alone (``kill PID``): it killed the parent and left the workers
+    checking for up to 40 minutes; now they stop and the command exits 143."""
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "verify-exhaustive", "--workers", "2"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        assert proc.stderr.readline().startswith("[")  # the first progress line: the workers are at it
+        workers = _children(proc.pid)
+        assert workers
+        proc.send_signal(signal.SIGTERM)
+        try:  # a worker left running holds the pipes open
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "timed out"
+        deadline = time.monotonic() + 10
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in workers if _running(pid)]
+    finally:
+        for pid in [proc.pid, *workers]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers still running: {left}"
+    assert proc.wait() == EXIT_TERMINATED, err
+    assert "Traceback" not in err and "leaked" not in err and out == ""
