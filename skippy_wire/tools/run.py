@@ -27,10 +27,9 @@ from ..stage.models import Tokenizer, model_shape, read_gguf_metadata
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
-                      apply_topology,
-                      address, check_codec_options, describe, driver_poll_s, exiting_on_signals, file_error,
-                      float_above, float_at_least, float_between, int_at_least, int_between, poll_args, tls_config,
-                      utf8, SEED_RANGE)
+                      apply_topology, address, check_codec_options, describe, driver_poll_s, exiting_on_signals,
+                      file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
+                      thread_count, tls_config, utf8, SEED_RANGE)
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, stage_errors
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
@@ -50,7 +49,6 @@ MAX_SEED = SEED_RANGE - 1
 #: end-of-generation token), ``-t -1`` is the default thread count, ``-c 0`` the model's
 #: training context (``{arch}.context_length`` in the GGUF).
 UNTIL_FULL = -1
-DEFAULT_THREADS = -1
 TRAINING_CONTEXT = 0
 
 
@@ -94,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes (at most the layer count)")
     add_codec_options(p)
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default")),
+    p.add_argument("-t", "--threads", type=thread_count,
                    default=None, help=f"compute threads per stage, at most {MAX_THREADS} (default: "
                                       f"{default_threads()}; -1: the default; ggml threads spin, see docs/pipeline.md)")
     p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=512,
@@ -155,8 +153,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         args.prompt = DEFAULT_PROMPT
     if not args.prompt:
         parser.error("the prompt is empty")
-    if args.threads == DEFAULT_THREADS:
-        args.threads = None
     check_codec_options(parser, args)
     _check_dir(parser, "--capture", args.capture)
     _check_dir(parser, "--log-dir", args.log_dir)

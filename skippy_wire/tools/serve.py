@@ -29,9 +29,9 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import StageConfig
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser,
-                      add_codec_options, add_poll_option, add_tls_options, address, describe, error_line,
-                      exiting_on_signals, float_above, float_at_least, int_at_least, int_between, tls_config)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
+                      add_poll_option, add_tls_options, address, describe, error_line, exiting_on_signals,
+                      float_above, float_at_least, int_at_least, int_between, thread_count, tls_config)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the next stage (default: none, the last stage)")
     add_codec_options(p, "the forwarded activations")
     p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=512, help="context (tokens)")
-    p.add_argument("-t", "--threads", type=int_between(1, MAX_THREADS), default=None,
-                   help=f"compute threads (default: {default_threads()}; ggml threads spin, see docs/pipeline.md)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None,
+                   help=f"compute threads (default: {default_threads()}; -1: the default; ggml threads spin, "
+                        "see docs/pipeline.md)")
     p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message or in reading a reply")
     p.add_argument("--idle-timeout", type=float_above(0), default=DEFAULT_IDLE_TIMEOUT,
