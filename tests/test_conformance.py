@@ -73,8 +73,13 @@ def test_unknown_group_and_bad_json_fail(tmp_path, capsys):
 
 
 def test_missing_path_is_a_usage_error(tmp_path, capsys):
-    assert conformance.main([str(tmp_path / "absent")]) == 2
-    assert capsys.readouterr().err == f"skippy-wire: error: {tmp_path / 'absent'}: no such file or directory\n"
+    """As every usage error: argparse's usage line first, then the one-line error."""
+    with pytest.raises(SystemExit) as stopped:
+        conformance.main([str(tmp_path / "absent")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: skippy-wire conformance ")
+    assert err.endswith(f"\nskippy-wire: error: {tmp_path / 'absent'}: no such file or directory\n")
 
 
 def test_a_directory_without_cases_fails(tmp_path, capsys):

@@ -25,7 +25,7 @@ from . import conformance_gen
 from ..wire.constants import ActivationCodec
 from ..errors import Mismatch
 from ..wire.frame import reader_expectation
-from .options import EXIT_USAGE, Parser, doc_summary, error_line, int_at_least
+from .options import Parser, doc_summary, error_line, int_at_least
 from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
                            read_expectation, require_ok)
 
@@ -238,14 +238,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     missing = [path for path in args.paths if not Path(path).exists()]
     if missing:
-        print(error_line(f"{missing[0]}: no such file or directory"), file=sys.stderr)
-        return EXIT_USAGE
+        parser.error(f"{missing[0]}: no such file or directory")
     try:
         passed, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report,
                              verbose=args.verbose, protocol=args.protocol)
     except ImportError as exc:
-        print(error_line(f"implementation {args.impl} is not available: {exc}"), file=sys.stderr)
-        return EXIT_USAGE
+        parser.error(f"implementation {args.impl} is not available: {exc}")
     if not passed + failed:  # a wrong path must not pass a check that ran nothing
         print(error_line(f"no cases in {', '.join(args.paths)} (*.jsonl files of golden vectors)"), file=sys.stderr)
         return 1
