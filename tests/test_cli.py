@@ -175,6 +175,21 @@ def test_more_stages_than_layers_and_a_full_context_are_refused_before_starting(
     assert _one_error_line(err) == "skippy-wire: error: 6 prompt tokens + 11 new tokens exceed --ctx-size 16"
 
 
+def test_a_model_without_a_tokenizer_is_named_once(capsys, monkeypatch, tiny_model):
+    """The GGUF reader's errors name the file: the run's line did too, twice."""
+    for reason, line in ((f"{tiny_model} has no tokenizer.ggml.model",
+                          f"cannot load the tokenizer: {tiny_model} has no tokenizer.ggml.model"),
+                         ("unsupported vocabulary 'rwkv'",
+                          "cannot load the tokenizer of tiny.gguf: unsupported vocabulary 'rwkv'")):
+        def refuse(path, reason=reason):
+            raise ValueError(reason)
+
+        monkeypatch.setattr(Tokenizer, "from_gguf", refuse)
+        code, out, err = _main(capsys, "run", "--model", str(tiny_model), "hi")
+        assert code == 1 and out == ""
+        assert _one_error_line(err) == f"skippy-wire: error: {line}"
+
+
 def test_a_missing_model_is_a_runtime_error(capsys, tmp_path):
     missing = tmp_path / "missing.gguf"
     code, out, err = _main(capsys, "run", "--model", str(missing), "hi")

@@ -261,7 +261,9 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     try:
         tokenizer = Tokenizer.from_gguf(model)
     except ValueError as exc:
-        raise ToolError(f"cannot load the tokenizer of {model.name}: {describe(exc)}") from None
+        reason = describe(exc)  # the GGUF reader's errors name the file already
+        raise ToolError(f"cannot load the tokenizer{'' if str(model) in reason else f' of {model.name}'}: {reason}") \
+            from None
     text, chat = _prompt_text(args, model, tokenizer, progress)
     prompt = tokenizer.encode(text)
     if not prompt:
