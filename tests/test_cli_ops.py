@@ -151,3 +151,25 @@ def test_verify_exhaustive_stops_its_workers_on_sigterm():
     assert not left, f"workers still running: {left}"
     assert proc.wait() == EXIT_TERMINATED, err
     assert "Traceback" not in err and "leaked" not in err and out == ""
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
+    """A full ``bench`` printed nothing until its last measurement; the progress line is
+    cleared before the tables, and never reaches a log or a pipe."""
+    from skippy_wire.tools import bench
+    from skippy_wire.tools.bench_rows import Row
+
+    def rows(opts):
+        yield Row("encode f16", "1x64", "ours", 1e-6, 256)
+        yield Row("encode f16", "1x64", "numpy", 2e-6, 256)
+
+    monkeypatch.setattr(bench, "_all_producers", lambda: [rows])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    assert bench.main(["--quick"]) == 0
+    out, err = capsys.readouterr()
+    assert "encode f16" in out
+    if tty:
+        assert "[skippy-wire] 2 measured: encode f16 1x64 numpy" in err and err.endswith("\r\033[K")
+    else:
+        assert err == ""

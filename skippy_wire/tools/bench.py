@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import platform
+import sys
 import time
 import timeit
 from concurrent.futures import ThreadPoolExecutor
@@ -248,9 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     print("GB/s counts f32 activation bytes; ratios are baseline time / our time, measured alternately.\n")
     rows: list[Row] = []
     ratios: list[Ratio] = []
-    for producer in _all_producers():
-        for item in producer(opts):
-            (ratios if isinstance(item, Ratio) else rows).append(item)
+    live = sys.stderr.isatty()  # progress for a person waiting; logs and pipes get just the tables
+    try:
+        for producer in _all_producers():
+            for item in producer(opts):
+                (ratios if isinstance(item, Ratio) else rows).append(item)
+                if live and isinstance(item, Row):
+                    print(f"\r\033[K[skippy-wire] {len(rows)} measured: {item.op} {item.size} {item.impl}", end="",
+                          file=sys.stderr, flush=True)
+    finally:
+        if live:  # the progress line goes, also on Ctrl-C
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
     width = max([len(r.op) for r in rows] + [10])
     iwidth = max([len(r.impl) for r in rows] + [10])
