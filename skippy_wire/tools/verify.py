@@ -58,9 +58,8 @@ import ml_dtypes
 import numpy as np
 
 from .._impl import kernel_module
-from ..errors import InvalidDataError
+from ..errors import InvalidDataError, ToolError
 from ..wire.constants import ActivationCodec
-from ..errors import ToolError
 from .options import Parser, available_cpus, doc_summary, exiting_on_signals, int_at_least, int_between
 
 TOTAL = 1 << 32
@@ -474,7 +473,8 @@ class Progress:
 def _stopping(pool: ProcessPoolExecutor) -> None:
     """Ctrl-C, SIGTERM, SIGHUP: end the workers now (else they finish their chunks in flight)."""
     procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before 3.14
-    [proc.terminate() for proc in procs]
+    for proc in procs:
+        proc.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.join(5)
