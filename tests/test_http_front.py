@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gzip
 import http.client
 import json
 import logging
@@ -266,6 +267,17 @@ def test_deeply_nested_json_is_a_400():
     with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
         r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+
+
+def test_a_compressed_body_is_a_415_naming_its_encoding():
+    """A gzip body read as "not valid JSON"; the encoding named is what to change."""
+    body = gzip.compress(json.dumps({"prompt": "Hi"}).encode())
+    with TestClient(_fake_api().app()) as client:
+        r = client.post("/v1/completions", content=body,
+                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert r.status_code == 415 and r.json()["error"]["message"].startswith("unsupported Content-Encoding 'gzip'")
+        r = client.post("/v1/completions", json={"prompt": "Hi"}, headers={"Content-Encoding": "identity"})
+        assert r.status_code == 200
 
 
 @pytest.mark.parametrize("prompt, ctx, fragment", [

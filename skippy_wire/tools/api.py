@@ -218,6 +218,9 @@ class Api:
         raise BadRequest("'prompt' must be a string or a list of token ids (or a list of one of them)", "prompt")
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":  # a compressed body would read as "not valid JSON"
+            return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
         try:
             body = json.loads(await read_body(request))
         except BodyTooLarge:
