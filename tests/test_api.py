@@ -417,7 +417,7 @@ def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     topology = tmp_path / "one.json"
-    topology.write_text(json.dumps({"model_path": str(model), "ctx_size": 128, "stages": [
+    topology.write_text(json.dumps({"model_path": str(model), "ctx_size": 512, "stages": [
         {"endpoint": f"127.0.0.1:{port}", "layer_start": 0, "layer_end": 4}]}))
     server = ApiServer("--topology", str(topology))
     stage = None
