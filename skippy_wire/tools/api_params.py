@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..net.service import SamplingParams
+from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import SEED_RANGE
 
@@ -25,9 +26,6 @@ MAX_STOP_STRINGS = 4
 LLAMA_DEFAULT_SEED = SEED_RANGE - 1
 #: A logit_bias key is a token id: decimal digits, no more than a u32 has.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
-#: An unpaired UTF-16 surrogate: what a JSON ``\\ud800`` escape without its partner decodes
-#: to; no UTF-8 encoder and no tokenizer takes it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
 #: (compared with their type: ``0`` is not ``false``; ``audio``, the spoken reply's voice,
 #: has none).  ``logprobs`` is told apart below.
@@ -65,13 +63,13 @@ def check_text(body: dict) -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             # The message never quotes the text itself: it could not be encoded either.
-            if isinstance(key, str) and _SURROGATE.search(key):
+            if isinstance(key, str) and SURROGATE.search(key):
                 owner = f"'{path}'" if path else "the request body"
                 raise BadRequest(f"a key of {owner} is not valid text: it holds an unpaired UTF-16 surrogate", field)
             if isinstance(item, (str, dict, list)):
                 where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
                 if isinstance(item, str):
-                    if not item.isascii() and _SURROGATE.search(item):
+                    if not item.isascii() and SURROGATE.search(item):
                         raise BadRequest(f"'{where}' is not valid text: it holds an unpaired UTF-16 surrogate",
                                          field or key)
                 else:
