@@ -1,8 +1,15 @@
-"""skippy_wire: the skippy stage wire protocol (state version 15), byte-compatible with the
-Rust skippy-protocol crate, with compiled kernels and a pure-Python reference twin.
+"""skippy_wire: the skippy stage wire protocol, byte-compatible with the Rust
+skippy-protocol crate, with compiled kernels and a pure-Python reference twin.
+
+The names here (``__all__``) are the state version 15 API (the default everywhere):
+activation codecs, stage messages, framing, replies, READY and forwarding.  State versions
+16 and 17 are spoken through ``skippy_wire.wire.protocol.WireProtocol(version)``
+(docs/wire-format.md).  Every exception is a class of :mod:`skippy_wire.errors`; the wire
+ones (``WireError`` and its three upstream kinds) are re-exported here.
 
 ``IMPLEMENTATION`` says which kernels are live ("cython" or "python");
-``SKIPPY_WIRE_IMPL=python`` forces the twin.
+``SKIPPY_WIRE_IMPL=python`` (set before the first import) forces the twin, and every
+framing function also takes ``impl="cython"|"python"`` for one call.
 """
 
 from ._impl import IMPLEMENTATION
@@ -69,3 +76,27 @@ from .wire.frame import (
     write_stage_message_to,
 )
 from .wire.forwarding import StageConfig, forwarded_stage_message, forwarded_stage_message_timed
+
+# The public API: what ``from skippy_wire import *`` gives and what a type checker treats as
+# exported (without it, ``mypy --strict`` rejects every ``sw.NAME`` as an implicit re-export).
+__all__ = [
+    "IMPLEMENTATION", "InvalidDataError", "InvalidInputError", "UnexpectedEofError",
+    "WireError", "READY_MAGIC", "STAGE_STATE_VERSION", "ActivationCodec", "CodecPolicy",
+    "StateFlags", "activation_frame_flags_from_state_flags",
+    "activation_payload_multiplier_from_state_flags", "activation_state_flags_from_frame_flags",
+    "activation_f32_bytes", "activation_shape", "activation_wire_bytes", "bf16_view",
+    "decode_activation", "encode_activation", "encode_f32_activation_payload", "f16_view",
+    "is_bf16_exact", "is_f16_exact", "select_and_encode_lossless", "select_lossless_codec",
+    "F32", "LogitBias", "RequestEpoch", "SamplingConfig", "StageStateHeader",
+    "StageWireMessage", "WireMessageKind", "WireStagePhase", "NativeMtpDraft", "StageReply",
+    "StageReplyStats", "StageReplyWindow", "WireReplyKind", "StageMessageDecoder",
+    "StageReplyDecoder", "iter_stage_messages", "read_reply", "read_reply_from_buffer",
+    "read_stage_message", "read_stage_message_from_buffer", "recv_ready", "recv_reply",
+    "send_ready", "send_reply_ack", "send_reply_ack_with_stats", "send_reply_message",
+    "send_reply_predicted", "send_reply_predicted_tokens_with_stats",
+    "send_reply_predicted_tokens_with_window_and_stats", "send_reply_predicted_with_stats",
+    "send_reply_predicted_with_tokens_and_stats",
+    "send_reply_predicted_with_tokens_window_and_stats", "write_reply", "write_stage_message",
+    "write_stage_message_to", "StageConfig", "forwarded_stage_message",
+    "forwarded_stage_message_timed",
+]

@@ -105,6 +105,8 @@ class Model:
         """Release the native model; open sessions keep it alive until they are closed."""
 
 class Session:
+    """A native session; made only by ``Model.create_session()`` (``Session()`` raises TypeError)."""
+
     @property
     def position(self) -> int: ...
     @property

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union, overload
 
 import numpy as np
 
@@ -60,7 +60,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer  # bytes, bytearray, memoryview, array, ndarray, ...
+    from typing_extensions import Buffer, TypeAlias  # bytes, bytearray, memoryview, array, ...
+
+    #: What a payload argument takes.  numpy declares ``ndarray.__buffer__`` to type checkers
+    #: only for Python >= 3.12, so arrays are named explicitly.
+    BufferLike: TypeAlias = Union[Buffer, np.ndarray]
 
 CodecLike = Union[ActivationCodec, int]
 
@@ -113,14 +117,20 @@ def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state
     )
 
 
+@overload
+def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
+                      *, out: None = None) -> bytes: ...
+@overload
+def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
+                      *, out: BufferLike) -> memoryview: ...
 def encode_activation(
     codec: CodecLike,
     token_count: int,
     n_embd: int,
-    payload: Buffer,
+    payload: BufferLike,
     state_flags: int = 0,
     *,
-    out: Buffer | None = None,
+    out: Optional[BufferLike] = None,
 ) -> bytes | memoryview:
     """Encode an f32 activation frame for the wire (wire-format.md 7.1 and 6.2).
 
@@ -159,7 +169,7 @@ def encode_activation(
     )
 
 
-def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0) -> bytes:
+def encode_f32_activation_payload(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0) -> bytes:
     """Raw f32 encode with the f32 size checks first (wire-format.md 7.2).
 
     Returns the payload bytes unchanged.  Raises as :func:`encode_activation`; a zero
@@ -170,7 +180,7 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer
     )
 
 
-def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buffer, state_flags: int = 0) -> np.ndarray:
+def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: BufferLike, state_flags: int = 0) -> np.ndarray:
     """Decode an activation wire payload (wire-format.md 7.4 and 6.3).
 
     Returns a new 1-D ``float32`` array (its memory shared with nothing else) with every
@@ -187,7 +197,7 @@ def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buf
     )
 
 
-def select_lossless_codec(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0,
+def select_lossless_codec(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
                           permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> ActivationCodec:
     """The AutoLosslessV1 selector (wire-format.md 7.3 and 8.1).
 
@@ -206,7 +216,7 @@ def select_lossless_codec(token_count: int, n_embd: int, payload: Buffer, state_
     )
 
 
-def select_and_encode_lossless(token_count: int, n_embd: int, payload: Buffer, state_flags: int = 0,
+def select_and_encode_lossless(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
                                permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> tuple[ActivationCodec, bytes]:
     """:func:`select_lossless_codec` and :func:`encode_activation` in one pass over the
     payload where possible.  Returns ``(codec, encoded bytes)``; raises as the two do."""
@@ -216,7 +226,7 @@ def select_and_encode_lossless(token_count: int, n_embd: int, payload: Buffer, s
     return ActivationCodec(codec), wire
 
 
-def is_bf16_exact(payload: Buffer) -> bool:
+def is_bf16_exact(payload: BufferLike) -> bool:
     """Whether every f32 of ``payload`` survives a bf16 round trip bit for bit.
 
     NaN and infinity are never exact; -0.0 is; an f32 subnormal is exact only when its
@@ -226,7 +236,7 @@ def is_bf16_exact(payload: Buffer) -> bool:
     return kernels().is_bf16_exact(payload)
 
 
-def is_f16_exact(payload: Buffer) -> bool:
+def is_f16_exact(payload: BufferLike) -> bool:
     """Whether every f32 of ``payload`` survives an f16 round trip bit for bit.
 
     NaN and infinity are never exact, nor is any f32 subnormal or any |x| >= 65520;
@@ -235,7 +245,7 @@ def is_f16_exact(payload: Buffer) -> bool:
     return kernels().is_f16_exact(payload)
 
 
-def _wire_bytes_view(wire: Buffer) -> np.ndarray:
+def _wire_bytes_view(wire: BufferLike) -> np.ndarray:
     if isinstance(wire, np.ndarray):
         if not wire.flags.c_contiguous:
             raise InvalidInputError(NON_CONTIGUOUS_TEXT)
@@ -246,14 +256,14 @@ def _wire_bytes_view(wire: Buffer) -> np.ndarray:
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
 
 
-def _half_view(wire: Buffer, dtype: np.dtype) -> np.ndarray:
+def _half_view(wire: BufferLike, dtype: np.dtype) -> np.ndarray:
     raw = _wire_bytes_view(wire)
     if raw.nbytes % 2:
         raise InvalidDataError(WIRE_SIZE_TEXT)
     return raw.view(dtype)
 
 
-def bf16_view(wire: Buffer) -> np.ndarray:
+def bf16_view(wire: BufferLike) -> np.ndarray:
     """Zero-copy ``ml_dtypes.bfloat16`` view of a BF16 wire payload (no value checks).
 
     The view shares memory with ``wire`` (read-only for ``bytes``).  Raises
@@ -264,7 +274,7 @@ def bf16_view(wire: Buffer) -> np.ndarray:
     return _half_view(wire, np.dtype(ml_dtypes.bfloat16))  # little-endian hosts only, as numpy itself
 
 
-def f16_view(wire: Buffer) -> np.ndarray:
+def f16_view(wire: BufferLike) -> np.ndarray:
     """Zero-copy ``numpy.float16`` view of an F16 wire payload (no value checks).
 
     Raises :class:`InvalidDataError` "activation payload size mismatch" for an odd

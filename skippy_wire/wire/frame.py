@@ -23,11 +23,12 @@ The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
 
 from __future__ import annotations
 
+import operator
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
 
 from .. import _impl
-from ..errors import InvalidDataError, UnexpectedEofError, WireError
+from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .constants import READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec, CodecPolicy
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -58,18 +59,47 @@ def _is_stream(obj: Any) -> bool:
     return hasattr(obj, "read") and not isinstance(obj, (bytes, bytearray, memoryview))
 
 
+def _check_type(value: Any, cls: type, what: str) -> None:
+    """A clear one-line TypeError for the commonest mistake (``None``, a dict, raw bytes
+    where a message or reply object belongs)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{what} expects a {cls.__name__}, not {type(value).__name__}")
+
+
+def _check_int(value: Any, name: str) -> int:
+    """``value`` as an int (anything with ``__index__``); else a TypeError naming ``name``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+
+
+def _check_sampling_lists(msg: StageWireMessage) -> None:
+    """A sampling block's string lists must be lists of strings: a bare ``str`` would be
+    written one character per entry (silently), so it is refused up front."""
+    sampling = msg.sampling
+    if sampling is not None:
+        for name in ("dry_sequence_breakers", "samplers"):
+            if isinstance(getattr(sampling, name, None), (str, bytes)):
+                raise InvalidInputError(f"sampling.{name} must be a list of strings, not a single string")
+
+
 # --- writing -----------------------------------------------------------------------------
 def write_stage_message(msg: StageWireMessage, *, impl: Optional[str] = None) -> bytes:
     """Serialize ``msg`` (wire-format.md 4.4).  ``msg.activation`` must already be encoded
     in ``msg.state.activation_codec``.  Raises InvalidInputError / InvalidDataError with the
-    upstream texts; the exception's ``partial`` holds what upstream would have emitted."""
+    upstream texts; the exception's ``partial`` holds what upstream would have emitted.  A
+    value the wire cannot carry (a field of the wrong type or range) is an
+    InvalidInputError naming the field; ``msg`` not a StageWireMessage is a TypeError."""
+    _check_type(msg, StageWireMessage, "write_stage_message")
+    _check_sampling_lists(msg)
     return kernels(impl).write_stage_message(msg)
 
 
 def write_stage_message_to(stream, msg: StageWireMessage, *, impl: Optional[str] = None) -> int:
     """Write ``msg`` to ``stream``; returns the byte count.  On error nothing is written
     (a buffer-based port may discard partial output, section 0.2)."""
-    data = kernels(impl).write_stage_message(msg)
+    data = write_stage_message(msg, impl=impl)
     stream.write(data)
     return len(data)
 
@@ -86,13 +116,16 @@ def read_stage_message_from_buffer(
     Trailing bytes are ignored (``consumed`` says where the message ended).
     """
     expected, pol = reader_expectation(codec, policy)
-    return kernels(impl).read_stage_message_from_buffer(data, n_embd, expected, pol, offset)
+    return kernels(impl).read_stage_message_from_buffer(
+        data, _check_int(n_embd, "n_embd"), expected, pol, _check_int(offset, "offset"))
 
 
-def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *, impl: Optional[str] = None):
+def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *,
+                       impl: Optional[str] = None) -> StageWireMessage:
     """Read one stage message from a bytes-like object or a binary stream (see
     :func:`read_stage_message_from_buffer` for ``codec``/``policy``)."""
     expected, pol = reader_expectation(codec, policy)
+    n_embd = _check_int(n_embd, "n_embd")
     k = kernels(impl)
     if _is_stream(data_or_stream):
         return StageMessageDecoder(n_embd, codec, policy, impl=impl).read_from(data_or_stream)
@@ -121,7 +154,10 @@ def _read_exactly(stream, buf: bytearray, total: int) -> None:
         buf += _read_some(stream, total - len(buf))
 
 
-class _IncrementalDecoder:
+_Record = TypeVar("_Record")
+
+
+class _IncrementalDecoder(Generic[_Record]):
     """The machinery of :class:`StageMessageDecoder` and :class:`StageReplyDecoder`.
 
     ``feed(chunk)`` takes the next bytes of a stream (any split) and returns the records
@@ -150,6 +186,8 @@ class _IncrementalDecoder:
         self._buf = bytearray()
         self._pos = 0  # start of the undecoded tail in _buf
         self._need = _FIRST_NEED  # bytes of the tail required before the next parse attempt
+        if max_message_bytes is not None:
+            max_message_bytes = _check_int(max_message_bytes, "max_message_bytes")
         self.max_message_bytes = max_message_bytes
         self.error: Optional[WireError] = None
         self.received = 0
@@ -167,11 +205,11 @@ class _IncrementalDecoder:
         Feeding no more than this never completes more than one record."""
         return max(1, self._need - self.buffered)
 
-    def feed(self, chunk) -> list:
+    def feed(self, chunk) -> list[_Record]:
         """Take the next bytes of the stream; return the records they complete."""
         if self.error is not None:
             raise self.error
-        out: list = []
+        out: list[_Record] = []
         self.ends = []
         if not isinstance(chunk, (bytes, bytearray)):
             chunk = memoryview(chunk)
@@ -240,7 +278,7 @@ class _IncrementalDecoder:
             self.error = UnexpectedEofError()
             raise self.error
 
-    def read_from(self, stream):
+    def read_from(self, stream) -> _Record:
         """Read exactly one record from a binary ``stream`` (``read(n)``) and return it.
 
         Asks only for the bytes the record still needs, never past its end (the stream may
@@ -258,7 +296,7 @@ class _IncrementalDecoder:
         raise TypeError("feed() the decoder; it is not an iterator")
 
 
-class StageMessageDecoder(_IncrementalDecoder):
+class StageMessageDecoder(_IncrementalDecoder[StageWireMessage]):
     """Incremental stage-message decoder: ``feed(chunk)`` bytes as they arrive (any split)
     and get the completed messages back; ``consumed`` / ``ends`` say where they ended.
 
@@ -273,13 +311,13 @@ class StageMessageDecoder(_IncrementalDecoder):
 
     def __init__(self, n_embd: int, codec=None, policy=None, *, max_message_bytes: Optional[int] = None,
                  impl: Optional[str] = None) -> None:
-        self.n_embd = n_embd
+        self.n_embd = n_embd = _check_int(n_embd, "n_embd")
         expected, pol = _expectation(codec, policy)
         parse = kernels(impl).read_stage_message_from_buffer
         super().__init__(lambda data, pos: parse(data, n_embd, expected, pol, pos), max_message_bytes)
 
 
-class StageReplyDecoder(_IncrementalDecoder):
+class StageReplyDecoder(_IncrementalDecoder[StageReply]):
     """Incremental stage-reply decoder (wire-format.md 11.2): the same ``feed`` / ``close``
     / ``read_from`` interface and offsets as :class:`StageMessageDecoder`, parsing with
     :func:`read_reply_from_buffer`."""
@@ -290,7 +328,7 @@ class StageReplyDecoder(_IncrementalDecoder):
         super().__init__(kernels(impl).read_reply_from_buffer, max_message_bytes)
 
 
-class RecordDecoder(_IncrementalDecoder):
+class RecordDecoder(_IncrementalDecoder[Any]):
     """An incremental decoder over any ``parse(data, offset) -> (record, used)`` that raises
     ``UnexpectedEofError(needed)`` on a short tail (e.g. a v16/v17
     :meth:`skippy_wire.wire.protocol.WireProtocol.read_from_buffer`); the same interface
@@ -301,7 +339,8 @@ class RecordDecoder(_IncrementalDecoder):
         super().__init__(parse, max_message_bytes)
 
 
-def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *, impl: Optional[str] = None):
+def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *,
+                        impl: Optional[str] = None) -> Iterator[StageWireMessage]:
     """Yield messages from ``stream`` until a clean end of input (EOF between messages)."""
     decoder = StageMessageDecoder(n_embd, codec, policy, impl=impl)
     read = getattr(stream, "read1", None) or stream.read
@@ -318,11 +357,13 @@ READY = READY_BYTES
 
 
 def send_ready(stream) -> None:
+    """Write the 4-byte READY magic (``READY_MAGIC``, bytes ``59 44 52 53``) to ``stream``."""
     stream.write(READY_BYTES)
 
 
 def recv_ready(stream_or_data) -> None:
     """Read the 4-byte READY magic; anything else -> "stage ready magic mismatch"."""
+    buf: bytes | bytearray
     if _is_stream(stream_or_data):
         buf = bytearray()
         _read_exactly(stream_or_data, buf, 4)
@@ -336,16 +377,22 @@ def recv_ready(stream_or_data) -> None:
 
 # --- replies (section 11.2) --------------------------------------------------------------
 def write_reply(reply: StageReply, *, impl: Optional[str] = None) -> bytes:
-    """Serialize a reply (``send_reply_message``)."""
+    """Serialize a reply (``send_reply_message``).  A value the wire cannot carry is an
+    InvalidInputError naming the field; ``reply`` not a StageReply is a TypeError."""
+    _check_type(reply, StageReply, "write_reply")
     return kernels(impl).write_reply(reply)
 
 
 def send_reply_message(stream, reply: StageReply, *, impl: Optional[str] = None) -> None:
-    stream.write(kernels(impl).write_reply(reply))
+    """Write ``reply`` to ``stream`` (upstream ``send_reply_message``); on error nothing is
+    written."""
+    stream.write(write_reply(reply, impl=impl))
 
 
 def read_reply_from_buffer(data, *, offset: int = 0, impl: Optional[str] = None) -> tuple[StageReply, int]:
-    return kernels(impl).read_reply_from_buffer(data, offset)
+    """Read one reply at ``offset`` of a bytes-like object; returns ``(reply, consumed)``
+    (trailing bytes are ignored).  A short buffer is UnexpectedEofError."""
+    return kernels(impl).read_reply_from_buffer(data, _check_int(offset, "offset"))
 
 
 def read_reply(data_or_stream, *, impl: Optional[str] = None) -> StageReply:
@@ -364,6 +411,7 @@ def _stats(stats: Optional[StageReplyStats]) -> StageReplyStats:
 
 
 def send_reply_ack(stream, stats: Optional[StageReplyStats] = None) -> None:
+    """Write an Ack reply with ``stats`` (default: all zero).  Also ``send_reply_ack_with_stats``."""
     send_reply_message(stream, StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, _stats(stats)))
 
 
@@ -371,6 +419,8 @@ send_reply_ack_with_stats = send_reply_ack
 
 
 def send_reply_predicted(stream, predicted: int, stats: Optional[StageReplyStats] = None) -> None:
+    """Write a PredictedToken reply carrying ``predicted`` (also as its one token), window 0.
+    Also ``send_reply_predicted_with_stats``."""
     send_reply_message(
         stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted], StageReplyWindow(), None, _stats(stats))
     )
@@ -382,22 +432,26 @@ send_reply_predicted_with_stats = send_reply_predicted
 def send_reply_predicted_with_tokens_and_stats(
     stream, predicted: int, tokens: Sequence[int], stats: Optional[StageReplyStats] = None
 ) -> None:
+    """Write a PredictedToken reply: ``predicted`` plus the token list ``tokens``, window 0."""
     send_reply_predicted_with_tokens_window_and_stats(stream, predicted, tokens, StageReplyWindow(), stats)
 
 
 def send_reply_predicted_with_tokens_window_and_stats(
     stream, predicted: int, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None
 ) -> None:
+    """Write a PredictedToken reply: ``predicted``, the token list ``tokens`` and ``window``."""
     send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, list(tokens), window, None, _stats(stats)))
 
 
 def send_reply_predicted_tokens_with_stats(stream, tokens: Sequence[int], stats: Optional[StageReplyStats] = None) -> None:
+    """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0), window 0."""
     send_reply_predicted_tokens_with_window_and_stats(stream, tokens, StageReplyWindow(), stats)
 
 
 def send_reply_predicted_tokens_with_window_and_stats(
     stream, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None
 ) -> None:
+    """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0) and ``window``."""
     tokens = list(tokens)
     predicted = tokens[0] if tokens else 0
     send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKENS, predicted, tokens, window, None, _stats(stats)))

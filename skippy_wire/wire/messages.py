@@ -23,7 +23,7 @@ import enum
 import numbers
 import operator
 import struct
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -53,6 +53,9 @@ from .constants import (
 
 # --- enumerations (section 2) ------------------------------------------------------------
 class WireStagePhase(enum.IntEnum):
+    """The state header's ``phase`` word (section 2.2); ``WireMessageKind.expected_phase``
+    gives the one a kind goes with."""
+
     PREFILL = 1
     DECODE = 2
     DECODE_REPLAY = 3
@@ -103,8 +106,9 @@ class WireMessageKind(UpstreamEnum):
     is_activationless_prefix_cache_control = property(lambda self: 15 <= self <= 17)
 
 
-_DECODE_REPLAY_KINDS = frozenset({WireMessageKind.DECODE_REPLAY_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD})
-_PREDICTED_REPLY_KINDS = frozenset({2, 8, 9, 21, 4, 6})
+_DECODE_REPLAY_KINDS: frozenset[int] = frozenset({WireMessageKind.DECODE_REPLAY_EMBD,
+                                                  WireMessageKind.DECODE_REPLAY_FINAL_EMBD})
+_PREDICTED_REPLY_KINDS: frozenset[int] = frozenset({2, 8, 9, 21, 4, 6})
 _PREFILL_PHASE_KINDS = frozenset({1, 4, 7, 13, 14, 15, 16, 17, 18, 19, 22})
 #: Kinds never carrying activation regardless of the source (writer list, section 4.4 step 5).
 ACTIVATIONLESS_WRITE_KINDS = frozenset({7, 15, 16, 17})
@@ -125,8 +129,11 @@ class F32(float):
     whose payload/signalling bit a plain float cannot carry)."""
 
     __slots__ = ("bits",)
+    bits: int
 
     def __new__(cls, bits: int) -> "F32":
+        if not isinstance(bits, numbers.Integral):
+            raise TypeError(f"F32 takes a binary32 bit pattern (an int such as 0x7fc00001), not {type(bits).__name__}")
         self = float.__new__(cls, struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
         self.bits = bits & 0xFFFFFFFF
         return self
@@ -210,39 +217,55 @@ class StageStateHeader:
 
 # --- sampling block (section 4.3) --------------------------------------------------------
 class LogitBias(NamedTuple):
+    """One ``SamplingConfig.logit_bias`` entry: an i32 token id and its f32 bias (a plain
+    ``(token_id, bias)`` tuple is accepted too)."""
+
     token_id: int
     bias: float
 
 
-#: The sampling block in wire order: (name, struct code, upstream ``Default``); lists are
-#: "L" (logit bias pairs) and "S" (strings).  SamplingConfig's fields are made from it.
-SAMPLING_FIELDS = (
-    ("flags", "I", 0), ("seed", "I", 0), ("temperature", "f", 1.0), ("top_p", "f", 1.0), ("top_k", "i", 0),
-    ("min_p", "f", 0.0), ("presence_penalty", "f", 0.0), ("frequency_penalty", "f", 0.0),
-    ("repeat_penalty", "f", 1.0), ("penalty_last_n", "i", -1), ("logit_bias", "L", ()),
-    ("typical_p", "f", 1.0), ("top_nsigma", "f", -1.0), ("dynatemp_range", "f", 0.0),
-    ("dynatemp_exponent", "f", 1.0), ("dry_multiplier", "f", 0.0), ("dry_base", "f", 1.75),
-    ("dry_allowed_length", "i", 2), ("dry_penalty_last_n", "i", 64),
-    ("dry_sequence_breakers", "S", DEFAULT_DRY_SEQUENCE_BREAKERS),
-    ("xtc_probability", "f", 0.0), ("xtc_threshold", "f", 0.1), ("mirostat_mode", "i", 0),
-    ("mirostat_entropy", "f", 5.0), ("mirostat_learning_rate", "f", 0.1), ("samplers", "S", DEFAULT_SAMPLERS),
-    ("ignore_eos", "B", False),
-)
-SAMPLING_WIRE_ORDER = tuple((name, code) for name, code, _ in SAMPLING_FIELDS)
-SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code == "f")
-_FIELD_TYPES = {"I": int, "i": int, "f": float, "B": bool}
-
-
-def _sampling_field(name: str, code: str, default):
-    if code in "LS":  # a fresh list per instance
-        return name, list, field(default_factory=lambda: list(default))
-    return name, _FIELD_TYPES[code], default
+def _wire(code: str, default: Any) -> Any:
+    """A sampling field: its wire code ("I" u32, "i" i32, "f" f32, "L" logit bias pairs, "S"
+    a string list, "B" the u32 boolean) and upstream ``Default``; lists get a fresh list per
+    instance."""
+    metadata = {"wire": code, "default": default}
+    if code in "LS":
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
-class SamplingConfig(make_dataclass("SamplingConfigFields", [_sampling_field(*f) for f in SAMPLING_FIELDS])):
-    """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3); logit_bias
-    holds (token_id, bias) pairs."""
+class SamplingConfig:
+    """Upstream ``StageSamplingConfig`` with its ``Default`` values (section 4.3), fields in
+    wire order; logit_bias holds (token_id, bias) pairs."""
+
+    flags: int = _wire("I", 0)
+    seed: int = _wire("I", 0)
+    temperature: float = _wire("f", 1.0)
+    top_p: float = _wire("f", 1.0)
+    top_k: int = _wire("i", 0)
+    min_p: float = _wire("f", 0.0)
+    presence_penalty: float = _wire("f", 0.0)
+    frequency_penalty: float = _wire("f", 0.0)
+    repeat_penalty: float = _wire("f", 1.0)
+    penalty_last_n: int = _wire("i", -1)
+    logit_bias: list = _wire("L", ())
+    typical_p: float = _wire("f", 1.0)
+    top_nsigma: float = _wire("f", -1.0)
+    dynatemp_range: float = _wire("f", 0.0)
+    dynatemp_exponent: float = _wire("f", 1.0)
+    dry_multiplier: float = _wire("f", 0.0)
+    dry_base: float = _wire("f", 1.75)
+    dry_allowed_length: int = _wire("i", 2)
+    dry_penalty_last_n: int = _wire("i", 64)
+    dry_sequence_breakers: list = _wire("S", DEFAULT_DRY_SEQUENCE_BREAKERS)
+    xtc_probability: float = _wire("f", 0.0)
+    xtc_threshold: float = _wire("f", 0.1)
+    mirostat_mode: int = _wire("i", 0)
+    mirostat_entropy: float = _wire("f", 5.0)
+    mirostat_learning_rate: float = _wire("f", 0.1)
+    samplers: list = _wire("S", DEFAULT_SAMPLERS)
+    ignore_eos: bool = _wire("B", False)
 
     def enabled(self) -> bool:
         return bool(self.flags & SamplingFlags.ENABLED)
@@ -257,6 +280,11 @@ class SamplingConfig(make_dataclass("SamplingConfigFields", [_sampling_field(*f)
         return n
 
 
+#: The sampling block in wire order: (name, struct code, upstream ``Default``), read off
+#: SamplingConfig's fields (the one place they are spelled).
+SAMPLING_FIELDS = tuple((f.name, f.metadata["wire"], f.metadata["default"]) for f in fields(SamplingConfig))
+SAMPLING_WIRE_ORDER = tuple((name, code) for name, code, _ in SAMPLING_FIELDS)
+SAMPLING_F32_FIELDS = tuple(name for name, code in SAMPLING_WIRE_ORDER if code == "f")
 
 
 # --- the stage message (sections 4 and 12) -----------------------------------------------
@@ -307,6 +335,22 @@ class StageWireMessage:
         return fields_equal(self, other, as_list=("tokens", "positions"), as_bytes=("activation", "raw_bytes"))
 
     __hash__ = None  # type: ignore[assignment]
+
+    def __getstate__(self) -> dict:
+        # pickle / deepcopy: a read message's activation is a memoryview, which cannot be
+        # pickled; carry its bytes and hand back a read-only memoryview over them.
+        state = dict(self.__dict__)
+        views = [name for name in ("activation", "raw_bytes") if isinstance(state[name], memoryview)]
+        for name in views:
+            state[name] = state[name].tobytes()
+        state["_memoryviews"] = views
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        for name in state.pop("_memoryviews", ()):
+            state[name] = memoryview(state[name])
+        self.__dict__.update(state)
 
     # constructors (section 12)
     @classmethod
@@ -415,39 +459,98 @@ def fields_equal(a: Any, b: Any, *, as_list: tuple = (), as_bytes: tuple = ()) -
 
 def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -> InvalidInputError:
     """The error naming the first ``(name, value, lo, hi)`` whose value is not an integer in
-    [lo, hi]; a generic one about ``what`` when every value fits."""
-    for name, value, lo, hi in checks:
-        try:
-            fits = lo <= operator.index(value) <= hi
-        except TypeError:
-            fits = False
-        if not fits:
-            return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+    [lo, hi]; a generic one about ``what`` when every value fits.  A check whose value is a
+    ``str`` is a finished error text (a field of the wrong kind, found while listing)."""
+    try:
+        for check in checks:
+            if isinstance(check, str):
+                return InvalidInputError(check)
+            name, value, lo, hi = check
+            try:
+                fits = lo <= operator.index(value) <= hi
+            except TypeError:
+                fits = False
+            if not fits:
+                return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+    except Exception as error:  # listing the fields failed: say where, never mask it with another
+        return InvalidInputError(f"{what} field does not fit its wire type ({type(error).__name__}: {error})")
     return InvalidInputError(f"{what} field does not fit its wire type")
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def int_list_checks(name: str, values: Any, lo: int = I32_MIN, hi: int = I32_MAX):
+    """The checks of a list of wire integers (a text when ``values`` is not a list at all)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        yield f"{name} must be a sequence of ints, not {_type_name(values)}"
+        return
+    for value in values:
+        yield name, value, lo, hi
+
+
+def _sampling_checks(s: Any):
+    if not isinstance(s, SamplingConfig):
+        yield f"sampling must be a SamplingConfig or None, not {_type_name(s)}"
+        return
+    for name, code in SAMPLING_WIRE_ORDER:
+        value = getattr(s, name)
+        if code == "I":
+            yield f"sampling.{name}", value, 0, U32_MAX
+        elif code == "i":
+            yield f"sampling.{name}", value, I32_MIN, I32_MAX
+        elif code == "f" and not isinstance(value, numbers.Real):
+            yield f"sampling.{name} value {value!r} is not a number"
+        elif code == "L":
+            if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+                yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {_type_name(value)}"
+                return
+            for pair in list(value)[:MAX_STAGE_LOGIT_BIAS]:
+                if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
+                    yield f"sampling.logit_bias entry {pair!r} is not a (token_id, bias) pair"
+                    return
+                token, bias = pair
+                yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
+                if not isinstance(bias, numbers.Real):
+                    yield f"sampling.logit_bias bias {bias!r} is not a number"
+        elif code == "S":
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                yield f"sampling.{name} must be a list of strings, not {_type_name(value)}"
+                return
+            for item in value:
+                if not isinstance(item, str):
+                    yield f"sampling.{name} entry {item!r} is not a string"
+
+
+def _message_checks(msg: Any):
+    yield "kind", msg.kind, I32_MIN, I32_MAX
+    yield "pos_start", msg.pos_start, I32_MIN, I32_MAX
+    yield "token_count", msg.token_count, I32_MIN, I32_MAX
+    if not isinstance(msg.state, StageStateHeader):
+        yield f"state must be a StageStateHeader, not {_type_name(msg.state)}"
+    for n in _I32_STATE:
+        yield f"state.{n}", getattr(msg.state, n), I32_MIN, I32_MAX
+    yield "request_id", msg.request_id, 0, U64_MAX
+    yield "session_id", msg.session_id, 0, U64_MAX
+    if msg.sampling is not None:
+        yield from _sampling_checks(msg.sampling)
+    metadata = msg.chat_sampling_metadata
+    if metadata is not None and not isinstance(metadata, str):
+        yield f"chat_sampling_metadata must be a str or None, not {_type_name(metadata)}"
+    yield from int_list_checks("tokens", msg.tokens)
+    yield from int_list_checks("positions", msg.positions)
 
 
 def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
     """Name the first field of ``msg`` the wire cannot represent (both implementations raise
-    this when a value does not fit its wire integer type)."""
-    checks = [("kind", msg.kind, I32_MIN, I32_MAX), ("pos_start", msg.pos_start, I32_MIN, I32_MAX),
-              ("token_count", msg.token_count, I32_MIN, I32_MAX)]
-    checks += [(f"state.{n}", getattr(msg.state, n), I32_MIN, I32_MAX) for n in _I32_STATE]
-    checks += [("request_id", msg.request_id, 0, U64_MAX), ("session_id", msg.session_id, 0, U64_MAX)]
-    s = msg.sampling
-    if s is not None:
-        checks += [("sampling.flags", s.flags, 0, U32_MAX), ("sampling.seed", s.seed, 0, U32_MAX)]
-        checks += [(f"sampling.{n}", getattr(s, n), I32_MIN, I32_MAX)
-                   for n in ("top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode")]
-        checks += [("sampling.logit_bias token_id", t, I32_MIN, I32_MAX)
-                   for t, _ in list(s.logit_bias)[:MAX_STAGE_LOGIT_BIAS]]
-    checks += [("tokens", t, I32_MIN, I32_MAX) for t in msg.tokens]
-    checks += [("positions", p, I32_MIN, I32_MAX) for p in msg.positions]
-    return first_out_of_range(checks, "message")
+    this when a value does not fit its wire integer type, or is of the wrong kind)."""
+    return first_out_of_range(_message_checks(msg), "message")
 
 
 __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "fields_equal", "first_out_of_range", "out_of_range_error",
+    "fields_equal", "first_out_of_range", "int_list_checks", "out_of_range_error",
 ]

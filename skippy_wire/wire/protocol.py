@@ -52,6 +52,9 @@ class ProtocolVersionError(InvalidDataError):
         self.received = received
         self.expected = expected
 
+    def __reduce__(self):  # pickle / copy: rebuild from the two versions, keep any later attributes
+        return (type(self), (self.received, self.expected), self.__dict__)
+
 
 def read_arguments(codec=None, policy=None) -> tuple:
     """Map the public (codec, policy) pair onto the kernels' (expected codec or None, policy)."""

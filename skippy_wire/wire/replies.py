@@ -7,36 +7,20 @@ Plain Python classes shared by both framing implementations, like the messages o
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, make_dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Optional, Sequence
 
 from ..errors import InvalidInputError
 from .constants import I32_MAX, I32_MIN, I64_MAX, I64_MIN, STAGE_REPLY_STATS_COUNT
-from .messages import fields_equal, first_out_of_range
+from .messages import fields_equal, first_out_of_range, int_list_checks
 
 
 class WireReplyKind(enum.IntEnum):
+    """A reply's leading i32 (section 11.2): Ack, one predicted token, or a token list."""
+
     ACK = 1
     PREDICTED_TOKEN = 2
     PREDICTED_TOKENS = 3
-
-
-#: The 27 statistics in wire order (section 11.2).
-STATS_FIELDS = (
-    "kv_lookup_hits", "kv_lookup_misses", "kv_lookup_errors", "kv_imported_pages",
-    "kv_imported_tokens", "kv_recorded_pages", "kv_recorded_bytes", "kv_hit_stage_mask",
-    "kv_record_stage_mask", "verify_window_compute_us", "verify_window_forward_write_us",
-    "verify_window_downstream_wait_us", "verify_window_total_us", "verify_window_stage_count",
-    "verify_window_request_count", "verify_window_token_count", "verify_window_max_tokens",
-    "prefill_edge_write_us_max", "prefill_edge_wait_us_max", "prefill_edge_total_us_max",
-    "prefill_edge_stage_index", "prefill_edge_activation_bytes_max",
-    "prefill_edge_observation_count", "prefill_compute_us_at_slowest_rate",
-    "prefill_compute_stage_index", "prefill_compute_token_count_at_slowest_rate",
-    "prefill_compute_observation_count",
-)
-assert len(STATS_FIELDS) == STAGE_REPLY_STATS_COUNT
-#: The kv_* and verify_window_* counters (summed, OR-ed or maxed by ``merge``).
-_COUNTER_FIELDS = STATS_FIELDS[:17]
 
 
 def _sat(v: int) -> int:
@@ -53,12 +37,40 @@ def _better_compute(c_us: int, c_tok: int, cur_us: int, cur_tok: int) -> bool:
     return c_us * cur_tok > cur_us * c_tok
 
 
-# The dataclass's fields are STATS_FIELDS, all i64 defaulting to 0 (one list of the names).
 @dataclass
-class StageReplyStats(make_dataclass("StageReplyStatsFields", [(name, int, 0) for name in STATS_FIELDS])):
+class StageReplyStats:
     """The 27 i64 reply statistics, in wire order (section 11.2), with section 11.3 methods."""
 
-    FIELDS = STATS_FIELDS
+    #: The field names in wire order (``STATS_FIELDS``).
+    FIELDS: ClassVar[tuple[str, ...]]
+
+    kv_lookup_hits: int = 0
+    kv_lookup_misses: int = 0
+    kv_lookup_errors: int = 0
+    kv_imported_pages: int = 0
+    kv_imported_tokens: int = 0
+    kv_recorded_pages: int = 0
+    kv_recorded_bytes: int = 0
+    kv_hit_stage_mask: int = 0
+    kv_record_stage_mask: int = 0
+    verify_window_compute_us: int = 0
+    verify_window_forward_write_us: int = 0
+    verify_window_downstream_wait_us: int = 0
+    verify_window_total_us: int = 0
+    verify_window_stage_count: int = 0
+    verify_window_request_count: int = 0
+    verify_window_token_count: int = 0
+    verify_window_max_tokens: int = 0
+    prefill_edge_write_us_max: int = 0
+    prefill_edge_wait_us_max: int = 0
+    prefill_edge_total_us_max: int = 0
+    prefill_edge_stage_index: int = 0
+    prefill_edge_activation_bytes_max: int = 0
+    prefill_edge_observation_count: int = 0
+    prefill_compute_us_at_slowest_rate: int = 0
+    prefill_compute_stage_index: int = 0
+    prefill_compute_token_count_at_slowest_rate: int = 0
+    prefill_compute_observation_count: int = 0
 
     def as_tuple(self) -> tuple:
         d = self.__dict__
@@ -124,8 +136,17 @@ class StageReplyStats(make_dataclass("StageReplyStatsFields", [(name, int, 0) fo
         )
 
 
+#: The 27 statistics in wire order (section 11.2): the dataclass's fields.
+STATS_FIELDS = StageReplyStats.FIELDS = tuple(f.name for f in fields(StageReplyStats))
+assert len(STATS_FIELDS) == STAGE_REPLY_STATS_COUNT
+#: The kv_* and verify_window_* counters (summed, OR-ed or maxed by ``merge``).
+_COUNTER_FIELDS = STATS_FIELDS[:17]
+
+
 @dataclass
 class StageReplyWindow:
+    """The verify window a reply answers (``window_id``, an i32; 0 when none)."""
+
     window_id: int = 0
 
 
@@ -161,15 +182,32 @@ class StageReply:
     __hash__ = None  # type: ignore[assignment]
 
 
+def _reply_checks(reply: StageReply):
+    yield "kind", reply.kind, I32_MIN, I32_MAX
+    yield "predicted", reply.predicted, I32_MIN, I32_MAX
+    yield from int_list_checks("predicted_tokens", reply.predicted_tokens)
+    if not isinstance(reply.window, StageReplyWindow):
+        yield f"window must be a StageReplyWindow, not {type(reply.window).__name__}"
+        return
+    yield "window.window_id", reply.window.window_id, I32_MIN, I32_MAX
+    draft = reply.native_mtp_draft
+    if draft is not None:
+        if not isinstance(draft, NativeMtpDraft):
+            yield f"native_mtp_draft must be a NativeMtpDraft or None, not {type(draft).__name__}"
+            return
+        yield from int_list_checks("native_mtp_draft.token_ids", draft.token_ids)
+        yield "native_mtp_draft.proposal_compute_us", draft.proposal_compute_us, I64_MIN, I64_MAX
+    if not isinstance(reply.stats, StageReplyStats):
+        yield f"stats must be a StageReplyStats, not {type(reply.stats).__name__}"
+        return
+    for n in STATS_FIELDS:
+        yield f"stats.{n}", getattr(reply.stats, n), I64_MIN, I64_MAX
+
+
 def reply_out_of_range_error(reply: StageReply) -> InvalidInputError:
-    checks = [("kind", reply.kind, I32_MIN, I32_MAX), ("predicted", reply.predicted, I32_MIN, I32_MAX)]
-    checks += [("predicted_tokens", t, I32_MIN, I32_MAX) for t in reply.predicted_tokens]
-    checks.append(("window.window_id", reply.window.window_id, I32_MIN, I32_MAX))
-    if reply.native_mtp_draft is not None:
-        checks += [("native_mtp_draft.token_ids", t, I32_MIN, I32_MAX) for t in reply.native_mtp_draft.token_ids]
-        checks.append(("native_mtp_draft.proposal_compute_us", reply.native_mtp_draft.proposal_compute_us, I64_MIN, I64_MAX))
-    checks += [(f"stats.{n}", getattr(reply.stats, n), I64_MIN, I64_MAX) for n in STATS_FIELDS]
-    return first_out_of_range(checks, "reply")
+    """Name the first field of ``reply`` the wire cannot represent (both implementations
+    raise this when a value does not fit its wire type, or is of the wrong kind)."""
+    return first_out_of_range(_reply_checks(reply), "reply")
 
 
 __all__ = ["NativeMtpDraft", "STATS_FIELDS", "StageReply", "StageReplyStats", "StageReplyWindow", "WireReplyKind",

@@ -1,0 +1,190 @@
+"""The package as an embedder sees it: ``sw.__all__``, docstrings, the documented module
+paths, one-line errors for the usual mistakes, pickling, and the type information."""
+
+import ast
+import copy
+import importlib
+import inspect
+import io
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+import skippy_wire as sw
+from skippy_wire.wire.protocol import ProtocolVersionError
+
+W = sw.WireMessageKind
+
+
+def test_all_lists_every_public_reexport_and_each_exists():
+    tree = ast.parse((REPO / "skippy_wire" / "__init__.py").read_text(encoding="utf-8"))
+    imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert sorted(sw.__all__) == sorted(imported)
+    assert len(set(sw.__all__)) == len(sw.__all__)
+    assert all(hasattr(sw, name) for name in sw.__all__)
+
+
+@pytest.mark.parametrize("name", [n for n in sw.__all__ if callable(getattr(sw, n))])
+def test_every_public_callable_has_its_own_docstring(name):
+    obj = getattr(sw, name)
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    assert doc and not doc.startswith(f"{obj.__name__}("), f"{name} has no docstring of its own"
+
+
+def test_modules_named_in_the_wire_format_page_exist():
+    text = (REPO / "docs" / "wire-format.md").read_text(encoding="utf-8")
+    for dotted in sorted(set(re.findall(r"`(skippy_wire(?:\.[A-Za-z_0-9]+)+)", text))):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+
+
+def _message():
+    state = sw.StageStateHeader.new(W.PREFILL_EMBD)
+    state.source_stage_index = 0
+    payload = np.arange(8, dtype=np.float32).tobytes()
+    return sw.StageWireMessage(W.PREFILL_EMBD, 0, 1, state, 1, 2, tokens=[7], activation=payload)
+
+
+MESSAGE_MISTAKES = [
+    (dict(state=None), "state must be a StageStateHeader, not NoneType"),
+    (dict(tokens=None), "tokens must be a sequence of ints, not NoneType"),
+    (dict(tokens="ab"), "tokens must be a sequence of ints, not str"),
+    (dict(sampling={}), "sampling must be a SamplingConfig or None, not dict"),
+    (dict(sampling=sw.SamplingConfig(temperature="hot")), "sampling.temperature value 'hot' is not a number"),
+    (dict(sampling=sw.SamplingConfig(samplers=None)), "sampling.samplers must be a list of strings, not NoneType"),
+    (dict(sampling=sw.SamplingConfig(samplers="top_k")), "sampling.samplers must be a list of strings, not a single string"),
+    (dict(sampling=sw.SamplingConfig(samplers=[1])), "sampling.samplers entry 1 is not a string"),
+    (dict(sampling=sw.SamplingConfig(logit_bias={1: 2.0})),
+     "sampling.logit_bias must be a list of (token_id, bias) pairs, not dict"),
+    (dict(sampling=sw.SamplingConfig(logit_bias=[(1,)])), "sampling.logit_bias entry (1,) is not a (token_id, bias) pair"),
+    (dict(chat_sampling_metadata=b"{}"), "chat_sampling_metadata must be a str or None, not bytes"),
+]
+
+
+@pytest.mark.parametrize("change, text", MESSAGE_MISTAKES)
+def test_a_field_of_the_wrong_kind_is_one_invalid_input_error_naming_it(impl, change, text):
+    msg = _message()
+    for name, value in change.items():
+        setattr(msg, name, value)
+    with pytest.raises(sw.InvalidInputError) as info:
+        sw.write_stage_message(msg, impl=impl)
+    assert str(info.value) == text
+
+
+REPLY_MISTAKES = [
+    (dict(predicted_tokens=None), "predicted_tokens must be a sequence of ints, not NoneType"),
+    (dict(window=3), "window must be a StageReplyWindow, not int"),
+    (dict(stats=None), "stats must be a StageReplyStats, not NoneType"),
+    (dict(native_mtp_draft=sw.NativeMtpDraft(None)), "native_mtp_draft.token_ids must be a sequence of ints, not NoneType"),
+]
+
+
+@pytest.mark.parametrize("change, text", REPLY_MISTAKES)
+def test_a_reply_field_of_the_wrong_kind_is_named(impl, change, text):
+    with pytest.raises(sw.InvalidInputError) as info:
+        sw.write_reply(sw.StageReply(**change), impl=impl)
+    assert str(info.value) == text
+
+
+def test_not_a_message_or_an_int_is_a_clear_type_error(impl):
+    data = sw.write_stage_message(sw.StageWireMessage.stop(), impl=impl)
+    cases = [
+        (lambda: sw.write_stage_message(None, impl=impl), "write_stage_message expects a StageWireMessage, not NoneType"),
+        (lambda: sw.write_stage_message_to(io.BytesIO(), {}, impl=impl), "expects a StageWireMessage, not dict"),
+        (lambda: sw.write_reply(None, impl=impl), "write_reply expects a StageReply, not NoneType"),
+        (lambda: sw.read_stage_message(data, None, impl=impl), "n_embd must be an int, not NoneType"),
+        (lambda: sw.read_stage_message(io.BytesIO(data), "8", impl=impl), "n_embd must be an int, not str"),
+        (lambda: sw.read_stage_message_from_buffer(data, 8, offset=None, impl=impl), "offset must be an int, not NoneType"),
+        (lambda: sw.StageMessageDecoder(8, max_message_bytes="10", impl=impl), "max_message_bytes must be an int, not str"),
+        (lambda: sw.F32(1.5), "F32 takes a binary32 bit pattern"),
+    ]
+    for call, text in cases:
+        with pytest.raises(TypeError, match=re.escape(text)):
+            call()
+
+
+def test_a_read_message_and_the_wire_errors_pickle_and_deepcopy(impl):
+    msg = sw.read_stage_message(sw.write_stage_message(_message(), impl=impl), 8, impl=impl)
+    assert isinstance(msg.activation, memoryview)
+    for back in (pickle.loads(pickle.dumps(msg)), copy.deepcopy(msg)):
+        assert back == msg
+        assert isinstance(back.activation, memoryview) and back.activation.readonly
+        assert back.activation_f32().tolist() == list(range(8))
+        assert "_memoryviews" not in vars(back)
+    error = ProtocolVersionError(16, 15)
+    for back in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert (type(back), str(back), back.received, back.expected) == (ProtocolVersionError, str(error), 16, 15)
+
+
+def test_dataclass_fields_are_spelled_in_the_class_for_type_checkers():
+    # A make_dataclass base is invisible to mypy: SamplingConfig(temperature=0.7) would not check.
+    from skippy_wire.wire.messages import SAMPLING_WIRE_ORDER
+    from skippy_wire.wire.replies import STATS_FIELDS
+
+    assert list(sw.SamplingConfig.__annotations__) == [name for name, _ in SAMPLING_WIRE_ORDER]
+    assert list(sw.StageReplyStats.__annotations__) == ["FIELDS", *STATS_FIELDS]
+    assert sw.StageReplyStats.FIELDS == STATS_FIELDS
+
+
+def _stub_parameters(path, name):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    node = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name][-1]
+    a = node.args
+    return [x.arg for x in a.posonlyargs + a.args], [x.arg for x in a.kwonlyargs]
+
+
+@pytest.mark.parametrize("module, stub", [("skippy_wire.wire._codec", "_codec.pyi"), ("skippy_wire.wire._frame", "_frame.pyi")])
+def test_kernel_stubs_match_the_compiled_signatures(module, stub):
+    if sw.IMPLEMENTATION != "cython":
+        pytest.skip("the compiled kernels are not loaded under SKIPPY_WIRE_IMPL=python")
+    mod = importlib.import_module(module)
+    path = REPO / "skippy_wire" / "wire" / stub
+    names = [n.name for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.FunctionDef)]
+    for name in set(names):
+        params = inspect.signature(getattr(mod, name)).parameters.values()
+        runtime = ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
+                   [p.name for p in params if p.kind == p.KEYWORD_ONLY])
+        assert runtime == _stub_parameters(path, name), name
+
+
+USER_SCRIPT = """
+    import io
+    import numpy as np
+    import skippy_wire as sw
+
+    x = np.linspace(-1, 1, 4 * 576, dtype=np.float32)
+    wire: bytes = sw.encode_activation(sw.ActivationCodec.BF16_RNE_V1, 4, 576, x)
+    back = sw.decode_activation(sw.ActivationCodec.BF16_RNE_V1, 4, 576, wire)
+    codec: sw.ActivationCodec = sw.select_lossless_codec(4, 576, back)
+    view: memoryview = sw.encode_activation(codec, 4, 576, back, out=bytearray(4608))
+    msg = sw.StageWireMessage(sw.WireMessageKind.STOP, sampling=sw.SamplingConfig(temperature=0.7, seed=1))
+    again: sw.StageWireMessage = sw.read_stage_message(sw.write_stage_message(msg), 576)
+    more: list[sw.StageWireMessage] = sw.StageMessageDecoder(576).feed(b"")
+    reply: sw.StageReply = sw.read_reply(b"")
+    stats = sw.StageReplyStats(kv_lookup_hits=3)
+    print(sw.IMPLEMENTATION, again, more, reply, stats.kv_lookup_hits, view, sw.InvalidDataError)
+"""
+
+
+@pytest.mark.slow
+def test_a_user_script_type_checks_under_mypy_strict(tmp_path):
+    pytest.importorskip("mypy")
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent(USER_SCRIPT), encoding="utf-8")
+    env = {"MYPYPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
+                          str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
