@@ -8,9 +8,6 @@ import inspect
 import io
 import pickle
 import re
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -158,33 +155,3 @@ def test_kernel_stubs_match_the_compiled_signatures(module, stub):
         runtime = ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
                    [p.name for p in params if p.kind == p.KEYWORD_ONLY])
         assert runtime == _stub_parameters(path, name), name
-
-
-USER_SCRIPT = """
-    import io
-    import numpy as np
-    import skippy_wire as sw
-
-    x = np.linspace(-1, 1, 4 * 576, dtype=np.float32)
-    wire: bytes = sw.encode_activation(sw.ActivationCodec.BF16_RNE_V1, 4, 576, x)
-    back = sw.decode_activation(sw.ActivationCodec.BF16_RNE_V1, 4, 576, wire)
-    codec: sw.ActivationCodec = sw.select_lossless_codec(4, 576, back)
-    view: memoryview = sw.encode_activation(codec, 4, 576, back, out=bytearray(4608))
-    msg = sw.StageWireMessage(sw.WireMessageKind.STOP, sampling=sw.SamplingConfig(temperature=0.7, seed=1))
-    again: sw.StageWireMessage = sw.read_stage_message(sw.write_stage_message(msg), 576)
-    more: list[sw.StageWireMessage] = sw.StageMessageDecoder(576).feed(b"")
-    reply: sw.StageReply = sw.read_reply(b"")
-    stats = sw.StageReplyStats(kv_lookup_hits=3)
-    print(sw.IMPLEMENTATION, again, more, reply, stats.kv_lookup_hits, view, sw.InvalidDataError)
-"""
-
-
-@pytest.mark.slow
-def test_a_user_script_type_checks_under_mypy_strict(tmp_path):
-    pytest.importorskip("mypy")
-    script = tmp_path / "user.py"
-    script.write_text(textwrap.dedent(USER_SCRIPT), encoding="utf-8")
-    env = {"MYPYPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
-                          str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
