@@ -39,7 +39,7 @@ def test_split_layers_is_even_and_contiguous():
 class _Tok:
     """A toy tokenizer whose ids are characters; 0 is end-of-generation."""
 
-    def decode(self, ids):
+    def decode(self, ids, special=True):
         return "".join(chr(i) for i in ids)
 
     def is_eog(self, token):

@@ -43,3 +43,16 @@ def test_stop_strings_cut_and_hold_back(tokenizer, text):
             break
     shown += assembler.finish()
     assert assembler.stopped and shown == whole[: whole.index(stop)] == assembler.text
+
+
+def test_generated_control_tokens_show_no_text(tokenizer):
+    # llama.cpp renders a generated control token as nothing (llama-server, llama-cli without
+    # --special): a model that emits <|im_start|> mid-answer must not print the marker.
+    start = tokenizer.encode("<|im_start|>")
+    assert len(start) == 1
+    ids = tokenizer.encode("Paris") + start + tokenizer.encode("assistant\nLyon")
+    assembler = TextAssembler(tokenizer)
+    shown = "".join(assembler.push(t) for t in ids) + assembler.finish()
+    assert shown == assembler.text == "Parisassistant\nLyon"
+    assert tokenizer.decode(ids, special=False) == shown
+    assert tokenizer.decode(ids) == "Paris<|im_start|>assistant\nLyon"  # the default keeps them

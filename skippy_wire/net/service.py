@@ -91,6 +91,7 @@ class TextAssembler:
     ``push(token)`` returns the text that is safe to show now: text that could still turn
     into a stop string, or an incomplete UTF-8 sequence, is held back until it is decided.
     ``stopped`` turns True when a stop string appeared; ``text`` is everything before it.
+    Control tokens add no text, as llama.cpp renders generated text.
 
     Each push decodes only the tokens since the last complete character (byte-level
     vocabularies decode by concatenation), so a token costs the same at any length.
@@ -107,7 +108,7 @@ class TextAssembler:
         self._decoded_tokens = 0
 
     def _decode(self) -> str:
-        return self._decoded + self.tokenizer.decode(self.tokens[self._decoded_tokens:])
+        return self._decoded + self.tokenizer.decode(self.tokens[self._decoded_tokens:], special=False)
 
     def push(self, token: int) -> str:
         self.tokens.append(token)

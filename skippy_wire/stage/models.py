@@ -386,9 +386,12 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_vocab})")
         return out
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids`` (control tokens included verbatim; invalid UTF-8 replaced)."""
+    def decode(self, ids: Iterable[int], special: bool = True) -> str:
+        """Text of ``ids`` (invalid UTF-8 replaced).  Control and unknown tokens are included
+        verbatim, or left out with ``special=False``, as llama.cpp renders generated text."""
         ids = self._check(ids)
+        if not special:
+            ids = [i for i in ids if self.token_types[i] not in (_CONTROL, _UNKNOWN)]
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=False)
         out = bytearray()
