@@ -155,3 +155,21 @@ def test_kernel_stubs_match_the_compiled_signatures(module, stub):
         runtime = ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
                    [p.name for p in params if p.kind == p.KEYWORD_ONLY])
         assert runtime == _stub_parameters(path, name), name
+
+
+@pytest.mark.parametrize("compiled, twin", [
+    ("skippy_wire.wire._codec", "skippy_wire.wire._reference.codec"),
+    ("skippy_wire.wire._frame", "skippy_wire.wire._reference.frame"),
+    ("skippy_wire.wire._frame_gen", "skippy_wire.wire._reference.frame_gen"),
+])
+def test_the_twins_name_their_parameters_alike(compiled, twin):
+    # A caller passing a keyword to one implementation must not get a TypeError from the other.
+    if sw.IMPLEMENTATION != "cython":
+        pytest.skip("the compiled kernels are not loaded under SKIPPY_WIRE_IMPL=python")
+    cmod, tmod = importlib.import_module(compiled), importlib.import_module(twin)
+    shared = [n for n in dir(cmod) if not n.startswith("_") and callable(getattr(cmod, n))
+              and not isinstance(getattr(cmod, n), type) and callable(getattr(tmod, n, None))]
+    assert shared
+    for name in shared:
+        ours, theirs = (list(inspect.signature(getattr(m, name)).parameters) for m in (cmod, tmod))
+        assert ours == theirs, name

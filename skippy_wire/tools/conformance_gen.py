@@ -15,8 +15,8 @@ from ..errors import Mismatch
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, kind_rust_name
 from ..wire.agreement import ActivationAgreement
 from ..wire.constants import ActivationCodec
-from ..wire.frame import recv_ready
-from ..wire.protocol import StageConnection, estimated_buffer_bytes, kernels, read_arguments
+from ..wire.frame import reader_expectation, recv_ready
+from ..wire.protocol import StageConnection, estimated_buffer_bytes, kernels
 from ..wire.messages import StageWireMessage
 from . import conformance_setup, vector_cases
 from .vector_cases import check_error, check_read, diff, outcome, read_expectation, require_ok
@@ -179,7 +179,7 @@ class GenRunner:
         return ActivationAgreement.from_json(c[context])
 
     def _check_read(self, label: str, c: dict, data: bytes, read: dict) -> None:
-        expected, pol = read_arguments(*read_expectation(read))
+        expected, pol = reader_expectation(*read_expectation(read))
         agreement = self._agreement(c, read.get("context", "agreement"))
         got = outcome(self.k.read_stage_message_from_buffer, self.version, data, expected, pol, 0, agreement)
         check_read(label, got, read, message_to_case_gen)

@@ -12,7 +12,7 @@ def write_stage_message(msg: StageWireMessage) -> bytes:
 
 def read_stage_message_from_buffer(
     data: bytes | bytearray | memoryview,
-    n_embd_obj: int,
+    n_embd: int,
     expected_codec: Optional[int] = None,
     policy: int = 0,
     offset: int = 0,

@@ -245,13 +245,13 @@ cdef object _message(object kind, int32_t pos_start, int32_t token_count, object
     return _instance(StageWireMessage, d)
 
 
-def read_stage_message_from_buffer(data, n_embd_obj, expected_codec=None, int policy=0, Py_ssize_t offset=0):
+def read_stage_message_from_buffer(data, n_embd, expected_codec=None, int policy=0, Py_ssize_t offset=0):
     """Parse one stage message at ``offset`` of a bytes-like object -> (message, consumed).
 
     Same contract as the reference twin; a short buffer raises UnexpectedEofError whose
     ``needed`` is the byte count (from ``offset``) required at that point.
     """
-    cdef long long n_embd_ll = n_embd_obj
+    cdef long long n_embd_ll = n_embd
     if n_embd_ll < -2147483648 or n_embd_ll > 2147483647:
         raise InvalidInputError("n_embd does not fit in i32")
     cdef Py_buffer view

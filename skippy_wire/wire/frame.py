@@ -52,8 +52,6 @@ def reader_expectation(codec, policy) -> tuple[Optional[int], int]:
     return int(ActivationCodec(codec)), int(CodecPolicy.FIXED if policy is None else CodecPolicy(policy))
 
 
-_expectation = reader_expectation  # the name the streaming decoder below uses
-
 
 def _is_stream(obj: Any) -> bool:
     return hasattr(obj, "read") and not isinstance(obj, (bytes, bytearray, memoryview))
@@ -312,7 +310,7 @@ class StageMessageDecoder(_IncrementalDecoder[StageWireMessage]):
     def __init__(self, n_embd: int, codec=None, policy=None, *, max_message_bytes: Optional[int] = None,
                  impl: Optional[str] = None) -> None:
         self.n_embd = n_embd = _check_int(n_embd, "n_embd")
-        expected, pol = _expectation(codec, policy)
+        expected, pol = reader_expectation(codec, policy)
         parse = kernels(impl).read_stage_message_from_buffer
         super().__init__(lambda data, pos: parse(data, n_embd, expected, pol, pos), max_message_bytes)
 

@@ -29,7 +29,7 @@ from ..errors import InvalidDataError, UnexpectedEofError, WireError
 from . import frame as _v15
 from .activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, ActivationFrameV16
 from .agreement import ActivationAgreement
-from .constants import ActivationCodec, CodecPolicy
+from .constants import ActivationCodec
 from .messages import StageWireMessage
 
 #: Offset of the state header's version word in a stage message.
@@ -54,15 +54,6 @@ class ProtocolVersionError(InvalidDataError):
 
     def __reduce__(self):  # pickle / copy: rebuild from the two versions, keep any later attributes
         return (type(self), (self.received, self.expected), self.__dict__)
-
-
-def read_arguments(codec=None, policy=None) -> tuple:
-    """Map the public (codec, policy) pair onto the kernels' (expected codec or None, policy)."""
-    if codec is None:
-        if policy is not None and CodecPolicy(policy) is not CodecPolicy.FIXED:
-            return int(ActivationCodec.RAW_F32_V1), int(policy)
-        return None, int(CodecPolicy.FIXED)
-    return int(ActivationCodec(codec)), int(CodecPolicy.FIXED if policy is None else CodecPolicy(policy))
 
 
 def _version_word(data, offset: int) -> Optional[int]:
@@ -108,7 +99,7 @@ class WireProtocol:
         (a stream decoder parses every message with it: the kernel is called directly).
         ``agreement()`` gives the v17 agreement at each call (a link establishes it after
         its decoder is made)."""
-        expected, pol = read_arguments(codec, policy)
+        expected, pol = _v15.reader_expectation(codec, policy)
         version = self.version
         if self._k is None:
             v15_kernel = _v15.kernels(self.impl).read_stage_message_from_buffer
@@ -266,5 +257,5 @@ def read_stage_message(data_or_stream, n_embd: int = 0, codec=None, policy=None,
 
 __all__ = [
     "WireProtocol", "StageConnection", "SocketStream", "ProtocolVersionError", "as_stream", "kernels",
-    "read_arguments", "estimated_buffer_bytes", "write_stage_message", "read_stage_message", "WireError",
+    "estimated_buffer_bytes", "write_stage_message", "read_stage_message", "WireError",
 ]
