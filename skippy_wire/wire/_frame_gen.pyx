@@ -477,7 +477,12 @@ cdef class _Buffer:
 def validate_frame(desc, payload_len=None):
     cdef Desc d
     _from_object(desc, &d)
-    _validate(&d, -1 if payload_len is None else payload_len)
+    cdef int64_t n = -1
+    if payload_len is not None:
+        length = operator.index(payload_len)
+        # a length no payload can have mismatches at step 4 (MAX + 1 exceeds any valid total)
+        n = length if 0 <= length <= MAX_BYTES else MAX_BYTES + 1
+    _validate(&d, n)
 
 
 def frame_wire_bytes(codec, desc):

@@ -198,11 +198,26 @@ def agreed_encode(agreement, codec, desc, payload):
     cdef _Buffer buf = _Buffer(payload)
     _validate(&d, buf.view.len)
     profile, mask, dynamic = _first_match(agreement, &d)
-    head = _agreed_header(agreement, profile, &d, mask, dynamic)
-    frame = _encode(c, &d, payload)
-    out = head + frame[HEADER + PART * d.count:]
-    if <uint64_t>len(out) > MAX_BYTES:
+    cdef bytes head = _agreed_header(agreement, profile, &d, mask, dynamic)
+    cdef uint64_t total = len(head)
+    cdef uint32_t i
+    cdef const Part* p
+    cdef const uint8_t* src = <const uint8_t*>buf.view.buf
+    for i in range(d.count):  # no v16 frame size here (B.6.2): only the result is capped
+        total += _part_wire(c, &d.parts[i], False)
+    if total > MAX_BYTES:
+        # the parts are still encoded in order first: a value error, or an S8 part's own
+        # size error, precedes "activation frame exceeds maximum"
+        for i in range(d.count):
+            p = &d.parts[i]
+            if p.ggml_type == 0 and c != RAW:
+                _codec.encode_activation(c, (p.nbytes // 4) // <uint64_t>p.dims[0], p.dims[0],
+                                         _slice(src + p.offset, p.nbytes), 0)
         _raise(E_FRAME_TOO_BIG)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    memcpy(o, PyBytes_AS_STRING(head), len(head))
+    _code_parts(c, &d, src, o + len(head), True)
     return out
 
 
@@ -290,8 +305,8 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
     d.tokens, d.sequences, d.payload = tokens, sequences, total
     _copy32(d.frontier, profile.frontier_identity)
     _validate(d, -1)
-    for i in range(d.count):
-        size = _part_wire(codec, &d.parts[i], False)
+    for i in range(d.count):  # the sum of B.6.5: each F32 part is a v15 encoded size (512 MiB cap)
+        size = _part_wire(codec, &d.parts[i], True)
         wire += size
         if wire < size:
             _raise(E_WIRE_OVERFLOW)

@@ -143,7 +143,7 @@ def dimension_from_json(obj: Any) -> Dimension:
         if obj == "Tokens":
             return TOKENS
         raise JsonShapeError(f"invalid dimension variant {obj!r}")
-    if not isinstance(obj, dict) or len(obj) != 1:
+    if not isinstance(obj, dict) or len(obj) != 1 or getattr(obj, "duplicates", ()):
         raise JsonShapeError("a dimension is one of \"Tokens\", {\"Fixed\":n}, {\"Dynamic\":{...}}")
     (tag, value), = obj.items()
     if tag == "Tokens" and value is None:
@@ -169,13 +169,28 @@ def _no_constant(name: str):
     raise JsonShapeError(f"{name} is not JSON")
 
 
+class _Object(dict):
+    """A JSON object; ``duplicates`` holds its repeated keys.  A repeated key is an error only
+    where a struct reads it (or an enum is tagged by it): serde skips ignored fields unseen."""
+
+    duplicates: frozenset = frozenset()
+
+
 def _pairs(pairs: list) -> dict:
-    out: dict = {}
+    out = _Object()
+    seen = set()
     for key, value in pairs:
         if key in out:
-            raise JsonShapeError(f"duplicate field `{key}`")
+            seen.add(key)
         out[key] = value
+    if seen:
+        out.duplicates = frozenset(seen)
     return out
+
+
+def _int_literal(text: str):
+    # serde_json reads `-0` as the float -0.0, which no integer field accepts
+    return -0.0 if text == "-0" else int(text)
 
 
 def parse_json(body: bytes) -> Any:
@@ -183,7 +198,7 @@ def parse_json(body: bytes) -> Any:
     no lone surrogates, nothing but whitespace after the value)."""
     try:
         text = bytes(body).decode("utf-8")
-        value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
+        value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_int=_int_literal)
     except JsonShapeError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -226,6 +241,9 @@ def _struct(obj: Any, names: tuple, *, strict: bool, optional: tuple = ()) -> di
         for key in obj:
             if key not in names:
                 raise JsonShapeError(f"unknown field `{key}`")
+    for key in getattr(obj, "duplicates", ()):
+        if key in names:
+            raise JsonShapeError(f"duplicate field `{key}`")
     out = {}
     for name in names:
         if name in obj:
@@ -240,8 +258,9 @@ def _struct(obj: Any, names: tuple, *, strict: bool, optional: tuple = ()) -> di
 def _type_name(obj: Any) -> str:
     if obj is None:
         return "null"
-    return {bool: "boolean", str: "string", list: "sequence", dict: "map", float: "floating point"}.get(
-        type(obj), "integer")
+    if isinstance(obj, dict):
+        return "map"
+    return {bool: "boolean", str: "string", list: "sequence", float: "floating point"}.get(type(obj), "integer")
 
 
 def _array(obj: Any, length: Optional[int] = None) -> list:

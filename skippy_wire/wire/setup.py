@@ -127,6 +127,11 @@ _PEER_FIELDS = ("run", "topology", "model", "stage", "index", "layer_start", "la
 
 
 def _role(obj) -> SetupRole:
+    # a unit variant is "Name" or, as serde_json also reads it, {"Name": null}
+    if isinstance(obj, dict) and len(obj) == 1 and not getattr(obj, "duplicates", ()):
+        (obj, value), = obj.items()
+        if value is not None:
+            raise JsonShapeError(f"invalid type: {value!r}, expected unit")
     try:
         return SetupRole(json_string(obj))
     except ValueError:
@@ -425,9 +430,9 @@ def check_input_compatibility(offered: ActivationProfile, required: ActivationPr
         raise SetupError("offered activation counts exceed receiver limits")
     if bytes(offered.frontier_identity) != bytes(required.frontier_identity):
         raise SetupError("activation frontier identity mismatch")
-    by_identity = {bytes(p.identity): p for p in offered.parts}
     for need in required.parts:
-        got = by_identity.get(bytes(need.identity))
+        # the first offered part of that identity (an offer repeating one fails validation later)
+        got = next((p for p in offered.parts if bytes(p.identity) == bytes(need.identity)), None)
         if got is None:
             if need.optional:
                 continue

@@ -82,12 +82,20 @@ def check_fields(desc: ActivationFrameV16) -> None:
         _field("Q", p.payload_bytes, f"parts[{i}].payload_bytes")
 
 
-def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
+def check_desc(desc: ActivationFrameV16) -> None:
+    """A.5 steps 1-2, then the field types: what the compiled twin checks while converting
+    ``desc``, before it looks at a payload."""
     if desc.version != FRAME_VERSION:
         raise _err("unsupported activation frame version")
     if not 1 <= len(desc.parts) <= MAX_PARTS:
         raise _err("activation frame part count is invalid")
     check_fields(desc)
+
+
+def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
+    check_desc(desc)
+    if payload_len is not None:
+        payload_len = operator.index(payload_len)
     if desc.payload_bytes > MAX_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if payload_len is not None and payload_len != desc.payload_bytes:
@@ -195,6 +203,7 @@ def encode_parts(codec: int, desc: ActivationFrameV16, payload: memoryview) -> b
 
 def encode_frame(codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = codec_id(codec)
+    check_desc(desc)
     payload = _view(payload)
     validate_frame(desc, len(payload))
     frame_wire_bytes(codec, desc)
@@ -269,6 +278,7 @@ def _lossless(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bool
 
 
 def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
+    check_desc(desc)
     payload = _view(payload)
     validate_frame(desc, len(payload))
     allowed = {codec_id(c) for c in permitted}

@@ -156,6 +156,7 @@ def _header(agreement, profile, desc, mask: int, dynamic: list) -> bytes:
 
 
 def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFrameV16) -> int:
+    codec = _v16.codec_id(codec)  # a caller's codec first, as the compiled twin converts it
     validate_agreement(agreement)
     _v16.validate_frame(desc)
     size = _v16.frame_wire_bytes(codec, desc)
@@ -166,6 +167,7 @@ def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFra
 def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = _v16.codec_id(codec)
     validate_agreement(agreement)
+    _v16.check_desc(desc)
     payload = _v16._view(payload)
     _v16.validate_frame(desc, len(payload))
     profile, mask, dynamic = _first_match(agreement, desc)
@@ -179,12 +181,7 @@ def agreed_reframe(agreement: ActivationAgreement, desc: ActivationFrameV16, fra
     """``encode_existing``: ``frame`` is the encoded v16 frame already decoded as ``desc``;
     its payload section is copied, not re-encoded.  A ``frame`` shorter than the
     descriptor's headers is a size mismatch."""
-    # what the compiled twin checks while converting ``desc`` (A.5 steps 1-2, field types)
-    if desc.version != _v16.FRAME_VERSION:
-        raise _err("unsupported activation frame version")
-    if not 1 <= len(desc.parts) <= _v16.MAX_PARTS:
-        raise _err("activation frame part count is invalid")
-    _v16.check_fields(desc)
+    _v16.check_desc(desc)
     view = _v16._view(frame)
     validate_agreement(agreement)
     profile, mask, dynamic = _first_match(agreement, desc)
@@ -252,8 +249,8 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
                               profile.layer_end, tokens, seqs, total, bytes(profile.frontier_identity), parts)
     _v16.validate_frame(desc)
     wire = 0
-    for p in parts:
-        wire += _v16.part_wire_bytes(codec, p, capped=False)
+    for p in parts:  # the sum of B.6.5: each F32 part is a v15 encoded size (512 MiB cap)
+        wire += _v16.part_wire_bytes(codec, p)
         if wire >= _U64:
             raise _err("activation wire size overflow")
     if wire != len(view) - pos:

@@ -1,0 +1,111 @@
+"""Both twins of the v16/v17 kernels check a caller's arguments in one order.
+
+The compiled twin converts the descriptor (A.5 steps 1-2, then the field types) before it
+asks for the payload buffer, and the codec id before anything else.  The reference twin used
+to ask for the buffer first in ``encode_frame``, ``select_frame_codec`` and ``agreed_encode``,
+and to validate the agreement before the codec id in ``agreed_wire_bytes``; the compiled
+``validate_frame`` took a negative payload length for "no payload".  Now both give the same
+error for the same call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import IMPLS
+from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
+from skippy_wire.tools.conformance_gen import desc_from_case
+from skippy_wire.wire.agreement import ActivationAgreement
+from skippy_wire.wire.protocol import kernels
+
+GOLDEN = Path(__file__).parent / "golden" / "v17"
+
+
+def _first(name: str, ok_key: str) -> dict:
+    for line in (GOLDEN / name).read_text().splitlines():
+        case = json.loads(line)
+        if case[ok_key]["ok"]:
+            return case
+    raise AssertionError(f"no successful case in {name}")
+
+
+CASE = _first("agreed_activation.jsonl", "encode")
+AGREEMENT = ActivationAgreement.from_json(CASE["agreement"])
+DESC = desc_from_case(CASE["desc"])
+PAYLOAD = bytes.fromhex(CASE["payload_hex"])
+CODEC = CASE["codec_id"]
+
+
+def _desc(**fields):
+    desc = copy.deepcopy(DESC)
+    for name, value in fields.items():
+        setattr(desc, name, value)
+    return desc
+
+
+BAD_VERSION = _desc(version=3)
+NO_PARTS = _desc(parts=[])
+BAD_FIELD = _desc(token_count=-1)
+ZERO_GENERATION = ActivationAgreement(bytes(16), AGREEMENT.profiles)
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except WireError as exc:
+        return type(exc), str(exc)
+    return "ok", None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("desc, expected", [
+    (BAD_VERSION, (InvalidDataError, "unsupported activation frame version")),
+    (NO_PARTS, (InvalidDataError, "activation frame part count is invalid")),
+    (BAD_FIELD, (InvalidInputError, "activation frame descriptor field out of range: token_count")),
+])
+def test_descriptor_before_payload_buffer(impl, desc, expected):
+    k = kernels(impl)
+    not_a_buffer = 123
+    assert _outcome(lambda: k.encode_frame(CODEC, desc, not_a_buffer)) == expected
+    assert _outcome(lambda: k.select_frame_codec(desc, not_a_buffer, [1])) == expected
+    assert _outcome(lambda: k.agreed_encode(AGREEMENT, CODEC, desc, not_a_buffer)) == expected
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_payload_buffer_after_a_valid_descriptor(impl):
+    k = kernels(impl)
+    expected = (InvalidInputError, "activation must be a C-contiguous bytes-like object")
+    assert _outcome(lambda: k.encode_frame(CODEC, DESC, 123)) == expected
+    assert _outcome(lambda: k.agreed_encode(AGREEMENT, CODEC, DESC, 123)) == expected
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_codec_id_before_the_agreement(impl):
+    k = kernels(impl)
+    expected = (InvalidDataError, "unknown stage activation codec")
+    assert _outcome(lambda: k.agreed_wire_bytes(ZERO_GENERATION, 9, DESC)) == expected
+    assert _outcome(lambda: k.agreed_encode(ZERO_GENERATION, 9, DESC, PAYLOAD)) == expected
+    assert _outcome(lambda: k.agreed_decode(ZERO_GENERATION, 9, b"")) == expected
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("length", [-1, -(2**70), 2**64, 2**70, DESC.payload_bytes + 1])
+def test_impossible_payload_length_mismatches(impl, length):
+    assert _outcome(lambda: kernels(impl).validate_frame(DESC, length)) == \
+        (InvalidDataError, "activation payload byte count mismatch")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_payload_length_checks_keep_their_step(impl):
+    k = kernels(impl)
+    assert _outcome(lambda: k.validate_frame(DESC, DESC.payload_bytes)) == ("ok", None)
+    assert _outcome(lambda: k.validate_frame(DESC, None)) == ("ok", None)
+    # steps 1-3 still come before the payload length (step 4)
+    assert _outcome(lambda: k.validate_frame(BAD_VERSION, -1)) == \
+        (InvalidDataError, "unsupported activation frame version")
+    assert _outcome(lambda: k.validate_frame(_desc(payload_bytes=2**40), -1)) == \
+        (InvalidDataError, "decoded activation payload byte count exceeds maximum")
