@@ -246,6 +246,9 @@ def _post(api, path, body, **kw):
     # an unpaired surrogate reached the tokenizer (TypeError: 500)
     ("/v1/completions", '{"prompt": "Hi \\ud800"}', "prompt"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages"),
+    # a byte the vocabulary lacks encodes to nothing: the driver refused the empty prompt (500)
+    ("/v1/completions", {"prompt": "\x04\x04", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["a" * 100_000], "max_tokens": 2}, "stop"),
 ])
 def test_bad_requests_get_openai_errors(api, path, body, param):
     r = _post(api, path, body)

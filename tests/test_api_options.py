@@ -128,3 +128,14 @@ def test_seed_minus_one_draws_one_and_others_are_reduced_to_32_bits():
     assert parse_options({"seed": 2**32 - 1}).sampling.seed is None
     assert parse_options({"seed": 2**32 + 5}).sampling.seed == 5
     assert parse_options({"seed": -2}).sampling.seed == 2**32 - 2
+
+
+def test_a_stop_string_is_bounded():
+    """Text that could still become a stop string is held back, a test costing the stop
+    string's length squared per token: a 1.5-million-character one took half a minute a
+    token, holding its lane for hours."""
+    assert parse_options({"stop": ["a" * 1024, "b"]}).stop == ["a" * 1024, "b"]
+    for stop in ("a" * 1025, ["x", "a" * 1_500_000]):
+        with pytest.raises(BadRequest, match="at most 1024 characters") as err:
+            parse_options({"stop": stop})
+        assert err.value.param == "stop"

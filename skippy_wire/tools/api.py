@@ -44,9 +44,9 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
                          suppress_end_of_generation)
 from .cli import DISTRIBUTION
-from .http_front import (BODY_TIMEOUT_S, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge, EventStream,
-                         IdleSheddingProtocol, RequireApiKey, error_object, error_response, read_body, sse,
-                         shutting_down_response)
+from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge,
+                         EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_object, error_response,
+                         read_body, sse, shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
                       float_above, handling_signals, int_at_least, int_between, poll_args, thread_count, tls_config,
@@ -110,7 +110,8 @@ class Api:
         ]
         # CORS outermost: a browser's preflight carries no key.
         middleware = [Middleware(CORSMiddleware, allow_origins=list(self.cors_origins), allow_methods=["GET", "POST"],
-                                 allow_headers=CORS_HEADERS)] if self.cors_origins else []
+                                 allow_headers=CORS_HEADERS, expose_headers=CORS_EXPOSED)] if self.cors_origins else []
+        middleware.append(Middleware(RequestIds))
         if self.api_key:
             middleware.append(Middleware(RequireApiKey, key=self.api_key))
         app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
@@ -204,14 +205,14 @@ class Api:
                 text = self.chat_template.render(body.get("messages"), continue_final_message=True)
             except ChatTemplateError as exc:
                 raise BadRequest(str(exc), "messages") from None
-            return tokenizer.encode(text)
+            return _some_tokens(tokenizer.encode(text), "the rendered 'messages'", "messages")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            return tokenizer.encode(prompt)
+            return _some_tokens(tokenizer.encode(prompt), "'prompt'", "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             check_token_ids(prompt, tokenizer.n_vocab, "prompt")
             return list(prompt)
@@ -276,6 +277,14 @@ class Api:
             raise
         self.admission.withdraw(ticket)
         return False
+
+
+def _some_tokens(tokens: list[int], what: str, param: str) -> list[int]:
+    """A text may encode to no token at all (bytes the vocabulary lacks are dropped), and the
+    pipeline needs one to start from: a 400, not the driver's ValueError (a 500)."""
+    if not tokens:
+        raise BadRequest(f"{what} encodes to no tokens", param)
+    return tokens
 
 
 class _Job:

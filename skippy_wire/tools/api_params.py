@@ -20,6 +20,10 @@ from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
+#: Characters in one stop string at most: while text could still become a stop string it is
+#: held back, a test that costs the stop string's length squared per generated token (a
+#: 1.5-million-character one took half a minute per token, holding its lane for hours).
+MAX_STOP_CHARS = 1024
 #: The reduced seed that asks for a random one: -1 (or 2**32 - 1), llama-server's
 #: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
 #: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
@@ -222,6 +226,8 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
         raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"'stop' strings may be at most {MAX_STOP_CHARS} characters long", "stop")
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
     if seed is not None:
         seed %= SEED_RANGE
@@ -244,4 +250,4 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
 
 __all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
-           "MAX_STOP_STRINGS", "LLAMA_DEFAULT_SEED"]
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "LLAMA_DEFAULT_SEED"]

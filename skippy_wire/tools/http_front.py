@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
+import uuid
 from typing import Optional
 
 import h11
@@ -25,9 +27,14 @@ MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
-#: Request headers a browser page may send cross-origin (``--cors-origin``): the key's two
-#: headers and the JSON body's type.
-CORS_HEADERS = ["Authorization", "X-Api-Key", "Content-Type"]
+#: Request headers a browser page may send cross-origin (``--cors-origin``): any, as
+#: llama-server allows them.  OpenAI's JavaScript client sends its ``X-Stainless-*`` headers
+#: on every request, and a preflight that refused one would block every call it makes.
+CORS_HEADERS = ["*"]
+#: Response headers such a page may read beyond the safelisted ones.
+CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
+#: A client's own ``X-Request-Id`` that is echoed: visible ASCII, not too long.
+_CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
 
 def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
@@ -74,6 +81,29 @@ class RequireApiKey:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class RequestIds:
+    """ASGI middleware: every response carries ``X-Request-Id``, as OpenAI's do (its clients
+    expose it as ``_request_id``, to quote in a report): the client's own where it sent a
+    usable one, so both sides log the same id, else a new ``req_`` one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else b"req_" + uuid.uuid4().hex.encode()
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 class BodyTooLarge(Exception):

@@ -1,0 +1,76 @@
+"""The API as browsers and OpenAI clients meet it beyond the bodies: CORS preflights,
+request ids, and prompts the pipeline cannot start from, in process over the fake engine of
+test_http_front (no model, no stage processes)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+from test_http_front import FakeEngine, FakeTokenizer, _fake_api
+
+from skippy_wire.stage.chat import ChatTemplate
+from skippy_wire.tools.api import Api
+
+PAGE = "http://page.example:8080"
+#: What OpenAI's JavaScript client sends beside the key and the body's type.
+STAINLESS = "x-stainless-arch,x-stainless-lang,x-stainless-os,x-stainless-package-version,x-stainless-retry-count," \
+            "x-stainless-runtime,x-stainless-runtime-version,x-stainless-timeout"
+
+
+def test_a_browser_page_using_the_openai_javascript_client_passes_the_preflight():
+    """The preflight named the client's X-Stainless-* headers and was refused (400
+    "Disallowed CORS headers"), so the browser never sent the call."""
+    asked = f"authorization,content-type,{STAINLESS}"
+    preflight = {"Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked}
+    with TestClient(_fake_api(api_key="k", cors_origins=(PAGE,)).app()) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+        allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+        assert set(asked.split(",")) <= allowed
+        # the call itself still needs the key, and the page may read the request id
+        assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": PAGE}).status_code == 401
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": PAGE, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+def test_every_response_carries_a_request_id_as_openai_sends_it():
+    with TestClient(_fake_api(api_key="k").app()) as client:
+        oa = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client, max_retries=0)
+        chat = oa.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert chat.request_id and chat.request_id.startswith("req_")
+        with oa.completions.with_streaming_response.create(model="m", prompt="hi", stream=True) as stream:
+            assert stream.request_id.startswith("req_") and stream.request_id != chat.request_id
+        # errors too, and a client's own id comes back for both sides' logs
+        for path, headers in (("/v1/models", {}), ("/v1/nothing", {"Authorization": "Bearer k"})):
+            r = client.get(path, headers={**headers, "X-Request-Id": "trace-42"})
+            assert r.status_code in (401, 404) and r.headers["x-request-id"] == "trace-42"
+        # one that is no usable id is replaced
+        r = client.get("/v1/models", headers={"Authorization": "Bearer k", "X-Request-Id": "x" * 500})
+        assert r.headers["x-request-id"].startswith("req_")
+
+
+class DroppingTokenizer(FakeTokenizer):
+    """As the real vocabulary drops a byte it lacks (b'\\x04'), and with it a whole prompt."""
+
+    def encode(self, text: str) -> list[int]:
+        return [b for b in super().encode(text) if b != 4]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_of_no_tokens_is_a_400_not_a_500(stream):
+    """The driver refuses to start from no token (ValueError): a 500, and in a stream a
+    traceback after the 200 head."""
+    engine = FakeEngine()
+    engine.tokenizer = DroppingTokenizer()
+    with TestClient(_fake_api(engine).app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json={"prompt": "\x04\x04", "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "no tokens" in r.json()["error"]["message"]
+    empty = Api(engine, model_id="m", chat_template=ChatTemplate("{% if false %}{% endif %}"), max_inflight=1)
+    with TestClient(empty.app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert engine.prompts == []
