@@ -294,14 +294,6 @@ def test_stage_process_survives_garbage_and_logs_it(tiny_model, tmp_path):
     assert "malformed stage message (InvalidData: unknown stage message kind); closing" in log
 
 
-def test_stage_errors_quotes_the_last_error_lines(tmp_path):
-    from skippy_wire.tools.run_report import stage_errors
-
-    (tmp_path / "stage0.log").write_text("t stage[1] INFO ready\nt stage[1] ERROR connection 1: boom; closing\n")
-    (tmp_path / "stage1.log").write_text("t stage[2] INFO ready\n")
-    assert stage_errors(tmp_path) == ["stage0: t stage[1] ERROR connection 1: boom; closing"]
-
-
 def test_run_connects_to_running_stages(tiny_model, capsys, monkeypatch):
     from skippy_wire.tools.run import main
 

@@ -40,6 +40,7 @@ from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
+from .supervision import launched_cluster
 from .tls import handshake_failure
 from .transport import Peer, connect
 
@@ -119,6 +120,12 @@ class PipelineClient:
     stage 0 of that run.  A stage speaking another version -> one-line PipelineError.
     ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
     ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
+
+    The wire has no error reply: a stage that fails closes its connections, so the driver
+    sees stage 0 close (or stay silent).  When this process started the stages
+    (:func:`~skippy_wire.net.supervision.launch_pipeline`), the error names the stage that
+    failed and why (:meth:`~skippy_wire.net.supervision.StageCluster.explain`) before what
+    the driver saw.
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -127,6 +134,8 @@ class PipelineClient:
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
+        self._stages = launched_cluster(host, port)  # the stages behind it, when this process started them
+        self._marks = self._log_marks()
         try:
             sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
         except ssl.SSLError as exc:
@@ -165,6 +174,15 @@ class PipelineClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _log_marks(self):
+        return self._stages.log_marks() if self._stages is not None else None
+
+    def _failed(self, seen: str, unexplained: str = "") -> PipelineError:
+        """The error for ``seen`` (what the driver saw), after which stage failed and why when
+        this process started the stages and they tell; else with ``unexplained`` added."""
+        cause = self._stages.explain(self._marks) if self._stages is not None else None
+        return PipelineError(f"{cause}; {seen}" if cause else seen + unexplained)
+
     def _guard(self, fn, what: str):
         try:
             return fn()
@@ -176,19 +194,23 @@ class PipelineClient:
             raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
                                 + (f" ({exc.detail})" if exc.detail else "")) from None
         except (socket.timeout, TimeoutError):
-            raise PipelineError(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
+            raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
         except UnexpectedEofError:
-            raise PipelineError(f"stage 0 at {self.address} closed the connection during {what} "
-                                "(a stage failed; see its log)") from None
+            raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
+                               " (a stage failed; the stages' logs say which and why)") from None
         except ConnectionError as exc:
-            raise PipelineError(f"stage 0 at {self.address}: connection lost during {what}: {exc}") from None
+            raise self._failed(f"stage 0 at {self.address}: connection lost during {what}: {exc}") from None
         except WireError as exc:
-            raise PipelineError(f"stage 0 at {self.address}: malformed reply to {what}: {exc}") from None
+            raise self._failed(f"stage 0 at {self.address}: malformed reply to {what}: {exc}") from None
 
     def request(self, msg, what: str | None = None):
         """Send one message and return its reply (a ``StageReply``); :attr:`sent_at` is
         when its write began (perf_counter): a write that waits while stage 0 already runs
         counts in the round trip, so the round trip holds every stage's compute."""
+        self._marks = self._log_marks()
+        return self._request(msg, what)
+
+    def _request(self, msg, what: str | None = None):
         what = self.send(msg, what)
         return self.receive(what)
 
@@ -228,13 +250,14 @@ class PipelineClient:
             raise ValueError("the prompt must have at least one token")
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
+        self._marks = self._log_marks()
         try:
-            self._expect(self.request(StageWireMessage.configure_generation(
+            self._expect(self._request(StageWireMessage.configure_generation(
                 request_id, session_id, len(prompt), sampling, None), "ConfigureGeneration"), ack=True)
             started = time.perf_counter()
             token = None
             for msg in prefill_messages(prompt, chunk_size, request_id, session_id):
-                reply = self.request(msg)
+                reply = self._request(msg)
                 result.prefill_messages += 1
                 result.reply_stats.append(reply.stats)
                 token = self._expect(reply, ack=msg.kind == WireMessageKind.PREFILL_EMBD)
@@ -277,7 +300,7 @@ class PipelineClient:
                 token = self._expect(reply, ack=False)
                 pos += 1
             result.decode_s = time.perf_counter() - started
-            self._expect(self.request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+            self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
         finally:
             result.sent_bytes = self.sent_bytes - sent0
             result.received_bytes = self.received_bytes - recv0

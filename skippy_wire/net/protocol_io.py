@@ -68,6 +68,23 @@ NOTICE_WAIT_SECONDS = 2.0
 #: A v17 listener whose peer sent no Hello within this long takes it for a v15/v16 peer
 #: waiting for READY: it sends the notice and closes.
 HELLO_GRACE_SECONDS = 2.0
+#: While a stage waits for its downstream's reply, it looks this often whether its upstream
+#: has gone (a driver that gave up): then it gives up too, and the session is freed at once
+#: on it and on the stages after it, rather than when the reply timeout ends.
+UPSTREAM_CHECK_S = 1.0
+#: poll(2) events of a peer that has closed (or shut its sending side) or reset.
+_HANGUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+def peer_gone(sock) -> bool:
+    """Whether the other end of ``sock`` has closed it (or shut its sending side) or reset
+    it, without reading from it."""
+    poller = select.poll()
+    poller.register(sock, _HANGUP)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return True
 _PEEK_BYTES = VERSION_WORD_OFFSET + 4
 
 
@@ -148,11 +165,13 @@ class LinkProtocol:
     ``reads`` is what arrives on it ("messages" on a stage's upstream link, "replies"
     elsewhere); ``codec`` / ``policy`` are the reader's admission; ``n_embd`` sizes v15
     activations; ``max_message_bytes`` caps a message from its fixed prefix (before its
-    payload is read).  ``who`` names the peer in mismatch errors, ``me`` this side."""
+    payload is read).  ``who`` names the peer in mismatch errors, ``me`` this side.
+    ``upstream``: on a stage's downstream link, the socket of the upstream connection it
+    serves, watched while a reply is awaited (:meth:`read_owed_replies`)."""
 
     def __init__(self, version: int, peer, *, reads: str = "replies", n_embd: int = 0, codec=None, policy=None,
                  who: str = "peer", me: str = "this stage", impl: Optional[str] = None,
-                 max_message_bytes: Optional[int] = None) -> None:
+                 max_message_bytes: Optional[int] = None, upstream: Optional[socket.socket] = None) -> None:
         if version not in PROTOCOL_VERSIONS:
             raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
         self.version = version
@@ -164,6 +183,7 @@ class LinkProtocol:
         #: Replies the peer still owes for messages sent without waiting (overlapped prefill).
         self.unread_replies = 0
         self.max_message_bytes = max_message_bytes
+        self.upstream = upstream
         peer.reader.decoder = self.message_decoder() if reads == "messages" else self.reply_decoder()
 
     @property
@@ -320,18 +340,38 @@ class LinkProtocol:
     def read_owed_replies(self, timeout: float, poll_s: float) -> list:
         """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
         reply to the message just sent; StageError (naming :attr:`who`) on silence past
-        ``timeout`` (the socket's), a close or a malformed reply."""
-        self.peer.reader.poll_s = poll_s
+        ``timeout``, a close or a malformed reply, or when the :attr:`upstream` connection
+        is gone meanwhile (looked at every :data:`UPSTREAM_CHECK_S` of silence)."""
+        reader = self.peer.reader
+        reader.poll_s = poll_s
+        reader.deadline, reader.stall_timeout = time.monotonic() + timeout, UPSTREAM_CHECK_S
+        replies = []
         try:
-            replies = [self.peer.read() for _ in range(self.unread_replies + 1)]
+            while len(replies) <= self.unread_replies:
+                try:
+                    reply = reader.read()
+                except (socket.timeout, TimeoutError):
+                    if time.monotonic() >= reader.deadline:
+                        raise
+                    if self.upstream is not None and peer_gone(self.upstream):
+                        raise StageError(f"upstream closed the connection while waiting for {self.who} to reply; "
+                                         "giving up") from None
+                    continue
+                if reply is None:
+                    raise StageError(f"{self.who} closed the connection instead of replying (see its log)")
+                replies.append(reply)
             self.unread_replies = 0
             return replies
         except (socket.timeout, TimeoutError):
-            raise StageError(f"{self.who} sent no reply within {timeout} s") from None
-        except (UnexpectedEofError, ConnectionError) as exc:
-            raise StageError(f"{self.who} closed the connection ({exc})") from None
+            raise StageError(f"{self.who} sent no reply within {timeout:g} s") from None
+        except UnexpectedEofError:
+            raise StageError(f"{self.who} closed the connection in the middle of a reply") from None
+        except ConnectionError as exc:
+            raise StageError(f"{self.who} reset the connection ({exc.strerror or exc})") from None
         except WireError as exc:
             raise StageError(f"{self.who} sent a malformed reply ({exc.kind}: {exc})") from None
+        finally:
+            reader.deadline = None
 
     def encode(self, msg) -> bytes:
         """``msg`` in this link's version (its state header says which; set here)."""
@@ -374,6 +414,6 @@ class LinkProtocol:
         return forwarded_frame_message_timed(config, incoming, desc, payload, self.wire)
 
 
-__all__ = ["DEFAULT_RUN_ID", "stage_id", "link_identity", "driver_identity", "parse_plan", "rows_boundary",
-           "VERSION_NOTICE_MAGIC", "VERSION_NOTICE_BYTES", "version_notice", "parse_version_notice",
+__all__ = ["UPSTREAM_CHECK_S", "peer_gone", "DEFAULT_RUN_ID", "stage_id", "link_identity", "driver_identity",
+           "parse_plan", "rows_boundary", "VERSION_NOTICE_MAGIC", "VERSION_NOTICE_BYTES", "version_notice", "parse_version_notice",
            "peer_version_of", "LinkProtocol", "WireError"]

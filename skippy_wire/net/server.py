@@ -26,7 +26,8 @@ Limits (:mod:`.admission`, docs/security.md): connections, sessions per connecti
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
 prefix), an idle timeout; optional mutual TLS (:mod:`.tls`).  A peer that disconnects
 mid-message, sends bytes that do not parse, stalls or breaks a limit gets a logged error
-and its connection closed; a failing downstream closes the upstream connection too.
+and its connection closed; a failing downstream closes the upstream connection too, and
+an upstream that leaves while its reply is awaited downstream closes the downstream one.
 
 Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic
 counters when a session stops (the ``serve`` CLI, :mod:`skippy_wire.tools.serve`, prints
@@ -252,7 +253,7 @@ class StageServer:
 
             def prepare() -> None:
                 if self.downstream is not None:
-                    opened.append(self._open_downstream(seq))
+                    opened.append(self._open_downstream(seq, upstream.sock))
 
             serves = SetupRole.TOKENS_AND_CONTROL if self.backend.is_source else SetupRole.ACTIVATION
             role = link.accept(self.identity, self._profile("input"), plan=self.plan, prepare=prepare,
@@ -271,7 +272,7 @@ class StageServer:
                     if downstream is not None and not downstream.peer.open_between_messages():
                         # the next stage closed the idle link (its idle timeout, or shed)
                         downstream.peer.close()
-                        downstream = opened[0] = self._open_downstream(seq)
+                        downstream = opened[0] = self._open_downstream(seq, upstream.sock)
                         self.clog.info("%s: downstream had closed the idle link; reconnected", name)
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
@@ -341,7 +342,7 @@ class StageServer:
         return runtime.boundary_profile(boundary, self.config.stage_index, b.layer_start, b.layer_end,
                                         max_tokens=self.config.ctx_size)
 
-    def _open_downstream(self, seq: int) -> LinkProtocol:
+    def _open_downstream(self, seq: int, upstream: socket.socket) -> LinkProtocol:
         host, port = self.downstream
         try:
             sock = connect(host, port, timeout=self.reply_timeout, tls=self._tls_client)
@@ -351,7 +352,7 @@ class StageServer:
             raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
-        link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}")
+        link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}", upstream=upstream)
         peer.send_delay = self.link_delay
         try:
             link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)

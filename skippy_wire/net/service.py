@@ -14,6 +14,11 @@ A request is cancelled (its client went away, or a stop string matched) between 
 tokens: the engine then sends Stop for its session, which every stage relays and acts
 on, so the session's lane is free on every stage before the connection is reused.  A
 connection that failed is closed instead, which frees the sessions on every stage too.
+
+After a request failed in the pipeline, the next one first probes it
+(:meth:`GenerationEngine.check_ready`, bounded by :data:`READY_TIMEOUT_S`): while it does
+not answer, requests fail at once with :class:`PipelineUnavailable` instead of each waiting
+for a stage's timeout; once it answers they are served again.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class QueueFullError(SkippyError):
 
 class Cancelled(SkippyError):
     """The request was cancelled between two tokens."""
+
+
+class PipelineUnavailable(PipelineError):
+    """A request failed in the pipeline and it does not answer a readiness probe since:
+    nothing can be served until it is whole again (retry later)."""
 
 
 #: The wire sampling fields an OpenAI-style request sets as they are (same names, and the
@@ -171,6 +181,8 @@ class GenerationEngine:
         self._idle: list[PipelineClient] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        #: A request failed in the pipeline, and no probe or request has got through since.
+        self.failing = False
 
     def _take(self, timeout: Optional[float] = None) -> PipelineClient:
         """A pooled connection, else a new one (``timeout``: for its handshake; default:
@@ -209,6 +221,7 @@ class GenerationEngine:
         except BaseException:
             client.close()  # a late answer would stay unread on it
             raise
+        self.failing = False
         self._give_back(client)
 
     def close(self) -> None:
@@ -241,6 +254,8 @@ class GenerationEngine:
             if cancelled.is_set():  # the client left while the last step ran: send no more
                 raise Cancelled("stop")
 
+        if self.failing:
+            self._probe_after_failure()
         client = self._take()
         sent0, received0 = client.sent_bytes, client.received_bytes
         healthy = True
@@ -253,12 +268,14 @@ class GenerationEngine:
         except Cancelled:
             out.finish_reason = "stop"
             healthy = self._stop_session(client, session)
+            self.failing = self.failing or not healthy
             if cancelled.is_set():
                 with self._lock:
                     self.counters["cancelled"] += 1
                 raise
-        except BaseException:
+        except BaseException as exc:
             healthy = False
+            self.failing = self.failing or isinstance(exc, PipelineError)
             with self._lock:
                 self.counters["failed"] += 1
             raise
@@ -273,12 +290,25 @@ class GenerationEngine:
                 self._give_back(client)
             else:
                 client.close()
+        if healthy:
+            self.failing = False
         tail = assembler.finish()
         if tail:
             on_text(tail)
         out.text = assembler.text
         out.elapsed_s = time.perf_counter() - started
         return out
+
+    def _probe_after_failure(self) -> None:
+        """Since a request failed: PipelineUnavailable unless the pipeline answers now."""
+        try:
+            self.check_ready()
+        except PipelineError as exc:
+            with self._lock:
+                self.counters["failed"] += 1
+                self.counters["requests"] += 1
+            raise PipelineUnavailable(f"{exc} (the pipeline has not answered since a request failed; "
+                                      "retry later)") from None
 
     @staticmethod
     def _stop_session(client: PipelineClient, session: int) -> bool:

@@ -4,14 +4,24 @@
 downstream), waits for each one's "listening" event and returns a :class:`StageCluster`
 (a context manager that always terminates them).  Every child also exits when its
 stdin -- held open by this process -- closes, so stages never outlive their driver.
+
+When a request through stages this process started fails, :func:`launched_cluster` finds
+them by stage 0's address and :meth:`StageCluster.explain` says which stage failed and why:
+one that has ended (and how), one that is stopped (SIGSTOP), else the first ERROR line a
+stage logged since the request began (from its log file, or from the last lines of its
+stderr kept in memory when it has none).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import json
 import os
 import queue
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -28,6 +38,29 @@ from ..stage.threads import default_threads
 from .protocol_io import driver_identity
 
 STARTUP_TIMEOUT = 120.0
+#: A stage ``launch_pipeline`` starts waits for its downstream's reply this much less than
+#: the stage before it (at most; a short timeout is split evenly), and stage 0 this much
+#: less than the driver: the stage next to a silent one gives up first, logs which
+#: downstream it waited for and closes, so the driver hears of it before its own timeout.
+REPLY_TIMEOUT_STEP_S = 2.0
+#: Lines of a stage's stderr kept in memory when it has no log file, and the longest wait for
+#: the reader of that stderr to take in what is there before they are looked at.
+LOG_TAIL_LINES = 200
+TAIL_SETTLE_S = 0.5
+#: A stage log line (``serve``'s format): its time stamp, then the level; the time stamps of
+#: the stages of one machine sort as text.
+_LOG_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) stage\[\d+\] (?P<level>[A-Z]+) (?P<text>.*)$")
+#: What a stage logs about its connection before the cause ("connection 3 from H:P: ").
+_CONNECTION_PREFIX = re.compile(r"^connection \d+ from [^ ]+: ")
+#: Errors that only report a neighbour going away: the cause is elsewhere.
+_RELAYED = ("closed the connection", "reset the connection", "disconnected in the middle", "stalled for more than")
+
+
+def stage_reply_timeouts(reply_timeout: float, stages: int) -> list[float]:
+    """Each stage's ``--reply-timeout`` when the driver waits ``reply_timeout`` for a reply:
+    shorter the deeper the stage (:data:`REPLY_TIMEOUT_STEP_S`)."""
+    step = min(REPLY_TIMEOUT_STEP_S, reply_timeout / (2 * stages))
+    return [reply_timeout - (index + 1) * step for index in range(stages)]
 
 
 def split_layers(n_layer: int, stages: int) -> list[tuple[int, int]]:
@@ -82,8 +115,11 @@ class StageProcess:
         self.n_embd: int | None = None
         self.events: "queue.Queue[dict]" = queue.Queue()
         self.session_events: list[dict] = []
-        self._stderr = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self._stderr = open(log_path, "wb") if log_path else subprocess.PIPE
         self.log_path = log_path
+        #: Without a log file: the last lines of the stage's stderr, and how many came in all.
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._tail_count = 0
         self.popen = subprocess.Popen(
             [*prefix, sys.executable, "-m", "skippy_wire", "serve", "--exit-on-stdin-eof", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
@@ -92,6 +128,61 @@ class StageProcess:
         _LIVE.add(self)
         self._reader = threading.Thread(target=self._read_events, name=f"stage{index}-events", daemon=True)
         self._reader.start()
+        if log_path is None:
+            threading.Thread(target=self._read_stderr, name=f"stage{index}-log", daemon=True).start()
+
+    def _read_stderr(self) -> None:
+        with self.popen.stderr:
+            for line in self.popen.stderr:
+                self._tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+                self._tail_count += 1
+
+    def _settle_tail(self) -> None:
+        """Let the stderr reader take in what the stage has written (a stage logs its error
+        before it closes a connection, but the reader may not have run since)."""
+        deadline = time.monotonic() + TAIL_SETTLE_S
+        with contextlib.suppress(OSError, ValueError):
+            while time.monotonic() < deadline and select.select([self.popen.stderr], [], [], 0)[0]:
+                time.sleep(0.01)
+        time.sleep(0.01)  # the reader may hold a line it has read but not yet kept
+
+    def log_mark(self) -> int:
+        """Where the stage's log stands now (:meth:`errors_since`)."""
+        if self.log_path is None:
+            return self._tail_count
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def errors_since(self, mark: int) -> list[tuple[str, str]]:
+        """``(time stamp, text)`` of the ERROR lines logged after :meth:`log_mark` gave ``mark``
+        (with no log file: of those still kept)."""
+        if self.log_path is None:
+            self._settle_tail()
+            lines = list(self._tail)[-(self._tail_count - mark):] if self._tail_count > mark else []
+        else:
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(mark)
+                    lines = f.read().decode("utf-8", "replace").splitlines()
+            except OSError:
+                lines = []
+        found = []
+        for line in lines:
+            match = _LOG_LINE.match(line)
+            if match and match["level"] == "ERROR":
+                found.append((match["time"], match["text"]))
+        return found
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP, SIGTSTP; ``/proc``, Linux only)."""
+        try:
+            with open(f"/proc/{self.popen.pid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in (b"T", b"t")
 
     def _read_events(self) -> None:
         for line in self.popen.stdout:
@@ -128,10 +219,14 @@ class StageProcess:
     def _log_hint(self) -> str:
         """``": "`` and the last line of the stage's log (for a traceback: the exception), so
         that the error stays one line; empty without a log."""
-        if self.log_path and self.log_path.exists():
+        if self.log_path is None:
+            self._reader.join(1.0)  # the events reader ends at exit; the stderr one about then
+            tail = [line for line in self._tail if line.strip()]
+        elif self.log_path.exists():
             tail = self.log_path.read_text(errors="replace").strip().splitlines()
-            return f": {tail[-1].strip()}" if tail else ""
-        return ""
+        else:
+            tail = []
+        return f": {tail[-1].strip()}" if tail else ""
 
     @property
     def address(self) -> str:
@@ -140,6 +235,9 @@ class StageProcess:
     def terminate(self, timeout: float = 5.0) -> None:
         if self.popen.poll() is None:
             self.popen.terminate()
+            if self.stopped():  # SIGTERM waits for a stopped process to be continued
+                with contextlib.suppress(OSError):
+                    self.popen.send_signal(signal.SIGCONT)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -148,7 +246,7 @@ class StageProcess:
         for pipe in (self.popen.stdin, self.popen.stdout):
             if pipe:
                 pipe.close()
-        if self._stderr not in (None, subprocess.DEVNULL):
+        if self._stderr is not subprocess.PIPE:
             self._stderr.close()
         _LIVE.discard(self)
 
@@ -188,7 +286,35 @@ class StageCluster:
                 return f"stage {stage.index} (layers {stage.layers[0]}..{stage.layers[1]}) {_ending(code)}"
         return None
 
+    def log_marks(self) -> list[int]:
+        """Where every stage's log stands now (:meth:`explain`)."""
+        return [stage.log_mark() for stage in self.stages]
+
+    def explain(self, marks: list[int] | None = None) -> str | None:
+        """Which stage failed and why, in words naming it, its address and layers: the first
+        that has ended (how), one that is stopped, else the earliest ERROR line logged since
+        ``marks`` (:meth:`log_marks`) that is not only about a neighbour going away (else the
+        earliest one); None when nothing says."""
+        def name(stage: StageProcess) -> str:
+            return f"stage {stage.index} at {stage.address} (layers {stage.layers[0]}..{stage.layers[1]})"
+
+        for stage in self.stages:
+            code = stage.popen.poll()
+            if code is not None:
+                return f"{name(stage)} {_ending(code)}"
+        for stage in self.stages:
+            if stage.stopped():
+                return f"{name(stage)} is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)"
+        found = []
+        for stage, mark in zip(self.stages, marks or [0] * len(self.stages)):
+            for stamp, text in stage.errors_since(mark):
+                text = _CONNECTION_PREFIX.sub("", text)
+                text = text[:-len("; closing")] if text.endswith("; closing") else text
+                found.append((any(r in text for r in _RELAYED), stamp, -stage.index, f"{name(stage)}: {text}"))
+        return min(found)[3] if found else None
+
     def close(self) -> None:
+        _LAUNCHED.pop(self.entry, None)
         # Stage 0 first: it closes its downstream connection cleanly before the next dies.
         for stage in self.stages:
             stage.terminate()
@@ -208,18 +334,32 @@ class StageCluster:
         return [list(s.session_events) for s in self.stages]
 
 
+#: The pipelines :func:`launch_pipeline` started and that still run, by stage 0's address.
+_LAUNCHED: dict[tuple[str, int], StageCluster] = {}
+
+
+def launched_cluster(host: str, port: int) -> StageCluster | None:
+    """The running pipeline this process started whose stage 0 listens on ``host:port``."""
+    return _LAUNCHED.get((host, int(port)))
+
+
 def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",
                     threads: int | None = None, ctx_size: int = 512, layers: list[tuple[int, int]] | None = None,
                     startup_timeout: float = STARTUP_TIMEOUT, io_timeout: float | None = None,
                     reply_timeout: float | None = None, capture_dir: str | Path | None = None,
                     log_dir: str | Path | None = None, extra_args: Iterable[str] = (),
+                    stage_args: dict[int, list[str]] | None = None,
                     on_progress: Callable[[str], None] | None = None, protocol: int = 15,
                     protocols: list[int] | None = None, tls=None) -> StageCluster:
     """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly.
 
     ``capture_dir``: each stage with a downstream records that hop to
     ``capture_dir/hopK-messages.bin`` and ``hopK-replies.bin`` (K = its index + 1).
-    ``log_dir``: each stage's stderr goes to ``log_dir/stageK.log`` (else discarded).
+    ``extra_args``: more ``serve`` arguments for every stage; ``stage_args``: for one stage
+    (by index), after those.  ``log_dir``: each stage's stderr goes to ``log_dir/stageK.log``
+    (else its last lines are kept in memory, for :meth:`StageCluster.explain`).
+    ``reply_timeout``: what the driver waits for a reply; each stage waits a little less for
+    its downstream's, the deeper the less (:func:`stage_reply_timeouts`).
     ``protocol``: the state version of every stage (``protocols``: one per stage, to test
     mixed pipelines); v17 stages share one fresh run id, the plan and the model id, and
     the cluster's ``identity`` is the driver's.  ``tls`` (a :class:`~skippy_wire.net.tls.
@@ -250,11 +390,12 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     "--stage-index", str(index), "--listen", "127.0.0.1:0",
                     "--activation-codec", codec, "--activation-codec-policy", policy,
                     "--ctx-size", str(ctx_size), "--threads", str(threads), "--protocol", str(protocols[index]),
-                    "--run-id", run_id, "--plan", plan, *(tls.as_args() if tls else ()), *extra_args]
+                    "--run-id", run_id, "--plan", plan, *(tls.as_args() if tls else ()), *extra_args,
+                    *(stage_args or {}).get(index, ())]
             if io_timeout is not None:
                 args += ["--io-timeout", str(io_timeout)]
             if reply_timeout is not None:
-                args += ["--reply-timeout", str(reply_timeout)]
+                args += ["--reply-timeout", repr(stage_reply_timeouts(reply_timeout, len(layers))[index])]
             if downstream:
                 args += ["--downstream", downstream]
                 if capture_dir:
@@ -272,7 +413,10 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
         for proc in procs:
             proc.terminate()
         raise
-    return StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity)
+    cluster = StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity)
+    _LAUNCHED[cluster.entry] = cluster
+    return cluster
 
 
-__all__ = ["STARTUP_TIMEOUT", "split_layers", "stage_env", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]
+__all__ = ["STARTUP_TIMEOUT", "REPLY_TIMEOUT_STEP_S", "LOG_TAIL_LINES", "stage_reply_timeouts", "launched_cluster",
+           "split_layers", "stage_env", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]

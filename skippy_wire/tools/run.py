@@ -30,7 +30,7 @@ from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_
                       apply_topology, address, check_codec_options, describe, driver_poll_s, exiting_on_signals,
                       file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
                       thread_count, tls_config, utf8, SEED_RANGE)
-from .run_report import TextStreamer, check_tokens, format_summary, json_summary, stage_errors
+from .run_report import TextStreamer, check_tokens, format_summary, json_summary
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The prompt of tools that send it raw (no chat template): text the model continues.
@@ -277,7 +277,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
-    # Stage logs always go somewhere, so a failed request can quote the stage's reason.
+    # Stage logs always go to files (a failed request quotes the stage's reason from them).
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
     out = io.StringIO() if args.json else sys.stdout
     streamer = TextStreamer(tokenizer, out)
@@ -293,8 +293,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
                                       tls=args.tls, extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
         with cluster, yielding_to_stages():
-            result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
-                                       progress, log_dir)
+            result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress)
     except (KeyboardInterrupt, SystemExit):
         streamer.end_line()  # the partial text ends its line before anything else is printed
         raise
@@ -332,7 +331,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
-def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress, log_dir):
+def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress):
     """One generation through the running pipeline; a failed request names the stage's reason."""
     try:
         identity = None if args.connect else cluster.identity
@@ -346,10 +345,9 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, on_token=streamer.push)
             streamer.finish()
-    except PipelineError as exc:
+    except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
-        hint = stage_errors(log_dir, limit=1)
-        raise PipelineError(f"request failed: {exc}" + (f" ({hint[-1]})" if hint else "")) from None
+        raise PipelineError(f"request failed: {exc}") from None
     return result, (cluster.session_events() if not args.connect else None)
 
 

@@ -1,6 +1,6 @@
 """What ``skippy-wire run`` (and ``cluster``) print about a generation: the text as it
 arrives (:class:`TextStreamer`), the summary of the wire traffic and of each hop's time,
-its ``--json`` form, the ``--check`` verdict, and the stages' last errors."""
+its ``--json`` form and the ``--check`` verdict."""
 
 from __future__ import annotations
 
@@ -176,15 +176,6 @@ def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | No
         "received_bytes": result.received_bytes,
         "stage_sessions": [merge_session_events(events) for events in cluster_events or []],
     }
-
-
-def stage_errors(log_dir: Path, limit: int = 3) -> list[str]:
-    """The last ERROR lines of every ``stageK.log`` under ``log_dir``."""
-    lines = []
-    for path in sorted(Path(log_dir).glob("stage*.log")):
-        errors = [line for line in path.read_text(errors="replace").splitlines() if " ERROR " in line]
-        lines += [f"{path.stem}: {line}" for line in errors[-limit:]]
-    return lines
 
 
 class TextStreamer:
