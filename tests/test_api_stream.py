@@ -16,6 +16,8 @@ from starlette.testclient import TestClient
 from test_http_front import FakeEngine, _fake_api, _until, serving
 
 from skippy_wire.errors import PipelineError
+from skippy_wire.net.service import PipelineUnavailable
+from skippy_wire.tools.http_front import RETRY_AFTER_S
 
 
 def _events(text: str) -> list:
@@ -133,6 +135,20 @@ def test_a_pipeline_failure_mid_stream_reaches_the_openai_client_as_an_error():
         # without a stream: 502
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+
+
+class DownEngine(FakeEngine):
+    """A request failed before, and the pipeline has not answered its probe since."""
+
+    def generate(self, prompt, **kwargs):
+        raise PipelineUnavailable("stage 1 at 127.0.0.1:1 was killed by SIGKILL")
+
+
+def test_a_pipeline_known_to_be_down_is_a_503_with_retry_after():
+    with TestClient(_fake_api(DownEngine()).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER_S)
+        assert r.json()["error"]["type"] == "server_error" and "SIGKILL" in r.json()["error"]["message"]
 
 
 def test_requests_cut_off_by_the_shutdown_get_an_answer_and_log_no_traceback(caplog):

@@ -37,7 +37,7 @@ from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
-from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, QueueFullError
+from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -259,6 +259,9 @@ class Api:
             result = await job.run(request)
         except Cancelled:
             return Response(status_code=499)
+        except PipelineUnavailable as exc:  # down since a request failed: a retry may find it whole
+            return error_response(503, f"the pipeline failed: {exc}", type_="server_error",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
         except PipelineError as exc:
             return error_response(502, f"the pipeline failed: {exc}", type_="server_error")
         return JSONResponse(job.final_object(result))
