@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from skippy_wire.wire.messages import StageWireMessage
 
 from test_server import FakeBackend, chain_factory  # noqa: F401 -- the fixture
 from test_server import PROMPT as FAKE_PROMPT
+from test_hardening import _wait_for
 
 PROMPT = [1, 10, 20, 30, 40, 50, 60, 70, 80]
 #: Bounds of the waits (a safety net, not a measurement).
@@ -46,18 +46,9 @@ def _name(cluster, index: int) -> str:
     return f"stage {index} at {stage.address} (layers {stage.layers[0]}..{stage.layers[1]})"
 
 
-def _wait_for(predicate, timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _freed(stage, session_id: int) -> bool:
     """Whether ``stage`` reports ``session_id`` freed (its "session" event), within the bound."""
-    return _wait_for(lambda: any(e.get("session_id") == session_id for e in stage.session_events))
+    return _wait_for(lambda: any(e.get("session_id") == session_id for e in stage.session_events), WAIT_S)
 
 
 def _fail_during_decode(client, act, *, at_token: int = 3, session_id: int = 1) -> str:
