@@ -194,8 +194,9 @@ def _int_literal(text: str):
 
 
 def parse_json(body: bytes) -> Any:
-    """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, no duplicate fields,
-    no lone surrogates, nothing but whitespace after the value)."""
+    """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, no lone surrogates,
+    nothing but whitespace after the value); repeated keys are kept aside for the fields
+    that read them to refuse (:class:`_Object`)."""
     try:
         text = bytes(body).decode("utf-8")
         value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_int=_int_literal)
