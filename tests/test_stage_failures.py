@@ -129,6 +129,17 @@ def test_explain_names_the_stage_where_the_failure_began():
     assert _explain(_fake_stage(0), _fake_stage(1)) is None
 
 
+def test_explain_waits_a_moment_for_a_killed_stage_to_be_reported_ended():
+    # A SIGKILLed stage's sockets close before the kernel reports it ended: its neighbour's
+    # "closed the connection" may be all there is at first.
+    relay = ("2026-01-01 00:00:00,010", "connection 1 from 127.0.0.1:40000: downstream 127.0.0.1:9001 closed the "
+             "connection instead of replying (see its log); closing")
+    codes = iter([None] * 5)
+    dying = _fake_stage(1)
+    dying.popen.poll = lambda: next(codes, -9)
+    assert _explain(_fake_stage(0, [relay]), dying) == "stage 1 at 127.0.0.1:9001 (layers 2..4) was killed by SIGKILL"
+
+
 def test_a_stage_gives_up_on_its_downstream_once_its_upstream_has_left(chain_factory, caplog):
     # The driver stops waiting long before the stage's reply timeout: stage 0 notices that
     # its upstream has gone, closes its downstream link and frees the session then, not

@@ -47,6 +47,9 @@ REPLY_TIMEOUT_STEP_S = 2.0
 #: the reader of that stderr to take in what is there before they are looked at.
 LOG_TAIL_LINES = 200
 TAIL_SETTLE_S = 0.5
+#: The longest wait, when stages only report a neighbour that went away, for one that
+#: ended to be reported as ended.
+EXIT_SETTLE_S = 1.0
 #: A stage log line (``serve``'s format): its time stamp, then the level; the time stamps of
 #: the stages of one machine sort as text.
 _LOG_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) stage\[\d+\] (?P<level>[A-Z]+) (?P<text>.*)$")
@@ -298,10 +301,15 @@ class StageCluster:
         def name(stage: StageProcess) -> str:
             return f"stage {stage.index} at {stage.address} (layers {stage.layers[0]}..{stage.layers[1]})"
 
-        for stage in self.stages:
-            code = stage.popen.poll()
-            if code is not None:
-                return f"{name(stage)} {_ending(code)}"
+        def ended() -> str | None:
+            for stage in self.stages:
+                code = stage.popen.poll()
+                if code is not None:
+                    return f"{name(stage)} {_ending(code)}"
+            return None
+
+        if reason := ended():
+            return reason
         for stage in self.stages:
             if stage.stopped():
                 return f"{name(stage)} is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)"
@@ -311,6 +319,14 @@ class StageCluster:
                 text = _CONNECTION_PREFIX.sub("", text)
                 text = text[:-len("; closing")] if text.endswith("; closing") else text
                 found.append((any(r in text for r in _RELAYED), stamp, -stage.index, f"{name(stage)}: {text}"))
+        if not found or min(found)[0]:
+            # Only a neighbour going away was seen: a killed stage's sockets close before the
+            # kernel reports it ended, so give that report a moment.
+            deadline = time.monotonic() + EXIT_SETTLE_S
+            while time.monotonic() < deadline:
+                if reason := ended():
+                    return reason
+                time.sleep(0.01)
         return min(found)[3] if found else None
 
     def close(self) -> None:
