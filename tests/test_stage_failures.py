@@ -52,8 +52,8 @@ def _freed(stage, session_id: int) -> bool:
 
 
 def _fail_during_decode(client, act, *, at_token: int = 3, session_id: int = 1) -> str:
-    """Generate, running ``act`` once ``at_token`` tokens have come (the next step is then
-    in flight); the PipelineError's text."""
+    """Generate, running ``act`` once ``at_token`` tokens have come (the next step may then
+    be in flight); the PipelineError's text."""
     seen: list[int] = []
 
     def on_token(token: int) -> None:
@@ -64,7 +64,9 @@ def _fail_during_decode(client, act, *, at_token: int = 3, session_id: int = 1) 
     with pytest.raises(PipelineError) as info:
         client.generate(PROMPT, max_tokens=40, chunk_size=4, on_token=on_token, session_id=session_id,
                         request_id=session_id)
-    assert len(seen) == at_token
+    # The step in flight when ``act`` ran may still have been answered (a stage computes it
+    # before the signal lands): the generation failed on that step or the next.
+    assert at_token <= len(seen) <= at_token + 1, seen
     return str(info.value)
 
 
