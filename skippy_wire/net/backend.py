@@ -15,6 +15,7 @@ from typing import Any
 from ..stage import runtime
 from ..stage.activation import ActivationDesc, ActivationFrame
 from ..wire.constants import activation_frame_flags_from_state_flags
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 
 #: Sessions a stage holds at once (its lanes).
 DEFAULT_LANES = 4
@@ -51,7 +52,8 @@ class RuntimeBackend:
 
     @classmethod
     def open(cls, path: str | Path, layer_start: int, layer_end: int, *, stage_index: int = 0,
-             ctx_size: int = 512, n_threads: int | None = None, lane_count: int = DEFAULT_LANES) -> "RuntimeBackend":
+             ctx_size: int = DEFAULT_CTX_SIZE, n_threads: int | None = None,
+             lane_count: int = DEFAULT_LANES) -> "RuntimeBackend":
         model = runtime.StageModel.open(
             path, layer_start, layer_end, stage_index=stage_index, ctx_size=ctx_size,
             lane_count=lane_count, n_threads=n_threads,

@@ -35,6 +35,7 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
@@ -359,7 +360,7 @@ def decode_message(token: int, pos: int, step: int, prompt_len: int, request_id:
 
 def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
-                   ctx_size: int = 512, layers: tuple[int, int] | None = None) -> GenerationResult:
+                   ctx_size: int = DEFAULT_CTX_SIZE, layers: tuple[int, int] | None = None) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
     if layers is None:
         layers = (0, model_shape(model)[0])

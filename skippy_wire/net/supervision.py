@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 from ..errors import PipelineError
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import default_threads
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
 
 STARTUP_TIMEOUT = 120.0
@@ -360,8 +361,9 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
 
 
 def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",
-                    threads: int | None = None, ctx_size: int = 512, layers: list[tuple[int, int]] | None = None,
-                    startup_timeout: float = STARTUP_TIMEOUT, io_timeout: float | None = None,
+                    threads: int | None = None, ctx_size: int = DEFAULT_CTX_SIZE,
+                    layers: list[tuple[int, int]] | None = None, startup_timeout: float = STARTUP_TIMEOUT,
+                    io_timeout: float | None = None,
                     reply_timeout: float | None = None, capture_dir: str | Path | None = None,
                     log_dir: str | Path | None = None, extra_args: Iterable[str] = (),
                     stage_args: dict[int, list[str]] | None = None,

@@ -44,13 +44,13 @@ from typing import Any, Callable
 from ..errors import TopologyError
 from ..stage.models import model_shape, smollm2_path
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .transport import parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
 DEFAULT_CODEC = "raw-f32-v1"
 DEFAULT_POLICY = "fixed"
-DEFAULT_CTX_SIZE = 512
 
 _TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
 _STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import StageRuntimeError
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .activation import *  # noqa: F401,F403  (re-exported public types)
 from .activation import __all__ as _activation_all
 from .activation import (
@@ -96,7 +97,7 @@ class StageModel(_NativeHandle):
         layer_end: Optional[int],
         *,
         stage_index: int = 0,
-        ctx_size: int = 512,
+        ctx_size: int = DEFAULT_CTX_SIZE,
         lane_count: int = 1,
         n_threads: Optional[int] = None,
         n_batch: int = 512,

@@ -26,6 +26,7 @@ from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape, read_gguf_metadata
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
                       apply_topology, address, check_codec_options, describe, driver_poll_s, exiting_on_signals,
                       file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=thread_count,
                    default=None, help=f"compute threads per stage, at most {MAX_THREADS} (default: "
                                       f"{default_threads()}; -1: the default; ggml threads spin, see docs/pipeline.md)")
-    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=512,
+    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
                    help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
                         "context)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")

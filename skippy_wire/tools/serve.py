@@ -28,7 +28,7 @@ from ..net.transport import parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..wire.forwarding import StageConfig
+from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, describe, error_line, exiting_on_signals,
                       float_above, float_at_least, int_at_least, int_between, thread_count, tls_config)
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--downstream", default=None, type=address,
                    help="HOST:PORT of the next stage (default: none, the last stage)")
     add_codec_options(p, "the forwarded activations")
-    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=512, help="context (tokens)")
+    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE, help="context (tokens)")
     p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help=f"compute threads (default: {default_threads()}; -1: the default; ggml threads spin, "
                         "see docs/pipeline.md)")

@@ -99,6 +99,11 @@ class ActivationFrameV1:
                                     payload_bytes=len(payload), flags=flags, **desc), payload)
 
 
+#: Tokens of context a stage holds unless told otherwise (upstream StageConfig's default):
+#: the one home of the 512 that ``serve``, ``run``, topology files and the runtime default to.
+DEFAULT_CTX_SIZE = 512
+
+
 @dataclass
 class StageConfig:
     """The StageConfig fields forwarding uses (wire-format.md section 13), with upstream
@@ -110,7 +115,7 @@ class StageConfig:
     activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
     activation_codec_policy: CodecPolicy = CodecPolicy.FIXED
     stage_id: str = ""
-    ctx_size: int = 512
+    ctx_size: int = DEFAULT_CTX_SIZE
     lane_count: int = 4
     native_mtp_enabled: bool = True
     cache_type_k: str = "f16"
@@ -336,7 +341,7 @@ def forwarded_stage_message(
 
 __all__ = [
     "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
-    "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message",
+    "DEFAULT_CTX_SIZE", "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message",
     "forwarded_stage_message_timed",
     "forwarded_frame_message_timed", "checked_codec_policy", "check_full_range", "forwarded_state", "forwarded_message",
 ]
