@@ -41,6 +41,7 @@ from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngin
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
                          suppress_end_of_generation)
 from .cli import DISTRIBUTION
@@ -57,6 +58,10 @@ DEFAULT_MAX_QUEUE = 16
 #: Open HTTP connections (``--max-connections``); a new one beyond them sheds the one quiet
 #: longest (:class:`.http_front.IdleSheddingProtocol`), else its request gets 503.
 DEFAULT_MAX_CONNECTIONS = 512
+#: ``-c`` when it starts its stages (running ones: ``serve``'s DEFAULT_CTX_SIZE, or the topology's).
+STARTED_CTX_SIZE = 2048
+#: Seconds /health waits past the probe's own READY_TIMEOUT_S, so a probe's own reason shows.
+HEALTH_MARGIN_S = 1.0
 #: Seconds between checks that the stage processes this command started still run.
 STAGE_WATCH_S = 0.5
 #: On Ctrl-C, SIGTERM or SIGHUP, the seconds responses in flight get to finish before they
@@ -76,13 +81,9 @@ class Api:
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
                  max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None,
                  cors_origins: tuple[str, ...] = ()) -> None:
-        self.engine = engine
-        self.api_key = api_key
-        self.cors_origins = cors_origins
-        self.model_id = model_id
-        self.chat_template = chat_template
-        self.max_inflight = max_inflight
-        self.max_queue = max_queue
+        self.engine, self.api_key, self.cors_origins = engine, api_key, cors_origins
+        self.model_id, self.chat_template = model_id, chat_template
+        self.max_inflight, self.max_queue = max_inflight, max_queue
         self.created = int(time.time())
         self.fingerprint = _fingerprint()
         self._admission: Optional[Admission] = None
@@ -146,15 +147,15 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else
-        503; within :data:`READY_TIMEOUT_S` whatever the pipeline does (a probe left running
-        then serves the next /health)."""
+        503; within :data:`READY_TIMEOUT_S` plus :data:`HEALTH_MARGIN_S` whatever the pipeline
+        does (a probe left running then serves the next /health)."""
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().run_in_executor(self._prober, self.engine.check_ready)
             self._probe.add_done_callback(lambda probe: probe.cancelled() or probe.exception())  # read, if late
         try:
-            await asyncio.wait_for(asyncio.shield(self._probe), READY_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self._probe), READY_TIMEOUT_S + HEALTH_MARGIN_S)
         except asyncio.TimeoutError:
-            error = f"the pipeline did not answer within {READY_TIMEOUT_S:g} s"
+            error = f"the pipeline did not answer within {READY_TIMEOUT_S + HEALTH_MARGIN_S:g} s"
         except SkippyError as exc:
             error = str(exc)
         else:
@@ -351,9 +352,7 @@ class _Job:
 
     def _chunk(self, text: Optional[str], finish_reason: Optional[str], *, first: bool = False) -> str:
         if self.chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -441,8 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
-    p.add_argument("-c", "--ctx-size", type=int_between(16, MAX_CTX_SIZE), default=2048,
-                   help="tokens per request (prompt + completion)")
+    p.add_argument("-c", "--ctx-size", type=int_between(16, MAX_CTX_SIZE), default=None,
+                   help=f"tokens per request (prompt + completion; default: {STARTED_CTX_SIZE} starting stages, "
+                        f"the stages' {DEFAULT_CTX_SIZE} with --connect; --topology: its ctx_size, "
+                        f"else {DEFAULT_CTX_SIZE})")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
@@ -475,13 +476,12 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         p.error(f"--log-dir {args.log_dir}: not a directory")
     args.listen_address, args.connect_address = args.listen, apply_topology(p, args) or args.connect
+    args.ctx_size = args.ctx_size or (DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE)
     if args.api_key_file:
         try:
-            args.api_key = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()[0].strip()
+            args.api_key = (Path(args.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0].strip()
         except (OSError, UnicodeError) as exc:
             p.error(f"--api-key-file: {describe(exc)}")
-        except IndexError:
-            args.api_key = ""
     if args.api_key is not None and not args.api_key:
         p.error("the API key is empty")
     try:

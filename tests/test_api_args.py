@@ -1,0 +1,118 @@
+"""``skippy-wire api``'s command line and ``/health``'s wait, in process (no stages, no
+model loaded but a tiny one for ``--topology``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from skippy_wire.errors import PipelineError
+from skippy_wire.stage.models import write_tiny_llama_gguf
+from skippy_wire.tools import api as api_module
+from skippy_wire.tools.api import STARTED_CTX_SIZE, Api, _check_args, build_parser
+from skippy_wire.wire.forwarding import DEFAULT_CTX_SIZE
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("api-args") / "tiny.gguf")
+
+
+def _topology(tmp_path, model, **top) -> str:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_path": str(model), **top, "stages": [
+        {"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4}]}))
+    return str(path)
+
+
+def _ctx_size(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args.ctx_size
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], STARTED_CTX_SIZE),  # the stages it starts get -c
+    (["--stages", "3"], STARTED_CTX_SIZE),
+    (["-c", "1024"], 1024),
+    # running stages hold serve's default unless told: 2048 made requests past 512 fail at the stage
+    (["--connect", "127.0.0.1:19000"], DEFAULT_CTX_SIZE),
+    (["--connect", "127.0.0.1:19000", "-c", "256"], 256),
+    (["--connect", "127.0.0.1:19000", "-c", "2048"], 2048),  # given, even when it is the old default
+])
+def test_ctx_size_follows_who_starts_the_stages(argv, expected):
+    assert _ctx_size(argv) == expected
+
+
+@pytest.mark.parametrize("top, given, expected", [
+    ({"ctx_size": 1024}, [], 1024),
+    ({}, [], DEFAULT_CTX_SIZE),  # a file without ctx_size: its stages hold serve's default
+    ({"ctx_size": 1024}, ["-c", "256"], 256),
+    ({"ctx_size": 4096}, ["-c", str(STARTED_CTX_SIZE)], STARTED_CTX_SIZE),
+])
+def test_a_topology_gives_its_ctx_size_unless_c_asks_for_less(tmp_path, tiny_model, top, given, expected):
+    assert _ctx_size(["--topology", _topology(tmp_path, tiny_model, **top), *given]) == expected
+
+
+def test_c_over_a_topology_default_ctx_size_is_a_usage_error(tmp_path, tiny_model, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _ctx_size(["--topology", _topology(tmp_path, tiny_model), "-c", "1024"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--ctx-size 1024 is more than the {DEFAULT_CTX_SIZE} tokens of {tmp_path / 't.json'}'s stages")
+
+
+def test_help_names_each_ctx_size_default():
+    text = " ".join(build_parser().format_help().split())
+    assert (f"default: {STARTED_CTX_SIZE} starting stages, the stages' {DEFAULT_CTX_SIZE} with --connect; "
+            f"--topology: its ctx_size, else {DEFAULT_CTX_SIZE})") in text
+
+
+class _SlowProbe:
+    """An engine whose readiness probe takes ``delay`` s, then fails with ``reason`` (or,
+    without one, waits until ``release`` is set)."""
+
+    def __init__(self, delay: float, reason: str | None) -> None:
+        self.delay, self.reason, self.release = delay, reason, threading.Event()
+
+    def check_ready(self) -> None:
+        time.sleep(self.delay)
+        if self.reason is None:
+            self.release.wait(30)
+        raise PipelineError(self.reason or "released")
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def _health(engine, monkeypatch, ready_timeout: float, **patch) -> dict:
+    monkeypatch.setattr(api_module, "READY_TIMEOUT_S", ready_timeout)
+    for name, value in patch.items():
+        monkeypatch.setattr(api_module, name, value)
+    api = Api(engine, model_id="m", chat_template=None, max_inflight=1)
+    try:
+        with TestClient(api.app()) as client:
+            r = client.get("/health")
+        assert r.status_code == 503
+        return r.json()
+    finally:
+        api.close()
+
+
+def test_health_reports_the_probe_s_own_reason_when_it_fails_at_its_timeout(monkeypatch):
+    """A probe fails a little after its own timeout (the time to raise and report): /health
+    waited exactly that timeout, so it said only "did not answer" instead of the reason."""
+    reason = "stage 1 at 127.0.0.1:19001 did not reply within 0.2 s"
+    engine = _SlowProbe(0.2 + 0.05, reason)  # past READY_TIMEOUT_S, well inside the margin
+    assert _health(engine, monkeypatch, 0.2) == {"status": "unavailable", "error": reason}
+
+
+def test_health_still_answers_when_the_probe_outlasts_its_margin(monkeypatch):
+    engine = _SlowProbe(0, None)  # never answers until released
+    assert _health(engine, monkeypatch, 0.1, HEALTH_MARGIN_S=0.1) == {
+        "status": "unavailable", "error": "the pipeline did not answer within 0.2 s"}
