@@ -85,6 +85,8 @@ def test_given_values_are_still_checked(body, param):
     ({"n": 1.0}, "n"),
     ({"best_of": 1.0}, "best_of"),
     ({"model": 7}, "model"),
+    ({"user": 7}, "user"),
+    ({"user": {"id": "u1"}}, "user"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -109,6 +111,13 @@ def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
     assert err.value.param == param
 
 
+def test_a_user_id_is_a_string():
+    assert parse_options({"user": "user-1234"}) == parse_options({"user": None}) == parse_options({})
+    for chat in (False, True):
+        with pytest.raises(BadRequest, match="^'user' must be a string$"):
+            parse_options({"user": 42}, chat=chat)
+
+
 def test_what_asks_for_nothing_passes():
     # an empty suffix (nothing after the completion) and a chat's logprobs: false
     assert parse_options({"suffix": "", "echo": False, "top_logprobs": 0, "modalities": ["text"]}).max_tokens is None
@@ -131,11 +140,10 @@ def test_seed_minus_one_draws_one_and_others_are_reduced_to_32_bits():
 
 
 def test_a_stop_string_is_bounded():
-    """Text that could still become a stop string is held back, a test costing the stop
-    string's length squared per token: a 1.5-million-character one took half a minute a
-    token, holding its lane for hours."""
-    assert parse_options({"stop": ["a" * 1024, "b"]}).stop == ["a" * 1024, "b"]
-    for stop in ("a" * 1025, ["x", "a" * 1_500_000]):
-        with pytest.raises(BadRequest, match="at most 1024 characters") as err:
+    """Matching a stop string costs a token only its own characters, but a request's memory
+    stays bounded: 4 strings of at most 65,536 characters."""
+    assert parse_options({"stop": ["a" * 65536, "b"]}).stop == ["a" * 65536, "b"]
+    for stop in ("a" * 65537, ["x", "a" * 1_500_000]):
+        with pytest.raises(BadRequest, match="at most 65536 characters") as err:
             parse_options({"stop": stop})
         assert err.value.param == "stop"

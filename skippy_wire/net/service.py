@@ -100,11 +100,17 @@ class TextAssembler:
 
     ``push(token)`` returns the text that is safe to show now: text that could still turn
     into a stop string, or an incomplete UTF-8 sequence, is held back until it is decided.
-    ``stopped`` turns True when a stop string appeared; ``text`` is everything before it.
-    Control tokens add no text, as llama.cpp renders generated text.
+    ``stopped`` turns True when a stop string appeared; ``text`` is everything before it
+    (cut at the earliest occurrence of any stop string).  Control tokens add no text, as
+    llama.cpp renders generated text.
 
     Each push decodes only the tokens since the last complete character (byte-level
-    vocabularies decode by concatenation), so a token costs the same at any length.
+    vocabularies decode by concatenation), so a token costs the same at any length.  Stop
+    strings are matched the same way: each has a Knuth-Morris-Pratt automaton whose state,
+    the longest suffix of the text so far that begins the stop string, is advanced over the
+    new characters only.  That state is both the match (when it covers the whole stop
+    string) and the length to hold back, so a token costs its own characters (amortised),
+    not the text's length or the stop strings' squared.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
@@ -116,6 +122,26 @@ class TextAssembler:
         self.stopped = False
         self._decoded = ""  # the text of tokens[:self._decoded_tokens], ending on a whole character
         self._decoded_tokens = 0
+        self._fail = [self._failure(s) for s in self.stop]
+        # Each stop string's automaton state over self._decoded[:self._fed]: the length of
+        # the longest suffix of that text which is a (proper) prefix of the stop string.
+        self._matched = [0] * len(self.stop)
+        self._fed = 0
+
+    @staticmethod
+    def _failure(s: str) -> memoryview:
+        """KMP's failure function: ``fail[i]`` is the length of the longest proper prefix of
+        ``s[:i + 1]`` that is also its suffix (unsigned 32-bit cells, 4 bytes a character)."""
+        fail = memoryview(bytearray(4 * len(s))).cast("I")
+        k = 0
+        for i in range(1, len(s)):
+            c = s[i]
+            while k and s[k] != c:
+                k = fail[k - 1]
+            if s[k] == c:
+                k += 1
+            fail[i] = k
+        return fail
 
     def _decode(self) -> str:
         return self._decoded + self.tokenizer.decode(self.tokens[self._decoded_tokens:], special=False)
@@ -134,8 +160,40 @@ class TextAssembler:
             return ""
         return self._advance(self._decode(), final=True)
 
+    def _scan(self, text: str, start: int) -> tuple[int, list[int]]:
+        """Advance every stop string's automaton from its state at ``start`` over
+        ``text[start:]``: the earliest index at which a stop string begins (-1: none), and
+        the states at the end of ``text`` (meaningful only where none began)."""
+        cut, states = -1, []
+        for s, fail, q in zip(self.stop, self._fail, self._matched):
+            m, first, i, n = len(s), s[0], start, len(text)
+            while i < n:
+                if not q:  # nothing of s under way: skip to where it could begin
+                    i = text.find(first, i)
+                    if i < 0:
+                        break
+                c = text[i]
+                while q and s[q] != c:
+                    q = fail[q - 1]
+                if s[q] == c:
+                    q += 1
+                    if q == m:  # the first occurrence of s ends at i
+                        cut = i + 1 - m if cut < 0 else min(cut, i + 1 - m)
+                        break
+                i += 1
+            states.append(q)
+        return cut, states
+
     def _advance(self, text: str, *, final: bool) -> str:
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if self.stopped:  # the text stays cut at the earliest stop string, shown already
+            return ""
+        # ``text`` extends the text of the last push (``_decode`` appends to ``_decoded``, which
+        # only push sets, to the very text it passes here), so no stop string can lie wholly in
+        # ``text[:self._fed]``: none was found there.  A final text may end in an incomplete
+        # character that a later token would redecode, so its states are not kept.
+        cut, states = self._scan(text, self._fed)
+        if not final:
+            self._matched, self._fed = states, len(text)
         if cut >= 0:
             self.stopped = True
             text = text[:cut]
@@ -143,8 +201,7 @@ class TextAssembler:
         elif final:
             safe = len(text)
         else:
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            safe = len(text) - hold
+            safe = len(text) - max(states, default=0)
         self.text = text
         delta = text[self.shown:safe] if safe > self.shown else ""
         self.shown = max(self.shown, safe)

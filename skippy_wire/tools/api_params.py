@@ -20,10 +20,11 @@ from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
-#: Characters in one stop string at most: while text could still become a stop string it is
-#: held back, a test that costs the stop string's length squared per generated token (a
-#: 1.5-million-character one took half a minute per token, holding its lane for hours).
-MAX_STOP_CHARS = 1024
+#: Characters in one stop string at most.  Matching costs each generated token only its own
+#: characters (``TextAssembler`` in ``skippy_wire.net.service`` advances an automaton per
+#: stop string), but a request's memory must stay bounded: a stop string and its
+#: automaton's table take up to 8 bytes a character, so 4 of these at most 2 MiB.
+MAX_STOP_CHARS = 65536
 #: The reduced seed that asks for a random one: -1 (or 2**32 - 1), llama-server's
 #: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
 #: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
@@ -151,6 +152,9 @@ def _check_unsupported(body: dict, chat: bool) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", "model")
+    user = body.get("user")  # OpenAI's end-user id, for its abuse monitoring: read, not used
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("'user' must be a string", "user")
     for name in ("n", "best_of"):
         if _number(body, name, 1, -(2**63), 2**63, integer=True) != 1:
             raise BadRequest(f"'{name}' other than 1 is not supported", name)
