@@ -53,9 +53,45 @@ def test_a_final_assistant_message_is_continued_when_asked():
         template.render(TWO_TURNS[:1]) + "The capital of France is Paris."
     # otherwise (transformers' default) the assistant turn is closed and a new one opened
     assert template.render(started).endswith("Paris.<|im_end|>\n<|im_start|>assistant\n")
-    # a lone assistant message is not a conversation to continue
-    lone = [{"role": "assistant", "content": "Hi"}]
-    assert template.render(lone, continue_final_message=True) == template.render(lone)
+    # a system prompt counts as a message before it
+    briefed = [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Sure"}]
+    assert template.render(briefed, continue_final_message=True) == template.render(briefed[:1]) + "Sure"
+
+
+def test_a_lone_assistant_message_is_continued_too():
+    # as llama-server: no messages before it, rendered with the generation prompt, its text after
+    template = ChatTemplate.from_gguf(smollm2_path())
+    lone = [{"role": "assistant", "content": "Once upon"}]
+    assert template.render(lone, continue_final_message=True) == "<|im_start|>assistant\nOnce upon"
+    assert template.render(lone).endswith("Once upon<|im_end|>\n<|im_start|>assistant\n")  # not asked: closed
+    empty = [{"role": "assistant", "content": None}]  # content may be null: the prompt alone
+    assert template.render(empty, continue_final_message=True) == "<|im_start|>assistant\n"
+    # a template that cannot render no messages says why it was asked to
+    first = ChatTemplate("{{ messages[0]['role'] }}{% if add_generation_prompt %}>{% endif %}")
+    assert first.render(lone * 2, continue_final_message=True) == "assistant>Once upon"
+    with pytest.raises(ChatTemplateError, match="to continue a lone assistant message") as info:
+        first.render(lone, continue_final_message=True)
+    assert "\n" not in str(info.value)
+
+
+def test_an_assistant_refusal_part_is_its_text():
+    # OpenAI's form of a refusal in an assistant message's content: the assistant's text
+    template = ChatTemplate("{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}")
+    turns = [{"role": "user", "content": "Hack it"},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+             {"role": "user", "content": "Why?"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Because"},
+                                               {"type": "refusal", "refusal": "it is harmful."}]}]
+    assert template.render(turns) == \
+        "[user: Hack it][assistant: I can't help with that.][user: Why?][assistant: Because\nit is harmful.]"
+    assert template.render(turns, continue_final_message=True).endswith("[user: Why?]Because\nit is harmful.")
+
+
+def test_a_message_name_is_passed_on_when_it_is_a_string():
+    template = ChatTemplate("{% for m in messages %}[{{ m.get('name', '-') }}: {{ m['content'] }}]{% endfor %}")
+    assert template.render([{"role": "user", "content": "Hi", "name": "ann"}]) == "[ann: Hi]"
+    # null is absent, as clients that send every field send those they leave unset
+    assert template.render([{"role": "user", "content": "Hi", "name": None}]) == "[-: Hi]"
 
 
 def test_a_developer_message_is_the_system_turn():
@@ -76,6 +112,15 @@ def test_a_developer_message_is_the_system_turn():
     ([{"role": "user"}], "content is required"),
     ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "content is required"),
     ([{"role": "developer", "content": []}], "content is required"),
+    ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+     r"messages\[0\]\.content parts of type 'refusal' are only allowed in assistant messages"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "content": [{"type": "refusal", "refusal": "no"}]}],
+     r"messages\[1\]\.content parts of type 'refusal' are only allowed in assistant messages"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}], "type 'refusal' must be"),
+    ([{"role": "assistant", "content": [{"type": "image_url"}]}], "or {'type': 'refusal'"),
+    ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name must be a string"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "name": ["a"]}],
+     r"messages\[1\]\.name must be a string"),
 ])
 def test_bad_messages_are_one_line_errors(messages, fragment):
     with pytest.raises(ChatTemplateError, match=fragment) as info:

@@ -262,6 +262,23 @@ def test_an_unpaired_surrogate_is_a_400_naming_the_field(path, body, param):
         assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "user": 7}, "user",
+     "'user' must be a string"),
+    ("/v1/completions", {"prompt": "Hi", "user": ["u"]}, "user", "'user' must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages",
+     "messages[0].name must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]},
+     "messages", "messages[0].content parts of type 'refusal' are only allowed in assistant messages"),
+])
+def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(path, body, param, message):
+    with TestClient(_fake_api().app()) as client:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["param"], error["message"]) == ("invalid_request_error", param, message)
+
+
 def test_deeply_nested_json_is_a_400():
     body = '{"prompt": "Hi", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
     with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
@@ -399,6 +416,13 @@ def test_llama_server_request_conventions():
         client.post("/v1/chat/completions", json={"messages": [
             {"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]})
         assert engine.prompts[-1] == "user: Count\n1, 2,"
+        # ... and so is a lone one, and an assistant's refusal part is its text
+        client.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "Once"}]})
+        assert engine.prompts[-1] == "Once"
+        client.post("/v1/chat/completions", json={"messages": [
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+            {"role": "user", "content": "Ok"}]})
+        assert engine.prompts[-1] == "assistant: No.\nuser: Ok\n"
         # a trailing slash is not a route (Starlette would redirect, which clients don't follow)
         for method, path in (("GET", "/v1/models/"), ("POST", "/v1/chat/completions/")):
             r = client.request(method, path, json={}, follow_redirects=False)

@@ -55,9 +55,12 @@ def _environment() -> jinja2.Environment:
 
 def check_messages(messages: Any) -> list[dict]:
     """Messages as a list of ``{"role", "content"}`` dicts; content parts of type "text"
-    are joined with newlines, as llama.cpp joins them (the OpenAI list form).  A ``developer`` message is the system instructions
-    (OpenAI's newer name for them), so it reaches the template as ``system``, as llama.cpp
-    passes it: templates know only ``system``.  Raises ChatTemplateError with one line."""
+    are joined with newlines, as llama.cpp joins them (the OpenAI list form), and so are an
+    assistant message's parts of type "refusal" (OpenAI's form of a refusal: the assistant's
+    text).  A ``developer`` message is the system instructions (OpenAI's newer name for
+    them), so it reaches the template as ``system``, as llama.cpp passes it: templates know
+    only ``system``.  A ``name`` must be a string (a null one is dropped).  Raises
+    ChatTemplateError with one line."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("'messages' must be a non-empty list")
     out = []
@@ -67,22 +70,39 @@ def check_messages(messages: Any) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ChatTemplateError(f"messages[{i}].name must be a string")
         if role in CONTENT_ROLES and (content is None or content == []):
             raise ChatTemplateError(f"messages[{i}].content is required for a {role} message"
                                     + (" (a list of at least one part)" if content == [] else ""))
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ChatTemplateError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = "\n".join(_part_text(part, i, role) for part in content)
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string")
-        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
+        message = {**m, "role": "system" if role == "developer" else role, "content": content}
+        if "name" in message and message["name"] is None:
+            del message["name"]  # null, as clients that send every field send those unset: absent
+        out.append(message)
     return out
+
+
+def _part_text(part: Any, i: int, role: str) -> str:
+    """The text of a content part of ``messages[i]``: a text part's, or an assistant's refusal."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind == "refusal":
+        if role != "assistant":
+            raise ChatTemplateError(f"messages[{i}].content parts of type 'refusal' are only allowed in assistant "
+                                    "messages")
+        if not isinstance(part.get("refusal"), str):
+            raise ChatTemplateError(f"messages[{i}].content parts of type 'refusal' must be "
+                                    "{'type': 'refusal', 'refusal': ...}")
+        return part["refusal"]
+    if kind != "text" or not isinstance(part.get("text"), str):
+        also = " or {'type': 'refusal', 'refusal': ...}" if role == "assistant" else ""
+        raise ChatTemplateError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}{also}")
+    return part["text"]
 
 
 class ChatTemplate:
@@ -117,14 +137,17 @@ class ChatTemplate:
                **extra: Any) -> str:
         """The prompt text of ``messages`` (OpenAI chat form).  ``continue_final_message``:
         a conversation that ends with an assistant message is continued from its text, as
-        llama-server does (the rest rendered with the generation prompt, that text after it)."""
+        llama-server does (the rest rendered with the generation prompt, that text after it;
+        a lone assistant message too, after the generation prompt of no messages)."""
         checked = check_messages(messages)
-        prefill = ""
-        if continue_final_message and len(checked) > 1 and checked[-1]["role"] == "assistant":
+        prefill = None
+        if continue_final_message and checked[-1]["role"] == "assistant":
             prefill, add_generation_prompt = checked.pop()["content"], True
         try:
             return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra) + prefill
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra) + (prefill or "")
         except Exception as exc:  # noqa: BLE001 -- over the client's data, any failure is the request's
             # (a TemplateError, or e.g. a TypeError from a message field of an unexpected type)
-            raise ChatTemplateError(f"the chat template failed: {exc}") from None
+            lone = prefill is not None and not checked
+            why = " (rendering no messages, to continue a lone assistant message)" if lone else ""
+            raise ChatTemplateError(f"the chat template failed{why}: {exc}") from None
