@@ -187,3 +187,29 @@ def test_api_names_a_killed_stage_then_stops():
         err = api.end(None)
     assert api.proc.returncode == 1
     assert _error_lines(err) == ["skippy-wire: error: stage 1 (layers 15..30) was killed by SIGKILL; the API stopped"]
+
+
+def test_run_with_a_topology_names_a_stage_that_no_longer_takes_connections(tmp_path):
+    from skippy_wire.net.supervision import launch_pipeline
+    from skippy_wire.net.topology import build_topology
+    from skippy_wire.stage.models import smollm2_path
+
+    with launch_pipeline(smollm2_path(), 2, threads=1, ctx_size=2048) as cluster:  # someone else's stages
+        stages = cluster.stages
+        topology = build_topology(cluster.model, [s.layers for s in stages], [s.address for s in stages],
+                                  ctx_size=2048).write(tmp_path / "two.json")
+        proc = _command("run", "--topology", str(topology), "--raw", PROMPT, "-n", "2000", "--temp", "0")
+        try:
+            seen: list[str] = []
+            _wait_line(proc.stderr, r"generating:", seen)
+            assert proc.stdout.read(len(PROMPT) + 8)  # decoding
+            stages[1].popen.kill()
+            proc.wait(WAIT_S)
+            _, err = _end(proc, None)
+        finally:
+            _end(proc, None)
+    assert proc.returncode == 1, err
+    errors = _error_lines("".join(seen) + err)
+    assert errors == [f"skippy-wire: error: request failed: stage 1 at {stages[1].address} (layers 15..30) refuses "
+                      f"connections (it is not running); stage 0 at {stages[0].address} closed the connection "
+                      "during DECODE_EMBD (session 1)"], err

@@ -289,3 +289,21 @@ def test_link_delay_sleeps_before_each_send(monkeypatch):
         assert b.recv(2) == b"xy" and a.recv(1) == b"z"
     args = serve.build_parser().parse_args(["--topology", "t.json", "--stage", "1", "--link-delay-ms", "20"])
     assert args.link_delay_ms == 20.0
+
+
+def test_a_failed_request_names_the_first_stage_that_takes_no_connection():
+    listening = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    gone = socket.create_server(("127.0.0.1", 0))
+    gone_port = gone.getsockname()[1]
+    gone.close()  # nothing listens there now: a stage that ended
+    try:
+        ports = [s.getsockname()[1] for s in listening]
+        endpoints = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{gone_port}", f"127.0.0.1:{ports[1]}"]
+        topology = build_topology("/models/m.gguf", [(0, 10), (10, 20), (20, 30)], endpoints, shape=shape)
+        assert topology.unreachable_stage() == (f"stage 1 at 127.0.0.1:{gone_port} (layers 10..20) refuses "
+                                                "connections (it is not running)")
+        every = build_topology("/models/m.gguf", [(0, 15), (15, 30)], endpoints[::2], shape=shape)
+        assert every.unreachable_stage() is None
+    finally:
+        for s in listening:
+            s.close()

@@ -42,6 +42,7 @@ from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
 from .supervision import launched_cluster
+from .topology import driven_topology
 from .tls import handshake_failure
 from .transport import Peer, connect
 
@@ -126,7 +127,9 @@ class PipelineClient:
     sees stage 0 close (or stay silent).  When this process started the stages
     (:func:`~skippy_wire.net.supervision.launch_pipeline`), the error names the stage that
     failed and why (:meth:`~skippy_wire.net.supervision.StageCluster.explain`) before what
-    the driver saw.
+    the driver saw; when a topology file describes them (``--topology``:
+    :func:`~skippy_wire.net.topology.drive_topology`), the first stage that no longer takes
+    connections (:meth:`~skippy_wire.net.topology.Topology.unreachable_stage`).
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -136,6 +139,7 @@ class PipelineClient:
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
         self._stages = launched_cluster(host, port)  # the stages behind it, when this process started them
+        self._topology = driven_topology(host, port)  # or when a topology file describes them
         self._marks = self._log_marks()
         try:
             sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
@@ -180,8 +184,11 @@ class PipelineClient:
 
     def _failed(self, seen: str, unexplained: str = "") -> PipelineError:
         """The error for ``seen`` (what the driver saw), after which stage failed and why when
-        this process started the stages and they tell; else with ``unexplained`` added."""
+        the stages this process started or a topology it drives tell; else with
+        ``unexplained`` added."""
         cause = self._stages.explain(self._marks) if self._stages is not None else None
+        if cause is None and self._topology is not None:
+            cause = self._topology.unreachable_stage()
         return PipelineError(f"{cause}; {seen}" if cause else seen + unexplained)
 
     def _guard(self, fn, what: str):

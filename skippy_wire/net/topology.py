@@ -51,6 +51,8 @@ from .transport import parse_address
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
 DEFAULT_CODEC = "raw-f32-v1"
 DEFAULT_POLICY = "fixed"
+#: Seconds a failed request's probe waits for each stage to take a connection.
+PROBE_TIMEOUT_S = 1.0
 
 _TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
 _STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",
@@ -130,6 +132,40 @@ class Topology:
         path = Path(path)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
+
+    def unreachable_stage(self, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+        """The first stage whose endpoint takes no TCP connection now, in words naming it, its
+        address and layers; None when every one does.  A driver's account of a failed
+        request: the wire has no error reply, so a stage that ended shows only as a close."""
+        for stage in self.stages:
+            host, port = stage.address
+            try:
+                socket.create_connection((host, port), timeout).close()
+            except ConnectionRefusedError:
+                why = "refuses connections (it is not running)"
+            except (socket.timeout, TimeoutError):
+                why = f"accepted no connection within {timeout:g} s"
+            except OSError as exc:
+                why = f"cannot be reached ({exc.strerror or exc})"
+            else:
+                continue
+            return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
+        return None
+
+
+#: The topologies whose stages this process drives, by stage 0's address.
+_DRIVEN: dict[tuple[str, int], Topology] = {}
+
+
+def drive_topology(topology: Topology) -> None:
+    """Note that this process drives ``topology``'s stages: a driver connected to its stage 0
+    then names a stage that no longer takes connections when a request fails."""
+    _DRIVEN[topology.entry] = topology
+
+
+def driven_topology(host: str, port: int) -> Topology | None:
+    """The topology :func:`drive_topology` noted for stage 0 at ``host:port``."""
+    return _DRIVEN.get((host, int(port)))
 
 
 def _shown(value) -> str:
@@ -339,4 +375,5 @@ def build_topology(model_path: str | Path, layers: list[tuple[int, int]], endpoi
                            "stages": stages}, name=topology_id, shape=shape)
 
 
-__all__ = ["PACKAGED_MODELS", "TopologyStage", "Topology", "parse_topology", "load_topology", "build_topology"]
+__all__ = ["PACKAGED_MODELS", "PROBE_TIMEOUT_S", "TopologyStage", "Topology", "parse_topology", "load_topology",
+           "build_topology", "drive_topology", "driven_topology"]

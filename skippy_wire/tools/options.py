@@ -374,7 +374,8 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
     (None without the option).  A bad file is a usage error."""
     if not args.topology:
         return None
-    from ..net.topology import load_topology  # here: it loads the model reader, which --help need not
+    # here: it loads the model reader, which --help need not
+    from ..net.topology import drive_topology, load_topology
 
     try:
         topology = load_topology(args.topology, model=args.model)
@@ -384,6 +385,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
     if given is not None and given > topology.ctx_size:
         parser.error(f"--ctx-size {given} is more than the {topology.ctx_size} tokens of {args.topology}'s stages")
     args.model, args.ctx_size = str(topology.model_path), given or topology.ctx_size
+    drive_topology(topology)  # a failed request names the stage that no longer answers
     return tuple(topology.entry)
 
 
