@@ -227,6 +227,8 @@ def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, t
 
     monkeypatch.setattr(serve, "_print_event", event)
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C as a terminal delivers it, also where this runs as a background job (SIGINT ignored)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code, out, _ = _main(capsys, "serve", "--model", str(tiny_model), "--layer-start", "0", "--layer-end", "4")
     finally:
