@@ -208,6 +208,20 @@ def test_eight_concurrent_requests_match_their_solo_texts(api):
     assert together == alone
 
 
+def test_a_batch_of_prompts_gives_one_choice_each_as_they_give_alone(api):
+    prompts = [f"{PROMPT} Anna", [1, 2, 3, 4], f"{PROMPT} Ben"]  # strings or token ids, as OpenAI takes
+    alone = [_complete(api, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    batch = _complete(api, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = ["", "", ""]
+    for chunk in _complete(api, prompt=prompts, max_tokens=8, temperature=0, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in batch.choices]
+
+
 def test_disconnect_mid_stream_frees_the_sessions(api):
     # Four lanes per stage: leave more streams than that mid-way; if their sessions were
     # not freed on every stage, the four concurrent requests after them would find no lane.

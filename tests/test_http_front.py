@@ -31,6 +31,7 @@ from skippy_wire.net.service import Cancelled, Generation, GenerationEngine
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api, _origin
+from skippy_wire.tools.api_params import MAX_PROMPTS
 
 LIMIT = 6
 
@@ -395,6 +396,36 @@ def test_health_asks_every_stage():
     finally:
         api.close()
         chain.close()
+
+
+def test_a_batch_of_prompts_runs_one_after_another_on_one_lane():
+    engine = FakeEngine(ctx_size=64)
+    with TestClient(_fake_api(engine).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": ["hi", [111, 107], "yo"], "max_tokens": -1})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+            [(0, "ok", "stop"), (1, "ok", "stop"), (2, "ok", "stop")]
+        assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+        assert engine.prompts == ["hi", "ok", "yo"]
+        assert [q["max_tokens"] for q in engine.requests] == [62, 62, 62]  # each its own rest of the context
+        # streamed: each choice's text and its end, by index, then [DONE]
+        r = client.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [(c["choices"][0]["index"], c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+                for c in chunks[:-1]] == [(0, "ok", None), (0, "", "stop"), (1, "ok", None), (1, "", "stop")]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+        # bounded, and every element must be a prompt
+        r = client.post("/v1/completions", json={"prompt": ["x"] * (MAX_PROMPTS + 1)})
+        assert r.status_code == 400 and r.json()["error"]["message"] == \
+            f"'prompt' may hold at most {MAX_PROMPTS} prompts"
+        for bad in (["x", 5], ["x", []], ["x", [1, "y"]]):
+            r = client.post("/v1/completions", json={"prompt": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+    assert len(engine.prompts) == 5  # nothing generated for a refused batch
 
 
 def test_llama_server_request_conventions():

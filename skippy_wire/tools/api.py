@@ -19,10 +19,9 @@ import sys
 import threading
 import time
 import urllib.parse
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -42,12 +41,13 @@ from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .api_params import (BadRequest, Options, check_context, check_text, check_token_ids, parse_options,
+from .api_job import DISCONNECT_POLL_S, GenerationJob
+from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_token_ids, parse_options,
                          suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge,
-                         EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_object, error_response,
-                         read_body, sse, shutting_down_response)
+                         EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_response, read_body,
+                         shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
                       float_above, handling_signals, int_at_least, int_between, poll_args, thread_count, tls_config,
@@ -67,9 +67,6 @@ STAGE_WATCH_S = 0.5
 #: On Ctrl-C, SIGTERM or SIGHUP, the seconds responses in flight get to finish before they
 #: are cut off (a long stream would otherwise hold the shutdown for as long as it runs).
 GRACEFUL_STOP_S = 10
-#: Seconds between checks that the client of a waiting request (queued, or generating
-#: without a stream) is still connected.
-DISCONNECT_POLL_S = 0.25
 
 
 # --- the application ----------------------------------------------------------------------
@@ -87,7 +84,7 @@ class Api:
         self.created = int(time.time())
         self.fingerprint = _fingerprint()
         self._admission: Optional[Admission] = None
-        self._workers = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="generate")
+        self.workers = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="generate")  # generations
         # The readiness probe runs apart from the generations, one at a time, however many
         # /health requests wait on it.
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="health")
@@ -127,7 +124,7 @@ class Api:
         return error_response(exc.status_code, message, headers=exc.headers)
 
     def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown(wait=False, cancel_futures=True)
         self._prober.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
@@ -197,8 +194,9 @@ class Api:
         except asyncio.CancelledError:  # the server stops (its graceful period over): say so
             return shutting_down_response()
 
-    def _prompt_tokens(self, body: dict, chat: bool) -> list[int]:
-        tokenizer = self.engine.tokenizer
+    def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
+        """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
+        batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`."""
         if chat:
             if self.chat_template is None:
                 raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
@@ -206,10 +204,15 @@ class Api:
                 text = self.chat_template.render(body.get("messages"), continue_final_message=True)
             except ChatTemplateError as exc:
                 raise BadRequest(str(exc), "messages") from None
-            return _some_tokens(tokenizer.encode(text), "the rendered 'messages'", "messages")
+            return [_some_tokens(self.engine.tokenizer.encode(text), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        if batch and len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
+        return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
+
+    def _prompt_tokens(self, prompt) -> list[int]:
+        tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
@@ -217,7 +220,7 @@ class Api:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             check_token_ids(prompt, tokenizer.n_vocab, "prompt")
             return list(prompt)
-        raise BadRequest("'prompt' must be a string or a list of token ids (or a list of one of them)", "prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids (or a list of them)", "prompt")
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -241,9 +244,9 @@ class Api:
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            prompt = await asyncio.to_thread(self._prompt_tokens, body, chat)
-            max_tokens = check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
-                                       "messages" if chat else "prompt")
+            prompts = await asyncio.to_thread(self._prompts, body, chat)
+            max_tokens = [check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
+                                        "messages" if chat else "prompt") for prompt in prompts]
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
         try:
@@ -253,11 +256,11 @@ class Api:
             self.engine.counters["rejected"] += 1
             return error_response(503, str(exc), type_="server_error", code="queue_full",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
-        job = _Job(self, prompt, max_tokens, options, chat)
+        job = GenerationJob(self, prompts, max_tokens, options, chat)
         if options.stream:
             return EventStream(job)
         try:
-            result = await job.run(request)
+            results = await job.run(request)
         except Cancelled:
             return Response(status_code=499)
         except PipelineUnavailable as exc:  # down since a request failed: a retry may find it whole
@@ -265,7 +268,7 @@ class Api:
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         except PipelineError as exc:
             return error_response(502, f"the pipeline failed: {exc}", type_="server_error")
-        return JSONResponse(job.final_object(result))
+        return JSONResponse(job.final_object(results))
 
     async def _admit(self, request: Request) -> bool:
         """Wait for a lane (QueueFullError when the queue is full); False, with the lane or
@@ -289,107 +292,6 @@ def _some_tokens(tokens: list[int], what: str, param: str) -> list[int]:
     if not tokens:
         raise BadRequest(f"{what} encodes to no tokens", param)
     return tokens
-
-
-class _Job:
-    """One admitted generation: runs on a worker thread, streams text to the event loop."""
-
-    def __init__(self, api: Api, prompt: list[int], max_tokens: int, options: Options, chat: bool) -> None:
-        self.api, self.prompt, self.max_tokens, self.options, self.chat = api, prompt, max_tokens, options, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.cancel = threading.Event()
-        self.started = False
-
-    def _start(self, on_text) -> asyncio.Future:
-        """Run the generation on a worker; its lane is given back when the worker is done
-        (after a cancelled session was stopped on every stage), whatever the client does."""
-        self.started = True
-        loop = asyncio.get_running_loop()
-        engine, o = self.api.engine, self.options
-        future = loop.run_in_executor(self.api._workers, lambda: engine.generate(
-            self.prompt, max_tokens=self.max_tokens, sampling=o.sampling, stop=o.stop,
-            on_text=on_text, cancelled=self.cancel))
-        future.add_done_callback(self._finished)
-        return future
-
-    def _finished(self, future: asyncio.Future) -> None:
-        self.api.admission.release()
-        if not future.cancelled():
-            future.exception()  # retrieved: a cancelled stream's error is nobody's to report
-
-    async def run(self, request: Request):
-        future = self._start(lambda text: None)
-        try:
-            while True:
-                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return future.result()
-                if await request.is_disconnected():
-                    self.cancel.set()
-        finally:
-            self.cancel.set()  # no effect once done; else (awaiting cancelled) the generation stops
-
-    def _usage(self, result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
-
-    def _envelope(self, choices: list, *, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        envelope = {"id": self.id, "object": kind, "created": self.created, "model": self.api.model_id,
-                    "system_fingerprint": self.api.fingerprint, "choices": choices}
-        if chunk and self.options.include_usage:
-            envelope["usage"] = None  # OpenAI: every chunk but the last then has a null usage
-        return envelope
-
-    def final_object(self, result) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-        return {**self._envelope([choice], chunk=False), "usage": self._usage(result)}
-
-    def _chunk(self, text: Optional[str], finish_reason: Optional[str], *, first: bool = False) -> str:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return sse(self._envelope([choice], chunk=True))
-
-    async def stream(self):
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
-        future = self._start(lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text))
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
-        try:
-            if self.chat:
-                yield self._chunk("", None, first=True)
-            while (text := await pieces.get()) is not None:
-                yield self._chunk(text, None)
-            try:
-                result = future.result()
-            except PipelineError as exc:
-                yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
-                return
-            yield self._chunk(None if self.chat else "", result.finish_reason)
-            if self.options.include_usage:
-                yield sse({**self._envelope([], chunk=True), "usage": self._usage(result)})
-            yield "data: [DONE]\n\n"
-        finally:
-            # A client that went away cancels the generation between two tokens.
-            self.cancel.set()
-
-    def abandon(self) -> None:
-        """The response has ended: a generation still running stops at its next token, and
-        the lane of one that never started is given back here."""
-        self.cancel.set()
-        if not self.started:
-            self.started = True
-            self.api.admission.release()
 
 
 def _fingerprint() -> str:

@@ -20,6 +20,9 @@ from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
+#: Prompts in one completion request (``prompt`` as a batch); they run one after another on
+#: the request's lane.
+MAX_PROMPTS = 64
 #: Characters in one stop string at most.  Matching costs each generated token only its own
 #: characters (``TextAssembler`` in ``skippy_wire.net.service`` advances an automaton per
 #: stop string), but a request's memory must stay bounded: a stop string and its
@@ -254,4 +257,4 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
 
 __all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
-           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "LLAMA_DEFAULT_SEED"]
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS", "LLAMA_DEFAULT_SEED"]

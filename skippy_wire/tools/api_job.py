@@ -1,0 +1,144 @@
+"""One admitted request of ``skippy-wire api``: its generations on a worker thread, answered
+as one OpenAI response object or streamed as server-sent events.
+
+A completion request may carry several prompts (``prompt`` as a list of them, as OpenAI
+takes a batch): they run one after another on the request's one lane, so a batch takes no
+more of the pipeline than a single request, and each is a choice of its own ``index``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from starlette.requests import Request
+
+from ..errors import PipelineError
+from .api_params import Options
+from .http_front import error_object, sse
+
+#: Seconds between checks that the client of a waiting request (queued, or generating
+#: without a stream) is still connected.
+DISCONNECT_POLL_S = 0.25
+
+
+class GenerationJob:
+    """One admitted request: ``prompts`` (one for chat) with each one's ``max_tokens``; runs
+    on ``api``'s workers and gives its lane back to ``api.admission`` when done."""
+
+    def __init__(self, api, prompts: list[list[int]], max_tokens: list[int], options: Options, chat: bool) -> None:
+        self.api, self.prompts, self.max_tokens, self.options, self.chat = api, prompts, max_tokens, options, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.cancel = threading.Event()
+        self.started = False
+
+    def _start(self, on_text: Callable[[int, str], None], on_done: Callable[[int, Any], None]) -> asyncio.Future:
+        """Run the generations on a worker (``on_text(index, text)`` as text comes,
+        ``on_done(index, result)`` as each ends); the lane is given back when the worker is
+        done (after a cancelled session was stopped on every stage), whatever the client does."""
+        self.started = True
+        engine, o = self.api.engine, self.options
+
+        def generate_all() -> list:
+            results = []
+            for index, (prompt, limit) in enumerate(zip(self.prompts, self.max_tokens)):
+                results.append(engine.generate(prompt, max_tokens=limit, sampling=o.sampling, stop=o.stop,
+                                               on_text=lambda text, i=index: on_text(i, text), cancelled=self.cancel))
+                on_done(index, results[-1])
+            return results
+
+        future = asyncio.get_running_loop().run_in_executor(self.api.workers, generate_all)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, future: asyncio.Future) -> None:
+        self.api.admission.release()
+        if not future.cancelled():
+            future.exception()  # retrieved: a cancelled stream's error is nobody's to report
+
+    async def run(self, request: Request) -> list:
+        """Every prompt's result, in order; a client that leaves cancels the generation."""
+        future = self._start(lambda index, text: None, lambda index, result: None)
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return future.result()
+                if await request.is_disconnected():
+                    self.cancel.set()
+        finally:
+            self.cancel.set()  # no effect once done; else (awaiting cancelled) the generation stops
+
+    @staticmethod
+    def _usage(results: list) -> dict:
+        prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _envelope(self, choices: list, *, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        envelope = {"id": self.id, "object": kind, "created": self.created, "model": self.api.model_id,
+                    "system_fingerprint": self.api.fingerprint, "choices": choices}
+        if chunk and self.options.include_usage:
+            envelope["usage"] = None  # OpenAI: every chunk but the last then has a null usage
+        return envelope
+
+    def final_object(self, results: list) -> dict:
+        if self.chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": results[0].text},
+                        "logprobs": None, "finish_reason": results[0].finish_reason}]
+        else:
+            choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+                       for i, r in enumerate(results)]
+        return {**self._envelope(choices, chunk=False), "usage": self._usage(results)}
+
+    def _chunk(self, index: int, text: Optional[str], finish_reason: Optional[str], *, first: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return sse(self._envelope([choice], chunk=True))
+
+    async def stream(self):
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()  # (index, text or result), then None
+        future = self._start(lambda index, text: loop.call_soon_threadsafe(pieces.put_nowait, (index, text)),
+                             lambda index, result: loop.call_soon_threadsafe(pieces.put_nowait, (index, result)))
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+        try:
+            if self.chat:
+                yield self._chunk(0, "", None, first=True)
+            while (piece := await pieces.get()) is not None:
+                index, item = piece
+                if isinstance(item, str):
+                    yield self._chunk(index, item, None)
+                else:  # that prompt's generation ended
+                    yield self._chunk(index, None if self.chat else "", item.finish_reason)
+            try:
+                results = future.result()
+            except PipelineError as exc:
+                yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
+                return
+            if self.options.include_usage:
+                yield sse({**self._envelope([], chunk=True), "usage": self._usage(results)})
+            yield "data: [DONE]\n\n"
+        finally:
+            # A client that went away cancels the generation between two tokens.
+            self.cancel.set()
+
+    def abandon(self) -> None:
+        """The response has ended: a generation still running stops at its next token, and
+        the lane of one that never started is given back here."""
+        self.cancel.set()
+        if not self.started:
+            self.started = True
+            self.api.admission.release()
+
+
+__all__ = ["DISCONNECT_POLL_S", "GenerationJob"]
