@@ -42,8 +42,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_token_ids, parse_options,
-                         suppress_end_of_generation)
+from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_token_ids, parse_detokenize,
+                         parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge,
                          EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_response, read_body,
@@ -103,6 +103,9 @@ class Api:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -180,6 +183,44 @@ class Api:
                   f'skippy_hop_bytes_total{{hop="0",direction="received"}} {c["received_bytes"]}']
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    # -- llama-server's tokenizer and template routes (no generation, no lane)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        tokenizer = self.engine.tokenizer
+        try:
+            check_text(body)
+            content, add_special, parse_special, with_pieces = parse_tokenize(body)
+        except BadRequest as exc:
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
+        tokens = await asyncio.to_thread(tokenizer.encode, content, add_bos=add_special, parse_special=parse_special)
+        if with_pieces:  # a piece that is part of a character reads as U+FFFD
+            return JSONResponse({"tokens": [{"id": t, "piece": tokenizer.token_to_piece(t)} for t in tokens]})
+        return JSONResponse({"tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            tokens = parse_detokenize(body, self.engine.tokenizer.n_vocab)
+        except BadRequest as exc:
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
+        return JSONResponse({"content": await asyncio.to_thread(self.engine.tokenizer.decode, tokens)})
+
+    async def apply_template(self, request: Request) -> Response:
+        """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            check_text(body)
+            return JSONResponse({"prompt": await asyncio.to_thread(self._rendered, body)})
+        except BadRequest as exc:
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
+
     # -- generation routes
 
     async def completions(self, request: Request) -> Response:
@@ -194,17 +235,21 @@ class Api:
         except asyncio.CancelledError:  # the server stops (its graceful period over): say so
             return shutting_down_response()
 
+    def _rendered(self, body: dict) -> str:
+        """A chat request's ``messages`` through the model's chat template."""
+        if self.chat_template is None:
+            raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
+        try:
+            return self.chat_template.render(body.get("messages"), continue_final_message=True)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), "messages") from None
+
     def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
         """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
         batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`."""
         if chat:
-            if self.chat_template is None:
-                raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
-            try:
-                text = self.chat_template.render(body.get("messages"), continue_final_message=True)
-            except ChatTemplateError as exc:
-                raise BadRequest(str(exc), "messages") from None
-            return [_some_tokens(self.engine.tokenizer.encode(text), "the rendered 'messages'", "messages")]
+            return [_some_tokens(self.engine.tokenizer.encode(self._rendered(body)), "the rendered 'messages'",
+                                 "messages")]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
         if batch and len(prompt) > MAX_PROMPTS:
@@ -223,21 +268,9 @@ class Api:
         raise BadRequest("'prompt' must be a string or a list of token ids (or a list of them)", "prompt")
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":  # a compressed body would read as "not valid JSON"
-            return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
-        try:
-            body = json.loads(await read_body(request))
-        except BodyTooLarge:
-            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        except asyncio.TimeoutError:
-            return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
-        except ClientDisconnect:
-            return Response(status_code=499)  # nobody is left to read it
-        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
-            return error_response(400, "the request body is not valid JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
         try:
             check_text(body)
             options = parse_options(body, chat=chat)
@@ -284,6 +317,26 @@ class Api:
             raise
         self.admission.withdraw(ticket)
         return False
+
+
+async def _json_body(request: Request) -> dict | Response:
+    """The request's body as a JSON object, or the error response that says why it is not one."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # a compressed body would read as "not valid JSON"
+        return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
+    try:
+        body = json.loads(await read_body(request))
+    except BodyTooLarge:
+        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+    except asyncio.TimeoutError:
+        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody is left to read it
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
+        return error_response(400, "the request body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    return body
 
 
 def _some_tokens(tokens: list[int], what: str, param: str) -> list[int]:

@@ -255,6 +255,32 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
     return Options(max_tokens, sampling, stop, stream, include_usage)
 
 
-__all__ = ["BadRequest", "Options", "parse_options", "check_text", "check_token_ids", "check_context",
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = _given(body, name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return value
+
+
+def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
+    """llama-server's ``/tokenize`` body: ``content``, then ``add_special`` (default false),
+    ``parse_special`` (default true) and ``with_pieces`` (default false)."""
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise BadRequest("'content' must be a string", "content")
+    return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
+            _flag(body, "with_pieces", False))
+
+
+def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
+    """llama-server's ``/detokenize`` body: ``tokens``, a list of token ids of the vocabulary."""
+    tokens = _given(body, "tokens", [])
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+        raise BadRequest("'tokens' must be a list of token ids", "tokens")
+    check_token_ids(tokens, n_vocab, "tokens")
+    return tokens
+
+
+__all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS", "LLAMA_DEFAULT_SEED"]

@@ -1,0 +1,62 @@
+"""llama-server's /tokenize, /detokenize and /apply-template on SmolLM2's own tokenizer and
+chat template (no stages: these routes generate nothing)."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+from test_http_front import FakeEngine
+
+from skippy_wire.stage.chat import ChatTemplate
+from skippy_wire.stage.models import Tokenizer, smollm2_path
+from skippy_wire.tools.api import Api
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = FakeEngine()
+    engine.tokenizer = Tokenizer.from_gguf(smollm2_path())
+    api = Api(engine, model_id="m", chat_template=ChatTemplate.from_gguf(smollm2_path(), engine.tokenizer.tokens),
+              max_inflight=1)
+    with TestClient(api.app()) as client:
+        client.tokenizer = engine.tokenizer
+        yield client
+    api.close()
+
+
+def test_tokenize_gives_the_tokenizer_s_ids_and_detokenize_the_text_back(client):
+    text = "Hello, wörld! <|im_end|>"
+    r = client.post("/tokenize", json={"content": text})
+    assert r.status_code == 200 and r.json() == {"tokens": client.tokenizer.encode(text, add_bos=False)}
+    tokens = r.json()["tokens"]
+    assert client.tokenizer.tokens[tokens[-1]] == "<|im_end|>"  # parse_special by default, as llama-server
+    literal = client.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    assert len(literal) > len(tokens)  # spelled out character by character
+    assert client.post("/detokenize", json={"tokens": tokens}).json() == {"content": text}
+    assert client.post("/detokenize", json={"tokens": literal}).json() == {"content": text}
+    pieces = client.post("/tokenize", json={"content": "Hi you", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "Hi you"
+    assert [p["id"] for p in pieces] == client.tokenizer.encode("Hi you", add_bos=False)
+
+
+def test_tokenize_and_detokenize_refuse_bad_fields_with_openai_errors(client):
+    for path, body, param in (("/tokenize", {}, "content"), ("/tokenize", {"content": 5}, "content"),
+                              ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/detokenize", {"tokens": [1, True]}, "tokens"),
+                              ("/detokenize", {"tokens": [client.tokenizer.n_vocab]}, "tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert client.post("/tokenize", content=b"[1]").status_code == 400  # not a JSON object
+    lone = client.post("/tokenize", content=b'{"content": "Hi \\ud800"}')  # an unpaired surrogate
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "content", lone.text
+
+
+def test_apply_template_renders_as_the_chat_route_does(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = client.post("/apply-template", json={"messages": messages})
+    assert r.status_code == 200
+    assert r.json() == {"prompt": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                                  "<|im_start|>assistant\n"}
+    bad = client.post("/apply-template", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
