@@ -369,7 +369,8 @@ def test_api_key_guards_every_route_but_health_and_models_retrieve():
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = client.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/apply-template"):
+            assert client.post(path, json={"prompt": "x"}).status_code == 401, path
         ok = {"Authorization": "Bearer s3cret"}
         assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == "smol"
         assert client.get("/v1/models/smol", headers=ok).json()["id"] == "smol"
