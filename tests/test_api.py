@@ -222,6 +222,15 @@ def test_a_batch_of_prompts_gives_one_choice_each_as_they_give_alone(api):
     assert texts == [c.text for c in batch.choices]
 
 
+def test_n_sampled_choices_repeat_with_their_seed(api):
+    reply = _complete(api, max_tokens=12, temperature=1.0, seed=11, n=3)
+    texts = [c.text for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and reply.usage.completion_tokens > 3
+    assert len(set(texts)) > 1  # one seed, the next ones for the other choices: different samples
+    assert texts[0] == _complete(api, max_tokens=12, temperature=1.0, seed=11).choices[0].text
+    assert [c.text for c in _complete(api, max_tokens=12, temperature=1.0, seed=11, n=3).choices] == texts
+
+
 def test_disconnect_mid_stream_frees_the_sessions(api):
     # Four lanes per stage: leave more streams than that mid-way; if their sessions were
     # not freed on every stage, the four concurrent requests after them would find no lane.
@@ -247,7 +256,7 @@ def _post(api, path, body, **kw):
     ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": "high"}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 3}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/completions", {"prompt": 42}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),

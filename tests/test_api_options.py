@@ -58,7 +58,10 @@ def test_ignore_eos_bans_every_end_of_generation_token():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
+    ({"best_of": 3}, "best_of"),  # ranking needs log probabilities
+    ({"n": 2, "best_of": 3}, "best_of"),
     ({"stream": "yes"}, "stream"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"temperature": float("nan")}, "temperature"),

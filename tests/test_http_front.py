@@ -421,11 +421,43 @@ def test_a_batch_of_prompts_runs_one_after_another_on_one_lane():
         # bounded, and every element must be a prompt
         r = client.post("/v1/completions", json={"prompt": ["x"] * (MAX_PROMPTS + 1)})
         assert r.status_code == 400 and r.json()["error"]["message"] == \
-            f"'prompt' may hold at most {MAX_PROMPTS} prompts"
+            f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')"
         for bad in (["x", 5], ["x", []], ["x", [1, "y"]]):
             r = client.post("/v1/completions", json={"prompt": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
     assert len(engine.prompts) == 5  # nothing generated for a refused batch
+
+
+def test_n_choices_each_prompt_with_the_next_seed():
+    engine = FakeEngine(ctx_size=64)
+    with TestClient(_fake_api(engine).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": ["hi", "yo"], "n": 2, "seed": 7, "temperature": 1})
+        assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [(0, "ok"), (1, "ok"), (2, "ok"), (3, "ok")]
+        assert engine.prompts == ["hi", "hi", "yo", "yo"]  # prompt by prompt, n of each
+        assert [q["sampling"].seed for q in engine.requests] == [7, 8, 7, 8]
+        client.post("/v1/completions", json={"prompt": "hi", "n": 2, "seed": 2**32 - 2})
+        assert [q["sampling"].seed for q in engine.requests[-2:]] == [2**32 - 2, 2**32 - 1]
+        client.post("/v1/completions", json={"prompt": "hi", "n": 2})  # unseeded: each draws its own
+        assert [q["sampling"].seed for q in engine.requests[-2:]] == [None, None]
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2})
+        assert [(c["index"], c["message"]) for c in chat.json()["choices"]] == \
+            [(0, {"role": "assistant", "content": "ok"}), (1, {"role": "assistant", "content": "ok"})]
+        assert chat.json()["usage"]["completion_tokens"] == 2
+        stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                           "stream": True})
+        chunks = [json.loads(line[len("data: "):]) for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+                for c in chunks] == [(0, {"role": "assistant", "content": ""}, None),
+                                     (1, {"role": "assistant", "content": ""}, None),
+                                     (0, {"content": "ok"}, None), (0, {}, "stop"),
+                                     (1, {"content": "ok"}, None), (1, {}, "stop")]
+        before = len(engine.prompts)
+        r = client.post("/v1/completions", json={"prompt": ["a"] * 33, "n": 2})  # 66 generations
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = client.post("/v1/completions", json={"prompt": "a", "n": 65})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert len(engine.prompts) == before
 
 
 def test_llama_server_request_conventions():

@@ -244,16 +244,18 @@ class Api:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
-    def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
+    def _prompts(self, body: dict, chat: bool, n: int) -> list[list[int]]:
         """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
-        batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`."""
+        batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`
+        generations with ``n`` choices each."""
         if chat:
             return [_some_tokens(self.engine.tokenizer.encode(self._rendered(body)), "the rendered 'messages'",
                                  "messages")]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-        if batch and len(prompt) > MAX_PROMPTS:
-            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
+        if batch and len(prompt) * n > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
+                             "prompt")
         return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
 
     def _prompt_tokens(self, prompt) -> list[int]:
@@ -277,9 +279,11 @@ class Api:
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            prompts = await asyncio.to_thread(self._prompts, body, chat)
+            prompts = await asyncio.to_thread(self._prompts, body, chat, options.n)
             max_tokens = [check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
                                         "messages" if chat else "prompt") for prompt in prompts]
+            prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
+            max_tokens = [limit for limit in max_tokens for _ in range(options.n)]
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
         try:

@@ -2,13 +2,15 @@
 as one OpenAI response object or streamed as server-sent events.
 
 A completion request may carry several prompts (``prompt`` as a list of them, as OpenAI
-takes a batch): they run one after another on the request's one lane, so a batch takes no
-more of the pipeline than a single request, and each is a choice of its own ``index``.
+takes a batch), and any request ``n`` choices of each: the generations run one after another
+on the request's one lane, so they take no more of the pipeline than a single request, and
+each is a choice of its own ``index`` (prompt by prompt, ``n`` for each).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
@@ -19,6 +21,7 @@ from starlette.requests import Request
 from ..errors import PipelineError
 from .api_params import Options
 from .http_front import error_object, sse
+from .options import SEED_RANGE
 
 #: Seconds between checks that the client of a waiting request (queued, or generating
 #: without a stream) is still connected.
@@ -46,7 +49,7 @@ class GenerationJob:
         def generate_all() -> list:
             results = []
             for index, (prompt, limit) in enumerate(zip(self.prompts, self.max_tokens)):
-                results.append(engine.generate(prompt, max_tokens=limit, sampling=o.sampling, stop=o.stop,
+                results.append(engine.generate(prompt, max_tokens=limit, sampling=self._sampling(index), stop=o.stop,
                                                on_text=lambda text, i=index: on_text(i, text), cancelled=self.cancel))
                 on_done(index, results[-1])
             return results
@@ -54,6 +57,14 @@ class GenerationJob:
         future = asyncio.get_running_loop().run_in_executor(self.api.workers, generate_all)
         future.add_done_callback(self._finished)
         return future
+
+    def _sampling(self, index: int):
+        """The sampling of choice ``index``: a request's seed seeds its first choice of each
+        prompt, the next seed the second, and so on (one seed, ``n`` different samples)."""
+        sampling, choice = self.options.sampling, index % self.options.n
+        if choice == 0 or sampling.seed is None:  # no seed: each generation draws its own
+            return sampling
+        return dataclasses.replace(sampling, seed=(sampling.seed + choice) % SEED_RANGE)
 
     def _finished(self, future: asyncio.Future) -> None:
         self.api.admission.release()
@@ -88,8 +99,8 @@ class GenerationJob:
 
     def final_object(self, results: list) -> dict:
         if self.chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": results[0].text},
-                        "logprobs": None, "finish_reason": results[0].finish_reason}]
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                        "finish_reason": r.finish_reason} for i, r in enumerate(results)]
         else:
             choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
                        for i, r in enumerate(results)]
@@ -113,7 +124,8 @@ class GenerationJob:
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
         try:
             if self.chat:
-                yield self._chunk(0, "", None, first=True)
+                for index in range(len(self.prompts)):
+                    yield self._chunk(index, "", None, first=True)
             while (piece := await pieces.get()) is not None:
                 index, item = piece
                 if isinstance(item, str):

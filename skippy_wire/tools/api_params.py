@@ -20,8 +20,8 @@ from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
-#: Prompts in one completion request (``prompt`` as a batch); they run one after another on
-#: the request's lane.
+#: Generations in one request: its prompts (a completion's ``prompt`` as a batch) times
+#: ``n``, the choices of each; they run one after another on the request's lane.
 MAX_PROMPTS = 64
 #: Characters in one stop string at most.  Matching costs each generated token only its own
 #: characters (``TextAssembler`` in ``skippy_wire.net.service`` advances an automaton per
@@ -149,6 +149,7 @@ class Options:
     stop: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
 
 
 def _check_unsupported(body: dict, chat: bool) -> None:
@@ -158,9 +159,10 @@ def _check_unsupported(body: dict, chat: bool) -> None:
     user = body.get("user")  # OpenAI's end-user id, for its abuse monitoring: read, not used
     if user is not None and not isinstance(user, str):
         raise BadRequest("'user' must be a string", "user")
-    for name in ("n", "best_of"):
-        if _number(body, name, 1, -(2**63), 2**63, integer=True) != 1:
-            raise BadRequest(f"'{name}' other than 1 is not supported", name)
+    # best_of ranks its candidates by log probability, which no stage returns; best_of n
+    # returns them all, as n does.
+    if _number(body, "best_of", 1, -(2**63), 2**63, integer=True) not in (1, _given(body, "n", 1)):
+        raise BadRequest("'best_of' other than 1 (or 'n') is not supported", "best_of")
     # Chat's logprobs is a boolean (false asks for nothing); a completion's is a count, and
     # 0 still asks for the sampled token's log probability, which no stage returns.
     harmless = {**_HARMLESS, **_LLAMA_NEUTRAL, "logprobs": (False,) if chat else ()}
@@ -252,7 +254,8 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
-    return Options(max_tokens, sampling, stop, stream, include_usage)
+    n = _number(body, "n", 1, 1, MAX_PROMPTS, integer=True)
+    return Options(max_tokens, sampling, stop, stream, include_usage, n)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
