@@ -186,40 +186,35 @@ class Api:
     # -- llama-server's tokenizer and template routes (no generation, no lane)
 
     async def tokenize(self, request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        tokenizer = self.engine.tokenizer
-        try:
-            check_text(body)
-            content, add_special, parse_special, with_pieces = parse_tokenize(body)
-        except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
-        tokens = await asyncio.to_thread(tokenizer.encode, content, add_bos=add_special, parse_special=parse_special)
-        if with_pieces:  # a piece that is part of a character reads as U+FFFD
-            return JSONResponse({"tokens": [{"id": t, "piece": tokenizer.token_to_piece(t)} for t in tokens]})
-        return JSONResponse({"tokens": tokens})
+        return await self._answer_body(request, self._tokenized)
 
     async def detokenize(self, request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            tokens = parse_detokenize(body, self.engine.tokenizer.n_vocab)
-        except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
-        return JSONResponse({"content": await asyncio.to_thread(self.engine.tokenizer.decode, tokens)})
+        return await self._answer_body(request, lambda body: {
+            "content": self.engine.tokenizer.decode(parse_detokenize(body, self.engine.tokenizer.n_vocab))})
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
+        return await self._answer_body(request, lambda body: {"prompt": self._rendered(body)})
+
+    async def _answer_body(self, request: Request, answer) -> Response:
+        """``answer(body)`` of the request's JSON body, computed off the event loop (a long
+        text takes a while to tokenize); a BadRequest as a 400."""
         body = await _json_body(request)
         if isinstance(body, Response):
             return body
         try:
             check_text(body)
-            return JSONResponse({"prompt": await asyncio.to_thread(self._rendered, body)})
+            return JSONResponse(await asyncio.to_thread(answer, body))
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
+
+    def _tokenized(self, body: dict) -> dict:
+        content, add_special, parse_special, with_pieces = parse_tokenize(body)
+        tokenizer = self.engine.tokenizer
+        tokens = tokenizer.encode(content, add_bos=add_special, parse_special=parse_special)
+        if with_pieces:  # a piece that is part of a character reads as U+FFFD
+            return {"tokens": [{"id": t, "piece": tokenizer.token_to_piece(t)} for t in tokens]}
+        return {"tokens": tokens}
 
     # -- generation routes
 

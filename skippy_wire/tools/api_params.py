@@ -91,6 +91,14 @@ def _given(body: dict, name: str, default=None):
     return default if value is None else value
 
 
+def _flag(body: dict, name: str, default: bool, param: Optional[str] = None) -> bool:
+    """``body[name]``, a boolean (``param``: how errors name it, default ``name``)."""
+    value = _given(body, name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{param or name}' must be a boolean", param or name)
+    return value
+
+
 def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False,
             above: bool = False):
     """``body[name]`` checked to lie in [lo, hi] (``above``: in (lo, hi])."""
@@ -198,9 +206,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 def _stream(body: dict) -> tuple[bool, bool]:
     """``stream`` and ``stream_options.include_usage``."""
-    stream = _given(body, "stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
+    stream = _flag(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -208,10 +214,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
-    include_usage = _given(options, "include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-    return stream, include_usage
+    return stream, _flag(options, "include_usage", False, "stream_options.include_usage")
 
 
 def parse_options(body: dict, *, chat: bool = False) -> Options:
@@ -225,9 +228,7 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name)
     if max_tokens == UNTIL_FULL:
         max_tokens = None
-    ignore_eos = _given(body, "ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
+    ignore_eos = _flag(body, "ignore_eos", False)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -256,13 +257,6 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
     stream, include_usage = _stream(body)
     n = _number(body, "n", 1, 1, MAX_PROMPTS, integer=True)
     return Options(max_tokens, sampling, stop, stream, include_usage, n)
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = _given(body, name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a boolean", name)
-    return value
 
 
 def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
