@@ -88,7 +88,7 @@ def busy_intervals(path: Path, start_ns: int, end_ns: int) -> list[tuple[int, in
     spans = []
     for line in path.read_text().split("\n"):
         if line.strip():
-            a, b = map(int, line.split())
+            a, b = map(int, line.split()[:2])
             a, b = max(a, start_ns), min(b, end_ns)
             if a < b:
                 spans.append((a, b))

@@ -261,6 +261,17 @@ def test_a_failing_batch_fails_only_its_own_session():
     assert isinstance(results[13], ValueError)
 
 
+def test_each_stretch_of_compute_is_reported_with_the_steps_it_ran():
+    # What --trace-compute writes: one (start, end, rows) per batch, rows counting its steps.
+    lock, stretches = threading.Lock(), []
+    batcher = DecodeBatcher(lambda steps: [(s.token, None) for s in steps], lambda s: (s.token, None), lock,
+                            on_compute=lambda *stretch: stretches.append(stretch))
+    _run_queued_together(batcher, lock, [DecodeStep(None, t, None, 0, None) for t in (1, 2, 3)])
+    batcher.decode(DecodeStep(None, 4, None, 0, None))
+    assert [rows for _, _, rows in stretches] == [3, 1]
+    assert all(start <= end for start, end, _ in stretches)
+
+
 def test_a_step_arriving_while_a_lone_session_runs_queues_and_gets_its_own_result():
     """The lone session runs at once, on its own thread; a second session's step that
     arrives meanwhile waits for the runtime and then runs with its own result."""

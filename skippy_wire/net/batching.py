@@ -69,13 +69,14 @@ class DecodeBatcher:
 
     ``run_batch(steps) -> [(predicted, frame), ...]`` runs several steps as one batch and
     ``run_one(step) -> (predicted, frame)`` runs one; both are called with ``lock`` held.
-    ``on_compute(start_ns, end_ns)`` hears of every stretch of compute (monotonic clock).
+    ``on_compute(start_ns, end_ns, rows)`` hears of every stretch of compute (monotonic
+    clock) and how many steps it ran.
     """
 
     def __init__(self, run_batch: Callable[[Sequence[DecodeStep]], list], run_one: Callable[[DecodeStep], tuple],
                  lock: threading.Lock, max_batch: int = DEFAULT_MAX_BATCH,
-                 on_compute: Optional[Callable[[int, int], None]] = None) -> None:
-        self._on_compute = on_compute or (lambda start_ns, end_ns: None)
+                 on_compute: Optional[Callable[[int, int, int], None]] = None) -> None:
+        self._on_compute = on_compute or (lambda start_ns, end_ns, rows: None)
         self._run_batch = run_batch
         self._run_one = run_one
         self._lock = lock
@@ -146,7 +147,7 @@ class DecodeBatcher:
         """Run ``batch`` (the runtime lock held) and report its compute stretch."""
         start_ns = time.monotonic_ns()
         self._execute(batch)
-        self._on_compute(start_ns, time.monotonic_ns())
+        self._on_compute(start_ns, time.monotonic_ns(), len(batch))
 
     def forget(self, session: Any) -> None:
         """A freed session no longer counts as decoding here."""

@@ -490,11 +490,12 @@ class StageServer:
         the GIL and the cores from the batches (docs/benchmarks.md, "Eleventh session")."""
         return self.poll_s if self.batcher.decoding <= 1 else 0.0
 
-    def _trace_compute(self, start_ns: int, end_ns: int) -> None:
-        """One stretch of compute, as ``START_NS END_NS`` (CLOCK_MONOTONIC, comparable
-        across the stage processes of one machine) when a trace file was given."""
+    def _trace_compute(self, start_ns: int, end_ns: int, rows: int) -> None:
+        """One stretch of compute, as ``START_NS END_NS ROWS`` (CLOCK_MONOTONIC, comparable
+        across the stage processes of one machine; the steps it ran) when a trace file was
+        given."""
         if self.compute_trace is not None:
-            self.compute_trace.write(f"{start_ns} {end_ns}\n")
+            self.compute_trace.write(f"{start_ns} {end_ns} {rows}\n")
 
     def _check_position(self, msg, session: ServedSession) -> None:
         """``pos_start`` against the session's token count.

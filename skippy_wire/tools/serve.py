@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first stage: compute each decode step only when its message arrives (default: a "
                         "session's next step is computed while its reply travels to the driver and back)")
     p.add_argument("--trace-compute", default=None, metavar="DIR",
-                   help="append one 'START_NS END_NS' line per stretch of compute to DIR/stageK.trace "
-                        "(monotonic clock; the serving benchmark measures overlap with it; default: off)")
+                   help="append one 'START_NS END_NS ROWS' line per stretch of compute (the steps it ran "
+                        "together) to DIR/stageK.trace (monotonic clock; the serving benchmark measures "
+                        "overlap and batch sizes with it; default: off)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="stderr log level")
     return p
