@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from test_server import Chain
 
-from skippy_wire.net.service import Cancelled, Generation, GenerationEngine
+from skippy_wire.net.service import Admission, Cancelled, Generation, GenerationEngine
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api, _origin
@@ -398,7 +398,7 @@ def test_health_asks_every_stage():
         chain.close()
 
 
-def test_a_batch_of_prompts_runs_one_after_another_on_one_lane():
+def test_a_batch_of_prompts_on_one_lane_runs_one_after_another():
     engine = FakeEngine(ctx_size=64)
     with TestClient(_fake_api(engine).app()) as client:
         r = client.post("/v1/completions", json={"prompt": ["hi", [111, 107], "yo"], "max_tokens": -1})
@@ -426,6 +426,41 @@ def test_a_batch_of_prompts_runs_one_after_another_on_one_lane():
             r = client.post("/v1/completions", json={"prompt": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
     assert len(engine.prompts) == 5  # nothing generated for a refused batch
+
+
+def test_a_batch_borrows_the_idle_lanes_and_gives_them_back():
+    engine = FakeEngine()
+    api = _fake_api(engine, max_inflight=3)
+    engine.gate.clear()
+    with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
+        lone = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "A"}, timeout=30)
+        _until(lambda: engine.prompts == ["A"], "a request takes one lane")
+        batch = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": ["b0", "b1", "b2"]}, timeout=30)
+        # two lanes idle: the batch's own and one borrowed generate side by side ...
+        _until(lambda: sorted(engine.prompts) == ["A", "b0", "b1"], "the batch borrows the idle lane")
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "\nskippy_requests_running 2\n" in metrics and "\nskippy_lanes_busy 3\n" in metrics, metrics
+        time.sleep(0.2)
+        assert len(engine.prompts) == 3  # ... and the third prompt waits for one of them
+        engine.gate.set()
+        assert lone.result().status_code == 200
+        assert [c["text"] for c in batch.result().json()["choices"]] == ["ok"] * 3
+    assert sorted(engine.prompts) == ["A", "b0", "b1", "b2"]
+    assert (api.admission.running, api.admission.borrowed, api.admission.waiting) == (0, 0, 0)
+
+
+def test_borrowers_take_only_idle_lanes_and_never_before_a_waiting_request():
+    async def scenario():
+        admission = Admission(max_inflight=3, max_queue=4)
+        first, second = admission.ticket(), admission.ticket()
+        assert first.done() and second.done() and admission.borrow(5) == 1  # only the one idle lane
+        waiting = admission.ticket()
+        assert not waiting.done() and admission.borrow(1) == 0
+        admission.give_back()  # the borrowed lane goes to the request in line, not to a borrower
+        assert waiting.done() and admission.borrow(1) == 0
+        assert (admission.running, admission.borrowed, admission.waiting) == (3, 0, 0)
+
+    asyncio.run(scenario())
 
 
 def test_n_choices_each_prompt_with_the_next_seed():

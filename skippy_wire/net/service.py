@@ -378,7 +378,9 @@ class GenerationEngine:
 
 
 class Admission:
-    """Up to ``max_inflight`` requests run, ``max_queue`` wait (FIFO), the rest are refused.
+    """Up to ``max_inflight`` lanes run, ``max_queue`` requests wait (FIFO), the rest are
+    refused.  A request holds one lane, and may :meth:`borrow` idle ones for its other
+    generations.
 
     Event-loop only.  :meth:`ticket` asks for a lane and :meth:`withdraw` gives the ask
     up, whether it still waits (it leaves the queue) or was just granted (the lane goes to
@@ -387,7 +389,8 @@ class Admission:
     def __init__(self, max_inflight: int, max_queue: int) -> None:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
-        self.running = 0
+        self.running = 0  # lanes granted, borrowed ones included
+        self.borrowed = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -418,6 +421,20 @@ class Admission:
             self._queue.remove(ticket)
         except ValueError:
             pass
+
+    def borrow(self, wanted: int) -> int:
+        """Up to ``wanted`` more lanes for a running request: only lanes idle now while no
+        request waits (a borrower never queues nor delays one that does).  How many were
+        granted; each goes back with :meth:`give_back`."""
+        granted = 0 if self._queue else max(0, min(wanted, self.max_inflight - self.running))
+        self.running += granted
+        self.borrowed += granted
+        return granted
+
+    def give_back(self) -> None:
+        """Return a borrowed lane."""
+        self.borrowed -= 1
+        self.release()
 
     def release(self) -> None:
         """Give a granted lane back: to the next in line, if any."""

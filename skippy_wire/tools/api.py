@@ -171,7 +171,8 @@ class Api:
             ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
             ("skippy_prompt_tokens_total", "counter", "Prompt tokens processed", c["prompt_tokens"]),
             ("skippy_completion_tokens_total", "counter", "Tokens generated", c["completion_tokens"]),
-            ("skippy_requests_running", "gauge", "Requests holding a lane", a.running),
+            ("skippy_requests_running", "gauge", "Requests holding a lane", a.running - a.borrowed),
+            ("skippy_lanes_busy", "gauge", "Lanes generating (a request may borrow idle ones)", a.running),
             ("skippy_queue_depth", "gauge", "Requests waiting for a lane", a.waiting),
         ]
         lines = []

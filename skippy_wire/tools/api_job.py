@@ -2,9 +2,10 @@
 as one OpenAI response object or streamed as server-sent events.
 
 A completion request may carry several prompts (``prompt`` as a list of them, as OpenAI
-takes a batch), and any request ``n`` choices of each: the generations run one after another
-on the request's one lane, so they take no more of the pipeline than a single request, and
-each is a choice of its own ``index`` (prompt by prompt, ``n`` for each).
+takes a batch), and any request ``n`` choices of each, each a choice of its own ``index``
+(prompt by prompt, ``n`` for each).  The generations run side by side on the lanes that are
+idle when the request starts (its own, and those it borrows while no other request waits:
+:meth:`.Admission.borrow`), each lane taking the next generation when it is done.
 """
 
 from __future__ import annotations
@@ -40,23 +41,45 @@ class GenerationJob:
         self.started = False
 
     def _start(self, on_text: Callable[[int, str], None], on_done: Callable[[int, Any], None]) -> asyncio.Future:
-        """Run the generations on a worker (``on_text(index, text)`` as text comes,
-        ``on_done(index, result)`` as each ends); the lane is given back when the worker is
-        done (after a cancelled session was stopped on every stage), whatever the client does."""
+        """Run the generations on workers (``on_text(index, text)`` as text comes,
+        ``on_done(index, result)`` as each ends): one per lane, the request's own and those
+        it could borrow; each lane is given back when its worker is done (after a cancelled
+        session was stopped on every stage), whatever the client does.  The future gives
+        every result in order, or the first failure."""
         self.started = True
         engine, o = self.api.engine, self.options
+        count = len(self.prompts)
+        results: list = [None] * count
+        indices, take, failed = iter(range(count)), threading.Lock(), threading.Event()
 
-        def generate_all() -> list:
-            results = []
-            for index, (prompt, limit) in enumerate(zip(self.prompts, self.max_tokens)):
-                results.append(engine.generate(prompt, max_tokens=limit, sampling=self._sampling(index), stop=o.stop,
-                                               on_text=lambda text, i=index: on_text(i, text), cancelled=self.cancel))
-                on_done(index, results[-1])
+        def generate_some() -> None:
+            while True:
+                with take:  # the next generation not yet taken, none after a failure
+                    index = None if failed.is_set() else next(indices, None)
+                if index is None:
+                    return
+                try:
+                    results[index] = engine.generate(
+                        self.prompts[index], max_tokens=self.max_tokens[index], sampling=self._sampling(index),
+                        stop=o.stop, on_text=lambda text, i=index: on_text(i, text), cancelled=self.cancel)
+                except BaseException:
+                    failed.set()
+                    raise
+                on_done(index, results[index])
+
+        loop = asyncio.get_running_loop()
+        borrowed = self.api.admission.borrow(count - 1)
+        lanes = [loop.run_in_executor(self.api.workers, generate_some) for _ in range(1 + borrowed)]
+        for lane, give_back in zip(lanes, [self.api.admission.release] + [self.api.admission.give_back] * borrowed):
+            lane.add_done_callback(lambda future, give_back=give_back: self._lane_done(future, give_back))
+
+        async def all_results() -> list:
+            await asyncio.wait(lanes)  # which, unlike gather, never cancels a lane still generating
+            for lane in lanes:
+                lane.result()  # the first failure, if any
             return results
 
-        future = asyncio.get_running_loop().run_in_executor(self.api.workers, generate_all)
-        future.add_done_callback(self._finished)
-        return future
+        return asyncio.ensure_future(all_results())
 
     def _sampling(self, index: int):
         """The sampling of choice ``index``: a request's seed seeds its first choice of each
@@ -66,8 +89,9 @@ class GenerationJob:
             return sampling
         return dataclasses.replace(sampling, seed=(sampling.seed + choice) % SEED_RANGE)
 
-    def _finished(self, future: asyncio.Future) -> None:
-        self.api.admission.release()
+    @staticmethod
+    def _lane_done(future: asyncio.Future, give_back: Callable[[], None]) -> None:
+        give_back()
         if not future.cancelled():
             future.exception()  # retrieved: a cancelled stream's error is nobody's to report
 

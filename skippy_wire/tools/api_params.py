@@ -21,7 +21,7 @@ from .options import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
 #: Generations in one request: its prompts (a completion's ``prompt`` as a batch) times
-#: ``n``, the choices of each; they run one after another on the request's lane.
+#: ``n``, the choices of each; they run side by side on the lanes idle when it starts.
 MAX_PROMPTS = 64
 #: Characters in one stop string at most.  Matching costs each generated token only its own
 #: characters (``TextAssembler`` in ``skippy_wire.net.service`` advances an automaton per
