@@ -19,13 +19,20 @@ def test_null_fields_mean_their_defaults():
     assert options.max_tokens == 7 and options.stream is False and options.stop == []
 
 
+def test_a_response_format_that_is_no_object_is_named():
+    with pytest.raises(BadRequest, match="^'response_format' must be an object$"):
+        parse_options({"response_format": "text"})
+
+
 def test_max_completion_tokens_wins_over_max_tokens():
     assert parse_options({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
 
 
 def test_llama_server_names_for_the_token_budget():
     assert parse_options({"n_predict": 5}).max_tokens == 5
-    assert parse_options({"max_tokens": 3, "n_predict": 5}).max_tokens == 3
+    # llama-server reads n_predict before max_tokens
+    assert parse_options({"max_tokens": 3, "n_predict": 5}).max_tokens == 5
+    assert parse_options({"max_completion_tokens": 3, "n_predict": 5}).max_tokens == 5
     for name in ("max_tokens", "max_completion_tokens", "n_predict"):
         assert parse_options({name: -1}).max_tokens is None  # llama.cpp's -1: until the context is full
         with pytest.raises(BadRequest) as err:

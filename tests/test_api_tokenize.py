@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 from test_http_front import FakeEngine
 
 from skippy_wire.stage.chat import ChatTemplate
-from skippy_wire.stage.models import Tokenizer, smollm2_path
+from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.tools.api import Api
 
 
@@ -37,6 +37,20 @@ def test_tokenize_gives_the_tokenizer_s_ids_and_detokenize_the_text_back(client)
     pieces = client.post("/tokenize", json={"content": "Hi you", "with_pieces": True}).json()["tokens"]
     assert "".join(p["piece"] for p in pieces) == "Hi you"
     assert [p["id"] for p in pieces] == client.tokenizer.encode("Hi you", add_bos=False)
+
+
+def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path):
+    # As llama.cpp: SmolLM2's GGUF says add_bos_token false, the tiny model's says true.
+    hi = client.tokenizer.encode("Hi", add_bos=False)
+    assert client.post("/tokenize", json={"content": "Hi", "add_special": True}).json() == {"tokens": hi}
+    engine = FakeEngine()
+    engine.tokenizer = Tokenizer.from_gguf(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    api = Api(engine, model_id="m", chat_template=None, max_inflight=1)
+    with TestClient(api.app()) as tiny:
+        plain = tiny.post("/tokenize", json={"content": "Hi"}).json()["tokens"]
+        special = tiny.post("/tokenize", json={"content": "Hi", "add_special": True}).json()["tokens"]
+    api.close()
+    assert special == [engine.tokenizer.bos_id] + plain
 
 
 def test_tokenize_and_detokenize_refuse_bad_fields_with_openai_errors(client):

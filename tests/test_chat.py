@@ -100,6 +100,9 @@ def test_a_developer_message_is_the_system_turn():
     template = ChatTemplate("{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}")
     turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert template.render(turns) == "[system: Be brief.][user: Hi]"
+    # the deprecated function message is the tool result it became
+    result = [{"role": "function", "name": "f", "content": "42"}]
+    assert template.render(result) == "[tool: 42]"
     smollm2 = ChatTemplate.from_gguf(smollm2_path())
     assert smollm2.render(turns) == smollm2.render([{**turns[0], "role": "system"}, turns[1]])
 

@@ -468,6 +468,8 @@ def test_n_choices_each_prompt_with_the_next_seed():
     with TestClient(_fake_api(engine).app()) as client:
         r = client.post("/v1/completions", json={"prompt": ["hi", "yo"], "n": 2, "seed": 7, "temperature": 1})
         assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [(0, "ok"), (1, "ok"), (2, "ok"), (3, "ok")]
+        # each prompt's tokens count once, however many choices it has (as OpenAI bills them)
+        assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
         assert engine.prompts == ["hi", "hi", "yo", "yo"]  # prompt by prompt, n of each
         assert [q["sampling"].seed for q in engine.requests] == [7, 8, 7, 8]
         client.post("/v1/completions", json={"prompt": "hi", "n": 2, "seed": 2**32 - 2})
@@ -476,15 +478,16 @@ def test_n_choices_each_prompt_with_the_next_seed():
         assert [q["sampling"].seed for q in engine.requests[-2:]] == [None, None]
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2})
         assert [(c["index"], c["message"]) for c in chat.json()["choices"]] == \
-            [(0, {"role": "assistant", "content": "ok"}), (1, {"role": "assistant", "content": "ok"})]
+            [(0, {"role": "assistant", "content": "ok", "refusal": None}),
+             (1, {"role": "assistant", "content": "ok", "refusal": None})]
         assert chat.json()["usage"]["completion_tokens"] == 2
         stream = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
                                                            "stream": True})
         chunks = [json.loads(line[len("data: "):]) for line in stream.text.splitlines()
                   if line.startswith("data: {")]
         assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
-                for c in chunks] == [(0, {"role": "assistant", "content": ""}, None),
-                                     (1, {"role": "assistant", "content": ""}, None),
+                for c in chunks] == [(0, {"role": "assistant", "refusal": None, "content": ""}, None),
+                                     (1, {"role": "assistant", "refusal": None, "content": ""}, None),
                                      (0, {"content": "ok"}, None), (0, {}, "stop"),
                                      (1, {"content": "ok"}, None), (1, {}, "stop")]
         before = len(engine.prompts)
@@ -493,6 +496,19 @@ def test_n_choices_each_prompt_with_the_next_seed():
         r = client.post("/v1/completions", json={"prompt": "a", "n": 65})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert len(engine.prompts) == before
+
+
+def test_llama_server_routes_without_v1_and_its_props():
+    with TestClient(_fake_api(FakeEngine(ctx_size=64)).app()) as client:
+        assert client.get("/models").json() == client.get("/v1/models").json()
+        assert client.get("/v1/health").json() == client.get("/health").json() == {"status": "ok"}
+        r = client.post("/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        r = client.post("/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        props = client.get("/props").json()
+        assert props["default_generation_settings"] == {"n_ctx": 64} and props["total_slots"] == 1
+        assert props["chat_template"] == ROLE_TEMPLATE.source
 
 
 def test_llama_server_request_conventions():

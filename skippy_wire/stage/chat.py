@@ -22,7 +22,9 @@ from ..errors import StageRuntimeError
 from .models import read_gguf_metadata
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-ROLES = ("system", "user", "assistant", "tool", "developer")
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+#: Roles that templates know by another name: OpenAI's newer and deprecated ones.
+_TEMPLATE_ROLE = {"developer": "system", "function": "tool"}
 #: Roles whose messages must carry content (an assistant's may be null beside tool calls).
 CONTENT_ROLES = ("system", "user", "tool", "developer")
 
@@ -81,7 +83,7 @@ def check_messages(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string")
-        message = {**m, "role": "system" if role == "developer" else role, "content": content}
+        message = {**m, "role": _TEMPLATE_ROLE.get(role, role), "content": content}
         if "name" in message and message["name"] is None:
             del message["name"]  # null, as clients that send every field send those unset: absent
         out.append(message)

@@ -99,14 +99,17 @@ class Api:
 
     def app(self) -> Starlette:
         routes = [
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            # llama-server answers the OpenAI routes with and without /v1
+            *(route for prefix in ("/v1", "") for route in (
+                Route(prefix + "/models", self.models, methods=["GET"]),
+                Route(prefix + "/models/{model:path}", self.model, methods=["GET"]),
+                Route(prefix + "/completions", self.completions, methods=["POST"]),
+                Route(prefix + "/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(prefix + "/health", self.health, methods=["GET"]))),
+            Route("/props", self.props, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         # CORS outermost: a browser's preflight carries no key.
@@ -144,6 +147,14 @@ class Api:
         if name != self.model_id:
             return error_response(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
         return JSONResponse(self._model_object())
+
+    async def props(self, request: Request) -> Response:
+        """llama-server's ``GET /props``: what its clients read of it (the context size, the
+        slots, the chat template, the build)."""
+        return JSONResponse({"default_generation_settings": {"n_ctx": self.engine.ctx_size},
+                             "total_slots": self.max_inflight,
+                             "chat_template": self.chat_template.source if self.chat_template else "",
+                             "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
 
     async def health(self, request: Request) -> Response:
         """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else
@@ -212,7 +223,8 @@ class Api:
     def _tokenized(self, body: dict) -> dict:
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
         tokenizer = self.engine.tokenizer
-        tokens = tokenizer.encode(content, add_bos=add_special, parse_special=parse_special)
+        # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
+        tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
         if with_pieces:  # a piece that is part of a character reads as U+FFFD
             return {"tokens": [{"id": t, "piece": tokenizer.token_to_piece(t)} for t in tokens]}
         return {"tokens": tokens}

@@ -108,9 +108,11 @@ class GenerationJob:
         finally:
             self.cancel.set()  # no effect once done; else (awaiting cancelled) the generation stops
 
-    @staticmethod
-    def _usage(results: list) -> dict:
-        prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
+    def _usage(self, results: list) -> dict:
+        """Every generation's completion tokens, and each prompt's tokens once however many
+        choices it has (as OpenAI counts them)."""
+        prompt = sum(r.prompt_tokens for r in results[::self.options.n])
+        completion = sum(r.completion_tokens for r in results)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _envelope(self, choices: list, *, chunk: bool) -> dict:
@@ -123,7 +125,8 @@ class GenerationJob:
 
     def final_object(self, results: list) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                        "logprobs": None,
                         "finish_reason": r.finish_reason} for i, r in enumerate(results)]
         else:
             choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
@@ -132,7 +135,7 @@ class GenerationJob:
 
     def _chunk(self, index: int, text: Optional[str], finish_reason: Optional[str], *, first: bool = False) -> str:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant", "refusal": None} if first else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

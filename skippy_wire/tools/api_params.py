@@ -44,9 +44,10 @@ _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([]
 _LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typical_p": (1, 1.0),
                   "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0),
                   "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0,)}
-#: ``max_tokens`` and its other names, first given first: OpenAI's newer name, OpenAI's
-#: older one, llama-server's.  -1 (llama.cpp's "no limit") generates until the context is full.
-_MAX_TOKENS_NAMES = ("max_completion_tokens", "max_tokens", "n_predict")
+#: ``max_tokens`` and its other names, first given first: llama-server's (which it reads
+#: before ``max_tokens``), OpenAI's newer name, OpenAI's older one.  -1 (llama.cpp's "no
+#: limit") generates until the context is full.
+_MAX_TOKENS_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
 UNTIL_FULL = -1
 #: Fields only meaningful beside another one (OpenAI refuses them alone).
 _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function_call", "functions"))
@@ -182,6 +183,8 @@ def _check_unsupported(body: dict, chat: bool) -> None:
         if body.get(name) is not None and not _given(body, needs):
             raise BadRequest(f"'{name}' is only allowed when '{needs}' are specified", name)
     response_format = body.get("response_format")
+    if response_format is not None and not isinstance(response_format, dict):
+        raise BadRequest("'response_format' must be an object", "response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
