@@ -595,6 +595,35 @@ def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_f
     assert "PREFILL_FINAL_EMBD at position 3, but session 1 holds 0 tokens" in caplog.text
 
 
+def test_a_decode_step_of_several_tokens_is_refused_before_it_is_computed(chain_factory, caplog):
+    from skippy_wire.net.driver import decode_message, prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        for msg in prefill_messages(PROMPT, 16, 1, 1):
+            first = client.request(msg).predicted
+        two = decode_message(first, len(PROMPT), 0, len(PROMPT), 1, 1)
+        two.token_count, two.tokens = 2, [first, first]
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(two)
+        assert [b.sessions[0].token_count for b in chain.backends] == [len(PROMPT)] * 2  # no cache changed
+    assert "a DecodeEmbd carries one token, this one 2" in caplog.text
+
+
+def test_sampling_the_terminal_would_refuse_is_refused_by_the_first_stage_with_its_reason(chain_factory, caplog):
+    from skippy_wire.wire.messages import SamplingConfig
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.generate(PROMPT, max_tokens=2, chunk_size=8,
+                            sampling=SamplingConfig(flags=1, dry_sequence_breakers=["x" * 64]))
+    assert "stage runtime error: sampling DRY sequence breaker exceeds the native byte limit" in caplog.text
+    assert not chain.backends[1].sessions  # the terminal stage never saw the session
+
+
 def test_a_stage_polls_only_while_one_session_decodes_there():
     """Polling readers (``poll_s``) would take the GIL and the cores from the batches of
     several sessions, so a stage polls only while at most one session decodes there."""
