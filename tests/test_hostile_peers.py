@@ -112,6 +112,27 @@ def test_connection_log_drops_a_flood_and_says_how_much(monkeypatch, caplog):
     assert len(lines) == 5 and clog.dropped == 7
 
 
+def test_a_logger_s_own_lines_get_the_same_budget(monkeypatch, caplog):
+    # uvicorn logs every malformed HTTP request itself; the filter bounds those lines too
+    now = [100.0]
+    monkeypatch.setattr(connlog.time, "monotonic", lambda: now[0])
+    logger = logging.getLogger("test.uvicorn-like")
+    records = connlog.RateLimitedRecords(burst=2, rate=1.0)
+    logger.addFilter(records)
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.uvicorn-like"):
+            for _ in range(6):
+                logger.warning("Invalid HTTP request received.")
+            now[0] += 1.0
+            logger.warning("Invalid %s request received.", "HTTP")
+    finally:
+        logger.removeFilter(records)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["Invalid HTTP request received."] * 2 + [
+        "Invalid HTTP request received. [4 earlier lines at this level not logged: log rate limit]"]
+    assert records.budget.dropped == 4
+
+
 def test_hostile_setup_json_is_one_bounded_line_each_and_the_stages_serve_on(caplog):
     servers = _chain(17)
     try:

@@ -40,18 +40,18 @@ def peer_text(value, limit: int = MAX_PEER_TEXT) -> str:
     return text + (f"... ({cut} more characters)" if cut > 0 else "")
 
 
-class ConnectionLog:
-    """Rate-limited, sanitised lines on ``logger`` (see the module doc)."""
+class LogBudget:
+    """A token bucket per level: :data:`LOG_BURST` lines at once, then :data:`LOG_RATE` a
+    second (see the module doc)."""
 
-    def __init__(self, logger: logging.Logger, burst: int = LOG_BURST, rate: float = LOG_RATE) -> None:
-        self.logger, self.burst, self.rate = logger, burst, rate
+    def __init__(self, burst: int = LOG_BURST, rate: float = LOG_RATE) -> None:
+        self.burst, self.rate = burst, rate
         self.dropped = 0  # lines not logged, all levels, since the start
         self._lock = threading.Lock()
         self._buckets: dict[int, tuple[float, float]] = {}  # level -> (tokens, when)
         self._held: dict[int, int] = {}  # level -> lines dropped since the last one logged
-        self._traced = False
 
-    def _admit(self, level: int) -> int | None:
+    def admit(self, level: int) -> int | None:
         """None when a line of ``level`` is over the budget, else the lines dropped before it."""
         with self._lock:
             now = time.monotonic()
@@ -65,15 +65,50 @@ class ConnectionLog:
             self._buckets[level] = (tokens - 1.0, now)
             return self._held.pop(level, 0)
 
+
+def _held_note(held: int) -> str:
+    return f" [{held} earlier lines at this level not logged: log rate limit]"
+
+
+class RateLimitedRecords(logging.Filter):
+    """The same budget for a logger whose lines a peer causes but this package does not
+    write (uvicorn's "Invalid HTTP request received." for every malformed request)."""
+
+    def __init__(self, burst: int = LOG_BURST, rate: float = LOG_RATE) -> None:
+        super().__init__()
+        self.budget = LogBudget(burst, rate)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = self.budget.admit(record.levelno)
+        if held is None:
+            return False
+        if held:
+            record.msg, record.args = record.getMessage() + _held_note(held), ()
+        return True
+
+
+class ConnectionLog:
+    """Rate-limited, sanitised lines on ``logger`` (see the module doc)."""
+
+    def __init__(self, logger: logging.Logger, burst: int = LOG_BURST, rate: float = LOG_RATE) -> None:
+        self.logger = logger
+        self.budget = LogBudget(burst, rate)
+        self._traced = False
+
+    @property
+    def dropped(self) -> int:
+        """Lines not logged, all levels, since the start."""
+        return self.budget.dropped
+
     def log(self, level: int, fmt: str, *args, exc_info: bool = False) -> None:
         if not self.logger.isEnabledFor(level):
             return
-        held = self._admit(level)
+        held = self.budget.admit(level)
         if held is None:
             return
         line = fmt % tuple(peer_text(a) if isinstance(a, (str, BaseException)) else a for a in args)
         if held:
-            line += f" [{held} earlier lines at this level not logged: log rate limit]"
+            line += _held_note(held)
         self.logger.log(level, "%s", line, exc_info=exc_info)
 
     def info(self, fmt: str, *args) -> None:
@@ -91,4 +126,4 @@ class ConnectionLog:
         self.log(logging.ERROR, fmt, *args, exc_info=not traced)
 
 
-__all__ = ["LOG_BURST", "LOG_RATE", "MAX_PEER_TEXT", "peer_text", "ConnectionLog"]
+__all__ = ["LOG_BURST", "LOG_RATE", "MAX_PEER_TEXT", "peer_text", "LogBudget", "RateLimitedRecords", "ConnectionLog"]
