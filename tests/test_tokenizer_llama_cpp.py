@@ -194,6 +194,16 @@ def test_a_lone_surrogate_is_a_value_error():
             tk.encode(text)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab <|im_end|>\u00e9\U0001f600", max_size=60))
+def test_no_token_stands_for_more_bytes_than_max_token_bytes(text):
+    # what lets the API refuse a text too long for the context before tokenizing it
+    tk = _byte_vocab(merges=["a b", "ab ab", "abab abab", "Ġ Ġ", "ĠĠ ĠĠ"], special=["<|im_end|>"])
+    assert tk.max_token_bytes == len("<|im_end|>")
+    assert len(tk.encode(text)) * tk.max_token_bytes >= len(text.encode())
+    assert len(tk.encode(text, parse_special=False)) * 8 >= len(text.encode())  # "abababab", 8 bytes
+
+
 def test_reference_splitter_agrees_with_llama_cpp_test_vectors():
     # a few splits spelled out by hand from llama.cpp's regex, to keep the reference honest
     assert smollm_split("Hello world") == ["Hello", " world"]

@@ -267,6 +267,11 @@ class Tokenizer:
                 eog.add(i)
         self._eog = frozenset(eog)
         self.eog_ids = tuple(sorted(eog))  #: the end-of-generation tokens, as is_eog knows them
+        #: The most bytes of text one token stands for (each character of a byte-level BPE
+        #: piece is one byte; other tokens are their UTF-8 text): a text of N bytes needs at
+        #: least N / this many tokens, known before tokenizing it.
+        self.max_token_bytes = max((len(t) if model == "gpt2" and ty == _NORMAL else len(t.encode("utf-8", "replace"))
+                                    for t, ty in zip(self.tokens, self.token_types)), default=1)
 
         if model == "gpt2":
             self.add_bos = bool(add_bos) if add_bos is not None else False
