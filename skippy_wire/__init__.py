@@ -10,93 +10,53 @@ ones (``WireError`` and its three upstream kinds) are re-exported here.
 ``IMPLEMENTATION`` says which kernels are live ("cython" or "python");
 ``SKIPPY_WIRE_IMPL=python`` (set before the first import) forces the twin, and every
 framing function also takes ``impl="cython"|"python"`` for one call.
+
+``import skippy_wire`` itself is cheap: each public name is imported from its module on
+first use (so ``import skippy_wire.errors`` or the command line pay for nothing else).
 """
 
-from ._impl import IMPLEMENTATION
-from .errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
+import importlib
 
-# --- public re-exports of each concept module (one block per module) ---
-from .wire.constants import (
-    READY_MAGIC,
-    STAGE_STATE_VERSION,
-    ActivationCodec,
-    CodecPolicy,
-    StateFlags,
-    activation_frame_flags_from_state_flags,
-    activation_payload_multiplier_from_state_flags,
-    activation_state_flags_from_frame_flags,
-)
-from .wire.codec import (
-    activation_f32_bytes,
-    activation_shape,
-    activation_wire_bytes,
-    bf16_view,
-    decode_activation,
-    encode_activation,
-    encode_f32_activation_payload,
-    f16_view,
-    is_bf16_exact,
-    is_f16_exact,
-    select_and_encode_lossless,
-    select_lossless_codec,
-)
-from .wire.messages import (
-    F32,
-    LogitBias,
-    RequestEpoch,
-    SamplingConfig,
-    StageStateHeader,
-    StageWireMessage,
-    WireMessageKind,
-    WireStagePhase,
-)
-from .wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
-from .wire.frame import (
-    StageMessageDecoder,
-    StageReplyDecoder,
-    iter_stage_messages,
-    read_reply,
-    read_reply_from_buffer,
-    read_stage_message,
-    read_stage_message_from_buffer,
-    recv_ready,
-    recv_reply,
-    send_ready,
-    send_reply_ack,
-    send_reply_ack_with_stats,
-    send_reply_message,
-    send_reply_predicted,
-    send_reply_predicted_tokens_with_stats,
-    send_reply_predicted_tokens_with_window_and_stats,
-    send_reply_predicted_with_stats,
-    send_reply_predicted_with_tokens_and_stats,
-    send_reply_predicted_with_tokens_window_and_stats,
-    write_reply,
-    write_stage_message,
-    write_stage_message_to,
-)
-from .wire.forwarding import StageConfig, forwarded_stage_message, forwarded_stage_message_timed
+# Importing the package loads nothing heavy (numpy, the compiled kernels): the command line
+# must get to its Ctrl-C handling first, and ``skippy_wire.errors`` alone should stay cheap.
+# Each public name is imported from its module on first use (PEP 562).
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "._impl": ("IMPLEMENTATION",),
+    ".errors": ("InvalidDataError", "InvalidInputError", "UnexpectedEofError", "WireError"),
+    ".wire.constants": ("READY_MAGIC", "STAGE_STATE_VERSION", "ActivationCodec", "CodecPolicy", "StateFlags",
+        "activation_frame_flags_from_state_flags",
+        "activation_payload_multiplier_from_state_flags",
+        "activation_state_flags_from_frame_flags"),
+    ".wire.codec": ("activation_f32_bytes", "activation_shape", "activation_wire_bytes", "bf16_view",
+        "decode_activation", "encode_activation", "encode_f32_activation_payload", "f16_view",
+        "is_bf16_exact", "is_f16_exact", "select_and_encode_lossless", "select_lossless_codec"),
+    ".wire.messages": ("F32", "LogitBias", "RequestEpoch", "SamplingConfig", "StageStateHeader",
+        "StageWireMessage", "WireMessageKind", "WireStagePhase"),
+    ".wire.replies": ("NativeMtpDraft", "StageReply", "StageReplyStats", "StageReplyWindow", "WireReplyKind"),
+    ".wire.frame": ("StageMessageDecoder", "StageReplyDecoder", "iter_stage_messages", "read_reply",
+        "read_reply_from_buffer", "read_stage_message", "read_stage_message_from_buffer",
+        "recv_ready", "recv_reply", "send_ready", "send_reply_ack", "send_reply_ack_with_stats",
+        "send_reply_message", "send_reply_predicted", "send_reply_predicted_tokens_with_stats",
+        "send_reply_predicted_tokens_with_window_and_stats", "send_reply_predicted_with_stats",
+        "send_reply_predicted_with_tokens_and_stats",
+        "send_reply_predicted_with_tokens_window_and_stats", "write_reply", "write_stage_message",
+        "write_stage_message_to"),
+    ".wire.forwarding": ("StageConfig", "forwarded_stage_message", "forwarded_stage_message_timed"),
+}
 
-# The public API: what ``from skippy_wire import *`` gives and what a type checker treats as
-# exported (without it, ``mypy --strict`` rejects every ``sw.NAME`` as an implicit re-export).
-__all__ = [
-    "IMPLEMENTATION", "InvalidDataError", "InvalidInputError", "UnexpectedEofError",
-    "WireError", "READY_MAGIC", "STAGE_STATE_VERSION", "ActivationCodec", "CodecPolicy",
-    "StateFlags", "activation_frame_flags_from_state_flags",
-    "activation_payload_multiplier_from_state_flags", "activation_state_flags_from_frame_flags",
-    "activation_f32_bytes", "activation_shape", "activation_wire_bytes", "bf16_view",
-    "decode_activation", "encode_activation", "encode_f32_activation_payload", "f16_view",
-    "is_bf16_exact", "is_f16_exact", "select_and_encode_lossless", "select_lossless_codec",
-    "F32", "LogitBias", "RequestEpoch", "SamplingConfig", "StageStateHeader",
-    "StageWireMessage", "WireMessageKind", "WireStagePhase", "NativeMtpDraft", "StageReply",
-    "StageReplyStats", "StageReplyWindow", "WireReplyKind", "StageMessageDecoder",
-    "StageReplyDecoder", "iter_stage_messages", "read_reply", "read_reply_from_buffer",
-    "read_stage_message", "read_stage_message_from_buffer", "recv_ready", "recv_reply",
-    "send_ready", "send_reply_ack", "send_reply_ack_with_stats", "send_reply_message",
-    "send_reply_predicted", "send_reply_predicted_tokens_with_stats",
-    "send_reply_predicted_tokens_with_window_and_stats", "send_reply_predicted_with_stats",
-    "send_reply_predicted_with_tokens_and_stats",
-    "send_reply_predicted_with_tokens_window_and_stats", "write_reply", "write_stage_message",
-    "write_stage_message_to", "StageConfig", "forwarded_stage_message",
-    "forwarded_stage_message_timed",
-]
+
+def __getattr__(name: str):
+    for module, names in _PUBLIC.items():
+        if name in names:
+            value = getattr(importlib.import_module(module, __name__), name)
+            globals()[name] = value  # once: later lookups do not come here
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+#: The public API: what ``from skippy_wire import *`` gives.
+__all__ = [name for names in _PUBLIC.values() for name in names]

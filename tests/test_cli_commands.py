@@ -62,8 +62,8 @@ def test_bench_backend_describes_itself_in_full(capsys):
     (["bench-backend", "--decode", "-1"], "argument --decode: must be at least 1, got -1"),
     (["bench-backend", "--repeat", "0"], "argument --repeat: must be at least 1, got 0"),
     (["bench-backend", "--prefill", "0"], "argument --prefill: must be at least 1, got 0"),
-    (["bench-backend", "--threads", "0"], "argument --threads: each value must be between 1 and 512, got 0"),
-    (["bench-backend", "--threads", "abc"], "argument --threads: expected comma-separated integers, got 'abc'"),
+    (["bench-backend", "--threads", "0"], "argument -t/--threads: each value must be between 1 and 512, got 0"),
+    (["bench-backend", "--threads", "abc"], "argument -t/--threads: expected comma-separated integers, got 'abc'"),
     (["bench-backend", "--batch", "2,0"], "argument --batch: each value must be at least 1, got 0"),
     (["bench", "--sizes", "abc"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
                                   "(e.g. 1x4096,128x4096), got 'abc'"),

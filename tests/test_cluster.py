@@ -75,7 +75,7 @@ def test_serve_and_run_from_one_topology_file(tmp_path, model, capsys):
     finally:
         for proc in procs:
             proc.terminate()
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the summary, on stderr as llama-cli prints its timings
     assert f"the pipeline at 127.0.0.1:{ports[0]}" in out and "check: OK, 6 tokens identical" in out
 
 
@@ -118,11 +118,11 @@ def test_cluster_tokens_equal_one_stage(netns, hosts):
     done = subprocess.run([*CLUSTER, "--hosts", str(hosts), "--max-tokens", "8", "--check"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "check: OK, 8 tokens identical to one in-process stage" in done.stdout
-    assert f"summary: {hosts} namespace hosts" in done.stdout and "prefill:" in done.stdout
-    assert "bulk transfer" in done.stdout and "bytes per token per hop" in done.stdout
+    assert "check: OK, 8 tokens identical to one in-process stage" in done.stderr
+    assert f"summary: {hosts} namespace hosts" in done.stderr and "prefill:" in done.stderr
+    assert "bulk transfer" in done.stderr and "bytes per token per hop" in done.stderr
     for hop in range(1, hosts):
-        assert f"wire hop {hop} stage {hop - 1}->stage {hop}" in done.stdout
+        assert f"wire hop {hop} stage {hop - 1}->stage {hop}" in done.stderr
     pids = _pids(done.stderr)
     assert len(pids) == hosts
     # stage K listened on its own namespace's address from the generated topology file

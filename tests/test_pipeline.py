@@ -223,10 +223,11 @@ def _cli(*args, timeout=240):
 def test_run_without_arguments_generates_through_two_stages():
     proc = _cli()
     assert proc.returncode == 0, proc.stderr
-    assert "summary: 2 stage processes" in proc.stdout
-    assert "decode:" in proc.stdout and "tok/s" in proc.stdout
-    assert "wire hop 1 stage 0->stage 1" in proc.stdout
-    assert "codec chosen: raw-f32-v1" in proc.stdout
+    # the summary goes to stderr, as llama-cli's timings: stdout holds the generated text alone
+    assert "summary: 2 stage processes" in proc.stderr and "summary" not in proc.stdout
+    assert "decode:" in proc.stderr and "tok/s" in proc.stderr
+    assert "wire hop 1 stage 0->stage 1" in proc.stderr
+    assert "codec chosen: raw-f32-v1" in proc.stderr
     assert "stage 1: layers 15..30 listening" in proc.stderr
 
 
@@ -235,7 +236,7 @@ def test_run_check_with_auto_lossless_exits_0():
     proc = _cli("run", "The capital of France is", "--raw", "--temp", "0", "--max-tokens", "16", "--check",
                 "--activation-codec-policy", "auto-lossless-v1", "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "check: OK" in proc.stdout
+    assert "check: OK" in proc.stderr
     assert "Paris" in proc.stdout
 
 
@@ -306,9 +307,11 @@ def test_run_connects_to_running_stages(tiny_model, capsys, monkeypatch):
         address = "%s:%d" % cluster.entry
         assert main(["hello", "--connect", address, "--model", str(tiny_model), "--max-tokens", "5",
                      "--check", "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert f"summary: the pipeline at {address}, tiny.gguf" in out
-    assert "check: OK, 5 tokens identical" in out
+    out, err = capsys.readouterr()
+    assert f"summary: the pipeline at {address}, tiny.gguf" in err
+    assert "check: OK, 5 tokens identical" in err
+    # stdout holds the text alone (`run ... > out.txt`): the raw prompt, its continuation, a newline
+    assert out.startswith("hello") and out.endswith("\n") and out.count("\n") <= 6 and "summary" not in out
     assert (policies, os.sched_getscheduler(0)) == ([os.SCHED_BATCH], before)
 
 

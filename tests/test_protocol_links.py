@@ -206,7 +206,7 @@ def test_run_check_in_every_version(protocol, codec):
     proc = _cli("run", "The capital of France is", "--max-tokens", "8", "--check", "--quiet", "--protocol", protocol,
                 "--activation-codec", codec[0], "--activation-codec-policy", codec[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "check: OK" in proc.stdout and f"state version {protocol}" in proc.stdout
+    assert "check: OK" in proc.stderr and f"state version {protocol}" in proc.stderr
 
 
 @pytest.mark.slow

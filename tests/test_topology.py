@@ -94,7 +94,8 @@ CASES = [
     ("missing endpoint", _set(0, "endpoint", None), "stage 0: endpoint is missing"),
     ("missing layer", _set(1, "layer_end", None), "stage 1: layer_end is missing"),
     ("string layer", _set(1, "layer_end", "20"), "stage 1: layer_end must be an integer, not '20'"),
-    ("zero threads", _set(1, "threads", 0), "stage 1: threads must be >= 1, not 0"),
+    ("zero threads", _set(1, "threads", 0), "stage 1: threads must be -1 (the default) or >= 1, not 0"),
+    ("negative threads", _set(1, "threads", -2), "stage 1: threads must be -1 (the default) or >= 1, not -2"),
     ("unknown stage key", _set(0, "layers", [0, 10]), "stage 0: unknown key 'layers'"),
     ("unknown key", lambda d: d.update(extra=1), "unknown key 'extra'"),
     ("no stages", lambda d: d.update(stages=[]), "stages must be a non-empty list"),
@@ -125,14 +126,32 @@ def test_codecs_go_by_short_name_as_on_the_command_line():
     assert {(s.activation_codec, s.activation_codec_policy) for s in t.stages} == {("raw-f32-v1", "auto-lossless-v1")}
 
 
-def test_model_that_cannot_be_read(tmp_path):
-    with pytest.raises(TopologyError, match=r"^t\.json: cannot read the model: .*no-such\.gguf"):
-        parse_topology(_with(lambda d: d.update(model_path=str(tmp_path / "no-such.gguf"))), name="t.json")
+def test_a_model_that_cannot_be_read_is_the_model_s_failure_not_the_file_s(tmp_path):
+    """As ``-m`` gives it (exit 1, the model's path and the reason), not a usage error with
+    "cannot read the model: [Errno 2] ..." naming the file."""
+    missing = tmp_path / "no-such.gguf"
+    with pytest.raises(FileNotFoundError) as error:
+        parse_topology(_with(lambda d: d.update(model_path=str(missing))), name="t.json")
+    assert not isinstance(error.value, TopologyError) and error.value.filename == str(missing)
+    text = tmp_path / "text.gguf"
+    text.write_text("hello\n")
+    with pytest.raises(ValueError) as error:
+        parse_topology(_with(lambda d: d.update(model_path=str(text))), name="t.json")
+    assert not isinstance(error.value, TopologyError) and str(error.value) == f"{text} is not a GGUF file"
+
+
+def test_threads_minus_one_is_the_default_as_on_the_command_line():
+    t = parse_topology(_with(_set(1, "threads", -1)), shape=shape)
+    assert t.stages[1].threads is None and "threads" not in t.stages[1].to_json()
 
 
 def test_load_topology_file_errors(tmp_path):
-    with pytest.raises(TopologyError, match="^cannot read topology .*missing.json"):
+    with pytest.raises(TopologyError) as error:
         load_topology(tmp_path / "missing.json", shape=shape)
+    assert str(error.value) == f"{tmp_path / 'missing.json'}: cannot read the topology: no such file or directory"
+    with pytest.raises(TopologyError) as error:
+        load_topology(tmp_path, shape=shape)
+    assert str(error.value) == f"{tmp_path}: cannot read the topology: is a directory"
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(TopologyError, match=r"bad\.json: not JSON"):

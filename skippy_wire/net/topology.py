@@ -21,7 +21,7 @@ optionally ``tcp://``) is where stage K reaches it; a stage listens on ``bind_ad
 (default: its ``endpoint``).  Ranges are half-open.  ``model_path`` locates the GGUF; without
 it, ``model_id`` must name a packaged model (:data:`PACKAGED_MODELS`).  Optional per stage:
 ``stage_id`` (default ``stage-K``), ``activation_codec`` (default ``raw-f32-v1``),
-``activation_codec_policy`` (default ``fixed``), ``threads`` (default: ``default_threads()``);
+``activation_codec_policy`` (default ``fixed``), ``threads`` (default, or -1: ``default_threads()``);
 codecs and policies go by their identities or the command line's short names (``f16``,
 ``auto-lossless``).  A stage's codec and policy describe what it *sends*; the receiver reads with the sender's,
 so every stage of a file must agree on them.  An optional key given as ``null`` is an error
@@ -30,7 +30,9 @@ so every stage of a file must agree on them.  An optional key given as ``null`` 
 :func:`load_topology` validates everything (ranges contiguous from 0 to the model's
 ``n_layer``, no duplicate addresses, names that resolve to one address included,
 codec/policy compatible) and raises
-:class:`skippy_wire.errors.TopologyError` with one line naming the file and the stage.
+:class:`skippy_wire.errors.TopologyError` with one line naming the file and the stage; a model
+that cannot be read is the model's failure, not the file's: its ``OSError``, or a
+``ValueError`` naming the model, as a ``--model`` that cannot be read gives.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Callable
 
 from ..errors import TopologyError
 from ..stage.models import model_shape, smollm2_path
+from ..stage.threads import DEFAULT_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .transport import parse_address
@@ -247,7 +250,12 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
     if not policy_enum.compatible(codec_enum):
         raise TopologyError(f"{where}: activation_codec_policy {policy} requires activation_codec "
                             f"{ActivationCodec.RAW_F32_V1.identity()}, not {codec}")
-    threads = _int(where, raw, "threads", minimum=1) if "threads" in raw else None
+    threads = None
+    if "threads" in raw:
+        threads = _int(where, raw, "threads", minimum=-(2**63))
+        if threads != DEFAULT_THREADS and threads < 1:
+            raise TopologyError(f"{where}: threads must be {DEFAULT_THREADS} (the default) or >= 1, not {threads}")
+        threads = None if threads == DEFAULT_THREADS else threads
     stage_id = raw.get("stage_id", f"stage-{index}")
     if not isinstance(stage_id, str) or not stage_id:
         raise TopologyError(f"{where}: stage_id must be a non-empty string")
@@ -329,8 +337,10 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
     model_path, model_id = _model(name, data, model)
     try:
         n_layer, n_embd = shape(model_path)
-    except (OSError, ValueError) as exc:
-        raise TopologyError(f"{name}: cannot read the model: {exc}") from None
+    except ValueError as exc:  # a broken model is no fault of the file: as for `-m`, it names the model
+        text = " ".join(str(exc).split())
+        raise ValueError(text if str(model_path) in text else f"{model_path}: {text}") from None
+    # an OSError (a missing model) goes on as it is: the model's path and the reason
     if stages[-1].layer_end != n_layer:
         raise TopologyError(f"{name}: the last stage ends at layer {stages[-1].layer_end}, but "
                             f"{model_path.name} has {n_layer} layers")
@@ -344,7 +354,8 @@ def load_topology(path: str | Path, *, model: str | Path | None = None,
     try:
         text = path.read_text(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
     except OSError as exc:
-        raise TopologyError(f"cannot read topology {path}: {exc.strerror or exc}") from None
+        reason = exc.strerror or str(exc)
+        raise TopologyError(f"{path}: cannot read the topology: {reason[:1].lower()}{reason[1:]}") from None
     except UnicodeDecodeError:
         raise TopologyError(f"{path}: not valid UTF-8") from None
     try:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+#: A thread count that asks for :func:`default_threads` (``-t -1``, a topology file's
+#: ``"threads": -1``), as llama.cpp spells "the default".
+DEFAULT_THREADS = -1
+
 
 def default_threads() -> int:
     """Compute threads per stage when not given: 1.

