@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_wire.tools.api_params import BadRequest, parse_options, suppress_end_of_generation
+from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, check_text_fits, check_tokenize_size,
+                                          parse_options, suppress_end_of_generation)
 from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
 
@@ -157,3 +158,20 @@ def test_a_stop_string_is_bounded():
         with pytest.raises(BadRequest, match="at most 65536 characters") as err:
             parse_options({"stop": stop})
         assert err.value.param == "stop"
+
+
+def test_a_text_longer_than_the_context_can_hold_is_refused_by_its_size():
+    check_text_fits("é" * 50, max_token_bytes=4, ctx=25, what="'prompt'", param="prompt")  # 100 bytes: fits
+    for text in ("é" * 51, "x" * 101, "x" * 10**6):
+        with pytest.raises(BadRequest) as err:
+            check_text_fits(text, max_token_bytes=4, ctx=25, what="'prompt'", param="prompt")
+        assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+        assert f"'prompt' is {len(text.encode())} bytes of text, more than 25 tokens can hold" in str(err.value)
+
+
+def test_tokenize_takes_a_bounded_text():
+    check_tokenize_size("x" * MAX_TOKENIZE_BYTES)
+    for text in ("x" * (MAX_TOKENIZE_BYTES + 1), "é" * (MAX_TOKENIZE_BYTES // 2 + 1)):
+        with pytest.raises(BadRequest, match="/tokenize takes at most") as err:
+            check_tokenize_size(text)
+        assert err.value.param == "content"

@@ -10,6 +10,7 @@ from test_http_front import FakeEngine
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.tools.api import Api
+from skippy_wire.tools.api_params import MAX_TOKENIZE_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,8 @@ def test_tokenize_and_detokenize_refuse_bad_fields_with_openai_errors(client):
         r = client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     assert client.post("/tokenize", content=b"[1]").status_code == 400  # not a JSON object
+    big = client.post("/tokenize", json={"content": "x" * (MAX_TOKENIZE_BYTES + 1)})  # its memory: bounded
+    assert big.status_code == 400 and big.json()["error"]["param"] == "content", big.text
     lone = client.post("/tokenize", content=b'{"content": "Hi \\ud800"}')  # an unpaired surrogate
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "content", lone.text
 

@@ -187,6 +187,7 @@ class FakeTokenizer:
 
     n_vocab = 256
     eog_ids = (0,)
+    max_token_bytes = 4  # an upper bound, as the real one's is (one byte each here)
 
     def __init__(self) -> None:
         self.hold, self.encoding = threading.Event(), threading.Event()
@@ -310,6 +311,42 @@ def test_the_context_length_error_counts_truly(prompt, ctx, fragment):
         fits = client.post("/v1/completions", json={"prompt": "x" * (ctx - 4), "max_tokens": 5}).json()["error"]
         assert f"{ctx + 1} tokens ({ctx - 4} in the prompt, 5 in the completion)" in fits["message"]
         assert client.post("/v1/completions", json={"prompt": "x" * (ctx - 1)}).status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
+    engine = FakeEngine(ctx_size=16)
+    with TestClient(_fake_api(engine).app()) as client:
+        for path, body in (("/v1/completions", {"prompt": "x" * 65}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 65}]})):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert not engine.tokenizer.encoding.is_set()  # 16 tokens of at most 4 bytes: never encoded
+
+
+def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed():
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+        s = _connect(url)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"both Content-Length and Transfer-Encoding" in answer
+    assert answer.count(b"HTTP/1.1 ") == 1  # the request behind it was not served
+
+
+def test_the_bodies_being_received_share_one_budget(monkeypatch):
+    monkeypatch.setattr(http_front, "MAX_BUFFERED_BODY_BYTES", 1000)
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+        held = _connect(url)  # a body that stops half-way holds 600 bytes of the budget
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1200\r\n\r\n" + b" " * 600)
+        _until(lambda: http_front._buffered == 600, "the first body is buffered")
+        r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x"}' + b" " * 500, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 200
+        held.close()
+        _until(lambda: http_front._buffered == 0, "a body given up gives its bytes back")
 
 
 def test_routing_errors_are_openai_errors():
@@ -552,8 +589,18 @@ def test_cross_origin_calls_only_from_the_origins_given():
     with TestClient(_fake_api(api_key="k").app()) as client:  # the default: no cross-origin calls
         r = client.options("/v1/completions", headers=preflight)
         assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+        # the call itself is refused too: CORS alone would only hide the answer from the page
         r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page, **key})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        assert "access-control-allow-origin" not in r.headers
+    engine = FakeEngine()
+    with TestClient(_fake_api(engine).app()) as client:  # no key: a "simple" POST needs no preflight
+        r = client.post("/v1/completions", content='{"prompt": "x"}',
+                        headers={"Origin": page, "Content-Type": "text/plain"})
+        assert r.status_code == 403 and engine.prompts == []
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200  # no Origin: no page
+    with TestClient(_fake_api(cors_origins=("*",)).app()) as client:
+        assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page}).status_code == 200
     with TestClient(_fake_api(api_key="k", cors_origins=(page,)).app()) as client:
         r = client.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
@@ -563,6 +610,8 @@ def test_cross_origin_calls_only_from_the_origins_given():
         assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page}).status_code == 401
         other = client.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://evil.example", **key})
+        assert r.status_code == 403
 
 
 @pytest.mark.parametrize("text", ["http://page.example/", "page.example", "ftp://page.example", "http://a:99999",

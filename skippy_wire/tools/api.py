@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import logging
 import signal
 import socket
 import sys
@@ -36,17 +37,20 @@ from ..errors import PipelineError, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
+from ..net.connlog import RateLimitedRecords
 from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_token_ids, parse_detokenize,
-                         parse_options, parse_tokenize, suppress_end_of_generation)
+from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
+                         check_tokenize_size, parse_detokenize, parse_options, parse_tokenize,
+                         suppress_end_of_generation)
 from .cli import DISTRIBUTION
-from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S, BodyTooLarge,
-                         EventStream, IdleSheddingProtocol, RequestIds, RequireApiKey, error_response, read_body,
+from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S,
+                         BodiesBufferFull, BodyTooLarge, EventStream, IdleSheddingProtocol, RefuseAmbiguousLength,
+                         RefuseForeignOrigins, RequestIds, RequireApiKey, error_response, read_body,
                          shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, check_output_dir, describe, driver_poll_s, error_line,
@@ -93,6 +97,9 @@ class Api:
         # The readiness probe runs apart from the generations, one at a time, however many
         # /health requests wait on it.
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="health")
+        # Prompts are rendered and tokenized one at a time: each holds the interpreter and
+        # some 200 bytes of memory per byte of text while it runs.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._probe: Optional[asyncio.Future] = None
 
     @property
@@ -117,10 +124,13 @@ class Api:
             Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        # CORS outermost: a browser's preflight carries no key.
-        middleware = [Middleware(CORSMiddleware, allow_origins=list(self.cors_origins), allow_methods=["GET", "POST"],
-                                 allow_headers=CORS_HEADERS, expose_headers=CORS_EXPOSED)] if self.cors_origins else []
-        middleware.append(Middleware(RequestIds))
+        # CORS before the key: a browser's preflight carries none.
+        middleware = [Middleware(RefuseAmbiguousLength)]
+        if self.cors_origins:
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.cors_origins),
+                                         allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
+                                         expose_headers=CORS_EXPOSED))
+        middleware += [Middleware(RefuseForeignOrigins, allowed=self.cors_origins), Middleware(RequestIds)]
         if self.api_key:
             middleware.append(Middleware(RequireApiKey, key=self.api_key))
         app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
@@ -135,6 +145,7 @@ class Api:
         return error_response(exc.status_code, message, headers=exc.headers)
 
     def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.workers.shutdown(wait=False, cancel_futures=True)
         self._prober.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
@@ -221,12 +232,13 @@ class Api:
             return body
         try:
             check_text(body)
-            return JSONResponse(await asyncio.to_thread(answer, body))
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._tokenizing, answer, body))
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
 
     def _tokenized(self, body: dict) -> dict:
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
+        check_tokenize_size(content)
         tokenizer = self.engine.tokenizer
         # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
         tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
@@ -262,8 +274,7 @@ class Api:
         batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`
         generations with ``n`` choices each."""
         if chat:
-            return [_some_tokens(self.engine.tokenizer.encode(self._rendered(body)), "the rendered 'messages'",
-                                 "messages")]
+            return [self._encode(self._rendered(body), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
         if batch and len(prompt) * n > MAX_PROMPTS:
@@ -271,14 +282,24 @@ class Api:
                              "prompt")
         return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
 
-    def _prompt_tokens(self, prompt) -> list[int]:
+    def _encode(self, text: str, what: str, param: str) -> list[int]:
+        """``text``'s tokens, refused unread when it is too long for the context.  A text may
+        encode to no token at all (bytes the vocabulary lacks are dropped), and the pipeline
+        needs one to start from: a 400, not the driver's ValueError (a 500)."""
         tokenizer = self.engine.tokenizer
+        check_text_fits(text, tokenizer.max_token_bytes, self.engine.ctx_size, what, param)
+        tokens = tokenizer.encode(text)
+        if not tokens:
+            raise BadRequest(f"{what} encodes to no tokens", param)
+        return tokens
+
+    def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
-            return _some_tokens(tokenizer.encode(prompt), "'prompt'", "prompt")
+            return self._encode(prompt, "'prompt'", "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            check_token_ids(prompt, tokenizer.n_vocab, "prompt")
+            check_token_ids(prompt, self.engine.tokenizer.n_vocab, "prompt")
             return list(prompt)
         raise BadRequest("'prompt' must be a string or a list of token ids (or a list of them)", "prompt")
 
@@ -292,7 +313,8 @@ class Api:
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            prompts = await asyncio.to_thread(self._prompts, body, chat, options.n)
+            prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
+                                                                       options.n)
             max_tokens = [check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
                                         "messages" if chat else "prompt") for prompt in prompts]
             prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
@@ -345,6 +367,9 @@ async def _json_body(request: Request) -> dict | Response:
         body = json.loads(await read_body(request))
     except BodyTooLarge:
         return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+    except BodiesBufferFull:
+        return error_response(503, "the server is receiving too many request bodies at once; retry later",
+                              type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
     except asyncio.TimeoutError:
         return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
     except ClientDisconnect:
@@ -356,12 +381,6 @@ async def _json_body(request: Request) -> dict | Response:
     return body
 
 
-def _some_tokens(tokens: list[int], what: str, param: str) -> list[int]:
-    """A text may encode to no token at all (bytes the vocabulary lacks are dropped), and the
-    pipeline needs one to start from: a 400, not the driver's ValueError (a 500)."""
-    if not tokens:
-        raise BadRequest(f"{what} encodes to no tokens", param)
-    return tokens
 
 
 def _fingerprint() -> str:
@@ -549,6 +568,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
+            logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
             server, ended = uvicorn.Server(config), []
             if not args.connect_address:
                 threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),

@@ -17,9 +17,12 @@ from typing import Any, Optional
 from ..net.service import SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .options import SEED_RANGE
+from .options import SEED_RANGE, UNTIL_FULL
 
 MAX_STOP_STRINGS = 4
+#: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
+#: byte of text: a whole 8 MiB body would take 1.6 GiB).
+MAX_TOKENIZE_BYTES = 1 << 20
 #: Generations in one request: its prompts (a completion's ``prompt`` as a batch) times
 #: ``n``, the choices of each; they run side by side on the lanes idle when it starts.
 MAX_PROMPTS = 64
@@ -48,7 +51,6 @@ _LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typ
 #: before ``max_tokens``), OpenAI's newer name, OpenAI's older one.  -1 (llama.cpp's "no
 #: limit") generates until the context is full.
 _MAX_TOKENS_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
-UNTIL_FULL = -1
 #: Fields only meaningful beside another one (OpenAI refuses them alone).
 _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function_call", "functions"))
 
@@ -137,6 +139,27 @@ def check_context(prompt_tokens: int, max_tokens: Optional[int], ctx: int, param
         advice = "the prompt or max_tokens"
     raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, you requested {asked}. "
                      f"Please reduce the length of {advice}.", param, "context_length_exceeded")
+
+
+def check_text_fits(text: str, max_token_bytes: int, ctx: int, what: str, param: str) -> None:
+    """Refuse (``context_length_exceeded``) a text too long for ``ctx`` tokens before it is
+    tokenized: tokenizing takes some 200 bytes of memory per byte of text and holds the
+    interpreter, and no token stands for more than ``max_token_bytes`` bytes
+    (``Tokenizer.max_token_bytes``)."""
+    limit = ctx * max_token_bytes
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, {what} is {size} bytes "
+                         f"of text, more than {ctx} tokens can hold (at most {max_token_bytes} bytes each). "
+                         f"Please reduce the length of {what}.", param, "context_length_exceeded")
+
+
+def check_tokenize_size(text: str) -> None:
+    """``/tokenize`` takes at most :data:`MAX_TOKENIZE_BYTES` of text (its memory, above)."""
+    size = len(text) if len(text) > MAX_TOKENIZE_BYTES else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TOKENIZE_BYTES:
+        raise BadRequest(f"'content' is {size} bytes; /tokenize takes at most {MAX_TOKENIZE_BYTES} (tokenize a long "
+                         "text in parts)", "content")
 
 
 def suppress_end_of_generation(sampling: SamplingParams, eog_ids: tuple[int, ...]) -> None:

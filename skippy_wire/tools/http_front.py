@@ -22,6 +22,9 @@ PUBLIC_PATHS = frozenset({"/health"})
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
+#: Bytes of request bodies buffered at once, all connections together: each may hold up
+#: to MAX_BODY_BYTES while its body arrives, and --max-connections of them would hold GiBs.
+MAX_BUFFERED_BODY_BYTES = 64 << 20
 #: Seconds a request body may take to arrive once its head has (as a stage's
 #: --message-timeout); a slower one gets 408.
 BODY_TIMEOUT_S = 30
@@ -83,6 +86,47 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class RefuseAmbiguousLength:
+    """ASGI middleware: a request with both ``Content-Length`` and ``Transfer-Encoding`` gets
+    400 and its connection closes (RFC 9112 6.3): a proxy in front that went by the other
+    header would take the rest of its body for a request of its own (request smuggling)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                response = error_response(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                                          headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RefuseForeignOrigins:
+    """ASGI middleware: a request that changes something (a POST) from a web page of an
+    origin not given with ``--cors-origin`` gets 403.  CORS only keeps such a page from
+    reading the answer; a "simple" POST (``Content-Type: text/plain``) needs no preflight,
+    so without this any site a user visits could make a local API generate.  Browsers send
+    ``Origin`` with every such request; command-line and SDK clients send none."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()) -> None:
+        self.app, self.allowed = app, {origin.lower().encode() for origin in allowed}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            origin = dict(scope["headers"]).get(b"origin")
+            if origin is not None and origin.lower() not in self.allowed and b"*" not in self.allowed:
+                shown = origin.decode("latin-1")[:200]
+                response = error_response(403, f"a request from the web page origin {shown!r} is refused "
+                                          "(--cors-origin ORIGIN allows one)", code="origin_not_allowed")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class RequestIds:
     """ASGI middleware: every response carries ``X-Request-Id``, as OpenAI's do (its clients
     expose it as ``_request_id``, to quote in a report): the client's own where it sent a
@@ -110,8 +154,17 @@ class BodyTooLarge(Exception):
     """A request body over :data:`MAX_BODY_BYTES`."""
 
 
+class BodiesBufferFull(Exception):
+    """The bodies being received hold :data:`MAX_BUFFERED_BODY_BYTES` already."""
+
+
+#: Bytes the body reads in progress hold (one event loop reads them all: no lock).
+_buffered = 0
+
+
 async def read_body(request: Request) -> bytes:
-    """The whole body, refused (BodyTooLarge) as soon as it is known to pass the limit;
+    """The whole body, refused (BodyTooLarge) as soon as it is known to pass the limit,
+    or (BodiesBufferFull) when the bodies being received would hold too much together;
     ``asyncio.TimeoutError`` after :data:`BODY_TIMEOUT_S`, ``ClientDisconnect`` if the client
     left."""
     declared = request.headers.get("content-length", "")
@@ -121,12 +174,19 @@ async def read_body(request: Request) -> bytes:
 
 
 async def _gather(request: Request) -> bytes:
+    global _buffered
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise BodyTooLarge
-    return bytes(body)
+    try:
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > MAX_BODY_BYTES:
+                raise BodyTooLarge
+            if _buffered + len(chunk) > MAX_BUFFERED_BODY_BYTES:
+                raise BodiesBufferFull
+            body += chunk
+            _buffered += len(chunk)
+        return bytes(body)
+    finally:
+        _buffered -= len(body)
 
 
 async def too_many_connections(scope, receive, send) -> None:
