@@ -79,7 +79,9 @@ class GenerationJob:
                 lane.result()  # the first failure, if any
             return results
 
-        return asyncio.ensure_future(all_results())
+        every = asyncio.ensure_future(all_results())
+        every.add_done_callback(lambda task: task.cancelled() or task.exception())  # read: a gone client's Cancelled
+        return every
 
     def _sampling(self, index: int):
         """The sampling of choice ``index``: a request's seed seeds its first choice of each
