@@ -379,13 +379,21 @@ def _post_raw(url: str, body: dict) -> socket.socket:
     return s
 
 
-def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
+@contextlib.contextmanager
+def _serving_request_a(**api_options):
+    """An API served whose fake engine holds request "A" generating until its gate opens:
+    yields the engine, the API, its URL, a pool of two clients and A's future."""
     engine = FakeEngine()
-    api = _fake_api(engine, max_queue=1)
+    api = _fake_api(engine, **api_options)
     engine.gate.clear()
     with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
         first = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "A"}, timeout=30)
-        _until(lambda: engine.prompts == ["A"], "the first request generates")
+        _until(lambda: engine.prompts == ["A"], "request A generates")
+        yield engine, api, url, pool, first
+
+
+def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
+    with _serving_request_a(max_queue=1) as (engine, api, url, pool, first):
         with _post_raw(url, {"prompt": "B"}):
             _until(lambda: api.admission.waiting == 1, "the second request queues")
         # Its client gone, it leaves the queue while the lane is still busy ...
@@ -466,12 +474,7 @@ def test_a_batch_of_prompts_on_one_lane_runs_one_after_another():
 
 
 def test_a_batch_borrows_the_idle_lanes_and_gives_them_back():
-    engine = FakeEngine()
-    api = _fake_api(engine, max_inflight=3)
-    engine.gate.clear()
-    with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
-        lone = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "A"}, timeout=30)
-        _until(lambda: engine.prompts == ["A"], "a request takes one lane")
+    with _serving_request_a(max_inflight=3) as (engine, api, url, pool, lone):
         batch = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": ["b0", "b1", "b2"]}, timeout=30)
         # two lanes idle: the batch's own and one borrowed generate side by side ...
         _until(lambda: sorted(engine.prompts) == ["A", "b0", "b1"], "the batch borrows the idle lane")
