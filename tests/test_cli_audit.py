@@ -201,6 +201,14 @@ def test_options_are_matched_whole_and_conflicts_found_whatever_the_value(capsys
     assert_usage_error(capsys, args, message)
 
 
+def test_the_bench_scripts_match_options_whole_too():
+    from skippy_wire.tools.bench_rows import script_options
+
+    assert script_options("doc", ["--rounds", "2"], rounds=3).rounds == 2
+    with pytest.raises(SystemExit):
+        script_options("doc", ["--round", "2"], rounds=3)
+
+
 @pytest.mark.parametrize("where", [["--connect", "127.0.0.1:9"], ["--topology", "t.json"]])
 def test_api_stages_conflicts_with_connect_and_topology_at_its_default_value_too(capsys, monkeypatch, where):
     """argparse saw the conflict only for a value other than the default: `--stages 2 --connect` served."""

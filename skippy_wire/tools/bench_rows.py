@@ -45,7 +45,7 @@ Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
 def script_options(doc: str, argv, **defaults) -> argparse.Namespace:
     """The command line of a ``bench/`` script: one ``--NAME`` option per default (typed as
     its default), described by the first paragraph of the script's ``doc``."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], allow_abbrev=False)  # as every command
     for name, default in defaults.items():
         p.add_argument(f"--{name}", type=type(default), default=default)
     return p.parse_args(argv)
