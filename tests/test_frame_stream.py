@@ -9,9 +9,10 @@ import struct
 import pytest
 
 from skippy_wire.wire import codec, frame
+from skippy_wire.wire.protocol import WireProtocol
 from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
-from skippy_wire.errors import InvalidDataError, UnexpectedEofError
+from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from skippy_wire.wire.constants import StateFlags
 from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind as K
 from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -252,6 +253,23 @@ def test_decoder_limit_rejects_a_large_but_legal_message_early(impl):
     assert decoder.feed(head) == [] and decoder.buffered == len(head)
 
 
+def test_decoder_limit_holds_however_the_stream_is_split(impl):
+    # a message whole in one chunk, or completed by its last chunk, is measured too
+    data = frame.write_stage_message(messages()[-1], impl=impl)
+    limit = len(data) - 1
+    for split in (len(data), 10, len(data) - 5):
+        decoder = frame.StageMessageDecoder(4, max_message_bytes=limit, impl=impl)
+        with pytest.raises(InvalidDataError, match=f"over the decoder limit of {limit}$"):
+            for chunk in (data[:split], data[split:]):
+                decoder.feed(chunk)
+    assert len(frame.StageMessageDecoder(4, max_message_bytes=len(data), impl=impl).feed(data)) == 1
+    reply = frame.write_reply(replies()[-1], impl=impl)
+    with pytest.raises(InvalidDataError, match="over the decoder limit of 10$"):
+        frame.StageReplyDecoder(max_message_bytes=10, impl=impl).feed(reply)
+    with pytest.raises(InvalidInputError, match="max_message_bytes must be >= 0, not -1"):
+        frame.StageMessageDecoder(4, max_message_bytes=-1, impl=impl)
+
+
 class SizeRecordingReader(io.RawIOBase):
     """A stream recording the size asked for by each read; with ``most``, returning at
     most that many bytes per read (``most=3``: a trickling socket)."""
@@ -330,3 +348,22 @@ def test_both_incremental_decoders_are_in_the_public_api():
     from skippy_wire.wire import frame
 
     assert sw.StageMessageDecoder is frame.StageMessageDecoder and sw.StageReplyDecoder is frame.StageReplyDecoder
+
+
+def test_reader_arguments_are_checked_alike_in_every_version(impl):
+    data = frame.write_stage_message(messages()[0], impl=impl)
+    for codec, policy, what in ((9, None, "codec"), ("bf16", None, "codec"), (None, 7, "codec policy")):
+        with pytest.raises(InvalidDataError, match=f"^unknown stage activation {what}$"):
+            frame.read_stage_message_from_buffer(data, 4, codec, policy, impl=impl)
+        with pytest.raises(InvalidDataError, match=f"^unknown stage activation {what}$"):
+            WireProtocol(16, impl=impl).read_from_buffer(data, codec=codec, policy=policy)
+    with pytest.raises(TypeError, match="n_embd must be an int, not float"):
+        WireProtocol(15, impl=impl).read_from_buffer(data, 4.0)
+    with pytest.raises(TypeError, match="offset must be an int, not str"):
+        WireProtocol(17, impl=impl).read_from_buffer(data, offset="0")
+    for version in (16, 17):
+        with pytest.raises(TypeError, match="expects a StageWireMessage, not NoneType"):
+            WireProtocol(version, impl=impl).write(None)
+    for version in (16.0, True):
+        with pytest.raises(ValueError, match="unknown stage protocol version"):
+            WireProtocol(version)

@@ -43,14 +43,22 @@ def kernels(impl: Optional[str] = None):
 
 def reader_expectation(codec, policy) -> tuple[Optional[int], int]:
     """Map the public (codec, policy) pair of the readers onto the kernels' arguments:
-    (the expected codec id or None for "any", the policy id)."""
+    (the expected codec id or None for "any", the policy id).  An unknown one is an
+    InvalidDataError, as the codec functions say of an unknown codec id."""
+    policy = None if policy is None else _known(CodecPolicy, policy, "codec policy")
     if codec is None:
-        if policy is not None and CodecPolicy(policy) is not CodecPolicy.FIXED:
+        if policy is not None and policy is not CodecPolicy.FIXED:
             # A policy needs its configured codec; AutoLosslessV1's is RawF32V1.
             return int(ActivationCodec.RAW_F32_V1), int(policy)
         return None, int(CodecPolicy.FIXED)
-    return int(ActivationCodec(codec)), int(CodecPolicy.FIXED if policy is None else CodecPolicy(policy))
+    return int(_known(ActivationCodec, codec, "codec")), int(CodecPolicy.FIXED if policy is None else policy)
 
+
+def _known(kind, value, what: str):
+    try:
+        return kind(value)
+    except ValueError:  # the enum's own "9 is not a valid ActivationCodec"
+        raise InvalidDataError(f"unknown stage activation {what}") from None
 
 
 def _is_stream(obj: Any) -> bool:
@@ -186,6 +194,8 @@ class _IncrementalDecoder(Generic[_Record]):
         self._need = _FIRST_NEED  # bytes of the tail required before the next parse attempt
         if max_message_bytes is not None:
             max_message_bytes = _check_int(max_message_bytes, "max_message_bytes")
+            if max_message_bytes < 0:
+                raise InvalidInputError(f"max_message_bytes must be >= 0, not {max_message_bytes}")
         self.max_message_bytes = max_message_bytes
         self.error: Optional[WireError] = None
         self.received = 0
@@ -254,6 +264,10 @@ class _IncrementalDecoder(Generic[_Record]):
                     ) from None
                 self._need = needed
                 break
+            if self.max_message_bytes is not None and used > self.max_message_bytes:
+                # whole in the bytes fed so far: the limit holds however the stream was split
+                raise InvalidDataError(f"{self._what} is {used} bytes, over the decoder limit of "
+                                       f"{self.max_message_bytes}")
             out.append(record)
             pos += used
             self.consumed += used

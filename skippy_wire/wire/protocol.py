@@ -72,7 +72,7 @@ class WireProtocol:
     """Stage-message framing of one state version (15, 16 or 17)."""
 
     def __init__(self, version: int = STAGE_STATE_VERSION_V15, *, impl: Optional[str] = None) -> None:
-        if version not in PROTOCOL_VERSIONS:
+        if type(version) is not int or version not in PROTOCOL_VERSIONS:  # 16.0 and True are no versions
             raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
         self.version = version
         self.impl = impl
@@ -83,7 +83,10 @@ class WireProtocol:
 
     # --- messages ------------------------------------------------------------------------
     def write(self, msg: StageWireMessage, agreement: Optional[ActivationAgreement] = None) -> bytes:
-        """Serialize ``msg``; v17 activations need ``agreement`` (else InvalidInputError)."""
+        """Serialize ``msg``; v17 activations need ``agreement`` (else InvalidInputError);
+        ``msg`` not a StageWireMessage is a TypeError, whatever the version."""
+        if not isinstance(msg, StageWireMessage):
+            raise TypeError(f"write_stage_message expects a StageWireMessage, not {type(msg).__name__}")
         if self._k is None:
             return _v15.write_stage_message(msg, impl=self.impl)
         return self._k.write_stage_message(self.version, msg, agreement)
@@ -92,7 +95,7 @@ class WireProtocol:
                          agreement: Optional[ActivationAgreement] = None) -> tuple:
         """One message from a bytes-like object -> ``(message, consumed)``.  ``n_embd`` is
         used by v15 only.  A message of another state version -> ProtocolVersionError."""
-        return self.buffer_reader(n_embd, codec, policy, lambda: agreement)(data, offset)
+        return self.buffer_reader(n_embd, codec, policy, lambda: agreement)(data, _v15._check_int(offset, "offset"))
 
     def buffer_reader(self, n_embd: int = 0, codec=None, policy=None, agreement=lambda: None):
         """:meth:`read_from_buffer` with its arguments bound once, as ``parse(data, offset)``
@@ -100,6 +103,7 @@ class WireProtocol:
         ``agreement()`` gives the v17 agreement at each call (a link establishes it after
         its decoder is made)."""
         expected, pol = _v15.reader_expectation(codec, policy)
+        n_embd = _v15._check_int(n_embd, "n_embd")
         version = self.version
         if self._k is None:
             v15_kernel = _v15.kernels(self.impl).read_stage_message_from_buffer
