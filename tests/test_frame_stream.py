@@ -367,3 +367,18 @@ def test_reader_arguments_are_checked_alike_in_every_version(impl):
     for version in (16.0, True):
         with pytest.raises(ValueError, match="unknown stage protocol version"):
             WireProtocol(version)
+
+
+def test_a_reader_refuses_what_it_cannot_read_alike_in_both_implementations(impl):
+    import numpy as np
+
+    strided = np.zeros(400, np.uint8)[::2]
+    readers = (lambda d: frame.read_stage_message_from_buffer(d, 4, impl=impl),
+               lambda d: frame.read_reply_from_buffer(d, impl=impl), lambda d: frame.read_reply(d, impl=impl),
+               lambda d: WireProtocol(16, impl=impl).read_from_buffer(d), lambda d: WireProtocol(17, impl=impl).read(d))
+    for read in readers:
+        with pytest.raises(InvalidInputError, match="^data must be a C-contiguous buffer$"):
+            read(strided)
+        for data, name in ((None, "NoneType"), ("abc", "str")):
+            with pytest.raises(TypeError, match=f"^a bytes-like object is required, not '{name}'$"):
+                read(data)

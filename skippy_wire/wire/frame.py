@@ -61,6 +61,20 @@ def _known(kind, value, what: str):
         raise InvalidDataError(f"unknown stage activation {what}") from None
 
 
+def readable(data):
+    """``data`` for a reader kernel: a C-contiguous bytes-like object (a TypeError, else an
+    InvalidInputError, worded the same whichever implementation reads it)."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
+    if not view.c_contiguous:
+        raise InvalidInputError("data must be a C-contiguous buffer")
+    return data
+
+
 def _is_stream(obj: Any) -> bool:
     return hasattr(obj, "read") and not isinstance(obj, (bytes, bytearray, memoryview))
 
@@ -123,7 +137,7 @@ def read_stage_message_from_buffer(
     """
     expected, pol = reader_expectation(codec, policy)
     return kernels(impl).read_stage_message_from_buffer(
-        data, _check_int(n_embd, "n_embd"), expected, pol, _check_int(offset, "offset"))
+        readable(data), _check_int(n_embd, "n_embd"), expected, pol, _check_int(offset, "offset"))
 
 
 def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *,
@@ -135,7 +149,7 @@ def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *,
     k = kernels(impl)
     if _is_stream(data_or_stream):
         return StageMessageDecoder(n_embd, codec, policy, impl=impl).read_from(data_or_stream)
-    return k.read_stage_message_from_buffer(data_or_stream, n_embd, expected, pol, 0)[0]
+    return k.read_stage_message_from_buffer(readable(data_or_stream), n_embd, expected, pol, 0)[0]
 
 
 #: First read size of a stream reader; later reads grow with the bytes already received
@@ -404,7 +418,7 @@ def send_reply_message(stream, reply: StageReply, *, impl: Optional[str] = None)
 def read_reply_from_buffer(data, *, offset: int = 0, impl: Optional[str] = None) -> tuple[StageReply, int]:
     """Read one reply at ``offset`` of a bytes-like object; returns ``(reply, consumed)``
     (trailing bytes are ignored).  A short buffer is UnexpectedEofError."""
-    return kernels(impl).read_reply_from_buffer(data, _check_int(offset, "offset"))
+    return kernels(impl).read_reply_from_buffer(readable(data), _check_int(offset, "offset"))
 
 
 def read_reply(data_or_stream, *, impl: Optional[str] = None) -> StageReply:
@@ -412,7 +426,7 @@ def read_reply(data_or_stream, *, impl: Optional[str] = None) -> StageReply:
     k = kernels(impl)
     if _is_stream(data_or_stream):
         return StageReplyDecoder(impl=impl).read_from(data_or_stream)
-    return k.read_reply_from_buffer(data_or_stream, 0)[0]
+    return k.read_reply_from_buffer(readable(data_or_stream), 0)[0]
 
 
 recv_reply = read_reply
