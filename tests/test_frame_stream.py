@@ -382,3 +382,14 @@ def test_a_reader_refuses_what_it_cannot_read_alike_in_both_implementations(impl
         for data, name in ((None, "NoneType"), ("abc", "str")):
             with pytest.raises(TypeError, match=f"^a bytes-like object is required, not '{name}'$"):
                 read(data)
+
+
+@pytest.mark.parametrize("version", [15, 16, 17])
+def test_a_lone_surrogate_in_a_message_names_its_field(impl, version):
+    msg = StageWireMessage(K.CONFIGURE_GENERATION, 0, 0, StageStateHeader.new(K.CONFIGURE_GENERATION), 1, 1)
+    msg.sampling = SamplingConfig(flags=1, samplers=["\ud800"])
+    with pytest.raises(InvalidInputError, match=r"^sampling.samplers entry '\\ud800' is not UTF-8 text"):
+        WireProtocol(version, impl=impl).write(msg)
+    msg.sampling, msg.chat_sampling_metadata = None, "x\udc00"
+    with pytest.raises(InvalidInputError, match="^chat_sampling_metadata is not UTF-8 text"):
+        WireProtocol(version, impl=impl).write(msg)

@@ -521,6 +521,17 @@ def _sampling_checks(s: Any):
             for item in value:
                 if not isinstance(item, str):
                     yield f"sampling.{name} entry {item!r} is not a string"
+                elif not _utf8(item):
+                    yield f"sampling.{name} entry {item!r} is not UTF-8 text (a lone surrogate)"
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (an unpaired surrogate has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _message_checks(msg: Any):
@@ -538,6 +549,8 @@ def _message_checks(msg: Any):
     metadata = msg.chat_sampling_metadata
     if metadata is not None and not isinstance(metadata, str):
         yield f"chat_sampling_metadata must be a str or None, not {_type_name(metadata)}"
+    elif metadata is not None and not _utf8(metadata):
+        yield "chat_sampling_metadata is not UTF-8 text (a lone surrogate)"
     yield from int_list_checks("tokens", msg.tokens)
     yield from int_list_checks("positions", msg.positions)
 
