@@ -29,7 +29,10 @@ def test_bench_runs_and_prints_ratio_rows(capsys, monkeypatch):
     out = capsys.readouterr().out
     for op in ("encode bf16", "encode f16", "select+encode (bf16-exact)", "decode bf16", "decode f16"):
         assert f"{op} vs " in out
-    assert "goals met" in out
+    assert "goals met" in out and "left out" not in out
+    assert bench.main(["--sizes", "2x64", "--repeat", "1", "--min-time", "0.001", "--no-threads"]) == 0
+    out = capsys.readouterr().out  # the judged size left out: said, not silently "all met"
+    assert "vs ml_dtypes" not in out and "judged at 1x64, which --sizes left out: not measured" in out
 
 
 def test_bench_ratio_marks_goals():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import platform
 import sys
 import time
@@ -209,7 +210,7 @@ def _machine() -> str:
     cpu = cpu_model()
     k = api.kernels()
     simd = "AVX2+F16C" if getattr(k, "simd_active", lambda: False)() else "portable"
-    return f"{cpu}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
+    return f"{cpu} ({os.cpu_count()} CPUs); Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,4 +274,6 @@ def main(argv: list[str] | None = None) -> int:
             note = f"  ({r.detail})" if r.detail else ""
             print(f"{r.goal.ljust(gwidth)}  {r.ratio:6.2f}x  {r.target:6.2f}x  {'yes' if r.met else 'NO'}{note}")
         print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
+    if JUDGED not in opts.sizes:
+        print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
     return 0

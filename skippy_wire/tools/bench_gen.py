@@ -94,11 +94,11 @@ def frame_gen_rows(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
     for label in ("v16 1 part", "v16 3 parts"):
         ours, theirs = paired_timing(_round_trip(*cases[label]), base, repeat, min_time)
         v15_seconds = theirs if v15_seconds is None else min(v15_seconds, theirs)
-        yield Row(f"round trip {label}", "1x4096", impl, ours, nbytes)
+        yield Row(f"round trip {label} (bf16)", "1x4096", impl, ours, nbytes)
         if label == "v16 1 part":
-            yield Ratio("v16 1-part BF16 round trip vs v15", theirs / ours, V16_GOAL_RATIO,
+            yield Ratio("v16 1-part BF16 round trip vs v15 @1x4096", theirs / ours, V16_GOAL_RATIO,
                         f"{1 / ours:,.0f}/s vs {1 / theirs:,.0f}/s")
-    yield Row("round trip v15", "1x4096", impl, v15_seconds, nbytes)
+    yield Row("round trip v15 (bf16)", "1x4096", impl, v15_seconds, nbytes)
 
 
 ROW_PRODUCERS = [frame_gen_rows]
