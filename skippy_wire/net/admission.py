@@ -7,6 +7,8 @@
 * :func:`max_message_bytes` is the largest stage message this stage could ever execute,
   derived from its own model (``ctx_size``, ``n_embd``) and the wire limits: the decoders
   refuse a message declaring more from its fixed prefix, before its payload is read.
+* :func:`check_runnable` refuses a parsed message no stage of the pipeline could run,
+  before it changes a session.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import StageError
+from ..stage.sampling import sampling_to_bytes
+from ..wire.messages import WireMessageKind
 from ..wire.constants import (
     MAX_STAGE_DRY_SEQUENCE_BREAKERS,
     MAX_STAGE_LOGIT_BIAS,
@@ -79,6 +83,16 @@ def max_message_bytes(ctx_size: int, n_embd: int) -> int:
     rows = ctx_size * activation_payload_multiplier_from_state_flags(ROW_DOUBLING_SIDEBANDS)
     return (STAGE_WIRE_FIXED_HEADER_BYTES + sampling_block_bytes() + 4 + CHAT_METADATA_ALLOWANCE
             + 2 * 4 * ctx_size + rows * n_embd * 4 + FRAME_OVERHEAD_ALLOWANCE)
+
+
+def check_runnable(msg) -> None:
+    """Refuse, before any cache changes, a DecodeEmbd of more than one token (the runtime
+    decodes one a step), and sampling the terminal stage's native sampler would refuse
+    (with its reason, here, rather than relayed to close the pipeline with none)."""
+    if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
+        raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
+    if msg.sampling is not None:
+        sampling_to_bytes(msg.sampling)
 
 
 class LaneGate:

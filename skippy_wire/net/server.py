@@ -46,7 +46,6 @@ from typing import Callable
 
 from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage import runtime
-from ..stage.sampling import sampling_to_bytes
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -59,7 +58,8 @@ from ..wire.frame import (
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
-from .admission import DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, max_message_bytes
+from .admission import (DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, check_runnable,
+                        max_message_bytes)
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog
@@ -396,12 +396,7 @@ class StageServer:
         if msg.kind == DISCARD_STALE_WINDOWS:  # read from v16 on, executed nowhere here
             raise StageError(f"unsupported stage message kind {WireMessageKindV16(msg.kind).name} ({msg.kind})")
         kind = K(msg.kind)  # the v16/v17 readers give a plain int
-        if kind == K.DECODE_EMBD and msg.token_count != 1:  # refused before any cache changes
-            raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
-        if msg.sampling is not None:
-            # what the terminal stage's native sampler would refuse, refused here with its
-            # reason, rather than relayed to close the pipeline with none
-            sampling_to_bytes(msg.sampling)
+        check_runnable(msg)
         session = sessions.get(msg.session_id)
         ahead = None
         if session is not None:
