@@ -167,6 +167,8 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_by_its_size():
             check_text_fits(text, max_token_bytes=4, ctx=25, what="'prompt'", param="prompt")
         assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
         assert f"'prompt' is {len(text.encode())} bytes of text, more than 25 tokens can hold" in str(err.value)
+    with pytest.raises(BadRequest, match="'prompt' is at least 1000 bytes of text"):  # its characters tell
+        check_text_fits("é" * 1000, max_token_bytes=4, ctx=25, what="'prompt'", param="prompt")
 
 
 def test_tokenize_takes_a_bounded_text():

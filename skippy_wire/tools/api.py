@@ -111,7 +111,7 @@ class Api:
 
     def app(self) -> Starlette:
         routes = [
-            # llama-server answers the OpenAI routes with and without /v1
+            # the OpenAI routes also without /v1, for a client given the server's root as its base URL
             *(route for prefix in ("/v1", "") for route in (
                 Route(prefix + "/models", self.models, methods=["GET"]),
                 Route(prefix + "/models/{model:path}", self.model, methods=["GET"]),

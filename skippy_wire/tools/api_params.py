@@ -146,18 +146,26 @@ def check_text_fits(text: str, max_token_bytes: int, ctx: int, what: str, param:
     tokenized: tokenizing takes some 200 bytes of memory per byte of text and holds the
     interpreter, and no token stands for more than ``max_token_bytes`` bytes
     (``Tokenizer.max_token_bytes``)."""
-    limit = ctx * max_token_bytes
-    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
-    if size > limit:
+    size = _size_over(text, ctx * max_token_bytes)
+    if size is not None:
         raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, {what} is {size} bytes "
                          f"of text, more than {ctx} tokens can hold (at most {max_token_bytes} bytes each). "
                          f"Please reduce the length of {what}.", param, "context_length_exceeded")
 
 
+def _size_over(text: str, limit: int) -> Optional[str]:
+    """The UTF-8 size of ``text`` in words when over ``limit`` bytes, else None; a text of
+    more characters than that is over without being encoded (then, unless ASCII, "at least")."""
+    if len(text) > limit:
+        return str(len(text)) if text.isascii() else f"at least {len(text)}"
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return str(size) if size > limit else None
+
+
 def check_tokenize_size(text: str) -> None:
     """``/tokenize`` takes at most :data:`MAX_TOKENIZE_BYTES` of text (its memory, above)."""
-    size = len(text) if len(text) > MAX_TOKENIZE_BYTES else len(text.encode("utf-8", "surrogatepass"))
-    if size > MAX_TOKENIZE_BYTES:
+    size = _size_over(text, MAX_TOKENIZE_BYTES)
+    if size is not None:
         raise BadRequest(f"'content' is {size} bytes; /tokenize takes at most {MAX_TOKENIZE_BYTES} (tokenize a long "
                          "text in parts)", "content")
 
