@@ -199,6 +199,30 @@ def test_stop_string_cuts_the_text(api):
     assert streamed == cut.choices[0].text
 
 
+def test_llama_servers_completion_route_tells_why_it_stopped(api):
+    # llama-server's native /completion: the same text as /v1/completions, in its own shape
+    whole = _complete(api, max_tokens=16, temperature=0)
+    native = _post(api, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0,
+                                        "return_tokens": True}).json()
+    assert native["content"] == whole.choices[0].text and native["stop"] is True
+    assert native["stop_type"] == "limit" and native["tokens_predicted"] == 16 == len(native["tokens"])
+    assert native["tokens_evaluated"] == whole.usage.prompt_tokens == native["timings"]["prompt_n"]
+    tokenizer = Tokenizer.from_gguf(default_model())
+    assert tokenizer.decode(native["tokens"]) == native["content"]
+    stop = " " + native["content"].split()[3]
+    cut = _post(api, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "stop": [stop]}).json()
+    assert (cut["stop_type"], cut["stopping_word"]) == ("word", stop)
+    assert cut["content"] == native["content"][:native["content"].index(stop)]
+    chat = _post(api, "/apply-template", {"messages": [{"role": "user", "content": "What is 2+2?"}]}).json()
+    ended = _post(api, "/completion", {"prompt": chat["prompt"], "n_predict": 48, "temperature": 0}).json()
+    assert ended["stop_type"] == "eos" and ended["tokens_predicted"] < 48
+    streamed = httpx.post(api.url + "/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0,
+                                                          "stream": True}, timeout=60)
+    events = [json.loads(block[len("data: "):]) for block in streamed.text.split("\n\n") if block]
+    assert "".join(e["content"] for e in events) == native["content"] and "[DONE]" not in streamed.text
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 16
+
+
 def test_eight_concurrent_requests_match_their_solo_texts(api):
     prompts = [f"{PROMPT} {name}" for name in ("Anna", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana")]
     alone = [_complete(api, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]

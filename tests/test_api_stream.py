@@ -116,7 +116,7 @@ class FailingEngine(FakeEngine):
     """Streams some text, then the pipeline fails."""
 
     def generate(self, prompt, *, on_text, **kwargs):
-        on_text("partial")
+        on_text("partial", [1])
         raise PipelineError("stage 1 closed the connection")
 
 

@@ -226,7 +226,7 @@ class FakeEngine:
         assert self.gate.wait(30)
         if cancelled.is_set():
             raise Cancelled("stop")
-        on_text("ok")
+        on_text("ok", [111, 107])
         return Generation(text="ok", prompt_tokens=len(prompt), completion_tokens=1, finish_reason="stop")
 
 

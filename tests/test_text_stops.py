@@ -92,10 +92,13 @@ def test_the_earliest_stop_string_wins_whichever_completes_first():
     tokenizer = FakeTokenizer([b"x", b"ab", b"c", b"d"])
     assembler = TextAssembler(tokenizer, ["abcd", "bc"])
     assert [assembler.push(t) for t in (0, 1, 2)] == ["x", "", "a"]
-    assert assembler.stopped and assembler.text == "xa"
+    assert assembler.stopped and assembler.text == "xa" and assembler.stopping_word == "bc"
     assert assembler.push(3) == "" and assembler.text == "xa"  # after a stop, pushes change nothing
+    assert assembler.stopping_word == "bc"
+    # both in one push: the one that begins first is the stopping word, whatever the order
     together = TextAssembler(FakeTokenizer([b"x", b"abcd"]), ["bc", "abcd"])
     assert together.push(0) + together.push(1) == "x" and together.text == "x"
+    assert together.stopping_word == "abcd"
 
 
 def test_a_60000_character_stop_string_over_thousands_of_tokens():

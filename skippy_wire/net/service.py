@@ -120,6 +120,7 @@ class TextAssembler:
         self.text = ""
         self.shown = 0
         self.stopped = False
+        self.stopping_word = ""  # the stop string that stopped the text
         self._decoded = ""  # the text of tokens[:self._decoded_tokens], ending on a whole character
         self._decoded_tokens = 0
         self._fail = [self._failure(s) for s in self.stop]
@@ -162,8 +163,9 @@ class TextAssembler:
 
     def _scan(self, text: str, start: int) -> tuple[int, list[int]]:
         """Advance every stop string's automaton from its state at ``start`` over
-        ``text[start:]``: the earliest index at which a stop string begins (-1: none), and
-        the states at the end of ``text`` (meaningful only where none began)."""
+        ``text[start:]``: the earliest index at which a stop string begins (-1: none; the
+        string is ``stopping_word``), and the states at the end of ``text`` (meaningful only
+        where none began)."""
         cut, states = -1, []
         for s, fail, q in zip(self.stop, self._fail, self._matched):
             m, first, i, n = len(s), s[0], start, len(text)
@@ -178,7 +180,8 @@ class TextAssembler:
                 if s[q] == c:
                     q += 1
                     if q == m:  # the first occurrence of s ends at i
-                        cut = i + 1 - m if cut < 0 else min(cut, i + 1 - m)
+                        if cut < 0 or i + 1 - m < cut:
+                            cut, self.stopping_word = i + 1 - m, s
                         break
                 i += 1
             states.append(q)
@@ -216,6 +219,11 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = "length"
+    #: Why it ended, in llama-server's words: "eos" (an end-of-generation token), "word"
+    #: (``stopping_word``, a stop string), "limit" (max_tokens or the context).
+    stop_type: str = "limit"
+    stopping_word: str = ""
+    tokens: list[int] = field(default_factory=list)  # the generated tokens (no end-of-generation one)
     first_token_s: Optional[float] = None
     elapsed_s: float = 0.0
 
@@ -288,14 +296,17 @@ class GenerationEngine:
             client.close()
 
     def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
-                 on_text: Callable[[str], None], cancelled: threading.Event) -> Generation:
-        """Generate after ``prompt``; ``on_text`` receives each new piece of text."""
+                 on_text: Callable[[str, list[int]], None], cancelled: threading.Event) -> Generation:
+        """Generate after ``prompt``; ``on_text(text, tokens)`` receives each new piece of
+        text and the tokens generated since the last piece."""
         started = time.perf_counter()
         out = Generation(prompt_tokens=len(prompt))
         assembler = TextAssembler(self.tokenizer, stop)
         session = next(self._ids)
+        shown_tokens = 0  # assembler.tokens passed to on_text so far
 
         def on_token(token: int) -> None:
+            nonlocal shown_tokens
             if out.first_token_s is None:
                 out.first_token_s = time.perf_counter() - started
             if self.tokenizer.is_eog(token):
@@ -303,7 +314,8 @@ class GenerationEngine:
             out.completion_tokens += 1
             delta = assembler.push(token)
             if delta:
-                on_text(delta)
+                on_text(delta, assembler.tokens[shown_tokens:])
+                shown_tokens = len(assembler.tokens)
             if assembler.stopped or cancelled.is_set():
                 raise Cancelled("stop")
 
@@ -351,8 +363,12 @@ class GenerationEngine:
             self.failing = False
         tail = assembler.finish()
         if tail:
-            on_text(tail)
-        out.text = assembler.text
+            on_text(tail, assembler.tokens[shown_tokens:])
+        out.text, out.tokens = assembler.text, assembler.tokens
+        if assembler.stopped:
+            out.stop_type, out.stopping_word = "word", assembler.stopping_word
+        elif out.finish_reason == "stop":
+            out.stop_type = "eos"
         out.elapsed_s = time.perf_counter() - started
         return out
 

@@ -2,8 +2,9 @@
 
 Routes (as llama.cpp's ``llama-server`` and the OpenAI API name them): ``GET /v1/models``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as server-sent
-events ending in ``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text).
-Errors are OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
+events ending in ``data: [DONE]``), llama-server's native ``POST /completion``
+(:mod:`.api_llama`), ``GET /health`` and ``GET /metrics`` (Prometheus text).  Errors are
+OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import signal
 import socket
@@ -29,7 +29,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -44,14 +44,14 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
+from .api_llama import LlamaCompletionJob
 from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
                          check_tokenize_size, parse_detokenize, parse_options, parse_tokenize,
                          suppress_end_of_generation)
 from .cli import DISTRIBUTION
-from .http_front import (BODY_TIMEOUT_S, CORS_EXPOSED, CORS_HEADERS, MAX_BODY_BYTES, RETRY_AFTER_S,
-                         BodiesBufferFull, BodyTooLarge, EventStream, IdleSheddingProtocol, RefuseAmbiguousLength,
-                         RefuseForeignOrigins, RequestIds, RequireApiKey, error_response, read_body,
-                         shutting_down_response)
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
+                         RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, error_response,
+                         json_body, shutting_down_response)
 from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
                       apply_topology, check_codec_options, check_output_dir, describe, driver_poll_s, error_line,
                       exiting_on_signals, float_above, handling_signals, int_at_least, int_between, poll_args,
@@ -118,6 +118,7 @@ class Api:
                 Route(prefix + "/completions", self.completions, methods=["POST"]),
                 Route(prefix + "/chat/completions", self.chat_completions, methods=["POST"]),
                 Route(prefix + "/health", self.health, methods=["GET"]))),
+            Route("/completion", self.llama_completion, methods=["POST"]),
             Route("/props", self.props, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -227,7 +228,7 @@ class Api:
     async def _answer_body(self, request: Request, answer) -> Response:
         """``answer(body)`` of the request's JSON body, computed off the event loop (a long
         text takes a while to tokenize); a BadRequest as a 400."""
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, Response):
             return body
         try:
@@ -254,9 +255,12 @@ class Api:
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, chat=True)
 
-    async def _answer(self, request: Request, *, chat: bool) -> Response:
+    async def llama_completion(self, request: Request) -> Response:
+        return await self._answer(request, chat=False, native=True)
+
+    async def _answer(self, request: Request, *, chat: bool, native: bool = False) -> Response:
         try:
-            return await self._generate(request, chat=chat)
+            return await self._generate(request, chat=chat, native=native)
         except asyncio.CancelledError:  # the server stops (its graceful period over): say so
             return shutting_down_response()
 
@@ -303,8 +307,8 @@ class Api:
             return list(prompt)
         raise BadRequest("'prompt' must be a string or a list of token ids (or a list of them)", "prompt")
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
-        body = await _json_body(request)
+    async def _generate(self, request: Request, *, chat: bool, native: bool) -> Response:
+        body = await json_body(request)
         if isinstance(body, Response):
             return body
         try:
@@ -328,7 +332,8 @@ class Api:
             self.engine.counters["rejected"] += 1
             return error_response(503, str(exc), type_="server_error", code="queue_full",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
-        job = GenerationJob(self, prompts, max_tokens, options, chat)
+        job = LlamaCompletionJob(self, prompts, max_tokens, options, body) if native \
+            else GenerationJob(self, prompts, max_tokens, options, chat)
         if options.stream:
             return EventStream(job)
         try:
@@ -356,31 +361,6 @@ class Api:
             raise
         self.admission.withdraw(ticket)
         return False
-
-
-async def _json_body(request: Request) -> dict | Response:
-    """The request's body as a JSON object, or the error response that says why it is not one."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":  # a compressed body would read as "not valid JSON"
-        return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
-    try:
-        body = json.loads(await read_body(request))
-    except BodyTooLarge:
-        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-    except BodiesBufferFull:
-        return error_response(503, "the server is receiving too many request bodies at once; retry later",
-                              type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-    except asyncio.TimeoutError:
-        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
-    except ClientDisconnect:
-        return Response(status_code=499)  # nobody is left to read it
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
-        return error_response(400, "the request body is not valid JSON")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
-    return body
-
-
 
 
 def _fingerprint() -> str:

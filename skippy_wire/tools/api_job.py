@@ -40,8 +40,9 @@ class GenerationJob:
         self.cancel = threading.Event()
         self.started = False
 
-    def _start(self, on_text: Callable[[int, str], None], on_done: Callable[[int, Any], None]) -> asyncio.Future:
-        """Run the generations on workers (``on_text(index, text)`` as text comes,
+    def _start(self, on_text: Callable[[int, str, list[int]], None],
+               on_done: Callable[[int, Any], None]) -> asyncio.Future:
+        """Run the generations on workers (``on_text(index, text, tokens)`` as text comes,
         ``on_done(index, result)`` as each ends): one per lane, the request's own and those
         it could borrow; each lane is given back when its worker is done (after a cancelled
         session was stopped on every stage), whatever the client does.  The future gives
@@ -61,7 +62,8 @@ class GenerationJob:
                 try:
                     results[index] = engine.generate(
                         self.prompts[index], max_tokens=self.max_tokens[index], sampling=self._sampling(index),
-                        stop=o.stop, on_text=lambda text, i=index: on_text(i, text), cancelled=self.cancel)
+                        stop=o.stop, on_text=lambda text, tokens, i=index: on_text(i, text, tokens),
+                        cancelled=self.cancel)
                 except BaseException:
                     failed.set()
                     raise
@@ -99,7 +101,7 @@ class GenerationJob:
 
     async def run(self, request: Request) -> list:
         """Every prompt's result, in order; a client that leaves cancels the generation."""
-        future = self._start(lambda index, text: None, lambda index, result: None)
+        future = self._start(lambda index, text, tokens: None, lambda index, result: None)
         try:
             while True:
                 done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
@@ -145,30 +147,41 @@ class GenerationJob:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return sse(self._envelope([choice], chunk=True))
 
+    # -- the events of a stream, in order: the opening ones, one per piece of text and one
+    # -- as each generation ends, the closing ones
+
+    def _opening_events(self) -> list[str]:
+        return [self._chunk(index, "", None, first=True) for index in range(len(self.prompts))] if self.chat else []
+
+    def _text_event(self, index: int, text: str, tokens: list[int]) -> str:
+        return self._chunk(index, text, None)
+
+    def _end_event(self, index: int, result) -> str:
+        return self._chunk(index, None if self.chat else "", result.finish_reason)
+
+    def _closing_events(self, results: list) -> list[str]:
+        usage = [sse({**self._envelope([], chunk=True), "usage": self._usage(results)})] \
+            if self.options.include_usage else []
+        return usage + ["data: [DONE]\n\n"]
+
     async def stream(self):
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()  # (index, text or result), then None
-        future = self._start(lambda index, text: loop.call_soon_threadsafe(pieces.put_nowait, (index, text)),
-                             lambda index, result: loop.call_soon_threadsafe(pieces.put_nowait, (index, result)))
+        pieces: asyncio.Queue = asyncio.Queue()  # (index, text, tokens) or (index, result), then None
+        future = self._start(lambda *piece: loop.call_soon_threadsafe(pieces.put_nowait, piece),
+                             lambda *ended: loop.call_soon_threadsafe(pieces.put_nowait, ended))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
         try:
-            if self.chat:
-                for index in range(len(self.prompts)):
-                    yield self._chunk(index, "", None, first=True)
+            for event in self._opening_events():
+                yield event
             while (piece := await pieces.get()) is not None:
-                index, item = piece
-                if isinstance(item, str):
-                    yield self._chunk(index, item, None)
-                else:  # that prompt's generation ended
-                    yield self._chunk(index, None if self.chat else "", item.finish_reason)
+                yield self._text_event(*piece) if len(piece) == 3 else self._end_event(*piece)
             try:
                 results = future.result()
             except PipelineError as exc:
                 yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
                 return
-            if self.options.include_usage:
-                yield sse({**self._envelope([], chunk=True), "usage": self._usage(results)})
-            yield "data: [DONE]\n\n"
+            for event in self._closing_events(results):
+                yield event
         finally:
             # A client that went away cancels the generation between two tokens.
             self.cancel.set()

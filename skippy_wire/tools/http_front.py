@@ -13,8 +13,8 @@ import uuid
 from typing import Optional
 
 import h11
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: Routes open without the API key (as llama-server keeps its health check open).
@@ -250,6 +250,29 @@ class IdleSheddingProtocol(H11Protocol):
     def shed(self) -> None:
         self.connections.discard(self)  # counted out now, not when the loop gets to it
         self.transport.close()
+
+
+async def json_body(request: Request) -> dict | Response:
+    """The request's body as a JSON object, or the error response that says why it is not one."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # a compressed body would read as "not valid JSON"
+        return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
+    try:
+        body = json.loads(await read_body(request))
+    except BodyTooLarge:
+        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+    except BodiesBufferFull:
+        return error_response(503, "the server is receiving too many request bodies at once; retry later",
+                              type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+    except asyncio.TimeoutError:
+        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody is left to read it
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
+        return error_response(400, "the request body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    return body
 
 
 def sse(obj: dict) -> str:

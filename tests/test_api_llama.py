@@ -1,0 +1,101 @@
+"""llama-server's native ``POST /completion`` in process over a scripted engine: the shape
+its clients read (non-streamed, streamed, a batch of prompts), and the same checks and
+errors as the OpenAI routes.  tests/test_api.py runs it against the real pipeline."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.testclient import TestClient
+from test_http_front import FakeEngine, FakeTokenizer, _fake_api
+
+from skippy_wire.net.service import Generation
+
+
+class ByteTokenizer(FakeTokenizer):
+    def decode(self, ids, special: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers every prompt with ``pieces`` (one token per byte), then ends the way
+    ``stop_type`` says."""
+
+    def __init__(self, pieces=("Hel", "lo", "\nworld"), stop_type="word", stopping_word="!") -> None:
+        super().__init__()
+        self.tokenizer = ByteTokenizer()
+        self.pieces, self.stop_type, self.stopping_word = pieces, stop_type, stopping_word
+
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
+        self.requests.append({"max_tokens": max_tokens, "sampling": sampling, "stop": stop})
+        for piece in self.pieces:
+            on_text(piece, list(piece.encode()))
+        text = "".join(self.pieces)
+        return Generation(text=text, prompt_tokens=len(prompt), completion_tokens=len(text.encode()),
+                          finish_reason="length" if self.stop_type == "limit" else "stop", stop_type=self.stop_type,
+                          stopping_word=self.stopping_word, tokens=list(text.encode()), first_token_s=0.01,
+                          elapsed_s=0.11)
+
+
+def _post(client, body: dict):
+    return client.post("/completion", json=body)
+
+
+def test_a_completion_in_llama_servers_shape():
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        reply = _post(client, {"prompt": "Say hi", "n_predict": 20, "temperature": 0.5, "stop": ["!"],
+                               "cache_prompt": True})
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["content"] == "Hello\nworld" and body["stop"] is True and body["tokens"] == []
+    assert body["tokens_predicted"] == 11 and body["tokens_evaluated"] == len("Say hi")
+    assert body["stop_type"] == "word" and body["stopping_word"] == "!"
+    assert body["has_new_line"] is True and body["truncated"] is False and body["prompt"] == "Say hi"
+    settings = body["generation_settings"]
+    assert settings["n_predict"] == 20 and settings["temperature"] == 0.5 and settings["stop"] == ["!"]
+    assert engine.requests[0]["max_tokens"] == 20 and engine.requests[0]["stop"] == ["!"]
+    timings = body["timings"]
+    assert timings["prompt_n"] == 6 and timings["predicted_n"] == 11
+    assert abs(timings["prompt_ms"] - 10.0) < 1e-6 and abs(timings["predicted_ms"] - 100.0) < 1e-6
+    assert abs(timings["predicted_per_second"] - 110.0) < 1e-6
+
+
+def test_return_tokens_gives_the_generated_ids():
+    with TestClient(_fake_api(ScriptedEngine(stop_type="eos", stopping_word="")).app()) as client:
+        body = _post(client, {"prompt": "Say hi", "return_tokens": True}).json()
+    assert bytes(body["tokens"]).decode() == body["content"] and body["stop_type"] == "eos"
+
+
+def _events(text: str) -> list[dict]:
+    blocks = [block for block in text.split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in blocks), text
+    return [json.loads(block[len("data: "):]) for block in blocks]
+
+
+def test_a_stream_is_pieces_then_the_final_object_and_no_done():
+    with TestClient(_fake_api(ScriptedEngine(stop_type="limit", stopping_word="")).app()) as client:
+        reply = _post(client, {"prompt": "Say hi", "stream": True, "return_tokens": True})
+    assert reply.status_code == 200 and "[DONE]" not in reply.text
+    *pieces, final = _events(reply.text)
+    assert [p["content"] for p in pieces] == ["Hel", "lo", "\nworld"]
+    assert all(p["stop"] is False for p in pieces) and [p["tokens_predicted"] for p in pieces] == [3, 5, 11]
+    assert [bytes(p["tokens"]).decode() for p in pieces] == ["Hel", "lo", "\nworld"]
+    assert final["stop"] is True and final["content"] == "" and final["stop_type"] == "limit"
+    assert final["tokens_predicted"] == 11
+
+
+def test_a_batch_of_prompts_gives_a_list_in_order():
+    with TestClient(_fake_api(ScriptedEngine(), max_inflight=2).app()) as client:
+        body = _post(client, {"prompt": ["one", "three"]}).json()
+    assert isinstance(body, list) and [b["index"] for b in body] == [0, 1]
+    assert [b["tokens_evaluated"] for b in body] == [3, 5]
+
+
+def test_bad_requests_get_the_same_errors_as_the_openai_routes():
+    with TestClient(_fake_api(ScriptedEngine()).app()) as client:
+        for body, param in (({"prompt": "hi", "n_predict": "ten"}, "n_predict"), ({"prompt": ""}, "prompt"),
+                            ({"prompt": "hi", "n_probs": 5}, "n_probs")):
+            reply = _post(client, body)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+        assert client.get("/completion").status_code == 405
