@@ -48,6 +48,21 @@ def test_expected_phases_and_predicates():
                                                              "is_generation_control")] == [{19}, {22}, {14}]
 
 
+def test_v16_and_v17_headers_know_kind_23_and_carry_their_version():
+    # wire-v16-v17.md A.1/A.2: v15's defaults but the version; DiscardStaleWindows is a
+    # Decode-phase kind that matches any header of those versions.  v15 knows no kind 23.
+    for version in (16, 17):
+        header = StageStateHeader.new(23, version)
+        assert (header.version, header.phase, header.flags) == (version, P.DECODE, 0)
+        assert StageStateHeader.new(K.PREFILL_FINAL_EMBD, version).matches_kind(23)
+        final = StageStateHeader.new(K.PREFILL_FINAL_EMBD, version)
+        assert (final.version, final.flags) == (version, StageStateHeader.new(K.PREFILL_FINAL_EMBD).flags)
+    with pytest.raises(ValueError):
+        StageStateHeader.new(23)
+    with pytest.raises(ValueError):
+        StageStateHeader.new(K.DECODE_EMBD).matches_kind(23)
+
+
 def test_matches_kind():
     for kind in K:
         assert StageStateHeader.new(kind).matches_kind(kind), kind

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .constants import UpstreamEnum
-from .messages import WireMessageKind
+from .messages import DISCARD_STALE_WINDOWS, WireMessageKind
 
 #: ``STAGE_STATE_VERSION`` of each protocol generation this package speaks.
 STAGE_STATE_VERSION_V15 = 15
@@ -53,8 +53,6 @@ class GgmlType(enum.IntEnum):
 #: Element size in bytes of each accepted ggml type.
 GGML_TYPE_SIZE = {GgmlType.F32: 4, GgmlType.F16: 2, GgmlType.I32: 4, GgmlType.BF16: 2}
 
-#: v16 adds kind 23; its expected phase is Decode (2).
-DISCARD_STALE_WINDOWS = 23
 WireMessageKindV16 = UpstreamEnum(
     "WireMessageKindV16",
     {**{k.name: k.value for k in WireMessageKind}, "DISCARD_STALE_WINDOWS": DISCARD_STALE_WINDOWS},

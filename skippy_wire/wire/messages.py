@@ -116,6 +116,9 @@ ACTIVATIONLESS_WRITE_KINDS = frozenset({7, 15, 16, 17})
 ACTIVATIONLESS_READ_KINDS = frozenset({3, 7, 15, 16, 17})
 #: Kinds that ``matches_kind`` accepts unconditionally (section 3.3).
 _ALWAYS_MATCHING_KINDS = frozenset({7, 13, 19, 22, 14})
+#: The kind state versions 16 and 17 add (wire-v16-v17.md A.2): phase Decode, and
+#: ``matches_kind`` always true for it.
+DISCARD_STALE_WINDOWS = 23
 
 
 class SamplingFlags(enum.IntFlag):
@@ -188,18 +191,23 @@ class StageStateHeader:
     activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
 
     @classmethod
-    def new(cls, kind: int) -> "StageStateHeader":
-        """Upstream ``StageStateHeader::new(kind)`` (section 3.2)."""
+    def new(cls, kind: int, version: int = STAGE_STATE_VERSION) -> "StageStateHeader":
+        """Upstream ``StageStateHeader::new(kind)`` (section 3.2) of state ``version``: from 16
+        on the same defaults but the version (wire-v16-v17.md A.1), and kind 23 known."""
+        if kind == DISCARD_STALE_WINDOWS and version > STAGE_STATE_VERSION:
+            return cls(version=version, phase=WireStagePhase.DECODE)
         kind = WireMessageKind(kind)
         flags = 0
         if kind in (WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_REPLAY_FINAL_EMBD):
             flags |= StateFlags.FINAL_CHUNK
         if kind is WireMessageKind.DECODE_LIGHT_CTX:
             flags |= StateFlags.LIGHT_CONTEXT
-        return cls(phase=kind.expected_phase, flags=int(flags))
+        return cls(version=version, phase=kind.expected_phase, flags=int(flags))
 
     def matches_kind(self, kind: int) -> bool:
         """Advisory phase/flag consistency check (section 3.3); the reader never calls it."""
+        if kind == DISCARD_STALE_WINDOWS and self.version > STAGE_STATE_VERSION:
+            return True
         kind = WireMessageKind(kind)
         if kind in _ALWAYS_MATCHING_KINDS:
             return True
