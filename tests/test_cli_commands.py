@@ -253,6 +253,31 @@ def test_serve_checks_its_output_directories_before_starting(capsys, tmp_path, o
                                 option, value.format(tmp=tmp_path)], message.format(tmp=tmp_path))
 
 
+@pytest.mark.parametrize("listen,downstream", [
+    ("127.0.0.1:9000", "127.0.0.1:9000"), ("127.0.0.1:9000", "localhost:9000"), ("127.0.0.1:9000", "0.0.0.0:9000"),
+    ("0.0.0.0:9000", "127.0.0.1:9000"),
+])
+def test_serve_refuses_a_downstream_that_is_its_own_listener(capsys, listen, downstream):
+    """Such a stage opened a connection to itself for every one it accepted (tens of
+    thousands a minute, until killed)."""
+    assert_usage_error(capsys, ["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1",
+                                "--listen", listen, "--downstream", downstream],
+                       f"--downstream {downstream} is this stage's own --listen address (it would connect to "
+                       "itself); give the next stage's address")
+    assert_usage_error(capsys, ["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1",
+                                "--downstream", "127.0.0.1:0"],
+                       "--downstream: port 0 names no stage (give the port the next stage listens on)")
+
+
+def test_a_downstream_on_another_port_or_host_is_not_the_listener():
+    from skippy_wire.net.transport import names_listener
+
+    assert not names_listener(("127.0.0.1", 9001), ("127.0.0.1", 9000))
+    assert not names_listener(("203.0.113.77", 9000), ("127.0.0.1", 9000))  # TEST-NET-3: no address here
+    assert not names_listener(("203.0.113.77", 9000), ("0.0.0.0", 9000))
+    assert not names_listener(("127.0.0.1", 0), ("127.0.0.1", 0))  # port 0 binds a port of its own
+
+
 def test_serve_names_an_unwritable_trace_file(capsys, tmp_path, tiny_model):
     (tmp_path / "stage0.trace").mkdir()  # the directory is fine, the file cannot be opened
     code, out, err = _main(capsys, "serve", "--model", str(tiny_model), "--layer-start", "0", "--layer-end", "4",

@@ -80,6 +80,42 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+#: The hosts a listener binds to every address of this machine with.
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0"})
+
+
+def _ipv4_addresses(host: str) -> frozenset[str]:
+    try:
+        return frozenset(info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM))
+    except (OSError, UnicodeError):  # unresolvable: another site's name, as written
+        return frozenset([host])
+
+
+def _is_local(ip: str) -> bool:
+    """Whether ``ip`` is an address of this machine (one it can bind to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def names_listener(target: tuple[str, int], listen: tuple[str, int]) -> bool:
+    """Whether connecting to ``target`` (HOST, PORT) reaches the listener bound to
+    ``listen``: the same port, and a host that is the listener's address or, for a listener
+    on every address, one of this machine's (0.0.0.0 as a target is this machine too).  A
+    stage whose downstream is itself would open a connection to itself for every one it
+    accepts."""
+    (host, port), (listen_host, listen_port) = target, listen
+    if port != listen_port or port == 0:
+        return False
+    targets = _ipv4_addresses(host)
+    if targets & _WILDCARD_HOSTS or targets & _ipv4_addresses(listen_host):
+        return True
+    return listen_host in _WILDCARD_HOSTS and any(_is_local(ip) for ip in targets)
+
+
 class SocketReader:
     """Whole records off a socket through an incremental decoder.
 

@@ -24,7 +24,7 @@ from ..net.backend import RuntimeBackend
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
-from ..net.transport import parse_address
+from ..net.transport import names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -190,6 +190,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--model, --layer-start and --layer-end are required without --topology")
     if args.layer_end <= args.layer_start:
         parser.error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
+    if args.downstream is not None and args.downstream[1] == 0:
+        parser.error("--downstream: port 0 names no stage (give the port the next stage listens on)")
+    if args.downstream is not None and names_listener(args.downstream, args.listen):
+        parser.error(f"--downstream {args.downstream[0]}:{args.downstream[1]} is this stage's own --listen address "
+                     "(it would connect to itself); give the next stage's address")
     if args.stage_index is None:
         if args.layer_start != 0:
             parser.error("--stage-index is required when --layer-start > 0")
