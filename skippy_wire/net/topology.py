@@ -48,7 +48,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .transport import parse_address
+from .transport import ipv4_addresses, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
@@ -264,14 +264,9 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
 
 def _resolve(host: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:
     """The IP addresses ``host`` names (once per host): two spellings of one address are one
-    listener, and a stage whose downstream is itself floods itself with connections.  An
-    unresolvable host (another site's name) is compared as written."""
+    listener, and a stage whose downstream is itself floods itself with connections."""
     if host not in cache:
-        try:
-            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)  # IPv4, as connect()
-            cache[host] = frozenset(info[4][0] for info in infos) or frozenset([host])
-        except (OSError, UnicodeError):
-            cache[host] = frozenset([host])
+        cache[host] = ipv4_addresses(host)
     return cache[host]
 
 

@@ -84,10 +84,12 @@ def parse_address(text: str) -> tuple[str, int]:
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0"})
 
 
-def _ipv4_addresses(host: str) -> frozenset[str]:
+def ipv4_addresses(host: str) -> frozenset[str]:
+    """The IPv4 addresses ``host`` names (those connect() would try); an unresolvable host
+    (another site's name) as written."""
     try:
         return frozenset(info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM))
-    except (OSError, UnicodeError):  # unresolvable: another site's name, as written
+    except (OSError, UnicodeError):
         return frozenset([host])
 
 
@@ -110,8 +112,8 @@ def names_listener(target: tuple[str, int], listen: tuple[str, int]) -> bool:
     (host, port), (listen_host, listen_port) = target, listen
     if port != listen_port or port == 0:
         return False
-    targets = _ipv4_addresses(host)
-    if targets & _WILDCARD_HOSTS or targets & _ipv4_addresses(listen_host):
+    targets = ipv4_addresses(host)
+    if targets & _WILDCARD_HOSTS or targets & ipv4_addresses(listen_host):
         return True
     return listen_host in _WILDCARD_HOSTS and any(_is_local(ip) for ip in targets)
 
