@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import random
 import threading
 import time
@@ -36,6 +37,8 @@ from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import PipelineClient
+
+log = logging.getLogger("skippy_wire.net.service")
 
 #: Upper bound of the random seed drawn for a sampled request that names none.
 _SEED_RANGE = 2**31 - 1
@@ -249,6 +252,16 @@ class GenerationEngine:
         #: A request failed in the pipeline, and no probe or request has got through since.
         self.failing = False
 
+    def _answered(self, failed: Optional[BaseException] = None) -> None:
+        """The pipeline answered (``failed`` None) or a request failed in it: logged, at
+        most once a request and once a recovery, so an operator sees both."""
+        if failed is not None:
+            log.warning("a request failed in the pipeline: %s", failed)
+            self.failing = True
+        elif self.failing:
+            log.warning("the pipeline answers again")
+            self.failing = False
+
     def _take(self, timeout: Optional[float] = None) -> PipelineClient:
         """A pooled connection, else a new one (``timeout``: for its handshake; default:
         the engine's)."""
@@ -286,7 +299,7 @@ class GenerationEngine:
         except BaseException:
             client.close()  # a late answer would stay unread on it
             raise
-        self.failing = False
+        self._answered()
         self._give_back(client)
 
     def close(self) -> None:
@@ -325,7 +338,14 @@ class GenerationEngine:
 
         if self.failing:
             self._probe_after_failure()
-        client = self._take()
+        try:
+            client = self._take()
+        except PipelineError as exc:  # no READY from the chain: as a failure within it
+            with self._lock:
+                self.counters["failed"] += 1
+                self.counters["requests"] += 1
+            self._answered(exc)
+            raise
         sent0, received0 = client.sent_bytes, client.received_bytes
         healthy = True
         try:
@@ -336,15 +356,18 @@ class GenerationEngine:
             out.finish_reason = "stop" if result.stop_reason == "eog" else "length"
         except Cancelled:
             out.finish_reason = "stop"
-            healthy = self._stop_session(client, session)
-            self.failing = self.failing or not healthy
+            unstopped = self._stop_session(client, session)
+            healthy = unstopped is None
+            if unstopped is not None:
+                self._answered(unstopped)
             if cancelled.is_set():
                 with self._lock:
                     self.counters["cancelled"] += 1
                 raise
         except BaseException as exc:
             healthy = False
-            self.failing = self.failing or isinstance(exc, PipelineError)
+            if isinstance(exc, PipelineError):
+                self._answered(exc)
             with self._lock:
                 self.counters["failed"] += 1
             raise
@@ -360,7 +383,7 @@ class GenerationEngine:
             else:
                 client.close()
         if healthy:
-            self.failing = False
+            self._answered()
         tail = assembler.finish()
         if tail:
             on_text(tail, assembler.tokens[shown_tokens:])
@@ -384,13 +407,14 @@ class GenerationEngine:
                                       "retry later)") from None
 
     @staticmethod
-    def _stop_session(client: PipelineClient, session: int) -> bool:
-        """Free a cancelled session on every stage; False if the connection is unusable."""
+    def _stop_session(client: PipelineClient, session: int) -> Optional[PipelineError]:
+        """Free a cancelled session on every stage; the failure that leaves the connection
+        unusable, if any."""
         try:
             client.request(StageWireMessage.stop(session, session), "Stop")
-            return True
-        except PipelineError:
-            return False
+            return None
+        except PipelineError as exc:
+            return exc
 
 
 class Admission:

@@ -1,0 +1,68 @@
+"""The API's GenerationEngine when the pipeline fails: a stage 0 that never answers READY
+counts as a failure like one that fails mid-request (the next request probes quickly
+instead of waiting the whole timeout again), and an operator reads each failure and the
+recovery in the log.  Fake stages in process (test_server's Chain), no model."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from test_http_front import FakeTokenizer
+from test_server import Chain
+
+from skippy_wire.errors import PipelineError
+from skippy_wire.net.service import GenerationEngine, PipelineUnavailable, SamplingParams
+
+TIMEOUT_S = 1.0
+
+
+class ByteTokenizer(FakeTokenizer):
+    def decode(self, ids, special: bool = True) -> str:
+        return bytes(i % 128 for i in ids).decode()
+
+
+def _generate(engine: GenerationEngine):
+    return engine.generate([1, 2, 3], max_tokens=2, sampling=SamplingParams(temperature=0.0), stop=[],
+                           on_text=lambda text, tokens: None, cancelled=threading.Event())
+
+
+def test_a_stage_0_that_never_answers_ready_is_probed_not_waited_for_again(caplog):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers READY
+    engine = GenerationEngine(silent.getsockname()[:2], FakeTokenizer(), ctx_size=64, timeout=TIMEOUT_S,
+                              chunk_size=4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="skippy_wire.net.service"):
+            with pytest.raises(PipelineError) as first:
+                _generate(engine)
+            assert not isinstance(first.value, PipelineUnavailable)
+            assert engine.failing and engine.counters["failed"] == 1 == engine.counters["requests"]
+            assert [r.getMessage() for r in caplog.records] == [f"a request failed in the pipeline: {first.value}"]
+            # the next request probes (the same silence), and is refused as unavailable
+            with pytest.raises(PipelineUnavailable):
+                _generate(engine)
+            assert engine.counters["failed"] == 2 and len(caplog.records) == 1  # one line per state change
+    finally:
+        engine.close()
+        silent.close()
+
+
+def test_the_log_says_when_the_pipeline_answers_again(caplog):
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="skippy_wire.net.service"):
+            engine.failing = True  # as after a failed request
+            started = time.monotonic()
+            assert _generate(engine).completion_tokens >= 1
+            assert time.monotonic() - started < TIMEOUT_S * 5
+            assert not engine.failing
+            assert [r.getMessage() for r in caplog.records] == ["the pipeline answers again"]
+            _generate(engine)
+            assert len(caplog.records) == 1  # no line while it keeps answering
+    finally:
+        engine.close()
+        chain.close()
