@@ -262,3 +262,29 @@ def test_running_stages_free_a_session_whose_driver_gave_up(tiny_model, tmp_path
     finally:
         for proc in procs:
             proc.terminate()
+
+
+def test_a_driver_connected_to_a_later_stage_is_told_to_connect_to_stage_0(chain_factory, caplog):
+    # That stage used to fail inside its runtime ("activation payload length 0 does not match
+    # ..."), which did not say what was wrong.
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.servers[1].address, timeout=10) as client:
+        with pytest.raises(PipelineError):
+            client.generate(FAKE_PROMPT, max_tokens=2, chunk_size=4)
+    assert _wait_for(lambda: "a driver connects to stage 0" in caplog.text, WAIT_S), caplog.text
+    assert ("a driver's PREFILL_EMBD (tokens, no activation) reached a stage that starts at layer 3, "
+            "not the first stage: a driver connects to stage 0") in caplog.text
+
+
+def test_an_idle_connection_closed_by_the_stage_is_no_error(chain_factory, caplog):
+    """A pooled connection left idle (an API between requests) is closed at the idle
+    timeout: an INFO line, not an ERROR that monitoring would alert on."""
+    chain = chain_factory([(0, 6)])
+    chain.servers[0].idle_timeout = 0.2
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        assert _wait_for(lambda: not client.alive(), WAIT_S)
+    assert _wait_for(lambda: "idle for more than 0.2 s; closing" in caplog.text, WAIT_S), caplog.text
+    idle = [r for r in caplog.records if "idle for more than" in r.getMessage()]
+    assert [r.levelno for r in idle] == [logging.INFO]

@@ -85,12 +85,21 @@ def max_message_bytes(ctx_size: int, n_embd: int) -> int:
             + 2 * 4 * ctx_size + rows * n_embd * 4 + FRAME_OVERHEAD_ALLOWANCE)
 
 
-def check_runnable(msg) -> None:
+#: The kinds a stage computes: after the first stage, on the activation of the one before.
+_COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_EMBD)
+
+
+def check_runnable(msg, backend) -> None:
     """Refuse, before any cache changes, a DecodeEmbd of more than one token (the runtime
-    decodes one a step), and sampling the terminal stage's native sampler would refuse
-    (with its reason, here, rather than relayed to close the pipeline with none)."""
+    decodes one a step), a driver's message (tokens, no activation) at a stage that is not
+    the first, and sampling the terminal stage's native sampler would refuse (with its
+    reason, here, rather than relayed to close the pipeline with none)."""
     if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
         raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
+    if not backend.is_source and msg.kind in _COMPUTED_KINDS and msg.state.source_stage_index < 0:
+        raise StageError(f"a driver's {WireMessageKind(msg.kind).name} (tokens, no activation) reached a stage "
+                         f"that starts at layer {backend.layer_start}, not the first stage: a driver connects "
+                         "to stage 0")
     if msg.sampling is not None:
         sampling_to_bytes(msg.sampling)
 

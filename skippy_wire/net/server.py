@@ -93,27 +93,24 @@ def _reply_bytes(writer: Callable, *args) -> bytes:
 class StageServer:
     """A listening stage.  ``serve_forever()`` accepts connections until ``shutdown()``.
 
-    Parameters: ``backend`` (a :class:`RuntimeBackend` or a fake with its methods),
-    ``config`` (:class:`skippy_wire.wire.forwarding.StageConfig`), ``downstream`` (``(host,
-    port)`` of the next stage or None on the terminal stage), ``host``/``port`` to bind
-    (port 0 picks a free one), ``io_timeout`` (seconds a peer may stall in the middle of
-    a message), ``idle_timeout`` (seconds a connection may sit between messages; None =
-    forever), ``reply_timeout`` (seconds to wait for the downstream reply), ``capture``
-    (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
-    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace``
-    (a text file receiving one ``START_NS END_NS`` line per stretch of compute), ``protocol``
-    (the state version every link speaks: 15, 16 or 17), ``identity`` (v17: the
-    ``StageSetupConfig`` the handshake checks; default: from ``config``) and ``plan``
-    (v17: the ``PlanStage`` list an upstream sender is checked against), ``link_delay``
-    (seconds slept before each send over a stage-to-stage link: downstream, and upstream
-    unless this is stage 0, whose upstream is the driver), ``prefill_overlap`` (acknowledge
-    a forwarded PrefillEmbd at once instead of after the downstream's Ack, so this stage
-    computes the next chunk while the downstream computes this one), ``limits`` (a
-    :class:`.admission.StageLimits`) and ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on
-    both sides), ``poll_s`` (seconds: busy-poll this long around a message's or reply's
-    expected arrival instead of sleeping through the wait, :class:`.transport.SocketReader`,
-    while at most one session decodes here; 0: sleep), ``decode_ahead`` (on a first stage: compute a session's next decode step
-    before its message arrives, see the module doc).
+    Parameters: ``backend`` (a :class:`RuntimeBackend` or a fake with its methods), ``config``
+    (:class:`skippy_wire.wire.forwarding.StageConfig`), ``downstream`` (``(host, port)`` of the next stage
+    or None on the terminal stage), ``host``/``port`` to bind (port 0 picks a free one), ``io_timeout``
+    (seconds a peer may stall in the middle of a message), ``idle_timeout`` (seconds a connection may sit
+    between messages; None = forever), ``reply_timeout`` (seconds to wait for the downstream reply),
+    ``capture`` (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
+    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace`` (a text file
+    receiving one ``START_NS END_NS ROWS`` line per stretch of compute), ``protocol`` (the state version
+    every link speaks: 15, 16 or 17), ``identity`` (v17: the ``StageSetupConfig`` the handshake checks;
+    default: from ``config``) and ``plan`` (v17: the ``PlanStage`` list an upstream sender is checked
+    against), ``link_delay`` (seconds slept before each send over a stage-to-stage link: downstream, and
+    upstream unless this is stage 0, whose upstream is the driver), ``prefill_overlap`` (acknowledge a
+    forwarded PrefillEmbd at once instead of after the downstream's Ack, so this stage computes the next
+    chunk while the downstream computes this one), ``limits`` (a :class:`.admission.StageLimits`) and
+    ``tls`` (a :class:`.tls.TlsConfig`: mutual TLS on both sides), ``poll_s`` (seconds: busy-poll this long
+    around a message's or reply's expected arrival instead of sleeping through the wait,
+    :class:`.transport.SocketReader`, while at most one session decodes here; 0: sleep), ``decode_ahead``
+    (on a first stage: compute a session's next decode step before its message arrives, see the module doc).
     """
 
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
@@ -263,9 +260,8 @@ class StageServer:
             self.clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
                 upstream.reader.poll_s = self._poll_window()
-                msg = self._read_message(link)
+                msg = self._read_message(link, name)
                 if msg is None:
-                    self.clog.info("%s: closed by peer", name)
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
                 if not sessions:
@@ -369,14 +365,17 @@ class StageServer:
             raise StageError(f"downstream {host}:{port} did not send READY: {exc}") from exc
         return link
 
-    def _read_message(self, link: LinkProtocol):
-        """Read one message; None on a clean close between messages."""
+    def _read_message(self, link: LinkProtocol, name: str):
+        """Read one message; None (logged) on a clean close or an idle timeout between
+        messages: both are a pooled connection's normal end, no error."""
         peer = link.peer
         try:
             if not peer.reader.wait_readable(self.idle_timeout):
+                self.clog.info("%s: closed by peer", name)
                 return None
         except (socket.timeout, TimeoutError):
-            raise StageError(f"idle for more than {self.idle_timeout:g} s") from None
+            self.clog.info("%s: idle for more than %g s; closing", name, self.idle_timeout)
+            return None
         peer.reader.deadline = time.monotonic() + self.limits.message_timeout
         peer.reader.stall_timeout = self.io_timeout
         try:
@@ -396,7 +395,7 @@ class StageServer:
         if msg.kind == DISCARD_STALE_WINDOWS:  # read from v16 on, executed nowhere here
             raise StageError(f"unsupported stage message kind {WireMessageKindV16(msg.kind).name} ({msg.kind})")
         kind = K(msg.kind)  # the v16/v17 readers give a plain int
-        check_runnable(msg)
+        check_runnable(msg, self.backend)
         session = sessions.get(msg.session_id)
         ahead = None
         if session is not None:
