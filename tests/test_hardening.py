@@ -306,6 +306,7 @@ def certs(tmp_path_factory):
 def test_mutual_tls_pipeline_matches_plain_and_refuses_strangers(tiny_model, tmp_path, reference, certs, protocol):
     tls = certs["node"]
     with _cluster(tiny_model, tmp_path, tls=tls, protocol=protocol) as cluster:
+        socket.create_connection(cluster.entry, timeout=10).close()  # a port check: no stranger
         with PipelineClient(*cluster.entry, timeout=30, tls=tls, protocol=protocol,
                             identity=cluster.identity) as client:
             assert client.generate(PROMPT, max_tokens=MAX_TOKENS, chunk_size=4).tokens == reference
@@ -329,6 +330,7 @@ def test_mutual_tls_pipeline_matches_plain_and_refuses_strangers(tiny_model, tmp
             assert client.generate(PROMPT, max_tokens=MAX_TOKENS, chunk_size=4, session_id=2).tokens == reference
     log = _log(tmp_path, 0)
     assert "did not start a TLS handshake" in log
+    assert "connection 1 from 127.0.0.1" in log and "closed by peer before its setup" in log
     assert "mutual TLS" in log
 
 

@@ -208,3 +208,23 @@ def test_a_client_hello_is_told_from_the_stage_wire():
     assert starts_tls_handshake(outgoing.read())
     for plain in (READY_BYTES, frame.write_stage_message(_messages()[0]), b"\x16", b""):
         assert not starts_tls_handshake(plain)
+
+
+def test_a_port_check_on_a_tls_stage_is_a_peer_that_left_not_a_plain_client():
+    # (a topology's diagnosis connects and closes: that read as a stranger speaking plain TCP)
+    from skippy_wire.errors import StageError
+    from skippy_wire.net.tls import accept_tls
+    from skippy_wire.wire.setup import SetupError
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    left, server = socket.socketpair()
+    left.close()
+    with pytest.raises(SetupError, match="stage peer closed during setup"):
+        accept_tls(server, context, 1.0)
+    server.close()
+    plain, server = socket.socketpair()
+    plain.sendall(b"\x0e\x00")  # a plain client's first bytes
+    with pytest.raises(StageError, match="did not start a TLS handshake"):
+        accept_tls(server, context, 1.0)
+    plain.close()
+    server.close()
