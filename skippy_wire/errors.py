@@ -91,6 +91,17 @@ class ForwardingError(WireError):
 # --- stage: the runtime adapter and the native backend (runtime.md sections 1.5, 3.2) --------
 
 
+class SetupError(WireError):
+    """A setup handshake (wire-v16-v17.md B.2) failed; ``str()`` is upstream's exact
+    top-level text, ``detail`` what upstream adds beneath it."""
+
+    kind = "Setup"
+
+    def __init__(self, message: str, detail: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 class Status(enum.IntEnum):
     """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
 

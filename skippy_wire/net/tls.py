@@ -22,8 +22,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import StageError
-from ..wire.setup import SetupError
+from ..errors import SetupError, StageError
 
 #: Sent in the clear to a plain peer of a TLS stage, where it expects READY or a setup reply.
 TLS_REQUIRED_NOTICE = b"STLS"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .constants import READY_BYTES
-from ..errors import InvalidDataError, WireError
+from ..errors import InvalidDataError, SetupError
 from .activation_frame import STAGE_STATE_VERSION_V16, STAGE_STATE_VERSION_V17
 from .agreement import (
     U32_MAX,
@@ -52,16 +52,6 @@ MAX_STAGE_SETUP_MESSAGE_BYTES = 65_536
 SETUP_HEADER_BYTES = 12
 POLL_SLICE_SECONDS = 0.1
 DEFAULT_SETUP_TIMEOUT_SECONDS = 30.0
-
-
-class SetupError(WireError):
-    """A setup handshake failed; ``str()`` is upstream's exact top-level text."""
-
-    kind = "Setup"
-
-    def __init__(self, message: str, detail: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.detail = detail
 
 
 class SetupRole(str, enum.Enum):
