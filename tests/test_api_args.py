@@ -73,6 +73,42 @@ def test_help_names_each_ctx_size_default():
             f"--topology: its ctx_size, else {DEFAULT_CTX_SIZE})") in text
 
 
+def _refused(argv: list[str], capsys) -> str:
+    """The one error line of ``api ARGV``'s argument checks, which must exit 2."""
+    with pytest.raises(SystemExit) as stopped:
+        _ctx_size(argv)
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("given, name", [
+    (["-t", "4"], "-t/--threads"), (["--threads", "-1"], "-t/--threads"),  # -1: the default, given
+    (["--activation-codec", "bf16"], "--activation-codec"), (["--activation-codec", "raw-f32"], "--activation-codec"),
+    (["--activation-codec-policy", "fixed"], "--activation-codec-policy"), (["--log-dir", "LOGS"], "--log-dir"),
+])
+def test_options_for_the_stages_it_starts_are_refused_with_running_stages(tmp_path, tiny_model, capsys, given, name):
+    """`api --connect ... --activation-codec bf16 -t 4 --log-dir X` served and ignored them."""
+    given = [str(tmp_path / "logs") if value == "LOGS" else value for value in given]
+    for where in (["--connect", "127.0.0.1:19000"], ["--topology", _topology(tmp_path, tiny_model)]):
+        assert _refused([*where, *given], capsys) == (
+            f"skippy-wire: error: argument {name}: not allowed with argument {where[0]}: it configures the stage "
+            f"processes this command starts, and with {where[0]} it starts none")
+    assert not (tmp_path / "logs").exists()
+    parser = build_parser()
+    args = parser.parse_args(given)  # starting the stages: taken
+    _check_args(parser, args)
+
+
+def test_the_driver_s_own_options_are_taken_with_running_stages(tiny_model):
+    """-m (the tokenizer, the model id), -c, --timeout, --poll-ms, --protocol, --chunk-size and
+    --max-inflight are the driver's: not refused."""
+    parser = build_parser()
+    args = parser.parse_args(["--connect", "127.0.0.1:19000", "-m", str(tiny_model), "-c", "256", "--timeout", "5",
+                              "--poll-ms", "1", "--protocol", "16", "--chunk-size", "8", "--max-inflight", "2"])
+    _check_args(parser, args)
+    assert (args.model, args.ctx_size, args.timeout, args.poll_ms, args.protocol) == (str(tiny_model), 256, 5, 1, 16)
+
+
 class _SlowProbe:
     """An engine whose readiness probe takes ``delay`` s, then fails with ``reason`` (or,
     without one, waits until ``release`` is set)."""

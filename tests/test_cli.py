@@ -252,7 +252,7 @@ def fake_client(monkeypatch, tiny_model):
 def test_connect_json_reports_null_for_what_the_driver_cannot_know(capsys, tiny_model, fake_client):
     fake_client()
     code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
-                           "--activation-codec", "bf16", "-t", "4", "hello")
+                           "hello")  # the stages' codec and threads cannot be given: they are not the driver's
     assert code == 0, err
     summary = json.loads(out)["summary"]
     assert summary["connected"] == "127.0.0.1:9"
@@ -263,7 +263,7 @@ def test_llama_cli_special_values_fill_the_training_context(capsys, tiny_model, 
     """-n -1: until the context is full; -c 0: the model's training context (256 tokens)."""
     fake_client()
     code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
-                         "-c", "0", "-n", "-1", "-t", "-1", "hello")
+                         "-c", "0", "-n", "-1", "hello")
     assert code == 0, err
     assert _FakeClient.max_tokens == [256 - 6]  # "hello": BOS + 5 byte tokens
     code, _, err = _main(capsys, "run", "-m", str(tiny_model), "-c", "6", "-n", "-1", "hello")

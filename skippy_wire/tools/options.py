@@ -7,6 +7,9 @@
 * Range-checked argument types (:func:`int_at_least`, :func:`float_above`, ...), so that
   every numeric option is refused before any process starts; :data:`MAX_THREADS` and
   :data:`MAX_CTX_SIZE` bound the thread count and context of every command.
+* :class:`StartedStagesOption` and :func:`refuse_started_stage_options`: an option that
+  configures only the stage processes a command starts is a usage error, whatever its value,
+  with ``--connect`` or ``--topology``.
 * :func:`describe`: one line for an exception that reaches the user.
 * :func:`exiting_on_signals`: SIGTERM and SIGHUP unwind like Ctrl-C;
   :func:`signals_deferred`: a cleanup they wait for.
@@ -322,17 +325,56 @@ def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], st
     return convert
 
 
-def add_codec_options(p: argparse.ArgumentParser, what: str = "the activations between stages") -> None:
-    """``--activation-codec`` and ``--activation-codec-policy`` (wire-format.md 6.1 and 8.2)."""
+#: ``--stages`` of ``run`` and ``api`` when neither ``--connect`` nor ``--topology`` is given.
+DEFAULT_STAGES = 2
+#: The namespace attribute where :class:`StartedStagesOption` notes the options given.
+_GIVEN_STAGE_OPTIONS = "_given_stage_options"
+#: How the ``--help`` of a :class:`StartedStagesOption` says so.
+STARTED_STAGES_ONLY = "only for the stages this command starts: not with --connect/--topology"
+
+
+class StartedStagesOption(argparse.Action):
+    """``action=StartedStagesOption``: an option that configures only the stage processes the
+    command starts (``run``, ``api``).  Stored as ``store`` stores it, with its real default (which
+    ``--help`` shows), and noted as given whatever its value, the default's included, for
+    :func:`refuse_started_stage_options`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, _GIVEN_STAGE_OPTIONS, {})
+        setattr(namespace, _GIVEN_STAGE_OPTIONS, {**given, self.dest: "/".join(self.option_strings)})
+
+
+def refuse_started_stage_options(parser: argparse.ArgumentParser, args, *, used: tuple[str, ...] = ()) -> None:
+    """With ``--connect`` or ``--topology`` the command drives running stages and starts none:
+    a :class:`StartedStagesOption` given there (whatever its value) would configure nothing, so
+    it is a usage error in argparse's words for a conflict (as ``--stages`` with ``--connect``),
+    before anything is checked further.  ``used``: the destinations of such options the command
+    does use this time (``run -t`` with ``--check``: the in-process stage's threads)."""
+    where = "--connect" if getattr(args, "connect", None) else "--topology" if getattr(args, "topology", None) else None
+    if where is None:
+        return
+    for dest, name in getattr(args, _GIVEN_STAGE_OPTIONS, {}).items():
+        if dest not in used:
+            parser.error(f"argument {name}: not allowed with argument {where}: it configures the stage processes "
+                         f"this command starts, and with {where} it starts none")
+
+
+def add_codec_options(p: argparse.ArgumentParser, what: str = "the activations between stages", *,
+                      started_stages: bool = False) -> None:
+    """``--activation-codec`` and ``--activation-codec-policy`` (wire-format.md 6.1 and 8.2);
+    ``started_stages``: they configure only the stage processes the command starts
+    (:class:`StartedStagesOption`)."""
     codecs = [c.identity() for c in ActivationCodec]
     policies = [policy.serde_name for policy in CodecPolicy]
-    p.add_argument("--activation-codec", default=ActivationCodec.default().identity(),
+    action, only = (StartedStagesOption, f"; {STARTED_STAGES_ONLY}") if started_stages else ("store", "")
+    p.add_argument("--activation-codec", default=ActivationCodec.default().identity(), action=action,
                    type=_named_choice(codecs, CODEC_SHORT_NAMES), metavar="{" + ",".join(codecs) + "}",
-                   help=f"codec of {what} (or {', '.join(CODEC_SHORT_NAMES)})")
-    p.add_argument("--activation-codec-policy", default=CodecPolicy.FIXED.serde_name,
+                   help=f"codec of {what} (or {', '.join(CODEC_SHORT_NAMES)}{only})")
+    p.add_argument("--activation-codec-policy", default=CodecPolicy.FIXED.serde_name, action=action,
                    type=_named_choice(policies, POLICY_SHORT_NAMES), metavar="{" + ",".join(policies) + "}",
                    help="fixed: always the codec; auto-lossless-v1 (or auto-lossless): the smallest exact "
-                        "codec per frame")
+                        f"codec per frame{only}")
 
 
 def check_codec_options(p: argparse.ArgumentParser, args) -> None:
@@ -494,4 +536,5 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "int_at_least", "int_between", "int_list", "thread_count", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
            "add_poll_option", "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
-           "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8"]
+           "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
+           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

@@ -28,11 +28,12 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options, add_poll_option,
-                      add_tls_options, apply_topology, address, check_codec_options, check_output_dir, describe,
-                      driver_poll_s, error_line, exiting_on_signals, file_error, float_above, float_at_least,
-                      float_between, int_at_least, int_between, poll_args, thread_count, tls_config,
-                      training_context_size, utf8, SEED_RANGE, TRAINING_CONTEXT, UNTIL_FULL)
+from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser, StartedStagesOption,
+                      add_codec_options, add_poll_option, add_tls_options, apply_topology, address,
+                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
+                      file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
+                      refuse_started_stage_options, thread_count, tls_config, training_context_size, utf8, SEED_RANGE,
+                      STARTED_STAGES_ONLY, TRAINING_CONTEXT, UNTIL_FULL)
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
@@ -93,12 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
     p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
                    help="frequency penalty (0: off)")
-    p.add_argument("--stages", type=int_at_least(1), default=2, help="stage processes (at most the layer count)")
-    add_codec_options(p)
+    where = p.add_mutually_exclusive_group()
+    # default None, filled in by _check_args: argparse sees a conflict with --connect only for
+    # a value that is not the default object (`--stages 2 --connect ...` passed)
+    where.add_argument("--stages", type=int_at_least(1), default=None,
+                       help=f"stage processes to start, at most the layer count (default: {DEFAULT_STAGES})")
+    add_codec_options(p, started_stages=True)
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("-t", "--threads", type=thread_count,
-                   default=None, help=f"compute threads per stage, at most {MAX_THREADS} (default: "
-                                      f"{default_threads()}; -1: the default; ggml threads spin, see docs/pipeline.md)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
+                   help=f"compute threads per stage, at most {MAX_THREADS} (default: {default_threads()}; -1: the "
+                        "default; ggml threads spin, see docs/pipeline.md); only for the stages this command starts "
+                        "and --check's in-process stage: with --connect/--topology only with --check")
     p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
                    help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
                         "context)")
@@ -110,19 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the text and the summary as one JSON object on stdout, nothing else (default: off)")
     p.add_argument("--capture", default=None, metavar="DIR",
                    help="record every hop's bytes to DIR/hopK-{messages,replies}.bin "
-                        "(see `skippy-wire inspect`; default: none)")
-    p.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="write each stage's log to DIR/stageK.log (default: a temporary directory, removed)")
-    where = p.add_mutually_exclusive_group()
+                        "(see `skippy-wire inspect`; with --connect/--topology the driver's hop0 only; default: none)")
+    p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
+                   help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; "
+                        "default: a temporary directory, removed)")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
                        help="drive stage processes already running (`skippy-wire serve`) instead of starting "
-                            "them; --stages/--threads/codec options then describe nothing and per-hop stage "
+                            "them; the options for the stages it would start (--stages, the codec options, "
+                            "--log-dir, -t/--threads without --check) are then usage errors and per-hop stage "
                             "counters are absent (default: start them)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link, driver included")
     where.add_argument("--topology", default=None, metavar="FILE",
-                       help="drive the running stages a topology file describes (like --connect to its stage 0; "
-                            "its model and ctx_size apply; default: none)")
+                       help="drive the running stages a topology file describes (like --connect to its stage 0, "
+                            "the same options refused; its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
@@ -154,6 +161,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("the prompt is empty")
     if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
         parser.error("-sys/--system-prompt goes into the chat template, which --raw leaves out")
+    # before the checks of their values: with running stages they configure nothing
+    refuse_started_stage_options(parser, args, used=("threads",) if args.check else ())
+    args.stages = args.stages or DEFAULT_STAGES
     check_codec_options(parser, args)
     check_output_dir(parser, "--capture", args.capture)
     check_output_dir(parser, "--log-dir", args.log_dir)
@@ -261,8 +271,10 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
 
     if args.capture:
         Path(args.capture).mkdir(parents=True, exist_ok=True)
-    # Stage logs always go to files (a failed request quotes the stage's reason from them).
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
+    # The logs of the stages it starts always go to files (a failed request quotes the stage's
+    # reason from them); running stages log where they were told.
+    log_dir = None if args.connect else \
+        Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="skippy-wire-logs-"))
     out = io.StringIO() if args.json else sys.stdout
     streamer = TextStreamer(tokenizer, out)
     try:
@@ -282,7 +294,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         streamer.end_line()  # the partial text ends its line before anything else is printed
         raise
     finally:
-        if not args.log_dir:
+        if log_dir is not None and not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     threads = args.threads or default_threads()
     if args.until_full and result.stop_reason == "max_tokens":
