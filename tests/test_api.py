@@ -423,6 +423,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def test_a_request_that_fails_in_the_pipeline_is_logged_by_the_api():
+    # --connect to a port nobody listens on: served anyway (the stages may start later), and
+    # an operator reads why each request failed, not only a counter in /metrics.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ApiServer("--connect", f"127.0.0.1:{port}")
+    try:
+        r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 502, r.text
+    finally:
+        log = server.close()
+    assert "Traceback" not in log, log
+    assert re.search(rf"^\[skippy-wire\] a request failed in the pipeline: cannot connect to stage 0 at "
+                     rf"127\.0\.0\.1:{port}: ", log, re.M), log
+
+
 def test_a_stage_that_dies_stops_the_api_with_one_line():
     """Nothing can be served once a stage it started is gone: the command exits 1 with the
     reason (for a supervisor to restart it) instead of answering 502 forever."""

@@ -529,6 +529,11 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
                                       extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
+        # each request that fails in the pipeline, and its recovery, as a progress line
+        engine_log = logging.StreamHandler(sys.stderr)
+        engine_log.setFormatter(logging.Formatter("[skippy-wire] %(message)s"))
+        engine_log.addFilter(RateLimitedRecords())
+        logging.getLogger("skippy_wire.net.service").addHandler(engine_log)
         # the HTTP front end and the engine's drivers (threads started inside) yield to the stages
         with cluster, yielding_to_stages():
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
