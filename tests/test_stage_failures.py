@@ -288,3 +288,35 @@ def test_an_idle_connection_closed_by_the_stage_is_no_error(chain_factory, caplo
     assert _wait_for(lambda: "idle for more than 0.2 s; closing" in caplog.text, WAIT_S), caplog.text
     idle = [r for r in caplog.records if "idle for more than" in r.getMessage()]
     assert [r.levelno for r in idle] == [logging.INFO]
+
+
+def test_a_downstream_that_closes_before_ready_is_said_so_in_words(caplog):
+    import socket
+
+    from skippy_wire.net.server import StageServer
+    from skippy_wire.tools.serve import stage_config
+
+    closing = socket.create_server(("127.0.0.1", 0))
+
+    def close_each() -> None:
+        while True:
+            try:
+                conn, _ = closing.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    server = StageServer(FakeBackend(0, 3, 0), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
+                         downstream=closing.getsockname()[:2], reply_timeout=5.0)
+    server.start()
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    try:
+        with pytest.raises(PipelineError):
+            PipelineClient(*server.address, timeout=5)
+        assert _wait_for(lambda: "did not send READY" in caplog.text, WAIT_S), caplog.text
+        assert "did not send READY: it closed the connection (its log says why)" in caplog.text
+        assert "failed to fill whole buffer" not in caplog.text
+    finally:
+        server.shutdown()
+        closing.close()

@@ -362,7 +362,8 @@ class StageServer:
                              + (f" ({exc.detail})" if exc.detail else "")) from exc
         except (WireError, OSError) as exc:
             peer.close()
-            raise StageError(f"downstream {host}:{port} did not send READY: {exc}") from exc
+            why = "it closed the connection (its log says why)" if isinstance(exc, UnexpectedEofError) else exc
+            raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 
     def _read_message(self, link: LinkProtocol, name: str):
