@@ -269,6 +269,12 @@ def test_serve_refuses_a_downstream_that_is_its_own_listener(capsys, listen, dow
                        "--downstream: port 0 names no stage (give the port the next stage listens on)")
 
 
+def test_serve_of_a_stage_that_is_not_the_last_without_downstream_is_a_usage_error(capsys, tiny_model):
+    # (found from the GGUF header, before the layers load; the runtime said it with status 1)
+    assert_usage_error(capsys, ["serve", "-m", str(tiny_model), "--layer-start", "0", "--layer-end", "2"],
+                       "stage 0 ends at layer 2 of 4, so it needs --downstream (the next stage's HOST:PORT)")
+
+
 def test_a_downstream_on_another_port_or_host_is_not_the_listener():
     from skippy_wire.net.transport import names_listener
 

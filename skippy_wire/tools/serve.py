@@ -26,6 +26,7 @@ from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..stage.models import model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
@@ -222,11 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    if args.ctx_size == TRAINING_CONTEXT:
-        try:  # a model that cannot be read: as when it is loaded, the stage cannot start
+    try:  # a model that cannot be read: as when it is loaded, the stage cannot start
+        n_layer, _ = model_shape(Path(args.model))
+        if args.ctx_size == TRAINING_CONTEXT:
             args.ctx_size = training_context_size(parser, Path(args.model))
-        except (OSError, ValueError) as exc:
-            return _cannot_start(args.stage_index, describe(exc))
+    except (OSError, ValueError) as exc:
+        return _cannot_start(args.stage_index, describe(exc))
+    if args.downstream is None and args.layer_end < n_layer:  # found before the layers load
+        parser.error(f"stage {args.stage_index} ends at layer {args.layer_end} of {n_layer}, so it needs "
+                     "--downstream (the next stage's HOST:PORT)")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
