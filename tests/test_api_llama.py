@@ -99,3 +99,31 @@ def test_bad_requests_get_the_same_errors_as_the_openai_routes():
             reply = _post(client, body)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
         assert client.get("/completion").status_code == 405
+
+
+def test_llama_servers_defaults_and_limits_on_its_own_route():
+    # its sampling defaults (llama-cli's), any temperature (a negative one greedy), and an
+    # n_predict past the context's end that runs to it: OpenAI's routes keep OpenAI's rules
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        body = _post(client, {"prompt": "Say hi"}).json()
+        assert (body["generation_settings"]["seed"], body["generation_settings"]["n_predict"]) == (4294967295, -1)
+        assert _post(client, {"prompt": "Say hi", "temperature": -1}).status_code == 200
+        assert _post(client, {"prompt": "Say hi", "temperature": 3, "n_predict": 1000}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "Say hi", "temperature": 3}).status_code == 400
+        assert client.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 1000}).status_code == 400
+        client.post("/v1/completions", json={"prompt": "Say hi"})
+    defaults, cold, hot, openai_default = (r["sampling"] for r in engine.requests)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p) == (0.8, 40, 0.95, 0.05)
+    assert cold.temperature == 0.0 and hot.temperature == 3
+    assert [r["max_tokens"] for r in engine.requests] == [58, 58, 58, 58]  # the rest of the 64-token context
+    assert (openai_default.temperature, openai_default.top_k, openai_default.top_p) == (1.0, 0, 1.0)
+
+
+def test_response_fields_pick_what_the_client_reads_and_every_event_names_its_tokens():
+    with TestClient(_fake_api(ScriptedEngine()).app()) as client:
+        body = _post(client, {"prompt": "Say hi", "response_fields": ["content", "timings/prompt_n", "nothing/x"]})
+        assert body.json() == {"content": "Hello\nworld", "timings/prompt_n": 6}
+        events = _events(_post(client, {"prompt": "Say hi", "stream": True}).text)
+    assert [bytes(e["tokens"]).decode() for e in events[:-1]] == ["Hel", "lo", "\nworld"]  # without return_tokens
+    assert {e["id_slot"] for e in events} == {-1} and events[-1]["tokens"] == []

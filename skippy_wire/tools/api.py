@@ -312,14 +312,17 @@ class Api:
             return body
         try:
             check_text(body)
-            options = parse_options(body, chat=chat)
+            options = parse_options(body, chat=chat, native=native)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
             prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
                                                                        options.n)
-            max_tokens = [check_context(len(prompt), options.max_tokens, self.engine.ctx_size,
-                                        "messages" if chat else "prompt") for prompt in prompts]
+            # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
+            budget = None if native else options.max_tokens
+            param = "messages" if chat else "prompt"
+            max_tokens = [min(check_context(len(prompt), budget, self.engine.ctx_size, param),
+                              options.max_tokens or self.engine.ctx_size) for prompt in prompts]
             prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
             max_tokens = [limit for limit in max_tokens for _ in range(options.n)]
         except BadRequest as exc:

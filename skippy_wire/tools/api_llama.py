@@ -4,16 +4,24 @@ in llama-server's native shape rather than OpenAI's, for the clients written aga
 A response is one object per prompt (a list of them for a batch of prompts): ``content``,
 ``stop: true``, ``tokens_predicted`` / ``tokens_evaluated``, ``stop_type`` (``eos``,
 ``word`` with the ``stopping_word``, or ``limit``), ``generation_settings`` and
-``timings``.  With ``stream: true`` every piece of text is an event ``{"content": ...,
-"stop": false}`` and each generation ends with its final object (its ``content`` empty:
-the text has been streamed); no ``[DONE]`` follows.  ``return_tokens: true`` also gives
-the token ids.  The stages keep no prompt cache, so ``tokens_cached`` is 0.
+``timings``; ``response_fields`` picks some of them (``"timings/prompt_n"`` reaches
+inside).  With ``stream: true`` every piece of text is an event ``{"content": ...,
+"tokens": [...], "stop": false}`` and each generation ends with its final object (its
+``content`` empty: the text has been streamed); no ``[DONE]`` follows.  ``return_tokens:
+true`` gives the final object the token ids too.  The stages keep no prompt cache, so
+``tokens_cached`` is 0, and no slots: ``id_slot`` is -1 ("any", as a request names it).
 """
 
 from __future__ import annotations
 
 from .api_job import GenerationJob
+from .api_params import LLAMA_DEFAULT_SEED
+from .options import UNTIL_FULL
 from .http_front import sse
+
+#: The ``id_slot`` of every answer: the stages hold sessions, not llama-server's slots, and
+#: -1 is what a request gives for "any slot".
+ANY_SLOT = -1
 
 
 class LlamaCompletionJob(GenerationJob):
@@ -23,11 +31,28 @@ class LlamaCompletionJob(GenerationJob):
     def __init__(self, api, prompts: list[list[int]], max_tokens: list[int], options, body: dict) -> None:
         super().__init__(api, prompts, max_tokens, options, chat=False)
         self.return_tokens = body.get("return_tokens") is True
+        fields = body.get("response_fields")
+        self.response_fields = fields if isinstance(fields, list) and all(isinstance(f, str) for f in fields) \
+            else None
         self.predicted = [0] * len(prompts)  # tokens streamed so far, per generation
 
     def final_object(self, results: list):
-        finals = [self._final(index, result, streamed=False) for index, result in enumerate(results)]
+        finals = [self._picked(self._final(index, result, streamed=False)) for index, result in enumerate(results)]
         return finals[0] if len(finals) == 1 else finals
+
+    def _picked(self, final: dict) -> dict:
+        """``response_fields``, as llama-server reads them: each a key, or a path of keys
+        joined by "/", named as given; a path that leads nowhere is left out."""
+        if self.response_fields is None:
+            return final
+        picked = {}
+        for path in self.response_fields:
+            value = final
+            for key in path.split("/"):
+                value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+            if value is not _MISSING:
+                picked[path] = value
+        return picked
 
     def _final(self, index: int, result, *, streamed: bool) -> dict:
         sampling = self.options.sampling
@@ -35,12 +60,15 @@ class LlamaCompletionJob(GenerationJob):
             "index": index,
             "content": "" if streamed else result.text,
             "tokens": list(result.tokens) if self.return_tokens and not streamed else [],
+            "id_slot": ANY_SLOT,
             "stop": True,
             "model": self.api.model_id,
             "tokens_predicted": result.completion_tokens,
             "tokens_evaluated": result.prompt_tokens,
             "generation_settings": {
-                "n_predict": self.max_tokens[index], "seed": sampling.seed, "temperature": sampling.temperature,
+                "n_predict": UNTIL_FULL if self.options.max_tokens is None else self.options.max_tokens,
+                "seed": LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed,
+                "temperature": sampling.temperature,
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
                 "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
                 "frequency_penalty": sampling.frequency_penalty, "ignore_eos": sampling.ignore_eos,
@@ -59,15 +87,18 @@ class LlamaCompletionJob(GenerationJob):
 
     def _text_event(self, index: int, text: str, tokens: list[int]) -> str:
         self.predicted[index] += len(tokens)
-        return sse({"index": index, "content": text, "tokens": tokens if self.return_tokens else [],
-                    "stop": False, "tokens_predicted": self.predicted[index],
+        return sse({"index": index, "content": text, "tokens": tokens, "stop": False, "id_slot": ANY_SLOT,
+                    "tokens_predicted": self.predicted[index],
                     "tokens_evaluated": len(self.prompts[index])})
 
     def _end_event(self, index: int, result) -> str:
-        return sse(self._final(index, result, streamed=True))
+        return sse(self._picked(self._final(index, result, streamed=True)))
 
     def _closing_events(self, results: list) -> list[str]:
         return []
+
+
+_MISSING = object()
 
 
 def _timings(result) -> dict:

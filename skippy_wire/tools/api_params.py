@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ..net.service import SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .options import SEED_RANGE, UNTIL_FULL
+from .options import LLAMA_SAMPLING, SEED_RANGE, UNTIL_FULL
 
 MAX_STOP_STRINGS = 4
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
@@ -35,6 +35,13 @@ MAX_STOP_CHARS = 65536
 #: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
 #: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
 LLAMA_DEFAULT_SEED = SEED_RANGE - 1
+#: OpenAI's sampling defaults (every filter off), those of the /v1 routes; ``/completion``
+#: takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+#: The hottest temperature OpenAI takes, and llama-server's route here (llama-server takes
+#: any; the wire carries an f32, and past this every token is as likely as any other).
+MAX_OPENAI_TEMPERATURE = 2.0
+MAX_NATIVE_TEMPERATURE = 1e6
 #: A logit_bias key is a token id: decimal digits, no more than a u32 has.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
@@ -251,11 +258,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _flag(options, "include_usage", False, "stream_options.include_usage")
 
 
-def parse_options(body: dict, *, chat: bool = False) -> Options:
-    """The generation options of a request body (``chat``: /v1/chat/completions);
-    BadRequest for a field out of range, of the wrong type, or asking for what the stages
-    cannot do."""
+def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Options:
+    """The generation options of a request body (``chat``: /v1/chat/completions; ``native``:
+    llama-server's /completion, with llama.cpp's sampling defaults and its temperatures:
+    any, a negative one greedy); BadRequest for a field out of range, of the wrong type, or
+    asking for what the stages cannot do."""
     _check_unsupported(body, chat)
+    defaults = LLAMA_SAMPLING if native else OPENAI_SAMPLING
+    hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
     name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
     max_tokens = _number(body, name, None, UNTIL_FULL, 2**31 - 1, integer=True)
     if max_tokens == 0:
@@ -278,10 +288,11 @@ def parse_options(body: dict, *, chat: bool = False) -> Options:
         if seed == LLAMA_DEFAULT_SEED:
             seed = None
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_number(body, "top_k", 0, -(2**31), 2**31 - 1, integer=True),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        temperature=max(0.0, _number(body, "temperature", defaults["temperature"], -hottest if native else 0.0,
+                                     hottest)),
+        top_p=_number(body, "top_p", defaults["top_p"], 0.0, 1.0),
+        top_k=_number(body, "top_k", defaults["top_k"], -(2**31), 2**31 - 1, integer=True),
+        min_p=_number(body, "min_p", defaults["min_p"], 0.0, 1.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),

@@ -325,6 +325,9 @@ def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], st
     return convert
 
 
+#: llama.cpp's sampling defaults (llama-cli's and llama-server's): ``run``'s, and those of the
+#: API's llama-server route ``/completion``.
+LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 #: ``--stages`` of ``run`` and ``api`` when neither ``--connect`` nor ``--topology`` is given.
 DEFAULT_STAGES = 2
 #: The namespace attribute where :class:`StartedStagesOption` notes the options given.
@@ -537,4 +540,4 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
            "add_poll_option", "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
-           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
+           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]

@@ -28,8 +28,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser, StartedStagesOption,
-                      add_codec_options, add_poll_option, add_tls_options, apply_topology, address,
+from .options import (DEFAULT_STAGES, LLAMA_SAMPLING, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser,
+                      StartedStagesOption, add_codec_options, add_poll_option, add_tls_options, apply_topology, address,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
                       file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, thread_count, tls_config, training_context_size, utf8, SEED_RANGE,
@@ -41,10 +41,6 @@ DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_TOP_K = 40
-DEFAULT_TOP_P = 0.95
-DEFAULT_MIN_P = 0.05
 DEFAULT_REPEAT_PENALTY = 1.0
 #: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
 RANDOM_SEED = -1
@@ -84,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
                    help="sampling seed (-1: random)")
     p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
-                   default=DEFAULT_TEMPERATURE, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=DEFAULT_TOP_K,
+                   default=LLAMA_SAMPLING["temperature"], help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=LLAMA_SAMPLING["top_k"],
                    help="top-k (0 or below: off)")
-    p.add_argument("--top-p", type=float_between(0, 1), default=DEFAULT_TOP_P, help="top-p (1: off)")
-    p.add_argument("--min-p", type=float_between(0, 1), default=DEFAULT_MIN_P, help="min-p (0: off)")
+    p.add_argument("--top-p", type=float_between(0, 1), default=LLAMA_SAMPLING["top_p"], help="top-p (1: off)")
+    p.add_argument("--min-p", type=float_between(0, 1), default=LLAMA_SAMPLING["min_p"], help="min-p (0: off)")
     p.add_argument("--repeat-penalty", type=float_above(0), default=DEFAULT_REPEAT_PENALTY,
                    help="repetition penalty (1: off)")
     p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
