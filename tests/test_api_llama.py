@@ -28,6 +28,7 @@ class ScriptedEngine(FakeEngine):
 
     def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
         self.requests.append({"max_tokens": max_tokens, "sampling": sampling, "stop": stop})
+        self.prompts.append(bytes(prompt).decode())
         for piece in self.pieces:
             on_text(piece, list(piece.encode()))
         text = "".join(self.pieces)
@@ -127,3 +128,13 @@ def test_response_fields_pick_what_the_client_reads_and_every_event_names_its_to
         events = _events(_post(client, {"prompt": "Say hi", "stream": True}).text)
     assert [bytes(e["tokens"]).decode() for e in events[:-1]] == ["Hel", "lo", "\nworld"]  # without return_tokens
     assert {e["id_slot"] for e in events} == {-1} and events[-1]["tokens"] == []
+
+
+def test_a_prompt_of_token_ids_and_texts_is_one_prompt_as_llama_server_reads_it():
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine, max_inflight=2).app()) as client:
+        assert _post(client, {"prompt": [83, "ay ", 104, "i"]}).json()["tokens_evaluated"] == 6
+        # texts and token lists in a list: a batch, each element a prompt of its own
+        assert [b["tokens_evaluated"] for b in _post(client, {"prompt": ["one", [116, "wo"]]}).json()] == [3, 3]
+        assert client.post("/v1/completions", json={"prompt": [104, "i"]}).status_code == 200
+    assert engine.prompts == ["Say hi", "one", "two", "hi"]

@@ -467,7 +467,7 @@ def test_a_batch_of_prompts_on_one_lane_runs_one_after_another():
         r = client.post("/v1/completions", json={"prompt": ["x"] * (MAX_PROMPTS + 1)})
         assert r.status_code == 400 and r.json()["error"]["message"] == \
             f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')"
-        for bad in (["x", 5], ["x", []], ["x", [1, "y"]]):
+        for bad in (["x", []], ["x", [1.5]], [True], ["x", [1, None]]):
             r = client.post("/v1/completions", json={"prompt": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
     assert len(engine.prompts) == 5  # nothing generated for a refused batch

@@ -301,10 +301,15 @@ class Api:
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
             return self._encode(prompt, "'prompt'", "prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            check_token_ids(prompt, self.engine.tokenizer.n_vocab, "prompt")
-            return list(prompt)
-        raise BadRequest("'prompt' must be a string or a list of token ids (or a list of them)", "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
+                                                       for t in prompt):
+            # token ids, or llama-server's mixed prompt: the texts among them tokenized in place
+            tokens = [t for piece in prompt
+                      for t in ([piece] if isinstance(piece, int) else self._encode(piece, "'prompt'", "prompt"))]
+            check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
+            return tokens
+        raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
+                         "list of such prompts", "prompt")
 
     async def _generate(self, request: Request, *, chat: bool, native: bool) -> Response:
         body = await json_body(request)
