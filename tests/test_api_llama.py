@@ -138,3 +138,15 @@ def test_a_prompt_of_token_ids_and_texts_is_one_prompt_as_llama_server_reads_it(
         assert [b["tokens_evaluated"] for b in _post(client, {"prompt": ["one", [116, "wo"]]}).json()] == [3, 3]
         assert client.post("/v1/completions", json={"prompt": [104, "i"]}).status_code == 200
     assert engine.prompts == ["Say hi", "one", "two", "hi"]
+
+
+def test_llama_servers_list_of_logit_bias_pairs_with_false_for_never():
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": "hi", "logit_bias": [[15, False], [16, -100], [17, 2.5]]}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"15": False}}).status_code == 200
+        for bad in ([[15]], [["Hello", 1.0]], [[-1, 1.0]], [[15, True]], 7):
+            reply = _post(client, {"prompt": "hi", "logit_bias": bad})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias", (bad, reply.text)
+    pairs, banned = (r["sampling"].logit_bias for r in engine.requests)
+    assert pairs == {15: float("-inf"), 16: -100.0, 17: 2.5} and banned == {15: float("-inf")}

@@ -89,7 +89,7 @@ def test_given_values_are_still_checked(body, param):
     ({"function_call": "auto"}, "function_call"),
     ({"logit_bias": {"5": "3"}}, "logit_bias"),
     ({"logit_bias": {"5": True}}, "logit_bias"),
-    ({"logit_bias": []}, "logit_bias"),
+    ({"logit_bias": [[5]]}, "logit_bias"),
     ({"logit_bias": ""}, "logit_bias"),
     ({"logit_bias": 0}, "logit_bias"),
     ({"n": True}, "n"),

@@ -10,6 +10,7 @@ The checks follow the OpenAI API where it fixes one (``stream_options`` only wit
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -228,15 +229,26 @@ def _check_unsupported(body: dict, chat: bool) -> None:
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's object of token id -> bias, or llama-server's list of [token id, bias]
+    pairs; a bias of ``false`` (llama-server's) bans the token."""
     bias = _given(body, "logit_bias", {})
-    if not isinstance(bias, dict):
+    if isinstance(bias, list):
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
+            raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs", "logit_bias")
+        bias = [(str(token) if type(token) is int else token, value) for token, value in bias]
+    elif isinstance(bias, dict):
+        bias = list(bias.items())
+    else:
         raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
     if len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
         raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     out = {}
-    for key, value in bias.items():
-        if not _TOKEN_ID_KEY.fullmatch(key):
+    for key, value in bias:
+        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
             raise BadRequest("'logit_bias' keys must be token ids", "logit_bias")
+        if value is False:
+            out[int(key)] = -math.inf
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
         if not -100 <= value <= 100:
