@@ -54,7 +54,7 @@ def test_every_response_carries_a_request_id_as_openai_sends_it():
 class DroppingTokenizer(FakeTokenizer):
     """As the real vocabulary drops a byte it lacks (b'\\x04'), and with it a whole prompt."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos=None) -> list[int]:
         return [b for b in super().encode(text) if b != 4]
 
 

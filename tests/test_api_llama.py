@@ -150,3 +150,19 @@ def test_llama_servers_list_of_logit_bias_pairs_with_false_for_never():
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias", (bad, reply.text)
     pairs, banned = (r["sampling"].logit_bias for r in engine.requests)
     assert pairs == {15: float("-inf"), 16: -100.0, 17: 2.5} and banned == {15: float("-inf")}
+
+
+class BosTokenizer(ByteTokenizer):
+    """Adds BOS (token 2) where the model asks for it, as a GGUF's add_bos_token does."""
+
+    def encode(self, text: str, add_bos=None) -> list[int]:
+        return ([2] if add_bos is None else []) + super().encode(text)
+
+
+def test_a_mixed_prompt_has_a_bos_only_before_a_text_that_opens_it():
+    engine = ScriptedEngine()
+    engine.tokenizer = BosTokenizer()
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": ["S", 97, "y"]}).status_code == 200
+        assert _post(client, {"prompt": [83, "ay"]}).status_code == 200
+    assert [list(r) for r in map(str.encode, engine.prompts)] == [[2, 83, 97, 121], [83, 97, 121]]

@@ -285,13 +285,13 @@ class Api:
                              "prompt")
         return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
 
-    def _encode(self, text: str, what: str, param: str) -> list[int]:
+    def _encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
         encode to no token at all (bytes the vocabulary lacks are dropped), and the pipeline
         needs one to start from: a 400, not the driver's ValueError (a 500)."""
         tokenizer = self.engine.tokenizer
         check_text_fits(text, tokenizer.max_token_bytes, self.engine.ctx_size, what, param)
-        tokens = tokenizer.encode(text)
+        tokens = tokenizer.encode(text, add_bos=add_bos)
         if not tokens:
             raise BadRequest(f"{what} encodes to no tokens", param)
         return tokens
@@ -304,8 +304,9 @@ class Api:
         if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
                                                        for t in prompt):
             # token ids, or llama-server's mixed prompt: the texts among them tokenized in place
-            tokens = [t for piece in prompt
-                      for t in ([piece] if isinstance(piece, int) else self._encode(piece, "'prompt'", "prompt"))]
+            # (a BOS, where the model adds one, only before a text that opens the prompt)
+            tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
+                      self._encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False))]
             check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
             return tokens
         raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
