@@ -38,6 +38,10 @@ def test_tokenize_gives_the_tokenizer_s_ids_and_detokenize_the_text_back(client)
     pieces = client.post("/tokenize", json={"content": "Hi you", "with_pieces": True}).json()["tokens"]
     assert "".join(p["piece"] for p in pieces) == "Hi you"
     assert [p["id"] for p in pieces] == client.tokenizer.encode("Hi you", add_bos=False)
+    # a piece that is part of a character: its byte values, as llama-server gives them
+    pieces = client.post("/tokenize", json={"content": "a 😀<|im_start|>", "with_pieces": True}).json()["tokens"]
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw == "a 😀<|im_start|>".encode() and any(isinstance(p["piece"], list) for p in pieces)
 
 
 def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path):

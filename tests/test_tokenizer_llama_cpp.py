@@ -273,6 +273,7 @@ def test_smollm2_token_pieces_match_llama_cpp(pair):
     tk, ref = pair
     for tid in range(tk.n_vocab):
         assert tk.token_to_piece(tid) == ref.piece(tid).decode("utf-8", "replace"), tid
+        assert tk.token_bytes(tid) == ref.piece(tid), tid
 
 
 @pytest.mark.slow

@@ -136,6 +136,18 @@ def smollm2_path() -> Path:
 
 # gguf TokenType values (llama.cpp llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells every byte as one character: the printable Latin-1 ones
+    as themselves, the other 68 as U+0100 onwards in byte order.  Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 # llama.cpp also treats these control texts as end-of-generation
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "</s>"}
 
@@ -407,6 +419,17 @@ class Tokenizer:
     def token_to_piece(self, token_id: int) -> str:
         """Text of one token (a lone byte of a multi-byte character decodes as U+FFFD)."""
         return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as llama.cpp's token_to_piece gives them (control
+        tokens included): a byte-level piece may be part of a character."""
+        (token_id,) = self._check([token_id])
+        if self._hf is None:
+            return self._id_bytes.get(token_id, b"")
+        text = self.tokens[token_id]
+        if self.token_types[token_id] != _NORMAL:
+            return text.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR[c] for c in text)
 
     def is_eog(self, token_id: int) -> bool:
         """True for end-of-generation tokens (EOS/EOT/EOM and known end-of-turn controls)."""

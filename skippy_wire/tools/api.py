@@ -44,7 +44,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_llama import LlamaCompletionJob
+from .api_llama import LlamaCompletionJob, llama_piece
 from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
                          check_tokenize_size, parse_detokenize, parse_options, parse_tokenize,
                          suppress_end_of_generation)
@@ -242,8 +242,8 @@ class Api:
         tokenizer = self.engine.tokenizer
         # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
         tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
-        if with_pieces:  # a piece that is part of a character reads as U+FFFD
-            return {"tokens": [{"id": t, "piece": tokenizer.token_to_piece(t)} for t in tokens]}
+        if with_pieces:  # llama-server's: a piece that is part of a character, as its byte values
+            return {"tokens": [{"id": t, "piece": llama_piece(tokenizer.token_bytes(t))} for t in tokens]}
         return {"tokens": tokens}
 
     # -- generation routes

@@ -101,6 +101,15 @@ class LlamaCompletionJob(GenerationJob):
 _MISSING = object()
 
 
+def llama_piece(data: bytes) -> str | list[int]:
+    """A token's piece as llama-server's ``/tokenize`` gives it: its text, or the byte values
+    of one that is part of a character."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
 def _timings(result) -> dict:
     """llama-server's ``timings``: the prompt until the first token, the rest after it."""
     prompt_ms = (result.first_token_s or 0.0) * 1000.0
@@ -119,4 +128,4 @@ def _timings(result) -> dict:
             "predicted_per_second": predicted_per_second}
 
 
-__all__ = ["LlamaCompletionJob"]
+__all__ = ["LlamaCompletionJob", "llama_piece"]
