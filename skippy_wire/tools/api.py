@@ -3,8 +3,9 @@
 Routes (as llama.cpp's ``llama-server`` and the OpenAI API name them): ``GET /v1/models``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as server-sent
 events ending in ``data: [DONE]``), llama-server's native ``POST /completion``
-(:mod:`.api_llama`), ``GET /health`` and ``GET /metrics`` (Prometheus text).  Errors are
-OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
+(:mod:`.api_llama`, with llama-server's error objects), ``GET /health`` and ``GET /metrics``
+(Prometheus text).  Errors are OpenAI error objects: ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_llama import LlamaCompletionJob, llama_piece
+from .api_llama import LlamaCompletionJob, llama_error, llama_piece
 from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
                          check_tokenize_size, parse_detokenize, parse_options, parse_tokenize,
                          suppress_end_of_generation)
@@ -255,7 +256,7 @@ class Api:
         return await self._answer(request, chat=True)
 
     async def llama_completion(self, request: Request) -> Response:
-        return await self._answer(request, chat=False, native=True)
+        return llama_error(await self._answer(request, chat=False, native=True))
 
     async def _answer(self, request: Request, *, chat: bool, native: bool = False) -> Response:
         try:

@@ -14,6 +14,10 @@ true`` gives the final object the token ids too.  The stages keep no prompt cach
 
 from __future__ import annotations
 
+import json
+
+from starlette.responses import JSONResponse, Response
+
 from .api_job import GenerationJob
 from .api_params import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
@@ -101,6 +105,19 @@ class LlamaCompletionJob(GenerationJob):
 _MISSING = object()
 
 
+def llama_error(response: Response) -> Response:
+    """An error answer in llama-server's words: ``{"error": {"code": STATUS, "message",
+    "type"}}`` (OpenAI's ``code`` is a name, llama-server's the HTTP status; a prompt too
+    long for the context is its ``exceed_context_size_error``)."""
+    if response.status_code < 400 or response.media_type != "application/json":
+        return response
+    error = json.loads(response.body).get("error") or {}
+    kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else error.get("type")
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse({"error": {"code": response.status_code, "message": error.get("message"), "type": kind}},
+                        status_code=response.status_code, headers=headers)
+
+
 def llama_piece(data: bytes) -> str | list[int]:
     """A token's piece as llama-server's ``/tokenize`` gives it: its text, or the byte values
     of one that is part of a character."""
@@ -128,4 +145,4 @@ def _timings(result) -> dict:
             "predicted_per_second": predicted_per_second}
 
 
-__all__ = ["LlamaCompletionJob", "llama_piece"]
+__all__ = ["LlamaCompletionJob", "llama_error", "llama_piece"]
