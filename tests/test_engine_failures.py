@@ -66,3 +66,21 @@ def test_the_log_says_when_the_pipeline_answers_again(caplog):
     finally:
         engine.close()
         chain.close()
+
+
+def test_a_new_connections_ready_is_awaited_for_the_probes_bound_not_the_whole_timeout(monkeypatch):
+    # A request waited the engine's timeout (60 s by default) for a READY that a working chain
+    # sends in milliseconds; the replies after it keep the whole timeout.
+    from skippy_wire.net import service
+
+    monkeypatch.setattr(service, "READY_TIMEOUT_S", 0.3)
+    silent = socket.create_server(("127.0.0.1", 0))
+    engine = GenerationEngine(silent.getsockname()[:2], FakeTokenizer(), ctx_size=64, timeout=30.0, chunk_size=4)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PipelineError, match="within 0.3 s"):
+            _generate(engine)
+        assert time.monotonic() - started < 5
+    finally:
+        engine.close()
+        silent.close()

@@ -338,8 +338,9 @@ class GenerationEngine:
 
         if self.failing:
             self._probe_after_failure()
-        try:
-            client = self._take()
+        try:  # a new connection's READY comes within the probe's bound, or the chain is down
+            client = self._take(min(self.timeout, READY_TIMEOUT_S))
+            client.timeout = self.timeout
         except PipelineError as exc:  # no READY from the chain: as a failure within it
             with self._lock:
                 self.counters["failed"] += 1
