@@ -6,7 +6,10 @@ import signal
 
 
 def default_sigint() -> None:
-    """``preexec_fn`` for a child that a test stops with Ctrl-C: a runner started in the
-    background (``cmd &``) ignores SIGINT, the child would inherit that, and Python only
-    turns SIGINT into KeyboardInterrupt when it starts with the default disposition."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """``preexec_fn`` for a child that a test stops with a signal: a runner started in the
+    background (``cmd &``) ignores SIGINT, one started under ``nohup`` SIGHUP, and the child
+    would inherit that (Python only turns SIGINT into KeyboardInterrupt when it starts with
+    the default disposition; the commands leave an ignored SIGHUP ignored, as nohup asks)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP, signal.SIGTERM})

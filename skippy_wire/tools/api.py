@@ -559,24 +559,25 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
                       max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key,
                       cors_origins=tuple(args.cors_origin))
-            host, port = listener.getsockname()[:2]
-            progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
-                     f"{args.max_inflight} in flight, Ctrl-C to stop)")
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
-            server, ended = uvicorn.Server(config), []
-            if not args.connect_address:
-                threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
-                                 name="stage-watch", daemon=True).start()
-            hangups: list[int] = []
+            server, ended, hangups = uvicorn.Server(config), [], []
 
             def hang_up(signum: int, _frame) -> None:  # stops uvicorn as its own SIGTERM handling does
                 hangups.append(signum)
                 server.should_exit = True
 
+            # before the line that says it serves: a SIGHUP from then on stops uvicorn, instead of
+            # unwinding from inside whatever runs (a thread's start, a lock)
             with handling_signals((signal.SIGHUP,), hang_up):
+                host, port = listener.getsockname()[:2]
+                progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
+                         f"{args.max_inflight} in flight, Ctrl-C to stop)")
+                if not args.connect_address:
+                    threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
+                                     name="stage-watch", daemon=True).start()
                 try:
                     server.run(sockets=[listener])
                 finally:
