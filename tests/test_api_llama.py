@@ -131,6 +131,7 @@ def test_response_fields_pick_what_the_client_reads_and_every_event_names_its_to
     with TestClient(_fake_api(ScriptedEngine()).app()) as client:
         body = _post(client, {"prompt": "Say hi", "response_fields": ["content", "timings/prompt_n", "nothing/x"]})
         assert body.json() == {"content": "Hello\nworld", "timings/prompt_n": 6}
+        assert _post(client, {"prompt": "Say hi", "response_fields": []}).json()["stop"] is True  # all of it
         events = _events(_post(client, {"prompt": "Say hi", "stream": True}).text)
     assert [bytes(e["tokens"]).decode() for e in events[:-1]] == ["Hel", "lo", "\nworld"]  # without return_tokens
     assert {e["id_slot"] for e in events} == {-1} and events[-1]["tokens"] == []

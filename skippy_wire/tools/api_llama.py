@@ -30,7 +30,7 @@ ANY_SLOT = -1
 
 class LlamaCompletionJob(GenerationJob):
     """A :class:`GenerationJob` answered as llama-server's ``/completion``; ``body`` is the
-    request's JSON body (for ``return_tokens`` and the settings it echoes)."""
+    request's JSON body (for ``return_tokens`` and ``response_fields``)."""
 
     def __init__(self, api, prompts: list[list[int]], max_tokens: list[int], options, body: dict) -> None:
         super().__init__(api, prompts, max_tokens, options, chat=False)
@@ -47,7 +47,7 @@ class LlamaCompletionJob(GenerationJob):
     def _picked(self, final: dict) -> dict:
         """``response_fields``, as llama-server reads them: each a key, or a path of keys
         joined by "/", named as given; a path that leads nowhere is left out."""
-        if self.response_fields is None:
+        if not self.response_fields:  # none, or an empty list: the whole object, as llama-server
             return final
         picked = {}
         for path in self.response_fields:
