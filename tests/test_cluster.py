@@ -239,7 +239,12 @@ def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path,
     monkeypatch.setattr(cluster, "NetnsChain", Chain)
     monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     opts = cluster.ClusterOptions(model=str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), measure_seconds=0)
-    with pytest.raises(stops) as caught, exiting_on_signals():
-        cluster.run_cluster(opts)
+    # Ctrl-C as a terminal delivers it, whatever this runner inherited (in the background: ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(stops) as caught, exiting_on_signals():
+            cluster.run_cluster(opts)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert steps == ["removing", "removed"]
     assert not isinstance(caught.value, SystemExit) or caught.value.code == 128 + signum
