@@ -101,6 +101,8 @@ def _one_error_line(err: str) -> str:
      "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
     (["run", "--activation-codec", "bf16", "--activation-codec-policy", "auto-lossless"],  # the short names
      "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
+    (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--activation-codec", "bf16",
+      "--activation-codec-policy", "auto-lossless"], "auto-lossless-v1 requires --activation-codec raw-f32-v1"),
     (["run", "--activation-codec", "bf17"], "argument --activation-codec: invalid choice: 'bf17' (choose from "
      "'raw-f32-v1', 'f16-rne-v1', 'bf16-rne-v1', 's8-row-f32-rne-v1'; or the short names 'raw-f32', 'f16', "
      "'bf16', 's8')"),
@@ -126,6 +128,12 @@ def _one_error_line(err: str) -> str:
 ])
 def test_usage_errors_are_one_line_with_status_2(capsys, args, message):
     assert_usage_error(capsys, args, message)
+
+
+def test_a_mistyped_command_comes_after_the_usage_line_as_argparse_errors_do(capsys):
+    code, out, err = _main(capsys, "servr")
+    assert code == 2 and out == ""
+    assert err.splitlines()[0].startswith("usage: skippy-wire ")
 
 
 def assert_usage_error(capsys, args, message: str) -> None:

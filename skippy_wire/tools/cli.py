@@ -59,9 +59,12 @@ def version_text() -> str:
     return f"skippy-wire {version}; {build}"
 
 
+USAGE_LINE = "usage: skippy-wire [--version] COMMAND [ARGS...]"
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: skippy-wire [--version] COMMAND [ARGS...]", "", "commands:"]
+    lines = [USAGE_LINE, "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines.append("\nWith no command, `run` is used: `skippy-wire \"What is the capital of France?\"`.")
     lines.append("--version: the package and the live ggml build.")
@@ -108,7 +111,9 @@ def dispatch(args: list[str]) -> int:
     if args and args[0] not in COMMANDS:
         guess = mistyped_command(args[0])
         if guess is not None:
-            print(error_line(f"unknown command {args[0]!r}; did you mean {guess!r}?"), file=sys.stderr)
+            # argparse's shape: the usage line, then the error
+            print(f"{USAGE_LINE}\n{error_line(f'unknown command {args[0]!r}; did you mean {guess!r}?')}",
+                  file=sys.stderr)
             return EXIT_USAGE
     # `skippy-wire "a prompt"` and `skippy-wire --max-tokens 8` both mean `run`.
     command = args.pop(0) if args and args[0] in COMMANDS else "run"

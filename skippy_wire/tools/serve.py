@@ -31,7 +31,8 @@ from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
-                      add_poll_option, add_tls_options, address, describe, error_line, exiting_on_signals,
+                      add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
+                      exiting_on_signals,
                       float_above, float_at_least, int_at_least, int_between, thread_count, tls_config,
                       training_context_size, TRAINING_CONTEXT)
 
@@ -189,6 +190,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         _apply_topology(parser, args)
     elif args.model is None or args.layer_start is None or args.layer_end is None:
         parser.error("--model, --layer-start and --layer-end are required without --topology")
+    else:
+        check_codec_options(parser, args)  # a topology file's stages were checked as it loaded
     if args.layer_end <= args.layer_start:
         parser.error(f"--layer-end {args.layer_end} must be greater than --layer-start {args.layer_start}")
     if args.downstream is not None and args.downstream[1] == 0:
