@@ -46,3 +46,24 @@ def test_round_ratios_give_the_median_and_range_of_the_rounds():
 
     # An even count: the median lies between the middle two (a max or mean would not).
     assert round_ratios([0.9, 1.2, 0.5, 1.0]) == "0.95x (0.50-1.20x)"
+
+
+def test_framing_rows_time_both_sides_alternately_with_the_commands_rounds(monkeypatch):
+    """The framing rows follow --repeat/--min-time, time ours and the twin in one paired
+    call per operation, and count GB/s in f32 activation bytes like every other row."""
+    from types import SimpleNamespace
+
+    from skippy_wire.tools import frame_bench
+
+    calls = []
+
+    def paired(ours, base, repeat, min_time):
+        calls.append((repeat, min_time))
+        return 1e-6, 1e-4
+
+    monkeypatch.setattr(frame_bench, "paired_seconds", paired)
+    items = list(frame_bench.frame_rows(SimpleNamespace(repeat=2, min_time=0.003)))
+    rows = [item for item in items if isinstance(item, bench.Row)]
+    assert calls and set(calls) == {(2, 0.003)} and len(rows) == 2 * len(calls)
+    assert {row.nbytes for row in rows} == {4 * frame_bench.N_EMBD}
+    assert any(isinstance(item, bench.Ratio) and item.ratio == 100.0 for item in items)

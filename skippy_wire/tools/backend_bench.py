@@ -43,7 +43,8 @@ import numpy as np
 from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
-from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.bench_rows import cpu_model, progress
+from skippy_wire.stage.threads import oversubscription
 from skippy_wire.tools.options import MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
 
 B = _ggml.load_backend()
@@ -228,10 +229,12 @@ def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
         if have_llama:
             runners["llama"] = LlamaCpp(path, threads, ctx)
         best = {(who, what): float("inf") for who in runners for what in ("prefill", "decode")}
-        for _ in range(repeat):
+        for r in range(repeat):
             for what, n in (("prefill", n_prefill), ("decode", n_decode)):
                 for who, runner in runners.items():
+                    progress(f"{threads} thread(s): round {r + 1}/{repeat}, {who} {what}")
                     best[who, what] = min(best[who, what], getattr(runner, what)(n))
+        progress()
         rate = {k: (n_prefill if k[1] == "prefill" else n_decode) / v for k, v in best.items()}
         if have_llama:
             runners["llama"].close()
@@ -250,8 +253,9 @@ def batch_costs(path, threads, sizes, n_decode, repeat):
     prompt = prompt_tokens(prompt_len, model.n_vocab)
     sessions = [model.create_session() for _ in range(max(sizes))]
     best = {size: float("inf") for size in sizes}
-    for _ in range(repeat):
+    for r in range(repeat):
         for size in sizes:
+            progress(f"{threads} thread(s): round {r + 1}/{repeat}, batch {size}")
             group = sessions[:size]
             tokens = [s.prefill_chunk_frame_sampled(prompt)[0] for s in group]
             started = time.perf_counter()
@@ -262,6 +266,7 @@ def batch_costs(path, threads, sizes, n_decode, repeat):
             best[size] = min(best[size], (time.perf_counter() - started) / n_decode)
             for s in group:
                 s.trim_session(0)
+    progress()
     return best
 
 
@@ -358,6 +363,9 @@ def main(argv=None):
         ap.error(f"--prefill {args.prefill} + --decode {args.decode} exceed the backend's context of {MAX_CTX_SIZE} "
                  "tokens")
     sizes = args.batch or [2, 4]
+    warning = oversubscription(max(args.threads or [1]))
+    if warning:
+        print(f"[skippy-wire] warning: -t {max(args.threads)}: {warning}", file=sys.stderr, flush=True)
     if args.matmul:
         matmul_ab(path, (args.threads or [1])[0], args.prefill, sizes, args.repeat)
         return 0
@@ -368,15 +376,34 @@ def main(argv=None):
     if not args.stages:
         side_by_side(path, threads_list, args.prefill, args.decode, args.repeat)
         return 0
-    print(header())
-    split = args.split if args.split is not None else n_layer // 2
-    ctx = args.prefill + args.decode + CTX_SLACK
-    for threads in threads_list:
-        for name, cuts in (("one stage", []), (f"two stages (split at {split})", [split])):
-            pf, pf_cpu, dc, dc_cpu = measure(Chain(path, cuts, threads, ctx), args.prefill, args.decode, args.repeat)
-            print(f"{name:28s} threads={threads} prefill-{args.prefill}: {pf:8.1f} tok/s (cpu {pf_cpu:4.2f})"
-                  f"   decode: {dc:7.1f} tok/s (cpu {dc_cpu:4.2f})")
+    one_vs_two(path, threads_list, args.split if args.split is not None else n_layer // 2, args.prefill, args.decode,
+               args.repeat)
     return 0
+
+
+def one_vs_two(path, threads_list, split, n_prefill, n_decode, repeat):
+    """One stage against two stages split at ``split`` (in this process), alternating round
+    by round, with the ratio of each figure."""
+    print(header())
+    print(f"model: {path}; prefill-{n_prefill} and decode-{n_decode} (after a 16-token prompt), best of {repeat}, "
+          "alternating")
+    ctx = n_prefill + n_decode + CTX_SLACK
+    for threads in threads_list:
+        chains = {"one stage": Chain(path, [], threads, ctx), f"two stages (split at {split})": Chain(path, [split], threads, ctx)}
+        best: dict = {}
+        for r in range(repeat):
+            for name, chain in chains.items():
+                progress(f"{threads} thread(s): round {r + 1}/{repeat}, {name}")
+                pf, pf_cpu, dc, dc_cpu = measure(chain, n_prefill, n_decode, 1)
+                old = best.get(name, (0.0, 0.0, 0.0, 0.0))
+                best[name] = (*max(old[:2], (pf, pf_cpu)), *max(old[2:], (dc, dc_cpu)))
+        progress()
+        for name, (pf, pf_cpu, dc, dc_cpu) in best.items():
+            print(f"{name:28s} threads={threads} prefill-{n_prefill}: {pf:8.1f} tok/s (cpu {pf_cpu:4.2f})"
+                  f"   decode: {dc:7.1f} tok/s (cpu {dc_cpu:4.2f})")
+        (pf1, _, dc1, _), (pf2, _, dc2, _) = best.values()
+        print(f"{'two stages / one':28s} threads={threads} prefill: {pf2 / pf1:.2f}x   decode: {dc2 / dc1:.2f}x",
+              flush=True)
 
 
 def _model_layers(path: str) -> int:

@@ -18,9 +18,7 @@ import argparse
 import hashlib
 import os
 import platform
-import sys
 import time
-import timeit
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Union
 
@@ -31,7 +29,7 @@ from .._impl import IMPLEMENTATION, kernel_module
 from ..wire import codec as api
 from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
-from .bench_rows import Producer, Ratio, Row, cpu_model
+from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_model, paired_seconds, progress
 from .options import Parser, doc_summary, float_above, int_at_least
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
@@ -41,24 +39,6 @@ REPEAT, MIN_TIME = 7, 0.05
 QUICK = {"sizes": ((1, 4096), (128, 4096)), "repeat": 3, "min_time": 0.01}
 JUDGED = (128, 4096)  # issue #3 judges the ratios at this size
 THREAD_SIZE = (2048, 4096)
-
-
-def _best(fn: Callable[[], object], repeat: int, min_time: float) -> float:
-    """Best seconds per call over ``repeat`` rounds of about ``min_time`` seconds each
-    (the minimum is the least disturbed by other processes)."""
-    timer = timeit.Timer(fn)
-    once = max(timer.timeit(number=1), 1e-7)
-    number = max(1, int(min_time / once))
-    return min(timer.repeat(repeat=repeat, number=number)) / number
-
-
-def _paired(ours: Callable[[], object], base: Callable[[], object], repeat: int, min_time: float) -> tuple[float, float]:
-    """Time two callables alternately so that both see the same machine load."""
-    a, b = [], []
-    for _ in range(repeat):
-        a.append(_best(ours, 1, min_time))
-        b.append(_best(base, 1, min_time))
-    return min(a), min(b)
 
 
 def _label(size: tuple[int, int]) -> str:
@@ -90,22 +70,22 @@ def codec_rows(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
         ]
         for op, ours, base_name, base, target in ops:
             with np.errstate(all="ignore"):
-                a, b = _paired(ours, base, opts.repeat, opts.min_time)
+                a, b = paired_seconds(ours, base, opts.repeat, opts.min_time)
             yield Row(op, label, f"skippy_wire ({IMPLEMENTATION})", a, x.nbytes)
             yield Row(op, label, base_name, b, x.nbytes)
             if size == JUDGED:
                 yield Ratio(f"{op} vs {base_name} @{label}", b / a, target)
-        yield Row("encode s8", label, f"skippy_wire ({IMPLEMENTATION})", _best(lambda: enc(4, t, n, x), opts.repeat, opts.min_time), x.nbytes)
+        yield Row("encode s8", label, f"skippy_wire ({IMPLEMENTATION})", best_seconds(lambda: enc(4, t, n, x), opts.repeat, opts.min_time), x.nbytes)
         if IMPLEMENTATION == "cython" and hasattr(k, "_set_simd") and k.simd_active():
             previous = k._set_simd(False)
             try:
                 for op, fn in (("encode bf16", lambda: enc(3, t, n, x)), ("encode f16", lambda: enc(2, t, n, x)), ("decode f16", lambda: dec(2, t, n, wh))):
-                    yield Row(op, label, "skippy_wire (portable path)", _best(fn, opts.repeat, opts.min_time), x.nbytes)
+                    yield Row(op, label, "skippy_wire (portable path)", best_seconds(fn, opts.repeat, opts.min_time), x.nbytes)
             finally:
                 k._set_simd(previous)
         if size[0] <= 1 and not opts.quick:
             ref = kernel_module("codec", "python")
-            yield Row("encode bf16", label, "reference twin (python)", _best(lambda: ref.encode_activation(3, t, n, x, 0), 1, 0.05), x.nbytes)
+            yield Row("encode bf16", label, "reference twin (python)", best_seconds(lambda: ref.encode_activation(3, t, n, x, 0), 1, 0.05), x.nbytes)
     if opts.threads:
         yield from thread_scaling(opts)
 
@@ -216,8 +196,9 @@ def _machine() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="skippy-wire bench", description=doc_summary(__doc__))
     parser.add_argument("--sizes", type=parse_sizes, default=None, metavar="TxN,...",
-                        help=f"comma-separated TOKENSxN_EMBD (default: {_sizes_text(SIZES)}; --quick: "
-                             f"{_sizes_text(QUICK['sizes'])})")
+                        help=f"comma-separated TOKENSxN_EMBD of the codec rows (default: {_sizes_text(SIZES)}; "
+                             f"--quick: {_sizes_text(QUICK['sizes'])}); the framing rows time the 1x4096 message "
+                             f"their goals name, the thread test {_label(THREAD_SIZE)}")
     parser.add_argument("--repeat", type=int_at_least(1), default=None,
                         help=f"timing rounds per operation, the best is kept (default: {REPEAT}; --quick: "
                              f"{QUICK['repeat']})")
@@ -250,17 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     print("GB/s counts f32 activation bytes; ratios are baseline time / our time, measured alternately.\n")
     rows: list[Row] = []
     ratios: list[Ratio] = []
-    live = sys.stderr.isatty()  # progress for a person waiting; logs and pipes get just the tables
     try:
         for producer in _all_producers():
             for item in producer(opts):
                 (ratios if isinstance(item, Ratio) else rows).append(item)
-                if live and isinstance(item, Row):
-                    print(f"\r\033[K[skippy-wire] {len(rows)} measured: {item.op} {item.size} {item.impl}", end="",
-                          file=sys.stderr, flush=True)
+                if isinstance(item, Row):
+                    progress(f"{len(rows)} measured: {item.op} {item.size} {item.impl}")
     finally:
-        if live:  # the progress line goes, also on Ctrl-C
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        progress()  # the progress line goes, also on Ctrl-C
 
     width = max([len(r.op) for r in rows] + [10])
     iwidth = max([len(r.impl) for r in rows] + [10])

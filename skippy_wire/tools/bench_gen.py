@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import timeit
 from typing import Iterable, Union
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, GgmlT
 from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
-from .bench_rows import Ratio, Row
+from .bench_rows import Ratio, Row, paired_seconds
 from .options import Parser, doc_summary, float_above, int_at_least
 
 V16_GOAL_RATIO = 0.9
@@ -62,21 +61,6 @@ def frames(impl: str) -> dict:
     }
 
 
-def _best(fn, min_time: float) -> float:
-    timer = timeit.Timer(fn)
-    number = max(1, int(min_time / max(timer.timeit(number=1), 1e-7)))
-    return timer.timeit(number=number) / number
-
-
-def paired_timing(ours, base, repeat: int, min_time: float) -> tuple:
-    """Best seconds per call of two callables timed alternately (same machine load)."""
-    a, b = [], []
-    for _ in range(repeat):
-        a.append(_best(ours, min_time))
-        b.append(_best(base, min_time))
-    return min(a), min(b)
-
-
 def _round_trip(protocol: WireProtocol, msg: StageWireMessage):
     def run() -> None:
         protocol.read_from_buffer(protocol.write(msg), N_EMBD, BF16)
@@ -92,7 +76,7 @@ def frame_gen_rows(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
     nbytes = 4 * N_EMBD
     v15_seconds = None
     for label in ("v16 1 part", "v16 3 parts"):
-        ours, theirs = paired_timing(_round_trip(*cases[label]), base, repeat, min_time)
+        ours, theirs = paired_seconds(_round_trip(*cases[label]), base, repeat, min_time)
         v15_seconds = theirs if v15_seconds is None else min(v15_seconds, theirs)
         yield Row(f"round trip {label} (bf16)", "1x4096", impl, ours, nbytes)
         if label == "v16 1 part":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
+import timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
@@ -40,6 +42,33 @@ class Ratio:
 
 
 Producer = Callable[[argparse.Namespace], Iterable[Union[Row, Ratio]]]
+
+
+def best_seconds(fn: Callable[[], object], repeat: int, min_time: float) -> float:
+    """Best seconds per call over ``repeat`` rounds of about ``min_time`` seconds each
+    (the minimum is the least disturbed by other processes)."""
+    timer = timeit.Timer(fn)
+    once = max(timer.timeit(number=1), 1e-7)
+    number = max(1, int(min_time / once))
+    return min(timer.repeat(repeat=repeat, number=number)) / number
+
+
+def paired_seconds(ours: Callable[[], object], base: Callable[[], object], repeat: int,
+                   min_time: float) -> tuple[float, float]:
+    """Best seconds per call of two callables timed alternately, round by round, so that
+    both see the same machine load."""
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(best_seconds(ours, 1, min_time))
+        b.append(best_seconds(base, 1, min_time))
+    return min(a), min(b)
+
+
+def progress(text: str = "") -> None:
+    """A live progress line for a person waiting at a terminal (stderr), replaced by the next
+    one; ``progress()`` clears it.  Logs and pipes get nothing."""
+    if sys.stderr.isatty():
+        print("\r\033[K" + (f"[skippy-wire] {text}" if text else ""), end="", file=sys.stderr, flush=True)
 
 
 def script_options(doc: str, argv, **defaults) -> argparse.Namespace:

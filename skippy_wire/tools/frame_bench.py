@@ -5,7 +5,7 @@ per operation::
 
     {"op", "size", "unit", "ours", "reference", "ratio", "goal", "met"}
 
-``ours``/``reference`` are operations per second (best of several timed batches);
+``ours``/``reference`` are operations per second (best of several rounds, timed alternately);
 ``ratio`` = ours / reference; ``goal`` states the target and ``met`` whether it holds
 (``None`` for informational rows).  The headline row is the write + read round trip of a
 1 x 4096 BF16 DecodeEmbd message with a sampling block: goal >= 150,000/s and >= 10x the
@@ -14,7 +14,6 @@ twin.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -23,7 +22,7 @@ from .. import _impl
 from ..wire.constants import ActivationCodec
 from ..wire.frame import StageMessageDecoder
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
-from .bench_rows import Ratio, Row
+from .bench_rows import Ratio, Row, paired_seconds
 
 ROUND_TRIP_GOAL_OPS = 150_000
 ROUND_TRIP_GOAL_RATIO = 10.0
@@ -40,28 +39,6 @@ def decode_message(n_embd: int = N_EMBD) -> StageWireMessage:
     sampling = SamplingConfig(flags=1, seed=42, temperature=0.8, top_p=0.9, top_k=40)
     wire = codec.encode_activation(int(ActivationCodec.BF16_RNE_V1), 1, n_embd, values.tobytes(), 0)
     return StageWireMessage(WireMessageKind.DECODE_EMBD, 20, 1, state, 7, 11, sampling, None, [11], [], wire)
-
-
-def _rate(fn: Callable[[], object], budget_s: float) -> float:
-    """Operations per second: best of 5 batches sized to ~budget_s / 5 each."""
-    fn()
-    n, elapsed = 1, 0.0
-    while True:  # calibrate a batch of >= 20 ms
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        elapsed = time.perf_counter() - start
-        if elapsed >= 0.02:
-            break
-        n *= 4
-    per_batch = max(1, int(n * (budget_s / 5) / elapsed))
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        best = min(best, (time.perf_counter() - start) / per_batch)
-    return 1.0 / best
 
 
 def _ops(impl: str, msg: StageWireMessage, n_embd: int) -> dict[str, Callable[[], object]]:
@@ -85,8 +62,9 @@ def _ops(impl: str, msg: StageWireMessage, n_embd: int) -> dict[str, Callable[[]
     }
 
 
-def rows(budget_s: float = 0.5, n_embd: int = N_EMBD, impl: Optional[str] = None) -> list[dict]:
-    """Measure every framing operation on ``impl`` (default: the compiled one) and on the twin."""
+def rows(repeat: int = 5, min_time: float = 0.05, n_embd: int = N_EMBD, impl: Optional[str] = None) -> list[dict]:
+    """Measure every framing operation on ``impl`` (default: the compiled one) and on the
+    twin, the two timed alternately (best of ``repeat`` rounds of about ``min_time`` s)."""
     impl = impl or "cython"
     msg = decode_message(n_embd)
     size = f"1x{n_embd} bf16 DecodeEmbd + sampling ({len(_impl.kernel_module('frame', impl).write_stage_message(msg))} B)"
@@ -94,8 +72,8 @@ def rows(budget_s: float = 0.5, n_embd: int = N_EMBD, impl: Optional[str] = None
     out = []
     for op, fn in ours_ops.items():
         per_call = 64 if op.startswith("streaming") else 1
-        ours = _rate(fn, budget_s) * per_call
-        ref = _rate(ref_ops[op], budget_s / 4) * per_call
+        ours_s, ref_s = paired_seconds(fn, ref_ops[op], repeat, min_time)
+        ours, ref = per_call / ours_s, per_call / ref_s
         ratio = ours / ref
         if op == "write+read round trip":
             goal = f">= {ROUND_TRIP_GOAL_OPS:,}/s and >= {ROUND_TRIP_GOAL_RATIO:g}x reference"
@@ -122,13 +100,12 @@ if __name__ == "__main__":
 
 def frame_rows(opts=None):
     """Producer for ``skippy-wire bench`` (see ``skippy_wire.tools.bench.ROW_PRODUCERS``): the
-    rows above as ``bench.Row`` (time per operation, message bytes) plus the two issue #3
-    goals as ``bench.Ratio``."""
-    budget = 0.15 if getattr(opts, "quick", False) else 0.5
-    for row in rows(budget_s=budget):
-        nbytes = int(row["size"].rsplit("(", 1)[1].split()[0])
-        per_op = 1.0 / row["ours"]
-        yield Row(row["op"], f"1x{N_EMBD}", f"skippy_wire ({row['impl']})", per_op, nbytes)
+    rows above as ``bench.Row`` (time per operation; GB/s of the message's f32 activation, as
+    every row of the table) plus the two issue #3 goals as ``bench.Ratio``.  The message is
+    the one the goals name (one 1 x 4096 token), whatever the codec rows' ``--sizes``."""
+    for row in rows(repeat=getattr(opts, "repeat", 5), min_time=getattr(opts, "min_time", 0.05)):
+        nbytes = 4 * N_EMBD
+        yield Row(row["op"], f"1x{N_EMBD}", f"skippy_wire ({row['impl']})", 1.0 / row["ours"], nbytes)
         yield Row(row["op"], f"1x{N_EMBD}", "reference twin (python)", 1.0 / row["reference"], nbytes)
         if row["met"] is not None:
             yield Ratio(f"{row['op']} vs reference twin @1x{N_EMBD}", row["ratio"], ROUND_TRIP_GOAL_RATIO)
