@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 from ..errors import PipelineError
 from ..stage.models import model_shape, smollm2_path
-from ..stage.threads import default_threads
+from ..stage.threads import default_threads, oversubscription
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
 
@@ -389,6 +389,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)
     threads = threads or default_threads()
+    if on_progress is not None and oversubscription(threads):
+        on_progress(f"warning: -t {threads}: {oversubscription(threads)}")
     log_dir = Path(log_dir) if log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)

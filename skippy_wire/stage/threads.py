@@ -1,6 +1,8 @@
-"""How many compute threads a stage runs when not told."""
+"""How many compute threads a stage runs when not told, and when a count is too many."""
 
 from __future__ import annotations
+
+import os
 
 #: A thread count that asks for :func:`default_threads` (``-t -1``, a topology file's
 #: ``"threads": -1``), as llama.cpp spells "the default".
@@ -17,3 +19,23 @@ def default_threads() -> int:
     raises it on a machine with cores to spare.
     """
     return 1
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: containers, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def oversubscription(threads: int | None) -> str | None:
+    """What to warn of when ``threads`` compute threads are more than the CPUs this process
+    may use: ggml's threads meet at a spinning barrier after every graph node, so each waits
+    for one that has no CPU (on 2 CPUs, 3 threads decode some 400 times slower); None when
+    they fit."""
+    cpus = available_cpus()
+    if threads is None or threads <= cpus:
+        return None
+    return (f"{threads} compute threads are more than the {cpus} CPUs this process may use: they take turns "
+            "at every step and compute far slower than one thread")

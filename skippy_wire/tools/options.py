@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NoReturn
 
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
-from ..stage.threads import DEFAULT_THREADS
+from ..stage.threads import DEFAULT_THREADS, available_cpus
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
@@ -408,14 +408,6 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
                    help=text)
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask: containers, taskset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def poll_args(poll_ms: float | None, stages: int) -> list[str]:
     """The ``serve`` arguments that give each of ``stages`` started stages ``--poll-ms``:
     as given, or for None :data:`AUTO_STAGE_POLL_MS` when every stage has a CPU."""
@@ -538,6 +530,6 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
-           "add_poll_option", "available_cpus", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
+           "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]

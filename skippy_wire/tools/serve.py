@@ -27,7 +27,7 @@ from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.models import model_shape
-from ..stage.threads import default_threads
+from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
@@ -260,6 +260,8 @@ def _serve(args, stage_index: int) -> int:
                          max_sessions_per_connection=args.max_sessions_per_connection, lane_wait=args.lane_wait,
                          max_message_bytes=args.max_message_bytes)
     threads = args.threads or default_threads()
+    if oversubscription(threads):
+        log.warning("stage %d: -t %d: %s", stage_index, threads, oversubscription(threads))
     config = stage_config(stage_index, args.layer_start, args.layer_end,
                           args.activation_codec, args.activation_codec_policy)
     try:

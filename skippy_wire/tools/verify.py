@@ -59,8 +59,9 @@ import numpy as np
 
 from .._impl import kernel_module
 from ..errors import InvalidDataError, ToolError
+from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
-from .options import Parser, available_cpus, doc_summary, exiting_on_signals, int_at_least, int_between
+from .options import Parser, doc_summary, exiting_on_signals, int_at_least, int_between
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
