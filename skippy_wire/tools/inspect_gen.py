@@ -1,33 +1,41 @@
-"""``skippy-wire inspect`` for state versions 16 and 17 (and the v17 setup packets).
+"""Reading state version 16 and 17 captures for ``skippy-wire inspect`` (the v17 setup
+packets, the frames, the agreement); :mod:`skippy_wire.tools.inspect` renders every record.
 
 :func:`detect_protocol` tells the version of a capture from its first bytes: a setup
 packet (magic ``0x53545053``) means 17; a stage message says it in its version word
 (offset 20); a reply stream that starts with READY is 15 or 16 (replies are the same in
-both, so it is dissected as 15).  :func:`dissect_gen` prints every record: setup packets
-(Hello, Offer, accept, ready with their JSON), stage messages with their multipart frames
-part by part (v17: the agreement comes from the Offer, found in the capture itself or in
-its sibling ``-replies.bin`` file), and replies.
+both, so it is dissected as 15).  :func:`read_setup_packet` reads the setup packets a v17
+capture starts with (Hello and accept, or Offer and ready).  :class:`GenMessageReader`
+reads one v16/v17 stage message and its activation: the frame part by part, or (v17) the
+agreement-framed activation decoded under the Offer's agreement, found in the capture
+itself or in its sibling ``-replies.bin`` file.  Without that agreement (a messages capture
+read from stdin, say) the message is still read and its activation is left undecoded: only
+the 30-byte agreement-framed header (wire-v16-v17.md B.6.1) is given.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Optional
 
-from ..errors import DissectError, WireError
+from ..errors import InvalidDataError, UnexpectedEofError
 from ..wire.activation_frame import (
+    ACTIVATION_AGREEMENT_GENERATION_BYTES,
+    ACTIVATIONLESS_KINDS_V16,
+    AGREED_ACTIVATION_HEADER_BYTES,
     STAGE_STATE_VERSION_V15,
     STAGE_STATE_VERSION_V17,
-    GgmlType,
-    kind_rust_name,
+    ActivationFrameV16,
 )
 from ..wire.agreement import ActivationAgreement, parse_json
-from ..wire.constants import READY_BYTES, ActivationCodec
-from ..wire.frame import read_reply_from_buffer
+from ..wire.constants import ActivationCodec
 from ..wire.protocol import VERSION_WORD_OFFSET, WireProtocol
 from ..wire.setup import SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 
+#: Offset of the activation byte count (word 15) in a stage message's 80-byte prefix.
+ACTIVATION_COUNT_OFFSET = 60
 _SETUP_NAMES_C = ("Hello", "accept")  # what the connecting side sends, in order
 _SETUP_NAMES_S = ("Offer", "ready")
 
@@ -48,16 +56,54 @@ def detect_protocol(data: bytes, replies: bool) -> int:
     return STAGE_STATE_VERSION_V15
 
 
-def _setup_packets(data: bytes):
-    """``(offset, size, body)`` of the setup packets at the start of ``data``."""
+@dataclass
+class SetupPacket:
+    """One v17 setup packet: its place in the handshake (``Hello``, ``accept``, ``Offer``,
+    ``ready``) and its JSON body."""
+
+    label: str
+    body: bytes
+
+
+def setup_label(index: int, replies: bool) -> str:
+    names = _SETUP_NAMES_S if replies else _SETUP_NAMES_C
+    return names[index] if index < len(names) else "setup packet"
+
+
+def read_setup_packet(data, offset: int) -> tuple:
+    """``(size, body)`` of the setup packet at ``offset``; UnexpectedEof when it is cut short."""
+    if len(data) - offset < SETUP_HEADER_BYTES:
+        raise UnexpectedEofError(f"setup packet header truncated ({len(data) - offset} bytes left)")
+    length = struct.unpack_from("<I", data, offset + 8)[0]
+    end = offset + SETUP_HEADER_BYTES + length
+    if end > len(data):
+        raise UnexpectedEofError(f"setup packet of {length} bytes truncated ({len(data) - offset} bytes left)")
+    return end - offset, bytes(data[offset + SETUP_HEADER_BYTES:end])
+
+
+def _setup_bodies(data):
     offset = 0
-    while is_setup_packet(data, offset) and len(data) - offset >= SETUP_HEADER_BYTES:
-        length = struct.unpack_from("<I", data, offset + 8)[0]
-        end = offset + SETUP_HEADER_BYTES + length
-        if end > len(data):
-            raise DissectError(f"@{offset}: setup packet of {length} bytes truncated ({len(data) - offset} bytes left)")
-        yield offset, end - offset, bytes(data[offset + SETUP_HEADER_BYTES:end])
-        offset = end
+    while is_setup_packet(data, offset):
+        try:
+            size, body = read_setup_packet(data, offset)
+        except UnexpectedEofError:
+            return
+        yield body
+        offset += size
+
+
+def _offered(body: bytes):
+    """The ``agreement`` JSON of a setup packet body that is an Offer, else None."""
+    try:
+        value = parse_json(body)
+    except ValueError:
+        return None
+    return value.get("agreement") if isinstance(value, dict) else None
+
+
+def starts_with_offer(data) -> bool:
+    """Whether ``data`` starts with the listener's Offer: a v17 capture of the reply direction."""
+    return next((_offered(body) is not None for body in _setup_bodies(data)), False)
 
 
 def find_agreement(data: bytes, name: str = "") -> Optional[ActivationAgreement]:
@@ -68,96 +114,112 @@ def find_agreement(data: bytes, name: str = "") -> Optional[ActivationAgreement]
         if sibling.exists():
             sources.append(sibling.read_bytes())
     for source in sources:
-        for _, _, body in _setup_packets(source):
-            try:
-                value = parse_json(body)
-            except ValueError:
-                continue
-            if isinstance(value, dict) and "agreement" in value:
-                return ActivationAgreement.from_json(value["agreement"])
+        for body in _setup_bodies(source):
+            offered = _offered(body)
+            if offered is not None:
+                return ActivationAgreement.from_json(offered)
     return None
 
 
-def _frame_lines(proto: WireProtocol, activation, all_values: bool) -> list:
-    desc, payload = proto.decode_frame(ActivationCodec.RAW_F32_V1, activation)
-    lines = [f"    frame v{desc.version}: producer {desc.producer_stage_index}  layers {desc.layer_start}.."
-             f"{desc.layer_end}  token_count {desc.token_count}  sequence_count {desc.sequence_count}  "
-             f"parts {len(desc.parts)}  payload {desc.payload_bytes} bytes  frontier {bytes(desc.frontier_identity)[:8].hex()}.."]
-    for i, part in enumerate(desc.parts):
+@dataclass
+class AgreedHeader:
+    """The fixed 30 bytes of an agreement-framed activation (B.6.1); what follows them
+    (dynamic dimensions, then the parts) is laid out by the profile, so by the agreement."""
+
+    generation: bytes
+    profile_id: int
+    token_count: int
+    sequence_count: int
+    presence_mask: int
+
+    @classmethod
+    def parse(cls, data) -> Optional["AgreedHeader"]:
+        if len(data) < AGREED_ACTIVATION_HEADER_BYTES:
+            return None
+        gen = ACTIVATION_AGREEMENT_GENERATION_BYTES
+        return cls(bytes(data[:gen]), *struct.unpack_from("<IIIH", data, gen))
+
+
+@dataclass
+class GenActivation:
+    """A v16/v17 message's activation as inspect shows it: ``wire_bytes`` on the wire, the
+    decoded ``frame`` with its logical ``payload`` (None when the activation could not be
+    decoded: v17 without the agreement), and for v17 the ``agreed`` header."""
+
+    codec: ActivationCodec
+    wire_bytes: int
+    frame: Optional[ActivationFrameV16] = None
+    payload: bytes = b""
+    agreed: Optional[AgreedHeader] = None
+
+
+class GenMessageReader:
+    """``read(offset) -> (message, size, GenActivation or None)`` over a v16/v17 capture.
+
+    The v17 agreement is looked up (:func:`find_agreement`) at the first message.  Without
+    one, an activation-carrying message is read with its activation count taken as 0 (the
+    reader's rule for an empty activation, A.7.4) and its activation bytes are skipped."""
+
+    def __init__(self, protocol: int, data, name: str = "") -> None:
+        self.proto = WireProtocol(protocol)
+        self.data, self.name = data, name
+        self._agreement: Optional[ActivationAgreement] = None
+        self._looked_up = protocol != STAGE_STATE_VERSION_V17
+        self._patchable: Optional[bytearray] = None
+
+    @property
+    def agreement(self) -> Optional[ActivationAgreement]:
+        if not self._looked_up:
+            self._agreement, self._looked_up = find_agreement(self.data, self.name), True
+        return self._agreement
+
+    def read(self, offset: int) -> tuple:
+        agreement = self.agreement
         try:
-            type_name = GgmlType(part.ggml_type).name
-        except ValueError:
-            type_name = str(part.ggml_type)
-        lines.append(f"    part {i}: {type_name}  rank {part.rank}  token_axis {part.token_axis}  flags {part.flags}  "
-                     f"dims {list(part.dimensions)}  strides {list(part.byte_strides)}  offset {part.payload_offset}  "
-                     f"bytes {part.payload_bytes}  identity {bytes(part.identity)[:8].hex()}..")
-        if part.ggml_type == GgmlType.F32 and part.payload_bytes:
-            chunk = bytes(payload[part.payload_offset:part.payload_offset + part.payload_bytes])
-            values = struct.unpack(f"<{len(chunk) // 4}f", chunk)
-            shown = values if all_values else values[:8]
-            finite = [v for v in values if v == v and abs(v) != float("inf")]
-            stats = f"min {min(finite):.6g}  max {max(finite):.6g}  " if finite else ""
-            lines.append(f"      {stats}values: {' '.join(f'{v:.6g}' for v in shown)}"
-                         f"{' ...' if len(shown) < len(values) else ''}")
-    return lines
+            msg, size = self.proto.read_from_buffer(self.data, offset=offset, agreement=agreement)
+        except InvalidDataError:
+            without = agreement is None and self.proto.version == STAGE_STATE_VERSION_V17
+            undecoded = self._read_undecoded(offset) if without else None
+            if undecoded is None:
+                raise
+            return undecoded
+        count = struct.unpack_from("<i", self.data, offset + ACTIVATION_COUNT_OFFSET)[0]
+        if not len(msg.activation):
+            return msg, size, None
+        desc, payload = self.proto.decode_frame(ActivationCodec.RAW_F32_V1, msg.activation)
+        return msg, size, self._activation(msg, offset + size - count, count, desc, bytes(payload))
 
+    def _activation(self, msg, start: int, count: int, desc=None, payload=b"") -> GenActivation:
+        agreed = None
+        if self.proto.version == STAGE_STATE_VERSION_V17:
+            agreed = AgreedHeader.parse(self.data[start:start + min(count, AGREED_ACTIVATION_HEADER_BYTES)])
+        return GenActivation(ActivationCodec(int(msg.state.activation_codec)), count, desc, payload, agreed)
 
-def describe_gen_message(proto: WireProtocol, msg, offset: int, size: int, index: int, wire_bytes: int,
-                         all_values: bool) -> list:
-    st = msg.state
-    lines = [f"#{index} @{offset} message (state version {st.version}), {size} bytes: "
-             f"{kind_rust_name(int(msg.kind))} ({int(msg.kind)})",
-             f"  pos_start {msg.pos_start}  token_count {msg.token_count}  tokens {len(msg.tokens)}  "
-             f"positions {len(msg.positions)}  request_id {msg.request_id}  session_id {msg.session_id}",
-             f"  state: phase {int(st.phase)}  flags 0x{int(st.flags):x}  prompt_token_count {st.prompt_token_count}  "
-             f"decode_step {st.decode_step}  current_token {st.current_token}  source_stage_index "
-             f"{st.source_stage_index}  activation_codec {ActivationCodec(int(st.activation_codec)).identity()}",
-             f"  sampling: {'none' if msg.sampling is None else 'present'}"]
-    if msg.tokens:
-        lines.append(f"  tokens: {list(msg.tokens)}")
-    if len(msg.activation):
-        what = "agreement-framed activation" if proto.version == STAGE_STATE_VERSION_V17 else "activation frame"
-        lines.append(f"  activation: {what}, {wire_bytes} bytes on the wire")
-        lines += _frame_lines(proto, msg.activation, all_values)
-    else:
-        lines.append("  activation: none")
-    return lines
-
-
-def dissect_gen(data: bytes, protocol: int, *, replies: bool, all_values: bool = False,
-                out: Optional[TextIO] = None, name: str = "") -> int:
-    """Print every record of a v16/v17 capture; returns the record count."""
-    proto = WireProtocol(protocol)
-    index = offset = 0
-    names = _SETUP_NAMES_S if replies else _SETUP_NAMES_C
-    for offset, size, body in list(_setup_packets(data)):
-        label = names[index] if index < len(names) else "setup packet"
-        text = body.decode("utf-8", "replace")
-        print(f"#{index} @{offset} setup {label} (magic 0x{SETUP_MAGIC:08x}, generation "
-              f"{STAGE_PROTOCOL_GENERATION}), {size} bytes\n  {text if len(text) < 600 else text[:600] + ' ...'}",
-              file=out)
-        index += 1
-        offset += size
-    agreement = find_agreement(data, name) if protocol == STAGE_STATE_VERSION_V17 and not replies else None
-    if replies and offset == 0 and data[:4] == READY_BYTES:
-        print("#0 @0 READY (magic 0x53524459, 4 bytes)", file=out)
-        index, offset = 1, 4
-    while offset < len(data):
+    def _read_undecoded(self, offset: int) -> Optional[tuple]:
+        """The message at ``offset`` read without its activation, or None when that is not
+        why the reader refused it (an activationless kind with a count, a short capture...)."""
+        data = self.data
+        if len(data) - offset < ACTIVATION_COUNT_OFFSET + 4:
+            return None
+        count = struct.unpack_from("<i", data, offset + ACTIVATION_COUNT_OFFSET)[0]
+        if count <= 0:
+            return None
+        if self._patchable is None:
+            self._patchable = bytearray(data)
+        buf, at = self._patchable, offset + ACTIVATION_COUNT_OFFSET
+        struct.pack_into("<i", buf, at, 0)
         try:
-            if replies:
-                reply, size = read_reply_from_buffer(data, offset=offset)
-                print(f"#{index} @{offset} reply, {size} bytes: {reply.kind!r}  predicted {reply.predicted}",
-                      file=out)
-            else:
-                msg, size = proto.read_from_buffer(data, offset=offset, agreement=agreement)
-                wire = struct.unpack_from("<i", data, offset + 60)[0]
-                print("\n".join(describe_gen_message(proto, msg, offset, size, index, wire, all_values)), file=out)
-        except (WireError, EOFError) as exc:
-            kind = getattr(exc, "kind", type(exc).__name__)
-            raise DissectError(f"#{index} @{offset}: {kind}: {exc} ({len(data) - offset} bytes left)") from exc
-        index += 1
-        offset += size
-    return index
+            msg, size = self.proto.read_from_buffer(buf, offset=offset)
+        except (InvalidDataError, UnexpectedEofError):
+            return None
+        finally:
+            buf[at:at + 4] = data[at:at + 4]
+        if (int(msg.kind) in ACTIVATIONLESS_KINDS_V16 or msg.state.source_stage_index < 0
+                or offset + size + count > len(data)):
+            return None
+        return msg, size + count, self._activation(msg, offset + size, count)
 
 
-__all__ = ["detect_protocol", "is_setup_packet", "find_agreement", "describe_gen_message", "dissect_gen"]
+__all__ = ["detect_protocol", "is_setup_packet", "starts_with_offer", "find_agreement", "setup_label",
+           "read_setup_packet", "SetupPacket", "AgreedHeader", "GenActivation", "GenMessageReader",
+           "ACTIVATION_COUNT_OFFSET"]
