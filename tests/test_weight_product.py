@@ -34,15 +34,20 @@ def _kernel_runs_here() -> bool:
 
 # (type, k, weight rows, activation rows, seed, threads): Q4_1 for every remainder of the
 # 4-row groups, a row count that two threads split unevenly, SmolLM2's shapes and a
-# prefill-sized chunk; Q8_0 (SmolLM2's head) likewise.  On a CPU with AVX-512 VNNI every
-# product of two rows or more runs the 512-bit paired loop, odd counts its self-paired row.
+# prefill-sized chunk; Q8_0 (SmolLM2's head) likewise.  Each runs with the kernels this CPU
+# chooses and with each family forced (SKIPPY_WIRE_MATMUL; a family the CPU lacks falls back
+# to one it has): the AVX2 rows, the 256-bit VNNI rows, and the 512-bit pairs (odd counts
+# with a self-paired row).
+KERNELS = ["", "avx2", "vnni-rows", "vnni-pairs"]
 SHAPES = [(t, 576, 192, n, n, 1) for t in (Q4_1, Q8_0) for n in range(1, 10)] + [
     (Q4_1, 576, 1537, 3, 11, 2), (Q4_1, 1536, 576, 64, 12, 2), (Q4_1, 64, 33, 5, 13, 2), (Q4_1, 576, 4096, 2, 14, 1),
     (Q8_0, 576, 4096, 1, 15, 1), (Q8_0, 576, 1001, 4, 16, 2), (Q8_0, 64, 7, 3, 17, 1), (Q8_0, 576, 300, 64, 18, 2)]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("type_id,k,rows,n,seed,threads", SHAPES)
-def test_kernel_equals_ggml_mul_mat_bit_for_bit(type_id, k, rows, n, seed, threads):
+def test_kernel_equals_ggml_mul_mat_bit_for_bit(monkeypatch, kernels, type_id, k, rows, n, seed, threads):
+    monkeypatch.setenv("SKIPPY_WIRE_MATMUL", kernels)
     differ = _check(type_id, k, rows, n, seed, threads)
     if not _kernel_runs_here():
         assert differ == -1  # nothing to compare: every product is ggml's own

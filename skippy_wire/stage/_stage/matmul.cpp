@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <random>
+#include <string>
 #include <type_traits>
 
 namespace skippy_stage {
@@ -68,29 +69,31 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
 // repeated over its 8 lanes, and per group of COLS rows and block the rows' Q8_1 sums, so
 // that a block's scale products and sums take one vector operation instead of one scalar
 // operation per row.  For the 512-bit kernels (side_by_side) also the pair's 32 values
-// each (64 bytes), and for Q8_0 per pair and block -128 x each lane's sum of 4 values.
+// each (64 bytes), and for Q8_0 under VNNI (with_fix) per pair and block -128 x each lane's
+// sum of 4 values.
 static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register");
 
 struct paired_rows {
     std::vector<float> d;      // [pair][block][16]
     std::vector<float> s;      // Q8_1: [group][block][COLS]
     std::vector<int8_t> qs;    // side by side: [pair][block][64]
-    std::vector<int32_t> fix;  // side by side, Q8_0: [pair][block][16]
+    std::vector<int32_t> fix;  // VNNI, Q8_0: [pair][block][16]
 
-    // The repeated block scales from row c0 (even) on.
+    // The repeated block scales from row c0 (even) on, and likewise the Q8_0 starting sums.
     const float * scales_from(int64_t c0, int64_t nb) const { return d.data() + (c0 / 2) * nb * 16; }
+    const int32_t * fix_from(int64_t c0, int64_t nb) const { return fix.data() + (c0 / 2) * nb * 16; }
 };
 
-template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by_side) {
+template <typename QBlock>
+paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by_side, bool with_fix) {
     constexpr bool q8_1 = std::is_same_v<QBlock, block_q8_1_view>;
     const int64_t pairs = (n + 1) / 2, groups = (n + COLS - 1) / COLS;
     paired_rows p;
     p.d.resize((size_t) (pairs * nb * 16));
     if constexpr (q8_1) p.s.assign((size_t) (groups * nb * COLS), 0.0f);
-    if (side_by_side) {
-        p.qs.resize((size_t) (pairs * nb * 2 * QK));
-        if constexpr (!q8_1) p.fix.resize((size_t) (pairs * nb * 16));
-    }
+    with_fix = with_fix && !q8_1;
+    if (side_by_side) p.qs.resize((size_t) (pairs * nb * 2 * QK));
+    if (with_fix) p.fix.resize((size_t) (pairs * nb * 16));
     for (int64_t c = 0; c < 2 * pairs; c++) {
         const int64_t row = std::min(c, n - 1), pair = c / 2, half = c % 2;
         const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + row * q->nb[1]);
@@ -100,9 +103,8 @@ template <typename QBlock> paired_rows pair_rows(const ggml_tensor * q, int64_t 
             if constexpr (q8_1) {
                 if (c < n) p.s[(size_t) (((c / COLS) * nb + b) * COLS + c % COLS)] = f16_to_f32(y[b].s);
             }
-            if (!side_by_side) continue;
-            memcpy(&p.qs[at * 4], y[b].qs, QK);
-            if constexpr (!q8_1) {
+            if (side_by_side) memcpy(&p.qs[at * 4], y[b].qs, QK);
+            if (with_fix) {
                 for (int lane = 0; lane < 8; lane++) {
                     const int8_t * v = y[b].qs + 4 * lane;
                     p.fix[at + lane] = -128 * (v[0] + v[1] + v[2] + v[3]);
@@ -120,57 +122,28 @@ __attribute__((target("avx2,f16c"))) inline __m128 scale_and_min(const block_q4_
     return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
 }
 
-// Row c's 8 repeated scales of block b among the prepared rows from c0 (p.d).
-inline const float * lane_scales(const float * d, int64_t nb, int64_t c, int64_t b) {
+// Row c's 8 lanes of block b among the prepared rows from c0 (p.d, p.fix).
+template <typename T> inline const T * lane_scales(const T * d, int64_t nb, int64_t c, int64_t b) {
     return d + ((c / 2) * nb + b) * 16 + (c % 2) * 8;
 }
 
-// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1 (c0 a multiple of COLS): dst =
-// w x q (see q4_1_product), ggml's AVX2 arithmetic per output element.
-template <int NC>
-__attribute__((target("avx2,fma,f16c"))) void q4_1_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
-                                                        const paired_rows & p) {
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * q = dst->src[1];
-    const int64_t nb = w->ne[0] / QK;
-    const __m256i low = _mm256_set1_epi8(0xF);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const block_q8_1_view * y[NC];
-    for (int j = 0; j < NC; j++) {
-        y[j] = reinterpret_cast<const block_q8_1_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
-    }
-    const float * yd = p.scales_from(c0, nb);
-    const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
-    for (int64_t r = r0; r < r1; r++) {
-        const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
-        __m256 acc[NC];
-        for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
-        __m128 summs = _mm_setzero_ps();
-        prefetch_ahead(x, w->nb[1]);
-        for (int64_t b = 0; b < nb; b++) {
-            const __m128 dm = scale_and_min(x[b]);
-            const __m256 d0 = _mm256_broadcastss_ps(dm);
-            // one rounding per row, as ggml's contracted m * s + summs
-            summs = _mm_fmadd_ps(_mm_shuffle_ps(dm, dm, 0x55), _mm_loadu_ps(ys + b * COLS), summs);
-            const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[b].qs));
-            const __m256i qx = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
-            for (int j = 0; j < NC; j++) {
-                const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
-                // unsigned nibble x signed byte pairs cannot saturate (2 * 15 * 128 < 2^15),
-                // so these are the integer sums of ggml's VNNI and AVX2 paths alike
-                const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy));
-                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
-                acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
-            }
-        }
-        float sums[COLS];
-        _mm_storeu_ps(sums, summs);
-        for (int j = 0; j < NC; j++) {
-            float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
-            out[r] = hsum8(acc[j]) + sums[j];
-        }
-    }
-}
+#define SKIPPY_AVX512_VNNI "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+
+namespace avx2 {
+#define ROWS_TARGET "avx2,fma,f16c"
+#define ROWS_VNNI 0
+#include "matmul_rows.h"
+#undef ROWS_TARGET
+#undef ROWS_VNNI
+}  // namespace avx2
+
+namespace vnni {
+#define ROWS_TARGET SKIPPY_AVX512_VNNI
+#define ROWS_VNNI 1
+#include "matmul_rows.h"
+#undef ROWS_TARGET
+#undef ROWS_VNNI
+}  // namespace vnni
 
 // ggml's hsum of each 256-bit half of `acc`: rows 2k and 2k + 1 of a pair.
 __attribute__((target("avx512f,avx2,fma"))) inline void store_pair(ggml_tensor * dst, int64_t r, int64_t c, int nc,
@@ -182,8 +155,6 @@ __attribute__((target("avx512f,avx2,fma"))) inline void store_pair(ggml_tensor *
         out[r] = extra ? hsum8(halves[h]) + extra[h] : hsum8(halves[h]);  // no + 0.0f: it would turn -0 into +0
     }
 }
-
-#define SKIPPY_AVX512_VNNI "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 
 // q4_1_rows for NC >= 2 rows with the rows in pairs (p: pair_rows<block_q8_1_view>): a
 // block's nibbles are unpacked once into both 256-bit halves, and VNNI's dpbusd gives
@@ -256,11 +227,43 @@ __attribute__((target(SKIPPY_AVX512_VNNI))) void q8_0_rows_paired(ggml_tensor * 
     }
 }
 
-// The 512-bit kernels run where the CPU (not only the compiler) has AVX-512 VNNI.
-bool paired_usable() {
+// The VNNI kernels run where the CPU (not only the compiler) has AVX-512 VNNI.
+bool vnni_usable() {
     static const bool usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     return usable;
+}
+
+// The kernels a product runs (its graph node's userdata), chosen when the graph is built.
+enum class Kernels : intptr_t {
+    AVX2,        // a row per 256-bit register, maddubs + madd
+    VNNI_ROWS,   // a row per 256-bit register, dpbusd
+    VNNI_PAIRS,  // groups of two rows or more: two rows per 512-bit register, dpbusd
+};
+
+// SKIPPY_WIRE_MATMUL: "ggml" sends every product through ggml_mul_mat (the reference
+// `skippy-wire bench-backend --matmul` measures against); "avx2", "vnni-rows" and
+// "vnni-pairs" force those kernels where the CPU has them (tests, measurements); unset,
+// the fastest measured.  Read per graph build.
+const char * matmul_choice() {
+    const char * choice = getenv("SKIPPY_WIRE_MATMUL");
+    return choice ? choice : "";
+}
+
+// Two rows per 512-bit register pay where the CPU computes 512 bits at once (the Intel
+// Xeon of docs/benchmarks.md's ninth session: a pair of rows 1.2x one row, against 1.4x).
+// AMD's Zen 4 issues a 512-bit operation as two 256-bit halves, and there the 256-bit VNNI
+// rows are faster (twenty-third session).
+bool pairs_pay() {
+    static const bool full_width = !__builtin_cpu_is("amd");
+    return full_width;
+}
+
+Kernels kernels_for(int64_t n) {
+    const std::string choice = matmul_choice();
+    if (!vnni_usable() || choice == "avx2") return Kernels::AVX2;
+    if (choice == "vnni-rows") return Kernels::VNNI_ROWS;
+    return n > 1 && (choice == "vnni-pairs" || pairs_pay()) ? Kernels::VNNI_PAIRS : Kernels::VNNI_ROWS;
 }
 
 // rows(std::integral_constant<int, NC>, c0) for the activation rows in groups of COLS, then the rest.
@@ -276,83 +279,43 @@ template <typename Rows> void by_groups(int64_t n, Rows rows) {
 }
 
 // Thread ith's weight rows (of nth) times the activation rows, prepared once (pair_rows),
-// in groups (by_groups): a group of two rows or more through `paired(nc, r0, r1, c0, rows)`
-// where the 512-bit kernels run, the others through `avx2(nc, r0, r1, c0, rows)`.
-template <typename QBlock, typename Paired, typename Avx2>
-void product_by_groups(ggml_tensor * dst, int ith, int nth, Paired paired, Avx2 avx2) {
-    const int64_t rows = dst->src[0]->ne[1], n = dst->ne[1];
-    const int64_t per = (rows + nth - 1) / nth;
-    const int64_t r0 = ith * per, r1 = std::min(rows, r0 + per);
+// in groups (by_groups): `rows(nc, r0, r1, c0, prepared, kernels)` runs one group.
+template <typename QBlock, typename Rows> void product_by_groups(ggml_tensor * dst, int ith, int nth, void * userdata,
+                                                                 Rows rows) {
+    const auto kernels = static_cast<Kernels>(reinterpret_cast<intptr_t>(userdata));
+    const int64_t weight_rows = dst->src[0]->ne[1], n = dst->ne[1];
+    const int64_t per = (weight_rows + nth - 1) / nth;
+    const int64_t r0 = ith * per, r1 = std::min(weight_rows, r0 + per);
     if (r0 >= r1) return;
-    const bool side_by_side = n > 1 && paired_usable();
-    const paired_rows y = pair_rows<QBlock>(dst->src[1], n, dst->src[0]->ne[0] / QK, side_by_side);
-    by_groups(n, [&](auto nc, int64_t c0) {
-        if (nc > 1 && side_by_side) paired(nc, r0, r1, c0, y);
-        else avx2(nc, r0, r1, c0, y);
-    });
+    const paired_rows y = pair_rows<QBlock>(dst->src[1], n, dst->src[0]->ne[0] / QK, kernels == Kernels::VNNI_PAIRS,
+                                            kernels != Kernels::AVX2);
+    by_groups(n, [&](auto nc, int64_t c0) { rows(nc, r0, r1, c0, y, kernels); });
 }
 
 // dst [rows, n] = w [k, rows] (Q4_1) x q [k, n] (Q8_1 rows); weight rows split over threads.
-void q4_1_product(ggml_tensor * dst, int ith, int nth, void *) {
-    product_by_groups<block_q8_1_view>(
-        dst, ith, nth,
-        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
-            q4_1_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
-        },
-        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
-            q4_1_rows<decltype(nc)::value>(dst, r0, r1, c0, y);
-        });
-}
-
-// Output rows [r0, r1) of activation rows c0 .. c0 + NC - 1 for a Q8_0 matrix (SmolLM2's
-// tied head): ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic, which for two rows or more is also
-// that of ggml's tinyBLAS kernel (the same products, fused adds and horizontal sum).
-template <int NC>
-__attribute__((target("avx2,fma,f16c"))) void q8_0_rows(ggml_tensor * dst, int64_t r0, int64_t r1, int64_t c0,
-                                                        const paired_rows & p) {
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * q = dst->src[1];
-    const int64_t nb = w->ne[0] / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const block_q8_0_view * y[NC];
-    for (int j = 0; j < NC; j++) {
-        y[j] = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(q->data) + (c0 + j) * q->nb[1]);
-    }
-    const float * yd = p.scales_from(c0, nb);
-    for (int64_t r = r0; r < r1; r++) {
-        const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
-        prefetch_ahead(x, w->nb[1]);
-        __m256 acc[NC];
-        for (int j = 0; j < NC; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[b].d));
-            const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[b].qs));
-            const __m256i ax = _mm256_sign_epi8(qx, qx);
-            for (int j = 0; j < NC; j++) {
-                const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
-                // |x| times y with x's sign: pair sums stay under 2^15 (|x| <= 128, |y| <= 127)
-                const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)));
-                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
-                acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
-            }
+void q4_1_product(ggml_tensor * dst, int ith, int nth, void * kernels) {
+    product_by_groups<block_q8_1_view>(dst, ith, nth, kernels, [dst](auto nc, int64_t r0, int64_t r1, int64_t c0,
+                                                                     const paired_rows & y, Kernels k) {
+        constexpr int NC = decltype(nc)::value;
+        if constexpr (NC > 1) {
+            if (k == Kernels::VNNI_PAIRS) return q4_1_rows_paired<NC>(dst, r0, r1, c0, y);
         }
-        for (int j = 0; j < NC; j++) {
-            float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + (c0 + j) * dst->nb[1]);
-            out[r] = hsum8(acc[j]);
-        }
-    }
+        if (k == Kernels::AVX2) return avx2::q4_1_rows<NC>(dst, r0, r1, c0, y);
+        vnni::q4_1_rows<NC>(dst, r0, r1, c0, y);
+    });
 }
 
 // dst [rows, n] = w [k, rows] (Q8_0) x q [k, n] (Q8_0 rows); weight rows split over threads.
-void q8_0_product(ggml_tensor * dst, int ith, int nth, void *) {
-    product_by_groups<block_q8_0_view>(
-        dst, ith, nth,
-        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
-            q8_0_rows_paired<decltype(nc)::value>(dst, r0, r1, c0, y);
-        },
-        [dst](auto nc, int64_t r0, int64_t r1, int64_t c0, const paired_rows & y) {
-            q8_0_rows<decltype(nc)::value>(dst, r0, r1, c0, y);
-        });
+void q8_0_product(ggml_tensor * dst, int ith, int nth, void * kernels) {
+    product_by_groups<block_q8_0_view>(dst, ith, nth, kernels, [dst](auto nc, int64_t r0, int64_t r1, int64_t c0,
+                                                                     const paired_rows & y, Kernels k) {
+        constexpr int NC = decltype(nc)::value;
+        if constexpr (NC > 1) {
+            if (k == Kernels::VNNI_PAIRS) return q8_0_rows_paired<NC>(dst, r0, r1, c0, y);
+        }
+        if (k == Kernels::AVX2) return avx2::q8_0_rows<NC>(dst, r0, r1, c0, y);
+        vnni::q8_0_rows<NC>(dst, r0, r1, c0, y);
+    });
 }
 
 // ggml's own arithmetic is the AVX2 one only where ggml-cpu was built with AVX2 and FMA.
@@ -362,12 +325,7 @@ bool kernel_usable() {
     return usable;
 }
 
-// SKIPPY_WIRE_MATMUL=ggml sends every product through ggml_mul_mat: the reference that
-// `skippy-wire bench-backend --matmul` measures this kernel against (read per graph build).
-bool kernel_wanted() {
-    const char * choice = getenv("SKIPPY_WIRE_MATMUL");
-    return !(choice && strcmp(choice, "ggml") == 0);
-}
+bool kernel_wanted() { return strcmp(matmul_choice(), "ggml") != 0; }
 
 bool kernel_applies(const ggml_tensor * w, const ggml_tensor * x) {
     return (w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q8_0) && x->type == GGML_TYPE_F32 && x->ne[2] == 1 &&
@@ -383,7 +341,7 @@ ggml_tensor * kernel_product(ggml_context * ctx, ggml_tensor * w, ggml_tensor * 
                                      GGML_N_TASKS_MAX, (void *) (intptr_t) rows_type);
     ggml_tensor * args[2] = {w, q};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, q4_1 ? q4_1_product : q8_0_product,
-                          GGML_N_TASKS_MAX, nullptr);
+                          GGML_N_TASKS_MAX, reinterpret_cast<void *>(static_cast<intptr_t>(kernels_for(x->ne[1]))));
 }
 
 }  // namespace
