@@ -1,4 +1,4 @@
-/* skippy_wire/_codec_kernels.h -- C kernels behind skippy_wire._codec.
+/* skippy_wire/wire/_codec_kernels.h -- C kernels behind skippy_wire.wire._codec.
  *
  * Contract (wire-format.md 6.5-6.7, 8.1; docs/numerics.md):
  *   - Inputs are raw little-endian byte buffers that may be misaligned: every word is
