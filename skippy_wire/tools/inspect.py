@@ -50,10 +50,10 @@ from ..wire.activation_frame import (
 from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activation_payload_multiplier_from_state_flags
 from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
 from ..wire.messages import WireStagePhase
+from ..wire.protocol import ACTIVATION_COUNT_OFFSET
 from ..wire.replies import StageReply
 from ..wire.setup import SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 from .inspect_gen import (
-    ACTIVATION_COUNT_OFFSET,
     GenActivation,
     GenMessageReader,
     SetupPacket,

@@ -31,11 +31,9 @@ from ..wire.activation_frame import (
 )
 from ..wire.agreement import ActivationAgreement, parse_json
 from ..wire.constants import ActivationCodec
-from ..wire.protocol import VERSION_WORD_OFFSET, WireProtocol
+from ..wire.protocol import ACTIVATION_COUNT_OFFSET, VERSION_WORD_OFFSET, WireProtocol
 from ..wire.setup import SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 
-#: Offset of the activation byte count (word 15) in a stage message's 80-byte prefix.
-ACTIVATION_COUNT_OFFSET = 60
 _SETUP_NAMES_C = ("Hello", "accept")  # what the connecting side sends, in order
 _SETUP_NAMES_S = ("Offer", "ready")
 
@@ -221,5 +219,4 @@ class GenMessageReader:
 
 
 __all__ = ["detect_protocol", "is_setup_packet", "starts_with_offer", "find_agreement", "setup_label",
-           "read_setup_packet", "SetupPacket", "AgreedHeader", "GenActivation", "GenMessageReader",
-           "ACTIVATION_COUNT_OFFSET"]
+           "read_setup_packet", "SetupPacket", "AgreedHeader", "GenActivation", "GenMessageReader"]

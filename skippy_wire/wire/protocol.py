@@ -32,8 +32,10 @@ from .agreement import ActivationAgreement
 from .constants import ActivationCodec
 from .messages import StageWireMessage
 
-#: Offset of the state header's version word in a stage message.
+#: Offsets in a stage message's 80-byte prefix: the state header's version word, and the
+#: activation's byte count (word 15).
 VERSION_WORD_OFFSET = 20
+ACTIVATION_COUNT_OFFSET = 60
 UPSTREAM_VERSION_TEXT = "unsupported stage state version"
 CANNOT_REPLACE_AGREEMENT = "cannot replace an established activation agreement"
 
