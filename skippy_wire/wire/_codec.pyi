@@ -1,11 +1,18 @@
 """Type stub of the compiled codec kernels (skippy_wire/_codec.pyx).
 
 The pure-Python twin ``skippy_wire.wire._reference.codec`` has the same functions with the
-same signatures (all but the test and benchmark switches at the end, which are compiled only).  Codecs are wire ids (1..4); payloads are any C-contiguous buffer read
-as little-endian f32 bytes.  Errors are ``skippy_wire.errors`` classes with the exact
-upstream texts.  Payload-sized work releases the GIL from ``NOGIL_THRESHOLD`` bytes.
-``encode_activation(..., out=buf)`` writes into a caller's writable buffer instead and
-returns a memoryview of the encoded bytes at its start.
+same signatures (all but the test and benchmark switches at the end, which are compiled
+only).  Codecs are wire ids (1..4).  Payloads read as f32 values (encode, selection,
+``is_*_exact``) are C-contiguous buffers of little-endian f32 values, their uint32 bit
+patterns, or raw bytes (buffer formats 'B', 'b', 'c', little-endian 'f' / 'I'; numpy
+float32, uint32, uint8, int8); another element type is an InvalidInputError naming its
+format or dtype (``PAYLOAD_FORMAT``).  Wire payloads (``decode_activation``) and ``out``
+are any C-contiguous buffer of bytes.  An object without the buffer protocol is a
+TypeError (``NOT_BYTES_LIKE``: "a bytes-like object is required, not 'list'").  Errors
+are ``skippy_wire.errors`` classes with the exact upstream texts.  Payload-sized work
+releases the GIL from ``NOGIL_THRESHOLD`` bytes.  ``encode_activation(..., out=buf)``
+writes into a caller's writable buffer instead and returns a memoryview of the encoded
+bytes at its start.
 """
 
 from collections.abc import Iterable
@@ -29,6 +36,8 @@ OUT_NON_CONTIGUOUS: str
 OUT_READ_ONLY: str
 OUT_OBJECT_ARRAY: str
 OUT_OVERLAP: str
+PAYLOAD_FORMAT: str
+NOT_BYTES_LIKE: str
 
 def activation_shape(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, int]: ...
 def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int) -> int: ...

@@ -8,7 +8,9 @@ picked at run time); this module checks sizes in upstream order, acquires buffer
 releases the GIL around payload-sized work and turns kernel statuses into exceptions.
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_CheckExact
+from cpython.bytes cimport PyBytes_CheckExact
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -18,6 +20,7 @@ from skippy_wire.wire._codec_kernels cimport *
 
 cimport numpy as cnp
 import numpy as np
+import sys
 
 from ..errors import InvalidDataError, InvalidInputError
 
@@ -41,6 +44,10 @@ OUT_NON_CONTIGUOUS = _wc.OUT_NON_CONTIGUOUS_TEXT
 OUT_READ_ONLY = _wc.OUT_READ_ONLY_TEXT
 OUT_OBJECT_ARRAY = _wc.OUT_OBJECT_ARRAY_TEXT
 OUT_OVERLAP = _wc.OUT_OVERLAP_TEXT
+PAYLOAD_FORMAT = _wc.PAYLOAD_FORMAT_TEXT
+NOT_BYTES_LIKE = _wc.NOT_BYTES_LIKE_TEXT
+
+cdef bint _LITTLE_HOST = sys.byteorder == "little"
 
 _MESSAGES = {
     E_NEGATIVE_DIMENSIONS: _wc.NEGATIVE_DIMENSIONS_TEXT,
@@ -125,12 +132,65 @@ cdef int _acquire(object obj, Py_buffer *view, str object_array=OBJECT_ARRAY,
     is refused first: numpy would export (and a writer clobber) the object pointers."""
     if isinstance(obj, cnp.ndarray) and (<cnp.ndarray>obj).dtype.hasobject:
         raise InvalidInputError(object_array)
+    _get_buffer(obj, view, PyBUF_SIMPLE, non_contiguous)
+    return 0
+
+
+cdef int _get_buffer(object obj, Py_buffer *view, int flags, str non_contiguous) except -1:
     try:
-        PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
-    except TypeError:
-        raise
+        PyObject_GetBuffer(obj, view, flags)
+    except TypeError:  # no buffer protocol at all: the twin's words (not memoryview's)
+        raise TypeError(NOT_BYTES_LIKE.format(type(obj).__name__)) from None
     except Exception:
         raise InvalidInputError(non_contiguous) from None
+    return 0
+
+
+cdef bint _f32_format(const char *fmt) noexcept:
+    """Whether a buffer format holds raw bytes ('B', 'b', 'c', any byte order) or
+    little-endian f32 values or bit patterns ('<f' / '<I', or 'f' / 'I' native or '='
+    on a little-endian host)."""
+    cdef char order = 0
+    if fmt == NULL:  # the exporter's "unsigned bytes"
+        return True
+    if fmt[0] == b'@' or fmt[0] == b'=' or fmt[0] == b'<' or fmt[0] == b'>' or fmt[0] == b'!':
+        order = fmt[0]
+        fmt += 1
+    if fmt[0] == 0 or fmt[1] != 0:
+        return False
+    if fmt[0] == b'B' or fmt[0] == b'b' or fmt[0] == b'c':
+        return True
+    if fmt[0] == b'f' or fmt[0] == b'I':
+        return order == b'<' or (_LITTLE_HOST and (order == 0 or order == b'@' or order == b'='))
+    return False
+
+
+cdef int _acquire_f32(object obj, Py_buffer *view) except -1:
+    """``_acquire`` for a payload read as f32 values: its elements must be raw bytes or
+    little-endian f32 values or bit patterns (an array's dtype uint8, int8, or float32 or
+    uint32 in little-endian order; another buffer's format as ``_f32_format``); anything
+    else (float64, int32, float16, big-endian...) is refused naming it."""
+    cdef cnp.ndarray arr
+    cdef int type_num
+    cdef bint little
+    if PyBytes_CheckExact(obj) or PyByteArray_CheckExact(obj):
+        _get_buffer(obj, view, PyBUF_SIMPLE, NON_CONTIGUOUS)
+        return 0
+    if isinstance(obj, cnp.ndarray):  # by dtype: some (ml_dtypes bfloat16) export no format
+        _acquire(obj, view)
+        arr = <cnp.ndarray>obj
+        type_num = cnp.PyArray_TYPE(arr)
+        little = (cnp.PyArray_ISNOTSWAPPED(arr) != 0) == _LITTLE_HOST
+        if not (type_num == cnp.NPY_UINT8 or type_num == cnp.NPY_INT8
+                or ((type_num == cnp.NPY_FLOAT32 or type_num == cnp.NPY_UINT32) and little)):
+            PyBuffer_Release(view)
+            raise InvalidInputError(PAYLOAD_FORMAT.format(f"dtype {arr.dtype}"))
+        return 0
+    _get_buffer(obj, view, PyBUF_ND | PyBUF_FORMAT, NON_CONTIGUOUS)
+    if not _f32_format(view.format):
+        text = PAYLOAD_FORMAT.format(f"format {view.format.decode('ascii', 'replace')!r}")
+        PyBuffer_Release(view)
+        raise InvalidInputError(text)
     return 0
 
 
@@ -388,7 +448,7 @@ def encode_activation(codec, token_count, n_embd, payload, state_flags, *, out=N
     cdef Dims d
     cdef Shape s = Shape(0, 0, 0)
     cdef int st
-    _acquire(payload, &view)
+    _acquire_f32(payload, &view)
     try:
         _dims(token_count, n_embd, state_flags, &d)
         st = _f32_input(&d, view.len, &s)
@@ -402,7 +462,7 @@ def encode_activation(codec, token_count, n_embd, payload, state_flags, *, out=N
 def encode_f32_activation_payload(token_count, n_embd, payload, state_flags):
     """7.2: the f32 size check of 5.2 first (n_embd = 0 passes it), then raw encode."""
     cdef Py_buffer view
-    _acquire(payload, &view)
+    _acquire_f32(payload, &view)
     try:
         expected = activation_f32_bytes(token_count, n_embd, state_flags)
         if expected > MAX_DECODED:

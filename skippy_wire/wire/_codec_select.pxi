@@ -44,7 +44,7 @@ def select_lossless_codec(token_count, n_embd, payload, state_flags, permitted):
     cdef Py_buffer view
     cdef Shape s = Shape(0, 0, 0)
     cdef size_t n
-    _acquire(payload, &view)
+    _acquire_f32(payload, &view)
     try:
         n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
         if n == 0:
@@ -64,7 +64,7 @@ def select_and_encode_lossless(token_count, n_embd, payload, state_flags, permit
     cdef int codec
     cdef bytes out
     cdef const uint8_t *src
-    _acquire(payload, &view)
+    _acquire_f32(payload, &view)
     try:
         n = _selection_elements(token_count, n_embd, state_flags, mask, &view, &s)
         src = <const uint8_t *>view.buf
@@ -81,7 +81,7 @@ def select_and_encode_lossless(token_count, n_embd, payload, state_flags, permit
 
 cdef object _whole_buffer_exact(object payload, int which):
     cdef Py_buffer view
-    _acquire(payload, &view)
+    _acquire_f32(payload, &view)
     try:
         if view.len % 4:
             raise_status(E_F32_SIZE)

@@ -181,11 +181,11 @@ cdef int _from_object(object obj, Desc* d) except -1:
         d.count = <uint32_t>n
         f = 6
         d.payload = PyNumber_Index(obj.payload_bytes)
-        _copy32(d.frontier, obj.frontier_identity)
+        _copy32(d.frontier, obj.frontier_identity, "frontier_identity")
         for i in range(n):
             part = parts[i]
             p = &d.parts[i]
-            _copy32(p.identity, part.identity)
+            _copy32(p.identity, part.identity, f"parts[{i}].identity")
             f = 7
             p.ggml_type = PyNumber_Index(part.ggml_type)
             f = 8
@@ -215,10 +215,19 @@ cdef int _from_object(object obj, Desc* d) except -1:
     return 0
 
 
-cdef int _copy32(uint8_t* dst, object value) except -1:
-    cdef bytes raw = bytes(value)
-    if len(raw) != 32:
-        raise InvalidInputError("activation identities are 32 bytes")
+cdef int _copy32(uint8_t* dst, object value, str name) except -1:
+    """An identity: a buffer of exactly 32 bytes (an int would make ``bytes(n)`` zeros, a
+    list of ints is no buffer); anything else is refused naming the field."""
+    cdef bytes raw = None
+    if type(value) is bytes:
+        raw = value
+    else:
+        try:
+            raw = bytes(memoryview(value))
+        except (TypeError, ValueError, BufferError):
+            pass
+    if raw is None or len(raw) != 32:
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}")
     memcpy(dst, <const char*>raw, 32)
     return 0
 

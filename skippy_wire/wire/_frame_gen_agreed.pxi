@@ -273,7 +273,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
         p = &d.parts[d.count]
         d.count += 1
         esize = _element_bytes(pp.ggml_type)
-        _copy32(p.identity, pp.identity)
+        _copy32(p.identity, pp.identity, "identity")
         p.ggml_type, p.rank, p.token_axis = pp.ggml_type, pp.rank, pp.token_axis
         p.flags = OPTIONAL if pp.optional else 0
         for k in range(4):
@@ -303,7 +303,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
     d.version = FRAME_VERSION
     d.producer, d.layer_start, d.layer_end = profile.producer_stage_index, profile.layer_start, profile.layer_end
     d.tokens, d.sequences, d.payload = tokens, sequences, total
-    _copy32(d.frontier, profile.frontier_identity)
+    _copy32(d.frontier, profile.frontier_identity, "frontier_identity")
     _validate(d, -1)
     for i in range(d.count):  # the sum of B.6.5: each F32 part is a v15 encoded size (512 MiB cap)
         size = _part_wire(codec, &d.parts[i], True)

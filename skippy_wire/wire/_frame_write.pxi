@@ -67,10 +67,42 @@ cdef class _Out:
         return result
 
 
+from cpython.bool cimport PyBool_Check
+
+from .messages import BOOL_TYPES, NOT_INT_LISTS, wire_bool
+
 # Wire integers accept ints and integer-likes (``__index__``: IntEnum, numpy ints), never
-# floats; a value outside the wire type raises OverflowError (the caller names the field).
+# floats or bools (messages.wire_int); a value outside the wire type raises OverflowError,
+# one of the wrong type TypeError (the caller names the field).
 cdef inline object _idx(object v):
-    return v if PyLong_Check(v) else PyNumber_Index(v)
+    if PyLong_Check(v):  # ints and IntEnums as they are
+        if PyBool_Check(v):
+            raise TypeError("a bool is not a wire integer")
+        return v
+    return PyNumber_Index(v)
+
+
+cdef inline uint32_t as_bool(object v) except? 0xFFFFFFFF:
+    """A wire boolean (messages.wire_bool): a bool, or an integer 0 or 1."""
+    if v is True:
+        return 1
+    if v is False:
+        return 0
+    return wire_bool(v)
+
+
+cdef inline uint32_t as_f32(object v) except? 0xFFFFFFFF:
+    """An f32 field's bits (messages.wire_f32): never a bool."""
+    if type(v) is not float and isinstance(v, BOOL_TYPES):
+        raise TypeError("a bool is not a wire f32")
+    return f32_bits_of(v)
+
+
+cdef inline Py_ssize_t _seq_len(object seq) except -1:
+    """The length of a list of wire integers; text and raw bytes are none (TypeError)."""
+    if type(seq) is not list and isinstance(seq, NOT_INT_LISTS):
+        raise TypeError("not a list of wire integers")
+    return len(seq)
 
 
 cdef inline uint32_t as_i32(object v) except? 0xFFFFFFFF:
@@ -105,6 +137,8 @@ cdef int _write_i32_seq(_Out out, object seq, Py_ssize_t n) except -1:
         for i in range(n):
             out.u32(as_i32(items[i]))
     else:
+        if isinstance(seq, NOT_INT_LISTS):
+            raise TypeError("not a list of wire integers")
         for v in seq:
             if i >= n:
                 break
@@ -154,35 +188,35 @@ cdef int _write_sampling(_Out out, object s) except -1:
         d = {name: getattr(s, name) for name in _SAMPLING_KEYS}
     out.u32(as_u32(d["flags"]))
     out.u32(as_u32(d["seed"]))
-    out.u32(f32_bits_of(d["temperature"]))
-    out.u32(f32_bits_of(d["top_p"]))
+    out.u32(as_f32(d["temperature"]))
+    out.u32(as_f32(d["top_p"]))
     out.u32(as_i32(d["top_k"]))
-    out.u32(f32_bits_of(d["min_p"]))
-    out.u32(f32_bits_of(d["presence_penalty"]))
-    out.u32(f32_bits_of(d["frequency_penalty"]))
-    out.u32(f32_bits_of(d["repeat_penalty"]))
+    out.u32(as_f32(d["min_p"]))
+    out.u32(as_f32(d["presence_penalty"]))
+    out.u32(as_f32(d["frequency_penalty"]))
+    out.u32(as_f32(d["repeat_penalty"]))
     out.u32(as_i32(d["penalty_last_n"]))
     cdef list biases = list(d["logit_bias"])[:MAX_LOGIT_BIAS]
     out.u32(len(biases))
     for token, bias in biases:
         out.u32(as_i32(token))
-        out.u32(f32_bits_of(bias))
-    out.u32(f32_bits_of(d["typical_p"]))
-    out.u32(f32_bits_of(d["top_nsigma"]))
-    out.u32(f32_bits_of(d["dynatemp_range"]))
-    out.u32(f32_bits_of(d["dynatemp_exponent"]))
-    out.u32(f32_bits_of(d["dry_multiplier"]))
-    out.u32(f32_bits_of(d["dry_base"]))
+        out.u32(as_f32(bias))
+    out.u32(as_f32(d["typical_p"]))
+    out.u32(as_f32(d["top_nsigma"]))
+    out.u32(as_f32(d["dynatemp_range"]))
+    out.u32(as_f32(d["dynatemp_exponent"]))
+    out.u32(as_f32(d["dry_multiplier"]))
+    out.u32(as_f32(d["dry_base"]))
     out.u32(as_i32(d["dry_allowed_length"]))
     out.u32(as_i32(d["dry_penalty_last_n"]))
     _write_strings(out, d["dry_sequence_breakers"], MAX_BREAKERS)
-    out.u32(f32_bits_of(d["xtc_probability"]))
-    out.u32(f32_bits_of(d["xtc_threshold"]))
+    out.u32(as_f32(d["xtc_probability"]))
+    out.u32(as_f32(d["xtc_threshold"]))
     out.u32(as_i32(d["mirostat_mode"]))
-    out.u32(f32_bits_of(d["mirostat_entropy"]))
-    out.u32(f32_bits_of(d["mirostat_learning_rate"]))
+    out.u32(as_f32(d["mirostat_entropy"]))
+    out.u32(as_f32(d["mirostat_learning_rate"]))
     _write_strings(out, d["samplers"], MAX_SAMPLERS)
-    out.u32(1 if d["ignore_eos"] else 0)
+    out.u32(as_bool(d["ignore_eos"]))
     return 0
 
 
@@ -259,11 +293,11 @@ cdef object _write_message(_Out out, object msg):
         # 2.-3.
         tokens = msg.tokens
         positions = msg.positions
-        ntok = len(tokens)
+        ntok = _seq_len(tokens)
         if ntok > MAX_SIDEBAND:
             raise InvalidInputError("too many tokens")
         out.u32(<uint32_t>ntok)
-        npos = len(positions)
+        npos = _seq_len(positions)
         if npos > MAX_SIDEBAND:
             raise InvalidInputError("too many position sideband values")
         out.u32(<uint32_t>npos)

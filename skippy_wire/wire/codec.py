@@ -6,9 +6,16 @@ This module documents the API and calls the live kernel implementation
 importing this module never fails; calling it without the extension built raises
 ``ImportError`` (never a silent fallback to the slow twin).
 
-Payloads are any C-contiguous buffer (``bytes``, ``bytearray``, ``memoryview``,
-``array.array``, numpy arrays of any dtype) read as raw little-endian f32 bytes; they may
-be misaligned.  A non-contiguous buffer raises :class:`InvalidInputError`.
+Payloads read as f32 values (encode, selection, the exactness predicates) are any
+C-contiguous buffer whose elements are little-endian f32 values, their bit patterns, or raw
+bytes: ``bytes``, ``bytearray``, ``memoryview``, ``array.array("f")``, numpy arrays of
+float32, uint32, uint8 or int8 (buffer formats ``'B'``, ``'b'``, ``'c'``, and ``'f'`` /
+``'I'`` little-endian).  Any other element type (float64, int32, float16, bfloat16,
+big-endian f32) is an :class:`InvalidInputError` naming its format or dtype, never a
+silent reinterpretation.  Wire payloads (decode) are any C-contiguous buffer of bytes.
+Either may be misaligned.  A non-contiguous buffer raises :class:`InvalidInputError`; an
+object without the buffer protocol ``TypeError("a bytes-like object is required, not
+'list'")``.
 
 Arguments are checked by the kernels themselves, identically in both implementations:
 codecs and dimensions accept anything with ``__index__`` (``ActivationCodec``, numpy
@@ -138,7 +145,8 @@ def encode_activation(
         codec: the activation codec (``ActivationCodec`` or wire id 1..4).
         token_count, n_embd: the frame shape (i32; ``n_embd`` > 0).
         payload: C-contiguous buffer holding ``rows * n_embd`` little-endian f32 values,
-            primary rows first, then the sideband rows.
+            primary rows first, then the sideband rows (f32 values or raw bytes, see the
+            module docstring).
         state_flags: the state flag word (default 0).
         out: optional writable C-contiguous buffer (``bytearray``, writable
             ``memoryview``, numpy array of any dtype; its byte length counts) of at least
@@ -154,7 +162,7 @@ def encode_activation(
     size mismatch", "activation values must be finite" (F16/BF16/S8), "F16 activation
     value is out of range" (|x| >= 65520), "BF16 activation value is out of range",
     "S8 activation value is out of range"; :class:`InvalidInputError` for a
-    non-contiguous payload.
+    non-contiguous payload or one whose elements are not f32 or raw bytes.
 
     ``out`` is checked where the result would otherwise be allocated: after the size
     checks (and, for S8, the finiteness scan), before anything is written.  It raises

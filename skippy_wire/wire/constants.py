@@ -65,6 +65,12 @@ DECODED_MAX_TEXT = "decoded activation payload byte count exceeds maximum"
 NO_RAW_FALLBACK_TEXT = "lossless activation selection requires RawF32 fallback"
 NON_CONTIGUOUS_TEXT = "payload must be a C-contiguous buffer"
 OBJECT_ARRAY_TEXT = "payload must not be an array of Python objects"
+#: A payload read as f32 values whose elements are typed otherwise (float64, int32, big-endian
+#: f32, float16...); filled with "format 'd'" (a buffer's format) or "dtype float64" (an array's).
+PAYLOAD_FORMAT_TEXT = "payload must be little-endian f32 values or raw bytes, not {}"
+#: An object without the buffer protocol (a list, None): a TypeError, worded as CPython's own;
+#: filled with the type's name.
+NOT_BYTES_LIKE_TEXT = "a bytes-like object is required, not {!r}"
 DIMENSION_RANGE_TEXT = "activation dimensions must fit in an i32"
 BITS_DTYPE_U32_TEXT = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16_TEXT = "expected a numpy uint16 array of 16-bit float bit patterns"

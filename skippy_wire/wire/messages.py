@@ -24,7 +24,7 @@ import numbers
 import operator
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Sized
 
 import numpy as np
 
@@ -165,6 +165,44 @@ def f32_bits(value: float) -> int:
             raise
         # |value| rounds beyond f32::MAX (a float, or an int beyond even f64): IEEE RNE gives infinity
         return 0xFF800000 if value < 0 else 0x7F800000
+
+
+#: Python's and numpy's booleans: a wire boolean (``ignore_eos``) only, never a wire
+#: integer or f32 (``kind=True`` is a mistake, not 1).
+BOOL_TYPES = (bool, np.bool_)
+#: Sequences whose items are ints but which are no list of tokens: text and raw bytes.
+NOT_INT_LISTS = (str, bytes, bytearray)
+
+
+def wire_int(value: Any) -> int:
+    """A wire integer's value: an int or an integer-like (``__index__``: IntEnum, numpy
+    ints), never a bool or a float (TypeError)."""
+    if isinstance(value, bool):
+        raise TypeError(f"a bool is not a wire integer: {value!r}")
+    return operator.index(value)
+
+
+def wire_bool(value: Any) -> int:
+    """A wire boolean as 0 or 1: a bool (Python's or numpy's) or an integer 0 or 1;
+    anything else (``"no"``, ``None``, 2, 1.0) is a TypeError."""
+    if isinstance(value, BOOL_TYPES):
+        return 1 if value else 0
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number not in (0, 1):
+        raise TypeError(f"not a wire boolean: {value!r}")
+    return number
+
+
+def wire_f32(value: Any) -> float:
+    """A value for an f32 field, unchanged: anything ``struct.pack("<f")`` takes but a
+    bool (TypeError).  A finite value beyond f32::MAX is kept (it is written as
+    infinity, IEEE round to nearest, as upstream's ``as f32``)."""
+    if isinstance(value, BOOL_TYPES):
+        raise TypeError(f"a bool is not a wire f32: {value!r}")
+    return value
 
 
 def f32_from_bits(bits: int) -> float:
@@ -475,7 +513,7 @@ def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -
                 return InvalidInputError(check)
             name, value, lo, hi = check
             try:
-                fits = lo <= operator.index(value) <= hi
+                fits = lo <= wire_int(value) <= hi
             except TypeError:
                 fits = False
             if not fits:
@@ -490,8 +528,9 @@ def _type_name(value: Any) -> str:
 
 
 def int_list_checks(name: str, values: Any, lo: int = I32_MIN, hi: int = I32_MAX):
-    """The checks of a list of wire integers (a text when ``values`` is not a list at all)."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+    """The checks of a list of wire integers (a text when ``values`` is not a list at all:
+    text, raw bytes, an iterator without a length)."""
+    if isinstance(values, NOT_INT_LISTS) or not isinstance(values, Iterable) or not isinstance(values, Sized):
         yield f"{name} must be a sequence of ints, not {_type_name(values)}"
         return
     for value in values:
@@ -508,8 +547,10 @@ def _sampling_checks(s: Any):
             yield f"sampling.{name}", value, 0, U32_MAX
         elif code == "i":
             yield f"sampling.{name}", value, I32_MIN, I32_MAX
-        elif code == "f" and not isinstance(value, numbers.Real):
+        elif code == "f" and (isinstance(value, BOOL_TYPES) or not isinstance(value, numbers.Real)):
             yield f"sampling.{name} value {value!r} is not a number"
+        elif code == "B" and not _fits(wire_bool, value):
+            yield f"sampling.{name} value {value!r} is not a bool"
         elif code == "L":
             if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
                 yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {_type_name(value)}"
@@ -520,7 +561,7 @@ def _sampling_checks(s: Any):
                     return
                 token, bias = pair
                 yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
-                if not isinstance(bias, numbers.Real):
+                if isinstance(bias, BOOL_TYPES) or not isinstance(bias, numbers.Real):
                     yield f"sampling.logit_bias bias {bias!r} is not a number"
         elif code == "S":
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -531,6 +572,15 @@ def _sampling_checks(s: Any):
                     yield f"sampling.{name} entry {item!r} is not a string"
                 elif not _utf8(item):
                     yield f"sampling.{name} entry {item!r} is not UTF-8 text (a lone surrogate)"
+
+
+def _fits(convert, value: Any) -> bool:
+    """Whether ``convert(value)`` takes the value (a TypeError says it does not)."""
+    try:
+        convert(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _utf8(text: str) -> bool:
@@ -574,4 +624,5 @@ __all__ = [
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
     "fields_equal", "first_out_of_range", "int_list_checks", "out_of_range_error",
+    "BOOL_TYPES", "NOT_INT_LISTS", "wire_int", "wire_bool", "wire_f32",
 ]

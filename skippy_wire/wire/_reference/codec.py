@@ -9,7 +9,8 @@ Conventions shared with ``skippy_wire.wire._codec`` (same names, signatures, beh
 
 * codecs are wire ids (1..4) as plain ints; ``state_flags`` is any int (only bits 6 and 8
   matter); ``token_count`` / ``n_embd`` must fit in an i32 as on the wire.
-* payloads are any C-contiguous buffer, read as raw little-endian f32 bytes.
+* payloads are any C-contiguous buffer, read as raw little-endian f32 bytes; one read as
+  f32 values must hold f32 values, their uint32 bit patterns or raw bytes (``_byte_view``).
 * errors are ``skippy_wire.errors`` classes carrying the exact upstream text, raised in
   the upstream check order.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
 
 import numpy as np
 
@@ -43,6 +45,10 @@ OUT_NON_CONTIGUOUS = _texts.OUT_NON_CONTIGUOUS_TEXT
 OUT_READ_ONLY = _texts.OUT_READ_ONLY_TEXT
 OUT_OBJECT_ARRAY = _texts.OUT_OBJECT_ARRAY_TEXT
 OUT_OVERLAP = _texts.OUT_OVERLAP_TEXT
+PAYLOAD_FORMAT = _texts.PAYLOAD_FORMAT_TEXT
+NOT_BYTES_LIKE = _texts.NOT_BYTES_LIKE_TEXT
+
+_LITTLE_HOST = sys.byteorder == "little"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -76,8 +82,37 @@ def _dims(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, in
     return int(token_count), int(n_embd), int(state_flags)
 
 
-def _byte_view(payload) -> memoryview:
-    """A flat unsigned-byte view of any C-contiguous buffer (one rule for both impls)."""
+def _memoryview(obj) -> memoryview:
+    """``memoryview(obj)``; an object without the buffer protocol is a TypeError in the
+    compiled twin's words."""
+    try:
+        return memoryview(obj)
+    except TypeError:
+        raise TypeError(NOT_BYTES_LIKE.format(type(obj).__name__)) from None
+
+
+def _f32_format(fmt: str) -> bool:
+    """Whether a buffer format holds raw bytes ('B', 'b', 'c', any byte order) or
+    little-endian f32 values or bit patterns ('<f' / '<I', or 'f' / 'I' native or '='
+    on a little-endian host)."""
+    order, code = (fmt[0], fmt[1:]) if fmt[:1] in ("@", "=", "<", ">", "!") else ("", fmt)
+    if code in ("B", "b", "c"):
+        return True
+    return code in ("f", "I") and (order == "<" or (_LITTLE_HOST and order in ("", "@", "=")))
+
+
+def _f32_dtype(dtype: np.dtype) -> bool:
+    """Whether an array's elements are raw bytes (uint8, int8) or little-endian f32 values
+    or bit patterns (float32, uint32)."""
+    return dtype.type in (np.uint8, np.int8) or (dtype.type in (np.float32, np.uint32)
+                                                  and dtype.isnative == _LITTLE_HOST)
+
+
+def _byte_view(payload, f32: bool = False) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (one rule for both impls);
+    with ``f32`` (a payload read as f32 values) its elements must be raw bytes or
+    little-endian f32 values or bit patterns, else it is refused naming their format or
+    dtype."""
     if isinstance(payload, np.ndarray):
         # numpy cannot export some dtypes (e.g. ml_dtypes bfloat16) through the buffer
         # protocol, so take the raw bytes through a uint8 view of the same memory.
@@ -85,10 +120,14 @@ def _byte_view(payload) -> memoryview:
             raise InvalidInputError(OBJECT_ARRAY)  # its buffer would be the object pointers
         if not payload.flags.c_contiguous:
             raise InvalidInputError(NON_CONTIGUOUS)
+        if f32 and not _f32_dtype(payload.dtype):
+            raise InvalidInputError(PAYLOAD_FORMAT.format(f"dtype {payload.dtype}"))
         return memoryview(payload.reshape(-1).view(np.uint8))
-    view = memoryview(payload)
+    view = _memoryview(payload)
     if not view.c_contiguous:
         raise InvalidInputError(NON_CONTIGUOUS)
+    if f32 and not _f32_format(view.format):
+        raise InvalidInputError(PAYLOAD_FORMAT.format(f"format {view.format!r}"))
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
@@ -333,7 +372,7 @@ def _out_view(out, size: int, payload: memoryview) -> memoryview:
             raise InvalidInputError(OUT_READ_ONLY)
         view = memoryview(out.reshape(-1).view(np.uint8))
     else:
-        view = memoryview(out)
+        view = _memoryview(out)
         if not view.c_contiguous:
             raise InvalidInputError(OUT_NON_CONTIGUOUS)
         if view.readonly:
@@ -404,14 +443,14 @@ def _encode_values(codec: int, rows: int, columns: int, elements: int, view: mem
 def encode_activation(codec: int, token_count: int, n_embd: int, payload, state_flags: int, *, out=None):
     """Encode an f32 frame (7.1, then the common procedure of 6.2); into ``out`` when given."""
     codec = _codec_id(codec)
-    view = _byte_view(payload)
+    view = _byte_view(payload, f32=True)
     rows, columns, elements = _checked_f32_input(token_count, n_embd, state_flags, view)
     return _encode_values(codec, rows, columns, elements, view, out)
 
 
 def encode_f32_activation_payload(token_count: int, n_embd: int, payload, state_flags: int) -> bytes:
     """7.2: the f32 size check of 5.2 first (n_embd = 0 passes it), then raw encode."""
-    view = _byte_view(payload)
+    view = _byte_view(payload, f32=True)
     expected = activation_f32_bytes(token_count, n_embd, state_flags)
     if expected > MAX_STAGE_DECODED_ACTIVATION_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
@@ -481,7 +520,7 @@ def _scan_exact(words) -> tuple[bool, bool]:
 
 
 def _whole_words(payload) -> tuple[int, ...]:
-    view = _byte_view(payload)
+    view = _byte_view(payload, f32=True)
     if view.nbytes % 4:
         raise _err("F32 activation payload size mismatch")
     return _u32_words(view, view.nbytes // 4)
@@ -504,7 +543,7 @@ def _permitted_ids(permitted) -> set[int]:
 def select_lossless_codec(token_count: int, n_embd: int, payload, state_flags: int, permitted) -> int:
     """The smallest codec that carries the whole frame bit-exactly (7.3 and 8.1)."""
     allowed = _permitted_ids(permitted)
-    view = _byte_view(payload)
+    view = _byte_view(payload, f32=True)
     _rows, _columns, elements = _checked_f32_input(token_count, n_embd, state_flags, view)
     if RAW_F32_V1 not in allowed:
         raise _err(_texts.NO_RAW_FALLBACK_TEXT)

@@ -17,7 +17,6 @@ upstream would already have emitted as ``partial`` on the exception.
 
 from __future__ import annotations
 
-import operator
 import struct
 import sys
 
@@ -44,6 +43,7 @@ from ..constants import (
 from ..messages import (
     ACTIVATIONLESS_READ_KINDS,
     ACTIVATIONLESS_WRITE_KINDS,
+    NOT_INT_LISTS,
     SAMPLING_WIRE_ORDER,
     LogitBias,
     SamplingConfig,
@@ -53,6 +53,9 @@ from ..messages import (
     f32_bits,
     f32_from_bits,
     out_of_range_error,
+    wire_bool,
+    wire_f32,
+    wire_int,
 )
 from ..replies import (
     NativeMtpDraft,
@@ -329,22 +332,36 @@ def _write_sampling(out: bytearray, s: SamplingConfig) -> None:
     for name, code in SAMPLING_WIRE_ORDER:
         value = getattr(s, name)
         if code == "I":
-            out += _u32.pack(value)
+            out += _u32.pack(wire_int(value))
         elif code == "i":
-            out += _i32.pack(value)
+            out += _i32.pack(wire_int(value))
         elif code == "f":
-            out += _u32.pack(f32_bits(value))
+            out += _u32.pack(f32_bits(wire_f32(value)))
         elif code == "L":
             biases = list(value)[:MAX_STAGE_LOGIT_BIAS]  # silently truncated (4.3)
             out += _u32.pack(len(biases))
             for token, bias in biases:
-                out += _i32.pack(token)
-                out += _u32.pack(f32_bits(bias))
+                out += _i32.pack(wire_int(token))
+                out += _u32.pack(f32_bits(wire_f32(bias)))
         elif code == "S":
             limit = MAX_STAGE_DRY_SEQUENCE_BREAKERS if name == "dry_sequence_breakers" else MAX_STAGE_SAMPLERS
             _write_string_list(out, value, limit)
-        else:
-            out += _u32.pack(1 if value else 0)
+        else:  # ignore_eos: a bool (or 0 / 1)
+            out += _u32.pack(wire_bool(value))
+
+
+def _seq_len(values) -> int:
+    """The length of a list of wire integers; text and raw bytes are none (TypeError)."""
+    if isinstance(values, NOT_INT_LISTS):
+        raise TypeError("not a list of wire integers")
+    return len(values)
+
+
+def _i32s(values) -> bytes:
+    """A list of wire integers as i32s (no item a bool; text and raw bytes are no such list)."""
+    if isinstance(values, NOT_INT_LISTS) or any(type(v) is bool for v in values):
+        raise TypeError("not a list of wire integers")
+    return struct.pack(f"<{len(values)}i", *values)
 
 
 def _byte_view(buf, name: str) -> memoryview:
@@ -367,22 +384,22 @@ def write_stage_message(msg: StageWireMessage) -> bytes:
 
 
 def _write_message(out: bytearray, msg: StageWireMessage) -> None:
-    kind = operator.index(msg.kind)  # integers (or __index__), never floats
+    kind = wire_int(msg.kind)  # integers (or __index__), never floats or bools
     # 1.
-    out += struct.pack("<iii", kind, msg.pos_start, msg.token_count)
+    out += struct.pack("<iii", kind, wire_int(msg.pos_start), wire_int(msg.token_count))
     # 2.-3.
     tokens = msg.tokens
     positions = msg.positions
-    if len(tokens) > MAX_STAGE_SIDEBAND_VALUES:
+    if _seq_len(tokens) > MAX_STAGE_SIDEBAND_VALUES:
         raise InvalidInputError("too many tokens")
     out += _i32.pack(len(tokens))
-    if len(positions) > MAX_STAGE_SIDEBAND_VALUES:
+    if _seq_len(positions) > MAX_STAGE_SIDEBAND_VALUES:
         raise InvalidInputError("too many position sideband values")
     out += _i32.pack(len(positions))
     # 4. the writer owns the SAMPLING / CHAT_SAMPLING_METADATA bits
     state = msg.state
     # plain ints: inverting an IntFlag would only cover its named bits
-    flags = operator.index(state.flags) & ~int(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
+    flags = wire_int(state.flags) & ~int(StateFlags.SAMPLING | StateFlags.CHAT_SAMPLING_METADATA)
     if msg.sampling is not None:
         flags |= int(StateFlags.SAMPLING)
     if msg.chat_sampling_metadata is not None:
@@ -400,9 +417,10 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
     # 6.
     out += struct.pack(
         "<10iiQQ",
-        state.version, state.seq_id, state.phase, int(flags), state.checkpoint_generation,
-        state.prompt_token_count, state.decode_step, state.current_token, state.source_stage_index,
-        operator.index(state.activation_codec), count, msg.request_id, msg.session_id,
+        *map(wire_int, (state.version, state.seq_id, state.phase)), int(flags),
+        *map(wire_int, (state.checkpoint_generation, state.prompt_token_count, state.decode_step,
+                        state.current_token, state.source_stage_index, state.activation_codec)),
+        count, wire_int(msg.request_id), wire_int(msg.session_id),
     )
     # 7.
     if msg.sampling is not None:
@@ -424,8 +442,8 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
         out += raw
         return
     # 10.
-    out += struct.pack(f"<{len(tokens)}i", *tokens)
-    out += struct.pack(f"<{len(positions)}i", *positions)
+    out += _i32s(tokens)
+    out += _i32s(positions)
     out += activation
 
 
@@ -438,9 +456,9 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
     tokens = reply.predicted_tokens
     if len(tokens) > MAX_STAGE_PREDICTED_TOKENS:
         raise InvalidInputError("too many predicted tokens")
-    out += struct.pack("<iii", operator.index(reply.kind), reply.predicted, len(tokens))
-    out += struct.pack(f"<{len(tokens)}i", *tokens)
-    out += _i32.pack(reply.window.window_id)
+    out += struct.pack("<iii", wire_int(reply.kind), wire_int(reply.predicted), len(tokens))
+    out += _i32s(tokens)
+    out += _i32.pack(wire_int(reply.window.window_id))
     draft = reply.native_mtp_draft
     if draft is None:
         out += _i32.pack(0)
@@ -448,9 +466,9 @@ def _write_reply(out: bytearray, reply: StageReply) -> None:
         if len(draft.token_ids) > MAX_STAGE_PREDICTED_TOKENS:
             raise InvalidInputError("too many native MTP draft tokens")
         out += struct.pack("<ii", 1, len(draft.token_ids))
-        out += struct.pack(f"<{len(draft.token_ids)}i", *draft.token_ids)
-        out += _i64.pack(draft.proposal_compute_us)
-    out += _stats.pack(*reply.stats.as_tuple())
+        out += _i32s(draft.token_ids)
+        out += _i64.pack(wire_int(draft.proposal_compute_us))
+    out += _stats.pack(*map(wire_int, reply.stats.as_tuple()))
 
 
 def _read_token_list(cur: Cursor, what: str) -> list:

@@ -53,9 +53,15 @@ def _field(code: str, value, name: str) -> None:
         raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}") from None
 
 
-def _identity(value) -> None:
-    if len(bytes(value)) != 32:
-        raise InvalidInputError("activation identities are 32 bytes")
+def _identity(value, name: str) -> None:
+    """An identity is a buffer of exactly 32 bytes (an int would make ``bytes(n)`` zeros, a
+    list of ints is no buffer): anything else is refused naming the field."""
+    try:
+        ok = memoryview(value).nbytes == 32
+    except (TypeError, ValueError, BufferError):
+        ok = False
+    if not ok:
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}")
 
 
 _FRAME_FIELDS = (("I", "version"), ("i", "producer_stage_index"), ("i", "layer_start"), ("i", "layer_end"),
@@ -67,9 +73,9 @@ def check_fields(desc: ActivationFrameV16) -> None:
     """Every field of ``desc`` fits its wire type, in the compiled twin's order."""
     for code, name in _FRAME_FIELDS:
         _field(code, getattr(desc, name), name)
-    _identity(desc.frontier_identity)
+    _identity(desc.frontier_identity, "frontier_identity")
     for i, p in enumerate(desc.parts):
-        _identity(p.identity)
+        _identity(p.identity, f"parts[{i}].identity")
         for code, name in _PART_FIELDS:
             _field(code, getattr(p, name), f"parts[{i}].{name}")
         dims, strides = tuple(p.dimensions), tuple(p.byte_strides)
