@@ -88,6 +88,8 @@ def _dims(*dims):
     (_set("profiles.0.max_sequences", 2**32), "profiles[0].max_sequences"),
     (_set("profiles.0.frontier_identity", b"\x03" * 31), "profiles[0].frontier_identity"),
     (_set("profiles.0.parts.0.identity", 32), "profiles[0].parts[0].identity"),
+    (_set("profiles.0.parts.0.identity", [1] * 32), "profiles[0].parts[0].identity"),
+    (_set("generation", list(range(16))), "generation"),
     (_set("profiles.0.parts.0.ggml_type", None), "profiles[0].parts[0].ggml_type"),
     (_set("profiles.0.parts.0.ggml_type", -1), "profiles[0].parts[0].ggml_type"),
     (_set("profiles.0.parts.0.rank", 2**32 + 2), "profiles[0].parts[0].rank"),

@@ -41,8 +41,8 @@ cdef int _int_field(object value, object low, object high, str name) except -1:
 
 cdef int _bytes_field(object value, Py_ssize_t length, str name) except -1:
     cdef bint ok
-    try:  # an int would make bytes(n) zeros: refused like any non-bytes value
-        ok = not isinstance(value, int) and len(bytes(value)) == length
+    try:  # a buffer (bytes(n) of an int would be zeros, bytes(list) a copy of small ints)
+        ok = memoryview(value).nbytes == length
     except (TypeError, ValueError):
         ok = False
     if not ok:

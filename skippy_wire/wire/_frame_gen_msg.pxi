@@ -286,6 +286,7 @@ def write_stage_message(int version, msg, agreement=None):
         kind, pos_start, token_count = operator.index(msg.kind), operator.index(msg.pos_start), \
             operator.index(msg.token_count)
         struct_prefix(kind, pos_start, token_count, 0, 0)
+        len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
     except (OverflowError, TypeError, ValueError, AttributeError):
         raise out_of_range_error(msg) from None
     try:

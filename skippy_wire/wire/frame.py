@@ -29,7 +29,8 @@ from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-from .constants import READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec, CodecPolicy
+from .constants import (NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec,
+                        CodecPolicy)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -69,7 +70,7 @@ def readable(data):
     try:
         view = memoryview(data)
     except TypeError:
-        raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
+        raise TypeError(NOT_BYTES_LIKE_TEXT.format(type(data).__name__)) from None
     if not view.c_contiguous:
         raise InvalidInputError("data must be a C-contiguous buffer")
     return data

@@ -169,6 +169,7 @@ def write_stage_message(version: int, msg: StageWireMessage, agreement=None) -> 
         raise ValueError(f"state version {version} is not 16 or 17")
     try:
         prefix = struct.pack("<iii", *map(operator.index, (msg.kind, msg.pos_start, msg.token_count)))
+        len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
         raise out_of_range_error(msg) from None
     # v16 emits as it goes (20 bytes precede the activation checks); v17 emits nothing

@@ -49,8 +49,8 @@ def _int_field(value, low: int, high: int, name: str) -> None:
 
 
 def _bytes_field(value, length: int, name: str) -> None:
-    try:  # an int would make bytes(n) zeros: refused like any non-bytes value
-        ok = not isinstance(value, int) and len(bytes(value)) == length
+    try:  # a buffer (bytes(n) of an int would be zeros, bytes(list) a copy of small ints)
+        ok = memoryview(value).nbytes == length
     except (TypeError, ValueError):
         ok = False
     if not ok:
