@@ -7,9 +7,11 @@
 // step streams each weight matrix from memory with no prefetch ahead of the dot products.
 // Here each weight block is loaded once for up to COLS activation rows (prefill chunks,
 // multi-session decode batches), and the weight rows PREFETCH_ROWS ahead are requested
-// while the current one is multiplied.  Where the CPU has AVX-512 VNNI, two activation rows
-// share each 512-bit register from two rows on (paired_rows): one integer dot product, one
-// scale product and one fused multiply-add serve both.  Per output element the arithmetic is exactly
+// while the current one is multiplied.  Where the CPU has AVX-512 VNNI, the integer dot
+// product of a block is one dpbusd, and where it also computes 512 bits at once two
+// activation rows share each 512-bit register from two rows on (paired_rows): one integer
+// dot product, one scale product and one fused multiply-add serve both (kernels_for()
+// chooses per product).  Per output element the arithmetic is exactly
 // ggml's AVX2 dot product (the same integer sums, the same fused multiply-adds in the same
 // order, the same horizontal sum), so results are bit for bit those of ggml_mul_mat:
 // skippy_weight_product_check() compares the two.
@@ -123,7 +125,7 @@ __attribute__((target("avx2,f16c"))) inline __m128 scale_and_min(const block_q4_
 }
 
 // Row c's 8 lanes of block b among the prepared rows from c0 (p.d, p.fix).
-template <typename T> inline const T * lane_scales(const T * d, int64_t nb, int64_t c, int64_t b) {
+template <typename T> inline const T * row_lanes(const T * d, int64_t nb, int64_t c, int64_t b) {
     return d + ((c / 2) * nb + b) * 16 + (c % 2) * 8;
 }
 

@@ -43,7 +43,7 @@ __attribute__((target(ROWS_TARGET))) void q4_1_rows(ggml_tensor * dst, int64_t r
 #else
                 const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy));
 #endif
-                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
+                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(row_lanes(yd, nb, j, b)));
                 acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
             }
         }
@@ -94,12 +94,12 @@ __attribute__((target(ROWS_TARGET))) void q8_0_rows(ggml_tensor * dst, int64_t r
             for (int j = 0; j < NC; j++) {
                 const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[j][b].qs));
 #if ROWS_VNNI
-                const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(lane_scales(fix, nb, j, b)));
+                const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(row_lanes(fix, nb, j, b)));
                 const __m256i dot = _mm256_dpbusd_epi32(start, ux, qy);
 #else
                 const __m256i dot = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, _mm256_sign_epi8(qy, qx)));
 #endif
-                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(lane_scales(yd, nb, j, b)));
+                const __m256 scale = _mm256_mul_ps(d0, _mm256_loadu_ps(row_lanes(yd, nb, j, b)));
                 acc[j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[j]);
             }
         }
