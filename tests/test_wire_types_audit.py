@@ -274,3 +274,45 @@ def test_a_wire_payload_is_any_buffer_of_bytes(codec_impl):
         assert codec_impl.decode_activation(1, 1, 4, payload, 0).tobytes() == wire
     out = np.zeros(2, np.float64)  # ``out`` takes any dtype: its bytes count
     assert bytes(codec_impl.encode_activation(1, 1, 4, F32, 0, out=out)) == wire[:16]
+
+
+def _prefill(version: int):
+    state = sw.StageStateHeader.new(W.PREFILL_EMBD, version)
+    state.source_stage_index = -1
+    return sw.StageWireMessage(W.PREFILL_EMBD, 0, 1, state, 7, 9, sw.SamplingConfig(), tokens=[7], positions=[0])
+
+
+@pytest.mark.parametrize("version", [15, 16, 17])
+@pytest.mark.parametrize("edit, text", [
+    (lambda m: setattr(m.state, "source_stage_index", "0"), "state.source_stage_index value '0' does not fit its wire type"),
+    (lambda m: setattr(m, "state", None), "state must be a StageStateHeader, not NoneType"),
+    # an iterator would be used up measuring it: the compiled writer wrote an empty list
+    (lambda m: setattr(m.sampling, "samplers", map(str, ["top_k"])), "sampling.samplers must be a list of strings, not map"),
+    (lambda m: setattr(m.sampling, "dry_sequence_breakers", (s for s in ["\n"])),
+     "sampling.dry_sequence_breakers must be a list of strings, not generator"),
+    (lambda m: setattr(m.sampling, "samplers", "top_k"), "sampling.samplers must be a list of strings, not a single string"),
+])
+def test_every_version_names_a_state_or_string_list_of_the_wrong_shape(version, edit, text):
+    def write(impl):
+        msg = _prefill(version)
+        edit(msg)
+        return WireProtocol(version, impl=impl).write(msg)
+    assert both(write) == (InvalidInputError, text)
+
+
+@pytest.mark.parametrize("edit, outcome", [
+    (lambda p: setattr(p, "flags", np.uint32(0)), "ok"),  # the twin overflowed in ~flags
+    (lambda p: setattr(p, "dimensions", (np.int8(4), np.int8(2), 1, 1)), "ok"),
+    (lambda p: setattr(p, "dimensions", None), "parts[0].dimensions"),  # compiled: blamed flags
+    (lambda p: setattr(p, "byte_strides", 4), "parts[0].byte_strides"),
+])
+def test_descriptor_integers_of_numpy_types_and_axes_that_are_no_sequence(edit, outcome):
+    def encode(impl):
+        desc = ActivationFrameV16.of_parts([ActivationPartV16.dense(b"\x01" * 32, 0, [4, 2], 1)], token_count=2)
+        edit(desc.parts[0])
+        return WireProtocol(16, impl=impl).encode_frame(1, desc, bytes(32))
+    got = both(encode)
+    if outcome == "ok":
+        assert got[0] == "ok"
+    else:
+        assert got == (InvalidInputError, f"activation frame descriptor field out of range: {outcome}")

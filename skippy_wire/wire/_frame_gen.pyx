@@ -64,6 +64,7 @@ from .messages import (
     StageWireMessage,
     f32_from_bits,
     out_of_range_error,
+    wire_int,
 )
 from . import _codec
 from . import _frame
@@ -153,7 +154,7 @@ cdef inline int _element_bytes(uint32_t ggml_type) noexcept nogil:
 # --- descriptors -----------------------------------------------------------------------------
 _FIELD_NAMES = ("version", "producer_stage_index", "layer_start", "layer_end", "token_count", "sequence_count",
                 "payload_bytes", "ggml_type", "rank", "token_axis", "flags", "dimensions", "byte_strides",
-                "payload_offset", "payload_bytes")
+                "payload_offset", "payload_bytes", "dimensions", "byte_strides")
 
 
 cdef int _from_object(object obj, Desc* d) except -1:
@@ -195,7 +196,10 @@ cdef int _from_object(object obj, Desc* d) except -1:
             f = 10
             p.flags = PyNumber_Index(part.flags)
             # tuples: a snapshot that converting an item cannot shrink, indexed unchecked below
-            dims, strides = tuple(part.dimensions), tuple(part.byte_strides)
+            f = 15
+            dims = tuple(part.dimensions)
+            f = 16
+            strides = tuple(part.byte_strides)
             if len(dims) != 4 or len(strides) != 4:
                 raise InvalidInputError(PART_AXES_TEXT)
             for k in range(4):

@@ -287,6 +287,7 @@ def write_stage_message(int version, msg, agreement=None):
             operator.index(msg.token_count)
         struct_prefix(kind, pos_start, token_count, 0, 0)
         len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
+        wire_int(msg.state.source_stage_index)  # compared below: a state of the wrong shape is named
     except (OverflowError, TypeError, ValueError, AttributeError):
         raise out_of_range_error(msg) from None
     try:

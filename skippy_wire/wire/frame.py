@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
@@ -95,14 +95,18 @@ def _check_int(value: Any, name: str) -> int:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
 
 
-def _check_sampling_lists(msg: StageWireMessage) -> None:
-    """A sampling block's string lists must be lists of strings: a bare ``str`` would be
-    written one character per entry (silently), so it is refused up front."""
+def check_sampling_lists(msg: StageWireMessage) -> None:
+    """A sampling block's string lists must be lists of strings, refused up front when they
+    are not: a bare ``str`` would be written one character per entry, and an iterator
+    without a length is used up by measuring it (both silently)."""
     sampling = msg.sampling
     if sampling is not None:
         for name in ("dry_sequence_breakers", "samplers"):
-            if isinstance(getattr(sampling, name, None), (str, bytes)):
+            value = getattr(sampling, name, None)
+            if isinstance(value, (str, bytes)):
                 raise InvalidInputError(f"sampling.{name} must be a list of strings, not a single string")
+            if isinstance(value, Iterator) or (value is not None and not isinstance(value, Sized)):
+                raise InvalidInputError(f"sampling.{name} must be a list of strings, not {type(value).__name__}")
 
 
 # --- writing -----------------------------------------------------------------------------
@@ -113,7 +117,7 @@ def write_stage_message(msg: StageWireMessage, *, impl: Optional[str] = None) ->
     value the wire cannot carry (a field of the wrong type or range) is an
     InvalidInputError naming the field; ``msg`` not a StageWireMessage is a TypeError."""
     _check_type(msg, StageWireMessage, "write_stage_message")
-    _check_sampling_lists(msg)
+    check_sampling_lists(msg)
     return kernels(impl).write_stage_message(msg)
 
 

@@ -91,6 +91,7 @@ class WireProtocol:
             raise TypeError(f"write_stage_message expects a StageWireMessage, not {type(msg).__name__}")
         if self._k is None:
             return _v15.write_stage_message(msg, impl=self.impl)
+        _v15.check_sampling_lists(msg)
         return self._k.write_stage_message(self.version, msg, agreement)
 
     def read_from_buffer(self, data, n_embd: int = 0, codec=None, policy=None, *, offset: int = 0,

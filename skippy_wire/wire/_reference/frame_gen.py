@@ -26,7 +26,7 @@ from ...errors import InvalidDataError, InvalidInputError, WireError
 from ..activation_frame import ActivationFrameV16
 from ..constants import ActivationCodec, CodecPolicy
 from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
-from ..messages import StageStateHeader, StageWireMessage, out_of_range_error
+from ..messages import StageStateHeader, StageWireMessage, out_of_range_error, wire_int
 from . import frame as _v15
 from .frame import Cursor, check_sideband_counts, read_sampling
 from .frame_v16 import (
@@ -170,6 +170,7 @@ def write_stage_message(version: int, msg: StageWireMessage, agreement=None) -> 
     try:
         prefix = struct.pack("<iii", *map(operator.index, (msg.kind, msg.pos_start, msg.token_count)))
         len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
+        wire_int(msg.state.source_stage_index)  # compared below: a state of the wrong shape is named
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
         raise out_of_range_error(msg) from None
     # v16 emits as it goes (20 bytes precede the activation checks); v17 emits nothing

@@ -11,6 +11,7 @@ Functions (the v16/v17 kernel API, see ``frame_gen``):
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import struct
 
@@ -69,6 +70,14 @@ _FRAME_FIELDS = (("I", "version"), ("i", "producer_stage_index"), ("i", "layer_s
 _PART_FIELDS = (("I", "ggml_type"), ("I", "rank"), ("i", "token_axis"), ("I", "flags"))
 
 
+def _axes(part: ActivationPartV16, field: str, name: str) -> tuple:
+    """A part's four dimensions or strides as a tuple; not a sequence at all -> named."""
+    try:
+        return tuple(getattr(part, field))
+    except TypeError:
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}") from None
+
+
 def check_fields(desc: ActivationFrameV16) -> None:
     """Every field of ``desc`` fits its wire type, in the compiled twin's order."""
     for code, name in _FRAME_FIELDS:
@@ -78,7 +87,7 @@ def check_fields(desc: ActivationFrameV16) -> None:
         _identity(p.identity, f"parts[{i}].identity")
         for code, name in _PART_FIELDS:
             _field(code, getattr(p, name), f"parts[{i}].{name}")
-        dims, strides = tuple(p.dimensions), tuple(p.byte_strides)
+        dims, strides = (_axes(p, name, f"parts[{i}].{name}") for name in ("dimensions", "byte_strides"))
         if len(dims) != 4 or len(strides) != 4:
             raise InvalidInputError(PART_AXES_TEXT)
         for k, (dim, stride) in enumerate(zip(dims, strides)):
@@ -88,18 +97,32 @@ def check_fields(desc: ActivationFrameV16) -> None:
         _field("Q", p.payload_bytes, f"parts[{i}].payload_bytes")
 
 
-def check_desc(desc: ActivationFrameV16) -> None:
+def _plain(desc: ActivationFrameV16) -> ActivationFrameV16:
+    """``desc`` with its integers as Python ints, as the compiled twin reads them (a numpy
+    uint32 ``flags`` would overflow in ``~``, an int8 dimension wrap in a product)."""
+    ints = {name: operator.index(getattr(desc, name)) for _, name in _FRAME_FIELDS}
+    parts = [dataclasses.replace(
+        p, **{name: operator.index(getattr(p, name)) for _, name in _PART_FIELDS},
+        dimensions=tuple(map(operator.index, p.dimensions)), byte_strides=tuple(map(operator.index, p.byte_strides)),
+        payload_offset=operator.index(p.payload_offset), payload_bytes=operator.index(p.payload_bytes))
+        for p in desc.parts]
+    return dataclasses.replace(desc, **ints, parts=parts)
+
+
+def check_desc(desc: ActivationFrameV16) -> ActivationFrameV16:
     """A.5 steps 1-2, then the field types: what the compiled twin checks while converting
-    ``desc``, before it looks at a payload."""
+    ``desc``, before it looks at a payload; ``desc`` as it reads it (:func:`_plain`)."""
     if desc.version != FRAME_VERSION:
         raise _err("unsupported activation frame version")
     if not 1 <= len(desc.parts) <= MAX_PARTS:
         raise _err("activation frame part count is invalid")
     check_fields(desc)
+    return _plain(desc)
 
 
-def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
-    check_desc(desc)
+def validate_frame(desc: ActivationFrameV16, payload_len=None) -> ActivationFrameV16:
+    """A.5 in its order; ``desc`` as the compiled twin reads it."""
+    desc = check_desc(desc)
     if payload_len is not None:
         payload_len = operator.index(payload_len)
     if desc.payload_bytes > MAX_BYTES:
@@ -143,6 +166,7 @@ def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
             raise _err("activation payload byte count overflow")
     if offset != desc.payload_bytes:
         raise _err("activation descriptor payload size mismatch")
+    return desc
 
 
 def part_shape(p: ActivationPartV16) -> tuple:
@@ -165,7 +189,7 @@ def part_wire_bytes(codec: int, p: ActivationPartV16, capped: bool = True) -> in
 
 def frame_wire_bytes(codec, desc: ActivationFrameV16) -> int:
     codec = codec_id(codec)
-    validate_frame(desc)
+    desc = validate_frame(desc)
     total = HEADER + PART * len(desc.parts) + sum(part_wire_bytes(codec, p) for p in desc.parts)
     if total > MAX_BYTES:
         raise _err("activation frame wire byte count exceeds maximum")
@@ -209,9 +233,9 @@ def encode_parts(codec: int, desc: ActivationFrameV16, payload: memoryview) -> b
 
 def encode_frame(codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = codec_id(codec)
-    check_desc(desc)
+    desc = check_desc(desc)
     payload = _view(payload)
-    validate_frame(desc, len(payload))
+    desc = validate_frame(desc, len(payload))
     frame_wire_bytes(codec, desc)
     return desc_bytes(desc) + encode_parts(codec, desc, payload)
 
@@ -256,7 +280,7 @@ def decode_frame(codec, data, version: int = 16):
     codec = codec_id(codec)
     data = _view(data)
     desc = read_desc(data)
-    validate_frame(desc)
+    desc = validate_frame(desc)
     start = HEADER + PART * len(desc.parts)
     if version == 16:
         if frame_wire_bytes(codec, desc) != len(data):
@@ -284,9 +308,9 @@ def _lossless(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bool
 
 
 def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
-    check_desc(desc)
+    desc = check_desc(desc)
     payload = _view(payload)
-    validate_frame(desc, len(payload))
+    desc = validate_frame(desc, len(payload))
     allowed = {codec_id(c) for c in permitted}
     if RAW not in allowed:
         raise _err("lossless activation selection requires RawF32 fallback")

@@ -158,7 +158,7 @@ def _header(agreement, profile, desc, mask: int, dynamic: list) -> bytes:
 def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFrameV16) -> int:
     codec = _v16.codec_id(codec)  # a caller's codec first, as the compiled twin converts it
     validate_agreement(agreement)
-    _v16.validate_frame(desc)
+    desc = _v16.validate_frame(desc)
     size = _v16.frame_wire_bytes(codec, desc)
     _profile, _mask, dynamic = _first_match(agreement, desc)
     return 30 + 8 * len(dynamic) + (size - _v16.HEADER - _v16.PART * len(desc.parts))
@@ -167,9 +167,9 @@ def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFra
 def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = _v16.codec_id(codec)
     validate_agreement(agreement)
-    _v16.check_desc(desc)
+    desc = _v16.check_desc(desc)
     payload = _v16._view(payload)
-    _v16.validate_frame(desc, len(payload))
+    desc = _v16.validate_frame(desc, len(payload))
     profile, mask, dynamic = _first_match(agreement, desc)
     out = _header(agreement, profile, desc, mask, dynamic) + _v16.encode_parts(codec, desc, payload)
     if len(out) > _v16.MAX_BYTES:
@@ -181,7 +181,7 @@ def agreed_reframe(agreement: ActivationAgreement, desc: ActivationFrameV16, fra
     """``encode_existing``: ``frame`` is the encoded v16 frame already decoded as ``desc``;
     its payload section is copied, not re-encoded.  A ``frame`` shorter than the
     descriptor's headers is a size mismatch."""
-    _v16.check_desc(desc)
+    desc = _v16.check_desc(desc)
     view = _v16._view(frame)
     validate_agreement(agreement)
     profile, mask, dynamic = _first_match(agreement, desc)
@@ -247,7 +247,7 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
             raise _err("activation layout overflow")
     desc = ActivationFrameV16(_v16.FRAME_VERSION, profile.producer_stage_index, profile.layer_start,
                               profile.layer_end, tokens, seqs, total, bytes(profile.frontier_identity), parts)
-    _v16.validate_frame(desc)
+    desc = _v16.validate_frame(desc)
     wire = 0
     for p in parts:  # the sum of B.6.5: each F32 part is a v15 encoded size (512 MiB cap)
         wire += _v16.part_wire_bytes(codec, p)
