@@ -252,3 +252,58 @@ def test_dissect_names_the_version_of_every_message():
     out = io.StringIO()
     assert dissect(data, out=out) == 5
     assert out.getvalue().count("(state version 16)") == 5
+
+
+def test_a_flags_word_with_bit_31_is_shown_as_its_32_bits(tmp_path, capsys):
+    stop = _stop(16)
+    stop.state.flags = -0x80000000 | 0x1
+    path = tmp_path / "hop1-messages.bin"
+    path.write_bytes(WireProtocol(16).write(stop))
+    code, out, _ = _inspect(capsys, path)
+    assert code == 0 and "flags 0x80000001 [FINAL_CHUNK|0x80000000]" in out and "0x-" not in out
+
+
+def test_an_n_embd_beyond_i32_is_a_usage_error(tmp_path, capsys):
+    path = tmp_path / "hop1-messages.bin"
+    path.write_bytes(WireProtocol(15).write(_stop(15)))
+    with pytest.raises(SystemExit) as info:
+        main([str(path), "--n-embd", str(2**63)])
+    assert info.value.code == 2 and "argument --n-embd: must be between 1 and 2147483647" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body, why", [
+    (b'{"pad": "' + b"x" * 70_000 + b'"}', "InvalidData: stage setup message exceeds limit"),
+    (b"\xff\xfe not json", "InvalidData: decode stage setup"),
+])
+def test_a_setup_packet_a_peer_would_refuse_is_malformed(tmp_path, capsys, body, why):
+    path = tmp_path / "hop1-replies.bin"
+    path.write_bytes(struct.pack("<III", 0x53545053, 12, len(body)) + body)
+    code, _, err = _inspect(capsys, path)
+    assert code == 1 and f"#0 @0: {why}" in err
+
+
+def test_a_third_setup_packet_is_malformed(tmp_path, capsys):
+    path = tmp_path / "hop1-replies.bin"
+    path.write_bytes(encode_packet({"role": "Activation"}) + encode_packet([1]) + encode_packet([2]))
+    code, _, err = _inspect(capsys, path)
+    assert code == 1 and "#2 @" in err and "a side of a link sends 2" in err
+
+
+def test_a_sibling_offer_whose_agreement_does_not_parse_leaves_the_activations_undecoded(tmp_path, capsys):
+    messages, replies = _capture(tmp_path, 17)
+    replies.write_bytes(encode_packet({"role": "Activation", "agreement": {}}))
+    code, out, err = _inspect(capsys, messages)
+    assert (code, err) == (0, "") and UNDECODED in out
+
+
+def test_a_v17_activation_shorter_than_its_header_is_malformed_without_an_agreement_too(tmp_path, capsys):
+    protocol = WireProtocol(17)
+    msgs = _messages(17, protocol)
+    carrying = next(m for m in msgs if len(m.activation))
+    data = bytearray(protocol.write(carrying, _agreement()))
+    count = struct.unpack_from("<i", data, 60)[0]
+    struct.pack_into("<i", data, 60, 10)
+    path = tmp_path / "messages.bin"  # no sibling: no agreement
+    path.write_bytes(bytes(data[:len(data) - count]) + b"\x01" * 10)
+    code, _, err = _inspect(capsys, path, "--protocol", "17")
+    assert code == 1 and "shorter than its 30-byte header" in err

@@ -316,3 +316,10 @@ def test_descriptor_integers_of_numpy_types_and_axes_that_are_no_sequence(edit, 
         assert got[0] == "ok"
     else:
         assert got == (InvalidInputError, f"activation frame descriptor field out of range: {outcome}")
+
+
+@pytest.mark.parametrize("n_embd", [2**31, 2**63, -(2**63) - 1])
+def test_an_n_embd_of_any_size_beyond_i32_is_named(n_embd):
+    data = sw.write_stage_message(sw.StageWireMessage.stop(1, 1))
+    assert both(lambda i: sw.read_stage_message_from_buffer(data, n_embd, impl=i)) == \
+        (InvalidInputError, "n_embd does not fit in i32")

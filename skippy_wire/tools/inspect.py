@@ -47,7 +47,8 @@ from ..wire.activation_frame import (
     GgmlType,
     WireMessageKindV16,
 )
-from ..wire.constants import READY_BYTES, ActivationCodec, StateFlags, activation_payload_multiplier_from_state_flags
+from ..wire.constants import (I32_MAX, READY_BYTES, ActivationCodec, StateFlags,
+                              activation_payload_multiplier_from_state_flags)
 from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
 from ..wire.messages import WireStagePhase
 from ..wire.protocol import ACTIVATION_COUNT_OFFSET
@@ -63,7 +64,7 @@ from .inspect_gen import (
     setup_label,
     starts_with_offer,
 )
-from .options import Parser, describe, error_line, int_at_least
+from .options import Parser, describe, error_line, int_between
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
 STATE_FLAG_NAMES = {int(f): "bit2" if f is StateFlags.SKIP_VERIFY_CHECKPOINT else f.name for f in StateFlags}
@@ -80,8 +81,14 @@ _UNDECODED = ("not decoded: an agreement-framed activation needs its link's agre
               "capture's setup packets or its sibling *-replies.bin file)")
 
 
+def flag_word(flags: int) -> int:
+    """The flags word as its 32 bits (the readers give it as an i32: bit 31 is negative)."""
+    return flags & 0xFFFFFFFF
+
+
 def flag_names(flags: int, version: int = STAGE_STATE_VERSION_V15) -> str:
     table = STATE_FLAG_NAMES if version == STAGE_STATE_VERSION_V15 else STATE_FLAG_NAMES_V16
+    flags = flag_word(flags)
     names = [name for bit, name in table.items() if flags & bit]
     rest = flags & ~sum(table)
     if rest:
@@ -154,7 +161,7 @@ def describe_state(st) -> str:
         if name == "phase":
             parts.append(f"phase {PHASES.get(int(value), '?')} ({int(value)})")
         elif name == "flags":
-            parts.append(f"flags 0x{int(value):x} [{flag_names(int(value), int(st.version))}]")
+            parts.append(f"flags 0x{flag_word(int(value)):x} [{flag_names(int(value), int(st.version))}]")
         elif name == "activation_codec":
             codec = ActivationCodec(int(value))
             parts.append(f"activation_codec {codec.identity()} ({int(codec)})")
@@ -317,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the stream is READY + replies (default: detected from the bytes and the name)")
     direction.add_argument("--messages", action="store_true",
                            help="the stream is stage messages (default: detected as for --replies)")
-    p.add_argument("--n-embd", type=int_at_least(1), default=None,
+    p.add_argument("--n-embd", type=int_between(1, I32_MAX), default=None,
                    help="activation width (default: inferred per message)")
     p.add_argument("--values", action="store_true", help="print every activation value")
     p.add_argument("--protocol", type=int, choices=PROTOCOL_VERSIONS, default=None,

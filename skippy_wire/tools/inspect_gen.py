@@ -32,10 +32,12 @@ from ..wire.activation_frame import (
 from ..wire.agreement import ActivationAgreement, parse_json
 from ..wire.constants import ActivationCodec
 from ..wire.protocol import ACTIVATION_COUNT_OFFSET, VERSION_WORD_OFFSET, WireProtocol
-from ..wire.setup import SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
+from ..wire.setup import MAX_STAGE_SETUP_MESSAGE_BYTES, SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 
 _SETUP_NAMES_C = ("Hello", "accept")  # what the connecting side sends, in order
 _SETUP_NAMES_S = ("Offer", "ready")
+#: The setup packets each side of a link sends.
+SETUP_PACKETS = len(_SETUP_NAMES_C)
 
 
 def is_setup_packet(data, offset: int = 0) -> bool:
@@ -64,19 +66,29 @@ class SetupPacket:
 
 
 def setup_label(index: int, replies: bool) -> str:
-    names = _SETUP_NAMES_S if replies else _SETUP_NAMES_C
-    return names[index] if index < len(names) else "setup packet"
+    """The name of a side's setup packet ``index``; a third is more than a link sends."""
+    if index >= SETUP_PACKETS:
+        raise InvalidDataError(f"setup packet #{index + 1}: a side of a link sends {SETUP_PACKETS}")
+    return (_SETUP_NAMES_S if replies else _SETUP_NAMES_C)[index]
 
 
 def read_setup_packet(data, offset: int) -> tuple:
-    """``(size, body)`` of the setup packet at ``offset``; UnexpectedEof when it is cut short."""
+    """``(size, body)`` of the setup packet at ``offset``; UnexpectedEof when it is cut short,
+    InvalidData for what a peer would refuse (a body over the limit, or no JSON)."""
     if len(data) - offset < SETUP_HEADER_BYTES:
         raise UnexpectedEofError(f"setup packet header truncated ({len(data) - offset} bytes left)")
     length = struct.unpack_from("<I", data, offset + 8)[0]
+    if length > MAX_STAGE_SETUP_MESSAGE_BYTES:
+        raise InvalidDataError(f"stage setup message exceeds limit ({length} bytes)")
     end = offset + SETUP_HEADER_BYTES + length
     if end > len(data):
         raise UnexpectedEofError(f"setup packet of {length} bytes truncated ({len(data) - offset} bytes left)")
-    return end - offset, bytes(data[offset + SETUP_HEADER_BYTES:end])
+    body = bytes(data[offset + SETUP_HEADER_BYTES:end])
+    try:
+        parse_json(body)
+    except ValueError as exc:
+        raise InvalidDataError(f"decode stage setup: {exc}") from None
+    return end - offset, body
 
 
 def _setup_bodies(data):
@@ -84,7 +96,7 @@ def _setup_bodies(data):
     while is_setup_packet(data, offset):
         try:
             size, body = read_setup_packet(data, offset)
-        except UnexpectedEofError:
+        except (UnexpectedEofError, InvalidDataError):
             return
         yield body
         offset += size
@@ -105,17 +117,26 @@ def starts_with_offer(data) -> bool:
 
 
 def find_agreement(data: bytes, name: str = "") -> Optional[ActivationAgreement]:
-    """The agreement of the Offer in ``data`` or in the sibling replies capture of ``name``."""
+    """The agreement of the Offer in ``data`` or in the sibling replies capture of ``name``
+    (a regular file: a pipe or device there is not read); an Offer whose agreement does not
+    parse gives none, and the activations are then shown undecoded."""
     sources = [data]
     if "messages" in Path(name).name:
         sibling = Path(name).with_name(Path(name).name.replace("messages", "replies"))
-        if sibling.exists():
-            sources.append(sibling.read_bytes())
+        try:
+            if sibling.is_file():
+                with open(sibling, "rb") as fh:  # its Offer is among its first two packets
+                    sources.append(fh.read(SETUP_PACKETS * (SETUP_HEADER_BYTES + MAX_STAGE_SETUP_MESSAGE_BYTES)))
+        except OSError:
+            pass
     for source in sources:
         for body in _setup_bodies(source):
             offered = _offered(body)
             if offered is not None:
-                return ActivationAgreement.from_json(offered)
+                try:
+                    return ActivationAgreement.from_json(offered)
+                except ValueError:  # its shape is wrong (JsonShapeError)
+                    return None
     return None
 
 
@@ -202,6 +223,9 @@ class GenMessageReader:
         count = struct.unpack_from("<i", data, offset + ACTIVATION_COUNT_OFFSET)[0]
         if count <= 0:
             return None
+        if count < AGREED_ACTIVATION_HEADER_BYTES:  # no agreement makes it whole
+            raise InvalidDataError(f"agreement-framed activation of {count} bytes, shorter than its "
+                                   f"{AGREED_ACTIVATION_HEADER_BYTES}-byte header")
         if self._patchable is None:
             self._patchable = bytearray(data)
         buf, at = self._patchable, offset + ACTIVATION_COUNT_OFFSET

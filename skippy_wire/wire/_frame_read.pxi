@@ -251,9 +251,9 @@ def read_stage_message_from_buffer(data, n_embd, expected_codec=None, int policy
     Same contract as the reference twin; a short buffer raises UnexpectedEofError whose
     ``needed`` is the byte count (from ``offset``) required at that point.
     """
-    cdef long long n_embd_ll = n_embd
-    if n_embd_ll < -2147483648 or n_embd_ll > 2147483647:
+    if not -2147483648 <= n_embd <= 2147483647:  # compared as Python ints: any size is named
         raise InvalidInputError("n_embd does not fit in i32")
+    cdef long long n_embd_ll = n_embd
     cdef Py_buffer view
     if PyBytes_CheckExact(data):  # common case: no buffer export needed
         if offset < 0 or offset > PyBytes_GET_SIZE(data):
