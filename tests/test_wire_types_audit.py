@@ -323,3 +323,21 @@ def test_an_n_embd_of_any_size_beyond_i32_is_named(n_embd):
     data = sw.write_stage_message(sw.StageWireMessage.stop(1, 1))
     assert both(lambda i: sw.read_stage_message_from_buffer(data, n_embd, impl=i)) == \
         (InvalidInputError, "n_embd does not fit in i32")
+
+
+class _Tensor:
+    """A value whose conversion to float fails as a multi-element tensor's does."""
+
+    def __float__(self):
+        raise RuntimeError("a Tensor with 2 elements cannot be converted to Scalar")
+
+    def __repr__(self):
+        return "tensor([1., 2.])"
+
+
+def test_an_f32_value_whose_conversion_fails_is_named_whatever_it_raises():
+    def write(impl):
+        msg = _prefill(15)
+        msg.sampling.temperature = _Tensor()
+        return sw.write_stage_message(msg, impl=impl)
+    assert both(write) == (InvalidInputError, "sampling.temperature value tensor([1., 2.]) is not a number")

@@ -95,7 +95,10 @@ cdef inline uint32_t as_f32(object v) except? 0xFFFFFFFF:
     """An f32 field's bits (messages.wire_f32): never a bool."""
     if type(v) is not float and isinstance(v, BOOL_TYPES):
         raise TypeError("a bool is not a wire f32")
-    return f32_bits_of(v)
+    try:
+        return f32_bits_of(v)
+    except Exception as exc:  # any error of its __float__ (a tensor's RuntimeError): as the twin's struct.pack
+        raise TypeError(f"not a wire f32: {exc}") from None
 
 
 cdef inline Py_ssize_t _seq_len(object seq) except -1:
