@@ -15,6 +15,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
@@ -105,6 +106,84 @@ def test_a_field_beyond_its_setup_type_is_named_alike(edit, name):
         agreement = copy.deepcopy(AGREEMENT)
         edit(agreement)
         assert _every_entry(impl, agreement) == [want] * 4, impl
+
+
+@pytest.mark.parametrize("edit, name", [
+    (_set("profiles", 3), "profiles"),
+    (_set("profiles", None), "profiles"),
+    (_set("profiles", lambda ps: dict(enumerate(ps))), "profiles"),
+    (_set("profiles", {1}), "profiles"),
+    (_set("profiles", [5]), "profiles[0]"),
+    (_set("profiles", lambda ps: [*ps, "profile"]), f"profiles[{len(AGREEMENT.profiles)}]"),
+    (_set("profiles.0.parts", 3), "profiles[0].parts"),
+    (_set("profiles.0.parts", None), "profiles[0].parts"),
+    (_set("profiles.0.parts", lambda ps: dict(enumerate(ps))), "profiles[0].parts"),
+    (_set("profiles.0.parts", {1}), "profiles[0].parts"),
+    (_set("profiles.0.parts", ["x"]), "profiles[0].parts[0]"),
+    (_set("profiles.0.parts", [None]), "profiles[0].parts[0]"),
+    (_set("profiles.0.parts.0.optional", np.array([1, 0])), "profiles[0].parts[0].optional"),  # ValueError before
+    (_set("profiles.0.parts.0.optional", None), "profiles[0].parts[0].optional"),
+    (_set("profiles.0.parts.0.optional", "no"), "profiles[0].parts[0].optional"),
+    (_set("profiles.0.parts.0.optional", 2), "profiles[0].parts[0].optional"),
+    (_set("profiles.0.parts.0.optional", 0.0), "profiles[0].parts[0].optional"),
+])
+def test_profiles_and_parts_of_the_wrong_type_are_named_alike(edit, name):
+    # before: TypeError / AttributeError / ValueError, or an agreement of no profiles at all
+    want = (InvalidInputError, f"{RANGE}: {name}")
+    for impl in IMPLS:
+        agreement = copy.deepcopy(AGREEMENT)
+        edit(agreement)
+        assert _every_entry(impl, agreement) == [want] * 4, impl
+
+
+@pytest.mark.parametrize("optional", [False, 0, np.False_])
+def test_optional_is_a_wire_boolean_as_ignore_eos_is(optional):
+    # a bool (Python's or numpy's) or 0 / 1, as messages.wire_bool
+    agreement = copy.deepcopy(AGREEMENT)
+    agreement.profiles[0].parts[0].optional = optional
+    want = _every_entry("python", copy.deepcopy(AGREEMENT))
+    assert [_every_entry(impl, agreement) for impl in IMPLS] == [want, want]
+
+
+def test_profiles_and_parts_may_be_tuples():
+    agreement = copy.deepcopy(AGREEMENT)
+    agreement.profiles = tuple(agreement.profiles)
+    agreement.profiles[0].parts = tuple(agreement.profiles[0].parts)
+    want = _every_entry("python", copy.deepcopy(AGREEMENT))
+    assert [_every_entry(impl, agreement) for impl in IMPLS] == [want, want]
+
+
+GEN = bytes(AGREEMENT.generation)
+
+
+@pytest.mark.parametrize("generation", [
+    np.frombuffer(GEN, np.uint8).reshape(4, 4),  # the twin: "truth value of an array is ambiguous"
+    np.array(GEN, "S16"),  # 0-d: the twin could not iterate it
+    np.frombuffer(GEN, np.float32),
+    memoryview(bytes(b for x in GEN for b in (x, 0)))[::2],
+], ids=["2-d", "0-d S16", "float32", "strided"])
+def test_a_generation_is_its_buffers_bytes_whatever_its_shape(generation):
+    want = _every_entry("python", copy.deepcopy(AGREEMENT))
+    for impl in IMPLS:
+        agreement = copy.deepcopy(AGREEMENT)
+        agreement.generation = generation
+        assert _every_entry(impl, agreement) == want, impl
+
+
+def test_a_generation_of_negative_zeros_is_not_zero():
+    # -0.0 as f32 is 00 00 00 80: 16 bytes not all zero (the twin read the floats as zero)
+    minus_zero = np.array([-0.0] * 4, np.float32)
+    for impl in IMPLS:
+        agreement = copy.deepcopy(AGREEMENT)
+        agreement.generation = minus_zero
+        ok = copy.deepcopy(AGREEMENT)
+        ok.generation = minus_zero.tobytes()
+        wire = kernels(impl).agreed_encode(ok, CODEC, DESC, PAYLOAD)
+        assert _every_entry(impl, agreement)[:3] == [("ok", None), ("ok", wire), ("ok", len(wire))], impl
+        assert _outcome(lambda: kernels(impl).agreed_decode(agreement, CODEC, wire))[0] == "ok", impl
+        zeros = copy.deepcopy(AGREEMENT)
+        zeros.generation = np.zeros(4, np.float32)
+        assert _every_entry(impl, zeros)[0] == (InvalidDataError, "invalid activation agreement"), impl
 
 
 def test_the_golden_agreement_is_untouched_by_the_field_checks():

@@ -91,6 +91,7 @@ def _message(**changes):
     return msg
 
 
+_PAIR_VIEW = memoryview(b"\x05\x02")
 MESSAGE_MISTAKES = [
     ({"tokens": b"AB"}, "tokens must be a sequence of ints, not bytes"),
     ({"tokens": bytearray(b"AB")}, "tokens must be a sequence of ints, not bytearray"),
@@ -115,6 +116,14 @@ MESSAGE_MISTAKES = [
     ({"sampling.min_p": np.False_}, "sampling.min_p value np.False_ is not a number"),
     ({"sampling.logit_bias": [(True, 1.0)]}, "sampling.logit_bias token_id value True does not fit its wire type"),
     ({"sampling.logit_bias": [(1, True)]}, "sampling.logit_bias bias True is not a number"),
+    # raw bytes are no ints: memoryview(b"AB") was tokens [65, 66], b"\x05\x02" the pair (5, 2.0)
+    ({"tokens": memoryview(b"AB")}, "tokens must be a sequence of ints, not memoryview"),
+    ({"positions": memoryview(b"\x00")}, "positions must be a sequence of ints, not memoryview"),
+    ({"sampling.logit_bias": [b"\x05\x02"]}, "sampling.logit_bias entry b'\\x05\\x02' is not a (token_id, bias) pair"),
+    ({"sampling.logit_bias": [(1, 2.0), bytearray(b"\x05\x02")]},
+     "sampling.logit_bias entry bytearray(b'\\x05\\x02') is not a (token_id, bias) pair"),
+    ({"sampling.logit_bias": [_PAIR_VIEW]}, f"sampling.logit_bias entry {_PAIR_VIEW!r} is not a (token_id, bias) pair"),
+    ({"sampling.logit_bias": ["ab"]}, "sampling.logit_bias entry 'ab' is not a (token_id, bias) pair"),
 ]
 
 
@@ -341,3 +350,50 @@ def test_an_f32_value_whose_conversion_fails_is_named_whatever_it_raises():
         msg.sampling.temperature = _Tensor()
         return sw.write_stage_message(msg, impl=impl)
     assert both(write) == (InvalidInputError, "sampling.temperature value tensor([1., 2.]) is not a number")
+
+
+# --- v16 descriptors: parts and version of the wrong type ------------------------------------
+@pytest.mark.parametrize("edit, name", [
+    (lambda d: setattr(d, "parts", {0: d.parts[0]}), "parts"),  # compiled: encoded it, the twin: AttributeError
+    (lambda d: setattr(d, "parts", set(range(1))), "parts"),  # compiled: blamed payload_bytes
+    (lambda d: setattr(d, "parts", None), "parts"),
+    (lambda d: setattr(d, "parts", 1), "parts"),
+    (lambda d: setattr(d, "parts", ["x"]), "parts[0]"),
+    (lambda d: setattr(d, "parts", [d.parts[0], 7]), "parts[1]"),
+    (lambda d: setattr(d, "version", np.array([16, 16])), "version"),  # ValueError (truth value of an array)
+])
+@pytest.mark.parametrize("call", sorted(FRAME_CALLS))
+def test_descriptor_parts_or_version_of_the_wrong_type_are_named(call, edit, name):
+    def run(impl):
+        desc = ActivationFrameV16.of_parts([ActivationPartV16.dense(b"\x01" * 32, 0, [4, 2], 1)], token_count=2)
+        edit(desc)
+        return FRAME_CALLS[call](WireProtocol(16, impl=impl), desc)
+    assert both(run) == (InvalidInputError, f"activation frame descriptor field out of range: {name}")
+
+
+def test_descriptor_parts_may_be_a_tuple():
+    def run(impl):
+        desc = ActivationFrameV16.of_parts([ActivationPartV16.dense(b"\x01" * 32, 0, [4, 2], 1)], token_count=2)
+        desc.parts = tuple(desc.parts)
+        return WireProtocol(16, impl=impl).encode_frame(1, desc, bytes(32))
+    assert both(run)[0] == "ok"
+
+
+# --- v17 message_wire_bytes: the writer's error for a field of the wrong type ----------------
+@pytest.mark.parametrize("edit", [
+    lambda m: setattr(m, "chat_sampling_metadata", b"{}"),
+    lambda m: setattr(m, "sampling", 5),
+    lambda m: setattr(m, "sampling", {}),
+    lambda m: setattr(m, "tokens", (t for t in [7])),
+    lambda m: setattr(m, "positions", 0),
+    lambda m: setattr(m.sampling, "logit_bias", 5),
+])
+def test_message_wire_bytes_names_a_field_as_the_writer_does(edit):
+    # before: AttributeError / TypeError out of estimated_wire_bytes
+    def message():
+        msg = _prefill(17)
+        edit(msg)
+        return msg
+    written = both(lambda i: WireProtocol(17, impl=i).write(message()))
+    assert written[0] is InvalidInputError
+    assert both(lambda i: WireProtocol(17, impl=i).message_wire_bytes(message())) == written

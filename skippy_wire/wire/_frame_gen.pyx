@@ -37,7 +37,7 @@ import operator
 
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .activation_frame import ActivationFrameV16, ActivationPartV16
-from .agreement import Dynamic, Fixed, TOKENS
+from .agreement import ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
 from .constants import ActivationCodec, CodecPolicy
 from .constants import I32_MAX, I32_MIN, U32_MAX, U64_MAX
 from .constants import (
@@ -64,6 +64,7 @@ from .messages import (
     StageWireMessage,
     f32_from_bits,
     out_of_range_error,
+    wire_bool,
     wire_int,
 )
 from . import _codec
@@ -159,9 +160,16 @@ _FIELD_NAMES = ("version", "producer_stage_index", "layer_start", "layer_end", "
 
 cdef int _from_object(object obj, Desc* d) except -1:
     """A Python descriptor into ``d``; version and part count are checked first (A.5 1-2)."""
-    if obj.version != FRAME_VERSION:
+    cdef bint wrong_version
+    try:  # a value whose comparison has no truth value (an array) is no version
+        wrong_version = obj.version != FRAME_VERSION
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: version") from None
+    if wrong_version:
         _raise(E_VERSION)
     parts = obj.parts
+    if type(parts) is not list and not isinstance(parts, (list, tuple)):  # a dict or set is no list of parts
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: parts")
     cdef Py_ssize_t n = len(parts), i, k
     if n < 1 or n > MAX_PARTS:
         _raise(E_PART_COUNT)
@@ -185,6 +193,8 @@ cdef int _from_object(object obj, Desc* d) except -1:
         _copy32(d.frontier, obj.frontier_identity, "frontier_identity")
         for i in range(n):
             part = parts[i]
+            if type(part) is not ActivationPartV16 and not isinstance(part, ActivationPartV16):
+                raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: parts[{i}]")
             p = &d.parts[i]
             _copy32(p.identity, part.identity, f"parts[{i}].identity")
             f = 7

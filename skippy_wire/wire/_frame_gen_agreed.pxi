@@ -50,24 +50,54 @@ cdef int _bytes_field(object value, Py_ssize_t length, str name) except -1:
     return 0
 
 
+cdef int _bool_field(object value, str name) except -1:
+    if type(value) is bool:
+        return 0
+    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (messages.wire_bool)
+        wire_bool(value)
+    except TypeError:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}") from None
+    return 0
+
+
+cdef int _list_field(object value, str name) except -1:
+    """A list (or tuple) of profiles or parts: a dict, a set or None is none."""
+    if type(value) is not list and not isinstance(value, (list, tuple)):
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+    return 0
+
+
+cdef inline bytes _generation(object agreement):
+    """The generation's 16 bytes: the buffer's bytes, whatever its shape or element type."""
+    generation = agreement.generation
+    return generation if type(generation) is bytes else bytes(memoryview(generation))
+
+
 cdef int _agreement_fields(object agreement) except -1:
     """Every field has its setup type (B.3), before any rule of B.5 (the twin's
     ``check_agreement_fields``): the generation copied into headers is 16 bytes, ids and
     counts fit their u32, the dimension bounds are integers."""
     _bytes_field(agreement.generation, 16, "generation")
+    _list_field(agreement.profiles, "profiles")
     for i, p in enumerate(agreement.profiles):
         at = f"profiles[{i}]"
+        if type(p) is not ActivationProfile and not isinstance(p, ActivationProfile):
+            raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {at}")
         _int_field(p.id, 0, U32_MAX, f"{at}.id")
         for name in ("producer_stage_index", "layer_start", "layer_end"):
             _int_field(getattr(p, name), I32_MIN, I32_MAX, f"{at}.{name}")
         _bytes_field(p.frontier_identity, 32, f"{at}.frontier_identity")
         for name in ("max_tokens", "max_sequences"):
             _int_field(getattr(p, name), 0, U32_MAX, f"{at}.{name}")
+        _list_field(p.parts, f"{at}.parts")
         for j, part in enumerate(p.parts):
             where = f"{at}.parts[{j}]"
+            if type(part) is not ActivationPartProfile and not isinstance(part, ActivationPartProfile):
+                raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {where}")
             _bytes_field(part.identity, 32, f"{where}.identity")
             for name in ("ggml_type", "rank", "token_axis"):
                 _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
+            _bool_field(part.optional, f"{where}.optional")
             for k, d in enumerate(tuple(part.dimensions)):
                 if isinstance(d, Fixed):
                     _int_field(d.value, 0, U64_MAX, f"{where}.dimensions[{k}]")
@@ -80,7 +110,7 @@ cdef int _agreement_fields(object agreement) except -1:
 def validate_agreement(agreement):
     cdef int axis
     _agreement_fields(agreement)
-    generation = bytes(agreement.generation)
+    generation = _generation(agreement)
     if generation.count(0) == len(generation) or len(agreement.profiles) > MAX_PARTS:
         _raise(E_AGREEMENT)
     ids = set()
@@ -162,7 +192,7 @@ cdef bytes _agreed_header(object agreement, object profile, const Desc* d, int m
     cdef Py_ssize_t n = 30 + 8 * len(dynamic), i
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
-    cdef bytes generation = bytes(agreement.generation)
+    cdef bytes generation = _generation(agreement)
     memcpy(o, <const char*>generation, 16)
     st_u32(o + 16, profile.id)
     st_u32(o + 20, d.tokens)
@@ -250,7 +280,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
     validate_agreement(agreement)
     if n < 16:
         raise UnexpectedEofError()
-    if PyBytes_FromStringAndSize(<const char*>b, 16) != bytes(agreement.generation):
+    if PyBytes_FromStringAndSize(<const char*>b, 16) != _generation(agreement):
         _raise(E_STALE)
     if n < 20:
         raise UnexpectedEofError()

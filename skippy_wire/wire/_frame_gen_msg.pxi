@@ -325,7 +325,13 @@ def message_wire_bytes(msg, agreement):
     """B.7.4 ``wire_bytes(agreement)``."""
     cdef _Buffer buf = _Buffer(msg.activation)
     cdef Desc d
-    estimated = msg.estimated_wire_bytes()
+    try:
+        estimated = msg.estimated_wire_bytes()
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        estimated = None
+    if estimated is None:  # a field of the wrong type: the writer's error names it
+        write_stage_message(17, msg, agreement)
+        estimated = msg.estimated_wire_bytes()
     if not buf.view.len:
         return estimated
     if agreement is None:

@@ -201,7 +201,10 @@ cdef int _write_sampling(_Out out, object s) except -1:
     out.u32(as_i32(d["penalty_last_n"]))
     cdef list biases = list(d["logit_bias"])[:MAX_LOGIT_BIAS]
     out.u32(len(biases))
-    for token, bias in biases:
+    for pair in biases:
+        if type(pair) is not tuple and isinstance(pair, NOT_INT_LISTS):  # b"\x05\x02" is no (5, 2.0)
+            raise TypeError("a logit bias pair is no text or raw bytes")
+        token, bias = pair
         out.u32(as_i32(token))
         out.u32(as_f32(bias))
     out.u32(as_f32(d["typical_p"]))

@@ -170,8 +170,9 @@ def f32_bits(value: float) -> int:
 #: Python's and numpy's booleans: a wire boolean (``ignore_eos``) only, never a wire
 #: integer or f32 (``kind=True`` is a mistake, not 1).
 BOOL_TYPES = (bool, np.bool_)
-#: Sequences whose items are ints but which are no list of tokens: text and raw bytes.
-NOT_INT_LISTS = (str, bytes, bytearray)
+#: Sequences whose items are ints but which are no list of tokens (nor a logit-bias pair):
+#: text and raw bytes (``memoryview(b"AB")`` is no [65, 66]).
+NOT_INT_LISTS = (str, bytes, bytearray, memoryview)
 
 
 def wire_int(value: Any) -> int:
@@ -556,7 +557,7 @@ def _sampling_checks(s: Any):
                 yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {_type_name(value)}"
                 return
             for pair in list(value)[:MAX_STAGE_LOGIT_BIAS]:
-                if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
+                if isinstance(pair, NOT_INT_LISTS) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
                     yield f"sampling.logit_bias entry {pair!r} is not a (token_id, bias) pair"
                     return
                 token, bias = pair

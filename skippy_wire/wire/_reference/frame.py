@@ -340,7 +340,10 @@ def _write_sampling(out: bytearray, s: SamplingConfig) -> None:
         elif code == "L":
             biases = list(value)[:MAX_STAGE_LOGIT_BIAS]  # silently truncated (4.3)
             out += _u32.pack(len(biases))
-            for token, bias in biases:
+            for pair in biases:
+                if isinstance(pair, NOT_INT_LISTS):  # b"\x05\x02" is no (5, 2.0)
+                    raise TypeError("a logit bias pair is no text or raw bytes")
+                token, bias = pair
                 out += _i32.pack(wire_int(token))
                 out += _u32.pack(f32_bits(wire_f32(bias)))
         elif code == "S":

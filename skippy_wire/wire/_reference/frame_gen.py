@@ -206,7 +206,13 @@ __all__ = [
 def message_wire_bytes(msg: StageWireMessage, agreement) -> int:
     """B.7.4 ``wire_bytes(agreement)``: the v17 size of ``msg`` on the wire."""
     activation = _byte_view(msg.activation, "activation")
-    estimated = msg.estimated_wire_bytes()
+    try:
+        estimated = msg.estimated_wire_bytes()
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        estimated = None
+    if estimated is None:  # a field of the wrong type: the writer's error names it
+        write_stage_message(17, msg, agreement)
+        estimated = msg.estimated_wire_bytes()
     if not len(activation):
         return estimated
     if agreement is None:

@@ -84,6 +84,8 @@ def check_fields(desc: ActivationFrameV16) -> None:
         _field(code, getattr(desc, name), name)
     _identity(desc.frontier_identity, "frontier_identity")
     for i, p in enumerate(desc.parts):
+        if not isinstance(p, ActivationPartV16):
+            raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: parts[{i}]")
         _identity(p.identity, f"parts[{i}].identity")
         for code, name in _PART_FIELDS:
             _field(code, getattr(p, name), f"parts[{i}].{name}")
@@ -112,8 +114,14 @@ def _plain(desc: ActivationFrameV16) -> ActivationFrameV16:
 def check_desc(desc: ActivationFrameV16) -> ActivationFrameV16:
     """A.5 steps 1-2, then the field types: what the compiled twin checks while converting
     ``desc``, before it looks at a payload; ``desc`` as it reads it (:func:`_plain`)."""
-    if desc.version != FRAME_VERSION:
+    try:  # a value whose comparison has no truth value (an array) is no version
+        wrong_version = bool(desc.version != FRAME_VERSION)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: version") from None
+    if wrong_version:
         raise _err("unsupported activation frame version")
+    if not isinstance(desc.parts, (list, tuple)):  # a dict or set is no list of parts
+        raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: parts")
     if not 1 <= len(desc.parts) <= MAX_PARTS:
         raise _err("activation frame part count is invalid")
     check_fields(desc)

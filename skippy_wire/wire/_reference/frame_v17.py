@@ -14,8 +14,9 @@ import struct
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
-from ..agreement import ActivationAgreement, Dynamic, Fixed, TOKENS
+from ..agreement import ActivationAgreement, ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
 from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
+from ..messages import wire_bool
 from . import frame_v16 as _v16
 
 MAX_PROFILES = 16
@@ -57,23 +58,48 @@ def _bytes_field(value, length: int, name: str) -> None:
         raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
 
 
+def _bool_field(value, name: str) -> None:
+    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (messages.wire_bool)
+        wire_bool(value)
+    except TypeError:
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}") from None
+
+
+def _list_field(value, name: str) -> None:
+    """A list (or tuple) of profiles or parts: a dict, a set or None is none."""
+    if not isinstance(value, (list, tuple)):
+        raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}")
+
+
+def _generation(agreement: ActivationAgreement) -> bytes:
+    """The generation's 16 bytes: the buffer's bytes, whatever its shape or element type."""
+    return bytes(memoryview(agreement.generation))
+
+
 def check_agreement_fields(agreement: ActivationAgreement) -> None:
     """Every field of ``agreement`` has its setup type (B.3): a caller's object is refused
     with InvalidInputError naming the field before any rule of B.5 runs."""
     _bytes_field(agreement.generation, GEN, "generation")
+    _list_field(agreement.profiles, "profiles")
     for i, p in enumerate(agreement.profiles):
         at = f"profiles[{i}]"
+        if not isinstance(p, ActivationProfile):
+            raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {at}")
         _int_field(p.id, 0, U32_MAX, f"{at}.id")
         for name in ("producer_stage_index", "layer_start", "layer_end"):
             _int_field(getattr(p, name), I32_MIN, I32_MAX, f"{at}.{name}")
         _bytes_field(p.frontier_identity, 32, f"{at}.frontier_identity")
         for name in ("max_tokens", "max_sequences"):
             _int_field(getattr(p, name), 0, U32_MAX, f"{at}.{name}")
+        _list_field(p.parts, f"{at}.parts")
         for j, part in enumerate(p.parts):
             where = f"{at}.parts[{j}]"
+            if not isinstance(part, ActivationPartProfile):
+                raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {where}")
             _bytes_field(part.identity, 32, f"{where}.identity")
             for name in ("ggml_type", "rank", "token_axis"):
                 _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
+            _bool_field(part.optional, f"{where}.optional")
             for k, d in enumerate(tuple(part.dimensions)):
                 for value in (d.value,) if isinstance(d, Fixed) else (d.min, d.max) if isinstance(d, Dynamic) else ():
                     _int_field(value, 0, U64_MAX, f"{where}.dimensions[{k}]")
@@ -81,7 +107,7 @@ def check_agreement_fields(agreement: ActivationAgreement) -> None:
 
 def validate_agreement(agreement: ActivationAgreement) -> None:
     check_agreement_fields(agreement)
-    if not any(agreement.generation) or len(agreement.profiles) > MAX_PROFILES:
+    if not any(_generation(agreement)) or len(agreement.profiles) > MAX_PROFILES:
         raise _err("invalid activation agreement")
     ids = set()
     for p in agreement.profiles:
@@ -151,7 +177,7 @@ def _first_match(agreement: ActivationAgreement, desc: ActivationFrameV16):
 
 
 def _header(agreement, profile, desc, mask: int, dynamic: list) -> bytes:
-    return _head.pack(bytes(agreement.generation), profile.id, desc.token_count, desc.sequence_count, mask) + b"".join(
+    return _head.pack(_generation(agreement), profile.id, desc.token_count, desc.sequence_count, mask) + b"".join(
         struct.pack("<Q", v) for v in dynamic)
 
 
@@ -199,7 +225,7 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
     validate_agreement(agreement)
     if len(view) < GEN:
         raise UnexpectedEofError()
-    if bytes(view[:GEN]) != bytes(agreement.generation):
+    if bytes(view[:GEN]) != _generation(agreement):
         raise _err("stale activation agreement")
     if len(view) < GEN + 4:
         raise UnexpectedEofError()
