@@ -80,7 +80,7 @@ def test_bench_backend_describes_itself_in_full(capsys):
      "argument --start: must be between 0 and 4294967295, got 0x100000000"),
     (["verify-exhaustive", "--samples", "-1"], "argument --samples: must be at least 0, got -1"),
     (["verify-exhaustive", "--start", "0xffffffff", "--limit", "2"], "--start 0xffffffff + --limit 2 go past 2^32"),
-    (["inspect", "--n-embd", "-5", "x.bin"], "argument --n-embd: must be at least 1, got -5"),
+    (["inspect", "--n-embd", "-5", "x.bin"], "argument --n-embd: must be between 1 and 2147483647, got -5"),
     (["cluster", "--hosts", "0"], "argument --hosts: must be at least 1, got 0"),
     (["cluster", "--delay-ms", "-1"], "argument --delay-ms: must be at least 0, got -1"),
     (["cluster", "--rate", "5foo"],
