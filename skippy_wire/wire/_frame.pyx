@@ -57,8 +57,8 @@ from .messages import (
     StageStateHeader,
     StageWireMessage,
     WireMessageKind,
-    out_of_range_error,
 )
+from .field_checks import out_of_range_error
 from .replies import (
     STATS_FIELDS,
     NativeMtpDraft,

@@ -56,17 +56,8 @@ from .constants import (
     MAX_STAGE_SIDEBAND_VALUES,
     MAX_STAGE_STATE_IMPORT_BYTES,
 )
-from .messages import (
-    SAMPLING_WIRE_ORDER,
-    LogitBias,
-    SamplingConfig,
-    StageStateHeader,
-    StageWireMessage,
-    f32_from_bits,
-    out_of_range_error,
-    wire_bool,
-    wire_int,
-)
+from .messages import SAMPLING_WIRE_ORDER, LogitBias, SamplingConfig, StageStateHeader, StageWireMessage, f32_from_bits
+from .field_checks import out_of_range_error, wire_bool, wire_int
 from . import _codec
 from . import _frame
 

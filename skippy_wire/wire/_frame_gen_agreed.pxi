@@ -53,7 +53,7 @@ cdef int _bytes_field(object value, Py_ssize_t length, str name) except -1:
 cdef int _bool_field(object value, str name) except -1:
     if type(value) is bool:
         return 0
-    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (messages.wire_bool)
+    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (field_checks.wire_bool)
         wire_bool(value)
     except TypeError:
         raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}") from None

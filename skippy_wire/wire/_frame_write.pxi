@@ -69,10 +69,10 @@ cdef class _Out:
 
 from cpython.bool cimport PyBool_Check
 
-from .messages import BOOL_TYPES, NOT_INT_LISTS, wire_bool
+from .field_checks import BOOL_TYPES, NOT_INT_LISTS, wire_bool
 
 # Wire integers accept ints and integer-likes (``__index__``: IntEnum, numpy ints), never
-# floats or bools (messages.wire_int); a value outside the wire type raises OverflowError,
+# floats or bools (field_checks.wire_int); a value outside the wire type raises OverflowError,
 # one of the wrong type TypeError (the caller names the field).
 cdef inline object _idx(object v):
     if PyLong_Check(v):  # ints and IntEnums as they are
@@ -83,7 +83,7 @@ cdef inline object _idx(object v):
 
 
 cdef inline uint32_t as_bool(object v) except? 0xFFFFFFFF:
-    """A wire boolean (messages.wire_bool): a bool, or an integer 0 or 1."""
+    """A wire boolean (field_checks.wire_bool): a bool, or an integer 0 or 1."""
     if v is True:
         return 1
     if v is False:
@@ -92,7 +92,7 @@ cdef inline uint32_t as_bool(object v) except? 0xFFFFFFFF:
 
 
 cdef inline uint32_t as_f32(object v) except? 0xFFFFFFFF:
-    """An f32 field's bits (messages.wire_f32): never a bool."""
+    """An f32 field's bits (field_checks.wire_f32): never a bool."""
     if type(v) is not float and isinstance(v, BOOL_TYPES):
         raise TypeError("a bool is not a wire f32")
     try:

@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import enum
 import numbers
-import operator
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Sized
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InvalidDataError, InvalidInputError
+from ..errors import InvalidDataError
 from .constants import (
     DECODED_MAX_TEXT,
     DEFAULT_DRY_SEQUENCE_BREAKERS,
     DEFAULT_SAMPLERS,
-    I32_MAX,
-    I32_MIN,
     MAX_STAGE_DECODED_ACTIVATION_BYTES,
     MAX_STAGE_DRY_SEQUENCE_BREAKERS,
     MAX_STAGE_LOGIT_BIAS,
@@ -43,7 +40,6 @@ from .constants import (
     STAGE_SAMPLING_CONFIG_BASE_BYTES,
     STAGE_STATE_VERSION,
     STAGE_WIRE_FIXED_HEADER_BYTES,
-    U32_MAX,
     U64_MAX,
     ActivationCodec,
     StateFlags,
@@ -165,45 +161,6 @@ def f32_bits(value: float) -> int:
             raise
         # |value| rounds beyond f32::MAX (a float, or an int beyond even f64): IEEE RNE gives infinity
         return 0xFF800000 if value < 0 else 0x7F800000
-
-
-#: Python's and numpy's booleans: a wire boolean (``ignore_eos``) only, never a wire
-#: integer or f32 (``kind=True`` is a mistake, not 1).
-BOOL_TYPES = (bool, np.bool_)
-#: Sequences whose items are ints but which are no list of tokens (nor a logit-bias pair):
-#: text and raw bytes (``memoryview(b"AB")`` is no [65, 66]).
-NOT_INT_LISTS = (str, bytes, bytearray, memoryview)
-
-
-def wire_int(value: Any) -> int:
-    """A wire integer's value: an int or an integer-like (``__index__``: IntEnum, numpy
-    ints), never a bool or a float (TypeError)."""
-    if isinstance(value, bool):
-        raise TypeError(f"a bool is not a wire integer: {value!r}")
-    return operator.index(value)
-
-
-def wire_bool(value: Any) -> int:
-    """A wire boolean as 0 or 1: a bool (Python's or numpy's) or an integer 0 or 1;
-    anything else (``"no"``, ``None``, 2, 1.0) is a TypeError."""
-    if isinstance(value, BOOL_TYPES):
-        return 1 if value else 0
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number not in (0, 1):
-        raise TypeError(f"not a wire boolean: {value!r}")
-    return number
-
-
-def wire_f32(value: Any) -> float:
-    """A value for an f32 field, unchanged: anything ``struct.pack("<f")`` takes but a
-    bool (TypeError).  A finite value beyond f32::MAX is kept (it is written as
-    infinity, IEEE round to nearest, as upstream's ``as f32``)."""
-    if isinstance(value, BOOL_TYPES):
-        raise TypeError(f"a bool is not a wire f32: {value!r}")
-    return value
 
 
 def f32_from_bits(bits: int) -> float:
@@ -484,9 +441,6 @@ def _nbytes(buf: Any) -> int:
     return memoryview(buf).nbytes
 
 
-# --- writer input validation shared by both implementations ------------------------------
-_I32_STATE = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
-              "decode_step", "current_token", "source_stage_index", "activation_codec")
 
 
 def fields_equal(a: Any, b: Any, *, as_list: tuple = (), as_bytes: tuple = ()) -> bool:
@@ -504,126 +458,9 @@ def fields_equal(a: Any, b: Any, *, as_list: tuple = (), as_bytes: tuple = ()) -
     return True
 
 
-def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -> InvalidInputError:
-    """The error naming the first ``(name, value, lo, hi)`` whose value is not an integer in
-    [lo, hi]; a generic one about ``what`` when every value fits.  A check whose value is a
-    ``str`` is a finished error text (a field of the wrong kind, found while listing)."""
-    try:
-        for check in checks:
-            if isinstance(check, str):
-                return InvalidInputError(check)
-            name, value, lo, hi = check
-            try:
-                fits = lo <= wire_int(value) <= hi
-            except TypeError:
-                fits = False
-            if not fits:
-                return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
-    except Exception as error:  # listing the fields failed: say where, never mask it with another
-        return InvalidInputError(f"{what} field does not fit its wire type ({type(error).__name__}: {error})")
-    return InvalidInputError(f"{what} field does not fit its wire type")
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def int_list_checks(name: str, values: Any, lo: int = I32_MIN, hi: int = I32_MAX):
-    """The checks of a list of wire integers (a text when ``values`` is not a list at all:
-    text, raw bytes, an iterator without a length)."""
-    if isinstance(values, NOT_INT_LISTS) or not isinstance(values, Iterable) or not isinstance(values, Sized):
-        yield f"{name} must be a sequence of ints, not {_type_name(values)}"
-        return
-    for value in values:
-        yield name, value, lo, hi
-
-
-def _sampling_checks(s: Any):
-    if not isinstance(s, SamplingConfig):
-        yield f"sampling must be a SamplingConfig or None, not {_type_name(s)}"
-        return
-    for name, code in SAMPLING_WIRE_ORDER:
-        value = getattr(s, name)
-        if code == "I":
-            yield f"sampling.{name}", value, 0, U32_MAX
-        elif code == "i":
-            yield f"sampling.{name}", value, I32_MIN, I32_MAX
-        elif code == "f" and (isinstance(value, BOOL_TYPES) or not isinstance(value, numbers.Real)):
-            yield f"sampling.{name} value {value!r} is not a number"
-        elif code == "B" and not _fits(wire_bool, value):
-            yield f"sampling.{name} value {value!r} is not a bool"
-        elif code == "L":
-            if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-                yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {_type_name(value)}"
-                return
-            for pair in list(value)[:MAX_STAGE_LOGIT_BIAS]:
-                if isinstance(pair, NOT_INT_LISTS) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
-                    yield f"sampling.logit_bias entry {pair!r} is not a (token_id, bias) pair"
-                    return
-                token, bias = pair
-                yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
-                if isinstance(bias, BOOL_TYPES) or not isinstance(bias, numbers.Real):
-                    yield f"sampling.logit_bias bias {bias!r} is not a number"
-        elif code == "S":
-            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-                yield f"sampling.{name} must be a list of strings, not {_type_name(value)}"
-                return
-            for item in value:
-                if not isinstance(item, str):
-                    yield f"sampling.{name} entry {item!r} is not a string"
-                elif not _utf8(item):
-                    yield f"sampling.{name} entry {item!r} is not UTF-8 text (a lone surrogate)"
-
-
-def _fits(convert, value: Any) -> bool:
-    """Whether ``convert(value)`` takes the value (a TypeError says it does not)."""
-    try:
-        convert(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _utf8(text: str) -> bool:
-    """Whether ``text`` has a UTF-8 form (an unpaired surrogate has none)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _message_checks(msg: Any):
-    yield "kind", msg.kind, I32_MIN, I32_MAX
-    yield "pos_start", msg.pos_start, I32_MIN, I32_MAX
-    yield "token_count", msg.token_count, I32_MIN, I32_MAX
-    if not isinstance(msg.state, StageStateHeader):
-        yield f"state must be a StageStateHeader, not {_type_name(msg.state)}"
-    for n in _I32_STATE:
-        yield f"state.{n}", getattr(msg.state, n), I32_MIN, I32_MAX
-    yield "request_id", msg.request_id, 0, U64_MAX
-    yield "session_id", msg.session_id, 0, U64_MAX
-    if msg.sampling is not None:
-        yield from _sampling_checks(msg.sampling)
-    metadata = msg.chat_sampling_metadata
-    if metadata is not None and not isinstance(metadata, str):
-        yield f"chat_sampling_metadata must be a str or None, not {_type_name(metadata)}"
-    elif metadata is not None and not _utf8(metadata):
-        yield "chat_sampling_metadata is not UTF-8 text (a lone surrogate)"
-    yield from int_list_checks("tokens", msg.tokens)
-    yield from int_list_checks("positions", msg.positions)
-
-
-def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
-    """Name the first field of ``msg`` the wire cannot represent (both implementations raise
-    this when a value does not fit its wire integer type, or is of the wrong kind)."""
-    return first_out_of_range(_message_checks(msg), "message")
-
-
 __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "fields_equal", "first_out_of_range", "int_list_checks", "out_of_range_error",
-    "BOOL_TYPES", "NOT_INT_LISTS", "wire_int", "wire_bool", "wire_f32",
+    "fields_equal",
 ]

@@ -12,7 +12,8 @@ from typing import ClassVar, Optional, Sequence
 
 from ..errors import InvalidInputError
 from .constants import I32_MAX, I32_MIN, I64_MAX, I64_MIN, STAGE_REPLY_STATS_COUNT
-from .messages import fields_equal, first_out_of_range, int_list_checks
+from .messages import fields_equal
+from .field_checks import first_out_of_range, int_list_checks
 
 
 class WireReplyKind(enum.IntEnum):

@@ -43,7 +43,6 @@ from ..constants import (
 from ..messages import (
     ACTIVATIONLESS_READ_KINDS,
     ACTIVATIONLESS_WRITE_KINDS,
-    NOT_INT_LISTS,
     SAMPLING_WIRE_ORDER,
     LogitBias,
     SamplingConfig,
@@ -52,11 +51,8 @@ from ..messages import (
     WireMessageKind,
     f32_bits,
     f32_from_bits,
-    out_of_range_error,
-    wire_bool,
-    wire_f32,
-    wire_int,
 )
+from ..field_checks import NOT_INT_LISTS, out_of_range_error, wire_bool, wire_f32, wire_int
 from ..replies import (
     NativeMtpDraft,
     StageReply,

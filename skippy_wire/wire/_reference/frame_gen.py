@@ -26,7 +26,8 @@ from ...errors import InvalidDataError, InvalidInputError, WireError
 from ..activation_frame import ActivationFrameV16
 from ..constants import ActivationCodec, CodecPolicy
 from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
-from ..messages import StageStateHeader, StageWireMessage, out_of_range_error, wire_int
+from ..messages import StageStateHeader, StageWireMessage
+from ..field_checks import out_of_range_error, wire_int
 from . import frame as _v15
 from .frame import Cursor, check_sideband_counts, read_sampling
 from .frame_v16 import (

@@ -16,7 +16,7 @@ from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..agreement import ActivationAgreement, ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
 from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
-from ..messages import wire_bool
+from ..field_checks import wire_bool
 from . import frame_v16 as _v16
 
 MAX_PROFILES = 16
@@ -59,7 +59,7 @@ def _bytes_field(value, length: int, name: str) -> None:
 
 
 def _bool_field(value, name: str) -> None:
-    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (messages.wire_bool)
+    try:  # a bool (Python's or numpy's) or 0 / 1, as a wire boolean (field_checks.wire_bool)
         wire_bool(value)
     except TypeError:
         raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {name}") from None
