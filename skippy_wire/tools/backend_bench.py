@@ -43,8 +43,8 @@ import numpy as np
 from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
-from skippy_wire.tools.bench_rows import cpu_model, progress
 from skippy_wire.stage.threads import oversubscription
+from skippy_wire.tools.bench_rows import cpu_model, progress
 from skippy_wire.tools.options import MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
 
 B = _ggml.load_backend()
