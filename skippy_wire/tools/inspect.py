@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="capture file, or - for stdin")
     direction = p.add_mutually_exclusive_group()
     direction.add_argument("--replies", action="store_true",
-                           help="the stream is READY + replies (default: detected from the bytes and the name)")
+                           help="the stream is replies: READY (v17: Offer and ready) then the replies (default: detected from the bytes and the name)")
     direction.add_argument("--messages", action="store_true",
                            help="the stream is stage messages (default: detected as for --replies)")
     p.add_argument("--n-embd", type=int_between(1, I32_MAX), default=None,
