@@ -130,7 +130,11 @@ def check_desc(desc: ActivationFrameV16) -> ActivationFrameV16:
 
 def validate_frame(desc: ActivationFrameV16, payload_len=None) -> ActivationFrameV16:
     """A.5 in its order; ``desc`` as the compiled twin reads it."""
-    desc = check_desc(desc)
+    return validate_layout(check_desc(desc), payload_len)
+
+
+def validate_layout(desc: ActivationFrameV16, payload_len=None) -> ActivationFrameV16:
+    """A.5 from the payload size on, for a ``desc`` that :func:`check_desc` gave."""
     if payload_len is not None:
         payload_len = operator.index(payload_len)
     if desc.payload_bytes > MAX_BYTES:
@@ -197,7 +201,11 @@ def part_wire_bytes(codec: int, p: ActivationPartV16, capped: bool = True) -> in
 
 def frame_wire_bytes(codec, desc: ActivationFrameV16) -> int:
     codec = codec_id(codec)
-    desc = validate_frame(desc)
+    return wire_bytes_of(codec, validate_frame(desc))
+
+
+def wire_bytes_of(codec: int, desc: ActivationFrameV16) -> int:
+    """A.6.1 for a validated ``desc`` (validate_frame's)."""
     total = HEADER + PART * len(desc.parts) + sum(part_wire_bytes(codec, p) for p in desc.parts)
     if total > MAX_BYTES:
         raise _err("activation frame wire byte count exceeds maximum")
@@ -243,8 +251,8 @@ def encode_frame(codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = codec_id(codec)
     desc = check_desc(desc)
     payload = _view(payload)
-    desc = validate_frame(desc, len(payload))
-    frame_wire_bytes(codec, desc)
+    validate_layout(desc, len(payload))
+    wire_bytes_of(codec, desc)
     return desc_bytes(desc) + encode_parts(codec, desc, payload)
 
 
@@ -291,7 +299,7 @@ def decode_frame(codec, data, version: int = 16):
     desc = validate_frame(desc)
     start = HEADER + PART * len(desc.parts)
     if version == 16:
-        if frame_wire_bytes(codec, desc) != len(data):
+        if wire_bytes_of(codec, desc) != len(data):
             raise _err("activation frame wire byte count mismatch")
     else:  # B.6.5: only the payload section is compared (part caps kept, no frame cap)
         if sum(part_wire_bytes(codec, p) for p in desc.parts) != len(data) - start:
@@ -318,16 +326,16 @@ def _lossless(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bool
 def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
     desc = check_desc(desc)
     payload = _view(payload)
-    desc = validate_frame(desc, len(payload))
+    validate_layout(desc, len(payload))
     allowed = {codec_id(c) for c in permitted}
     if RAW not in allowed:
         raise _err("lossless activation selection requires RawF32 fallback")
-    best, best_size = RAW, frame_wire_bytes(RAW, desc)
+    best, best_size = RAW, wire_bytes_of(RAW, desc)
     for codec in (BF16, F16, S8, RAW):
         if codec not in allowed:
             continue
         try:
-            size = frame_wire_bytes(codec, desc)
+            size = wire_bytes_of(codec, desc)
         except InvalidDataError:
             continue
         if size < best_size and _lossless(codec, desc, payload):

@@ -185,7 +185,7 @@ def agreed_wire_bytes(agreement: ActivationAgreement, codec, desc: ActivationFra
     codec = _v16.codec_id(codec)  # a caller's codec first, as the compiled twin converts it
     validate_agreement(agreement)
     desc = _v16.validate_frame(desc)
-    size = _v16.frame_wire_bytes(codec, desc)
+    size = _v16.wire_bytes_of(codec, desc)
     _profile, _mask, dynamic = _first_match(agreement, desc)
     return 30 + 8 * len(dynamic) + (size - _v16.HEADER - _v16.PART * len(desc.parts))
 
@@ -195,7 +195,7 @@ def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV1
     validate_agreement(agreement)
     desc = _v16.check_desc(desc)
     payload = _v16._view(payload)
-    desc = _v16.validate_frame(desc, len(payload))
+    _v16.validate_layout(desc, len(payload))
     profile, mask, dynamic = _first_match(agreement, desc)
     out = _header(agreement, profile, desc, mask, dynamic) + _v16.encode_parts(codec, desc, payload)
     if len(out) > _v16.MAX_BYTES:
