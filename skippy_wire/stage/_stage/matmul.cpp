@@ -76,13 +76,17 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
 static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register");
 
 struct paired_rows {
-    std::vector<float> d;      // [pair][block][16]
+    std::vector<float> d;      // side by side: [pair][block][16]
+    std::vector<float> dg;     // [group][block][COLS]
     std::vector<float> s;      // Q8_1: [group][block][COLS]
     std::vector<int8_t> qs;    // side by side: [pair][block][64]
     std::vector<int32_t> fix;  // VNNI, Q8_0: [pair][block][16]
 
     // The repeated block scales from row c0 (even) on, and likewise the Q8_0 starting sums.
     const float * scales_from(int64_t c0, int64_t nb) const { return d.data() + (c0 / 2) * nb * 16; }
+    // A group's block scales from row c0 (a multiple of COLS) on, likewise its Q8_1 sums.
+    const float * group_scales_from(int64_t c0, int64_t nb) const { return dg.data() + (c0 / COLS) * nb * COLS; }
+    const float * group_sums_from(int64_t c0, int64_t nb) const { return s.data() + (c0 / COLS) * nb * COLS; }
     const int32_t * fix_from(int64_t c0, int64_t nb) const { return fix.data() + (c0 / 2) * nb * 16; }
 };
 
@@ -91,7 +95,8 @@ paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by
     constexpr bool q8_1 = std::is_same_v<QBlock, block_q8_1_view>;
     const int64_t pairs = (n + 1) / 2, groups = (n + COLS - 1) / COLS;
     paired_rows p;
-    p.d.resize((size_t) (pairs * nb * 16));
+    if (side_by_side) p.d.resize((size_t) (pairs * nb * 16));
+    p.dg.assign((size_t) (groups * nb * COLS), 0.0f);
     if constexpr (q8_1) p.s.assign((size_t) (groups * nb * COLS), 0.0f);
     with_fix = with_fix && !q8_1;
     if (side_by_side) p.qs.resize((size_t) (pairs * nb * 2 * QK));
@@ -101,11 +106,15 @@ paired_rows pair_rows(const ggml_tensor * q, int64_t n, int64_t nb, bool side_by
         const auto * y = reinterpret_cast<const QBlock *>(static_cast<const char *>(q->data) + row * q->nb[1]);
         for (int64_t b = 0; b < nb; b++) {
             const size_t at = (size_t) ((pair * nb + b) * 16 + half * 8);
-            std::fill_n(&p.d[at], 8, f16_to_f32(y[b].d));
+            const size_t in_group = (size_t) (((c / COLS) * nb + b) * COLS + c % COLS);
+            if (c < n) p.dg[in_group] = f16_to_f32(y[b].d);
             if constexpr (q8_1) {
-                if (c < n) p.s[(size_t) (((c / COLS) * nb + b) * COLS + c % COLS)] = f16_to_f32(y[b].s);
+                if (c < n) p.s[in_group] = f16_to_f32(y[b].s);
             }
-            if (side_by_side) memcpy(&p.qs[at * 4], y[b].qs, QK);
+            if (side_by_side) {
+                std::fill_n(&p.d[at], 8, f16_to_f32(y[b].d));
+                memcpy(&p.qs[at * 4], y[b].qs, QK);
+            }
             if (with_fix) {
                 for (int lane = 0; lane < 8; lane++) {
                     const int8_t * v = y[b].qs + 4 * lane;
@@ -173,7 +182,7 @@ __attribute__((target(SKIPPY_AVX512_VNNI))) void q4_1_rows_paired(ggml_tensor * 
                                             0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
     const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
     const float * yd = p.scales_from(c0, nb);
-    const float * ys = p.s.data() + (c0 / COLS) * nb * COLS;
+    const float * ys = p.group_sums_from(c0, nb);
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q4_1_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         __m512 acc[NP];
