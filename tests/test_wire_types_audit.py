@@ -9,6 +9,8 @@ import array
 import ctypes
 import math
 import struct
+from decimal import Decimal
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -159,7 +161,8 @@ def test_ignore_eos_takes_a_bool_or_0_and_1(impl, value, word):
 
 
 @pytest.mark.parametrize("value, bits", [(1e300, 0x7F800000), (-1e39, 0xFF800000), (math.inf, 0x7F800000),
-                                         (float("nan"), 0x7FC00000), (np.float32(0.5), 0x3F000000), (2, 0x40000000)])
+                                         (float("nan"), 0x7FC00000), (np.float32(0.5), 0x3F000000), (2, 0x40000000),
+                                         (Decimal("-1e39"), 0xFF800000), (Fraction(10**50, 3), 0x7F800000)])
 def test_an_f32_field_takes_any_real_number(impl, value, bits):
     """A finite value beyond f32::MAX rounds to infinity (IEEE, as upstream's ``as f32``)."""
     data = sw.write_stage_message(_message(**{"sampling.temperature": value}), impl=impl)

@@ -156,10 +156,12 @@ def f32_bits(value: float) -> int:
         return value.bits
     try:
         return _unpack_I(_pack_f(value))[0]
-    except (OverflowError, struct.error):
-        if not isinstance(value, numbers.Real):
+    except (OverflowError, struct.error) as error:
+        # |value| rounds beyond f32::MAX (a float or a Decimal: OverflowError; an int beyond
+        # f32 or even f64: struct.error, as for a value of no number type): IEEE RNE gives
+        # infinity, as the compiled writer's conversion through a double does
+        if isinstance(error, struct.error) and not isinstance(value, numbers.Real):
             raise
-        # |value| rounds beyond f32::MAX (a float, or an int beyond even f64): IEEE RNE gives infinity
         return 0xFF800000 if value < 0 else 0x7F800000
 
 
