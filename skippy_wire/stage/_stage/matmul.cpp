@@ -70,13 +70,13 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 x) {
     return _mm_cvtss_f32(r);
 }
 
-// The activation rows prepared once per product for the kernels: per pair of rows (the last
-// row of an odd count paired with itself) and block, the two rows' block scales, each
-// repeated over its 8 lanes, and per group of COLS rows and block the rows' Q8_1 sums, so
-// that a block's scale products and sums take one vector operation instead of one scalar
-// operation per row.  For the 512-bit kernels (side_by_side) also the pair's 32 values
-// each (64 bytes), and for Q8_0 under VNNI (with_fix) per pair and block -128 x each lane's
-// sum of 4 values.
+// The activation rows prepared once per product for the kernels: per group of COLS rows
+// and block the rows' block scales and Q8_1 sums side by side, so that a block's scale
+// products and sums take one vector operation instead of one scalar operation per row.
+// For the 512-bit kernels (side_by_side), per pair of rows (the last row of an odd count
+// paired with itself) and block, the two rows' block scales, each repeated over its 8
+// lanes, and their 32 values each (64 bytes); for Q8_0 under VNNI (with_fix) per pair and
+// block -128 x each lane's sum of 4 values.
 static_assert(COLS == 4, "a group's Q8_1 sums fill one 128-bit register");
 
 struct paired_rows {
@@ -137,7 +137,7 @@ __attribute__((target("avx2,f16c"))) inline __m128 scale_and_min(const block_q4_
     return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
 }
 
-// Row c's 8 lanes of block b among the prepared rows from c0 (p.d, p.fix).
+// Row c's 8 lanes of block b among the prepared rows from c0 (p.fix).
 template <typename T> inline const T * row_lanes(const T * d, int64_t nb, int64_t c, int64_t b) {
     return d + ((c / 2) * nb + b) * 16 + (c % 2) * 8;
 }
@@ -222,7 +222,7 @@ __attribute__((target(SKIPPY_AVX512_VNNI))) void q8_0_rows_paired(ggml_tensor * 
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t * qs = p.qs.data() + (c0 / 2) * nb * 2 * QK;
     const float * yd = p.scales_from(c0, nb);
-    const int32_t * fix = p.fix.data() + (c0 / 2) * nb * 16;
+    const int32_t * fix = p.fix_from(c0, nb);
     for (int64_t r = r0; r < r1; r++) {
         const auto * x = reinterpret_cast<const block_q8_0_view *>(static_cast<const char *>(w->data) + r * w->nb[1]);
         prefetch_ahead(x, w->nb[1]);
