@@ -19,14 +19,19 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError, StageError
-from skippy_wire.net.admission import LaneGate, max_message_bytes
+from skippy_wire.net.admission import LaneGate, StageLimits, max_message_bytes
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import LinkProtocol
+from skippy_wire.net.server import StageServer
 from skippy_wire.net.supervision import launch_pipeline
 from skippy_wire.net.tls import TLS_CLIENT_ON_PLAIN_STAGE, TlsConfig
 from skippy_wire.net.transport import Peer
+from skippy_wire.tools.serve import stage_config
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.messages import StageWireMessage
+
+from test_server import PROMPT as FAKE_PROMPT
+from test_server import FakeBackend, fake_reference
 
 PROMPT = [1, 10, 20, 30, 40, 50, 60, 70, 80]
 MAX_TOKENS = 6
@@ -299,6 +304,26 @@ def certs(tmp_path_factory):
     return {"node": TlsConfig(str(d / "node.pem"), str(d / "node.key"), str(d / "ca.pem")),
             "stranger": TlsConfig(str(d / "stranger.pem"), str(d / "stranger.key"), str(d / "ca.pem")),
             "ca": str(d / "ca.pem")}
+
+
+def test_a_mutual_tls_connection_counts_once_against_the_connection_limit(certs):
+    """The TLS socket replaces the plain one it wraps: two idle TLS connections at a limit
+    of 2 are both kept (each used to count twice, so the second shed the first)."""
+    tls = certs["node"]
+    server = StageServer(FakeBackend(0, 6), stage_config(0, 0, 6, "raw-f32-v1", "fixed"), io_timeout=5.0,
+                         reply_timeout=5.0, tls=tls, limits=StageLimits(max_connections=2))
+    server.start()
+    try:
+        with PipelineClient(*server.address, timeout=10, tls=tls) as first, \
+                PipelineClient(*server.address, timeout=10, tls=tls) as second:
+            assert _wait_for(lambda: len(server._connections) == 2, 5)
+            time.sleep(0.2)
+            assert server.connection_limit.shed_count == 0
+            for session_id, client in enumerate((first, second), 1):
+                assert client.generate(FAKE_PROMPT, max_tokens=3, chunk_size=4, session_id=session_id).tokens \
+                    == fake_reference(FAKE_PROMPT, 3)
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow

@@ -241,7 +241,8 @@ class StageServer:
         try:
             if self._tls_server is not None:
                 upstream = Peer(accept_tls(sock, self._tls_server, self.io_timeout))
-                with self._conn_lock:  # the wrapped socket replaces the plain one (shutdown())
+                with self._conn_lock:  # the wrapped socket replaces the plain one (the limit, shutdown())
+                    self._connections.discard(sock)
                     self._connections.add(upstream.sock)
                 quiet(seq, upstream.sock)
             if self.config.stage_index > 0:
