@@ -24,6 +24,7 @@ import pytest
 
 from skippy_wire.errors import PipelineError
 from skippy_wire.net import connlog
+from skippy_wire.net.admission import StageLimits
 from skippy_wire.net.connlog import LOG_BURST, LOG_RATE, MAX_PEER_TEXT, ConnectionLog, peer_text
 from skippy_wire.net.driver import PipelineClient, decode_message, prefill_messages
 from skippy_wire.net.protocol_io import LinkProtocol
@@ -31,6 +32,8 @@ from skippy_wire.net.server import StageServer
 from skippy_wire.net.supervision import StageProcess, stage_env
 from skippy_wire.net.transport import Peer, connect
 from skippy_wire.tools.serve import stage_config
+from skippy_wire.wire.constants import READY_BYTES
+from skippy_wire.wire.frame import write_stage_message
 from skippy_wire.wire.messages import StageWireMessage
 from skippy_wire.wire.setup import SETUP_MAGIC, STAGE_PROTOCOL_GENERATION, SetupRole
 
@@ -204,6 +207,50 @@ def test_a_v17_stage_takes_only_the_links_of_its_place(caplog):
             assert client.generate(FAKE_PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(FAKE_PROMPT, 3)
     finally:
         _shutdown(servers)
+
+
+# --- a peer that does not read its replies ------------------------------------------------------
+
+
+def _stalled_non_reader(address) -> socket.socket:
+    """A connection that sends Stops for a session nobody holds and reads none of the Acks,
+    until the stage's sends to it are stuck (it no longer reads either)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address)
+    sock.settimeout(5)
+    assert sock.recv(4) == READY_BYTES
+    stops = write_stage_message(StageWireMessage.stop(9, 9)) * 512
+    sock.setblocking(False)
+    deadline, stuck = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        try:
+            sock.send(stops)
+            stuck = None
+        except BlockingIOError:
+            stuck = stuck or time.monotonic()
+            if time.monotonic() - stuck > 0.5:
+                return sock
+            time.sleep(0.02)
+    raise AssertionError("the stage kept reading")
+
+
+def test_a_peer_that_reads_no_replies_is_shed_like_an_idle_one(caplog):
+    """A connection holding no session whose reply waits for a peer that does not read is
+    quiet: at the connection limit a newcomer closes it instead of being refused for up to
+    the io timeout."""
+    server = StageServer(FakeBackend(0, 6, 0), stage_config(0, 0, 6, "raw-f32-v1", "fixed"), io_timeout=30.0,
+                         reply_timeout=5.0, limits=StageLimits(max_connections=1))
+    server.start()
+    stalled = _stalled_non_reader(server.address)
+    try:
+        with caplog.at_level(logging.WARNING, logger=SERVER_LOG):
+            with PipelineClient(*server.address, timeout=10) as client:
+                assert client.generate(FAKE_PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(FAKE_PROMPT, 3)
+        assert "to make room" in caplog.text and "refused" not in caplog.text
+    finally:
+        stalled.close()
+        server.shutdown()
 
 
 # --- a failing accept --------------------------------------------------------------------------

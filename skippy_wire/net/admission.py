@@ -172,9 +172,10 @@ class SessionAdmission:
 class ConnectionLimit:
     """``limit`` connections at once.  At the limit a new connection sheds the one quiet
     longest (:meth:`quiet`: holding no session and executing no message, so idle, in its
-    setup or with a message still arriving), else it is refused and closed; both are logged
-    at most one line a second, with the running counts.  Idle peers thus cannot lock users
-    out until their idle timeout, and a connection serving a session is never shed."""
+    setup, with a message still arriving or a reply its peer does not read), else it is
+    refused and closed; both are logged at most one line a second, with the running counts.
+    Idle peers thus cannot lock users out until their idle timeout, and a connection serving
+    a session is never shed."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -274,11 +274,11 @@ class StageServer:
                         self.clog.info("%s: downstream had closed the idle link; reconnected", name)
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
-                # A peer that stops reading its replies stalls like one that stops writing.
+                # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
                 upstream.sock.settimeout(self.io_timeout)
-                upstream.send(reply)
                 if not sessions:
                     quiet(seq, upstream.sock)
+                upstream.send(reply)
                 session = sessions.get(msg.session_id)
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
