@@ -371,6 +371,14 @@ def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
 
 
+def test_health_is_open_under_either_of_its_paths():
+    """/v1/health, the same route, asked for the key that /health does not need."""
+    with TestClient(_fake_api(api_key="s3cret").app()) as client:
+        for path in ("/health", "/v1/health"):
+            r = client.get(path)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, path
+
+
 def _post_raw(url: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = _connect(url)

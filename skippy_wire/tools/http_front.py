@@ -17,8 +17,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-#: Routes open without the API key (as llama-server keeps its health check open).
-PUBLIC_PATHS = frozenset({"/health"})
+#: Routes open without the API key (as llama-server keeps its health check open, with and
+#: without the /v1 prefix, as the route answers).
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
