@@ -51,6 +51,19 @@ def test_every_response_carries_a_request_id_as_openai_sends_it():
         assert r.headers["x-request-id"].startswith("req_")
 
 
+def test_the_refusals_before_the_routes_carry_a_request_id_too():
+    """A page's refused origin, a refused preflight and a request with both body lengths
+    were answered without one."""
+    with TestClient(_fake_api(cors_origins=(PAGE,)).app()) as client:
+        refusals = [client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://other.example"}),
+                    client.options("/v1/completions", headers={"Origin": "http://other.example",
+                                                               "Access-Control-Request-Method": "POST"}),
+                    client.post("/v1/completions", content=b"{}",
+                                headers={"Content-Length": "2", "Transfer-Encoding": "chunked"})]
+        for r in refusals:
+            assert r.status_code in (400, 403) and r.headers["x-request-id"].startswith("req_"), r.text
+
+
 class DroppingTokenizer(FakeTokenizer):
     """As the real vocabulary drops a byte it lacks (b'\\x04'), and with it a whole prompt."""
 

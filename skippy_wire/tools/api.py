@@ -125,13 +125,14 @@ class Api:
             Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        # CORS before the key: a browser's preflight carries none.
-        middleware = [Middleware(RefuseAmbiguousLength)]
+        # The request id outermost, on the other middleware's refusals too; CORS before the
+        # key: a browser's preflight carries none.
+        middleware = [Middleware(RequestIds), Middleware(RefuseAmbiguousLength)]
         if self.cors_origins:
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.cors_origins),
                                          allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
                                          expose_headers=CORS_EXPOSED))
-        middleware += [Middleware(RefuseForeignOrigins, allowed=self.cors_origins), Middleware(RequestIds)]
+        middleware.append(Middleware(RefuseForeignOrigins, allowed=self.cors_origins))
         if self.api_key:
             middleware.append(Middleware(RequireApiKey, key=self.api_key))
         app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
