@@ -336,6 +336,22 @@ def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed()
     assert answer.count(b"HTTP/1.1 ") == 1  # the request behind it was not served
 
 
+@pytest.mark.parametrize("request_head", [b"GARBAGE\r\n\r\n", b"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+                                          b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n"])
+def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head):
+    """uvicorn answered it ``text/plain`` "Invalid HTTP request received."."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+        s = _connect(url)
+        s.sendall(request_head)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
 def test_the_bodies_being_received_share_one_budget(monkeypatch):
     monkeypatch.setattr(http_front, "MAX_BUFFERED_BODY_BYTES", 1000)
     with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:

@@ -252,6 +252,17 @@ class IdleSheddingProtocol(H11Protocol):
         self.connections.discard(self)  # counted out now, not when the loop gets to it
         self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
+        error object where uvicorn sends ``text/plain``; the connection then closes."""
+        body = json.dumps(error_object(msg)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
 
 async def json_body(request: Request) -> dict | Response:
     """The request's body as a JSON object, or the error response that says why it is not one."""
