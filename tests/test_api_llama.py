@@ -93,6 +93,18 @@ def test_a_batch_of_prompts_gives_a_list_in_order():
     assert [b["tokens_evaluated"] for b in body] == [3, 5]
 
 
+def test_n_cmpl_asks_for_that_many_completions_of_each_prompt():
+    """llama-server's n_cmpl (n its fallback) was read and ignored: one completion came back."""
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine, max_inflight=2).app()) as client:
+        body = _post(client, {"prompt": ["one", "three"], "n_cmpl": 2}).json()
+        assert [(b["index"], b["tokens_evaluated"]) for b in body] == [(0, 3), (1, 3), (2, 5), (3, 5)]
+        assert len(_post(client, {"prompt": "one", "n": 3}).json()) == 3
+        reply = _post(client, {"prompt": "one", "n_cmpl": 0})
+        assert reply.status_code == 400 and "n_cmpl" in reply.json()["error"]["message"]
+    assert sorted(engine.prompts) == ["one"] * 5 + ["three"] * 2
+
+
 def test_bad_requests_get_llama_servers_error_objects():
     # the checks of the OpenAI routes, answered as llama-server answers: the status as the code
     with TestClient(_fake_api(ScriptedEngine()).app()) as client:

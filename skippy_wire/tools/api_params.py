@@ -312,7 +312,9 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
-    n = _number(body, "n", 1, 1, MAX_PROMPTS, integer=True)
+    # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
+    n = _number(body, "n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS,
+                integer=True)
     return Options(max_tokens, sampling, stop, stream, include_usage, n)
 
 
