@@ -202,13 +202,17 @@ class StateVersionMismatch(StageError):
     """The peer of a connection speaks another stage state version (15, 16 or 17).
 
     ``peer`` is the peer's version (None when it could only be narrowed down, see
-    ``peer_text``), ``own`` this side's; the message names both."""
+    ``peer_text``), ``own`` this side's; the message names both.  A peer that names this
+    side's own version refused what this side sent as of another one."""
 
     def __init__(self, peer, own: int, *, peer_text: str | None = None, who: str = "peer",
                  me: str = "this stage") -> None:
         self.peer, self.own = peer, own
         self.peer_text = peer_text or f"state version {peer}"
-        super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
+        if peer == own:
+            super().__init__(f"{who} refused what {me} sent as not of state version {own}, which both speak")
+        else:
+            super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
 
 
 class TlsRequired(StageError):

@@ -277,3 +277,19 @@ def test_v17_connect_and_close_is_not_an_error(chains, caplog):
         text = _logged_after(caplog, "before its setup")
     assert "closed by peer before its setup" in text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(chains):
+    # The stage answers with a notice naming its own version, which is the driver's too:
+    # "speaks state version 17, this driver speaks state version 17" named no difference.
+    from skippy_wire.net.driver import decode_message
+    from skippy_wire.wire.protocol import WireProtocol
+
+    servers = chains(17)
+    host, port = servers[0].address
+    with PipelineClient(host, port, timeout=10, protocol=17) as client:
+        with pytest.raises(PipelineError) as info:
+            client.send_bytes(WireProtocol(15).write(decode_message(5, 0, 0, 1, 7, 7)), "DecodeEmbd")
+            client.receive("DecodeEmbd")
+    assert str(info.value) == (f"stage 0 at {host}:{port} refused what this driver sent as not of state version 17, "
+                               "which both speak")
