@@ -346,6 +346,8 @@ def test_full_queue_gets_503_with_retry_after():
             assert busy.status_code == 503
             assert busy.headers["retry-after"] == "1"
             assert busy.json()["error"]["code"] == "queue_full"
+            assert busy.json()["error"]["message"] == ("every lane is busy (1 of 1) and the queue is full "
+                                                       "(0 of 0 requests); retry later")
         # The lane is free again once the server has seen the stream go (it cancels the
         # request at its next step, then frees the session on every stage).
         deadline = time.monotonic() + 20

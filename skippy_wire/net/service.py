@@ -446,8 +446,8 @@ class Admission:
             self.running += 1
             ticket.set_result(None)
         elif len(self._queue) >= self.max_queue:
-            raise QueueFullError(f"all {self.max_inflight} lanes are busy and {len(self._queue)} requests are "
-                                 "queued; retry later")
+            raise QueueFullError(f"every lane is busy ({self.running} of {self.max_inflight}) and the queue is full "
+                                 f"({len(self._queue)} of {self.max_queue} requests); retry later")
         else:
             self._queue.append(ticket)
         return ticket
