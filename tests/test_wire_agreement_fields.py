@@ -225,3 +225,43 @@ def test_reframing_a_frame_shorter_than_its_headers_is_a_size_mismatch(cut):
     want = (InvalidDataError, "activation frame wire byte count mismatch")
     for impl in IMPLS:
         assert _outcome(lambda: kernels(impl).agreed_reframe(AGREEMENT, DESC, frame)) == want, impl
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_client_compares_the_offered_contract_by_value_not_container(impl):
+    """B.4.1 step 5 is structural equality of the values: an output profile built in code
+    with a list of dimensions and a bytearray identity is the contract the peer echoes
+    back (the parsed Offer has tuples and bytes); it read "peer changed the offered output
+    contract"."""
+    import socket
+    import threading
+
+    from skippy_wire.wire.agreement import ActivationPartProfile, ActivationProfile
+    from skippy_wire.wire.setup import StagePeer, StageSetupConfig, client_setup, server_setup
+
+    def output():
+        part = ActivationPartProfile(bytearray(b"\x01" * 32), 0, 2, 1, False, [Fixed(4), TOKENS, Fixed(1), Fixed(1)])
+        return ActivationProfile(1, 0, 0, 4, b"\x03" * 32, 32, 8, [part])
+
+    sender = StageSetupConfig("r", "p", "m", "s0", 0, 0, 4, downstream=StagePeer("s1", 1))
+    receiver = StageSetupConfig("r", "p", "m", "s1", 1, 4, 8, upstream=StagePeer("s0", 0))
+    client_sock, server_sock = socket.socketpair()
+    served: dict = {}
+
+    def serve():
+        try:
+            served["result"] = server_setup(server_sock, receiver, output(), timeout=5, impl=impl)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            served["result"] = exc
+        server_sock.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        agreement = client_setup(client_sock, "Activation", sender, output(), timeout=5, impl=impl)
+    finally:
+        client_sock.close()
+        thread.join(10)
+    role, installed = served["result"]
+    assert agreement.generation == installed.generation
+    assert agreement.profiles[0].to_json() == output().to_json()

@@ -328,7 +328,9 @@ def _client(t: _Transport, role: SetupRole, config, output, impl) -> ActivationA
         if offered.max_tokens > output.max_tokens or offered.max_sequences > output.max_sequences:
             raise SetupError("peer widened the offered count limits")
         expected = [dataclasses.replace(output, max_tokens=offered.max_tokens, max_sequences=offered.max_sequences)]
-    if agreement.profiles != expected:
+    # structural equality of the values (B.4.1 step 5), whatever containers the caller's
+    # profile uses (a list of dimensions, a bytearray identity): compare the JSON forms
+    if [p.to_json() for p in agreement.profiles] != [p.to_json() for p in expected]:
         raise SetupError("peer changed the offered output contract")
     if config is not None:
         receiver = offer.receiver
