@@ -495,3 +495,22 @@ def test_unrepresentable_arguments_are_value_errors():
             call()
         assert isinstance(info.value, ValueError) and isinstance(info.value, StageRuntimeError)
     assert FAKE.calls == [] and session.token_count == 0
+
+
+def test_arguments_that_are_not_integers_are_argument_errors():
+    # A float is not truncated into a token id, a string is not parsed as one.
+    session = open_stage().create_session()
+    for call in (lambda: session.prefill_chunk_frame([1.5]),
+                 lambda: session.prefill_chunk_frame(["1"]),
+                 lambda: session.decode_step_frame(None),
+                 lambda: session.prefill_chunk_frame_with_positions([1], [0.0]),
+                 lambda: session.trim_session("0"),
+                 lambda: decode_step_frame_batch_sampled_request(session, "5")):
+        with pytest.raises(rt.StageArgumentError, match="must be an integer, not"):
+            call()
+    assert FAKE.calls == [] and session.token_count == 0
+
+
+def decode_step_frame_batch_sampled_request(session, token_id, **kwargs):
+    return rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(session, token_id, **kwargs)])
+

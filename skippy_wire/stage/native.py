@@ -8,6 +8,7 @@ result objects with named fields; this module holds the policy upstream puts aro
 
 from __future__ import annotations
 
+import operator
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
@@ -47,15 +48,23 @@ def checked_add(count: int, delta: int) -> int:
     return updated
 
 
+def _integer(value: Any, what: str) -> int:
+    # operator.index, not int(): a float or a numeric string is not silently truncated.
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise StageArgumentError(f"{what} must be an integer, not {type(value).__name__}") from None
+
+
 def to_i32(value: Any, what: str) -> int:
-    number = int(value)
+    number = _integer(value, what)
     if not I32_MIN <= number <= I32_MAX:
         raise StageArgumentError(f"{what} {number} does not fit in i32")
     return number
 
 
 def to_count(value: Any, what: str) -> int:
-    number = int(value)
+    number = _integer(value, what)
     if not 0 <= number <= U64_MAX:
         raise StageArgumentError(f"{what} {number} is not a valid unsigned count")
     return number
