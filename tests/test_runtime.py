@@ -514,3 +514,13 @@ def test_arguments_that_are_not_integers_are_argument_errors():
 def decode_step_frame_batch_sampled_request(session, token_id, **kwargs):
     return rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(session, token_id, **kwargs)])
 
+
+def test_output_capacities_beyond_a_buffer_are_argument_errors():
+    session = open_stage().create_session()
+    with pytest.raises(rt.StageArgumentError, match="exceeds the largest buffer"):
+        session.prefill_chunk_frame([1], output_capacity=2**63)
+    # the native decode batch path checks its capacities as the single calls do
+    for capacity in (-1, 2**64 - 1):
+        with pytest.raises(rt.StageArgumentError, match="output capacity"):
+            decode_step_frame_batch_sampled_request(session, 5, output_capacity=capacity)
+    assert FAKE.calls == [] and session.token_count == 0

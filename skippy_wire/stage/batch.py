@@ -23,6 +23,7 @@ from .native import (
     default_backend,
     output_frame,
     raw_input,
+    to_capacity,
     to_i32,
     to_positions,
     to_tokens,
@@ -264,7 +265,7 @@ def _decode_batch_native(requests: List[DecodeFrameBatchRequest], packed: bool) 
         result = with_output_capacity(
             lambda capacities: lib.decode_step_frame_batch_sampled(
                 sessions, token_ids, samplings, descs_in, payloads_in, capacities, len(requests)),
-            [request.output_capacity for request in requests],
+            [to_capacity(request.output_capacity) for request in requests],
         )
     except StageRuntimeError as error:
         if error.status == Status.BUFFER_TOO_SMALL:

@@ -9,6 +9,7 @@ result objects with named fields; this module holds the policy upstream puts aro
 from __future__ import annotations
 
 import operator
+import sys
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
@@ -67,6 +68,14 @@ def to_count(value: Any, what: str) -> int:
     number = _integer(value, what)
     if not 0 <= number <= U64_MAX:
         raise StageArgumentError(f"{what} {number} is not a valid unsigned count")
+    return number
+
+
+def to_capacity(value: Any) -> int:
+    """An output buffer size in bytes: an unsigned count no larger than a buffer can be."""
+    number = to_count(value, "output capacity")
+    if number > sys.maxsize:
+        raise StageArgumentError(f"output capacity {number} exceeds the largest buffer ({sys.maxsize} bytes)")
     return number
 
 
@@ -131,5 +140,5 @@ def retry_with_required_capacity(fn: Callable[..., Result], *args: Any, **kw: An
 
 __all__ = [
     "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "output_frame", "raw_input",
-    "retry_with_required_capacity", "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
+    "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
 ]

@@ -48,6 +48,7 @@ from .native import (
     default_backend,
     output_frame,
     raw_input,
+    to_capacity,
     to_count,
     to_i32,
     to_positions,
@@ -232,7 +233,7 @@ class StageSession(_NativeHandle):
 
     def _with_capacity(self, call: Any, output_capacity: int) -> Any:
         """``call(capacity)`` with the BUFFER_TOO_SMALL retry (``native.with_output_capacity``)."""
-        return with_output_capacity(call, to_count(output_capacity, "output capacity"))
+        return with_output_capacity(call, to_capacity(output_capacity))
 
     @property
     def native_session(self) -> Any:
