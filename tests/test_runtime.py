@@ -524,3 +524,11 @@ def test_output_capacities_beyond_a_buffer_are_argument_errors():
         with pytest.raises(rt.StageArgumentError, match="output capacity"):
             decode_step_frame_batch_sampled_request(session, 5, output_capacity=capacity)
     assert FAKE.calls == [] and session.token_count == 0
+
+
+def test_open_options_that_are_not_i32_integers_are_argument_errors():
+    for kwargs in ({"ctx_size": 2**31}, {"lane_count": 2**32}, {"n_batch": 2**40}, {"stage_index": 2**31},
+                   {"n_threads": 2**31}, {"layer_start": None}, {"layer_start": "0"}, {"layer_end": 2.0}):
+        layer_start, layer_end = kwargs.pop("layer_start", 0), kwargs.pop("layer_end", None)
+        with pytest.raises(rt.StageArgumentError):
+            open_stage(layer_start, layer_end, **kwargs)

@@ -108,9 +108,15 @@ class StageModel(_NativeHandle):
 
         ``ctx_size`` is the per-lane token capacity, ``lane_count`` the number of sessions
         the model can host at once, ``n_threads=None`` lets the backend choose.
-        ``backend`` substitutes the native module (tests).  Raises ``StageRuntimeError``
+        ``backend`` substitutes the native module (tests).  An option that is not an i32
+        integer is a ``StageArgumentError``.  Raises ``StageRuntimeError``
         (``.status`` INVALID_ARGUMENT / IO_ERROR / MODEL_ERROR from native).
         """
+        stage_index, layer_start = to_i32(stage_index, "stage_index"), to_i32(layer_start, "layer_start")
+        ctx_size, lane_count = to_i32(ctx_size, "ctx_size"), to_i32(lane_count, "lane_count")
+        n_batch = to_i32(n_batch, "n_batch")
+        layer_end = None if layer_end is None else to_i32(layer_end, "layer_end")
+        n_threads = None if n_threads is None else to_i32(n_threads, "n_threads")
         if layer_end is not None and layer_start >= layer_end:
             raise StageRuntimeError("layer_start must be less than layer_end")
         if layer_start < 0:
