@@ -112,6 +112,14 @@ def test_bad_model_files(tmp_path, tiny_path):
     assert e.value.status == Status.INVALID_ARGUMENT
 
 
+def test_more_threads_than_ggml_can_run_is_an_invalid_argument(tiny_path):
+    # ggml aborts the whole process when it cannot start a worker; 10**6 threads never start.
+    for n_threads in (513, 10**6):
+        with pytest.raises(StageRuntimeError) as e:
+            B.Model(tiny_path, n_threads=n_threads)
+        assert e.value.status == Status.INVALID_ARGUMENT and f"n_threads {n_threads}" in e.value.message
+
+
 def test_unknown_architecture(tmp_path):
     p = tmp_path / "other.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")

@@ -78,7 +78,8 @@ enum skippy_status skippy_model_open(const char * path, const struct skippy_stag
                     strf("config struct_size %u, expected %zu", config->struct_size, sizeof(skippy_stage_config)));
     }
     if (config->ctx_size == 0 || config->ctx_size > (1u << 24) || config->lane_count == 0 ||
-        config->lane_count > 1024 || config->n_batch == 0 || config->n_threads < 0 || config->stage_index < 0) {
+        config->lane_count > 1024 || config->n_batch == 0 || config->n_threads < 0 ||
+        config->n_threads > GGML_MAX_N_THREADS || config->stage_index < 0) {
         return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT,
                     strf("invalid config: ctx_size %u, lane_count %u, n_batch %u, n_threads %d, stage_index %d",
                          config->ctx_size, config->lane_count, config->n_batch, config->n_threads, config->stage_index));

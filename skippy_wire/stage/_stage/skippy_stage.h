@@ -69,8 +69,9 @@
  *    sample_last on a terminal stage, in request order.
  * 8. Lifetime: a session keeps its model alive; skippy_model_free and skippy_session_free may
  *    come in any order (the model is destroyed with its last handle).
- *    Threads: n_threads 0 = physical cores; graphs under ~4M weight multiply-adds run on
- *    one thread (ggml's spinning barriers cost more than they save there).  One model
+ *    Threads: n_threads 0 = physical cores, at most GGML_MAX_N_THREADS (512, INVALID_ARGUMENT
+ *    above: ggml aborts the process when it cannot start a worker); graphs under ~4M weight
+ *    multiply-adds run on one thread (ggml's spinning barriers cost more than they save there).  One model
  *    serialises its computes with an internal mutex; different models (stages) run in
  *    parallel.  One call per session at a time.  The last built graph is reused while its
  *    shape (session, rows, KV length padded to 64 cells, logit rows) holds.
