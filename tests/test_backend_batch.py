@@ -120,6 +120,12 @@ def test_more_threads_than_ggml_can_run_is_an_invalid_argument(tiny_path):
         assert e.value.status == Status.INVALID_ARGUMENT and f"n_threads {n_threads}" in e.value.message
 
 
+def test_a_layer_range_to_the_end_is_reported_with_its_end(tiny_path):
+    with pytest.raises(StageRuntimeError) as e:
+        B.Model(tiny_path, layer_start=4, layer_end=-1)
+    assert e.value.message == "invalid layer range [4, 4) for a model with 4 layers"
+
+
 def test_unknown_architecture(tmp_path):
     p = tmp_path / "other.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")

@@ -168,8 +168,8 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     m->layer_end = cfg->layer_end < 0 ? m->n_layer : cfg->layer_end;
     if (m->layer_start < 0 || m->layer_start >= m->layer_end || m->layer_end > m->n_layer) {
         return err(SKIPPY_STATUS_INVALID_ARGUMENT,
-                   strf("invalid layer range [%d, %d) for a model with %d layers", cfg->layer_start,
-                        cfg->layer_end, m->n_layer));
+                   strf("invalid layer range [%d, %d) for a model with %d layers", m->layer_start,
+                        m->layer_end, m->n_layer));
     }
     m->is_source = m->layer_start == 0;
     m->is_terminal = m->layer_end == m->n_layer;
