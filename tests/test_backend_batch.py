@@ -126,6 +126,17 @@ def test_a_layer_range_to_the_end_is_reported_with_its_end(tiny_path):
     assert e.value.message == "invalid layer range [4, 4) for a model with 4 layers"
 
 
+def test_an_optional_input_part_is_named_in_the_refusal(tiny_path):
+    a = open_model(tiny_path, layer_end=2)
+    b = open_model(tiny_path, layer_start=2, stage_index=1)
+    d, p, _ = run_prefill(a.create_session(), [1, 2])
+    optional = bytearray(d)
+    struct.pack_into("<I", optional, 72 + 44, 1)  # parts[0].flags = ACTIVATION_PART_OPTIONAL
+    status, message = status_of(b.create_session().prefill_chunk_frame, [1, 2], input_desc=bytes(optional),
+                                input_payload=p)
+    assert status == Status.INVALID_ARGUMENT and message.endswith("offset 0, flags 1)")
+
+
 def test_unknown_architecture(tmp_path):
     p = tmp_path / "other.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")

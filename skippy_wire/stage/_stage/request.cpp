@@ -67,8 +67,11 @@ result validate_request(const skippy_session * s, const int32_t * tokens, size_t
         p.dimensions[0] != m->n_embd || p.dimensions[1] != (int64_t) n || p.byte_strides[0] != 4 ||
         p.byte_strides[1] != 4ull * (uint64_t) m->n_embd || p.payload_offset != 0 || p.payload_bytes != expect) {
         return err(SKIPPY_STATUS_INVALID_ARGUMENT,
-                   strf("activation part must be F32 [%d, %zu] token-major (type %u, rank %u, dims [%lld, %lld])",
-                        m->n_embd, n, p.ggml_type, p.rank, (long long) p.dimensions[0], (long long) p.dimensions[1]));
+                   strf("activation part must be a required F32 [%d, %zu] token-major part (type %u, rank %u, "
+                        "token axis %d, dims [%lld, %lld], strides [%llu, %llu], offset %llu, flags %u)",
+                        m->n_embd, n, p.ggml_type, p.rank, p.token_axis, (long long) p.dimensions[0],
+                        (long long) p.dimensions[1], (unsigned long long) p.byte_strides[0],
+                        (unsigned long long) p.byte_strides[1], (unsigned long long) p.payload_offset, p.flags));
     }
     if (memcmp(p.identity, m->part_identity, 32) != 0 || memcmp(in->frontier_identity, m->frontier_identity, 32) != 0) {
         return err(SKIPPY_STATUS_INVALID_ARGUMENT, "activation frame identity does not match this stage's input boundary");
