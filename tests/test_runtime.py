@@ -342,6 +342,17 @@ def test_serial_iteration_path_for_stages_that_cannot_batch_exports():
     assert (a.token_count, b.token_count) == (3, 2)
 
 
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_an_unknown_iteration_phase_is_refused_before_anything_runs(one_at_a_time):
+    # the native batch ignored it and the serial path failed on it inside PartialBatchExecution
+    model = open_stage(0, 2, lane_count=2)
+    a, b = model.create_session(), model.create_session()
+    a.batched_activation_exports = b.batched_activation_exports = not one_at_a_time
+    with pytest.raises(rt.StageArgumentError, match="^iteration batch request 1 has an unknown phase 'bogus'$"):
+        rt.iteration_batch_sampled([IterationBatchRequest(a, [1]), IterationBatchRequest(b, [2], phase="bogus")])
+    assert (a.token_count, b.token_count) == (0, 0)
+
+
 def test_serial_iteration_failure_is_a_partial_batch_execution():
     model = open_stage(0, 2, lane_count=3)
     a, b, c = (model.create_session() for _ in range(3))

@@ -129,6 +129,11 @@ def test_default_sampling_is_disabled_with_upstream_defaults():
         (RuntimeSamplingConfig(dry_sequence_breakers=["a" * 16]),
          "sampling DRY sequence breaker exceeds the native byte limit"),
         (RuntimeSamplingConfig(samplers=["greedy"]), 'sampling sampler order contains "greedy"'),
+        # a text is no list: it was read as its characters ("t" no sampler; "abc" three breakers)
+        (RuntimeSamplingConfig(samplers="top_k"), "sampling samplers must be a list, not str"),
+        (RuntimeSamplingConfig(dry_sequence_breakers="abc"), "sampling dry_sequence_breakers must be a list, not str"),
+        (RuntimeSamplingConfig(samplers=None), "sampling samplers must be a list, not NoneType"),
+        (RuntimeSamplingConfig(dry_sequence_breakers=["\n", 5]), "sampling dry_sequence_breakers must be a list of strings"),
     ],
 )
 def test_sampling_validation_errors(config, text):

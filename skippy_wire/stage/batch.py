@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..errors import PartialBatchExecution, StageRuntimeError, Status
+from ..errors import PartialBatchExecution, StageArgumentError, StageRuntimeError, Status
 from .activation import ActivationFrame, PackedFrame
 from .native import (
     checked_add,
@@ -177,6 +177,12 @@ def iteration_batch_sampled(requests: Sequence[IterationBatchRequest]) -> Iterat
     raised as-is and leave every ``token_count`` untouched.
     """
     requests = list(requests)
+    for index, request in enumerate(requests):
+        try:
+            IterationBatchPhase(request.phase)
+        except ValueError:  # the native batch would ignore it, the serial path fail on it
+            raise StageArgumentError(f"iteration batch request {index} has an unknown phase {request.phase!r}") \
+                from None
     if any(iteration_request_requires_one_at_a_time(request) for request in requests):
         return _iteration_batch_one_at_a_time(requests)
     return _iteration_batch_native(requests)

@@ -9,6 +9,7 @@ into ``enabled`` and ``ignore_eos``.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence as AbcSequence
 from dataclasses import make_dataclass
 from typing import Any, Optional, Sequence
 
@@ -85,6 +86,7 @@ class _RuntimeSamplingMethods:
 
     def to_bytes(self) -> bytes:
         """Upstream ``as_raw``: the version-2 C struct, with the upstream validation errors."""
+        _check_lists(self)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise SamplingConfigError("sampling logit_bias exceeds the native limit")
         if len(self.samplers) > MAX_SAMPLERS:
@@ -125,6 +127,18 @@ class _RuntimeSamplingMethods:
             + breaker_block
             + biases
         )
+
+
+def _check_lists(config: Any) -> None:
+    """The list fields are lists (upstream's ``Vec``s): a text would be read as its
+    characters (``samplers="top_k"`` as seven sampler names, breakers ``"abc"`` as three),
+    and the names and breakers are texts."""
+    for name in ("logit_bias", "samplers", "dry_sequence_breakers"):
+        value = getattr(config, name)
+        if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, AbcSequence):
+            raise SamplingConfigError(f"sampling {name} must be a list, not {type(value).__name__}")
+        if name != "logit_bias" and not all(isinstance(item, str) for item in value):
+            raise SamplingConfigError(f"sampling {name} must be a list of strings")
 
 
 RuntimeSamplingConfig = make_dataclass(
