@@ -79,6 +79,20 @@ def test_many_messages_per_feed_and_buffer_types(impl):
         assert decoder.buffered == 0
 
 
+def test_a_chunk_the_decoder_cannot_take_is_refused_before_it_is_counted(impl):
+    data, want = stream_bytes(impl)
+    strided = memoryview(bytes(2 * len(data)))[::2]  # a flat byte view that is not contiguous
+    for head in (b"", data[:10]):  # with and without a pending tail
+        decoder = frame.StageMessageDecoder(4, impl=impl)
+        decoder.feed(head)
+        with pytest.raises(InvalidInputError, match="^data must be a C-contiguous buffer$"):
+            decoder.feed(strided)
+        with pytest.raises(TypeError, match="^a bytes-like object is required, not 'str'$"):
+            decoder.feed("text")
+        assert decoder.error is None and decoder.received == decoder.buffered == len(head)
+        assert decode_all(decoder, [data[len(head):]]) == want and decoder.ends[-1] == len(data)
+
+
 def test_iter_stage_messages_over_a_stream(impl):
     data, want = stream_bytes(impl)
     got = [message_to_case(m) for m in frame.iter_stage_messages(io.BytesIO(data * 3), 4, impl=impl)]

@@ -239,7 +239,8 @@ class _IncrementalDecoder(Generic[_Record]):
         out: list[_Record] = []
         self.ends = []
         if not isinstance(chunk, (bytes, bytearray)):
-            chunk = memoryview(chunk)
+            # refused before anything is counted: a strided view cannot be parsed or kept
+            chunk = memoryview(readable(chunk))
             if chunk.format != "B" or chunk.ndim != 1:
                 chunk = chunk.cast("B")
         self.received += len(chunk)
