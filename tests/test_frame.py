@@ -95,6 +95,19 @@ def test_ready_round_trips():
         frame.recv_ready(io.BytesIO(b"YDR"))
 
 
+def test_ready_is_read_from_the_first_four_bytes_of_any_buffer():
+    ready = frame.READY
+    for data in (np.frombuffer(ready + b"\x01\0\0\0", np.uint32), np.frombuffer(ready * 2, np.uint8).reshape(2, 4),
+                 array.array("i", [frame.READY_MAGIC, 7]), memoryview(ready + b"tail")):
+        frame.recv_ready(data)  # a wider item or a second axis does not change which bytes are read
+    with pytest.raises(InvalidDataError, match="^stage ready magic mismatch$"):
+        frame.recv_ready(np.frombuffer(b"SRDY" + ready, np.uint32))
+    with pytest.raises(InvalidInputError, match="^data must be a C-contiguous buffer$"):
+        frame.recv_ready(memoryview(ready * 2)[::2])
+    with pytest.raises(TypeError, match="^a bytes-like object is required, not 'str'$"):
+        frame.recv_ready("YDRS")
+
+
 # --- 14.1 ports ---------------------------------------------------------------------------
 def test_stage_message_round_trips_f32(impl):
     st = state_for(K.DECODE_EMBD, checkpoint_generation=3, prompt_token_count=1, decode_step=0, current_token=11,

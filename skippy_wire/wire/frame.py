@@ -400,7 +400,7 @@ def recv_ready(stream_or_data) -> None:
         buf = bytearray()
         _read_exactly(stream_or_data, buf, 4)
     else:
-        buf = bytes(memoryview(stream_or_data)[:4])
+        buf = bytes(memoryview(readable(stream_or_data)).cast("B")[:4])  # bytes, whatever the item size
         if len(buf) < 4:
             raise UnexpectedEofError()
     if int.from_bytes(buf, "little", signed=True) != READY_MAGIC:
