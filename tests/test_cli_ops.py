@@ -173,3 +173,14 @@ def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
         assert "[skippy-wire] 2 measured: encode f16 1x64 numpy" in err and err.endswith("\r\033[K")
     else:
         assert err == ""
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hosts", "1,9"], "--hosts 9: tiny.gguf has only 4 layers"),
+    (["--hosts", "1", "--prompt-tokens", "8", "-n", "4", "-c", "10"],
+     "8 prompt tokens + 4 new tokens exceed --ctx-size 10"),
+])
+def test_bench_cluster_refuses_a_run_that_cannot_be_before_the_first(capsys, monkeypatch, tiny_model, args, message):
+    """Found by the first run that needed it: after the header, exit 1 (run's --stages: 2)."""
+    monkeypatch.setattr("skippy_wire.tools.cluster_bench.run_cluster", lambda *a, **k: pytest.fail("a run started"))
+    assert_usage_error(capsys, ["bench-cluster", "-m", str(tiny_model), *args], message)

@@ -118,6 +118,17 @@ def _read_model(model: Path, read):
         raise ToolError(file_error(model, exc)) from None
 
 
+def fit_error(hosts: int, model: Path, n_layer: int, n_prompt: int, max_tokens: int,
+              ctx_size: int | None) -> str | None:
+    """Why ``hosts`` stages cannot run this generation (more hosts than layers, prompt + new
+    tokens over ``ctx_size``), or None: a usage error, found before any namespace is made."""
+    if hosts > n_layer:
+        return f"--hosts {hosts}: {model.name} has only {n_layer} layers"
+    if ctx_size and n_prompt + max_tokens > ctx_size:
+        return f"{n_prompt} prompt tokens + {max_tokens} new tokens exceed --ctx-size {ctx_size}"
+    return None
+
+
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
     """Make the hosts, run one generation across them, clean everything up; see the module doc."""
     if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
@@ -128,13 +139,12 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
     rate_bits = parse_rate(opts.rate)
     model = Path(opts.model) if opts.model else default_model()
     n_layer, _ = _read_model(model, model_shape)
-    if opts.hosts > n_layer:  # before any namespace is made
-        raise TopologyError(f"--hosts {opts.hosts}: {model.name} has only {n_layer} layers")
     tokenizer = tokenizer or _read_model(model, Tokenizer.from_gguf)
     prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
+    problem = fit_error(opts.hosts, model, n_layer, len(prompt), opts.max_tokens, opts.ctx_size)
+    if problem:  # before any namespace is made
+        raise TopologyError(problem)
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
-    if len(prompt) + opts.max_tokens > ctx_size:
-        raise TopologyError(f"{len(prompt)} prompt tokens + {opts.max_tokens} new tokens exceed --ctx-size {ctx_size}")
     threads = opts.threads or default_threads()
     chain = NetnsChain(opts.hosts, rate_bits)
     # The topology file and the stage logs: in --log-dir (kept), else a temporary directory
