@@ -184,3 +184,13 @@ def test_bench_cluster_refuses_a_run_that_cannot_be_before_the_first(capsys, mon
     """Found by the first run that needed it: after the header, exit 1 (run's --stages: 2)."""
     monkeypatch.setattr("skippy_wire.tools.cluster_bench.run_cluster", lambda *a, **k: pytest.fail("a run started"))
     assert_usage_error(capsys, ["bench-cluster", "-m", str(tiny_model), *args], message)
+
+
+def test_cluster_usage_errors_come_after_the_usage_block(capsys, monkeypatch, tiny_model):
+    """Found after parsing, they were the error line alone (run's and bench-cluster's have the usage)."""
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster, "NetnsChain", lambda *a, **k: pytest.fail("namespaces made"))
+    code, out, err = _main(capsys, "cluster", "-m", str(tiny_model), "--hosts", "9")
+    assert (code, out) == (2, "")
+    assert err.startswith("usage: skippy-wire cluster ")
+    assert _one_error_line(err) == "skippy-wire: error: --hosts 9: tiny.gguf has only 4 layers"

@@ -28,7 +28,7 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, MAX_CTX_SIZE, Parser, add_codec_options,
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
                       check_output_dir, describe, error_line, exiting_on_signals, file_error, float_above,
                       float_at_least, int_at_least, int_between, signals_deferred, thread_count)
 from .run import DEFAULT_RAW_PROMPT
@@ -324,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("[skippy-wire] interrupted; namespaces and stage processes removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (NetnsError, TopologyError, ValueError, OSError) as exc:
+    except (TopologyError, ValueError) as exc:  # a usage error: exit 2 after the usage block, as run's
+        parser.error(describe(exc))
+    except (NetnsError, OSError) as exc:
         print(error_line(describe(exc)), file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, (TopologyError, ValueError)) else EXIT_FAILURE
+        return EXIT_FAILURE
     except PipelineError as exc:
         text = str(exc)
         print(error_line(text if text.startswith("cannot start") else "request failed: " + text), file=sys.stderr)
