@@ -317,3 +317,23 @@ def test_serve_topology_help_lists_what_the_file_overrides():
     topology = next(a for a in _parser("serve")._actions if "--topology" in a.option_strings)
     for name in ("ctx_size", "threads", "--listen", "--ctx-size", "--threads"):
         assert name in topology.help, name
+
+
+def test_inspect_into_a_closed_stdout_exits_141(capsys, monkeypatch, tmp_path):
+    """`skippy-wire inspect FILE | head` exited 0, unlike every other command (README: 141)."""
+    import io
+
+    from skippy_wire.tools.options import EXIT_BROKEN_PIPE
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.wire.messages import StageWireMessage
+
+    capture = tmp_path / "hop0-messages.bin"
+    capture.write_bytes(write_stage_message(StageWireMessage.stop(7, 11)))
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert cli.main(["inspect", str(capture)]) == EXIT_BROKEN_PIPE
+    assert capsys.readouterr().err == ""

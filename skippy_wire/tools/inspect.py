@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import os
 import struct
 import sys
 from pathlib import Path
@@ -353,9 +352,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(error_line(str(exc)), file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `skippy-wire inspect FILE | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     print(f"{count} records, {len(data)} bytes")
     return 0
 
