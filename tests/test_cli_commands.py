@@ -337,3 +337,13 @@ def test_inspect_into_a_closed_stdout_exits_141(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stdout", Closed())
     assert cli.main(["inspect", str(capture)]) == EXIT_BROKEN_PIPE
     assert capsys.readouterr().err == ""
+
+
+def test_cluster_n_is_documented_as_it_is_taken(capsys):
+    """docs/pipeline.md said cluster's -n is "as for run", whose -1 cluster refuses."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `-n/--max-tokens`, `--chunk-size` | 16, 64 |"))
+    assert "`-n` is at least 1" in row
+    assert_usage_error(capsys, ["cluster", "-n", "-1"], "argument -n/--max-tokens: must be at least 1, got -1")
