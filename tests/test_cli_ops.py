@@ -194,3 +194,15 @@ def test_cluster_usage_errors_come_after_the_usage_block(capsys, monkeypatch, ti
     assert (code, out) == (2, "")
     assert err.startswith("usage: skippy-wire cluster ")
     assert _one_error_line(err) == "skippy-wire: error: --hosts 9: tiny.gguf has only 4 layers"
+
+
+@pytest.mark.parametrize("layers,downstream,message", [
+    (("0", "5"), None, "--layer-end 5 is beyond the model's 4 layers"),
+    (("4", "5"), None, "--layer-end 5 is beyond the model's 4 layers"),
+    (("2", "4"), "127.0.0.1:9", "stage 1 ends at the model's last layer (4), so it is the terminal stage and "
+                                "takes no --downstream"),
+])
+def test_serve_of_a_range_the_model_does_not_fit_is_a_usage_error(capsys, tiny_model, layers, downstream, message):
+    # (found from the GGUF header, before the layers load; the runtime said it with status 1)
+    argv = ["serve", "-m", str(tiny_model), "--layer-start", layers[0], "--layer-end", layers[1], "--stage-index", "1"]
+    assert_usage_error(capsys, argv + (["--downstream", downstream] if downstream else []), message)

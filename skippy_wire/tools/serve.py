@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.downstream is None and args.layer_end < n_layer:  # found before the layers load
         parser.error(f"stage {args.stage_index} ends at layer {args.layer_end} of {n_layer}, so it needs "
                      "--downstream (the next stage's HOST:PORT)")
+    if args.layer_end > n_layer:
+        parser.error(f"--layer-end {args.layer_end} is beyond the model's {n_layer} layers")
+    if args.downstream is not None and args.layer_end == n_layer:
+        parser.error(f"stage {args.stage_index} ends at the model's last layer ({n_layer}), so it is the terminal "
+                     "stage and takes no --downstream")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s stage[%(process)d] %(levelname)s %(message)s")
     if args.exit_on_stdin_eof:
