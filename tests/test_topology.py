@@ -326,3 +326,17 @@ def test_a_failed_request_names_the_first_stage_that_takes_no_connection():
     finally:
         for s in listening:
             s.close()
+
+
+def test_serve_takes_the_v17_model_id_from_the_topology(tmp_path):
+    # The stage's v17 identity took the model file's stem, so a host keeping the model under
+    # another name (--model, as the file allows) was refused by its neighbour ("model ... mismatch").
+    n_layer, _ = model_shape(smollm2_path())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_id": "smollm2-135m", "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
+    parser = serve.build_parser()
+    for extra, model_id in (([], "smollm2-135m"), (["--model-id", "mine"], "mine")):
+        args = parser.parse_args(["--topology", str(path), "--stage", "0", "--model", str(smollm2_path()), *extra])
+        serve._check_args(parser, args)
+        assert args.model_id == model_id

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, metavar="A-B,B-C,...",
                    help="v17: the layer ranges of every stage (topology id, and the upstream is checked against it; "
                         "default: none)")
-    p.add_argument("--model-id", default=None, help="v17: the model id (default: the model file's stem)")
+    p.add_argument("--model-id", default=None,
+                   help="v17: the model id (default: --topology's model_id, else the model file's stem)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (the driver holds it open, so stages die with it; default: off)")
     p.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",
@@ -158,6 +159,7 @@ def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
                          f"{MAX_THREADS}")
     downstream = topology.downstream(args.stage)
     args.model = str(topology.model_path)
+    args.model_id = args.model_id or topology.model_id  # v17: one id where hosts name the file apart
     args.layer_start, args.layer_end, args.stage_index = stage.layer_start, stage.layer_end, stage.index
     args.listen = parse_address(stage.bind_addr)
     args.downstream = downstream
