@@ -618,3 +618,14 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
     assert code == status, err
     assert ("interrupted after 1 rows" if status == EXIT_INTERRUPTED else "error: gone") in err
     assert "| 2 | unlimited | 0 | raw-f32 |" in out and "5mbit" not in out
+
+
+def test_the_capture_hint_names_a_file_that_was_written(tmp_path):
+    # With one stage, --connect or --topology only the driver's hop0 is written; the hint
+    # named hop1 whatever was there.
+    from skippy_wire.tools.run import capture_hint
+
+    (tmp_path / "hop0-messages.bin").write_bytes(b"")
+    assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop0-messages.bin`)")
+    (tmp_path / "hop1-messages.bin").write_bytes(b"")
+    assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop1-messages.bin`)")

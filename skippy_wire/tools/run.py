@@ -319,8 +319,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
                                  policy=args.activation_codec_policy, threads=threads, connected=connected,
                                  sampling=describe_sampling(sampling), chat=chat, protocol=args.protocol)]
         if args.capture:
-            report.append(f"  captures in {args.capture}/ (inspect with `skippy-wire inspect "
-                          f"{args.capture}/hop1-messages.bin`)")
+            report.append(capture_hint(Path(args.capture)))
         if check is not None:
             report.append(check["message"])
         print("\n" + "\n".join(report), file=sys.stderr, flush=True)
@@ -328,6 +327,15 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         print(error_line(check["error"]), file=sys.stderr, flush=True)
         return EXIT_FAILURE
     return 0
+
+
+def capture_hint(capture: Path) -> str:
+    """The summary's line on ``--capture``: a file to inspect that was written, the first hop
+    between stages where there is one (only the driver's hop0 with one stage, --connect or
+    --topology)."""
+    first = next((capture / f"{hop}-messages.bin" for hop in ("hop1", "hop0")
+                  if (capture / f"{hop}-messages.bin").exists()), capture / "hop0-messages.bin")
+    return f"  captures in {capture}/ (inspect with `skippy-wire inspect {first}`)"
 
 
 def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress):
