@@ -277,6 +277,19 @@ def test_a_driver_connected_to_a_later_stage_is_told_to_connect_to_stage_0(chain
             "not the first stage: a driver connects to stage 0") in caplog.text
 
 
+def test_a_stage_whose_downstream_is_a_first_stage_is_refused_there(chain_factory, caplog):
+    # The first stage embedded the driver's tokens and dropped the activation unread: the
+    # generation ended normally with another model's text.
+    chain = chain_factory([(0, 3), (0, 6)], backends=[FakeBackend(0, 3, 0), FakeBackend(0, 6, 1)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError):
+            client.generate(FAKE_PROMPT, max_tokens=2, chunk_size=4)
+    assert _wait_for(lambda: "reached a first stage" in caplog.text, WAIT_S), caplog.text
+    assert ("stage 0's PREFILL_EMBD (an activation) reached a first stage (layer 0 on), which embeds the "
+            "driver's tokens: a stage's downstream is the stage after it") in caplog.text
+
+
 def test_an_idle_connection_closed_by_the_stage_is_no_error(chain_factory, caplog):
     """A pooled connection left idle (an API between requests) is closed at the idle
     timeout: an INFO line, not an ERROR that monitoring would alert on."""

@@ -92,7 +92,7 @@ _COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_E
 def check_runnable(msg, backend) -> None:
     """Refuse, before any cache changes, a DecodeEmbd of more than one token (the runtime
     decodes one a step), a driver's message (tokens, no activation) at a stage that is not
-    the first, and sampling the terminal stage's native sampler would refuse (with its
+    the first, another stage's message (an activation) at the first, and sampling the terminal stage's native sampler would refuse (with its
     reason, here, rather than relayed to close the pipeline with none)."""
     if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
         raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
@@ -100,6 +100,11 @@ def check_runnable(msg, backend) -> None:
         raise StageError(f"a driver's {WireMessageKind(msg.kind).name} (tokens, no activation) reached a stage "
                          f"that starts at layer {backend.layer_start}, not the first stage: a driver connects "
                          "to stage 0")
+    if backend.is_source and msg.kind in _COMPUTED_KINDS and msg.state.source_stage_index >= 0:
+        # the first stage embeds the tokens itself: it would drop the activation unread
+        raise StageError(f"stage {msg.state.source_stage_index}'s {WireMessageKind(msg.kind).name} (an activation) "
+                         "reached a first stage (layer 0 on), which embeds the driver's tokens: a stage's "
+                         "downstream is the stage after it")
     if msg.sampling is not None:
         sampling_to_bytes(msg.sampling)
 
