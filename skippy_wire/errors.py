@@ -102,6 +102,14 @@ class SetupError(WireError):
         self.detail = detail
 
 
+class SetupClosed(SetupError):
+    """The peer closed the connection during the setup handshake (upstream's text): a stage
+    whose own downstream setup failed closes its upstream one, giving no reason on the wire."""
+
+    def __init__(self, message: str = "stage peer closed during setup", detail: Optional[str] = None) -> None:
+        super().__init__(message, detail)
+
+
 class Status(enum.IntEnum):
     """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
 

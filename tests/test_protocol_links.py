@@ -293,3 +293,14 @@ def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(ch
             client.receive("DecodeEmbd")
     assert str(info.value) == (f"stage 0 at {host}:{port} refused what this driver sent as not of state version 17, "
                                "which both speak")
+
+
+def test_a_setup_refused_further_down_is_a_closed_handshake_with_a_hint(chains):
+    # A v17 stage whose downstream refuses the setup closes its upstream one without a
+    # reason on the wire; the driver said only "stage setup failed: stage peer closed during setup".
+    servers = chains(17, splits=((0, 3), (4, 6)))
+    host, port = servers[0].address
+    with pytest.raises(PipelineError) as info:
+        PipelineClient(host, port, timeout=5, protocol=17)
+    assert str(info.value) == (f"stage 0 at {host}:{port} closed the connection during the setup handshake (a stage "
+                               "failed or refused the setup; the stages' logs say which and why)")

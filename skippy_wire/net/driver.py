@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import PipelineError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
+from ..errors import PipelineError, SetupClosed, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
@@ -198,6 +198,9 @@ class PipelineClient:
             raise PipelineError(str(exc)) from None
         except ssl.SSLError as exc:  # e.g. TLS 1.3: our certificate was refused after the handshake
             raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {exc.reason or exc}") from None
+        except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)
+            raise self._failed(f"stage 0 at {self.address} closed the connection during the setup handshake",
+                               " (a stage failed or refused the setup; the stages' logs say which and why)") from None
         except SetupError as exc:
             raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
                                 + (f" ({exc.detail})" if exc.detail else "")) from None

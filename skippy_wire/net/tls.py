@@ -22,7 +22,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import SetupError, StageError
+from ..errors import SetupClosed, StageError
 
 #: Sent in the clear to a plain peer of a TLS stage, where it expects READY or a setup reply.
 TLS_REQUIRED_NOTICE = b"STLS"
@@ -123,13 +123,13 @@ class TlsConfig:
 def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
     """The server side of a new connection: check that the peer starts a TLS handshake,
     then complete it (within ``timeout``).  A plain peer -> the notice, then StageError; one
-    that leaves without a byte (a port check) -> SetupError, as on a plain stage."""
+    that leaves without a byte (a port check) -> SetupClosed, as on a plain stage."""
     first = None
     if select.select([sock], [], [], PLAIN_PEER_GRACE_SECONDS)[0]:
         sock.settimeout(timeout)
         first = sock.recv(1, socket.MSG_PEEK)
         if not first:
-            raise SetupError("stage peer closed during setup")
+            raise SetupClosed()
     if not first or first[0] != TLS_HANDSHAKE_RECORD:
         try:
             sock.settimeout(1.0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .constants import READY_BYTES
-from ..errors import InvalidDataError, SetupError
+from ..errors import InvalidDataError, SetupClosed, SetupError
 from .activation_frame import STAGE_STATE_VERSION_V16, STAGE_STATE_VERSION_V17
 from .agreement import (
     U32_MAX,
@@ -213,7 +213,7 @@ class _Transport:
                 except (socket.timeout, BlockingIOError, InterruptedError):
                     continue
             if not chunk:
-                raise SetupError("stage peer closed during setup")
+                raise SetupClosed()
             buf += chunk
         return bytes(buf)
 
@@ -234,9 +234,9 @@ class _Transport:
                 except (socket.timeout, BlockingIOError, InterruptedError):
                     continue
                 except (BrokenPipeError, ConnectionResetError):
-                    raise SetupError("stage peer closed during setup") from None
+                    raise SetupClosed() from None
             if not sent:
-                raise SetupError("stage peer closed during setup")
+                raise SetupClosed()
             view = view[sent:]
 
 
