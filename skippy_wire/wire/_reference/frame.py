@@ -358,9 +358,10 @@ def _seq_len(values) -> int:
 
 def _i32s(values) -> bytes:
     """A list of wire integers as i32s (no item a bool; text and raw bytes are no such list)."""
-    if isinstance(values, NOT_INT_LISTS) or any(type(v) is bool for v in values):
+    count = _seq_len(values)
+    if any(type(v) is bool for v in values):
         raise TypeError("not a list of wire integers")
-    return struct.pack(f"<{len(values)}i", *values)
+    return struct.pack(f"<{count}i", *values)
 
 
 def _byte_view(buf, name: str) -> memoryview:
