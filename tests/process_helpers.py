@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 
@@ -13,3 +14,15 @@ def default_sigint() -> None:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP, signal.SIGTERM})
+
+
+def thread_slices(pid: int) -> set[int]:
+    """The scheduler slices (se.slice of /proc/PID/task/TID/sched) of the threads of ``pid``."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/sched", encoding="ascii") as fh:
+                found |= {int(line.split(":")[1]) for line in fh if line.startswith("se.slice")}
+        except FileNotFoundError:  # the thread ended after the listing
+            pass
+    return found

@@ -20,9 +20,10 @@ import time
 import httpx
 import openai
 import pytest
-from process_helpers import default_sigint
+from process_helpers import default_sigint, thread_slices
 
 from skippy_wire.net.supervision import default_model
+from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -112,6 +113,14 @@ def test_the_front_end_and_drivers_yield_to_the_stages_they_started(api):
     assert len(stages) == 2
     # the policy the API process started with (this test's own), not SCHED_BATCH
     assert {policy for pid in stages for policy in _policies(pid).values()} == {os.sched_getscheduler(0)}
+
+
+def test_every_thread_of_the_api_and_its_stages_asks_for_a_short_slice(api):
+    """So that a woken connection thread is not kept waiting behind a step's compute."""
+    assert thread_slices(os.getpid()) != {SHORT_SLICE_NS}  # this process did not ask
+    api.client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0)
+    for pid in [api.proc.pid, *_children(api.proc.pid)]:
+        assert thread_slices(pid) == {SHORT_SLICE_NS}, pid
 
 
 def test_chat_completion_uses_the_chat_template(api):

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import thread_slices
 
 from skippy_wire.errors import PipelineError
 from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local, yielding_to_stages
 from skippy_wire.net.supervision import launch_pipeline, split_layers
+from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import model_shape
 from skippy_wire.tools.run_report import TextStreamer, format_summary, merge_session_events
 from skippy_wire.wire.messages import StageWireMessage
@@ -328,3 +330,13 @@ def test_yielding_to_stages_is_batch_for_the_thread_and_its_new_threads_then_res
         worker.join(10)
     assert (inside, seen, os.sched_getscheduler(0)) == (os.SCHED_BATCH, [os.SCHED_BATCH], before)
 
+
+
+def test_stage_processes_ask_for_it_themselves(tiny_model):
+    """Started by a process that did not ask (this one), every thread of a stage has it."""
+    assert thread_slices(os.getpid()) != {SHORT_SLICE_NS}
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
+        with PipelineClient(*cluster.entry, timeout=30) as client:
+            client.generate(PROMPT, max_tokens=2)
+        for stage in cluster.stages:
+            assert thread_slices(stage.popen.pid) == {SHORT_SLICE_NS}

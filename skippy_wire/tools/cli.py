@@ -37,6 +37,11 @@ COMMANDS = {
     "verify-exhaustive": ("skippy_wire.tools.verify", "check every f32 bit pattern through the compiled encoders"),
     "demo": ("skippy_wire.tools.demo", "encode a realistic activation through every codec"),
 }
+#: The commands that serve tokens: their threads wake each other for every token, so run as
+#: a process of their own (not called by an embedding program) they ask for a short scheduler
+#: slice (skippy_wire.net.wakeup_slice) before any import starts a thread (numpy's BLAS
+#: pool): every thread and stage process after inherits it.
+SERVING_COMMANDS = ("serve", "api")
 #: How close (difflib ratio) a one-word first argument must be to a command name to be
 #: taken for a mistyped command rather than a prompt.
 TYPO_CUTOFF = 0.75
@@ -96,7 +101,7 @@ def _quiet_stdout() -> None:
         pass
 
 
-def dispatch(args: list[str]) -> int:
+def dispatch(args: list[str], own_process: bool = False) -> int:
     from .options import EXIT_USAGE, error_line
 
     if args and args[0] in ("-h", "--help", "help"):
@@ -117,6 +122,10 @@ def dispatch(args: list[str]) -> int:
             return EXIT_USAGE
     # `skippy-wire "a prompt"` and `skippy-wire --max-tokens 8` both mean `run`.
     command = args.pop(0) if args and args[0] in COMMANDS else "run"
+    if own_process and command in SERVING_COMMANDS:
+        from ..net.wakeup_slice import ask_for_short_slice
+
+        ask_for_short_slice()
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(args) or 0)
 
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every import but the standard library's basics happens in here (the commands', numpy's,
     # the kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback.
     try:
-        return dispatch(args)
+        return dispatch(args, own_process=argv is None)
     except BrokenPipeError:
         _quiet_stdout()
         return _status("EXIT_BROKEN_PIPE")
