@@ -232,3 +232,23 @@ def test_stream_reader_survives_a_retry(impl):
     decoder = frame.StageMessageDecoder(4, impl=impl)
     assert decoder.feed(data[:10]) == []
     assert [m.session_id for m in decoder.feed(data[10:])] == [2]
+
+
+@pytest.mark.parametrize("fault", ["unknown kind", "over the limit"])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_failed_decoder_leaves_the_callers_buffer_resizable(impl, fault, as_view):
+    """A caller that reuses one bytearray for what it receives clears it after a decode
+    error; the error the decoder keeps (and raises again) must hold no view of it."""
+    from skippy_wire.wire.messages import StageWireMessage
+
+    buf = bytearray(frame.write_stage_message(StageWireMessage.stop(1, 2), impl="python"))
+    if fault == "unknown kind":
+        buf[0:4] = (999).to_bytes(4, "little")
+    decoder = frame.StageMessageDecoder(4, impl=impl, max_message_bytes=8 if fault == "over the limit" else None)
+    with pytest.raises(WireError) as first:
+        decoder.feed(memoryview(buf) if as_view else buf)
+    buf.clear()  # BufferError while a view of it is alive
+    buf += b"\0" * 64
+    with pytest.raises(WireError) as again:
+        decoder.feed(b"\0")
+    assert str(again.value) == str(first.value)

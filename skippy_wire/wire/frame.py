@@ -255,13 +255,16 @@ class _IncrementalDecoder(Generic[_Record]):
                 self._buf += chunk
                 self._pos = self._drain(self._buf, self._pos, out)
         except WireError as error:
-            self.error = error
-            # The error's traceback may still reference a view of the buffer; never resize
-            # that buffer again (it is dead anyway: the decoder is failed).
+            # Kept and raised again by every later feed: without the frames that failed (and
+            # the short-tail error it replaced), which hold views of the caller's buffer, so
+            # the caller may reuse or resize that buffer; this frame's view goes too.
+            self.error = error.with_traceback(None)
+            error.__context__ = None
+            chunk = None
             self._buf = bytearray()
             self._pos = 0
             if not out:
-                raise
+                raise self.error
         else:
             self._compact()
         return out
