@@ -163,6 +163,54 @@ def test_serve_and_api_take_c_0_as_the_training_context(capsys, monkeypatch, tin
                        "got 5")
 
 
+def test_cluster_takes_c_0_as_the_training_context(capsys, monkeypatch, tiny_model):
+    """`cluster -c 0` was refused ("must be between 1 and 16777216, got 0"); as `run -c 0` it is
+    the model's training context (the tiny model's 256), checked against prompt + new tokens."""
+    assert cluster.build_parser().parse_args(["-c", "0"]).ctx_size == 0
+    assert cluster.context_size(None, 0, tiny_model) == (256, True)
+    assert cluster.context_size(None, 64, tiny_model) == (64, False)
+    assert cluster.context_size(None, None, tiny_model) == (None, False)  # prompt + new tokens
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    checked = []
+    fit_error = cluster.fit_error
+    monkeypatch.setattr(cluster, "fit_error", lambda *a, **k: checked.append((a[-1], k)) or fit_error(*a, **k))
+
+    def no_namespaces(*args, **kwargs):
+        raise NetnsError("no namespaces in this test")
+
+    monkeypatch.setattr(cluster, "NetnsChain", no_namespaces)
+    code, out, err = _main(capsys, "cluster", "-m", str(tiny_model), "-c", "0", "-n", "4", "hello")
+    assert (code, out) == (1, "") and _one_error_line(err) == "skippy-wire: error: no namespaces in this test"
+    assert checked == [(256, {"trained": True})]
+    assert_usage_error(capsys, ["cluster", "-m", str(tiny_model), "-c", "0", "-n", "300", "hello"],
+                       "6 prompt tokens + 300 new tokens exceed --ctx-size 256 (the model's training context)")
+    monkeypatch.setattr("skippy_wire.tools.options.training_context", lambda model: None)
+    assert_usage_error(capsys, ["cluster", "-m", str(tiny_model), "-c", "0", "hello"],
+                       "-c 0: tiny.gguf does not record its training context; give -c/--ctx-size")
+    assert_usage_error(capsys, ["cluster", "-c", "-1"], "argument -c/--ctx-size: must be between 0 and 16777216, "
+                                                        "got -1")
+
+
+def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tiny_model):
+    from types import SimpleNamespace
+    from skippy_wire.tools import cluster_bench
+
+    seen = []
+
+    def run_cluster(opts, tokenizer):
+        seen.append((opts.ctx_size, opts.threads))
+        result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
+        return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
+
+    monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
+                           "--codecs", "raw-f32", "-m", str(tiny_model), "--quiet", "--prompt-tokens", "16", "-n", "4",
+                           "-c", "0", "-t", "-1")
+    assert code == 0, err
+    assert seen == [(256, None)] and "1 thread(s) per stage" in out
+
+
 def test_serve_c_0_with_a_missing_model_cannot_start(capsys, tmp_path):
     missing = tmp_path / "missing.gguf"
     code, out, err = _main(capsys, "serve", "-m", str(missing), "--layer-start", "0", "--layer-end", "4", "-c", "0")

@@ -62,7 +62,10 @@ def test_bench_backend_describes_itself_in_full(capsys):
     (["bench-backend", "--decode", "-1"], "argument --decode: must be at least 1, got -1"),
     (["bench-backend", "--repeat", "0"], "argument --repeat: must be at least 1, got 0"),
     (["bench-backend", "--prefill", "0"], "argument --prefill: must be at least 1, got 0"),
-    (["bench-backend", "--threads", "0"], "argument -t/--threads: each value must be between 1 and 512, got 0"),
+    (["bench-backend", "--threads", "0"],
+     "argument -t/--threads: each value must be -1 (the default) or between 1 and 512, got 0"),
+    (["bench-backend", "--threads", "2,-2"],
+     "argument -t/--threads: each value must be -1 (the default) or between 1 and 512, got -2"),
     (["bench-backend", "--threads", "abc"], "argument -t/--threads: expected comma-separated integers, got 'abc'"),
     (["bench-backend", "--batch", "2,0"], "argument --batch: each value must be at least 1, got 0"),
     (["bench", "--sizes", "abc"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
@@ -178,10 +181,24 @@ def test_a_topology_context_out_of_bounds_is_a_usage_error(capsys, tmp_path, tin
 
 def test_threads_minus_one_is_the_default_everywhere_as_in_llama_cpp():
     """``serve``, ``api`` and ``cluster`` refused ``-t -1``, which ``run`` took."""
-    for command, required in (("run", []), ("api", []), ("cluster", []),
+    for command, required in (("run", []), ("api", []), ("cluster", []), ("bench-cluster", []),
                               ("serve", ["-m", "m.gguf", "--layer-start", "0", "--layer-end", "1"])):
         assert _parser(command).parse_args(["-t", "-1", *required]).threads is None, command
         assert _parser(command).parse_args(["-t", "3", *required]).threads == 3, command
+
+
+def test_bench_backend_takes_threads_minus_one_as_a_stage_s_default():
+    """``bench-backend -t -1`` said "each value must be between 1 and 512, got -1"; in its list
+    -1 is the count a stage takes by default (``run -t -1``), resolved at parse time."""
+    from skippy_wire.stage.threads import default_threads
+
+    parser = _parser("bench-backend")
+    assert parser.parse_args(["-t", "-1"]).threads == [default_threads()]
+    assert parser.parse_args(["-t", "2,-1"]).threads == [2, default_threads()]
+    # (before Python 3.13 argparse takes a lone "-1,2" for an option: "-t=-1,2" or "--threads=-1,2")
+    assert parser.parse_args(["--threads=-1,2"]).threads == [default_threads(), 2]
+    assert parser.parse_args(["-t", "512"]).threads == [512]
+    assert parser.parse_args([]).threads is None  # the mode's own default list
 
 
 @pytest.mark.parametrize("command", ["run", "api"])

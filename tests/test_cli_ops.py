@@ -179,6 +179,8 @@ def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
     (["--hosts", "1,9"], "--hosts 9: tiny.gguf has only 4 layers"),
     (["--hosts", "1", "--prompt-tokens", "8", "-n", "4", "-c", "10"],
      "8 prompt tokens + 4 new tokens exceed --ctx-size 10"),
+    (["--hosts", "1", "--prompt-tokens", "250", "-n", "7", "-c", "0"],  # -c 0 was refused as out of range
+     "250 prompt tokens + 7 new tokens exceed --ctx-size 256 (the model's training context)"),
 ])
 def test_bench_cluster_refuses_a_run_that_cannot_be_before_the_first(capsys, monkeypatch, tiny_model, args, message):
     """Found by the first run that needed it: after the header, exit 1 (run's --stages: 2)."""

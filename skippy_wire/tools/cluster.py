@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
@@ -28,9 +28,10 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
-                      check_output_dir, describe, error_line, exiting_on_signals, file_error, float_above,
-                      float_at_least, int_at_least, int_between, signals_deferred, thread_count)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
+                      add_codec_options, check_output_dir, describe, error_line, exiting_on_signals, file_error,
+                      float_above, float_at_least, int_at_least, int_between, signals_deferred, thread_count,
+                      training_context_size)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
 from .run_report import check_tokens as report_check  # cluster's own takes a ClusterResult
@@ -52,8 +53,8 @@ class ClusterOptions:
     chunk_size: int = 64
     prompt: str = DEFAULT_RAW_PROMPT
     prompt_tokens: int | None = None  # the prompt text repeated and cut to this many tokens
-    ctx_size: int | None = None  # default: prompt + max_tokens
-    threads: int | None = None
+    ctx_size: int | None = None  # None: prompt + max_tokens; TRAINING_CONTEXT (0): the model's training context
+    threads: int | None = None  # default: default_threads()
     model: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     measure_seconds: float = DEFAULT_MEASURE_SECONDS
@@ -119,14 +120,28 @@ def _read_model(model: Path, read):
 
 
 def fit_error(hosts: int, model: Path, n_layer: int, n_prompt: int, max_tokens: int,
-              ctx_size: int | None) -> str | None:
+              ctx_size: int | None, *, trained: bool = False) -> str | None:
     """Why ``hosts`` stages cannot run this generation (more hosts than layers, prompt + new
-    tokens over ``ctx_size``), or None: a usage error, found before any namespace is made."""
+    tokens over ``ctx_size``), or None: a usage error, found before any namespace is made.
+    ``trained``: ``ctx_size`` is the model's training context (``-c 0`` resolved by
+    :func:`context_size`), as the error says."""
     if hosts > n_layer:
         return f"--hosts {hosts}: {model.name} has only {n_layer} layers"
     if ctx_size and n_prompt + max_tokens > ctx_size:
-        return f"{n_prompt} prompt tokens + {max_tokens} new tokens exceed --ctx-size {ctx_size}"
+        return (f"{n_prompt} prompt tokens + {max_tokens} new tokens exceed --ctx-size {ctx_size}"
+                + (" (the model's training context)" if trained else ""))
     return None
+
+
+def context_size(parser: argparse.ArgumentParser | None, ctx_size: int | None, model: Path) -> tuple[int | None, bool]:
+    """``-c`` of ``cluster`` and ``bench-cluster`` resolved as ``run`` resolves it: 0
+    (:data:`~.options.TRAINING_CONTEXT`) is the model's training context
+    (:func:`~.options.training_context_size`: a usage error with ``parser``, else a ValueError,
+    where the model records none), and whether it was; None (prompt + new tokens) and a count
+    stay as given."""
+    if ctx_size == TRAINING_CONTEXT:
+        return training_context_size(parser, model), True
+    return ctx_size, False
 
 
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
@@ -141,7 +156,9 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
     n_layer, _ = _read_model(model, model_shape)
     tokenizer = tokenizer or _read_model(model, Tokenizer.from_gguf)
     prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
-    problem = fit_error(opts.hosts, model, n_layer, len(prompt), opts.max_tokens, opts.ctx_size)
+    resolved, trained = context_size(None, opts.ctx_size, model)  # -c 0: the model's training context
+    opts = replace(opts, ctx_size=resolved)  # the result's options (and --check's stage) hold it
+    problem = fit_error(opts.hosts, model, n_layer, len(prompt), opts.max_tokens, opts.ctx_size, trained=trained)
     if problem:  # before any namespace is made
         raise TopologyError(problem)
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
@@ -264,10 +281,12 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=prompt_tokens,
                    help="repeat the prompt text and cut it to exactly this many tokens"
                         + (" (default: the text as is)" if prompt_tokens is None else ""))
-    p.add_argument("-c", "--ctx-size", type=int_between(1, MAX_CTX_SIZE), default=None,
-                   help="tokens per session (default: prompt tokens + --max-tokens)")
+    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=None,
+                   help=f"tokens per session, at most {MAX_CTX_SIZE} ({TRAINING_CONTEXT}: the model's training "
+                        "context, as for run; default: prompt tokens + --max-tokens)")
     p.add_argument("-t", "--threads", type=thread_count, default=None,
-                   help="compute threads per stage (default: 1; -1: the default)")
+                   help=f"compute threads per stage, at most {MAX_THREADS} (default: {default_threads()}; -1: the "
+                        "default)")
     p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")
@@ -345,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["STAGE_PORT", "ClusterOptions", "ClusterResult", "prompt_ids", "run_cluster", "cluster_summary",
-           "check_tokens", "local_reference", "add_cluster_options", "main"]
+           "check_tokens", "local_reference", "add_cluster_options", "context_size", "fit_error", "main"]
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer, model_shape
+from ..stage.threads import default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
-from .cluster import (ClusterOptions, add_cluster_options, check_tokens, fit_error, link_rate, local_reference,
-                      progress_printer, run_cluster)
+from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
+                      local_reference, progress_printer, run_cluster)
 from .bench_rows import cpu_model
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, Parser, check_output_dir, describe, doc_summary, error_line,
                       exiting_on_signals, float_at_least, int_list)
@@ -120,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(error_line(describe(exc)), file=sys.stderr)
         return EXIT_FAILURE
-    # checked now, not in the first run that needs it (after the header, exit 1)
-    problem = fit_error(max(hosts), model, n_layer, args.prompt_tokens, args.max_tokens, args.ctx_size)
+    # -c 0: the model's training context, read once; checked now, not in the first run that needs it
+    # (after the header, exit 1)
+    args.ctx_size, trained = context_size(parser, args.ctx_size, model)
+    problem = fit_error(max(hosts), model, n_layer, args.prompt_tokens, args.max_tokens, args.ctx_size,
+                        trained=trained)
     if problem:
         parser.error(problem)
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
-          f"{args.threads or 1} thread(s) per stage")
+          f"{args.threads or default_threads()} thread(s) per stage")
     rows: list[dict] = []
     reference = None
     started = time.perf_counter()

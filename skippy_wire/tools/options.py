@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NoReturn
 
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
-from ..stage.threads import DEFAULT_THREADS, available_cpus
+from ..stage.threads import DEFAULT_THREADS, available_cpus, default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
@@ -141,8 +141,8 @@ def file_error(path, exc: BaseException) -> str:
     return text if str(path) in text else f"{path}: {text}"
 
 
-#: ``-c 0`` (``run``, ``serve``, ``api``), as in llama-cli and llama-server: the model's
-#: training context (``{arch}.context_length`` in the GGUF).
+#: ``-c 0`` (``run``, ``serve``, ``api``, ``cluster``, ``bench-cluster``), as in llama-cli and
+#: llama-server: the model's training context (``{arch}.context_length`` in the GGUF).
 TRAINING_CONTEXT = 0
 #: ``-n -1`` and an API request's ``max_tokens: -1``, as in llama.cpp: generate until the
 #: context is full (or an end-of-generation token).
@@ -162,16 +162,22 @@ def training_context(model: Path) -> int | None:
     return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
 
 
-def training_context_size(parser: argparse.ArgumentParser, model: Path) -> int:
-    """``-c 0`` (``run``, ``serve``, ``api``): the model's training context; a model that does
-    not record one, or one over the stages' limit, is a usage error."""
+def training_context_size(parser: argparse.ArgumentParser | None, model: Path) -> int:
+    """``-c 0`` (``run``, ``serve``, ``api``, ``cluster``, ``bench-cluster``): the model's
+    training context; a model that does not record one, or one over the stages' limit, is a
+    usage error (``parser.error``; without a parser, a ValueError with the same line, for a
+    caller that turns it into one: :func:`skippy_wire.tools.cluster.run_cluster`)."""
     trained = training_context(model)
+    problem = None
     if trained is None:
-        parser.error(f"-c {TRAINING_CONTEXT}: {model.name} does not record its training context; "
-                     "give -c/--ctx-size")
-    if not 1 <= trained <= MAX_CTX_SIZE:
-        parser.error(f"-c {TRAINING_CONTEXT}: the training context of {model.name} ({trained} tokens) is "
-                     f"over the stages' limit of {MAX_CTX_SIZE}; give -c/--ctx-size")
+        problem = f"-c {TRAINING_CONTEXT}: {model.name} does not record its training context; give -c/--ctx-size"
+    elif not 1 <= trained <= MAX_CTX_SIZE:
+        problem = (f"-c {TRAINING_CONTEXT}: the training context of {model.name} ({trained} tokens) is over the "
+                   f"stages' limit of {MAX_CTX_SIZE}; give -c/--ctx-size")
+    if problem is not None:
+        if parser is None:
+            raise ValueError(problem)
+        parser.error(problem)
     return trained
 
 
@@ -262,9 +268,11 @@ def thread_count(text: str) -> int | None:
 thread_count.__name__ = "int"
 
 
-def int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
-    """Comma-separated integers, each ``>= lo`` (and ``<= hi``): ``1,2,4``."""
-    one = int_at_least(lo) if hi is None else int_between(lo, hi)
+def int_list(lo: int, hi: int | None = None, *,
+             special: tuple[int, str] | None = None) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each ``>= lo`` (and ``<= hi``): ``1,2,4``; ``special``: as
+    :func:`int_at_least`, for each value."""
+    one = int_at_least(lo, special=special) if hi is None else int_between(lo, hi, special=special)
 
     def convert(text: str) -> list[int]:
         try:
@@ -278,6 +286,18 @@ def int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
 
     convert.__name__ = "list"
     return convert
+
+
+_THREAD_LIST = int_list(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default"))
+
+
+def thread_counts(text: str) -> list[int]:
+    """``-t T,T,...`` (``bench-backend``): comma-separated :func:`thread_count` values, each
+    -1 (the default) resolved to :func:`default_threads`."""
+    return [default_threads() if value == DEFAULT_THREADS else value for value in _THREAD_LIST(text)]
+
+
+thread_counts.__name__ = "list"
 
 
 def float_above(lo: float) -> Callable[[str], float]:
@@ -528,7 +548,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
-           "int_at_least", "int_between", "int_list", "thread_count", "TRAINING_CONTEXT", "UNTIL_FULL",
+           "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
