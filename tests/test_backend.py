@@ -321,3 +321,59 @@ def test_ignore_eos(tiny_path):
     run_prefill(s, PROMPT)
     assert s.sample_current(pack_sampling(logit_bias=[(2, 1e6)], temperature=0.0)) == 2
     assert s.sample_current(pack_sampling(logit_bias=[(2, 1e6)], temperature=0.0, ignore_eos=True)) != 2
+
+
+def test_rows_without_a_finite_maximum_follow_the_tie_rule(tiny_path):
+    # Every logit -inf (all tokens banned): no softmax exists (exp(-inf - -inf) is NaN).  Greedy
+    # takes the first maximum (llama.cpp's greedy: id 0); the stochastic chain keeps the same
+    # lowest-id rule instead of falling through its draw to the last candidate (it gave 255).
+    s = open_model(tiny_path).create_session()
+    run_prefill(s, PROMPT)
+    ninf, inf = float("-inf"), float("inf")
+    configs = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=50.0, top_k=5),
+               dict(temperature=0.8, top_p=0.9), dict(temperature=0.8, min_p=0.05), dict(temperature=inf),
+               dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, repeat=1.5, frequency=0.5, presence=0.5)]
+
+    def draws(bias, **kw):
+        return [s.sample_current(pack_sampling(logit_bias=bias, seed=seed, **kw)) for seed in range(1, 9)]
+
+    banned = [(t, ninf) for t in range(N_VOCAB)]
+    for kw in configs:
+        assert draws(banned, **kw) == [0] * 8, kw
+        assert draws(banned, ignore_eos=True, **kw) == [0] * 8, kw
+        # all but 7 and 9 banned: only they can come out, however hot
+        assert set(draws([(t, ninf) for t in range(N_VOCAB) if t not in (7, 9)], **kw)) <= {7, 9}, kw
+    assert set(draws([(t, ninf) for t in range(N_VOCAB) if t not in (7, 9)], temperature=1e6)) == {7, 9}
+    # +inf logits take all the mass, shared equally (a NaN softmax drew unrelated tokens)
+    for kw in configs:
+        assert set(draws([(30, inf), (40, inf)], **kw)) <= {30, 40}, kw
+    assert set(draws([(30, inf), (40, inf)], temperature=1.0)) == {30, 40}
+    assert draws([(30, inf), (40, inf)], temperature=0.0) == [30] * 8  # greedy: the lower id
+
+
+def test_nan_logits_are_never_chosen_over_numbers(tiny_path):
+    # A NaN logit (a NaN bias here; inf - inf from penalties and bias alike) ranks as -inf: it
+    # neither wins greedy from id 0 (the first-maximum scan started at a NaN and kept it) nor
+    # breaks the candidate sort's order (the draws left the logits' top k).
+    s = open_model(tiny_path).create_session()
+    greedy = run_prefill(s, PROMPT)[2]
+    logits = np.frombuffer(s.copy_logits(), dtype=np.float32)
+    nan = float("nan")
+    for poisoned in ([0], [0, 5, greedy], list(range(0, N_VOCAB, 2))):
+        l = logits.copy()
+        l[poisoned] = -np.inf
+        best = int(np.argmax(l))
+        top5 = set(int(t) for t in np.argsort(-l, kind="stable")[:5])
+        bias = [(t, nan) for t in poisoned]
+        assert s.sample_current(pack_sampling(logit_bias=bias, temperature=0.0)) == best
+        assert s.sample_current(pack_sampling(logit_bias=bias, top_k=1, seed=3)) == best
+        for seed in range(1, 17):
+            assert s.sample_current(pack_sampling(logit_bias=bias, top_k=5, temperature=50.0, seed=seed)) in top5
+            token = s.sample_current(pack_sampling(logit_bias=bias, temperature=1.0, top_p=0.9, seed=seed))
+            assert 0 <= token < N_VOCAB and token not in poisoned
+    # inf - inf: a +inf and a -inf bias on one token make it NaN, not the winner
+    assert s.sample_current(pack_sampling(logit_bias=[(9, float("inf")), (9, float("-inf"))],
+                                          temperature=0.0)) == greedy
+    every = [(t, nan) for t in range(N_VOCAB)]
+    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.1)):
+        assert [s.sample_current(pack_sampling(logit_bias=every, seed=seed, **kw)) for seed in (1, 2)] == [0, 0], kw

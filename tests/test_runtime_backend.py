@@ -295,6 +295,26 @@ def test_seeded_sampling_is_reproducible(tiny, ref):
     assert greedy.prefill_chunk_frame_sampled(PROMPT, RuntimeSamplingConfig(enabled=False))[0] == ref[-1]
 
 
+def test_all_banned_tokens_sample_the_lowest_id_on_every_path(tiny):
+    # An embedder banning every token (logit_bias -inf) gets id 0 from greedy and from the
+    # stochastic chain alike, in single calls, verify and batches (the draw gave the last id).
+    model = open_stage(tiny, 0, None, lane_count=2)
+    banned = [(t, float("-inf")) for t in range(256)]
+    for temperature in (0.0, 0.8):
+        config = RuntimeSamplingConfig(enabled=True, seed=7, temperature=temperature, top_k=40, logit_bias=banned)
+        a, b = model.create_session(), model.create_session()
+        assert a.prefill_chunk_frame_sampled(PROMPT, config)[0] == 0
+        assert a.decode_step_frame_sampled(5, config)[0] == 0
+        assert a.sample_current(config) == 0
+        assert a.verify_tokens_frame_sampled([6, 7], config)[0] == [0, 0]
+        output = rt.iteration_batch_sampled([IterationBatchRequest(b, PROMPT, sampling=config, sample_last=True)])
+        assert [s.predicted_token for s in output.samples] == [0]
+        outputs = rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(a, 8, config),
+                                                      DecodeFrameBatchRequest(b, 8, config)])
+        assert [o.predicted_token for o in outputs] == [0, 0]
+        a.close(), b.close()
+
+
 def test_wire_sampling_config_is_accepted(tiny, ref):
     session = open_stage(tiny, 0, None).create_session()
     token, _ = session.prefill_chunk_frame_sampled(PROMPT, messages.SamplingConfig())  # disabled: greedy

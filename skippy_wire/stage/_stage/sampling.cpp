@@ -34,10 +34,14 @@ uint64_t splitmix64(uint64_t * state) {
     return z ^ (z >> 31);
 }
 
+// llama.cpp's greedy rule (the first maximum: a tie goes to the lower id, so an all -inf row
+// gives id 0), with NaN ranked as -inf: a NaN never compares greater, and a NaN at id 0 must
+// not win over the numbers after it.
 int32_t argmax(const float * l, int n) {
     int32_t best = 0;
+    float top = std::isnan(l[0]) ? -std::numeric_limits<float>::infinity() : l[0];
     for (int i = 1; i < n; i++) {
-        if (l[i] > l[best]) best = i;  // first max wins
+        if (l[i] > top) { best = i; top = l[i]; }  // first max wins
     }
     return best;
 }
@@ -83,6 +87,11 @@ int32_t sample_row(skippy_session * s, const float * row, const skippy_sampling_
     // id), so the answer is the first maximum; skip sorting the whole vocabulary.
     if (!(cfg->temperature > 0.0f)) return argmax(l.data(), nv);
 
+    // NaN ranks as -inf, as in argmax: the sort needs a strict weak order, and a NaN logit
+    // (a NaN bias, inf - inf after penalties and bias) is no candidate above a number.
+    for (float & x : l) {
+        if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+    }
     // candidates sorted by logit descending, ties by id
     std::vector<int32_t> cand(nv);
     for (int i = 0; i < nv; i++) cand[i] = i;
@@ -95,10 +104,25 @@ int32_t sample_row(skippy_session * s, const float * row, const skippy_sampling_
     } else {
         std::sort(cand.begin(), cand.end(), by_logit);
     }
+    // Softmax of the kept candidates (best first).  Without a finite maximum there is none
+    // (exp(inf - inf) is NaN): +inf candidates share the mass equally (the softmax's limit),
+    // and an all -inf row gives it all to the first candidate, the lowest id (the greedy tie
+    // rule).  A -inf candidate otherwise gets 0, also at a temperature of +inf.
     auto probs = [&](std::vector<double> & p, float temp) {
-        p.resize(cand.size());
-        double mx = l[cand[0]], sum = 0;
-        for (size_t i = 0; i < cand.size(); i++) { p[i] = std::exp(((double) l[cand[i]] - mx) / temp); sum += p[i]; }
+        p.assign(cand.size(), 0.0);
+        const float mx = l[cand[0]];
+        if (std::isinf(mx)) {
+            size_t n = 1;
+            while (mx > 0 && n < cand.size() && l[cand[n]] == mx) n++;
+            for (size_t i = 0; i < n; i++) p[i] = 1.0 / (double) n;
+            return;
+        }
+        double sum = 0;  // >= 1: the first candidate's term is exp(0)
+        for (size_t i = 0; i < cand.size(); i++) {
+            const double d = (double) l[cand[i]] - mx;
+            p[i] = std::isinf(d) ? 0.0 : std::exp(d / temp);
+            sum += p[i];
+        }
         for (auto & x : p) x /= sum;
     };
     std::vector<double> p;
@@ -121,11 +145,14 @@ int32_t sample_row(skippy_session * s, const float * row, const skippy_sampling_
     probs(p, cfg->temperature);
     const double u = (double) (splitmix64(&s->rng) >> 11) * (1.0 / 9007199254740992.0);
     double cum = 0;
+    size_t last = 0;
     for (size_t i = 0; i < cand.size(); i++) {
+        if (!(p[i] > 0.0)) continue;
         cum += p[i];
+        last = i;
         if (u < cum) return cand[i];
     }
-    return cand.back();
+    return cand[last];  // rounding left the sum below u: the last candidate with mass
 }
 
 }  // namespace skippy_stage
