@@ -220,6 +220,45 @@ def test_frame_from_wire_copies_boundary_identities():
     assert frame.desc.parts[0].identity == b"\x33" * 32 and frame.desc.frontier_identity == b"\x22" * 32
 
 
+@pytest.mark.parametrize("token_count, n_embd, text", [
+    (-1, 4, "activation token count -1 is negative"),
+    (-4, 64, "activation token count -4 is negative"),
+    (-1, -4, "activation token count -1 is negative"),  # 16 bytes would "match" -1 x -4
+    (2**32, 4, "activation token count 4294967296 exceeds 4294967295"),  # the descriptor's u32
+    (1.0, 4, "activation token count must be an integer, not float"),
+    ("1", 4, "activation token count must be an integer, not str"),
+    (1, 0, "activation row width n_embd 0 is not positive"),
+    (1, -4, "activation row width n_embd -4 is not positive"),
+    (0, 2**62, "activation row width n_embd 4611686018427387904 exceeds 2305843009213693951"),
+])
+def test_frame_from_wire_refuses_impossible_counts_by_name(token_count, n_embd, text):
+    # The count is refused as such, before any byte size is derived from it (a negative count
+    # used to read "... does not match -1 tokens x 4 f32 (-16 bytes)").
+    for build in (frame_from_wire, rt.packed_frame_from_wire):
+        with pytest.raises(ActivationFrameError) as error:
+            build(bytes(16), token_count, n_embd, 0, 0, 3)
+        assert str(error.value) == text and error.value.status is None
+        assert "\n" not in str(error.value) and "bytes" not in str(error.value)
+    # the other refusals read as before
+    with pytest.raises(ActivationFrameError, match=r"^activation payload length 16 does not match 2 tokens x 4 f32 "
+                                                   r"\(32 bytes\)$"):
+        frame_from_wire(bytes(16), 2, 4, 0, 0, 3)
+    with pytest.raises(ActivationFrameError, match=r"^activation frame flags 0x1 \(sidebands\) are not supported$"):
+        frame_from_wire(bytes(16), -1, 4, 0, 0, 3, flags=1)
+    # numpy-style integers are counts like any other
+    assert frame_from_wire(bytes(16), IndexOnly(1), IndexOnly(4), 0, 0, 3).desc.token_count == 1
+
+
+class IndexOnly:
+    """An integer by ``__index__`` only (as numpy's are)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
 
 def test_errors_pickle_with_their_fields():
     error = pickle.loads(pickle.dumps(StageRuntimeError.from_native(2, "bad")))

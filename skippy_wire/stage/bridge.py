@@ -11,23 +11,44 @@ the runtime's multipart frame itself: :func:`frame_to_v16` / :func:`frame_from_v
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Optional
 
 from ..errors import ActivationFrameError
 from ..wire import forwarding
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
+from ..wire.constants import I64_MAX
 from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32,
-                         ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc, PackedFrame,
-                         ggml_type_bytes)
+                         U32_MAX, ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc,
+                         PackedFrame, ggml_type_bytes)
 
 #: The id of the one profile a stage admits on an activation link (ids start at 1).
 STAGE_PROFILE_ID = 1
 
 
-def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) -> bytes:
+def _wire_count(value, what: str, low: int, high: int) -> int:
+    # operator.index, not int(): 1.5 tokens is refused, not truncated.  The range is checked
+    # before any size is derived, so a refusal names the count, not a negative byte size.
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ActivationFrameError(f"activation {what} must be an integer, not {type(value).__name__}") from None
+    if number < low:
+        raise ActivationFrameError(f"activation {what} {number} is {'negative' if low == 0 else 'not positive'}")
+    if number > high:
+        raise ActivationFrameError(f"activation {what} {number} exceeds {high}")
+    return number
+
+
+def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) -> tuple:
+    """``(payload bytes, token_count, n_embd)`` of a wire activation, the counts as ints: the
+    token count fits the descriptor's u32, a row holds at least one value and its byte stride
+    fits the descriptor's i64 dimension / u64 stride."""
     if flags:
         raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
+    token_count = _wire_count(token_count, "token count", 0, U32_MAX)
+    n_embd = _wire_count(n_embd, "row width n_embd", 1, I64_MAX // 4)
     data = bytes(payload)
     expected = 4 * n_embd * token_count
     if len(data) != expected:
@@ -35,7 +56,7 @@ def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) ->
             f"activation payload length {len(data)} does not match {token_count} tokens x "
             f"{n_embd} f32 ({expected} bytes)"
         )
-    return data
+    return data, token_count, n_embd
 
 
 def _identities(boundary: Optional[ActivationBoundaryDesc]) -> tuple:
@@ -54,7 +75,7 @@ def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stag
     ``boundary`` (the consumer model's ``input_activation_boundary()``) supplies the part and
     frontier identities; without it they are the backend's llama residual identities.
     """
-    data = _checked_wire_payload(payload, token_count, n_embd, flags)
+    data, token_count, n_embd = _checked_wire_payload(payload, token_count, n_embd, flags)
     identity, frontier = _identities(boundary)
     desc = ActivationDesc.f32_rows(
         n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
@@ -76,7 +97,7 @@ def packed_frame_from_wire(payload: bytes, token_count: int, n_embd: int, produc
                            boundary: Optional[ActivationBoundaryDesc] = None) -> PackedFrame:
     """:func:`frame_from_wire`'s frame in the runtime's C layout (the same checks and the
     same descriptor bytes), the descriptor packed once per shape."""
-    data = _checked_wire_payload(payload, token_count, n_embd, flags)
+    data, token_count, n_embd = _checked_wire_payload(payload, token_count, n_embd, flags)
     desc = _packed_rows_desc(n_embd, token_count, producer_stage_index, layer_start, layer_end, *_identities(boundary))
     return PackedFrame(desc, data)
 
