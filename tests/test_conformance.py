@@ -97,3 +97,97 @@ def test_command_line_entry_point(vectors_dir):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().splitlines()[-1] == "conformance: 386 passed, 0 failed"
+
+
+def test_a_line_that_is_no_case_fails_as_one_and_the_run_goes_on(vectors_dir, tmp_path, capsys):
+    """A JSON value other than an object, or a line that is not UTF-8, is a failure with
+    its line number, not a crash: the other cases still run and the summary comes last."""
+    good = (vectors_dir / "select.jsonl").read_text().splitlines()[0]
+    (tmp_path / "x.jsonl").write_bytes(b'[1, 2]\n"a"\nnull\n7\n{"id": "\xff"}\n' + good.encode() + b"\n")
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    path = tmp_path / "x.jsonl"
+    for lineno, what in ((1, "an array"), (2, "a string"), (3, "null"), (4, "a number")):
+        assert f"FAIL {path}:{lineno}: a case is a JSON object, not {what}\n" in out
+    assert f"FAIL {path}:5: not UTF-8 (byte 9 of the line)\n" in out
+    assert out.rstrip().endswith("conformance: 1 passed, 5 failed")
+
+
+def test_what_bears_the_name_of_a_vector_file_but_is_none_is_skipped(vectors_dir, tmp_path, capsys):
+    """Under a directory, only regular files named *.jsonl are vector files: a directory or
+    a dangling link with that name does not stop the run."""
+    (tmp_path / "select.jsonl").write_text((vectors_dir / "select.jsonl").read_text())
+    (tmp_path / "old.jsonl").mkdir()
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "nowhere")
+    assert conformance.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(" passed, 0 failed") and "FAIL" not in out
+
+
+def test_a_fifo_or_a_device_is_a_usage_error(tmp_path, capsys):
+    """Neither a directory nor a regular file: it would be read without end (/dev/zero)."""
+    import os
+
+    fifo = tmp_path / "cases.jsonl"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        with pytest.raises(SystemExit) as stopped:
+            conformance.main([path])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.endswith(f"\nskippy-wire: error: {path}: not a directory or a regular file\n")
+
+
+def test_a_file_that_cannot_be_read_fails_and_the_run_goes_on(vectors_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "b.jsonl").write_text((vectors_dir / "select.jsonl").read_text())
+    real_open = open
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path).endswith("a.jsonl"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(conformance, "open", refusing_open, raising=False)
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {tmp_path / 'a.jsonl'}: cannot read it: permission denied\n" in out
+    assert out.rstrip().endswith(" passed, 1 failed")
+
+
+def test_an_implementation_that_does_not_load_is_named(vectors_dir, capsys, monkeypatch):
+    """Without --impl the live implementation is the one checked, and named if it fails."""
+    def broken(impl):
+        raise ImportError("the extension is not built")
+
+    monkeypatch.setattr(conformance, "Runner", broken)
+    with pytest.raises(SystemExit) as stopped:
+        conformance.main([str(vectors_dir)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"implementation {conformance._impl.IMPLEMENTATION} is not available: the extension is not built" in err
+
+
+def test_text_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):
+    """A case id or note holding a lone surrogate (a JSON escape), or a file name with a
+    byte that is not UTF-8, is printed as its escape: a strict stdout (a UTF-8 locale, the
+    capture here) would refuse it and stop the run."""
+    import os
+
+    path = tmp_path / os.fsdecode(b"cases-\xff.jsonl")
+    path.write_text('{"id": "z-\\ud800", "group": "mystery", "note": "\\udcff"}\nnot json\n')
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL z-\\ud800 [mystery] cases-\\udcff.jsonl:1\n     note: \\udcff\n" in out
+    assert f"FAIL {tmp_path}/cases-\\udcff.jsonl:2: not JSON" in out
+    assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
+
+
+def test_json_nested_too_deeply_fails_as_a_line(tmp_path, capsys):
+    """Python's JSON decoder recurses per level: a fuzzed line of 100 000 brackets is a
+    failed line, not a RecursionError traceback."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert conformance.main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {path}:1: JSON nested too deeply to decode\n" in out
+    assert out.rstrip().endswith("conformance: 0 passed, 1 failed")

@@ -2,14 +2,18 @@
 
 Runs every case of every ``*.jsonl`` file found (recursively) under the given directories
 (or given directly) in the format of ``shared/vectors/README.md`` — groups ``activation``,
-``activation_decode``, ``select``, ``frame`` and ``malformed`` — against one
-implementation, codec and framing alike.  A case passes when everything it records
-matches: bytes, decoded f32 bit patterns, consumed byte counts, decoded message fields,
-error kinds and exact texts (and, for writer failures, the partial output).
+``activation_decode``, ``select``, ``frame`` and ``malformed``, and those of state versions
+16 and 17 (:mod:`.conformance_gen`) — against one implementation, codec and framing alike.
+A case passes when everything it records matches: bytes, decoded f32 bit patterns,
+consumed byte counts, decoded message fields, error kinds and exact texts (and, for writer
+failures, the partial output).
 
-The first failures are reported with the case id, file, note and the first difference;
-the last line is always ``conformance: N passed, M failed``; the exit status is 1 when
-M > 0 or no case was found (2 for usage errors).
+The first failures are reported with the case id, file, note and the first difference; a
+line that is no case (not UTF-8, not JSON, a JSON value other than an object) or a file
+that cannot be read fails the same way, and the run goes on.  The last line is always
+``conformance: N passed, M failed``; the exit status is 1 when M > 0 or no case was found,
+2 for usage errors (a path that does not exist, or is neither a directory nor a regular
+file).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from . import conformance_gen
 from ..wire.constants import ActivationCodec
 from ..errors import Mismatch
 from ..wire.frame import reader_expectation
-from .options import Parser, doc_summary, error_line, int_at_least
+from .options import Parser, describe, doc_summary, error_line, int_at_least
 from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
                            read_expectation, require_ok)
 
@@ -160,64 +164,116 @@ class Runner:
 
 # --- the command --------------------------------------------------------------------------
 def _files(paths: list[str]) -> list[Path]:
+    """The vector files: each path given that is not a directory, and the regular files
+    named ``*.jsonl`` under each directory (sorted; a subdirectory or a dangling link that
+    bears the name is no vector file)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(p.rglob("*.jsonl"))
-        elif p.is_file():
-            found.append(p)
+            found += sorted(f for f in p.rglob("*.jsonl") if f.is_file())
         else:
-            raise FileNotFoundError(p)
+            found.append(p)
     return found
+
+
+def not_readable(path: str) -> Optional[str]:
+    """Why ``path`` cannot be run (it does not exist, or it is neither a directory nor a
+    regular file: a FIFO or a device would be read without end), else None."""
+    p = Path(path)
+    if not p.exists():
+        return "no such file or directory"
+    if not (p.is_dir() or p.is_file()):
+        return "not a directory or a regular file"
+    return None
+
+
+def _cases(path: Path):
+    """``(lineno, case or None, problem)`` for each non-blank line of ``path``: a case is a
+    JSON object; a line that is not (not UTF-8, not JSON, another JSON value) or a file that
+    cannot be read gives a problem instead, failed and reported like a case."""
+    try:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield lineno, None, f"not UTF-8 (byte {exc.start + 1} of the line)"
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    case = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield lineno, None, f"not JSON ({exc})"
+                    continue
+                except RecursionError:  # Python's decoder recurses per level of nesting
+                    yield lineno, None, "JSON nested too deeply to decode"
+                    continue
+                if not isinstance(case, dict):
+                    yield lineno, None, f"a case is a JSON object, not {_json_kind(case)}"
+                    continue
+                yield lineno, case, None
+    except OSError as exc:
+        why = describe(exc)  # "PATH: reason": the FAIL line names the path already
+        yield 0, None, f"cannot read it: {why.removeprefix(f'{exc.filename}: ')}"
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return {list: "an array", str: "a string"}.get(type(value), "a number")
 
 
 def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose: bool = False,
         protocol: Optional[int] = None) -> tuple[int, int]:
     """Run every case under ``paths``; print failures and the summary; return (passed, failed)."""
     out = sys.stdout if out is None else out
+
+    def say(text: str) -> None:
+        # a lone surrogate (a JSON "\ud800" escape in an id or a note, a path's byte that
+        # is not UTF-8) as its escape: stdout's encoder would refuse it and stop the run
+        print(text.encode("utf-8", "backslashreplace").decode("utf-8"), file=out)
+
     runner = Runner(impl)
     passed = failed = 0
     per_group: dict[str, list[int]] = {}
     for path in _files(paths):
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    case = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    failed += 1
-                    if failed <= max_report:
-                        print(f"FAIL {path}:{lineno}: not JSON ({exc})", file=out)
-                    continue
-                group = str(case.get("group"))
-                tally = per_group.setdefault(group, [0, 0])
-                try:
-                    (conformance_gen.runner_for(case, impl, protocol) or runner).run(case)
-                except Mismatch as exc:
-                    failed += 1
-                    tally[1] += 1
-                    if failed <= max_report:
-                        print(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}", file=out)
-                        print(f"     note: {case.get('note', '')}", file=out)
-                        print(f"     {exc}", file=out)
-                    continue
-                except Exception as exc:  # report a crash of the runner itself, keep going
-                    failed += 1
-                    tally[1] += 1
-                    if failed <= max_report:
-                        print(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}: "
-                              f"runner error {type(exc).__name__}: {exc}", file=out)
-                    continue
-                passed += 1
-                tally[0] += 1
+        for lineno, case, problem in _cases(path):
+            if case is None:
+                failed += 1
+                if failed <= max_report:
+                    say(f"FAIL {path}{f':{lineno}' if lineno else ''}: {problem}")
+                continue
+            group = str(case.get("group"))
+            tally = per_group.setdefault(group, [0, 0])
+            try:
+                (conformance_gen.runner_for(case, impl, protocol) or runner).run(case)
+            except Mismatch as exc:
+                failed += 1
+                tally[1] += 1
+                if failed <= max_report:
+                    say(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}")
+                    say(f"     note: {case.get('note', '')}")
+                    say(f"     {exc}")
+                continue
+            except Exception as exc:  # report a crash of the runner itself, keep going
+                failed += 1
+                tally[1] += 1
+                if failed <= max_report:
+                    say(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}: "
+                        f"runner error {type(exc).__name__}: {exc}")
+                continue
+            passed += 1
+            tally[0] += 1
     if failed > max_report:
-        print(f"... {failed - max_report} more failures not shown (--max-report)", file=out)
+        say(f"... {failed - max_report} more failures not shown (--max-report)")
     if verbose or failed:
         for group, (p, f) in sorted(per_group.items()):
-            print(f"  {group}: {p} passed, {f} failed", file=out)
-    print(f"implementation: {impl}", file=out)
-    print(f"conformance: {passed} passed, {failed} failed", file=out)
+            say(f"  {group}: {p} passed, {f} failed")
+    say(f"implementation: {impl}")
+    say(f"conformance: {passed} passed, {failed} failed")
     return passed, failed
 
 
@@ -236,14 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    missing = [path for path in args.paths if not Path(path).exists()]
-    if missing:
-        parser.error(f"{missing[0]}: no such file or directory")
+    for path in args.paths:
+        why = not_readable(path)
+        if why is not None:
+            parser.error(f"{path}: {why}")
+    impl = args.impl or _impl.IMPLEMENTATION
     try:
-        passed, failed = run(args.paths, args.impl or _impl.IMPLEMENTATION, max_report=args.max_report,
-                             verbose=args.verbose, protocol=args.protocol)
+        passed, failed = run(args.paths, impl, max_report=args.max_report, verbose=args.verbose,
+                             protocol=args.protocol)
     except ImportError as exc:
-        parser.error(f"implementation {args.impl} is not available: {exc}")
+        parser.error(f"implementation {impl} is not available: {exc}")
     if not passed + failed:  # a wrong path must not pass a check that ran nothing
         print(error_line(f"no cases in {', '.join(args.paths)} (*.jsonl files of golden vectors)"), file=sys.stderr)
         return 1

@@ -2,7 +2,10 @@
 
 Input: the bytes of ONE direction of one hop, as written by ``skippy-wire run --capture
 DIR`` (``DIR/hopK-messages.bin``: what the upstream side sent; ``DIR/hopK-replies.bin``:
-READY then the replies) or by any other recorder (e.g. a tcpdump payload export).
+READY then the replies) or by any other recorder (e.g. a tcpdump payload export).  It is
+read as a stream (:class:`CaptureInput`), only as far as the record being parsed needs,
+and each record is printed once whole: memory follows the largest record, not the
+capture, and a live or endless input (a FIFO, ``tail -f``, a device) is shown as it comes.
 
 Direction: a stream that starts with the READY magic (``59 44 52 53``) or with a v17 Offer
 is the reply direction; otherwise a file whose name contains "replies" is; otherwise it is read as
@@ -25,20 +28,26 @@ values) unless ``--values`` asks for every value.  Exit status 0 when the whole 
 parsed (an empty one too: "0 records ... nothing to dissect", a hop that carried nothing;
 and a v17 messages capture without its link's agreement, whose activations are then shown
 as undecoded), 1 at the first malformed or truncated record (one line ``skippy-wire:
-error: #K @OFFSET: ...``) or an unreadable file.
+error: #K @OFFSET: ...``) or an unreadable file (or stdin closed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
+import io
+import os
+import stat
 import struct
 import sys
 from pathlib import Path
 from typing import TextIO
 
-from ..errors import DissectError, WireError
+import numpy as np
+
+from ..errors import DissectError, UnexpectedEofError, WireError
 from ..wire.activation_frame import (
     PROTOCOL_VERSIONS,
     STAGE_STATE_VERSION_V15,
@@ -52,7 +61,7 @@ from ..wire.frame import read_reply_from_buffer, read_stage_message_from_buffer
 from ..wire.messages import WireStagePhase
 from ..wire.protocol import ACTIVATION_COUNT_OFFSET
 from ..wire.replies import StageReply
-from ..wire.setup import SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
+from ..wire.setup import MAX_STAGE_SETUP_MESSAGE_BYTES, SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 from .inspect_gen import (
     GenActivation,
     GenMessageReader,
@@ -74,8 +83,8 @@ STATE_FLAG_NAMES_V16 = {int(f): f.name for f in (StateFlags.FINAL_CHUNK, StateFl
 PHASES = {int(p): "".join(part.capitalize() for part in p.name.split("_")) for p in WireStagePhase}
 STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
                 "decode_step", "current_token", "source_stage_index", "activation_codec")
-# struct formats of the part element types shown by value (BF16 is widened by hand)
-_PART_FORMATS = {GgmlType.F32: "f", GgmlType.F16: "e", GgmlType.I32: "i", GgmlType.BF16: "H"}
+# the element types of the parts shown by value (BF16 is widened by hand)
+_PART_DTYPES = {GgmlType.F32: "<f4", GgmlType.F16: "<f2", GgmlType.I32: "<i4", GgmlType.BF16: "<u2"}
 _UNDECODED = ("not decoded: an agreement-framed activation needs its link's agreement (the Offer, in the "
               "capture's setup packets or its sibling *-replies.bin file)")
 
@@ -137,18 +146,25 @@ def _fields(obj) -> list[tuple[str, object]]:
 
 
 def _values_line(values, limit: int | None) -> str:
-    shown = values if limit is None else values[:limit]
+    shown = (values if limit is None else values[:limit]).tolist()
     text = ", ".join(f"{v:.6g}" for v in shown)
     return f"[{text}{', ...' if limit is not None and len(values) > limit else ''}]"
 
 
 def value_lines(values, all_values: bool, indent: str = "    ") -> list[str]:
-    """min/max/mean of the finite values, the non-finite count, then the (first) values."""
-    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    """min/max/mean of the finite values, the non-finite count, then the (first) values.
+    ``values``: a numpy array (an activation of up to 512 MiB is summarised without a
+    Python object per value), or a sequence of numbers."""
+    values = np.asarray(values)
+    finite = values
+    if values.dtype.kind == "f":
+        mask = np.isfinite(values)
+        finite = values if mask.all() else values[mask]
     lines = []
-    if finite:
-        lines.append(f"{indent}min {min(finite):.6g}  max {max(finite):.6g}  "
-                     f"mean {sum(finite) / len(finite):.6g}  non-finite {len(values) - len(finite)}")
+    if finite.size:
+        mean = float(np.sum(finite, dtype=np.float64)) / finite.size
+        lines.append(f"{indent}min {finite.min().item():.6g}  max {finite.max().item():.6g}  "
+                     f"mean {mean:.6g}  non-finite {values.size - finite.size}")
     lines.append(f"{indent}values: {_values_line(values, None if all_values else 8)}")
     return lines
 
@@ -197,20 +213,19 @@ def v15_activation_lines(msg, n_embd: int | None, wire_activation_bytes: int, al
     if not msg.activation:
         return []
     codec = ActivationCodec(int(msg.state.activation_codec))
-    n = len(msg.activation) // 4
-    values = struct.unpack(f"<{n}f", bytes(msg.activation))
-    rows = n // n_embd if n_embd else 0
+    values = np.frombuffer(msg.activation, dtype="<f4", count=len(msg.activation) // 4)
+    rows = values.size // n_embd if n_embd else 0
     return [f"  activation: {codec.identity()}, {wire_activation_bytes} bytes on the wire, decoded "
             f"{len(msg.activation)} bytes = {rows} rows x {n_embd} (n_embd)"] + value_lines(values, all_values)
 
 
 def _part_values(ggml_type: int, chunk: bytes):
-    fmt = _PART_FORMATS.get(ggml_type)
-    if fmt is None:
+    dtype = _PART_DTYPES.get(ggml_type)
+    if dtype is None:
         return None
-    values = struct.unpack(f"<{len(chunk) // struct.calcsize(fmt)}{fmt}", chunk)
-    if ggml_type == GgmlType.BF16:
-        values = struct.unpack(f"<{len(values)}f", struct.pack(f"<{len(values)}I", *(v << 16 for v in values)))
+    values = np.frombuffer(chunk, dtype=dtype, count=len(chunk) // np.dtype(dtype).itemsize)
+    if ggml_type == GgmlType.BF16:  # the upper half of an f32
+        values = (values.astype("<u4") << 16).view("<f4")
     return values
 
 
@@ -241,7 +256,7 @@ def gen_activation_lines(act: GenActivation | None, version: int, all_values: bo
                      f"{list(part.byte_strides)}  offset {part.payload_offset}  bytes {part.payload_bytes}  "
                      f"identity {bytes(part.identity)[:8].hex()}..")
         values = _part_values(part.ggml_type, act.payload[part.payload_offset:part.payload_offset + part.payload_bytes])
-        if values:
+        if values is not None and values.size:
             lines += value_lines(values, all_values, "      ")
     return lines
 
@@ -272,8 +287,10 @@ def describe_reply(reply, offset: int, size: int, index: int) -> list[str]:
     return lines
 
 
-def describe_record(data: bytes, item: tuple, index: int, protocol: int, all_values: bool) -> list[str]:
-    """The lines of one ``(offset, record, size, detail)`` of :class:`iter_records`."""
+def describe_record(data: bytes, item: tuple, index: int, protocol: int, all_values: bool, *,
+                    base: int = 0) -> list[str]:
+    """The lines of one ``(offset, record, size, detail)`` of :class:`iter_records` whose
+    bytes ``data`` holds from the stream offset ``base`` on."""
     offset, record, size, detail = item
     if record is READY:
         return ["#0 @0 READY (magic 0x53524459, 4 bytes)"]
@@ -282,10 +299,68 @@ def describe_record(data: bytes, item: tuple, index: int, protocol: int, all_val
     if isinstance(record, StageReply):
         return describe_reply(record, offset, size, index)
     if protocol == STAGE_STATE_VERSION_V15:
-        wire = struct.unpack_from("<i", data, offset + ACTIVATION_COUNT_OFFSET)[0]
+        wire = struct.unpack_from("<i", data, offset - base + ACTIVATION_COUNT_OFFSET)[0]
         return describe_message(record, offset, size, index, v15_activation_lines(record, detail, wire, all_values))
     return describe_message(record, offset, size, index, gen_activation_lines(detail, protocol, all_values),
                             version_note=f" (state version {protocol})")
+
+
+class CaptureInput:
+    """A capture as the dissector reads it: from a binary stream (a file, stdin, a FIFO)
+    only as far as the record it parses needs, or from bytes already in memory.  ``window``
+    holds the bytes from the stream offset ``base`` on; the bytes before the record being
+    read may be dropped, so memory follows the largest record (a wire reader bounds every
+    length field), not the stream: an endless or live input (``tail -f``, a device) is
+    dissected as it arrives.  ``size``: the input's whole size when known (a regular file)."""
+
+    def __init__(self, stream=None, *, data=None, size: int | None = None) -> None:
+        self.window, self.base = (b"", 0) if data is None else (data, 0)
+        self.eof = data is not None
+        self.size = len(data) if data is not None else size
+        self._read = None if stream is None else getattr(stream, "read1", None) or stream.read
+
+    @property
+    def end(self) -> int:
+        """The stream offset right after the bytes read so far."""
+        return self.base + len(self.window)
+
+    def fill(self, end: int, keep: int | None = None) -> None:
+        """Read until the window reaches the stream offset ``end`` or the input ends; when
+        it reads, the bytes before ``keep`` (when given) are dropped first (so each byte is
+        copied about once: what is left of the window then is the record not yet whole)."""
+        if self.end >= end or self.eof:
+            return
+        if keep is not None and keep > self.base:
+            self.window, self.base = self.window[keep - self.base:], keep
+        pieces, have = [], self.end
+        while have < end and not self.eof:
+            piece = self._read(min(max(end - have, READ_BYTES), MAX_READ_BYTES))
+            if not piece:
+                self.eof = True
+                break
+            pieces.append(piece)
+            have += len(piece)
+        if pieces:
+            self.window = bytes(self.window) + b"".join(pieces)
+
+    def left(self, offset: int) -> str:
+        """The bytes from ``offset`` to the end of the input, as the error line says them."""
+        if self.eof:
+            return f"{self.end - offset} bytes left"
+        if self.size is not None:
+            return f"{self.size - offset} bytes left"
+        return f"at least {self.end - offset} bytes left"
+
+
+#: Every read of a stream asks for at least this much (fewer calls for small records) and
+#: at most :data:`MAX_READ_BYTES` (a large record is read as its bytes arrive).
+READ_BYTES = 64 * 1024
+MAX_READ_BYTES = 1 << 20
+#: What the dissector reads before it tells the direction and the version: a stage
+#: message's version word (offset 20) and the length of a setup packet.
+PROBE_BYTES = 24
+#: The smallest record read at once: a setup packet's header (READY is shorter, and alone).
+MIN_RECORD_BYTES = SETUP_HEADER_BYTES
 
 
 def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = None, all_values: bool = False,
@@ -293,26 +368,52 @@ def dissect(data: bytes, *, replies: bool | None = None, n_embd: int | None = No
     """Print every record of ``data`` to ``out`` (default stdout); returns the number of
     records, raises :class:`DissectError` at the first malformed or truncated one.
     ``protocol`` (15, 16, 17) forces the state version, else it is detected."""
+    return dissect_input(CaptureInput(data=data), replies=replies, n_embd=n_embd, all_values=all_values, out=out,
+                         name=name, protocol=protocol)
+
+
+def dissect_input(src: CaptureInput, *, replies: bool | None = None, n_embd: int | None = None,
+                  all_values: bool = False, out: TextIO | None = None, name: str = "",
+                  protocol: int | None = None) -> int:
+    """:func:`dissect` over a :class:`CaptureInput`, printing each record as it is read."""
     out = out or sys.stdout
+    src.fill(PROBE_BYTES)
+    if is_setup_packet(src.window):  # the first packet whole: is it the Offer?
+        length = struct.unpack_from("<I", src.window, 8)[0] if len(src.window) >= SETUP_HEADER_BYTES else 0
+        src.fill(SETUP_HEADER_BYTES + min(length, MAX_STAGE_SETUP_MESSAGE_BYTES))
     if replies is None:
-        replies = data[:4] == READY_BYTES or starts_with_offer(data) or "replies" in Path(name).name
+        replies = src.window[:4] == READY_BYTES or starts_with_offer(src.window) or "replies" in Path(name).name
     if protocol is None:
-        protocol = detect_protocol(data, replies)
+        protocol = detect_protocol(src.window, replies)
     index = 0
-    records = iter_records(data, replies=replies, n_embd=n_embd, protocol=protocol, name=name)
+    records = iter_records(src.window, replies=replies, n_embd=n_embd, protocol=protocol, name=name)
     while True:
-        offset = records.offset
+        offset, needed = records.offset, None
+        records.view(src.window, src.base)
         try:
             item = next(records, None)
             if item is None:
                 break
-            lines = describe_record(data, item, index, protocol, all_values)
+            lines = describe_record(src.window, item, index, protocol, all_values, base=src.base)
+        except UnexpectedEofError as exc:
+            needed = exc.needed
+            if src.eof or needed is None or offset + needed <= src.end:
+                raise _dissect_error(exc, index, offset, src) from exc
         except (WireError, EOFError) as exc:
-            kind = getattr(exc, "kind", type(exc).__name__)
-            raise DissectError(f"#{index} @{offset}: {kind}: {exc} ({len(data) - offset} bytes left)") from exc
-        print("\n".join(lines), file=out)
-        index += 1
+            raise _dissect_error(exc, index, offset, src) from exc
+        if needed is None:
+            print("\n".join(lines), file=out)
+            index += 1
+            needed = MIN_RECORD_BYTES
+        if src.end < records.offset + needed and not src.eof:
+            out.flush()  # a live input: what is known is shown before the read waits
+        src.fill(records.offset + needed, keep=records.offset if records.may_drop else None)
     return index
+
+
+def _dissect_error(exc: BaseException, index: int, offset: int, src: CaptureInput) -> DissectError:
+    kind = getattr(exc, "kind", type(exc).__name__)
+    return DissectError(f"#{index} @{offset}: {kind}: {exc} ({src.left(offset)})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,26 +434,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.file == "-":
-        data, name = sys.stdin.buffer.read(), "-"
-    else:
-        try:
-            data, name = Path(args.file).read_bytes(), args.file
-        except OSError as exc:
-            print(error_line(describe(exc)), file=sys.stderr)
-            return 1
-    if not data:
-        print(f"0 records, 0 bytes: {'stdin' if name == '-' else name} is empty, nothing to dissect")
-        return 0
     replies = True if args.replies else False if args.messages else None
     try:
-        count = dissect(data, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name,
-                        protocol=args.protocol)
+        if args.file == "-":
+            if sys.stdin is None:  # started with stdin closed (<&-)
+                print(error_line("stdin is closed: nothing to dissect"), file=sys.stderr)
+                return 1
+            return _inspect(sys.stdin.buffer, "-", replies, args)
+        with open(args.file, "rb") as stream:
+            return _inspect(stream, args.file, replies, args)
+    except BrokenPipeError:  # stdout closed (| head): the command's quiet exit 141
+        raise
+    except OSError as exc:  # reading the input
+        sys.stdout.flush()
+        what = "stdin" if args.file == "-" and exc.filename is None else None
+        print(error_line(f"{what}: {describe(exc)}" if what else describe(exc)), file=sys.stderr)
+        return 1
+
+
+def _inspect(stream, name: str, replies: bool | None, args) -> int:
+    size = None
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        info = os.fstat(stream.fileno())
+        size = info.st_size if stat.S_ISREG(info.st_mode) else None
+    src = CaptureInput(stream, size=size)
+    try:
+        count = dissect_input(src, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name,
+                              protocol=args.protocol)
     except DissectError as exc:
         sys.stdout.flush()
         print(error_line(str(exc)), file=sys.stderr)
         return 1
-    print(f"{count} records, {len(data)} bytes")
+    if not src.end:  # a path's bytes that are not UTF-8 as escapes: stdout's encoder may refuse them
+        shown = "stdin" if name == "-" else name.encode("utf-8", "backslashreplace").decode("utf-8")
+        print(f"0 records, 0 bytes: {shown} is empty, nothing to dissect")
+    else:
+        print(f"{count} records, {src.end} bytes")
     return 0
 
 
@@ -365,20 +482,31 @@ class iter_records:
     :class:`SetupPacket` (the v17 packets a capture starts with), a reply or a stage
     message; ``detail`` is a v15 message's n_embd, a v16/v17 message's
     :class:`GenActivation` (None without an activation), else None.  ``offset`` (the
-    attribute) is where the next record starts."""
+    attribute) is where the next record starts.  :meth:`view` gives it the part of a
+    stream read so far (:func:`dissect_input`); :attr:`may_drop`: the bytes before
+    ``offset`` are no longer needed (a v17 messages capture keeps its setup packets until
+    the first message has looked up the agreement in them)."""
 
     def __init__(self, data: bytes, *, replies: bool, n_embd: int | None = None,
                  protocol: int = STAGE_STATE_VERSION_V15, name: str = "") -> None:
-        self.data, self.replies, self.n_embd, self.offset = data, replies, n_embd, 0
+        self.data, self.base, self.replies, self.n_embd, self.offset = data, 0, replies, n_embd, 0
         self.setup_count = 0
         self.in_setup = protocol != STAGE_STATE_VERSION_V15
         self.gen = None if replies or protocol == STAGE_STATE_VERSION_V15 else GenMessageReader(protocol, data, name)
+
+    def view(self, data, base: int) -> None:
+        """The bytes of the stream from offset ``base`` on, as far as they were read."""
+        self.data, self.base = data, base
+
+    @property
+    def may_drop(self) -> bool:
+        return self.gen is None or self.gen.looked_up
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        data, offset = self.data, self.offset
+        data, offset = self.data, self.offset - self.base
         if offset >= len(data):
             raise StopIteration
         detail = None
@@ -386,18 +514,18 @@ class iter_records:
             size, body = read_setup_packet(data, offset)
             record = SetupPacket(setup_label(self.setup_count, self.replies), body)
             self.setup_count += 1
-        elif self.replies and offset == 0 and data[:4] == READY_BYTES:
+        elif self.replies and self.offset == 0 and data[:4] == READY_BYTES:
             record, size = READY, 4
         elif self.replies:
             record, size = read_reply_from_buffer(data, offset=offset)
         elif self.gen is not None:
-            record, size, detail = self.gen.read(offset)
+            record, size, detail = self.gen.read(offset, data)
         else:
             detail = self.n_embd or (infer_n_embd(data[offset:offset + 80]) if len(data) - offset >= 80 else None)
             record, size = read_stage_message_from_buffer(data, detail or 1, offset=offset)
         self.in_setup = isinstance(record, SetupPacket)
-        self.offset = offset + size
-        return offset, record, size, detail
+        self.offset += size
+        return offset + self.base, record, size, detail
 
 
 if __name__ == "__main__":

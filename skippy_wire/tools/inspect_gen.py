@@ -34,6 +34,8 @@ from ..wire.constants import ActivationCodec
 from ..wire.protocol import ACTIVATION_COUNT_OFFSET, VERSION_WORD_OFFSET, WireProtocol
 from ..wire.setup import MAX_STAGE_SETUP_MESSAGE_BYTES, SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
 
+#: The reader's refusal of an activation without the agreement (wire-v16-v17.md B.7.3).
+NO_AGREEMENT = "activation requires an established agreement"
 _SETUP_NAMES_C = ("Hello", "accept")  # what the connecting side sends, in order
 _SETUP_NAMES_S = ("Offer", "ready")
 #: The setup packets each side of a link sends.
@@ -73,16 +75,19 @@ def setup_label(index: int, replies: bool) -> str:
 
 
 def read_setup_packet(data, offset: int) -> tuple:
-    """``(size, body)`` of the setup packet at ``offset``; UnexpectedEof when it is cut short,
-    InvalidData for what a peer would refuse (a body over the limit, or no JSON)."""
+    """``(size, body)`` of the setup packet at ``offset``; UnexpectedEof when it is cut short
+    (its ``needed``: the packet's bytes known so far, as the wire readers say it), InvalidData
+    for what a peer would refuse (a body over the limit, or no JSON)."""
     if len(data) - offset < SETUP_HEADER_BYTES:
-        raise UnexpectedEofError(f"setup packet header truncated ({len(data) - offset} bytes left)")
+        raise UnexpectedEofError(f"setup packet header truncated ({len(data) - offset} bytes left)",
+                                 needed=SETUP_HEADER_BYTES)
     length = struct.unpack_from("<I", data, offset + 8)[0]
     if length > MAX_STAGE_SETUP_MESSAGE_BYTES:
         raise InvalidDataError(f"stage setup message exceeds limit ({length} bytes)")
     end = offset + SETUP_HEADER_BYTES + length
     if end > len(data):
-        raise UnexpectedEofError(f"setup packet of {length} bytes truncated ({len(data) - offset} bytes left)")
+        raise UnexpectedEofError(f"setup packet of {length} bytes truncated ({len(data) - offset} bytes left)",
+                                 needed=SETUP_HEADER_BYTES + length)
     body = bytes(data[offset + SETUP_HEADER_BYTES:end])
     try:
         parse_json(body)
@@ -173,73 +178,92 @@ class GenActivation:
 
 
 class GenMessageReader:
-    """``read(offset) -> (message, size, GenActivation or None)`` over a v16/v17 capture.
+    """``read(offset, data) -> (message, size, GenActivation or None)`` over a v16/v17
+    capture: ``data`` is the part of the capture read so far (``offset`` in it), by default
+    the ``data`` it was made with.
 
-    The v17 agreement is looked up (:func:`find_agreement`) at the first message.  Without
-    one, an activation-carrying message is read with its activation count taken as 0 (the
-    reader's rule for an empty activation, A.7.4) and its activation bytes are skipped."""
+    The v17 agreement is looked up (:func:`find_agreement`) at the first message, in the
+    bytes that read is given (they start with the capture's setup packets) and the sibling
+    file.  Without one, an activation-carrying message is read with its activation count
+    taken as 0 (the reader's rule for an empty activation, A.7.4) and its activation bytes
+    are skipped.  A message cut short raises UnexpectedEof with ``needed``, as the readers do."""
 
-    def __init__(self, protocol: int, data, name: str = "") -> None:
+    def __init__(self, protocol: int, data=b"", name: str = "") -> None:
         self.proto = WireProtocol(protocol)
         self.data, self.name = data, name
         self._agreement: Optional[ActivationAgreement] = None
-        self._looked_up = protocol != STAGE_STATE_VERSION_V17
-        self._patchable: Optional[bytearray] = None
+        self.looked_up = protocol != STAGE_STATE_VERSION_V17
+
+    def agreement_in(self, data) -> Optional[ActivationAgreement]:
+        if not self.looked_up:
+            self._agreement, self.looked_up = find_agreement(data, self.name), True
+        return self._agreement
 
     @property
     def agreement(self) -> Optional[ActivationAgreement]:
-        if not self._looked_up:
-            self._agreement, self._looked_up = find_agreement(self.data, self.name), True
-        return self._agreement
+        return self.agreement_in(self.data)
 
-    def read(self, offset: int) -> tuple:
-        agreement = self.agreement
+    def read(self, offset: int, data=None) -> tuple:
+        data = self.data if data is None else data
+        agreement = self.agreement_in(data)
         try:
-            msg, size = self.proto.read_from_buffer(self.data, offset=offset, agreement=agreement)
-        except InvalidDataError:
-            without = agreement is None and self.proto.version == STAGE_STATE_VERSION_V17
-            undecoded = self._read_undecoded(offset) if without else None
+            msg, size = self.proto.read_from_buffer(data, offset=offset, agreement=agreement)
+        except InvalidDataError as error:
+            # the reader refuses an activation for want of the agreement once it holds the
+            # whole message, the rest of it valid (wire-v16-v17.md B.7.3)
+            without = str(error) == NO_AGREEMENT and self.proto.version == STAGE_STATE_VERSION_V17
+            undecoded = self._read_undecoded(data, offset) if without else None
             if undecoded is None:
                 raise
             return undecoded
-        count = struct.unpack_from("<i", self.data, offset + ACTIVATION_COUNT_OFFSET)[0]
+        count = struct.unpack_from("<i", data, offset + ACTIVATION_COUNT_OFFSET)[0]
         if not len(msg.activation):
             return msg, size, None
         desc, payload = self.proto.decode_frame(ActivationCodec.RAW_F32_V1, msg.activation)
-        return msg, size, self._activation(msg, offset + size - count, count, desc, bytes(payload))
+        return msg, size, self._activation(data, msg, offset + size - count, count, desc, bytes(payload))
 
-    def _activation(self, msg, start: int, count: int, desc=None, payload=b"") -> GenActivation:
+    def _activation(self, data, msg, start: int, count: int, desc=None, payload=b"") -> GenActivation:
         agreed = None
         if self.proto.version == STAGE_STATE_VERSION_V17:
-            agreed = AgreedHeader.parse(self.data[start:start + min(count, AGREED_ACTIVATION_HEADER_BYTES)])
+            agreed = AgreedHeader.parse(data[start:start + min(count, AGREED_ACTIVATION_HEADER_BYTES)])
         return GenActivation(ActivationCodec(int(msg.state.activation_codec)), count, desc, payload, agreed)
 
-    def _read_undecoded(self, offset: int) -> Optional[tuple]:
+    def _read_undecoded(self, data, offset: int) -> Optional[tuple]:
         """The message at ``offset`` read without its activation, or None when that is not
-        why the reader refused it (an activationless kind with a count, a short capture...)."""
-        data = self.data
+        why the reader refused it (an activationless kind with a count, a short capture...:
+        the reader refuses an activation for want of the agreement only once it holds the
+        whole message, so a short capture here means another refusal came first)."""
         if len(data) - offset < ACTIVATION_COUNT_OFFSET + 4:
             return None
         count = struct.unpack_from("<i", data, offset + ACTIVATION_COUNT_OFFSET)[0]
         if count <= 0:
             return None
-        if count < AGREED_ACTIVATION_HEADER_BYTES:  # no agreement makes it whole
-            raise InvalidDataError(f"agreement-framed activation of {count} bytes, shorter than its "
-                                   f"{AGREED_ACTIVATION_HEADER_BYTES}-byte header")
-        if self._patchable is None:
-            self._patchable = bytearray(data)
-        buf, at = self._patchable, offset + ACTIVATION_COUNT_OFFSET
-        struct.pack_into("<i", buf, at, 0)
-        try:
-            msg, size = self.proto.read_from_buffer(buf, offset=offset)
-        except (InvalidDataError, UnexpectedEofError):
-            return None
-        finally:
-            buf[at:at + 4] = data[at:at + 4]
+        # A copy of the message's bytes with its count patched to 0, as long as the reader
+        # says it needs (never the rest of the capture: that may be large).
+        at, left, size = ACTIVATION_COUNT_OFFSET, len(data) - offset, None
+        take = min(left, _UNDECODED_FIRST_BYTES)
+        while size is None:
+            buf = bytearray(data[offset:offset + take])
+            struct.pack_into("<i", buf, at, 0)
+            try:
+                msg, size = self.proto.read_from_buffer(buf)
+            except InvalidDataError:
+                return None
+            except UnexpectedEofError as error:
+                if error.needed is None or error.needed <= take or take == left:
+                    return None
+                take = min(left, error.needed)
         if (int(msg.kind) in ACTIVATIONLESS_KINDS_V16 or msg.state.source_stage_index < 0
                 or offset + size + count > len(data)):
             return None
-        return msg, size + count, self._activation(msg, offset + size, count)
+        if count < AGREED_ACTIVATION_HEADER_BYTES:  # no agreement makes it whole
+            raise InvalidDataError(f"agreement-framed activation of {count} bytes, shorter than its "
+                                   f"{AGREED_ACTIVATION_HEADER_BYTES}-byte header")
+        return msg, size + count, self._activation(data, msg, offset + size, count)
+
+
+#: The bytes of a message first copied to read it without its activation (more when needed).
+_UNDECODED_FIRST_BYTES = 64 * 1024
 
 
 __all__ = ["detect_protocol", "is_setup_packet", "starts_with_offer", "find_agreement", "setup_label",
