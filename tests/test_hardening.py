@@ -387,3 +387,27 @@ def test_binding_beyond_loopback_warns_that_the_data_plane_is_unauthenticated(ti
     with launch_pipeline(tiny_model, 1, threads=1, startup_timeout=60, log_dir=tmp_path / "lo"):
         pass
     assert "unauthenticated" not in (tmp_path / "lo" / "stage0.log").read_text()
+
+
+def test_a_tls_handshake_stalled_by_a_stranger_is_closed_when_shed_not_at_the_io_timeout(certs):
+    """At the connection limit the stalled handshake is shed: its socket and thread go at
+    once.  Wrapping the socket for TLS detached it, so the shed's shutdown() missed, and the
+    stranger kept a thread and a descriptor, no longer counted, until --io-timeout: a loop of
+    such connections grew both without bound."""
+    tls = certs["node"]
+    server = StageServer(FakeBackend(0, 6), stage_config(0, 0, 6, "raw-f32-v1", "fixed"), io_timeout=20.0,
+                         reply_timeout=5.0, tls=tls, limits=StageLimits(max_connections=1))
+    server.start()
+    staller = socket.create_connection(server.address, timeout=5)
+    try:
+        staller.sendall(b"\x16\x03\x01\x00\x50")  # a ClientHello's record header, then nothing
+        assert _wait_for(lambda: any(t.name == "stage-conn-1" for t in threading.enumerate()), 5)
+        time.sleep(0.3)
+        with PipelineClient(*server.address, timeout=10, tls=tls) as client:
+            assert client.generate(FAKE_PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(FAKE_PROMPT, 3)
+        assert server.connection_limit.shed_count == 1
+        assert _closed(staller, 3.0)
+        assert _wait_for(lambda: not any(t.name == "stage-conn-1" for t in threading.enumerate()), 3.0)
+    finally:
+        staller.close()
+        server.shutdown()

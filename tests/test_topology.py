@@ -340,3 +340,158 @@ def test_serve_takes_the_v17_model_id_from_the_topology(tmp_path):
         args = parser.parse_args(["--topology", str(path), "--stage", "0", "--model", str(smollm2_path()), *extra])
         serve._check_args(parser, args)
         assert args.model_id == model_id
+
+
+# --- an operator's malformed files: one line naming the file, never a hang or a traceback ---
+
+
+def _load_in_thread(path, timeout: float = 5.0):
+    """``load_topology(path)`` on a thread: its error, or AssertionError if it hangs."""
+    import threading
+
+    outcome: list = []
+
+    def load() -> None:
+        try:
+            outcome.append(load_topology(path, shape=shape))
+        except Exception as exc:  # noqa: BLE001 -- the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert outcome, f"load_topology({path}) still reading after {timeout} s"
+    return outcome[0]
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    import os
+
+    fifo = tmp_path / "t.json"
+    os.mkfifo(fifo)
+    try:
+        error = _load_in_thread(fifo)
+    finally:  # a reader blocked in open() (as the old code was) gets a writer and goes
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        except OSError:
+            pass
+    assert isinstance(error, TopologyError)
+    assert str(error) == f"{fifo}: cannot read the topology: it is a FIFO, not a regular file"
+
+
+def test_a_device_is_refused_not_read(tmp_path):
+    """/dev/zero would fill memory (8 GB in 20 s); /dev/null is a device too."""
+    error = _load_in_thread("/dev/null")
+    assert isinstance(error, TopologyError)
+    assert str(error) == "/dev/null: cannot read the topology: it is a character device, not a regular file"
+
+
+def test_a_huge_file_is_refused_unread(tmp_path):
+    from skippy_wire.net.topology import MAX_TOPOLOGY_BYTES
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(GOOD) + " " * MAX_TOPOLOGY_BYTES)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path, shape=shape)
+    assert str(info.value) == f"{path}: larger than 1 MiB: not a topology file"
+    path.write_text(json.dumps(GOOD) + " " * (MAX_TOPOLOGY_BYTES - len(json.dumps(GOOD))))
+    assert len(load_topology(path, shape=shape).stages) == 3  # up to the limit, it reads
+
+
+def test_a_key_given_twice_is_an_error_not_the_last_one(tmp_path):
+    path = tmp_path / "t.json"
+    text = json.dumps(GOOD)
+    path.write_text(text.replace('"layer_end": 10', '"layer_end": 10, "layer_end": 12', 1))
+    with pytest.raises(TopologyError) as info:
+        load_topology(path, shape=shape)
+    assert str(info.value) == (f"{path}: key 'layer_end' appears twice in one object "
+                               "(JSON would keep the last silently)")
+
+
+def test_odd_json_values_are_one_line_errors_for_an_operator(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(GOOD).replace('"ctx_size": 1024', '"ctx_size": ' + "9" * 5000))
+    with pytest.raises(TopologyError) as info:  # not "use sys.set_int_max_str_digits()"
+        load_topology(path, shape=shape)
+    assert str(info.value) == f"{path}: a number with 5000 digits (at most 100)"
+    path.write_text(json.dumps(GOOD).replace('"topology_id": "t"', '"topology_id": "\\ud800"'))
+    with pytest.raises(TopologyError, match=r"t\.json: a string holds an unpaired UTF-16 surrogate"):
+        load_topology(path, shape=shape)
+
+
+ADDRESSES = [
+    ("NUL", "bad\x00host:19000", "endpoint host 'bad\\x00host' is not an IPv4 address or a host name"),
+    ("newline", "bad\nhost:19000", "endpoint host 'bad\\nhost' is not an IPv4 address or a host name"),
+    ("space", "bad host:19000", "endpoint host 'bad host' is not an IPv4 address or a host name"),
+    ("slash", "10.0.0.1/24:19000", "endpoint host '10.0.0.1/24' is not an IPv4 address or a host name"),
+    ("long label", "a" * 64 + ".example:19000", "is not a valid host name (an empty label, or one over 63"),
+    ("empty label", "a..b:19000", "is not a valid host name (an empty label"),
+    ("scheme", "http://h:19000", "endpoint: only tcp:// may come before HOST:PORT, not 'http://h:19000'"),
+    ("other digits", "h:\u0661\u0662\u0663", "endpoint: the port of 'h:\u0661\u0662\u0663' must be ASCII digits"),
+    ("superscript", "h:\u00b2", "endpoint: the port of 'h:\u00b2' must be ASCII digits"),
+]
+
+
+@pytest.mark.parametrize("name,endpoint,message", ADDRESSES, ids=[a[0] for a in ADDRESSES])
+def test_an_address_with_odd_characters_is_the_file_s_error(name, endpoint, message):
+    """They used to pass, then fail where the stage listened or connected: a traceback (NUL),
+    an error line split in two (newline), "text is not valid UTF-8" (a long label), port 123
+    read from Arabic-Indic digits."""
+    with pytest.raises(TopologyError) as info:
+        parse_topology(_with(_set(0, "endpoint", endpoint)), name="f.json", shape=shape)
+    text = str(info.value)
+    assert text.startswith("f.json: stage 0: ") and "\n" not in text and message in text, text
+
+
+def test_host_names_that_resolve_stay_valid():
+    for endpoint in ("node-1.cluster.local:19000", "tcp://10.77.0.1:19000", "h\u00f4st.example:19000",
+                     "stage_0:19000", "localhost.:19000"):
+        parse_topology(_with(_set(0, "endpoint", endpoint)), name="f.json", shape=shape)
+
+
+def test_a_quoted_value_is_clipped_to_keep_the_line_short():
+    with pytest.raises(TopologyError) as info:
+        parse_topology(_with(_set(1, "layer_end", list(range(10000)))), name="f.json", shape=shape)
+    assert len(str(info.value)) < 160 and str(info.value).endswith("...")
+
+
+def test_a_nul_in_model_path_is_the_file_s_error():
+    with pytest.raises(TopologyError, match=r"^f\.json: model_path contains a NUL character$"):
+        parse_topology(_with(lambda d: d.update(model_path="/m\x00.gguf")), name="f.json", shape=shape)
+
+
+BOUNDS = [
+    ("threads", _set(1, "threads", 513), "stage 1: threads 513 is not between 1 and 512"),
+    ("ctx_size", lambda d: d.update(ctx_size=2**24 + 1), "ctx_size 16777217 is not between 1 and 16777216"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_serve_s_bounds_are_the_file_s_so_every_command_refuses_alike(name, mutate, message):
+    with pytest.raises(TopologyError) as info:
+        parse_topology(_with(mutate), name="f.json", shape=shape)
+    assert str(info.value) == f"f.json: {message}"
+
+
+@pytest.mark.parametrize("command", ["serve", "run", "api"])
+def test_serve_run_and_api_refuse_one_file_alike(tmp_path, command):
+    """``run --topology`` and ``api --topology`` took a ctx_size or threads that ``serve
+    --topology`` refuses for the same file (``api`` then served; hence a subprocess)."""
+    import subprocess
+    import sys
+
+    n_layer, _ = model_shape(smollm2_path())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_id": "smollm2-135m", "ctx_size": 2**24 + 1, "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
+    args = [sys.executable, "-m", "skippy_wire", command, "--topology", str(path)]
+    args += ["--stage", "0"] if command == "serve" else ["--listen", "127.0.0.1:0"] if command == "api" else []
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} --topology took the file and ran")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == \
+        f"skippy-wire: error: {path}: ctx_size 16777217 is not between 1 and 16777216"

@@ -11,14 +11,21 @@ starting with byte 0x16), so a peer that sends anything else, or nothing within
 ``PLAIN_PEER_GRACE_SECONDS`` (a plain v15/v16 client waiting for READY), is sent
 :data:`TLS_REQUIRED_NOTICE` in the clear and closed; this package's plain client turns
 the notice into a one-line error.
+
+:meth:`TlsConfig.check` refuses, before anything starts, files that cannot work, the
+certificate included when its peers would refuse it (an in-memory handshake verifies it
+against the CA: expired, not yet valid, another CA's); a failed handshake is told in words
+on both ends (:func:`tls_failure`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import select
 import socket
 import ssl
+import stat
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,6 +68,82 @@ def _certificates_in(path: str) -> dict:
     return probe.cert_store_stats()
 
 
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def _not_a_file(option: str, path: str) -> None:
+    """ValueError naming ``option`` when ``path`` exists but is a FIFO, a device or a socket:
+    opening a FIFO waits for a writer for ever, /dev/zero never ends, and each file is read
+    more than once (checked, then by every context).  A missing file or a directory is left
+    to the reader, which names the reason."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
+        raise ValueError(f"{option} {path}: {kind}not a regular file")
+
+
+#: The verification error of a certificate whose extended key usage does not cover the role
+#: it was checked in (X509_V_ERR_INVALID_PURPOSE): a stage's certificate may be fine for the
+#: roles it does play, so the start-up check does not refuse it.
+_INVALID_PURPOSE = 26
+
+
+def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
+    """Check ``config``'s certificate as its peers will, in memory before any connection: a
+    handshake between a listener with its context and a client presenting the certificate.
+    The verification error (expired, not yet valid, not signed by the CA, ...), or None."""
+    try:
+        server = config.server_context()
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+        client.load_cert_chain(config.cert, config.key)
+    except (ssl.SSLError, OSError):  # not the certificate's validity: loading the contexts will say what
+        return None
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    sides = [(client.wrap_bio(to_client, to_server, server_hostname=None), to_server),
+             (server.wrap_bio(to_server, to_client, server_side=True), to_client)]
+    done: set[int] = set()
+    for _ in range(8):  # a TLS 1.2 or 1.3 handshake takes 2 or 3 flights
+        for i, (end, _out) in enumerate(sides):
+            if i in done:
+                continue
+            try:
+                end.do_handshake()
+                done.add(i)
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLCertVerificationError as exc:
+                return None if exc.verify_code == _INVALID_PURPOSE else exc
+            except ssl.SSLError:
+                return None  # not the certificate's validity: the links will say what it is
+        if len(done) == 2:
+            break
+    return None
+
+
+def tls_failure(exc: ssl.SSLError) -> str:
+    """What a failed handshake's ``exc`` means, in words (not OpenSSL's "[SSL: X] x
+    (_ssl.c:N)"): the certificate verification error, the alert the peer sent about this
+    side's certificate, a peer without a certificate, a peer that closed."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"the peer's certificate is refused: {exc.verify_message or exc.reason}"
+    reason = exc.reason or ""
+    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return "the peer presented no certificate (mutual TLS: it needs --tls-cert and --tls-key too)"
+    if "_ALERT_" in reason:
+        alert = reason.split("_ALERT_", 1)[1].replace("_", " ").lower()
+        if "CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
+            return f"the peer refused this side's certificate ({alert})"
+        return f"the peer aborted the handshake ({alert})"
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or reason == "UNEXPECTED_EOF_WHILE_READING":
+        return "the peer closed the connection during the handshake"
+    return reason.replace("_", " ").lower() if reason else str(exc)
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """A certificate chain, its key and the CA every peer must be signed by (PEM paths)."""
@@ -77,12 +160,16 @@ class TlsConfig:
             return None
         if len(given) != 3:
             raise ValueError(TLS_OPTIONS_TOGETHER)
+        for option, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+            _not_a_file(option, path)
         return cls(cert, key, ca)
 
     def check(self) -> None:
         """Load the certificate, the key and the CA as a context will, before any connection:
         ValueError naming the option and the file at fault (a key that does not match the
-        certificate, a file without a PEM certificate, a CA file without a CA certificate)."""
+        certificate, a file without a PEM certificate, a CA file without a CA certificate, a
+        key or signature too weak for OpenSSL), and a certificate that its peers would refuse
+        (expired, not yet valid, not signed by the CA: :func:`_verify_own`)."""
         if not _certificates_in(self.cert)["x509"]:
             raise ValueError(f"--tls-cert {self.cert}: not a PEM certificate")
         probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -90,14 +177,28 @@ class TlsConfig:
         try:
             probe.load_cert_chain(self.cert, self.key, password=lambda: encrypted.append(True) or b"")
         except ssl.SSLError as exc:
-            if exc.reason == "KEY_VALUES_MISMATCH":
+            # NO_CERTIFICATE_ASSIGNED: a key of another type (EC) than the certificate's (RSA)
+            if exc.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
                 raise ValueError(f"--tls-key {self.key} does not match --tls-cert {self.cert}") from None
             if encrypted:
                 raise ValueError(f"--tls-key {self.key}: the key is encrypted (give it without a passphrase)") \
                     from None
+            if exc.reason == "EE_KEY_TOO_SMALL":
+                raise ValueError(f"--tls-cert {self.cert}: its key is too small for OpenSSL's security level "
+                                 "(use RSA of 2048 bits or more, or an EC key)") from None
+            if exc.reason == "CA_MD_TOO_WEAK":
+                raise ValueError(f"--tls-cert {self.cert}: signed with a digest too weak for OpenSSL's security "
+                                 "level (MD5 or SHA-1: sign it with SHA-256)") from None
+            if exc.reason:
+                raise ValueError(f"--tls-key {self.key} with --tls-cert {self.cert}: {tls_failure(exc)}") from None
             raise ValueError(f"--tls-key {self.key}: not a PEM private key") from None
         if not _certificates_in(self.ca)["x509_ca"]:
             raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
+        refused = _verify_own(self)
+        if refused is not None:
+            raise ValueError(f"--tls-cert {self.cert} does not verify against --tls-ca {self.ca}: "
+                             f"{refused.verify_message or refused.reason} "
+                             "(a peer with the same --tls-ca would refuse it)")
 
     def _context(self, purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=self.ca)
@@ -123,7 +224,14 @@ class TlsConfig:
 def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
     """The server side of a new connection: check that the peer starts a TLS handshake,
     then complete it (within ``timeout``).  A plain peer -> the notice, then StageError; one
-    that leaves without a byte (a port check) -> SetupClosed, as on a plain stage."""
+    that leaves without a byte (a port check), or during the handshake -> SetupClosed, as on
+    a plain stage; a failed handshake -> StageError saying why (:func:`tls_failure`).
+
+    The handshake runs on a duplicate of ``sock``'s descriptor (wrapping a socket detaches
+    it), so ``sock`` stays the connection's handle until the TLS socket replaces it: shutting
+    ``sock`` down (a connection shed at the limit, the server stopping) ends a handshake that
+    a peer stalls at once, not after ``timeout``.  ``sock`` is closed once the handshake is
+    done."""
     first = None
     if select.select([sock], [], [], PLAIN_PEER_GRACE_SECONDS)[0]:
         sock.settimeout(timeout)
@@ -138,7 +246,20 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> 
             pass
         raise StageError("the peer did not start a TLS handshake (a plain client; this stage requires TLS)")
     sock.settimeout(timeout)
-    return _handshake(context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
+    duplicate = sock.dup()
+    try:
+        tls = context.wrap_socket(duplicate, server_side=True, do_handshake_on_connect=False)
+    except BaseException:
+        duplicate.close()
+        raise
+    try:
+        _handshake(tls)
+    except ssl.SSLError as exc:
+        if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or exc.reason == "UNEXPECTED_EOF_WHILE_READING":
+            raise SetupClosed() from None
+        raise StageError(f"TLS handshake failed: {tls_failure(exc)}") from None
+    sock.close()
+    return tls
 
 
 def _handshake(tls: ssl.SSLSocket) -> ssl.SSLSocket:
@@ -157,7 +278,7 @@ def starts_tls_handshake(head: bytes) -> bool:
 
 def handshake_failure(who: str, exc: ssl.SSLError) -> str:
     """The one-line error of a failed client handshake with ``who``."""
-    return f"TLS handshake with {who} failed: {exc.reason or exc} (does it use mutual TLS with the same CA?)"
+    return f"TLS handshake with {who} failed: {tls_failure(exc)} (does it use mutual TLS with the same CA?)"
 
 
 def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:
@@ -167,4 +288,4 @@ def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
            "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
-           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls"]
+           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure"]

@@ -27,9 +27,11 @@ codecs and policies go by their identities or the command line's short names (``
 so every stage of a file must agree on them.  An optional key given as ``null`` is an error
 (its type is named), not its default.
 
-:func:`load_topology` validates everything (ranges contiguous from 0 to the model's
-``n_layer``, no duplicate addresses, names that resolve to one address included,
-codec/policy compatible) and raises
+:func:`load_topology` validates everything (a regular file of at most
+:data:`MAX_TOPOLOGY_BYTES`, no key twice in one object, ranges contiguous from 0 to the
+model's ``n_layer``, host names and ports that can be names and ports, no duplicate
+addresses, names that resolve to one address included, codec/policy compatible,
+``ctx_size`` and ``threads`` within ``serve``'s bounds) and raises
 :class:`skippy_wire.errors.TopologyError` with one line naming the file and the stage; a model
 that cannot be read is the model's failure, not the file's: its ``OSError``, or a
 ``ValueError`` naming the model, as a ``--model`` that cannot be read gives.
@@ -37,16 +39,20 @@ that cannot be read is the model's failure, not the file's: its ``OSError``, or 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import TopologyError
 from ..stage.models import model_shape, smollm2_path
-from ..stage.threads import DEFAULT_THREADS
-from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
+from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
+from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .transport import ipv4_addresses, parse_address
 
@@ -56,6 +62,16 @@ DEFAULT_CODEC = "raw-f32-v1"
 DEFAULT_POLICY = "fixed"
 #: Seconds a failed request's probe waits for each stage to take a connection.
 PROBE_TIMEOUT_S = 1.0
+#: The largest topology file read (a real one is a few KiB): a device such as /dev/zero, or a
+#: file of that size, is refused instead of filling memory.
+MAX_TOPOLOGY_BYTES = 1 << 20
+#: The most digits a number of a file may have (Python refuses to convert more than 4300,
+#: with advice meant for programmers).
+MAX_NUMBER_DIGITS = 100
+#: The longest value an error quotes (a key or a value of the wrong type, as the file spells it).
+MAX_QUOTED_CHARS = 80
+#: One label of a host name (IDNA names are checked in their ASCII form; ``_`` as resolvers allow it).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}\Z")
 
 _TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
 _STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",
@@ -172,8 +188,10 @@ def driven_topology(host: str, port: int) -> Topology | None:
 
 
 def _shown(value) -> str:
-    """A JSON value in an error: ``null`` as the file spells it, else its repr."""
-    return "null" if value is None else repr(value)
+    """A JSON value in an error: ``null`` as the file spells it, else its repr (clipped: the
+    error stays one short line whatever the file holds)."""
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
 
 
 def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> int:
@@ -187,6 +205,23 @@ def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> 
     return value
 
 
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` (of ``HOST:PORT``) is no IPv4 address or host name, or None: a space, a
+    control character or a slash would only fail where the stage listens or connects (a NUL
+    with a traceback, a newline splitting the error line), a label over 63 characters with
+    "text is not valid UTF-8"."""
+    try:
+        ascii_host = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return "is not a valid host name (an empty label, or one over 63 characters?)"
+    name = ascii_host[:-1] if ascii_host.endswith(".") else ascii_host
+    if len(name) > 253:
+        return "is longer than a host name may be (253 characters)"
+    if not all(_HOST_LABEL.match(label) for label in name.split(".")):
+        return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
+    return None
+
+
 def _address(where: str, key: str, text) -> str:
     if not isinstance(text, str):
         raise TopologyError(f"{where}: {key} must be a \"HOST:PORT\" string, not {_shown(text)}")
@@ -196,6 +231,9 @@ def _address(where: str, key: str, text) -> str:
         raise TopologyError(f"{where}: {key}: {exc}") from None
     if not 0 < port < 65536:
         raise TopologyError(f"{where}: {key} port {port} is out of range 1..65535")
+    problem = _host_problem(host)
+    if problem:
+        raise TopologyError(f"{where}: {key} host {_shown(host)} {problem}")
     return text
 
 
@@ -208,6 +246,8 @@ def _model(name: str, data: dict, model_override) -> tuple[Path, str | None]:
     if "model_path" in data:
         if not isinstance(data["model_path"], str) or not data["model_path"]:
             raise TopologyError(f"{name}: model_path must be a path string")
+        if "\0" in data["model_path"]:
+            raise TopologyError(f"{name}: model_path contains a NUL character")
         return Path(data["model_path"]), model_id
     if model_id is None:
         raise TopologyError(f"{name}: model_path (or a packaged model_id) is missing")
@@ -227,7 +267,7 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
         raise TopologyError(f"{where}: must be an object")
     unknown = sorted(set(raw) - _STAGE_KEYS)
     if unknown:
-        raise TopologyError(f"{where}: unknown key {unknown[0]!r}")
+        raise TopologyError(f"{where}: unknown key {_shown(unknown[0])}")
     if "endpoint" not in raw:
         raise TopologyError(f"{where}: endpoint is missing")
     endpoint = _address(where, "endpoint", raw["endpoint"])
@@ -255,6 +295,8 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
         threads = _int(where, raw, "threads", minimum=-(2**63))
         if threads != DEFAULT_THREADS and threads < 1:
             raise TopologyError(f"{where}: threads must be {DEFAULT_THREADS} (the default) or >= 1, not {threads}")
+        if threads > MAX_THREADS:  # serve's bound, so that run and api refuse what serve refuses
+            raise TopologyError(f"{where}: threads {threads} is not between 1 and {MAX_THREADS}")
         threads = None if threads == DEFAULT_THREADS else threads
     stage_id = raw.get("stage_id", f"stage-{index}")
     if not isinstance(stage_id, str) or not stage_id:
@@ -298,7 +340,7 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
         raise TopologyError(f"{name}: the document must be a JSON object")
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
-        raise TopologyError(f"{name}: unknown key {unknown[0]!r}")
+        raise TopologyError(f"{name}: unknown key {_shown(unknown[0])}")
     raw_stages = data.get("stages")
     if not isinstance(raw_stages, list) or not raw_stages:
         raise TopologyError(f"{name}: stages must be a non-empty list")
@@ -326,6 +368,8 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
                                 f"{s.activation_codec_policy} differs from stage 0's "
                                 f"{first.activation_codec}/{first.activation_codec_policy}")
     ctx_size = _int(name, data, "ctx_size", minimum=1, default=DEFAULT_CTX_SIZE)
+    if ctx_size > MAX_CTX_SIZE:
+        raise TopologyError(f"{name}: ctx_size {ctx_size} is not between 1 and {MAX_CTX_SIZE}")
     topology_id = data.get("topology_id", "topology")
     if not isinstance(topology_id, str) or not topology_id:
         raise TopologyError(f"{name}: topology_id must be a non-empty string")
@@ -342,23 +386,79 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
     return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size, name)
 
 
+class _Refused(ValueError):
+    """Valid JSON that no topology file holds (the parser's own errors are "not JSON")."""
+
+
+def _json_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise _Refused(f"a number with {len(text.lstrip('-'))} digits (at most {MAX_NUMBER_DIGITS})")
+    return int(text)
+
+
+def _json_object(pairs: list) -> dict:
+    """An object of the file; a key given twice is an error (JSON would keep the last)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"key {_shown(key)} appears twice in one object (JSON would keep the last silently)")
+        out[key] = value
+    return out
+
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def _read_topology_bytes(path: Path) -> bytes:
+    """The file's bytes, at most :data:`MAX_TOPOLOGY_BYTES`: OSError (a directory as
+    IsADirectoryError), or TopologyError for a FIFO or a device (reading one would wait for a
+    writer for ever, or never end) and for a file over the limit."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
+            raise TopologyError(f"{path}: cannot read the topology: {kind}not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            data = stream.read(MAX_TOPOLOGY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOPOLOGY_BYTES:
+        raise TopologyError(f"{path}: larger than {MAX_TOPOLOGY_BYTES >> 20} MiB: not a topology file")
+    return data
+
+
 def load_topology(path: str | Path, *, model: str | Path | None = None,
                   shape: Callable[[Path], tuple[int, int]] = model_shape) -> Topology:
     """Read and validate a topology file (see the module docstring)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
+        raw = _read_topology_bytes(path)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise TopologyError(f"{path}: cannot read the topology: {reason[:1].lower()}{reason[1:]}") from None
+    try:
+        text = raw.decode("utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
     except UnicodeDecodeError:
         raise TopologyError(f"{path}: not valid UTF-8") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_json_int, object_pairs_hook=_json_object)
+    except _Refused as exc:
+        raise TopologyError(f"{path}: {exc}") from None
     except ValueError as exc:
         raise TopologyError(f"{path}: not JSON: {exc}") from None
     except RecursionError:
         raise TopologyError(f"{path}: not JSON: nested too deeply") from None
+    try:  # "\ud800" is JSON, but no character: it would fail wherever the string is used
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise TopologyError(f"{path}: not JSON: nested too deeply") from None
+    except UnicodeEncodeError:
+        raise TopologyError(f"{path}: a string holds an unpaired UTF-16 surrogate (an escape "
+                            f"\\ud800..\\udfff without its pair)") from None
     return parse_topology(data, name=str(path), model=model, shape=shape)
 
 

@@ -7,6 +7,8 @@ import os
 #: A thread count that asks for :func:`default_threads` (``-t -1``, a topology file's
 #: ``"threads": -1``), as llama.cpp spells "the default".
 DEFAULT_THREADS = -1
+#: The most compute threads a stage takes: ggml's ``GGML_MAX_N_THREADS`` (ggml.h).
+MAX_THREADS = 512
 
 
 def default_threads() -> int:

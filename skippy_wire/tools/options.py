@@ -28,8 +28,8 @@ from typing import Callable, Iterator, NoReturn
 
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
-from ..stage.threads import DEFAULT_THREADS, available_cpus, default_threads
-from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
+from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, available_cpus, default_threads
+from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
@@ -45,11 +45,6 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 MAX_PORT = 65535
 #: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
 SEED_RANGE = 2**32
-#: The most compute threads a stage takes: ggml's ``GGML_MAX_N_THREADS`` (ggml.h).
-MAX_THREADS = 512
-#: The largest context (tokens per session) a stage takes: the backend refuses more
-#: (``skippy_stage_init``, stage/_stage/abi.cpp).
-MAX_CTX_SIZE = 1 << 24
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

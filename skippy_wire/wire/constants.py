@@ -225,3 +225,7 @@ def activation_frame_flags_from_state_flags(state_flags: int) -> int:
 def activation_payload_multiplier_from_state_flags(state_flags: int) -> int:
     """2 when an RWKV7 or Inkling sideband doubles the rows (never 3), else 1."""
     return 2 if state_flags & ROW_DOUBLING_SIDEBANDS else 1
+
+#: The largest context (tokens per session) a stage takes: the backend refuses more
+#: (``skippy_stage_init``, stage/_stage/abi.cpp).
+MAX_CTX_SIZE = 1 << 24

@@ -1,0 +1,257 @@
+"""Mutual TLS as an operator meets it: files that cannot work are refused at start-up with
+one line naming the option and the reason, and a failed handshake says why on both ends
+without holding the connection (``skippy_wire.net.tls``; certificates made with the
+``openssl`` command)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+
+import pytest
+
+from skippy_wire.errors import SetupClosed, StageError
+from skippy_wire.net.tls import TlsConfig, accept_tls, handshake_failure
+from skippy_wire.tools import serve
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+_CA_CONFIG = """[ca]
+default_ca = c
+[c]
+database = index.txt
+serial = serial
+new_certs_dir = .
+default_md = sha256
+policy = p
+copy_extensions = none
+[p]
+commonName = supplied
+"""
+
+
+def _openssl(*args, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _request(name: str, d, bits: int = 2048) -> None:
+    _openssl("req", "-newkey", f"rsa:{bits}", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA and another one; certificates of the CA's: valid, expired, not yet valid, a
+    1024-bit key; one of the other CA's; an EC key."""
+    d = tmp_path_factory.mktemp("pki")
+    for name in ("ca", "other-ca"):
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+    for name, ca, bits in (("node", "ca", 2048), ("weak", "ca", 1024), ("stranger", "other-ca", 2048)):
+        _request(name, d, bits)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                 "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", cwd=d)
+    (d / "ca.cnf").write_text(_CA_CONFIG)
+    (d / "index.txt").write_text("")
+    (d / "serial").write_text("1000\n")
+    for name, start, end in (("expired", "20200101000000Z", "20200102000000Z"),
+                             ("future", "20990101000000Z", "20990102000000Z")):
+        _request(name, d)
+        _openssl("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in",
+                 f"{name}.csr", "-out", f"{name}.pem", "-startdate", start, "-enddate", end, "-notext", cwd=d)
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ec.key", cwd=d)
+    return d
+
+
+def _config(pki, cert: str, key: str, ca: str = "ca.pem") -> TlsConfig:
+    return TlsConfig(str(pki / cert), str(pki / key), str(pki / ca))
+
+
+# --- files checked at start-up --------------------------------------------------------
+
+
+@pytest.mark.parametrize("cert,ca,reason", [
+    ("expired", "ca.pem", "certificate has expired"),
+    ("future", "ca.pem", "certificate is not yet valid"),
+    ("node", "other-ca.pem", "unable to get local issuer certificate"),
+])
+def test_a_certificate_its_peers_would_refuse_is_refused_at_start_up(pki, cert, ca, reason):
+    """It used to start ("listening ... mutual TLS") and fail every connection, its peers
+    blaming the CA: "failed: CERTIFICATE_VERIFY_FAILED (does it use mutual TLS with the same CA?)"."""
+    config = _config(pki, f"{cert}.pem", f"{cert}.key", ca)
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-cert {config.cert} does not verify against --tls-ca {config.ca}: {reason} "
+                                 "(a peer with the same --tls-ca would refuse it)")
+
+
+def test_good_files_still_load(pki):
+    _config(pki, "node.pem", "node.key").check()
+    _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").check()  # its own CA: fine
+
+
+def test_an_expired_certificate_is_a_usage_error_of_serve(pki, capsys):
+    with pytest.raises(SystemExit) as info:
+        serve.main(["-m", str(pki / "none.gguf"), "--layer-start", "0", "--layer-end", "1",
+                    "--tls-cert", str(pki / "expired.pem"), "--tls-key", str(pki / "expired.key"),
+                    "--tls-ca", str(pki / "ca.pem")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.splitlines()[-1].startswith(f"skippy-wire: error: --tls-cert {pki / 'expired.pem'} does not verify "
+                                           f"against --tls-ca {pki / 'ca.pem'}: certificate has expired")
+
+
+def test_a_key_of_another_type_is_a_mismatch_not_a_non_key(pki):
+    """An EC key with an RSA certificate: OpenSSL says NO_CERTIFICATE_ASSIGNED."""
+    config = _config(pki, "node.pem", "ec.key")
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == f"--tls-key {config.key} does not match --tls-cert {config.cert}"
+
+
+def test_a_key_too_small_for_openssl_is_named_so_not_a_non_key(pki):
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        probe.load_cert_chain(str(pki / "weak.pem"), str(pki / "weak.key"))
+    except ssl.SSLError:
+        pass
+    else:
+        pytest.skip("this OpenSSL's security level takes 1024-bit RSA keys")
+    config = _config(pki, "weak.pem", "weak.key")
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-cert {config.cert}: its key is too small for OpenSSL's security level "
+                                 "(use RSA of 2048 bits or more, or an EC key)")
+
+
+def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path):
+    """``open()`` of a FIFO waits for a writer: ``serve --tls-ca FIFO`` hung before it said
+    anything (OpenSSL's own open of it then held the interpreter: hence a subprocess)."""
+    import sys
+
+    fifo = tmp_path / "ca.fifo"
+    os.mkfifo(fifo)
+    probe = ("import sys, types; from skippy_wire.tools.options import tls_config\n"
+             "try:\n"
+             "    tls_config(types.SimpleNamespace(tls_cert=sys.argv[1], tls_key=sys.argv[2], tls_ca=sys.argv[3]))\n"
+             "except ValueError as exc:\n"
+             "    print(exc)\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, str(pki / "node.pem"), str(pki / "node.key"), str(fifo)],
+                              capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tls_config still opening a FIFO after 20 s")
+    assert done.stdout.strip() == f"--tls-ca {fifo}: it is a FIFO, not a regular file", done.stderr
+    with pytest.raises(ValueError, match=r"^--tls-key /dev/zero: it is a character device, not a regular file$"):
+        TlsConfig.from_options(str(pki / "node.pem"), "/dev/zero", str(pki / "ca.pem"))
+
+
+# --- handshakes that fail -------------------------------------------------------------
+
+
+def _accept_in_thread(server_sock, context, timeout: float):
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(accept_tls(server_sock, context, timeout))
+        except BaseException as exc:  # noqa: BLE001 -- the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_client_without_a_certificate_is_told_apart_on_the_stage(pki):
+    """The stage's line said "[SSL: PEER_DID_NOT_RETURN_A_CERTIFICATE] peer did not return a
+    certificate (_ssl.c:1006)"."""
+    stage, client = socket.socketpair()
+    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 5.0)
+    bare = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    bare.check_hostname = False
+    bare.maximum_version = ssl.TLSVersion.TLSv1_2  # the refusal then comes within the handshake
+    try:
+        with pytest.raises(ssl.SSLError):
+            bare.wrap_socket(client, server_hostname="stage")
+    finally:
+        client.close()
+    thread.join(5)
+    stage.close()
+    assert outcome and isinstance(outcome[0], StageError), outcome
+    assert str(outcome[0]) == ("TLS handshake failed: the peer presented no certificate (mutual TLS: it needs "
+                               "--tls-cert and --tls-key too)")
+
+
+def test_a_handshake_stalled_by_the_peer_ends_when_the_stage_closes_the_connection(pki):
+    """A stage at --max-connections sheds the quietest connection with ``shutdown()`` on its
+    socket; wrapping for TLS detached that socket, so a peer that sent a ClientHello's first
+    bytes and stalled kept its thread and descriptor for the whole --io-timeout."""
+    stage, staller = socket.socketpair()
+    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 30.0)
+    staller.sendall(b"\x16\x03\x01\x00\x50")  # a record header, and nothing more
+    time.sleep(0.3)
+    started = time.monotonic()
+    try:
+        stage.shutdown(socket.SHUT_RDWR)  # what ServerStage._shed does
+    except OSError:
+        pass
+    thread.join(5)
+    staller.close()
+    stage.close()
+    assert outcome, "the handshake went on after its connection was shut down"
+    assert time.monotonic() - started < 5
+    assert isinstance(outcome[0], SetupClosed), outcome  # a peer that left, as on a plain stage
+
+
+def test_a_completed_handshake_leaves_no_descriptor_behind(pki):
+    config = _config(pki, "node.pem", "node.key")
+    server_context, client_context = config.server_context(), config.client_context()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        stage, client = socket.socketpair()
+        thread, outcome = _accept_in_thread(stage, server_context, 5.0)
+        tls_client = client_context.wrap_socket(client, server_hostname="stage")
+        thread.join(5)
+        assert isinstance(outcome[0], ssl.SSLSocket), outcome
+        assert stage.fileno() == -1  # the TLS socket holds the connection now
+        outcome[0].close()
+        tls_client.close()
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_client_names_the_verification_failure_not_only_openssl_s_code():
+    """The driver said "failed: CERTIFICATE_VERIFY_FAILED (...)" whether the stage's
+    certificate had expired or came from another CA."""
+    exc = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    exc.reason, exc.verify_code, exc.verify_message = "CERTIFICATE_VERIFY_FAILED", 10, "certificate has expired"
+    assert handshake_failure("stage 0 at h:1", exc) == (
+        "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: certificate has expired "
+        "(does it use mutual TLS with the same CA?)")
+    eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+    eof.reason = "UNEXPECTED_EOF_WHILE_READING"
+    assert handshake_failure("stage 0 at h:1", eof) == (
+        "TLS handshake with stage 0 at h:1 failed: the peer closed the connection during the handshake "
+        "(does it use mutual TLS with the same CA?)")
+
+
+def test_a_stage_refused_by_its_peer_says_whose_certificate(pki):
+    """A peer trusting another CA aborts with an alert: the stage's line said
+    "[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca (_ssl.c:1006)"."""
+    stage, client = socket.socketpair()
+    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 5.0)
+    stranger = _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").client_context()
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            stranger.wrap_socket(client, server_hostname="stage")
+    finally:
+        client.close()
+    thread.join(5)
+    stage.close()
+    assert outcome and isinstance(outcome[0], StageError), outcome
+    assert str(outcome[0]) == "TLS handshake failed: the peer refused this side's certificate (unknown ca)"
