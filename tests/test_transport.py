@@ -228,3 +228,16 @@ def test_a_port_check_on_a_tls_stage_is_a_peer_that_left_not_a_plain_client():
         accept_tls(server, context, 1.0)
     plain.close()
     server.close()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("127.0.0.1:\u0661\u0669\u0664\u0664\u0661", "the port of '127.0.0.1:\u0661\u0669\u0664\u0664\u0661' must be ASCII digits"),
+    ("h:\u00b2", "the port of 'h:\u00b2' must be ASCII digits"),
+    ("http://h:1", "only tcp:// may come before HOST:PORT, not 'http://h:1'"),
+])
+def test_a_port_in_other_digits_or_another_scheme_is_refused(text, message):
+    """`--listen 127.0.0.1:<Arabic-Indic 19441>` listened on port 19441; `http://h:1` read as IPv6."""
+    with pytest.raises(ValueError) as info:
+        parse_address(text)
+    assert str(info.value) == message
+    assert parse_address("tcp://h:19000") == ("h", 19000)

@@ -43,7 +43,7 @@ from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
 from .supervision import launched_cluster
 from .topology import driven_topology
-from .tls import handshake_failure
+from .tls import handshake_failure, tls_failure
 from .transport import Peer, connect
 
 DEFAULT_MAX_TOKENS = 64
@@ -197,7 +197,7 @@ class PipelineClient:
         except (StateVersionMismatch, TlsRequired) as exc:
             raise PipelineError(str(exc)) from None
         except ssl.SSLError as exc:  # e.g. TLS 1.3: our certificate was refused after the handshake
-            raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {exc.reason or exc}") from None
+            raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {tls_failure(exc)}") from None
         except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)
             raise self._failed(f"stage 0 at {self.address} closed the connection during the setup handshake",
                                " (a stage failed or refused the setup; the stages' logs say which and why)") from None

@@ -71,9 +71,13 @@ def parse_address(text: str) -> tuple[str, int]:
     to its IPv4 address)."""
     if text.startswith("tcp://"):
         text = text[len("tcp://"):]
+    if "://" in text:
+        raise ValueError(f"only tcp:// may come before HOST:PORT, not {text!r}")
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {text!r}")
+    if not port.isascii():  # int() also reads other scripts' digits ("\u0661\u0662" would be port 12)
+        raise ValueError(f"the port of {text!r} must be ASCII digits")
     host = host.strip("[]")
     if ":" in host:
         raise ValueError(f"IPv6 addresses are not supported: {text!r} (use an IPv4 address or a host name)")
