@@ -171,21 +171,27 @@ def _accept_in_thread(server_sock, context, timeout: float):
 def test_a_client_without_a_certificate_is_told_apart_on_the_stage(pki):
     """The stage's line said "[SSL: PEER_DID_NOT_RETURN_A_CERTIFICATE] peer did not return a
     certificate (_ssl.c:1006)"."""
-    stage, client = socket.socketpair()
-    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 5.0)
     bare = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     bare.check_hostname = False
     bare.maximum_version = ssl.TLSVersion.TLSv1_2  # the refusal then comes within the handshake
+    assert _stage_error(pki, bare, ssl.SSLError) == (
+        "TLS handshake failed: the peer presented no certificate (mutual TLS: it needs --tls-cert and --tls-key too)")
+
+
+def _stage_error(pki, client_context: ssl.SSLContext, client_fails) -> str:
+    """The StageError of a stage's handshake with a client of ``client_context`` whose own
+    handshake fails with ``client_fails``."""
+    stage, client = socket.socketpair()
+    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 5.0)
     try:
-        with pytest.raises(ssl.SSLError):
-            bare.wrap_socket(client, server_hostname="stage")
+        with pytest.raises(client_fails):
+            client_context.wrap_socket(client, server_hostname="stage")
     finally:
         client.close()
     thread.join(5)
     stage.close()
     assert outcome and isinstance(outcome[0], StageError), outcome
-    assert str(outcome[0]) == ("TLS handshake failed: the peer presented no certificate (mutual TLS: it needs "
-                               "--tls-cert and --tls-key too)")
+    return str(outcome[0])
 
 
 def test_a_handshake_stalled_by_the_peer_ends_when_the_stage_closes_the_connection(pki):
@@ -243,15 +249,6 @@ def test_a_client_names_the_verification_failure_not_only_openssl_s_code():
 def test_a_stage_refused_by_its_peer_says_whose_certificate(pki):
     """A peer trusting another CA aborts with an alert: the stage's line said
     "[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca (_ssl.c:1006)"."""
-    stage, client = socket.socketpair()
-    thread, outcome = _accept_in_thread(stage, _config(pki, "node.pem", "node.key").server_context(), 5.0)
     stranger = _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").client_context()
-    try:
-        with pytest.raises(ssl.SSLCertVerificationError):
-            stranger.wrap_socket(client, server_hostname="stage")
-    finally:
-        client.close()
-    thread.join(5)
-    stage.close()
-    assert outcome and isinstance(outcome[0], StageError), outcome
-    assert str(outcome[0]) == "TLS handshake failed: the peer refused this side's certificate (unknown ca)"
+    assert _stage_error(pki, stranger, ssl.SSLCertVerificationError) == (
+        "TLS handshake failed: the peer refused this side's certificate (unknown ca)")
