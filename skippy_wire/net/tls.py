@@ -72,6 +72,13 @@ _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), 
                (stat.S_ISSOCK, "a socket"))
 
 
+def not_a_regular_file(mode: int) -> str:
+    """What an error says of a file of ``mode`` (a FIFO, a device) that is read only as a
+    regular file: "it is a FIFO, not a regular file"."""
+    kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
+    return f"{kind}not a regular file"
+
+
 def _not_a_file(option: str, path: str) -> None:
     """ValueError naming ``option`` when ``path`` exists but is a FIFO, a device or a socket:
     opening a FIFO waits for a writer for ever, /dev/zero never ends, and each file is read
@@ -82,8 +89,7 @@ def _not_a_file(option: str, path: str) -> None:
     except (OSError, ValueError):
         return
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
-        raise ValueError(f"{option} {path}: {kind}not a regular file")
+        raise ValueError(f"{option} {path}: {not_a_regular_file(mode)}")
 
 
 #: The verification error of a certificate whose extended key usage does not cover the role
@@ -288,4 +294,5 @@ def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
            "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
-           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure"]
+           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure",
+           "not_a_regular_file"]

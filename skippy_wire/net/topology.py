@@ -54,6 +54,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
+from .tls import not_a_regular_file
 from .transport import ipv4_addresses, parse_address
 
 #: Model identities a file may name without a ``model_path``.
@@ -406,10 +407,6 @@ def _json_object(pairs: list) -> dict:
     return out
 
 
-_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"))
-
-
 def _read_topology_bytes(path: Path) -> bytes:
     """The file's bytes, at most :data:`MAX_TOPOLOGY_BYTES`: OSError (a directory as
     IsADirectoryError), or TopologyError for a FIFO or a device (reading one would wait for a
@@ -420,8 +417,7 @@ def _read_topology_bytes(path: Path) -> bytes:
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(mode):
-            kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
-            raise TopologyError(f"{path}: cannot read the topology: {kind}not a regular file")
+            raise TopologyError(f"{path}: cannot read the topology: {not_a_regular_file(mode)}")
         with os.fdopen(fd, "rb", closefd=False) as stream:
             data = stream.read(MAX_TOPOLOGY_BYTES + 1)
     finally:
