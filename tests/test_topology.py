@@ -495,3 +495,13 @@ def test_serve_run_and_api_refuse_one_file_alike(tmp_path, command):
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == \
         f"skippy-wire: error: {path}: ctx_size 16777217 is not between 1 and 16777216"
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    """Windows editors write one; RFC 8259 lets a parser ignore it (it was "not JSON:
+    Unexpected UTF-8 BOM (decode using utf-8-sig)")."""
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(GOOD), encoding="utf-8")
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_topology(marked, shape=shape).stages == load_topology(plain, shape=shape).stages

@@ -437,7 +437,9 @@ def load_topology(path: str | Path, *, model: str | Path | None = None,
         reason = exc.strerror or str(exc)
         raise TopologyError(f"{path}: cannot read the topology: {reason[:1].lower()}{reason[1:]}") from None
     try:
-        text = raw.decode("utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
+        # JSON is UTF-8 (RFC 8259), whatever the locale; a byte order mark, which RFC 8259
+        # lets a parser ignore (Windows editors write one), is skipped
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise TopologyError(f"{path}: not valid UTF-8") from None
     try:

@@ -30,7 +30,7 @@ from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, Parser, add_codec_options,
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
                       exiting_on_signals,
                       float_above, float_at_least, int_at_least, int_between, thread_count, tls_config,
@@ -144,19 +144,13 @@ def stage_config(stage_index: int, layer_start: int, layer_end: int, codec: str,
 
 
 def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
-    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first);
-    the file's values meet the command line's bounds too."""
+    """Fill the stage options from ``--topology FILE --stage K`` (validated as a whole first,
+    its values within the command line's bounds: :func:`~skippy_wire.net.topology.load_topology`)."""
     try:
         topology = load_topology(args.topology, model=args.model)
         stage = topology.stage(args.stage)
     except TopologyError as exc:
         parser.error(str(exc))
-    if not 1 <= topology.ctx_size <= MAX_CTX_SIZE:
-        parser.error(f"{args.topology}: ctx_size {topology.ctx_size} is not between 1 and {MAX_CTX_SIZE}")
-    for other in topology.stages:  # every stage's, as the file is validated as a whole
-        if other.threads is not None and not 1 <= other.threads <= MAX_THREADS:
-            parser.error(f"{args.topology}: stage {other.index}: threads {other.threads} is not between 1 and "
-                         f"{MAX_THREADS}")
     downstream = topology.downstream(args.stage)
     args.model = str(topology.model_path)
     args.model_id = args.model_id or topology.model_id  # v17: one id where hosts name the file apart
