@@ -110,23 +110,20 @@ def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
     except (ssl.SSLError, OSError):  # not the certificate's validity: loading the contexts will say what
         return None
     to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
-    sides = [(client.wrap_bio(to_client, to_server, server_hostname=None), to_server),
-             (server.wrap_bio(to_server, to_client, server_side=True), to_client)]
-    done: set[int] = set()
+    pending = [client.wrap_bio(to_client, to_server, server_hostname=None),
+               server.wrap_bio(to_server, to_client, server_side=True)]
     for _ in range(8):  # a TLS 1.2 or 1.3 handshake takes 2 or 3 flights
-        for i, (end, _out) in enumerate(sides):
-            if i in done:
-                continue
+        for end in list(pending):
             try:
                 end.do_handshake()
-                done.add(i)
+                pending.remove(end)
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLCertVerificationError as exc:
                 return None if exc.verify_code == _INVALID_PURPOSE else exc
             except ssl.SSLError:
                 return None  # not the certificate's validity: the links will say what it is
-        if len(done) == 2:
+        if not pending:
             break
     return None
 

@@ -333,8 +333,8 @@ def capture_hint(capture: Path) -> str:
     """The summary's line on ``--capture``: a file to inspect that was written, the first hop
     between stages where there is one (only the driver's hop0 with one stage, --connect or
     --topology)."""
-    first = next((capture / f"{hop}-messages.bin" for hop in ("hop1", "hop0")
-                  if (capture / f"{hop}-messages.bin").exists()), capture / "hop0-messages.bin")
+    hop1, hop0 = capture / "hop1-messages.bin", capture / "hop0-messages.bin"
+    first = hop1 if hop1.exists() else hop0
     return f"  captures in {capture}/ (inspect with `skippy-wire inspect {first}`)"
 
 
