@@ -122,6 +122,11 @@ def dispatch(args: list[str], own_process: bool = False) -> int:
             return EXIT_USAGE
     # `skippy-wire "a prompt"` and `skippy-wire --max-tokens 8` both mean `run`.
     command = args.pop(0) if args and args[0] in COMMANDS else "run"
+    if own_process:
+        # numpy's OpenBLAS starts a thread per further CPU as it loads, each spinning about
+        # 0.1 s for work no command here gives it (none multiplies matrices with numpy): a
+        # sixth of the CPU time of a short `skippy-wire run` with its stage processes on two CPUs.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if own_process and command in SERVING_COMMANDS:
         from ..net.wakeup_slice import ask_for_short_slice
 
