@@ -191,3 +191,12 @@ def test_json_nested_too_deeply_fails_as_a_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"FAIL {path}:1: JSON nested too deeply to decode\n" in out
     assert out.rstrip().endswith("conformance: 0 passed, 1 failed")
+
+
+def test_a_case_without_a_field_it_needs_names_the_field(vectors_dir, tmp_path, capsys):
+    case = _read(vectors_dir / "frame.jsonl")[0]
+    del case["write"]
+    (tmp_path / "cases.jsonl").write_text(json.dumps(case) + "\n")
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {case['id']} [frame] cases.jsonl:1: the case has no field 'write'\n" in out
