@@ -195,8 +195,10 @@ def test_bench_backend_takes_threads_minus_one_as_a_stage_s_default():
     parser = _parser("bench-backend")
     assert parser.parse_args(["-t", "-1"]).threads == [default_threads()]
     assert parser.parse_args(["-t", "2,-1"]).threads == [2, default_threads()]
-    # (before Python 3.13 argparse takes a lone "-1,2" for an option: "-t=-1,2" or "--threads=-1,2")
+    # argparse before Python 3.13 took a list starting with a negative number for an option
+    assert parser.parse_args(["-t", "-1,2"]).threads == [default_threads(), 2]
     assert parser.parse_args(["--threads=-1,2"]).threads == [default_threads(), 2]
+    assert parser.parse_args(["-t", "-1,-1"]).threads == [default_threads()] * 2
     assert parser.parse_args(["-t", "512"]).threads == [512]
     assert parser.parse_args([]).threads is None  # the mode's own default list
 

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -64,6 +65,9 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+_NEGATIVE_NUMBERS = re.compile(r"^-\d+(?:,-?\d+)*$|^-\d*\.\d+$")
+
+
 class Parser(argparse.ArgumentParser):
     """``argparse`` with the command's one error prefix, :class:`DefaultsFormatter`
     unless told otherwise, and help without the docstrings' double backticks.  Options are
@@ -75,6 +79,9 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # A list of numbers that starts with a negative one (`bench-backend -t -1,2`) is a
+        # value, as a lone negative number is; argparse's own pattern took it for an option.
+        self._negative_number_matcher = _NEGATIVE_NUMBERS
 
     def format_help(self) -> str:
         return super().format_help().replace("``", "")
