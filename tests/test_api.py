@@ -230,6 +230,12 @@ def test_llama_servers_completion_route_tells_why_it_stopped(api):
     events = [json.loads(block[len("data: "):]) for block in streamed.text.split("\n\n") if block]
     assert "".join(e["content"] for e in events) == native["content"] and "[DONE]" not in streamed.text
     assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 16
+    # n_predict 0 evaluates the prompt and generates nothing (it was a 400); the session ends
+    evaluated = _post(api, "/completion", {"prompt": PROMPT, "n_predict": 0}).json()
+    assert (evaluated["content"], evaluated["tokens_predicted"], evaluated["stop_type"]) == ("", 0, "limit")
+    assert evaluated["tokens_evaluated"] == native["tokens_evaluated"] and evaluated["timings"]["prompt_ms"] > 0
+    again = _post(api, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0}).json()
+    assert again["content"] == native["content"]
 
 
 def test_eight_concurrent_requests_match_their_solo_texts(api):

@@ -132,10 +132,13 @@ def test_llama_servers_defaults_and_limits_on_its_own_route():
         assert client.post("/v1/completions", json={"prompt": "Say hi", "temperature": 3}).status_code == 400
         assert client.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 1000}).status_code == 400
         client.post("/v1/completions", json={"prompt": "Say hi"})
-    defaults, cold, hot, openai_default = (r["sampling"] for r in engine.requests)
+        # n_predict 0 evaluates the prompt only, as llama-server's; OpenAI's max_tokens 0 is refused
+        assert _post(client, {"prompt": "Say hi", "n_predict": 0}).json()["generation_settings"]["n_predict"] == 0
+        assert client.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 0}).status_code == 400
+    defaults, cold, hot, openai_default, evaluate_only = (r["sampling"] for r in engine.requests)
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p) == (0.8, 40, 0.95, 0.05)
     assert cold.temperature == 0.0 and hot.temperature == 3
-    assert [r["max_tokens"] for r in engine.requests] == [58, 58, 58, 58]  # the rest of the 64-token context
+    assert [r["max_tokens"] for r in engine.requests] == [58, 58, 58, 58, 0]  # the rest of the 64-token context
     assert (openai_default.temperature, openai_default.top_k, openai_default.top_p) == (1.0, 0, 1.0)
 
 

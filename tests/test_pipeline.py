@@ -127,6 +127,7 @@ def test_two_stage_processes_match_one_in_process_stage(tiny_model):
     assert result.tokens == local.tokens
     assert len(result.tokens) == 12
     assert events[0][0]["codec_counts"] == {"raw-f32-v1": 3 + 11}
+    assert generate_local(tiny_model, PROMPT, max_tokens=0, chunk_size=4, threads=1).tokens == []
 
 
 @pytest.mark.slow

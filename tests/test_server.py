@@ -187,6 +187,21 @@ def test_stop_ends_the_session_not_the_connection(chain_factory):
     assert [len(b.sessions) for b in chain.backends] == [2, 2]
 
 
+def test_no_new_tokens_evaluates_the_prompt_and_ends_the_session(chain_factory):
+    """max_tokens 0 (llama-server's n_predict 0): the prefill runs, no token is kept, and
+    the session is stopped on every stage as after a generation."""
+    chain = chain_factory([(0, 3), (3, 6)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        evaluated = client.generate(PROMPT, max_tokens=0, chunk_size=4, session_id=1)
+        after = client.generate(PROMPT, max_tokens=5, chunk_size=4, session_id=2, request_id=2)
+    assert evaluated.tokens == [] and evaluated.prefill_messages == 2 and evaluated.decode_messages == 0
+    assert after.tokens == fake_reference(PROMPT, 5)
+    deadline = time.monotonic() + 5
+    while not all(b.sessions[0].freed for b in chain.backends) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(len(b.sessions), b.sessions[0].freed) for b in chain.backends] == [(2, True), (2, True)]
+
+
 def test_auto_lossless_falls_back_to_raw_for_inexact_values(chain_factory):
     backends = [FakeBackend(0, 3, 0, scale=1.0 / 3.0), FakeBackend(3, 6, 1, scale=1.0 / 3.0)]
     chain = chain_factory([(0, 3), (3, 6)], "raw-f32-v1", "auto-lossless-v1", backends=backends)

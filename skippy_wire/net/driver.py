@@ -248,7 +248,8 @@ class PipelineClient:
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
                  on_token: Callable[[int], None] | None = None, request_id: int = 1,
                  session_id: int = 1, before_step: Callable[[], None] | None = None) -> GenerationResult:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids).
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids); 0 evaluates the
+        prompt and generates none (llama-server's ``n_predict: 0``).
 
         ``sampling`` (a ``messages.SamplingConfig``; None = greedy) travels once, in
         ConfigureGeneration, which every stage keeps for the session; prefill and decode
@@ -273,6 +274,8 @@ class PipelineClient:
                 result.reply_stats.append(reply.stats)
                 token = self._expect(reply, ack=msg.kind == WireMessageKind.PREFILL_EMBD)
             result.prefill_s = time.perf_counter() - started
+            if max_tokens < 1:
+                token = None  # the first token the prefill sampled is not asked for
             started = replied = time.perf_counter()
             pos = len(prompt)
             steps = None  # the DecodeEmbd bytes, from the first one's encoding
@@ -388,7 +391,7 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
             session.prefill_chunk_frame(chunk)
     result.prefill_s = time.perf_counter() - started
     started = time.perf_counter()
-    while True:
+    while max_tokens > 0:  # 0: the prompt evaluated, as PipelineClient.generate
         result.tokens.append(int(token))
         if is_eog is not None and is_eog(token):
             result.stop_reason = "eog"

@@ -330,7 +330,8 @@ class Api:
             budget = None if native else options.max_tokens
             param = "messages" if chat else "prompt"
             max_tokens = [min(check_context(len(prompt), budget, self.engine.ctx_size, param),
-                              options.max_tokens or self.engine.ctx_size) for prompt in prompts]
+                              self.engine.ctx_size if options.max_tokens is None else options.max_tokens)
+                          for prompt in prompts]
             prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
             max_tokens = [limit for limit in max_tokens for _ in range(options.n)]
         except BadRequest as exc:

@@ -128,8 +128,9 @@ def llama_piece(data: bytes) -> str | list[int]:
 
 
 def _timings(result) -> dict:
-    """llama-server's ``timings``: the prompt until the first token, the rest after it."""
-    prompt_ms = (result.first_token_s or 0.0) * 1000.0
+    """llama-server's ``timings``: the prompt until the first token, the rest after it (all
+    of it without a token: ``n_predict: 0``)."""
+    prompt_ms = (result.elapsed_s if result.first_token_s is None else result.first_token_s) * 1000.0
     predicted_ms = max(0.0, result.elapsed_s * 1000.0 - prompt_ms)
     predicted_n = result.completion_tokens
 

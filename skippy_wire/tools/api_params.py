@@ -280,7 +280,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
     name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
     max_tokens = _number(body, name, None, UNTIL_FULL, 2**31 - 1, integer=True)
-    if max_tokens == 0:
+    if max_tokens == 0 and not native:  # llama-server's 0 evaluates the prompt and generates nothing
         raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name)
     if max_tokens == UNTIL_FULL:
         max_tokens = None
