@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import http.client
 import json
+import re
 import logging
 import socket
 import threading
@@ -125,6 +126,7 @@ def test_requests_being_served_are_never_shed(gated):
         assert refused.status_code == 503 and refused.headers["retry-after"] == str(http_front.RETRY_AFTER_S)
         assert refused.json()["error"]["type"] == "server_error"
         assert refused.json()["error"]["code"] == "too_many_connections"
+        assert refused.headers["x-request-id"].startswith("req_")
         gate.open.set()
         assert [f.result().text for f in waiting] == ["done"] * busy
     assert httpx.get(url + "/ok", timeout=10).text == "ok"
@@ -349,6 +351,7 @@ def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head):
         s.close()
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    assert re.search(rb"\r\nx-request-id: req_[0-9a-f]{32}\r\n", head + b"\r\n", re.IGNORECASE)  # as every answer
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
 

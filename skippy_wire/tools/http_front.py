@@ -128,6 +128,10 @@ class RefuseForeignOrigins:
         await self.app(scope, receive, send)
 
 
+def new_request_id() -> bytes:
+    return b"req_" + uuid.uuid4().hex.encode()
+
+
 class RequestIds:
     """ASGI middleware: every response carries ``X-Request-Id``, as OpenAI's do (its clients
     expose it as ``_request_id``, to quote in a report): the client's own where it sent a
@@ -141,7 +145,7 @@ class RequestIds:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"")
-        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else b"req_" + uuid.uuid4().hex.encode()
+        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else new_request_id()
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
@@ -199,6 +203,9 @@ async def too_many_connections(scope, receive, send) -> None:
     await response(scope, receive, send)
 
 
+_REFUSED_CONNECTION = RequestIds(too_many_connections)  # outside the application's middleware
+
+
 class IdleSheddingProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, except that a new connection at the connection limit
     closes the one that has been quiet longest instead of leaving every request 503, and
@@ -226,7 +233,7 @@ class IdleSheddingProtocol(H11Protocol):
         limit = self.max_connections
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
-            return too_many_connections
+            return _REFUSED_CONNECTION
         return self._app
 
     @app.setter
@@ -257,7 +264,7 @@ class IdleSheddingProtocol(H11Protocol):
         error object where uvicorn sends ``text/plain``; the connection then closes."""
         body = json.dumps(error_object(msg)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+                   (b"connection", b"close"), (b"x-request-id", new_request_id())]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
