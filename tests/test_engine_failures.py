@@ -84,3 +84,19 @@ def test_a_new_connections_ready_is_awaited_for_the_probes_bound_not_the_whole_t
     finally:
         engine.close()
         silent.close()
+
+
+def test_a_generation_cut_off_by_the_engine_s_close_is_no_pipeline_failure_in_the_log(caplog):
+    """At the API's shutdown the stages stop under a stream still running: its failure was
+    logged as "a request failed in the pipeline: stage 0 ... exited with status 143"."""
+    silent = socket.create_server(("127.0.0.1", 0))  # a stage 0 that has gone quiet
+    engine = GenerationEngine(silent.getsockname()[:2], FakeTokenizer(), ctx_size=64, timeout=TIMEOUT_S,
+                              chunk_size=4)
+    try:
+        engine.close()
+        with caplog.at_level(logging.WARNING, logger="skippy_wire.net.service"):
+            with pytest.raises(PipelineError):
+                _generate(engine)
+        assert caplog.records == [] and engine.counters["failed"] == 1
+    finally:
+        silent.close()

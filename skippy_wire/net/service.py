@@ -251,12 +251,16 @@ class GenerationEngine:
         self._ids = itertools.count(1)
         #: A request failed in the pipeline, and no probe or request has got through since.
         self.failing = False
+        #: close() was called: the stages stop with their user, and a generation still
+        #: running then fails without the pipeline having failed.
+        self.closed = False
 
     def _answered(self, failed: Optional[BaseException] = None) -> None:
         """The pipeline answered (``failed`` None) or a request failed in it: logged, at
         most once a request and once a recovery, so an operator sees both."""
         if failed is not None:
-            log.warning("a request failed in the pipeline: %s", failed)
+            if not self.closed:
+                log.warning("a request failed in the pipeline: %s", failed)
             self.failing = True
         elif self.failing:
             log.warning("the pipeline answers again")
@@ -303,6 +307,7 @@ class GenerationEngine:
         self._give_back(client)
 
     def close(self) -> None:
+        self.closed = True
         with self._lock:
             idle, self._idle = self._idle, []
         for client in idle:
