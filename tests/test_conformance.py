@@ -72,6 +72,16 @@ def test_unknown_group_and_bad_json_fail(tmp_path, capsys):
     assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
 
 
+def test_an_object_without_a_group_is_no_case(tmp_path, capsys):
+    """It was "FAIL ? [None] ...: unknown group None", and a group "None" in the tally."""
+    (tmp_path / "x.jsonl").write_text('{}\n{"id": "z-2", "group": 7}\n')
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    for lineno in (1, 2):
+        assert f"FAIL {tmp_path / 'x.jsonl'}:{lineno}: a case names its group (a string \"group\"); " in out
+    assert "None" not in out and out.rstrip().endswith("conformance: 0 passed, 2 failed")
+
+
 def test_missing_path_is_a_usage_error(tmp_path, capsys):
     """As every usage error: argparse's usage line first, then the one-line error."""
     with pytest.raises(SystemExit) as stopped:

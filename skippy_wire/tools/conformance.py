@@ -212,6 +212,9 @@ def _cases(path: Path):
                 if not isinstance(case, dict):
                     yield lineno, None, f"a case is a JSON object, not {_json_kind(case)}"
                     continue
+                if not isinstance(case.get("group"), str):
+                    yield lineno, None, "a case names its group (a string \"group\"); this object does not"
+                    continue
                 yield lineno, case, None
     except OSError as exc:
         why = describe(exc)  # "PATH: reason": the FAIL line names the path already
