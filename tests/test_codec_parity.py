@@ -109,3 +109,17 @@ def test_raw_conversions_agree(words):
         cy = getattr(kernel_module("codec", "cython"), name)(h)
         py = getattr(kernel_module("codec", "python"), name)(h)
         assert cy.dtype == py.dtype == np.uint32 and cy.tolist() == py.tolist()
+
+
+def test_a_masked_array_is_its_data_in_both_twins():
+    """The compiled twin reads a masked array's exported data; the reference raised a
+    ValueError reshaping its mask as bytes."""
+    values = np.ma.array([1.0, 2.0], dtype=np.float32, mask=[False, True])
+    outs = []
+    for impl in ("cython", "python"):
+        codec = kernel_module("codec", impl)
+        assert bytes(codec.encode_activation(1, 1, 2, values, 0)) == values.data.tobytes()
+        out = np.ma.zeros(8, dtype=np.uint8)
+        codec.encode_activation(1, 1, 2, values.data, 0, out=out)
+        outs.append(out.data.tobytes())
+    assert outs == [values.data.tobytes()] * 2

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from skippy_wire._impl import kernel_module
 from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
-from skippy_wire.errors import WireError
+from skippy_wire.errors import InvalidInputError, WireError
 from skippy_wire.wire.messages import F32, SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from skippy_wire.wire.replies import NativeMtpDraft, StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -291,3 +292,48 @@ def test_an_integer_beyond_f32_is_infinity_in_both_twins():
         cy, py = outcome(CY.write_stage_message, msg), outcome(PY.write_stage_message, msg)
         assert cy == py and cy[0] == "ok", value
         assert struct.pack("<f", float("inf") if value > 0 else float("-inf")) in cy[1]
+
+
+def test_numpy_arrays_as_payloads_and_buffers_are_bytes_alike_or_refused_alike():
+    """An array of Python objects exported its objects' addresses as the activation (both
+    twins wrote them); an ml_dtypes bfloat16 array (what ``bf16_view`` gives) was written by
+    the compiled twin and refused by the reference, whose memoryview() cannot take it."""
+    import ml_dtypes
+    import numpy as np
+
+    from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16, GgmlType
+    from skippy_wire.wire.frame import read_stage_message_from_buffer
+
+    objects = np.array([object(), object()], dtype=object)
+    bf16 = np.ones(4, dtype=ml_dtypes.bfloat16)
+
+    def header(activation, codec=0):
+        return StageWireMessage(WireMessageKind.PREFILL_EMBD, token_count=1, activation=activation,
+                                state=StageStateHeader(source_stage_index=0, activation_codec=codec))
+
+    refused = ("err", InvalidInputError, "activation must be a C-contiguous bytes-like object", None, None)
+    for twin in (CY, PY):
+        assert outcome(twin.write_stage_message, header(objects))[:3] == refused[:3]
+        state_import = StageWireMessage(WireMessageKind.STATE_IMPORT, token_count=16, raw_bytes=objects)
+        assert outcome(twin.write_stage_message, state_import)[2] == \
+            "raw_bytes must be a C-contiguous bytes-like object"
+        assert outcome(twin.write_stage_message, header(bf16, 3)) == outcome(CY.write_stage_message,
+                                                                             header(bf16.view(np.uint8), 3))
+    wire = CY.write_stage_message(header(bf16, 3))
+    for impl in ("cython", "python"):
+        as_bf16 = np.frombuffer(wire, np.uint8).view(ml_dtypes.bfloat16)
+        read = read_stage_message_from_buffer(as_bf16, 4, impl=impl)
+        assert message_to_case(read[0]) == message_to_case(read_stage_message_from_buffer(wire, 4, impl=impl)[0])
+        with pytest.raises(InvalidInputError, match="^data must be a C-contiguous buffer$"):
+            read_stage_message_from_buffer(np.frombuffer(wire, np.uint8).astype(object), 4, impl=impl)
+    desc = ActivationFrameV16.of_parts([ActivationPartV16.dense(b"\x01" * 32, GgmlType.F32, (4, 1), 1)],
+                                       token_count=1)
+    values = np.arange(4, dtype=np.float32)
+    gen_cy, gen_py = kernel_module("frame_gen", "cython"), kernel_module("frame_gen", "python")
+    frame = gen_cy.encode_frame(1, desc, values)
+    for gen in (gen_cy, gen_py):
+        assert gen.encode_frame(1, desc, values.view(ml_dtypes.bfloat16)) == frame
+        assert _failure(gen.encode_frame, 1, desc, np.array([object()] * 4, dtype=object)) == InvalidInputError
+        as_bf16 = np.frombuffer(frame, np.uint8).view(ml_dtypes.bfloat16)
+        assert bytes(gen.decode_frame(1, as_bf16, 16)[1]) == values.tobytes()
+        assert _failure(gen.decode_frame, 1, np.frombuffer(frame, np.uint8).astype(object), 16) == InvalidInputError

@@ -44,6 +44,8 @@ cdef extern from "Python.h":
 
 include "_wire_constants.pxi"
 
+from numpy import ndarray
+
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from . import _codec
 from .constants import SEQUENCE_CHANGED_TEXT, ActivationCodec

@@ -35,6 +35,8 @@ cdef extern from "Python.h":
 import dataclasses
 import operator
 
+from numpy import ndarray
+
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .activation_frame import ActivationFrameV16, ActivationPartV16
 from .agreement import ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
@@ -476,6 +478,8 @@ cdef class _Buffer:
 
     def __cinit__(self, object obj):
         self.held = False
+        if isinstance(obj, ndarray) and obj.dtype.hasobject:  # its buffer holds addresses
+            raise InvalidInputError("activation must be a C-contiguous bytes-like object")
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
         except (TypeError, BufferError, ValueError):

@@ -31,6 +31,19 @@ BOOL_TYPES = (bool, np.bool_)
 NOT_INT_LISTS = (str, bytes, bytearray, memoryview)
 
 
+def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
+    """A numpy array given as a payload's or a reader's bytes, as its flat uint8 view (the
+    same memory), or None for any other object.  memoryview() cannot take some dtypes that
+    numpy exports without a format (ml_dtypes' bfloat16, what ``bf16_view`` gives), which the
+    compiled twin reads as bytes; an array of Python objects, whose buffer holds their
+    addresses, or a non-contiguous one is refused: InvalidInputError(``refusal``)."""
+    if not isinstance(buf, np.ndarray):
+        return None
+    if buf.dtype.hasobject or not buf.flags.c_contiguous:
+        raise InvalidInputError(refusal)
+    return np.asarray(buf).reshape(-1).view(np.uint8)
+
+
 def wire_int(value: Any) -> int:
     """A wire integer's value: an int or an integer-like (``__index__``: IntEnum, numpy
     ints), never a bool or a float (TypeError)."""

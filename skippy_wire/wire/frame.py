@@ -31,6 +31,7 @@ from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .constants import (NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec,
                         CodecPolicy)
+from .field_checks import byte_array
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -67,6 +68,9 @@ def readable(data):
     InvalidInputError, worded the same whichever implementation reads it)."""
     if isinstance(data, (bytes, bytearray)):
         return data
+    array = byte_array(data, "data must be a C-contiguous buffer")
+    if array is not None:
+        return array
     try:
         view = memoryview(data)
     except TypeError:

@@ -122,7 +122,7 @@ def _byte_view(payload, f32: bool = False) -> memoryview:
             raise InvalidInputError(NON_CONTIGUOUS)
         if f32 and not _f32_dtype(payload.dtype):
             raise InvalidInputError(PAYLOAD_FORMAT.format(f"dtype {payload.dtype}"))
-        return memoryview(payload.reshape(-1).view(np.uint8))
+        return memoryview(np.asarray(payload).reshape(-1).view(np.uint8))  # a masked array's data, as exported
     view = _memoryview(payload)
     if not view.c_contiguous:
         raise InvalidInputError(NON_CONTIGUOUS)
@@ -370,7 +370,7 @@ def _out_view(out, size: int, payload: memoryview) -> memoryview:
             raise InvalidInputError(OUT_NON_CONTIGUOUS)
         if not out.flags.writeable:
             raise InvalidInputError(OUT_READ_ONLY)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = memoryview(np.asarray(out).reshape(-1).view(np.uint8))
     else:
         view = _memoryview(out)
         if not view.c_contiguous:

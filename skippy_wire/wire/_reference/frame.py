@@ -52,7 +52,7 @@ from ..messages import (
     f32_bits,
     f32_from_bits,
 )
-from ..field_checks import NOT_INT_LISTS, out_of_range_error, wire_bool, wire_f32, wire_int
+from ..field_checks import NOT_INT_LISTS, byte_array, out_of_range_error, wire_bool, wire_f32, wire_int
 from ..replies import (
     NativeMtpDraft,
     StageReply,
@@ -364,9 +364,13 @@ def _i32s(values) -> bytes:
     return struct.pack(f"<{count}i", *values)
 
 
-def _byte_view(buf, name: str) -> memoryview:
+def byte_view(buf, name: str) -> memoryview:
     """A flat byte view of a C-contiguous bytes-like object (both implementations raise the
-    same InvalidInputError for anything else)."""
+    same InvalidInputError for anything else; numpy arrays as :func:`.byte_array`)."""
+    refusal = f"{name} must be a C-contiguous bytes-like object"
+    array = byte_array(buf, refusal)
+    if array is not None:
+        return memoryview(array)
     try:
         view = memoryview(buf)
         if not view.c_contiguous:
@@ -374,7 +378,7 @@ def _byte_view(buf, name: str) -> memoryview:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
     except (TypeError, ValueError):
-        raise InvalidInputError(f"{name} must be a C-contiguous bytes-like object") from None
+        raise InvalidInputError(refusal) from None
     return view
 
 
@@ -405,7 +409,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
     if msg.chat_sampling_metadata is not None:
         flags |= int(StateFlags.CHAT_SAMPLING_METADATA)
     # 5. activation byte count; Stop is not in the writer's activation-less list (4.6)
-    activation = _byte_view(msg.activation, "activation")
+    activation = byte_view(msg.activation, "activation")
     if kind in ACTIVATIONLESS_WRITE_KINDS or state.source_stage_index < 0:
         if len(activation):
             raise InvalidInputError("activationless stage message contains activation payload")
@@ -434,7 +438,7 @@ def _write_message(out: bytearray, msg: StageWireMessage) -> None:
         out += raw
     # 9.
     if kind == WireMessageKind.STATE_IMPORT:
-        raw = _byte_view(msg.raw_bytes, "raw_bytes")
+        raw = byte_view(msg.raw_bytes, "raw_bytes")
         if msg.token_count < 0 or msg.token_count != len(raw):
             raise InvalidInputError("state import raw byte count mismatch")
         if msg.token_count > MAX_STAGE_STATE_IMPORT_BYTES:

@@ -29,7 +29,7 @@ from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBA
 from ..messages import StageStateHeader, StageWireMessage
 from ..field_checks import out_of_range_error, wire_int
 from . import frame as _v15
-from .frame import Cursor, check_sideband_counts, read_sampling
+from .frame import Cursor, byte_view, check_sideband_counts, read_sampling
 from .frame_v16 import (
     HEADER,
     MAX_BYTES,
@@ -130,21 +130,11 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
     return msg, cur.pos - cur.start
 
 
-def _byte_view(buf, name: str) -> memoryview:
-    try:
-        view = memoryview(buf)
-        if not view.c_contiguous:
-            raise ValueError
-        return view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view
-    except (TypeError, ValueError):
-        raise InvalidInputError(f"{name} must be a C-contiguous bytes-like object") from None
-
-
 def _checked_activation(version: int, msg: StageWireMessage, agreement) -> memoryview:
     """A.7.2 step 5 / B.7.2 step 4: the activation the message may carry (reframed for v17)."""
     kind = operator.index(msg.kind)
     state = msg.state
-    activation = _byte_view(msg.activation, "activation")
+    activation = byte_view(msg.activation, "activation")
     if kind in ACTIVATIONLESS or state.source_stage_index < 0:
         if len(activation):
             raise InvalidInputError("activationless stage message contains activation payload")
@@ -206,7 +196,7 @@ __all__ = [
 
 def message_wire_bytes(msg: StageWireMessage, agreement) -> int:
     """B.7.4 ``wire_bytes(agreement)``: the v17 size of ``msg`` on the wire."""
-    activation = _byte_view(msg.activation, "activation")
+    activation = byte_view(msg.activation, "activation")
     try:
         estimated = msg.estimated_wire_bytes()
     except (AttributeError, TypeError, ValueError, OverflowError):

@@ -19,6 +19,7 @@ from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..constants import DESCRIPTOR_RANGE_TEXT, PART_AXES_TEXT
 from . import codec as _codec
+from .frame import byte_view
 
 FRAME_VERSION = 2
 MAX_PARTS = 16
@@ -223,17 +224,6 @@ def desc_bytes(desc: ActivationFrameV16) -> bytes:
     return bytes(out)
 
 
-def _view(data) -> memoryview:
-    """The bytes of a C-contiguous buffer (as the compiled twin's PyBUF_SIMPLE request)."""
-    try:
-        view = memoryview(data)
-    except TypeError:
-        view = None
-    if view is None or not view.c_contiguous:
-        raise InvalidInputError("activation must be a C-contiguous bytes-like object")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
 def encode_parts(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bytes:
     """The payload section: each part encoded in order (A.4), first error wins."""
     out = bytearray()
@@ -250,7 +240,7 @@ def encode_parts(codec: int, desc: ActivationFrameV16, payload: memoryview) -> b
 def encode_frame(codec, desc: ActivationFrameV16, payload) -> bytes:
     codec = codec_id(codec)
     desc = check_desc(desc)
-    payload = _view(payload)
+    payload = byte_view(payload, "activation")
     validate_layout(desc, len(payload))
     wire_bytes_of(codec, desc)
     return desc_bytes(desc) + encode_parts(codec, desc, payload)
@@ -294,7 +284,7 @@ def decode_parts(codec: int, desc: ActivationFrameV16, wire: memoryview) -> byte
 
 def decode_frame(codec, data, version: int = 16):
     codec = codec_id(codec)
-    data = _view(data)
+    data = byte_view(data, "activation")
     desc = read_desc(data)
     desc = validate_frame(desc)
     start = HEADER + PART * len(desc.parts)
@@ -325,7 +315,7 @@ def _lossless(codec: int, desc: ActivationFrameV16, payload: memoryview) -> bool
 
 def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
     desc = check_desc(desc)
-    payload = _view(payload)
+    payload = byte_view(payload, "activation")
     validate_layout(desc, len(payload))
     allowed = {codec_id(c) for c in permitted}
     if RAW not in allowed:

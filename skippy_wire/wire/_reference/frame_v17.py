@@ -18,6 +18,7 @@ from ..agreement import ActivationAgreement, ActivationPartProfile, ActivationPr
 from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
 from ..field_checks import wire_bool
 from . import frame_v16 as _v16
+from .frame import byte_view
 
 MAX_PROFILES = 16
 I64_MAX = 2**63 - 1
@@ -194,7 +195,7 @@ def agreed_encode(agreement: ActivationAgreement, codec, desc: ActivationFrameV1
     codec = _v16.codec_id(codec)
     validate_agreement(agreement)
     desc = _v16.check_desc(desc)
-    payload = _v16._view(payload)
+    payload = byte_view(payload, "activation")
     _v16.validate_layout(desc, len(payload))
     profile, mask, dynamic = _first_match(agreement, desc)
     out = _header(agreement, profile, desc, mask, dynamic) + _v16.encode_parts(codec, desc, payload)
@@ -208,7 +209,7 @@ def agreed_reframe(agreement: ActivationAgreement, desc: ActivationFrameV16, fra
     its payload section is copied, not re-encoded.  A ``frame`` shorter than the
     descriptor's headers is a size mismatch."""
     desc = _v16.check_desc(desc)
-    view = _v16._view(frame)
+    view = byte_view(frame, "activation")
     validate_agreement(agreement)
     profile, mask, dynamic = _first_match(agreement, desc)
     start = _v16.HEADER + _v16.PART * len(desc.parts)
@@ -219,7 +220,7 @@ def agreed_reframe(agreement: ActivationAgreement, desc: ActivationFrameV16, fra
 
 def agreed_decode(agreement: ActivationAgreement, codec, data):
     codec = _v16.codec_id(codec)
-    view = _v16._view(data)
+    view = byte_view(data, "activation")
     if len(view) > _v16.MAX_BYTES:
         raise _err("activation frame exceeds maximum")
     validate_agreement(agreement)
