@@ -6,8 +6,8 @@ Starts every pipeline once (1 thread per stage, greedy, SmolLM2-135M Q4_1), warm
 one short generation, then in each round generates ``--tokens`` tokens on every pipeline
 in turn, so that the generations compared within a round run seconds apart (the host's
 speed drifts over minutes; stage processes that are not generating sleep).  The best round
-of each stage count is printed with its decode tokens/s, the ratio to one stage (of the
-best rounds, and the median and range of each round's own ratio, which the host's drift
+of each stage count is printed with its decode tokens/s, the ratio to the first count
+listed (one stage by default; of the best rounds, and the median and range of each round's own ratio, which the host's drift
 between rounds does not enter), the stages' decode compute per token, the time outside
 compute per token and per hop, the cores the stage processes kept busy meanwhile (their
 CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
@@ -29,8 +29,9 @@ import time
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
-from skippy_wire.tools.options import driver_poll_s, poll_args
+from skippy_wire.tools.bench_rows import cpu_model, poll_windows, round_ratios, script_options, words
+from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.options import driver_poll_s, int_list, poll_args
 from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -70,14 +71,15 @@ def _poll_text(poll_ms: float | None) -> str:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
-    counts = [int(s) for s in args.stages.split(",")]
-    settings = [(None if p == "auto" else float(p), a == "on") for a in args.ahead.split(",")
-                for p in args.poll_ms.split(",")]
+    args = script_options(__doc__, argv, types={"stages": int_list(1), "ahead": words("on", "off"),
+                                                "poll-ms": poll_windows},
+                          tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
+    counts = args.stages
+    settings = [(poll, ahead == "on") for ahead in args.ahead for poll in args.poll_ms]
     model = default_model()
     prompt = Tokenizer.from_gguf(model).encode(PROMPT)
     best: dict[tuple, tuple] = {}
-    ratios: dict[tuple, list[float]] = {}  # (setting, stages) -> each round's ratio to 1 stage
+    ratios: dict[tuple, list[float]] = {}  # (setting, stages) -> each round's ratio to the first count
     with contextlib.ExitStack() as stack:
         clusters = {(setting, n): start_pipeline(stack, model, n, len(prompt) + args.tokens + 8, *setting)
                     for setting in settings for n in counts}
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
                     ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
           f"tokens, best of {args.rounds} alternating rounds on running stages; CPU: {cpu_model()}, {os.cpu_count()} cores")
-    print("| poll | ahead | stages | decode tok/s | ratio to 1 stage | ratio within a round | compute per token "
+    print(f"| poll | ahead | stages | decode tok/s | ratio to {counts[0]} stage(s) | ratio within a round | "
+          "compute per token "
           "| outside compute per token | per hop | stages' CPU (cores) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for setting in settings:
@@ -119,4 +122,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

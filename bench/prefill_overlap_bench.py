@@ -17,6 +17,7 @@ from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, script_options
+from skippy_wire.tools.cli import guarded
 
 
 
@@ -60,4 +61,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -33,6 +33,7 @@ and yield to the stages (``net.driver.yielding_to_stages``).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import http.client
 import json
@@ -41,6 +42,7 @@ import re
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -49,8 +51,9 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, round_ratios, script_options
-from skippy_wire.tools.options import poll_args
+from skippy_wire.tools.bench_rows import cpu_model, one_of, poll_window, round_ratios, script_options
+from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.options import int_list, poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
@@ -176,17 +179,19 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="",
-                          **{"poll-ms": "auto"})
-    poll_ms = None if args.poll_ms == "auto" else float(args.poll_ms)
+    args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
+                                                "split": lambda text: int_list(1)(text) if text else []},
+                          rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})
+    poll_ms = args.poll_ms
     layers = None
     if args.split:
-        counts = [int(n) for n in args.split.split(",")]
+        counts = args.split
         layers = [(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(counts))]
         args.stages = len(counts)
     model = default_model()
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
+    atexit.register(shutil.rmtree, trace_dir, True)
     with launch_pipeline(model, args.stages, threads=1, ctx_size=1024, layers=layers,
                          extra_args=["--trace-compute", str(trace_dir)] + poll_args(poll_ms, args.stages)
                          + ([] if args.ahead == "on" else ["--no-decode-ahead"])) as cluster:
@@ -227,8 +232,9 @@ def main(argv=None) -> int:
     batched = sum(e.get("batched_decode_steps", 0) for e in events)
     decoded = sum(e.get("decode_tokens", 0) for e in events)
     one, many, run = best["1"], best[str(args.concurrency)], best["run"]
-    print(f"# serving benchmark: {args.stages} stage processes x 1 thread (layers {args.split or 'even'}, "
-          f"decode ahead {args.ahead}, stages poll {args.poll_ms}), "
+    print(f"# serving benchmark: {args.stages} stage processes x 1 thread (layers "
+          f"{','.join(map(str, args.split)) or 'even'}, decode ahead {args.ahead}, stages poll "
+          f"{'auto' if poll_ms is None else poll_ms}), "
           "SmolLM2-135M Q4_1, greedy, "
           f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
           f"{os.cpu_count()} cores")
@@ -265,4 +271,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -38,6 +38,8 @@ from skippy_wire import ActivationCodec, encode_activation
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.supervision import default_model
 from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.options import float_at_least, int_at_least
 
 ANSWER_BYTES = 64
 N_EMBD = 576  # SmolLM2-135M's activation width
@@ -146,14 +148,24 @@ def _idle_table(title: str, medians: dict, unit: str, scale: float) -> None:
         print(f"| {how} | {seconds * scale:.2f} | {seconds / ref:.2f}x |")
 
 
+def _gaps(text: str) -> list[float]:
+    try:
+        return [float_at_least(0)(gap) for gap in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"each value {exc}") from None
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", type=int, default=2314)
-    p.add_argument("--gaps", default="0,0.2,1,5,12", help="comma list of idle ms before each message")
-    p.add_argument("--count", type=int, default=400)
-    p.add_argument("--compute-steps", type=int, default=80, help="decode steps per row of the compute table (0: skip)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--size", type=int_at_least(1), default=2314, help="bytes per message")
+    p.add_argument("--gaps", type=_gaps, default="0,0.2,1,5,12",
+                   help="comma list of idle ms before each message (0, back to back, is always measured first)")
+    p.add_argument("--count", type=int_at_least(1), default=400, help="round trips per row")
+    p.add_argument("--compute-steps", type=int_at_least(0), default=80,
+                   help="decode steps per row of the compute table (0: skip)")
     args = p.parse_args(argv)
-    gaps = [float(g) for g in args.gaps.split(",")]
+    gaps = [0.0] + [g for g in args.gaps if g]  # the reference row first
     print(f"# loopback round trip of a {args.size}-byte message after the peer idled; "
           f"{args.count} per row; CPU: {cpu_model()}, {os.cpu_count()} cores")
     print("| idle before (ms) | median us | p90 us | median vs back-to-back | both ends polling: median us | p90 us |")
@@ -168,7 +180,7 @@ def main(argv=None) -> int:
         base = base or median
         print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x | {polled * 1e6:.0f} | "
               f"{polled_p90 * 1e6:.0f} |", flush=True)
-    idle_gaps = [0.0] + [g / 1000.0 for g in gaps if g]
+    idle_gaps = [g / 1000.0 for g in gaps]
     if args.compute_steps:
         _idle_table(f"one decode step of layers 0-15 (1 thread), median of {args.compute_steps}",
                     compute_after_idle(idle_gaps, args.compute_steps), "ms", 1e3)
@@ -178,4 +190,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

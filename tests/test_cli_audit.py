@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from skippy_wire.errors import NetnsError
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, serve
-from skippy_wire.tools.options import Parser, check_output_dir, describe
+from skippy_wire.tools.options import EXIT_INTERRUPTED, Parser, check_output_dir, describe
 from test_cli import _main, _one_error_line, assert_usage_error, fake_client, tiny_model  # noqa: F401  (fixtures)
 
 
@@ -255,6 +258,40 @@ def test_the_bench_scripts_match_options_whole_too():
     assert script_options("doc", ["--rounds", "2"], rounds=3).rounds == 2
     with pytest.raises(SystemExit):
         script_options("doc", ["--round", "2"], rounds=3)
+
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("hop_bench.py", ["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),  # ZeroDivisionError
+    ("hop_bench.py", ["--stages", "1,,2"], "argument --stages: expected comma-separated integers, got '1,,2'"),
+    ("hop_bench.py", ["--ahead", "maybe"], "argument --ahead: each value must be one of on, off, got 'maybe'"),
+    ("hop_bench.py", ["--poll-ms", "auto,-3"],
+     "argument --poll-ms: each value must be auto or a number of ms >= 0, got '-3'"),
+    ("serve_bench.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),  # a KeyError at the end
+    ("serve_bench.py", ["--split", "16,x"], "argument --split: expected comma-separated integers, got '16,x'"),
+    ("prefill_overlap_bench.py", ["--chunk", "0"], "argument --chunk: must be at least 1, got 0"),
+    ("wake_bench.py", ["--gaps", "-1"], "argument --gaps: each value must be at least 0, got -1"),
+])
+def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script, args, message):
+    """Each was a traceback (some after the stages had started and warmed up)."""
+    done = subprocess.run([sys.executable, str(BENCH_DIR / script), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == f"{script}: error: {message}", done.stderr
+
+
+def test_the_bench_scripts_end_as_the_commands_do():
+    """A Ctrl-C and a closed stdout were tracebacks; the scripts run through cli.guarded."""
+    from skippy_wire.tools.cli import guarded
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert guarded(interrupted) == EXIT_INTERRUPTED
+    done = subprocess.run(f"{sys.executable} {BENCH_DIR / 'wake_bench.py'} --count 3 --compute-steps 0 --gaps 0,1 "
+                          "| head -c 1", shell=True, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "#" and done.stderr == ""
 
 
 @pytest.mark.parametrize("where", [["--connect", "127.0.0.1:9"], ["--topology", "t.json"]])

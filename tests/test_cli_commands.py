@@ -203,6 +203,18 @@ def test_bench_backend_takes_threads_minus_one_as_a_stage_s_default():
     assert parser.parse_args([]).threads is None  # the mode's own default list
 
 
+def test_bench_backend_refuses_a_batch_over_the_backends_lanes_before_starting(capsys):
+    """It loaded the model and failed with the backend's InvalidArgument, status 1."""
+    from skippy_wire.stage.runtime import MAX_LANES
+
+    parser = _parser("bench-backend")
+    assert parser.parse_args(["--batch", f"1,{MAX_LANES}"]).batch == [1, MAX_LANES]
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--batch", f"{MAX_LANES + 1}"])
+    assert exited.value.code == 2
+    assert f"each value must be between 1 and {MAX_LANES}, got {MAX_LANES + 1}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["run", "api"])
 def test_a_driver_s_context_may_be_less_than_its_topology_s_not_more(capsys, tmp_path, tiny_model, command):
     """``-c`` was silently replaced by the file's ctx_size."""

@@ -60,6 +60,10 @@ from .sampling import __all__ as _sampling_all
 from .sampling import sampling_to_bytes
 
 
+#: The most sessions one StageModel hosts (``lane_count``), as the backend checks it.
+MAX_LANES = 1024
+
+
 # --- model ------------------------------------------------------------------------------------
 
 
@@ -433,7 +437,7 @@ class StageSession(_NativeHandle):
 
 
 __all__ = [
-    *_activation_all, *_sampling_all, *_bridge_all, *_batch_all, "MAX_BUFFER_RETRIES", "StageModel", "StageSession",
+    *_activation_all, *_sampling_all, *_bridge_all, *_batch_all, "MAX_BUFFER_RETRIES", "MAX_LANES", "StageModel", "StageSession",
 ]
 
 # Upstream spells these as associated functions of StageSession.

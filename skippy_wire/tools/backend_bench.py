@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
     ap.add_argument("--split", type=int_at_least(1), default=None,
                     help="--stages: first layer of stage B (default: n_layer // 2)")
-    ap.add_argument("--batch", type=int_list(1), default=None, metavar="B,B,...",
+    ap.add_argument("--batch", type=int_list(1, runtime.MAX_LANES), default=None, metavar="B,B,...",
                     help="decode batch sizes to compare (e.g. 1,2,4); the first is the reference (default: none; "
                          "--matmul: 2,4)")
     ap.add_argument("--matmul", action="store_true",

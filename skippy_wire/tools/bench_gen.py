@@ -106,4 +106,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import guarded
+
+    sys.exit(guarded(main))

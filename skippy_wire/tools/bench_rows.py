@@ -11,6 +11,8 @@ import timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
+from .options import float_at_least, int_at_least
+
 
 @dataclass
 class Row:
@@ -71,13 +73,60 @@ def progress(text: str = "") -> None:
         print("\r\033[K" + (f"[skippy-wire] {text}" if text else ""), end="", file=sys.stderr, flush=True)
 
 
-def script_options(doc: str, argv, **defaults) -> argparse.Namespace:
-    """The command line of a ``bench/`` script: one ``--NAME`` option per default (typed as
-    its default), described by the first paragraph of the script's ``doc``."""
+def script_options(doc: str, argv, types: dict[str, Callable[[str], object]] | None = None,
+                   **defaults) -> argparse.Namespace:
+    """The command line of a ``bench/`` script: one ``--NAME`` option per default, described
+    by the first paragraph of the script's ``doc``; an int is at least 1, another value is
+    its default's type or what ``types`` names for it (a string default then converted too),
+    so a value the script cannot use is a usage error before anything starts."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], allow_abbrev=False)  # as every command
     for name, default in defaults.items():
-        p.add_argument(f"--{name}", type=type(default), default=default)
+        kind = (types or {}).get(name) or (int_at_least(1) if type(default) is int else type(default))
+        p.add_argument(f"--{name}", type=kind, default=default, help=f"default: {default or 'none'}")
     return p.parse_args(argv)
+
+
+def words(*choices: str) -> Callable[[str], list[str]]:
+    """A comma-separated list of ``choices`` (``on,off``)."""
+    def convert(text: str) -> list[str]:
+        items = text.split(",")
+        wrong = next((item for item in items if item not in choices), None)
+        if wrong is not None:
+            raise argparse.ArgumentTypeError(f"each value must be one of {', '.join(choices)}, got {wrong!r}")
+        return items
+
+    convert.__name__ = "list"
+    return convert
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """One of ``choices``."""
+    def convert(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    convert.__name__ = "choice"
+    return convert
+
+
+def poll_window(text: str) -> float | None:
+    """A script's ``--poll-ms``: ``auto`` (None) or ms >= 0."""
+    try:
+        return None if text == "auto" else float_at_least(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of ms >= 0, got {text!r}") from None
+
+
+def poll_windows(text: str) -> list[float | None]:
+    """Comma-separated :func:`poll_window` values."""
+    try:
+        return [poll_window(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"each value {exc}") from None
+
+
+poll_windows.__name__ = "list"
 
 
 def round_ratios(ratios: list[float]) -> str:

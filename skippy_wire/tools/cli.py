@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import Callable
 
 COMMANDS = {
     "run": ("skippy_wire.tools.run", "generate text through a pipeline of stage processes (the main job)"),
@@ -137,10 +138,16 @@ def dispatch(args: list[str], own_process: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # Every import but the standard library's basics happens in here (the commands', numpy's,
-    # the kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback.
+    return guarded(lambda: dispatch(args, own_process=argv is None))
+
+
+def guarded(run: Callable[[], int | None]) -> int:
+    """The exit status of ``run()`` as a command's: a Ctrl-C the quiet exit 130, a closed
+    stdout 141, an error one line (the scripts in bench/ end the same way).  Every import
+    but the standard library's basics happens in ``run`` (the commands', numpy's, the
+    kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback."""
     try:
-        return dispatch(args, own_process=argv is None)
+        return int(run() or 0)
     except BrokenPipeError:
         _quiet_stdout()
         return _status("EXIT_BROKEN_PIPE")
