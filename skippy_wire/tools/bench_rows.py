@@ -50,8 +50,13 @@ def best_seconds(fn: Callable[[], object], repeat: int, min_time: float) -> floa
     """Best seconds per call over ``repeat`` rounds of about ``min_time`` seconds each
     (the minimum is the least disturbed by other processes)."""
     timer = timeit.Timer(fn)
-    once = max(timer.timeit(number=1), 1e-7)
-    number = max(1, int(min_time / once))
+    # the loop count from a run long enough to time (a single cold call is slow and rounds
+    # came out at a fraction of min_time)
+    number, elapsed = 1, timer.timeit(number=1)
+    while elapsed < min_time / 10 and number < 1 << 30:
+        number *= 10
+        elapsed = timer.timeit(number=number)
+    number = max(1, round(number * min_time / max(elapsed, 1e-9)))
     return min(timer.repeat(repeat=repeat, number=number)) / number
 
 
