@@ -633,6 +633,11 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
     assert code == status, err
     assert ("interrupted after 1 rows" if status == EXIT_INTERRUPTED else "error: gone") in err
     assert "| 2 | unlimited | 0 | raw-f32 |" in out and "5mbit" not in out
+    # --json -: the rows as JSON on stdout, nothing else there (it wrote a file named "-")
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
+                           "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet", "--json", "-")
+    assert code == status and [row["link"] for row in json.loads(out)] == ["unlimited"]
+    assert "| 2 | unlimited | 0 | raw-f32 |" in err and not Path("-").exists()
 
 
 def test_the_capture_hint_names_a_file_that_was_written(tmp_path):

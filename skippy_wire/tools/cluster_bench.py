@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="Once upon a time, in a small village by the sea, there lived a fisherman "
                                        "who knew every wave by name and every star by heart.",
                    help="text repeated and cut to --prompt-tokens")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (default: none)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the rows as JSON; -: on stdout, the table then on stderr (default: none)")
     add_cluster_options(p, max_tokens=32, prompt_tokens=512)
     return p
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # checked now, not after the runs: a JSON file that cannot be written would lose them
-    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+    to_stdout = args.json == "-"
+    if args.json and not to_stdout and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         parser.error(f"--json {args.json}: not a file in an existing directory")
     check_output_dir(parser, "--log-dir", args.log_dir)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         trained=trained)
     if problem:
         parser.error(problem)
+    table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
-          f"{args.threads or default_threads()} thread(s) per stage")
+          f"{args.threads or default_threads()} thread(s) per stage", file=table)
     rows: list[dict] = []
     reference = None
     started = time.perf_counter()
@@ -163,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         status = EXIT_FAILURE
         if not rows:
             return status
-    print(markdown(rows))
-    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s")
-    if args.json:
+    print(markdown(rows), file=table)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s", file=table)
+    if to_stdout:
+        print(json.dumps(rows, indent=1))
+    elif args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return status
 
