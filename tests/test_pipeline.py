@@ -7,6 +7,7 @@ terminate them; every wait is bounded by a timeout.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from process_helpers import thread_slices
 
 from skippy_wire.errors import PipelineError
 from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_local, yielding_to_stages
-from skippy_wire.net.supervision import launch_pipeline, split_layers
+from skippy_wire.net.supervision import default_model, launch_pipeline, split_layers
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import model_shape
 from skippy_wire.tools.run_report import TextStreamer, format_summary, merge_session_events
@@ -241,6 +242,24 @@ def test_run_check_with_auto_lossless_exits_0():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check: OK" in proc.stderr
     assert "Paris" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ignore_eos_generates_every_token_asked_for_as_llama_cli():
+    """A chat answer ends early at the end-of-generation token; with --ignore-eos the -n
+    tokens all come (their ids none of the model's end-of-generation tokens), and --check
+    agrees; -no-cnv is taken as llama-cli takes it."""
+    from skippy_wire.stage.models import Tokenizer
+
+    def tokens(*extra):
+        proc = _cli("run", "What is 2+2?", "--temp", "0", "-n", "48", "--stages", "1", "--json", "--quiet", *extra)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["summary"]["tokens"]
+
+    assert len(tokens("-no-cnv")) < 48
+    longer = tokens("--ignore-eos", "--check")
+    eog = set(Tokenizer.from_gguf(default_model()).eog_ids)
+    assert len(longer) == 48 and not eog & set(longer)
 
 
 def test_stages_exit_when_the_driver_dies(tiny_model, tmp_path):

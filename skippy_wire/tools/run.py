@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
     p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
                    help="frequency penalty (0: off)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never end at an end-of-generation token: -n tokens are generated, as llama-cli's "
+                        "(their logits become -inf) (default: off)")
+    p.add_argument("-no-cnv", "--no-conversation", action="store_true",
+                   help="taken as llama-cli takes it: run generates once, never in conversation (default: off)")
     where = p.add_mutually_exclusive_group()
     # default None, filled in by _check_args: argparse sees a conflict with --connect only for
     # a value that is not the default object (`--stages 2 --connect ...` passed)
@@ -184,11 +189,14 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(str(exc))
 
 
-def sampling_params(args) -> SamplingParams:
+def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` is banned
+    (the wire's IGNORE_EOS flag masks only the model's EOS and EOT tokens)."""
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=None if args.seed == RANDOM_SEED else args.seed,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repeat_penalty=args.repeat_penalty)
+                          repeat_penalty=args.repeat_penalty, ignore_eos=args.ignore_eos,
+                          logit_bias={token: float("-inf") for token in eog_ids} if args.ignore_eos else {})
 
 
 def describe_sampling(config) -> str:
@@ -274,7 +282,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     if not prompt:
         parser.error("the prompt has no tokens")
     _fit_context(parser, args, model, len(prompt))
-    sampling = sampling_params(args).wire()
+    sampling = sampling_params(args, tokenizer.eog_ids).wire()
+    is_eog = None if args.ignore_eos else tokenizer.is_eog
     connected = "%s:%d" % args.connect if args.connect else None
     progress(f"model {model.name}: {n_layer} layers, n_embd {n_embd}"
              + ("" if args.connect else f"; {args.stages} stage process{'es' if args.stages != 1 else ''}")
@@ -300,7 +309,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
                                       tls=args.tls, extra_args=poll_args(args.poll_ms, args.stages))
             entry = cluster.entry
         with cluster, yielding_to_stages():
-            result, events = _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress)
+            result, events = _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, progress)
     except (KeyboardInterrupt, SystemExit):
         streamer.end_line()  # the partial text ends its line before anything else is printed
         raise
@@ -314,7 +323,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     if args.check:
         progress("check: running one in-process stage over all layers")
         local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
-                               chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, threads=args.threads,
+                               chunk_size=args.chunk_size, is_eog=is_eog, threads=args.threads,
                                ctx_size=args.ctx_size)
         check = check_tokens(result.tokens, local, args.activation_codec, args.activation_codec_policy)
     if args.json:
@@ -353,7 +362,7 @@ def capture_hint(capture: Path) -> str:
     return f"  captures in {capture}/ (inspect with `skippy-wire inspect {first}`)"
 
 
-def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat, progress):
+def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, progress):
     """One generation through the running pipeline; a failed request names the stage's reason."""
     try:
         identity = None if args.connect else cluster.identity
@@ -365,7 +374,7 @@ def _generate(args, cluster, entry, prompt, sampling, tokenizer, streamer, chat,
             if not chat:  # a raw prompt is continued: show it, then the continuation
                 streamer.show(args.prompt)
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
-                                     chunk_size=args.chunk_size, is_eog=tokenizer.is_eog, on_token=streamer.push)
+                                     chunk_size=args.chunk_size, is_eog=is_eog, on_token=streamer.push)
             streamer.finish()
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
