@@ -67,7 +67,7 @@ def test_bench_backend_describes_itself_in_full(capsys):
     (["bench-backend", "--threads", "2,-2"],
      "argument -t/--threads: each value must be -1 (the default) or between 1 and 512, got -2"),
     (["bench-backend", "--threads", "abc"], "argument -t/--threads: expected comma-separated integers, got 'abc'"),
-    (["bench-backend", "--batch", "2,0"], "argument --batch: each value must be at least 1, got 0"),
+    (["bench-backend", "--batch", "2,0"], "argument --batch: each value must be between 1 and 1024, got 0"),
     (["bench", "--sizes", "abc"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
                                   "(e.g. 1x4096,128x4096), got 'abc'"),
     (["bench", "--sizes", "0x8"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
