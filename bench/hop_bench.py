@@ -7,8 +7,9 @@ one short generation, then in each round generates ``--tokens`` tokens on every 
 in turn, so that the generations compared within a round run seconds apart (the host's
 speed drifts over minutes; stage processes that are not generating sleep).  The best round
 of each stage count is printed with its decode tokens/s, the ratio to the first count
-listed (one stage by default; of the best rounds, and the median and range of each round's own ratio, which the host's drift
-between rounds does not enter), the stages' decode compute per token, the time outside
+listed (one stage by default; of the best rounds, and the median and range of each round's
+own ratio, which the host's drift between rounds does not enter), the stages' decode
+compute per token, the time outside
 compute per token and per hop, the cores the stage processes kept busy meanwhile (their
 CPU time over the generation's wall time), and the per-stage breakdown the ``run`` summary
 prints (``skippy-wire run`` shows the same block for one run).  ``--poll-ms`` lists the

@@ -437,7 +437,8 @@ class StageSession(_NativeHandle):
 
 
 __all__ = [
-    *_activation_all, *_sampling_all, *_bridge_all, *_batch_all, "MAX_BUFFER_RETRIES", "MAX_LANES", "StageModel", "StageSession",
+    *_activation_all, *_sampling_all, *_bridge_all, *_batch_all, "MAX_BUFFER_RETRIES", "MAX_LANES", "StageModel",
+    "StageSession",
 ]
 
 # Upstream spells these as associated functions of StageSession.
