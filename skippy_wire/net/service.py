@@ -31,7 +31,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field, make_dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
@@ -85,6 +85,12 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \
             and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and not self.ignore_eos
+
+    def ban_end_of_generation(self, eog_ids: Iterable[int]) -> None:
+        """``ignore_eos`` as llama.cpp applies it: every end-of-generation token's logit
+        becomes -inf (the wire's IGNORE_EOS flag masks only the model's EOS and EOT tokens)."""
+        if self.ignore_eos:
+            self.logit_bias = {**self.logit_bias, **{token: float("-inf") for token in eog_ids}}
 
     def wire(self) -> Optional[SamplingConfig]:
         """The wire's sampling block (None = greedy, the backend's argmax)."""

@@ -179,15 +179,12 @@ def check_tokenize_size(text: str) -> None:
 
 
 def suppress_end_of_generation(sampling: SamplingParams, eog_ids: tuple[int, ...]) -> None:
-    """``ignore_eos`` as llama-server applies it: every end-of-generation token's logit
-    becomes -inf (the wire's IGNORE_EOS flag masks only the model's EOS and EOT tokens)."""
-    if not sampling.ignore_eos:
-        return
-    bias = {**sampling.logit_bias, **{token: float("-inf") for token in eog_ids}}
-    if len(bias) > MAX_STAGE_LOGIT_BIAS:
+    """``ignore_eos`` as llama-server applies it (:meth:`.SamplingParams.ban_end_of_generation`),
+    within the wire's logit-bias entries."""
+    sampling.ban_end_of_generation(eog_ids)
+    if len(sampling.logit_bias) > MAX_STAGE_LOGIT_BIAS:
         raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS - len(eog_ids)} tokens beside "
                          "'ignore_eos'", "logit_bias")
-    sampling.logit_bias = bias
 
 
 @dataclass

@@ -212,13 +212,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` is banned
-    (the wire's IGNORE_EOS flag masks only the model's EOS and EOT tokens)."""
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=None if args.seed == RANDOM_SEED else args.seed,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repeat_penalty=args.repeat_penalty, ignore_eos=args.ignore_eos,
-                          logit_bias={token: float("-inf") for token in eog_ids} if args.ignore_eos else {})
+    """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` banned."""
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=None if args.seed == RANDOM_SEED else args.seed,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repeat_penalty=args.repeat_penalty, ignore_eos=args.ignore_eos)
+    sampling.ban_end_of_generation(eog_ids)
+    return sampling
 
 
 def describe_sampling(config) -> str:
