@@ -378,3 +378,11 @@ def test_cluster_n_is_documented_as_it_is_taken(capsys):
     row = next(line for line in docs.splitlines() if line.startswith("| `-n/--max-tokens`, `--chunk-size` | 16, 64 |"))
     assert "`-n` is at least 1" in row
     assert_usage_error(capsys, ["cluster", "-n", "-1"], "argument -n/--max-tokens: must be at least 1, got -1")
+
+
+def test_bench_backend_names_llama_cpp_only_where_it_is_the_reference():
+    """Every mode said "llama.cpp: not installed ...; ours only", where only side by side uses it."""
+    from skippy_wire.tools import backend_bench
+
+    assert "llama.cpp:" not in backend_bench.header()
+    assert backend_bench.header(against_llama=True).splitlines()[-1].startswith("llama.cpp: ")

@@ -206,22 +206,24 @@ def llama_version():
         return None
 
 
-def header():
+def header(against_llama: bool = False):
+    """The CPU and the builds measured (llama.cpp's only where it is the reference)."""
     flags = sorted(f for f in _ggml.cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c", "bmi2"))
     lines = [f"cpu: {cpu_model()} ({platform.machine()}); flags: {' '.join(flags)}",
              f"ours: {_ggml.describe(B)}"]
     text = _ggml.fallback_warning(_ggml.build_info())
     if text:
         lines.append(f"WARNING: {text}")
-    version = llama_version()
-    lines.append(f"llama.cpp: {LLAMA_DIST} {version}" if version else
-                 f"llama.cpp: not installed (pip install {LLAMA_DIST}); ours only")
+    if against_llama:
+        version = llama_version()
+        lines.append(f"llama.cpp: {LLAMA_DIST} {version}" if version else
+                     f"llama.cpp: not installed (pip install {LLAMA_DIST}); ours only")
     return "\n".join(lines)
 
 
 def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
     ctx = n_prefill + n_decode + CTX_SLACK
-    print(header())
+    print(header(against_llama=True))
     print(f"model: {path}; prefill-{n_prefill} and decode-{n_decode} (after a 16-token prompt), best of {repeat}, alternating")
     print(f"{'threads':>7} | {'ours pf':>9} {'llama pf':>9} {'ratio':>6} | {'ours dec':>9} {'llama dec':>9} {'ratio':>6}   (tok/s)")
     have_llama = llama_version() is not None
