@@ -425,6 +425,8 @@ def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
             _until(lambda: api.admission.waiting == 1, "the second request queues")
         # Its client gone, it leaves the queue while the lane is still busy ...
         _until(lambda: api.admission.waiting == 0, "the abandoned request leaves the queue")
+        # counted once, as cancelled (it was counted nowhere)
+        assert (engine.counters["requests"], engine.counters["cancelled"]) == (1, 1)
         third = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "C"}, timeout=30)
         _until(lambda: api.admission.waiting == 1, "the third request queues in its place")
         assert httpx.get(url + "/metrics", timeout=10).text.count("\nskippy_queue_depth 1\n") == 1

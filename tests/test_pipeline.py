@@ -131,6 +131,23 @@ def test_two_stage_processes_match_one_in_process_stage(tiny_model):
     assert generate_local(tiny_model, PROMPT, max_tokens=0, chunk_size=4, threads=1).tokens == []
 
 
+def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, monkeypatch):
+    """Every session a stage freed left its event twice in the supervisor, for ever: some 6 KB
+    a generation in a long-running API.  Now the latest SESSION_EVENTS_KEPT, and none queued."""
+    from skippy_wire.net import supervision
+
+    monkeypatch.setattr(supervision, "SESSION_EVENTS_KEPT", 3)
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
+        with PipelineClient(*cluster.entry, timeout=30) as client:
+            for session in range(1, 7):
+                client.generate(PROMPT, max_tokens=2, chunk_size=4, session_id=session, request_id=session)
+        kept = cluster.session_events(wait=5, count=3)
+        time.sleep(0.5)  # the readers have the last events
+        assert [len(stage.session_events) for stage in cluster.stages] == [3, 3]
+        assert [stage.events.qsize() for stage in cluster.stages] == [0, 0]
+    assert [len(events) for events in kept] == [3, 3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("codec,policy", [("raw-f32-v1", "fixed"), ("bf16-rne-v1", "fixed"),

@@ -202,6 +202,28 @@ def test_no_new_tokens_evaluates_the_prompt_and_ends_the_session(chain_factory):
     assert [(len(b.sessions), b.sessions[0].freed) for b in chain.backends] == [(2, True), (2, True)]
 
 
+def test_a_cancellation_stops_a_long_prompt_between_its_chunks(chain_factory):
+    """A client gone during the prefill held its lane until the whole prompt was computed
+    (several seconds for a long one): before_step is asked before each chunk after the first."""
+    from skippy_wire.net.service import Cancelled
+    from skippy_wire.wire.messages import StageWireMessage
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    asked = []
+
+    def client_gone() -> None:
+        asked.append(True)
+        raise Cancelled("stop")
+
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(Cancelled):
+            client.generate(PROMPT, max_tokens=5, chunk_size=2, before_step=client_gone)
+        client.request(StageWireMessage.stop(1, 1), "Stop")  # as the API frees a cancelled session
+        after = client.generate(PROMPT, max_tokens=5, chunk_size=4, session_id=2, request_id=2)
+    assert asked == [True] and after.tokens == fake_reference(PROMPT, 5)
+    assert [b.sessions[0].token_count for b in chain.backends] == [2, 2]  # one chunk of 7 tokens computed
+
+
 def test_auto_lossless_falls_back_to_raw_for_inexact_values(chain_factory):
     backends = [FakeBackend(0, 3, 0, scale=1.0 / 3.0), FakeBackend(3, 6, 1, scale=1.0 / 3.0)]
     chain = chain_factory([(0, 3), (3, 6)], "raw-f32-v1", "auto-lossless-v1", backends=backends)

@@ -255,8 +255,9 @@ class PipelineClient:
         ConfigureGeneration, which every stage keeps for the session; prefill and decode
         messages carry no sampling block.  ``on_token`` runs while the stages compute the
         next token; if it raises, that step's reply is read back before the exception
-        leaves (the connection stays usable).  ``before_step`` runs before each decode step
-        is sent: what it raises (a cancellation) leaves with no step in flight.
+        leaves (the connection stays usable).  ``before_step`` runs before each prefill chunk
+        after the first and each decode step is sent: what it raises (a cancellation) leaves
+        with no message in flight.
         """
         if not prompt:
             raise ValueError("the prompt must have at least one token")
@@ -269,6 +270,8 @@ class PipelineClient:
             started = time.perf_counter()
             token = None
             for msg in prefill_messages(prompt, chunk_size, request_id, session_id):
+                if before_step and result.prefill_messages:  # a long prompt: a client gone stops it
+                    before_step()
                 reply = self._request(msg)
                 result.prefill_messages += 1
                 result.reply_stats.append(reply.stats)

@@ -47,6 +47,10 @@ REPLY_TIMEOUT_STEP_S = 2.0
 #: Lines of a stage's stderr kept in memory when it has no log file, and the longest wait for
 #: the reader of that stderr to take in what is there before they are looked at.
 LOG_TAIL_LINES = 200
+#: The "session" events (one per session a stage frees, about 1.5 KB each) kept per stage: the
+#: latest, enough for every command and benchmark that reads them; a long-running API
+#: kept every one (some 6 KB a generation, without end).
+SESSION_EVENTS_KEPT = 1024
 TAIL_SETTLE_S = 0.5
 #: The longest wait, when stages only report a neighbour that went away, for one that
 #: ended to be reported as ended.
@@ -118,7 +122,7 @@ class StageProcess:
         self.port: int | None = None
         self.n_embd: int | None = None
         self.events: "queue.Queue[dict]" = queue.Queue()
-        self.session_events: list[dict] = []
+        self.session_events: collections.deque[dict] = collections.deque(maxlen=SESSION_EVENTS_KEPT)
         self._stderr = open(log_path, "wb") if log_path else subprocess.PIPE
         self.log_path = log_path
         #: Without a log file: the last lines of the stage's stderr, and how many came in all.
@@ -196,7 +200,8 @@ class StageProcess:
                 continue
             if event.get("event") == "session":
                 self.session_events.append(event)
-            self.events.put(event)
+            else:  # the queue is read for "listening" only: the sessions' events would pile up there
+                self.events.put(event)
         self.events.put({"event": "exit"})
 
     def wait_listening(self, timeout: float) -> None:
@@ -343,8 +348,9 @@ class StageCluster:
         self.close()
 
     def session_events(self, wait: float = 2.0, count: int = 1) -> list[list[dict]]:
-        """Per stage, the "session" events received so far (waiting up to ``wait`` s for
-        ``count`` of them from every stage)."""
+        """Per stage, the "session" events received so far, the latest
+        :data:`SESSION_EVENTS_KEPT` (waiting up to ``wait`` s for ``count`` of them from every
+        stage)."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(len(s.session_events) < count for s in self.stages):
             time.sleep(0.01)

@@ -47,8 +47,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, llama_error, llama_piece
 from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
-                         check_tokenize_size, parse_detokenize, parse_options, parse_tokenize,
-                         suppress_end_of_generation)
+                         check_tokenize_size, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, error_response,
@@ -194,19 +193,19 @@ class Api:
     async def metrics(self, request: Request) -> Response:
         c, a = self.engine.counters, self.admission
         rows = [
-            ("skippy_requests_total", "counter", "Generation requests ended (completed, failed or cancelled)", c["requests"]),
+            ("skippy_requests_total", "counter", "Generations ended (each choice of each prompt; completed, failed or "
+             "cancelled), and requests whose client left while queued", c["requests"]),
             ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c["failed"]),
-            ("skippy_requests_cancelled_total", "counter", "Requests cancelled by their client", c["cancelled"]),
+            ("skippy_requests_cancelled_total", "counter", "Of those, cancelled by their client", c["cancelled"]),
             ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
-            ("skippy_prompt_tokens_total", "counter", "Prompt tokens processed", c["prompt_tokens"]),
+            ("skippy_prompt_tokens_total", "counter", "Prompt tokens, once per generation", c["prompt_tokens"]),
             ("skippy_completion_tokens_total", "counter", "Tokens generated", c["completion_tokens"]),
             ("skippy_requests_running", "gauge", "Requests holding a lane", a.running - a.borrowed),
             ("skippy_lanes_busy", "gauge", "Lanes generating (a request may borrow idle ones)", a.running),
             ("skippy_queue_depth", "gauge", "Requests waiting for a lane", a.waiting),
         ]
-        lines = []
-        for name, kind, help_, value in rows:
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines = [line for name, kind, help_, value in rows
+                 for line in (f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}")]
         lines += ["# HELP skippy_hop_bytes_total Bytes on the driver's hop to stage 0",
                   "# TYPE skippy_hop_bytes_total counter",
                   f'skippy_hop_bytes_total{{hop="0",direction="sent"}} {c["sent_bytes"]}',
@@ -338,6 +337,7 @@ class Api:
             return error_response(400, str(exc), param=exc.param, code=exc.code)
         try:
             if not await self._admit(request):
+                self.engine.counters.update(requests=1, cancelled=1)  # its client left the queue
                 return Response(status_code=499)
         except QueueFullError as exc:
             self.engine.counters["rejected"] += 1
