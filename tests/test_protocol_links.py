@@ -279,6 +279,20 @@ def test_v17_connect_and_close_is_not_an_error(chains, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_bytes_that_are_no_setup_are_a_failed_setup_not_a_made_up_version(chains, caplog):
+    # An HTTP request or random bytes to a v17 stage were logged as "peer speaks state
+    # version 225976378", their word at the version's offset read as one.
+    servers = chains(17)
+    with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
+        for junk in (b"GET / HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n", bytes(range(7, 71))):
+            with socket.create_connection(servers[0].address, timeout=5) as s:
+                s.sendall(junk)
+                s.recv(64)  # until the stage closes
+        text = _logged_after(caplog, "incompatible stage setup protocol")
+    assert text.count("stage setup failed: incompatible stage setup protocol") == 2
+    assert "peer speaks state version" not in text
+
+
 def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(chains):
     # The stage answers with a notice naming its own version, which is the driver's too:
     # "speaks state version 17, this driver speaks state version 17" named no difference.

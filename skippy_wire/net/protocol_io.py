@@ -271,7 +271,8 @@ class LinkProtocol:
         return role
 
     def _version_after_setup_error(self, error: SetupError) -> Optional[int]:
-        """A v15/v16 peer sent a stage message instead of Hello: its version word says which."""
+        """A v15/v16 peer sent a stage message instead of Hello: its version word says which
+        (bytes that are no stage message, whatever they hold there, stay a failed setup)."""
         if error.message != "incompatible stage setup protocol":
             return None
         head = bytearray(self.peer.reader.head)
@@ -285,7 +286,7 @@ class LinkProtocol:
         except OSError:
             pass
         peer = peer_version_of(bytes(head))
-        return peer if peer is not None and peer != self.version else None
+        return peer if peer in PROTOCOL_VERSIONS and peer != self.version else None
 
     # --- messages ---------------------------------------------------------------------
     def _checked_parse(self, parse):
