@@ -748,6 +748,15 @@ def test_idle_connections_at_the_limit_make_room_for_a_user(chain_factory, caplo
         assert sum(not _wait_closed(sock, 0.5) for sock in idle) <= 4
         assert _wait_closed(idle[0], 0.5)  # the oldest went first
         assert "to make room" in caplog.text
+        # each shed connection's own line says the stage closed it (it read "closed by peer",
+        # or an ERROR for one shed in its setup or mid-message)
+        deadline = time.monotonic() + 5
+        while caplog.text.count("closed by this stage to make room") < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ends = [r for r in caplog.records if "closed by this stage to make room (max-connections)" in r.getMessage()]
+        assert len(ends) >= 8 and {r.levelno for r in ends} == {logging.INFO}
+        assert caplog.text.count("closed by peer") <= 1  # the user's own connection, which it closed
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         for sock in idle:
             sock.close()

@@ -188,6 +188,7 @@ class ConnectionLimit:
         self.shed_count = 0
         self._logged = 0.0
         self._quiet: dict[int, tuple[float, object]] = {}  # seq -> (since, socket)
+        self._shed: set[int] = set()  # connections shed whose thread has not ended yet
         self._lock = threading.Lock()
 
     def quiet(self, seq: int, sock) -> None:
@@ -199,6 +200,11 @@ class ConnectionLimit:
         """Connection ``seq`` executes a message (or has ended): not to be shed."""
         with self._lock:
             self._quiet.pop(seq, None)
+            self._shed.discard(seq)
+
+    def was_shed(self, seq: int) -> bool:
+        """Whether connection ``seq`` was shed (until it ends)."""
+        return seq in self._shed
 
     def shed_quietest(self):
         """The socket of the connection quiet longest, taken off the quiet ones (the caller
@@ -208,6 +214,7 @@ class ConnectionLimit:
                 return None
             seq = min(self._quiet, key=lambda k: self._quiet[k][0])
             since, sock = self._quiet.pop(seq)
+            self._shed.add(seq)
         self.shed_count += 1
         if self._log_now():
             log.warning("closed connection %d, quiet for %.1f s, to make room: %d connections open "

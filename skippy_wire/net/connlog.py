@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 #: Lines a stage may log at one level at once.
 LOG_BURST = 100
@@ -126,4 +127,29 @@ class ConnectionLog:
         self.log(logging.ERROR, fmt, *args, exc_info=not traced)
 
 
-__all__ = ["LOG_BURST", "LOG_RATE", "MAX_PEER_TEXT", "peer_text", "LogBudget", "RateLimitedRecords", "ConnectionLog"]
+class ShedAwareLog:
+    """The lines of connection ``name`` (each starting with it): once the stage has shed the
+    connection to make room (``shed()``), what its thread meets next (the end of its stream,
+    a reset: the stage's doing, not the peer's) is one INFO line saying so instead."""
+
+    def __init__(self, clog: ConnectionLog, name: str, shed: Callable[[], bool]) -> None:
+        self.clog, self.name, self.shed = clog, name, shed
+
+    def _line(self, method: str, fmt: str, *args) -> None:
+        if self.shed():
+            self.clog.info("%s: closed by this stage to make room (max-connections)", self.name)
+        else:
+            getattr(self.clog, method)(fmt, *args)
+
+    def info(self, fmt: str, *args) -> None:
+        self._line("info", fmt, *args)
+
+    def error(self, fmt: str, *args) -> None:
+        self._line("error", fmt, *args)
+
+    def unexpected(self, fmt: str, *args) -> None:
+        self._line("unexpected", fmt, *args)
+
+
+__all__ = ["LOG_BURST", "LOG_RATE", "MAX_PEER_TEXT", "peer_text", "LogBudget", "RateLimitedRecords", "ConnectionLog",
+           "ShedAwareLog"]

@@ -17,10 +17,9 @@ replies PredictedToken for kinds that require a predicted reply and Ack otherwis
 Stop frees the session and is acknowledged; the connection stays open.
 
 Sessions are keyed by ``session_id`` and belong to the connection that opened them; a
-closed connection frees its sessions.  Runtime calls are serialised by one lock.
-
-Decode ahead (:mod:`.decode_ahead`): a first stage computes a session's next decode step
-while its reply travels to the driver and the next DecodeEmbd travels back.
+closed connection frees its sessions.  Runtime calls are serialised by one lock.  Decode
+ahead (:mod:`.decode_ahead`): a first stage computes a session's next decode step while
+its reply travels to the driver and the next DecodeEmbd travels back.
 
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
@@ -62,7 +61,7 @@ from .admission import (DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission,
                         max_message_bytes)
 from .protocol_io import LinkProtocol, link_identity, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
-from .connlog import ConnectionLog
+from .connlog import ConnectionLog, ShedAwareLog
 from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, accept_tls, handshake_failure, is_loopback,
@@ -233,6 +232,7 @@ class StageServer:
 
     def _serve_connection(self, sock: socket.socket, addr, seq: int) -> None:
         name = f"connection {seq} from {addr[0]}:{addr[1]}"
+        clog = ShedAwareLog(self.clog, name, lambda: self.connection_limit.was_shed(seq))
         upstream = Peer(sock)
         opened: list = []
         sessions: dict[int, ServedSession] = {}
@@ -258,10 +258,10 @@ class StageServer:
             role = link.accept(self.identity, self._profile("input"), plan=self.plan, prepare=prepare,
                                timeout=self.io_timeout, serves=serves)
             downstream = opened[0] if opened else None
-            self.clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
+            clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
                 upstream.reader.poll_s = self._poll_window()
-                msg = self._read_message(link, name)
+                msg = self._read_message(link, clog)
                 if msg is None:
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
@@ -271,7 +271,7 @@ class StageServer:
                         # the next stage closed the idle link (its idle timeout, or shed)
                         downstream.peer.close()
                         downstream = opened[0] = self._open_downstream(seq, upstream.sock)
-                        self.clog.info("%s: downstream had closed the idle link; reconnected", name)
+                        clog.info("%s: downstream had closed the idle link; reconnected", name)
                 reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
                                      upstream.reader.last_raw)
                 # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
@@ -285,30 +285,30 @@ class StageServer:
                 if session is not None and session.next_step is not None:
                     self.ahead.compute(session)
         except StateVersionMismatch as exc:
-            self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
+            clog.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
         except SetupError as exc:
             if upstream.received == 0:  # connected and left (a port check), as a v15 peer may
-                self.clog.info("%s: closed by peer before its setup", name)
+                clog.info("%s: closed by peer before its setup", name)
             else:
                 failed = f"stage setup failed: {exc}" + (f" ({exc.detail})" if exc.detail else "")
-                self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, failed))
+                clog.error("%s: %s; closing", name, self._diagnosis(upstream, failed))
         except UnexpectedEofError:
-            self.clog.error("%s: peer disconnected in the middle of a message; closing", name)
+            clog.error("%s: peer disconnected in the middle of a message; closing", name)
         except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
-            self.clog.error("%s: peer reset the connection%s; closing", name,
+            clog.error("%s: peer reset the connection%s; closing", name,
                             " in the middle of a message" if upstream.reader.buffered else "")
         except (socket.timeout, TimeoutError):
-            self.clog.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
+            clog.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
         except WireError as exc:
             malformed = f"malformed stage message ({exc.kind}: {exc})"
-            self.clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
+            clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
         except (StageError, ConnectionError, OSError) as exc:
             if not self._stop.is_set():
-                self.clog.error("%s: %s; closing", name, exc)
+                clog.error("%s: %s; closing", name, exc)
         except StageRuntimeError as exc:  # e.g. context full
-            self.clog.error("%s: stage runtime error: %s; closing", name, exc)
+            clog.error("%s: stage runtime error: %s; closing", name, exc)
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
-            self.clog.unexpected("%s: unexpected error (%s); closing", name, exc)
+            clog.unexpected("%s: unexpected error (%s); closing", name, exc)
         finally:
             self.connection_limit.busy(seq)
             for session_id in list(sessions):
@@ -367,16 +367,16 @@ class StageServer:
             raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 
-    def _read_message(self, link: LinkProtocol, name: str):
+    def _read_message(self, link: LinkProtocol, clog: ShedAwareLog):
         """Read one message; None (logged) on a clean close or an idle timeout between
         messages: both are a pooled connection's normal end, no error."""
         peer = link.peer
         try:
             if not peer.reader.wait_readable(self.idle_timeout):
-                self.clog.info("%s: closed by peer", name)
+                clog.info("%s: closed by peer", clog.name)
                 return None
         except (socket.timeout, TimeoutError):
-            self.clog.info("%s: idle for more than %g s; closing", name, self.idle_timeout)
+            clog.info("%s: idle for more than %g s; closing", clog.name, self.idle_timeout)
             return None
         peer.reader.deadline = time.monotonic() + self.limits.message_timeout
         peer.reader.stall_timeout = self.io_timeout
