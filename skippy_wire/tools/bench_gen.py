@@ -23,6 +23,7 @@ from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
 from .bench_rows import Ratio, Row, paired_seconds
+from .cli import guarded
 from .options import Parser, doc_summary, float_above, int_at_least
 
 V16_GOAL_RATIO = 0.9
@@ -106,6 +107,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import guarded
-
     sys.exit(guarded(main))

@@ -44,8 +44,6 @@ cdef extern from "Python.h":
 
 include "_wire_constants.pxi"
 
-from numpy import ndarray
-
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from . import _codec
 from .constants import SEQUENCE_CHANGED_TEXT, ActivationCodec
@@ -60,7 +58,7 @@ from .messages import (
     StageWireMessage,
     WireMessageKind,
 )
-from .field_checks import out_of_range_error
+from .field_checks import holds_objects, out_of_range_error
 from .replies import (
     STATS_FIELDS,
     NativeMtpDraft,

@@ -35,8 +35,6 @@ cdef extern from "Python.h":
 import dataclasses
 import operator
 
-from numpy import ndarray
-
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .activation_frame import ActivationFrameV16, ActivationPartV16
 from .agreement import ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
@@ -59,7 +57,7 @@ from .constants import (
     MAX_STAGE_STATE_IMPORT_BYTES,
 )
 from .messages import SAMPLING_WIRE_ORDER, LogitBias, SamplingConfig, StageStateHeader, StageWireMessage, f32_from_bits
-from .field_checks import out_of_range_error, wire_bool, wire_int
+from .field_checks import holds_objects, out_of_range_error, wire_bool, wire_int
 from . import _codec
 from . import _frame
 
@@ -478,7 +476,7 @@ cdef class _Buffer:
 
     def __cinit__(self, object obj):
         self.held = False
-        if isinstance(obj, ndarray) and obj.dtype.hasobject:  # its buffer holds addresses
+        if holds_objects(obj):
             raise InvalidInputError("activation must be a C-contiguous bytes-like object")
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)

@@ -265,8 +265,8 @@ cdef Py_ssize_t _message_size(object msg, int32_t kind, Py_ssize_t payload) exce
 
 cdef bint _get_buffer(object obj, Py_buffer* view):
     """Acquire a C-contiguous buffer; False when ``obj`` is none (the step raises), as an
-    array of Python objects is (``field_checks.byte_array``: its buffer holds addresses)."""
-    if isinstance(obj, ndarray) and obj.dtype.hasobject:
+    array of Python objects is (``field_checks.holds_objects``)."""
+    if holds_objects(obj):
         return False
     try:
         PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS)

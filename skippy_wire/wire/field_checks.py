@@ -31,6 +31,12 @@ BOOL_TYPES = (bool, np.bool_)
 NOT_INT_LISTS = (str, bytes, bytearray, memoryview)
 
 
+def holds_objects(buf: Any) -> bool:
+    """Whether ``buf`` is a numpy array of Python objects, whose buffer holds their addresses
+    (no payload's bytes: refused by every writer and reader of both twins)."""
+    return isinstance(buf, np.ndarray) and buf.dtype.hasobject
+
+
 def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
     """A numpy array given as a payload's or a reader's bytes, as its flat uint8 view (the
     same memory), or None for any other object.  memoryview() cannot take some dtypes that
@@ -39,7 +45,7 @@ def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
     addresses, or a non-contiguous one is refused: InvalidInputError(``refusal``)."""
     if not isinstance(buf, np.ndarray):
         return None
-    if buf.dtype.hasobject or not buf.flags.c_contiguous:
+    if holds_objects(buf) or not buf.flags.c_contiguous:
         raise InvalidInputError(refusal)
     return np.asarray(buf).reshape(-1).view(np.uint8)
 
