@@ -37,7 +37,7 @@ import numpy as np
 from skippy_wire import ActivationCodec, encode_activation
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.supervision import default_model
-from skippy_wire.tools.bench_rows import cpu_model
+from skippy_wire.tools.bench_rows import comma_list, cpu_model
 from skippy_wire.tools.cli import guarded
 from skippy_wire.tools.options import float_at_least, int_at_least
 
@@ -148,18 +148,11 @@ def _idle_table(title: str, medians: dict, unit: str, scale: float) -> None:
         print(f"| {how} | {seconds * scale:.2f} | {seconds / ref:.2f}x |")
 
 
-def _gaps(text: str) -> list[float]:
-    try:
-        return [float_at_least(0)(gap) for gap in text.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"each value {exc}") from None
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", type=int_at_least(1), default=2314, help="bytes per message")
-    p.add_argument("--gaps", type=_gaps, default="0,0.2,1,5,12",
+    p.add_argument("--gaps", type=comma_list(float_at_least(0)), default="0,0.2,1,5,12",
                    help="comma list of idle ms before each message (0, back to back, is always measured first)")
     p.add_argument("--count", type=int_at_least(1), default=400, help="round trips per row")
     p.add_argument("--compute-steps", type=int_at_least(0), default=80,

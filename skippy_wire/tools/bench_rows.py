@@ -91,19 +91,6 @@ def script_options(doc: str, argv, types: dict[str, Callable[[str], object]] | N
     return p.parse_args(argv)
 
 
-def words(*choices: str) -> Callable[[str], list[str]]:
-    """A comma-separated list of ``choices`` (``on,off``)."""
-    def convert(text: str) -> list[str]:
-        items = text.split(",")
-        wrong = next((item for item in items if item not in choices), None)
-        if wrong is not None:
-            raise argparse.ArgumentTypeError(f"each value must be one of {', '.join(choices)}, got {wrong!r}")
-        return items
-
-    convert.__name__ = "list"
-    return convert
-
-
 def one_of(*choices: str) -> Callable[[str], str]:
     """One of ``choices``."""
     def convert(text: str) -> str:
@@ -123,15 +110,16 @@ def poll_window(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be auto or a number of ms >= 0, got {text!r}") from None
 
 
-def poll_windows(text: str) -> list[float | None]:
-    """Comma-separated :func:`poll_window` values."""
-    try:
-        return [poll_window(item) for item in text.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"each value {exc}") from None
+def comma_list(one: Callable[[str], object]) -> Callable[[str], list]:
+    """Comma-separated values, each as ``one`` takes it (``comma_list(one_of("on", "off"))``)."""
+    def convert(text: str) -> list:
+        try:
+            return [one(item) for item in text.split(",")]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"each value {exc}") from None
 
-
-poll_windows.__name__ = "list"
+    convert.__name__ = "list"
+    return convert
 
 
 def round_ratios(ratios: list[float]) -> str:
