@@ -100,3 +100,22 @@ def test_the_plain_v17_frame_decoder_agrees(impl):
 def test_short_dynamic_value_is_eof_before_any_size(impl):
     with pytest.raises(UnexpectedEofError):
         kernels(impl).agreed_decode(_agreement(Fixed(1)), S8, _wire(2**27)[:-1])
+
+
+def _two_dynamic_axes() -> ActivationAgreement:
+    """F32 ``Dynamic(1, 2^63-1)`` x tokens x ``Dynamic(1, 4)``: the first value alone can
+    overflow the strides."""
+    part = ActivationPartProfile(IDENTITY, 0, 3, 1, False,
+                                 (Dynamic(1, 2**63 - 1), TOKENS, Dynamic(1, 4), Fixed(1)))
+    return ActivationAgreement(GENERATION, [ActivationProfile(1, 0, 0, 4, FRONTIER, 8, 1, [part])])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rest", [b"", struct.pack("<Q", 9), struct.pack("<Q", 2)],
+                         ids=["next-value-missing", "next-value-out-of-bounds", "next-value-in-bounds"])
+def test_layout_overflow_is_found_at_the_axis_that_overflows(impl, rest):
+    # B.6.3 step 7: upstream multiplies each axis into the stride as it reads it, so 4 x
+    # (2^63 - 1) overflows before the next dynamic value is read: neither its absence (EOF)
+    # nor its bound (9 > 4) is what the receiver reports.
+    data = GENERATION + struct.pack("<IIIHQ", 1, 1, 1, 1, 2**63 - 1) + rest
+    assert _error(impl, _two_dynamic_axes(), RAW, data) == "activation layout overflow"

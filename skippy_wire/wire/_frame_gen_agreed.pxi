@@ -306,6 +306,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
         _copy32(p.identity, pp.identity, "identity")
         p.ggml_type, p.rank, p.token_axis = pp.ggml_type, pp.rank, pp.token_axis
         p.flags = OPTIONAL if pp.optional else 0
+        stride = esize
         for k in range(4):
             dim = pp.dimensions[k]
             if dim is TOKENS:
@@ -320,8 +321,7 @@ cdef bytes _agreed_decode_ptr(object agreement, int codec, const uint8_t* b, Py_
                 if not dim.min <= v <= dim.max:
                     _raise(E_BOUNDS)
                 p.dims[k] = <int64_t>v
-        stride = esize
-        for k in range(4):
+            # each axis's stride is checked before the next value is read
             p.strides[k] = stride
             if skw_mul_u64(stride, <uint64_t>p.dims[k], &stride):
                 _raise(E_LAYOUT_OVERFLOW)

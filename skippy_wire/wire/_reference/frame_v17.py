@@ -246,13 +246,12 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
             if not pp.optional:
                 raise _err("required activation part absent")
             continue
-        size = _v16.ELEMENT_BYTES[pp.ggml_type]
-        dims = []
-        for d in pp.dimensions:
+        dims, strides, stride = [], [], _v16.ELEMENT_BYTES[pp.ggml_type]
+        for d in pp.dimensions:  # each axis's stride is checked before the next value is read
             if d is TOKENS:
-                dims.append(tokens)
+                v = tokens
             elif isinstance(d, Fixed):
-                dims.append(d.value)
+                v = d.value
             else:
                 if len(view) < pos + 8:
                     raise UnexpectedEofError()
@@ -260,11 +259,9 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
                 pos += 8
                 if not d.min <= v <= d.max:
                     raise _err("dynamic activation dimension outside bounds")
-                dims.append(v)
-        strides, stride = [], size
-        for d in dims:
+            dims.append(v)
             strides.append(stride)
-            stride *= d
+            stride *= v
             if stride >= _U64:
                 raise _err("activation layout overflow")
         parts.append(ActivationPartV16(bytes(pp.identity), pp.ggml_type, pp.rank, pp.token_axis,
