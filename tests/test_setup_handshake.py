@@ -178,6 +178,22 @@ def test_wrong_sender_index(impl):
     assert error.detail == "upstream stage index 1, here 0"
 
 
+
+def test_sender_u32s_are_compared_as_i32_like_upstream(impl):
+    # upstream compares the output's i32 producer with `sender.index as i32`: index 2^31 wraps
+    # to -2^31, passes the relationship check, and the negative producer then fails the
+    # agreement's validation (B.5) with upstream's text
+    index = 2**31
+    body = {"role": "Activation",
+            "sender": {"run": "r", "topology": "p", "model": "m", "stage": "s0", "index": index,
+                       "layer_start": 0, "layer_end": 4},
+            "target": ["s1", index + 1], "output": profile(producer=-index).to_json()}
+    error = _server_error(encode_packet(body), impl, config={"stage_index": index + 1})
+    assert str(error) == "invalid activation profile"
+    body["output"] = profile(producer=index - 1).to_json()  # no wrap: a plain mismatch
+    error = _server_error(encode_packet(body), impl, config={"stage_index": index + 1})
+    assert str(error) == "admitted upstream relationship mismatch"
+
 def test_client_rejects_a_stale_ready_generation(impl):
     def server(sock):
         hello = sock.recv(1 << 16)

@@ -43,6 +43,7 @@ from ..wire.activation_frame import STAGE_ACTIVATION_IDENTITY_BYTES as ACTIVATIO
 from ..wire.activation_frame import STAGE_ACTIVATION_PART_OPTIONAL as ACTIVATION_PART_OPTIONAL
 from ..wire.constants import (  # frame (v1 descriptor) sideband flags, wire-format.md section 2.5
     ACTIVATION_FLAG_GEMMA3N_ALTUP, ACTIVATION_FLAG_INKLING_MTP_EMBD, ACTIVATION_FLAG_RWKV7_V_FIRST)
+from ..wire.constants import I32_MAX, I32_MIN, U32_MAX, U64_MAX
 from ..wire.replies import NativeMtpDraft
 
 # --- constants (runtime.md section 2.3) -----------------------------------------------------
@@ -61,10 +62,6 @@ ACTIVATION_BOUNDARY_DESC_BYTES = 2088
 MTP_DRAFT_BYTES = 56
 SAMPLING_CONFIG_BYTES = 2352
 
-U32_MAX = 0xFFFF_FFFF
-U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
-I32_MIN = -0x8000_0000
-I32_MAX = 0x7FFF_FFFF
 
 
 # --- descriptors ------------------------------------------------------------------------------

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
 from .activation_frame import ACTIVATION_AGREEMENT_GENERATION_BYTES, STAGE_ACTIVATION_IDENTITY_BYTES
+from .constants import I32_MAX, I32_MIN, U32_MAX, U64_MAX
 
-U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
-I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
 
 class JsonShapeError(ValueError):

@@ -51,6 +51,12 @@ U32_MAX = 2**32 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 U64_MAX = 2**64 - 1
 
+
+def wrapped_i32(value: int) -> int:
+    """A u32 reinterpreted as i32, as upstream's ``value as i32`` (2^31 and above wrap negative)."""
+    value &= U32_MAX
+    return value - (1 << 32) if value > I32_MAX else value
+
 # --- sampling defaults (upstream StageSamplingConfig::default, section 4.3) ---------------
 DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")

@@ -30,6 +30,7 @@ from .constants import (
     StateFlags,
     UpstreamEnum,
     activation_state_flags_from_frame_flags,
+    wrapped_i32,
 )
 from ..errors import ForwardingError, WireError
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
@@ -211,15 +212,9 @@ def check_full_range(config: StageConfig, incoming: StageWireMessage, produced_t
         )
 
 
-def _as_i32(stage_index: int) -> int:
-    """The u32 stage index reinterpreted as i32 (the header's source_stage_index)."""
-    source = stage_index & 0xFFFFFFFF
-    return source - (1 << 32) if source >= 1 << 31 else source
-
-
 def forwarded_state(config: StageConfig, incoming: StageWireMessage, extra_flags: int = 0):
     """Step 2: the u32 stage index reinterpreted as i32; incoming flag bits kept."""
-    source = _as_i32(config.stage_index)
+    source = wrapped_i32(config.stage_index)
     state = copy.copy(incoming.state)  # a flat dataclass of ints: cheaper than replace()
     state.source_stage_index, state.flags = source, incoming.state.flags | extra_flags
     return state
@@ -306,7 +301,7 @@ def forwarded_decode_bytes(config: StageConfig, incoming_raw, output_f32, produc
         return None
     kind, _, token_count, n_tokens, n_positions = _MESSAGE_HEAD.unpack_from(incoming_raw, 0)
     flags = _I32.unpack_from(incoming_raw, MESSAGE_FLAGS_OFFSET)[0]
-    source = _as_i32(config.stage_index)
+    source = wrapped_i32(config.stage_index)
     head = STAGE_WIRE_FIXED_HEADER_BYTES + 4 * (n_tokens + n_positions)
     policy = CodecPolicy(config.activation_codec_policy)
     if (kind != WireMessageKind.DECODE_EMBD or flags & _WRITER_OWNED_FLAGS or n_tokens < 0 or n_positions < 0

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from .constants import READY_BYTES
+from .constants import READY_BYTES, wrapped_i32
 from ..errors import InvalidDataError, SetupClosed, SetupError
 from .activation_frame import STAGE_STATE_VERSION_V16, STAGE_STATE_VERSION_V17
 from .agreement import (
@@ -386,9 +386,10 @@ def _activation_output(hello: Hello, config, input_profile, topology, recording)
         ("model", sender.model, config.model_id), ("target", hello.target, (config.stage_id, config.stage_index)),
         ("upstream stage index", sender.index, config.stage_index - 1),
         ("upstream layer_end", sender.layer_end, config.layer_start),
-        ("output producer_stage_index", output.producer_stage_index, sender.index),
-        ("output layer_start", output.layer_start, sender.layer_start),
-        ("output layer_end", output.layer_end, sender.layer_end)])
+        # the sender's u32s compared as i32, as upstream casts them (2^31 and above wrap)
+        ("output producer_stage_index", output.producer_stage_index, wrapped_i32(sender.index)),
+        ("output layer_start", output.layer_start, wrapped_i32(sender.layer_start)),
+        ("output layer_end", output.layer_end, wrapped_i32(sender.layer_end))])
     up = config.upstream
     if up is not None and (up.stage_id != sender.stage or up.stage_index != sender.index):
         raise SetupError("upstream identity differs from configured peer")

@@ -25,7 +25,7 @@ import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
 from .. import constants as _texts
-from ..constants import MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES
+from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES
 
 RAW_F32_V1 = 1
 F16_RNE_V1 = 2
@@ -33,7 +33,6 @@ BF16_RNE_V1 = 3
 S8_ROW_F32_RNE_V1 = 4
 
 _USIZE_LIMIT = 1 << 64  # upstream sizes are 64-bit usize; products at or above wrap
-_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _ROW_DOUBLING = 0x040 | 0x100  # RWKV7_V_FIRST_SIDEBAND | INKLING_MTP_EMBD_SIDEBAND (2.4)
 
 NON_CONTIGUOUS = _texts.NON_CONTIGUOUS_TEXT
@@ -77,7 +76,7 @@ def _dims(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, in
     token_count = operator.index(token_count)
     n_embd = operator.index(n_embd)
     state_flags = operator.index(state_flags)
-    if not (_I32_MIN <= token_count <= _I32_MAX and _I32_MIN <= n_embd <= _I32_MAX):
+    if not (I32_MIN <= token_count <= I32_MAX and I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError(DIMENSION_RANGE)
     return int(token_count), int(n_embd), int(state_flags)
 
