@@ -247,6 +247,8 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
                 _raise(E_NO_AGREEMENT)
             frame = _agreed_decode_ptr(agreement, codec_raw, c.buf + c.pos - count, count, &d, True)
         _stage_checks(&d, token_count, source)
+        if HEADER + PART * d.count + d.payload > MAX_BYTES:  # the RawF32V1 re-encode's own A.6.1 limit
+            _raise(E_FRAME_MAX)
         msg.activation = frame
     return msg, c.pos - c.start
 

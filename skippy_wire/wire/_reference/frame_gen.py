@@ -42,6 +42,7 @@ from .frame_v16 import (
     frame_wire_bytes,
     select_frame_codec,
     validate_frame,
+    wire_bytes_of,
 )
 from .frame_v17 import agreed_decode, agreed_encode, agreed_reframe, agreed_wire_bytes, validate_agreement
 
@@ -60,7 +61,9 @@ def _stage_checks(desc: ActivationFrameV16, token_count: int, source: int) -> No
 
 
 def raw_frame(desc: ActivationFrameV16, payload: bytes) -> bytes:
-    """A frame re-encoded with RawF32V1: the descriptor, then the logical payload."""
+    """A frame re-encoded with RawF32V1: the descriptor, then the logical payload (A.6.1's
+    size limit applies: a BF16 frame under it can double past it)."""
+    wire_bytes_of(RAW, desc)
     return desc_bytes(desc) + bytes(payload)
 
 
