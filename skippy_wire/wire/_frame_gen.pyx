@@ -563,37 +563,7 @@ def decode_frame(codec, data, int version=16):
     return _to_object(&d), payload
 
 
-def select_frame_codec(desc, payload, permitted):
-    cdef Desc d
-    _from_object(desc, &d)
-    cdef _Buffer buf = _Buffer(payload)
-    _validate(&d, buf.view.len)
-    allowed = {_codec_id(x) for x in permitted}
-    if RAW not in allowed:
-        _raise(E_NO_RAW)
-    cdef int best = RAW, c
-    cdef uint64_t best_size = _frame_size(RAW, &d), size
-    for c in (BF16, F16, S8, RAW):
-        if c not in allowed:
-            continue
-        try:
-            size = _frame_size(c, &d)
-        except InvalidDataError:
-            continue
-        if size < best_size and _lossless(c, &d, buf):
-            best, best_size = c, size
-    return best
-
-
-cdef bint _lossless(int c, Desc* d, _Buffer payload) except -1:
-    try:
-        wire = _encode(c, d, PyBytes_FromStringAndSize(<const char*>payload.view.buf, payload.view.len))
-        back = _decode_into(c, d, wire, 16, False)
-    except InvalidDataError:
-        return False
-    return memcmp(PyBytes_AS_STRING(back), payload.view.buf, payload.view.len) == 0
-
-
+include "_frame_gen_select.pxi"
 include "_frame_gen_check.pxi"
 include "_frame_gen_msg.pxi"
 include "_frame_gen_agreed.pxi"

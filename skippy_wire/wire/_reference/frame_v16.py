@@ -326,7 +326,9 @@ def select_frame_codec(desc: ActivationFrameV16, payload, permitted) -> int:
             continue
         try:
             size = wire_bytes_of(codec, desc)
-        except InvalidDataError:
+        except InvalidDataError as err:
+            if _lossless(codec, desc, payload):
+                raise err  # upstream sizes every lossless codec's frame, and that error propagates
             continue
         if size < best_size and _lossless(codec, desc, payload):
             best, best_size = codec, size
