@@ -245,6 +245,14 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
     (["run", "--temperatur=0"], "unrecognized arguments: --temperatur=0; did you mean '--temperature'?"),
     (["cluster", "--measure", "0"], "unrecognized arguments: --measure; did you mean '--measure-seconds'?"),
     (["serve", "--zzz"], "unrecognized arguments: --zzz"),
+    # llama.cpp options this CLI lacks are refused, never split into a short option and a
+    # value (`-ngl 99` was `-n gl`; `-hf` was `-h -f`: help and exit 0)
+    (["run", "-ngl"], "unrecognized arguments: -ngl"),
+    (["run", "-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
+    (["-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
+    (["api", "-cb"], "unrecognized arguments: -cb"),
+    (["run", "-t2", "hi"], "unrecognized arguments: -t2"),
+    (["run", "-sy"], "unrecognized arguments: -sy; did you mean '-sys'?"),
     (["servr"], "unknown command 'servr'; did you mean 'serve'?"),
     (["verify"], "unknown command 'verify'; did you mean 'verify-exhaustive'?"),
 ])

@@ -86,6 +86,13 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return super().format_help().replace("``", "")
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        # A single-dash word is an option only as a whole, as in llama.cpp: argparse would
+        # read `-ngl 99` as `-n gl`, and `-hf` as `-h -f` (help, exit 0).
+        if option_string[1:2] not in self.prefix_chars:
+            return []
+        return super()._get_option_tuples(option_string)
+
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}{self._suggestion(message)}\n")
@@ -98,12 +105,15 @@ class Parser(argparse.ArgumentParser):
         if not message.startswith(prefix):
             return ""
         unknown = next((word.split("=", 1)[0] for word in message[len(prefix):].split()
-                        if word.startswith("--")), None)
+                        if word.startswith("-") and len(word) > 2), None)
         if unknown is None:
             return ""
-        options = [name for name in self._option_string_actions if name.startswith("--")]
+        dashes = "--" if unknown.startswith("--") else "-"
+        options = [name for name in self._option_string_actions
+                   if name.startswith(dashes) and (dashes == "--") == name.startswith("--")]
         close = sorted(name for name in options if name.startswith(unknown))
-        close = close or difflib.get_close_matches(unknown, options, n=1, cutoff=0.75)
+        if dashes == "--":  # a short option's spelling is too short to be close to another's
+            close = close or difflib.get_close_matches(unknown, options, n=1, cutoff=0.75)
         return f"; did you mean {close[0]!r}?" if close else ""
 
 
