@@ -65,6 +65,25 @@ def test_ignore_eos_bans_every_end_of_generation_token():
         parse_options({"ignore_eos": "yes"})
 
 
+
+def test_the_penalties_window_is_llama_servers_repeat_last_n():
+    # /completion looks back 64 tokens as llama-server does; the /v1 routes over the whole
+    # text so far, as OpenAI's penalties do; repeat_last_n 0 turns the penalties off
+    native = parse_options({"repeat_penalty": 1.3}, native=True).sampling.wire()
+    assert native.penalty_last_n == 64 and native.repeat_penalty == pytest.approx(1.3)
+    assert parse_options({"presence_penalty": 1, "temperature": 1}).sampling.wire().penalty_last_n == -1
+    given = parse_options({"frequency_penalty": 1, "repeat_last_n": 16, "temperature": 1}).sampling.wire()
+    assert given.penalty_last_n == 16 and given.frequency_penalty == 1
+    off = parse_options({"repeat_penalty": 1.3, "presence_penalty": 1, "repeat_last_n": 0}, native=True).sampling
+    assert off.wire() is not None and off.is_greedy() is False  # llama.cpp's temperature 0.8 still samples
+    assert (off.wire().repeat_penalty, off.wire().presence_penalty, off.wire().penalty_last_n) == (1.0, 0.0, -1)
+    greedy = parse_options({"repeat_penalty": 1.3, "repeat_last_n": 0, "temperature": 0}).sampling
+    assert greedy.is_greedy() and greedy.wire() is None
+    for bad in (-2, 1.5, "64", True):
+        with pytest.raises(BadRequest) as err:
+            parse_options({"repeat_last_n": bad})
+        assert err.value.param == "repeat_last_n"
+
 @pytest.mark.parametrize("body, param", [
     ({"n": 0}, "n"),
     ({"n": 65}, "n"),

@@ -82,6 +82,7 @@ def _one_error_line(err: str) -> str:
     (["run", "--top-k", "few"], "argument --top-k: expected an integer, got 'few'"),
     (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
+    (["run", "--repeat-last-n", "-2"], "argument --repeat-last-n: must be between -1 and 2147483647, got -2"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
     (["api", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
     (["api", "--api-key", ""], "the API key is empty"),
@@ -163,6 +164,18 @@ def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
     for value in ("-1", "0"):
         assert run.sampling_params(run.build_parser().parse_args(["--top-k", value])).top_k == 0
     assert run.sampling_params(run.build_parser().parse_args(["--top-k", "7"])).top_k == 7
+
+
+def test_the_penalties_look_back_64_tokens_as_in_llama_cli():
+    from skippy_wire.tools import run
+
+    def wire(*args):
+        return run.sampling_params(run.build_parser().parse_args(list(args))).wire()
+
+    assert wire("--repeat-penalty", "1.2").penalty_last_n == 64
+    assert wire("--presence-penalty", "1", "--repeat-last-n", "-1").penalty_last_n == -1  # the whole context
+    off = wire("--repeat-penalty", "1.2", "--repeat-last-n", "0", "--temp", "0")
+    assert off is None  # no penalty left: greedy, as --temp 0 alone is
 
 
 def test_a_file_where_a_directory_is_needed_is_refused(capsys, tmp_path):
@@ -420,7 +433,7 @@ def test_version_and_help(capsys):
                   "(default: raw-f32-v1)", "(default: fixed)", "(default: 1;", "(default: off)"):
         assert shown in out, shown
     for option in ("-m MODEL", "-p PROMPT", "-n MAX_TOKENS", "-t THREADS", "-s SEED", "--temp", "--top-k",
-                   "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty",
+                   "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--presence-penalty", "--frequency-penalty",
                    "--raw", "--json", "-sys"):
         assert option in out, option
     code, out, _ = _main(capsys, "serve", "--help")

@@ -65,15 +65,19 @@ class PipelineUnavailable(PipelineError):
 REQUEST_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                            "repeat_penalty")
 _WIRE_DEFAULTS = SamplingConfig()
+#: ``penalty_last_n`` -1: the penalties look back over the session's whole token history.
+WHOLE_HISTORY = _WIRE_DEFAULTS.penalty_last_n
 
 
 @dataclass
 class SamplingParams(make_dataclass("SamplingParamsFields", [
         *((name, type(getattr(_WIRE_DEFAULTS, name)), getattr(_WIRE_DEFAULTS, name)) for name in REQUEST_SAMPLING_FIELDS),
         ("seed", Optional[int], None), ("logit_bias", dict, field(default_factory=dict)),
-        ("ignore_eos", bool, False)])):
+        ("ignore_eos", bool, False), ("repeat_last_n", int, WHOLE_HISTORY)])):
     """OpenAI-style sampling parameters; ``temperature == 0`` is greedy, ``seed`` None is random,
-    ``top_k`` at or below 0 is off (as in llama.cpp; vLLM sends -1)."""
+    ``top_k`` at or below 0 is off (as in llama.cpp; vLLM sends -1).  ``repeat_last_n`` is
+    llama.cpp's: the tokens the repeat, presence and frequency penalties look back over,
+    -1 the whole history (the wire's default), 0 no penalties at all."""
 
     def __post_init__(self) -> None:
         self.top_k = max(0, self.top_k)
@@ -82,9 +86,12 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
         if self.top_p <= 0.0 or self.min_p >= 1.0:
             self.top_k = 1
 
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                            or self.frequency_penalty != 0.0)
+
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 and not self.logit_bias and self.repeat_penalty == 1.0 \
-            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and not self.ignore_eos
+        return self.temperature <= 0.0 and not self.logit_bias and not self.penalized() and not self.ignore_eos
 
     def ban_end_of_generation(self, eog_ids: Iterable[int]) -> None:
         """``ignore_eos`` as llama.cpp applies it: every end-of-generation token's logit
@@ -97,11 +104,14 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
         if self.is_greedy():
             return None
         seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
+        fields = {name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS}
+        fields["penalty_last_n"] = self.repeat_last_n
+        if not self.penalized():  # the wire reads a window of 0 as the whole history: no penalty sent
+            fields.update(repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=WHOLE_HISTORY)
         return SamplingConfig(
             flags=int(SamplingFlags.ENABLED | (SamplingFlags.IGNORE_EOS if self.ignore_eos else 0)),
             ignore_eos=self.ignore_eos, seed=seed,
-            logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()),
-            **{name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS})
+            logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()), **fields)
 
 
 class TextAssembler:

@@ -4,7 +4,7 @@ gathered in :class:`Options`, and the ones it refuses with HTTP 400 naming the f
 
 The checks follow the OpenAI API where it fixes one (``stream_options`` only with
 ``stream``, ``tool_choice`` only with ``tools``) and llama-server where it extends it
-(``seed: -1`` draws one, ``top_k``, ``min_p``, ``repeat_penalty``, ``n_predict``,
+(``seed: -1`` draws one, ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``, ``n_predict``,
 ``ignore_eos``; its other sampling controls pass only with the values that ask for nothing).
 """
 
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..net.service import SamplingParams
+from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .options import LLAMA_SAMPLING, SEED_RANGE, UNTIL_FULL
@@ -36,9 +36,9 @@ MAX_STOP_CHARS = 65536
 #: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
 #: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
 LLAMA_DEFAULT_SEED = SEED_RANGE - 1
-#: OpenAI's sampling defaults (every filter off), those of the /v1 routes; ``/completion``
-#: takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
-OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+#: OpenAI's sampling defaults (every filter off, the penalties over all the text so far),
+#: those of the /v1 routes; ``/completion`` takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
 #: The hottest temperature OpenAI takes, and llama-server's route here (llama-server takes
 #: any; the wire carries an f32, and past this every token is as likely as any other).
 MAX_OPENAI_TEMPERATURE = 2.0
@@ -307,6 +307,8 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
+        # llama-server's window of the three penalties: -1 the whole context, 0 none
+        repeat_last_n=_number(body, "repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1, integer=True),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent

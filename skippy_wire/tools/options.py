@@ -359,7 +359,7 @@ def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], st
 
 #: llama.cpp's sampling defaults (llama-cli's and llama-server's): ``run``'s, and those of the
 #: API's llama-server route ``/completion``.
-LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64}
 #: ``--stages`` of ``run`` and ``api`` when neither ``--connect`` nor ``--topology`` is given.
 DEFAULT_STAGES = 2
 #: The namespace attribute where :class:`StartedStagesOption` notes the options given.

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float_between(0, 1), default=LLAMA_SAMPLING["min_p"], help="min-p (0: off)")
     p.add_argument("--repeat-penalty", type=float_above(0), default=DEFAULT_REPEAT_PENALTY,
                    help="repetition penalty (1: off)")
+    p.add_argument("--repeat-last-n", type=int_between(-1, 2**31 - 1), default=LLAMA_SAMPLING["repeat_last_n"],
+                   help="last tokens the repeat, presence and frequency penalties consider (-1: the whole context, "
+                        "0: no penalties)")
     p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
     p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
                    help="frequency penalty (0: off)")
@@ -216,7 +219,8 @@ def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=None if args.seed == RANDOM_SEED else args.seed,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              repeat_penalty=args.repeat_penalty, ignore_eos=args.ignore_eos)
+                              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                              ignore_eos=args.ignore_eos)
     sampling.ban_end_of_generation(eog_ids)
     return sampling
 
@@ -227,7 +231,8 @@ def describe_sampling(config) -> str:
         return "greedy"
     return (f"seed {config.seed}, temp {config.temperature:g}, top-k {config.top_k}, top-p {config.top_p:g}, "
             f"min-p {config.min_p:g}, repeat-penalty {config.repeat_penalty:g}, presence-penalty "
-            f"{config.presence_penalty:g}, frequency-penalty {config.frequency_penalty:g}")
+            f"{config.presence_penalty:g}, frequency-penalty {config.frequency_penalty:g}, "
+            f"repeat-last-n {config.penalty_last_n}")
 
 
 def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, progress) -> tuple[str, bool]:

@@ -171,7 +171,8 @@ def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | No
         "sampling": None if sampling is None else {
             "seed": sampling.seed, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
-            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty},
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+            "repeat_last_n": sampling.penalty_last_n},
         "prompt_tokens": len(result.prompt_tokens), "completion_tokens": completion_tokens,
         "tokens": list(result.tokens), "stop_reason": result.stop_reason,
         "prefill_ms": result.prefill_s * 1000, "prefill_tok_s": result.prefill_tok_s,
