@@ -106,7 +106,7 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
         seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
         fields = {name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS}
         fields["penalty_last_n"] = self.repeat_last_n
-        if not self.penalized():  # the wire reads a window of 0 as the whole history: no penalty sent
+        if self.repeat_last_n == 0:  # the wire reads a window of 0 as the whole history: no penalty sent
             fields.update(repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=WHOLE_HISTORY)
         return SamplingConfig(
             flags=int(SamplingFlags.ENABLED | (SamplingFlags.IGNORE_EOS if self.ignore_eos else 0)),
