@@ -30,10 +30,7 @@ def _topology(tmp_path, model, **top) -> str:
 
 
 def _ctx_size(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_args(parser, args)
-    return args.ctx_size
+    return _parsed(argv).ctx_size
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -47,6 +44,35 @@ def _ctx_size(argv: list[str]) -> int:
 ])
 def test_ctx_size_follows_who_starts_the_stages(argv, expected):
     assert _ctx_size(argv) == expected
+
+
+def _parsed(argv: list[str]):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], ("127.0.0.1", 9337)),
+    (["--listen", "0.0.0.0:8080"], ("0.0.0.0", 8080)),
+    (["--port", "8080"], ("127.0.0.1", 8080)),  # llama-server's names, each replacing its half
+    (["--host", "0.0.0.0"], ("0.0.0.0", 9337)),
+    (["--host", "::1", "--port", "0"], ("::1", 0)),
+])
+def test_the_address_as_listen_or_as_llama_server_s_host_and_port(argv, expected):
+    assert _parsed(argv).listen_address == expected
+
+
+def test_listen_with_host_or_port_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parsed(["--listen", "127.0.0.1:9000", "--port", "8080"])
+    assert exit_.value.code == 2
+    assert "give the address once: --listen HOST:PORT, or llama-server's --host and --port" in capsys.readouterr().err
+
+
+def test_llama_server_s_parallel_is_max_inflight():
+    assert _parsed(["-np", "2"]).max_inflight == 2 and _parsed(["--parallel", "3"]).max_inflight == 3
 
 
 @pytest.mark.parametrize("top, given, expected", [

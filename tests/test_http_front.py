@@ -31,7 +31,8 @@ from test_server import Chain
 from skippy_wire.net.service import Admission, Cancelled, Generation, GenerationEngine
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
-from skippy_wire.tools.api import Api, _origin
+from skippy_wire.tools.api import Api
+from skippy_wire.tools.options import web_origin
 from skippy_wire.tools.api_params import MAX_PROMPTS
 
 LIMIT = 6
@@ -650,5 +651,5 @@ def test_cross_origin_calls_only_from_the_origins_given():
                                   "http://[::1"])
 def test_a_cors_origin_is_checked_as_browsers_send_it(text):
     with pytest.raises(argparse.ArgumentTypeError, match="an origin is SCHEME://HOST"):
-        _origin(text)
-    assert _origin("https://page.example") == "https://page.example" and _origin("*") == "*"
+        web_origin(text)
+    assert web_origin("https://page.example") == "https://page.example" and web_origin("*") == "*"

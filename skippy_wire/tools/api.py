@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -57,7 +56,7 @@ from .options import (DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOp
                       check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
                       handling_signals, int_at_least, int_between, poll_args, refuse_started_stage_options,
                       thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE, STARTED_STAGES_ONLY,
-                      TRAINING_CONTEXT)
+                      TRAINING_CONTEXT, MAX_PORT, web_origin)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16
@@ -392,8 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) "
                     "from a pipeline of stage processes.",
         formatter_class=DefaultsFormatter)
-    p.add_argument("--listen", default=DEFAULT_LISTEN, type=address,
-                   help="HOST:PORT of the HTTP endpoint (port 0: any free port)")
+    p.add_argument("--listen", default=None, type=address,
+                   help=f"HOST:PORT of the HTTP endpoint (port 0: any free port; default: {DEFAULT_LISTEN})")
+    p.add_argument("--host", default=None, help="the HOST of --listen alone, as llama-server takes it (default: none)")
+    p.add_argument("--port", default=None, type=int_between(0, MAX_PORT),
+                   help="the PORT of --listen alone, as llama-server takes it (default: none)")
     where = p.add_mutually_exclusive_group()
     # default None, filled in by _check_args: argparse sees a conflict with --connect only for
     # a value that is not the default object (`--stages 2 --connect ...` passed)
@@ -411,8 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_codec_options(p, started_stages=True)
     p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
                    help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
-    p.add_argument("--max-inflight", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
-                   help="requests generating at once (each holds one lane on every stage)")
+    p.add_argument("--max-inflight", "-np", "--parallel", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
+                   help="requests generating at once (each holds one lane on every stage; llama-server's names too)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
     key = p.add_mutually_exclusive_group()
@@ -421,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: open)")
     key.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="the same, the key read from FILE's first line (kept out of the process list; default: none)")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=_origin,
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=web_origin,
                    help="let web pages from ORIGIN (e.g. http://localhost:8080; '*': any) call the API from a "
                         "browser; repeatable (default: none, as a page on any site could otherwise drive it)")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
@@ -446,27 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _origin(text: str) -> str:
-    """A browser's Origin header as it is sent (matched exactly), or ``*``."""
-    try:
-        parts = urllib.parse.urlsplit(text)
-        parts.port  # raises on a port out of range
-        ok = text == "*" or (parts.scheme in ("http", "https") and bool(parts.hostname)
-                             and text == f"{parts.scheme}://{parts.netloc}")
-    except ValueError:  # a broken IPv6 literal, a port out of range
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"an origin is SCHEME://HOST[:PORT] (no path) or '*', not {text!r}")
-    return text
-
-
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """The checks that need no model (before anything is loaded or started)."""
     refuse_started_stage_options(p, args)  # before the checks of their values: running stages ignore them
     check_codec_options(p, args)
     check_output_dir(p, "--log-dir", args.log_dir)
     args.stages = args.stages or DEFAULT_STAGES
-    args.listen_address, args.connect_address = args.listen, apply_topology(p, args) or args.connect
+    if args.listen and (args.host is not None or args.port is not None):
+        p.error("give the address once: --listen HOST:PORT, or llama-server's --host and --port")
+    host, port = args.listen or address(DEFAULT_LISTEN)
+    args.listen_address = (host if args.host is None else args.host, port if args.port is None else args.port)
+    args.connect_address = apply_topology(p, args) or args.connect
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
     if args.api_key_file:

@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -339,6 +340,20 @@ def address(text: str) -> tuple[str, int]:
     return host, port
 
 
+def web_origin(text: str) -> str:
+    """A browser's Origin header as it is sent (matched exactly), or ``*``."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # raises on a port out of range
+        ok = text == "*" or (parts.scheme in ("http", "https") and bool(parts.hostname)
+                             and text == f"{parts.scheme}://{parts.netloc}")
+    except ValueError:  # a broken IPv6 literal, a port out of range
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"an origin is SCHEME://HOST[:PORT] (no path) or '*', not {text!r}")
+    return text
+
+
 #: The short names ``--activation-codec`` and ``--activation-codec-policy`` take beside the
 #: wire identities (and bench-cluster's row names).
 def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
@@ -561,7 +576,7 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
-           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address",
+           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address", "web_origin",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]
