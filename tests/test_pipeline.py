@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_lo
 from skippy_wire.net.supervision import default_model, launch_pipeline, split_layers
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import model_shape
-from skippy_wire.tools.run_report import TextStreamer, format_summary, merge_session_events
+from skippy_wire.tools.run_report import TextStreamer, decode_path_lines, format_summary, merge_session_events
 from skippy_wire.wire.messages import StageWireMessage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,3 +378,18 @@ def test_stage_processes_ask_for_it_themselves(tiny_model):
             client.generate(PROMPT, max_tokens=2)
         for stage in cluster.stages:
             assert thread_slices(stage.popen.pid) == {SHORT_SLICE_NS}
+
+
+def _path_lines(round_trip_us: float, computes_us: list[int], tokens: int = 1) -> list[str]:
+    result = SimpleNamespace(decode_messages=tokens, decode_round_trip_s=round_trip_us * tokens / 1e6,
+                             driver_gap_s=0.0)
+    return decode_path_lines(result, [[{"decode_path_us": {"compute": c * tokens}}] for c in computes_us])
+
+
+def test_the_time_outside_compute_is_never_shown_negative():
+    # one decode step whose stage 0 computed ahead of the driver's message: its compute lies
+    # partly outside the round trip, so round trip - compute says nothing about the hops
+    assert _path_lines(5000, [3000, 4000])[-1] == \
+        "    outside compute: not separable over 1 decode step (stage 0 computed ahead of the driver's messages)"
+    assert _path_lines(7400, [3000, 4000], tokens=96)[-1] == \
+        "    outside compute: 400 per token over 2 hops = 200 per hop"

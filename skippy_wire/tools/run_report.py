@@ -124,7 +124,12 @@ def decode_path_lines(result: GenerationResult, cluster_events: list[list[dict]]
     lines.append(f"    driver: reply to next message {result.driver_gap_s * 1e6 / tokens:.0f}, "
                  f"round trip to stage 0 {round_trip_us:.0f}")
     hops = len(cluster_events or [])
-    if compute_us and hops:
+    if compute_us and hops and round_trip_us < compute_us:
+        # decode ahead: a step computed before its message was sent is outside the round trip,
+        # which over a few tokens (the first after a prefill most) can outweigh the hops
+        lines.append(f"    outside compute: not separable over {tokens} decode step{'s' if tokens != 1 else ''} "
+                     "(stage 0 computed ahead of the driver's messages)")
+    elif compute_us and hops:
         lines.append(f"    outside compute: {round_trip_us - compute_us:.0f} per token over {hops} "
                      f"hop{'s' if hops != 1 else ''} = {(round_trip_us - compute_us) / hops:.0f} per hop")
     return lines
