@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from process_helpers import thread_slices
