@@ -653,3 +653,37 @@ def test_a_cors_origin_is_checked_as_browsers_send_it(text):
     with pytest.raises(argparse.ArgumentTypeError, match="an origin is SCHEME://HOST"):
         web_origin(text)
     assert web_origin("https://page.example") == "https://page.example" and web_origin("*") == "*"
+
+
+def test_a_stop_says_what_it_waits_for_and_what_it_cut_off(caplog):
+    # a request that never finishes: the stop names it and its grace period, then the cut-off
+    # in the command's own lines, where uvicorn logged an ERROR
+    entered = threading.Event()
+
+    async def endless(request):
+        entered.set()
+        await asyncio.sleep(60)
+
+    said: list[str] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = http_front.StoppingServer(uvicorn.Config(Starlette(routes=[Route("/", endless)]), log_level="warning",
+                                                      lifespan="off", timeout_graceful_shutdown=0.3), said.append)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    def call() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off
+            httpx.get("http://127.0.0.1:%d/" % listener.getsockname()[1], timeout=10)
+
+    client = threading.Thread(target=call, daemon=True)
+    try:
+        client.start()
+        assert entered.wait(10)
+        with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+            server.should_exit = True
+            thread.join(10)
+    finally:
+        server.should_exit = True
+        listener.close()
+    assert said == ["stopping: 1 request(s) in flight get up to 0.3 s to finish (Ctrl-C again: stop now)",
+                    "stopping: 1 request(s) cut off"]
+    assert not [r for r in caplog.records if "Cancel" in r.getMessage()]

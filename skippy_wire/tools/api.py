@@ -49,8 +49,8 @@ from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, che
                          check_tokenize_size, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
-                         RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, error_response,
-                         json_body, shutting_down_response)
+                         RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
+                         error_response, json_body, shutting_down_response)
 from .options import (DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_poll_option, add_tls_options, address, apply_topology, check_codec_options,
                       check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
@@ -557,7 +557,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
-            server, ended, hangups = uvicorn.Server(config), [], []
+            server, ended, hangups = StoppingServer(config, progress), [], []
 
             def hang_up(signum: int, _frame) -> None:  # stops uvicorn as its own SIGTERM handling does
                 hangups.append(signum)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import h11
+import uvicorn
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -269,6 +271,33 @@ class IdleSheddingProtocol(H11Protocol):
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, saying through ``say`` what a stop waits for: the requests in flight
+    and their grace period (a second Ctrl-C ends it), then how many it cut off.  uvicorn's own
+    ERROR line for those is dropped: stopping is no error."""
+
+    def __init__(self, config: uvicorn.Config, say: Callable[[str], None]) -> None:
+        super().__init__(config)
+        self.say = say
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.server_state.tasks:
+            self.say(f"stopping: {len(self.server_state.tasks)} request(s) in flight get up to "
+                     f"{self.config.timeout_graceful_shutdown:g} s to finish (Ctrl-C again: stop now)")
+        log = logging.getLogger("uvicorn.error")
+        log.addFilter(self._cut_off)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            log.removeFilter(self._cut_off)
+
+    def _cut_off(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel %s running task(s)"):
+            self.say(f"stopping: {record.args[0]} request(s) cut off")
+            return False
+        return True
 
 
 async def json_body(request: Request) -> dict | Response:
