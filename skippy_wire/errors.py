@@ -16,6 +16,7 @@ per layer:
 from __future__ import annotations
 
 import enum
+import stat
 from typing import Optional
 
 EOF_MESSAGE = "failed to fill whole buffer"
@@ -137,6 +138,17 @@ def format_status_error(status: "Status | int", message: Optional[str]) -> str:
     """Upstream ``format_skippy_error``: ``"{Status:?}: {message}"``, or ``"{Status:?}"``."""
     name = str(status) if isinstance(status, Status) else f"Status({status})"
     return f"{name}: {message}" if message else name
+
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_regular_file(mode: int) -> str:
+    """What an error says of a file of ``mode`` (a FIFO, a device) that is read only as a
+    regular file: "it is a FIFO, not a regular file"."""
+    kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
+    return f"{kind}not a regular file"
 
 
 class StageRuntimeError(SkippyError, RuntimeError):

@@ -9,6 +9,7 @@ process; no stage process starts.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -220,6 +221,17 @@ def test_serve_c_0_with_a_missing_model_cannot_start(capsys, tmp_path):
     assert code == 1
     assert _one_error_line(err) == f"skippy-wire: error: stage 0 cannot start: {missing}: no such file or directory"
     assert json.loads(out)["event"] == "error"
+
+
+@pytest.mark.parametrize("command", [["run", "-n", "1", "hi"], ["api"], ["bench-backend"]])
+def test_a_model_that_is_no_regular_file_is_named_and_never_waited_for(capsys, tmp_path, command):
+    # a FIFO's open() waited for a writer for ever; /dev/null said "invalid argument" (mmap)
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), ("/dev/null", "a character device")):
+        code, out, err = _main(capsys, command[0], "-m", str(path), *command[1:])
+        assert (code, out) == (1, "")
+        assert _one_error_line(err) == f"skippy-wire: error: {path}: it is {kind}, not a regular file"
 
 
 @pytest.mark.parametrize("command", [["run", "hi"], ["api"], ["serve", "--stage", "0"]])

@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import SetupClosed, StageError
+from ..errors import SetupClosed, StageError, not_a_regular_file
 
 #: Sent in the clear to a plain peer of a TLS stage, where it expects READY or a setup reply.
 TLS_REQUIRED_NOTICE = b"STLS"
@@ -66,17 +66,6 @@ def _certificates_in(path: str) -> dict:
     except ssl.SSLError:
         pass
     return probe.cert_store_stats()
-
-
-_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"))
-
-
-def not_a_regular_file(mode: int) -> str:
-    """What an error says of a file of ``mode`` (a FIFO, a device) that is read only as a
-    regular file: "it is a FIFO, not a regular file"."""
-    kind = next((f"it is {what}, " for test, what in _FILE_KINDS if test(mode)), "")
-    return f"{kind}not a regular file"
 
 
 def _not_a_file(option: str, path: str) -> None:
@@ -291,5 +280,4 @@ def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
            "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
-           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure",
-           "not_a_regular_file"]
+           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure"]

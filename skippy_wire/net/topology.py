@@ -49,12 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import TopologyError
+from ..errors import TopologyError, not_a_regular_file
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .tls import not_a_regular_file
 from .transport import ipv4_addresses, parse_address
 
 #: Model identities a file may name without a ``model_path``.

@@ -14,10 +14,12 @@ SmolLM2-135M, and a tokenizer built from a GGUF's own vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import mmap
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
@@ -26,6 +28,8 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
+
+from ..errors import not_a_regular_file
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -170,6 +174,10 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
     arrays become lists.  ``stop(found)`` is asked after every kept key; true ends the read
     there (the architecture keys come before the tokenizer's large arrays).
     """
+    with contextlib.suppress(OSError):  # a missing file, a directory: open() names the reason
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO's open() would wait for a writer
+            raise ValueError(f"{path}: {not_a_regular_file(mode)}")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         buf = memoryview(mm)
         try:

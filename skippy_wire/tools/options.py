@@ -147,7 +147,7 @@ def file_error(path, exc: BaseException) -> str:
     """One line for ``exc`` raised while reading the file ``path``, naming it once (an empty
     file says so rather than how the reader failed)."""
     try:
-        empty = os.path.getsize(path) == 0
+        empty = os.path.isfile(path) and os.path.getsize(path) == 0  # a FIFO or a device sizes 0 too
     except OSError:
         empty = False
     text = "the file is empty" if empty else describe(exc)
