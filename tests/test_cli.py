@@ -83,8 +83,11 @@ def _one_error_line(err: str) -> str:
     (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0, got 0"),
     (["run", "--repeat-last-n", "-2"], "argument --repeat-last-n: must be between -1 and 2147483647, got -2"),
-    (["run", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
-    (["api", "--poll-ms", "-1"], "argument --poll-ms: must be at least 0, got -1"),
+    (["run", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
+    (["api", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
+    # a wider window kept an idle stage's CPU busy for as long after a request
+    (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
+    (["serve", "--poll-ms", "1001"], "argument --poll-ms: must be between 0 and 1000, got 1001"),
     (["api", "--api-key", ""], "the API key is empty"),
     (["api", "--api-key-file", "/nonexistent/key"], "--api-key-file: /nonexistent/key: no such file or directory"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),

@@ -11,7 +11,7 @@ import timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
-from .options import float_at_least, int_at_least
+from .options import MAX_POLL_MS, float_between, int_at_least
 
 
 @dataclass
@@ -103,11 +103,12 @@ def one_of(*choices: str) -> Callable[[str], str]:
 
 
 def poll_window(text: str) -> float | None:
-    """A script's ``--poll-ms``: ``auto`` (None) or ms >= 0."""
+    """A script's ``--poll-ms``: ``auto`` (None) or ms in 0..MAX_POLL_MS."""
     try:
-        return None if text == "auto" else float_at_least(0)(text)
+        return None if text == "auto" else float_between(0, MAX_POLL_MS)(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be auto or a number of ms >= 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be auto or a number of ms from 0 to {MAX_POLL_MS:g}, "
+                                         f"got {text!r}") from None
 
 
 def comma_list(one: Callable[[str], object]) -> Callable[[str], list]:

@@ -438,6 +438,9 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
 #: wide enough to cover a decode step's whole wait, while a lone session decodes there, when
 #: no more stages than CPUs share the machine; the driver sleeps (docs/pipeline.md, "Polling").
 AUTO_STAGE_POLL_MS = 50.0
+#: The widest ``--poll-ms``: a reader sleeps through waits over a second (they are no decode
+#: steps), and a wider window would keep an idle stage's CPU busy that long after a request.
+MAX_POLL_MS = 1000.0
 
 
 def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) -> None:
@@ -451,7 +454,7 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
     if starts_stages:
         text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
                  "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
-    p.add_argument("--poll-ms", type=float_at_least(0), default=None if starts_stages else 0.0, metavar="MS",
+    p.add_argument("--poll-ms", type=float_between(0, MAX_POLL_MS), default=None if starts_stages else 0.0, metavar="MS",
                    help=text)
 
 
@@ -573,7 +576,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
+           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "address", "web_origin",
