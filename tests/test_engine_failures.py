@@ -15,7 +15,11 @@ from test_http_front import FakeTokenizer
 from test_server import Chain
 
 from skippy_wire.errors import PipelineError
+from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.service import GenerationEngine, PipelineUnavailable, SamplingParams
+from skippy_wire.wire.constants import READY_BYTES
+from skippy_wire.wire.frame import write_reply
+from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
 TIMEOUT_S = 1.0
 
@@ -100,3 +104,34 @@ def test_a_generation_cut_off_by_the_engine_s_close_is_no_pipeline_failure_in_th
         assert caplog.records == [] and engine.counters["failed"] == 1
     finally:
         silent.close()
+
+
+def test_a_stage_0_that_trickles_its_reply_is_bounded_by_the_timeout():
+    # READY, then an Ack one byte every 0.2 s: every receive got something within the
+    # timeout, so the driver waited for ever; the whole reply now has the timeout
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+    ack = write_reply(StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, StageReplyStats()))
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            for byte in ack:
+                if done.wait(0.2):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        started = time.monotonic()
+        with PipelineClient(*listener.getsockname()[:2], timeout=TIMEOUT_S) as client:
+            with pytest.raises(PipelineError, match=f"no answer to .* within {TIMEOUT_S:g} s"):
+                client.generate([1, 2, 3], max_tokens=2)
+        assert time.monotonic() - started < TIMEOUT_S * 4
+    finally:
+        done.set()
+        listener.close()

@@ -241,8 +241,14 @@ class PipelineClient:
         return what
 
     def receive(self, what: str):
-        """The reply to the message sent last."""
-        return self._guard(self._peer.read, what)
+        """The reply to the message sent last, whole within :attr:`timeout`: a stage that
+        trickles its bytes is bounded as a silent one is."""
+        reader = self._peer.reader
+        reader.deadline = time.monotonic() + self.timeout
+        try:
+            return self._guard(self._peer.read, what)
+        finally:
+            reader.deadline = None
 
     def generate(self, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling=None,
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
