@@ -51,9 +51,9 @@ from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, shutting_down_response)
-from .options import (DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
+from .options import (seconds, DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_poll_option, add_tls_options, address, apply_topology, check_codec_options,
-                      check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals, float_above,
+                      check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
                       handling_signals, int_at_least, int_between, poll_args, refuse_started_stage_options,
                       thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE, STARTED_STAGES_ONLY,
                       TRAINING_CONTEXT, MAX_PORT, web_origin)
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"default: {STARTED_CTX_SIZE} starting stages, the stages' {DEFAULT_CTX_SIZE} with --connect; "
                         f"--topology: its ctx_size, else {DEFAULT_CTX_SIZE})")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT,
+    p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
     p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; default: discarded)")

@@ -28,9 +28,9 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
+from .options import (seconds, EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, describe, error_line, exiting_on_signals, file_error,
-                      float_above, float_at_least, int_at_least, int_between, signals_deferred, thread_count,
+                      float_at_least, int_at_least, int_between, signals_deferred, thread_count,
                       training_context_size)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
@@ -287,8 +287,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
     p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help=f"compute threads per stage, at most {MAX_THREADS} (default: {default_threads()}; -1: the "
                         "default)")
-    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
-    p.add_argument("--measure-seconds", type=float_at_least(0), default=DEFAULT_MEASURE_SECONDS,
+    p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
+    p.add_argument("--measure-seconds", type=seconds(zero=True), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "

@@ -29,7 +29,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (DEFAULT_STAGES, LLAMA_SAMPLING, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser,
+from .options import (seconds, DEFAULT_STAGES, LLAMA_SAMPLING, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, Parser,
                       StartedStagesOption, add_codec_options, add_poll_option, add_tls_options, apply_topology, address,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
                       file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
                    help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
                         "context)")
-    p.add_argument("--timeout", type=float_above(0), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
+    p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--check", action="store_true",
                    help="also run one in-process stage with the same sampling and require identical tokens "
                         "(exit 1 if not; default: off)")

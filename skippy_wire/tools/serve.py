@@ -30,10 +30,10 @@ from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
+from .options import (seconds, EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
                       exiting_on_signals,
-                      float_above, float_at_least, int_at_least, int_between, thread_count, tls_config,
+                      float_at_least, int_at_least, int_between, thread_count, tls_config,
                       training_context_size, TRAINING_CONTEXT)
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -67,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help=f"compute threads (default: {default_threads()}; -1: the default; ggml threads spin, "
                         "see docs/pipeline.md)")
-    p.add_argument("--io-timeout", type=float_above(0), default=DEFAULT_IO_TIMEOUT,
+    p.add_argument("--io-timeout", type=seconds(), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message or in reading a reply")
-    p.add_argument("--idle-timeout", type=float_above(0), default=DEFAULT_IDLE_TIMEOUT,
+    p.add_argument("--idle-timeout", type=seconds(), default=DEFAULT_IDLE_TIMEOUT,
                    help="seconds a connection may sit idle between messages; its sessions are freed")
     add_admission_options(p)
-    p.add_argument("--reply-timeout", type=float_above(0), default=DEFAULT_REPLY_TIMEOUT,
+    p.add_argument("--reply-timeout", type=seconds(), default=DEFAULT_REPLY_TIMEOUT,
                    help="seconds to wait for the downstream reply")
     p.add_argument("--capture", default=None, metavar="PREFIX",
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin "
@@ -104,14 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_admission_options(p: argparse.ArgumentParser) -> None:
     """The limits of what a stage admits from its peers (docs/security.md)."""
-    p.add_argument("--message-timeout", type=float_above(0), default=DEFAULT_MESSAGE_TIMEOUT,
+    p.add_argument("--message-timeout", type=seconds(), default=DEFAULT_MESSAGE_TIMEOUT,
                    help="seconds a whole message may take to arrive after its first byte")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="connections served at once; a new one beyond them closes the one quiet longest "
                         "(no session, no message being executed), else it is refused")
     p.add_argument("--max-sessions-per-connection", type=int_at_least(1),
                    default=DEFAULT_MAX_SESSIONS_PER_CONNECTION, help="sessions one connection may hold at once")
-    p.add_argument("--lane-wait", type=float_at_least(0), default=DEFAULT_LANE_WAIT,
+    p.add_argument("--lane-wait", type=seconds(zero=True), default=DEFAULT_LANE_WAIT,
                    help="seconds a new session waits (first come, first served) when all lanes are busy")
     p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
                    help="largest stage message accepted (default: derived from --ctx-size and the model width)")
