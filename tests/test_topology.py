@@ -258,6 +258,19 @@ def test_two_names_of_one_address_are_a_duplicate():
                                "(as localhost:19101)")
 
 
+
+def test_each_host_binds_its_own_addresses():
+    # behind NAT every host binds 0.0.0.0:19000: a bind_addr is its own host's (this was
+    # "bind_addr 0.0.0.0:19000 is already used by stage 0")
+    data = _with(lambda d: [s.update(bind_addr="0.0.0.0:19000") for s in d["stages"]])
+    assert [s.listen for s in parse_topology(data, shape=shape).stages] == [("0.0.0.0", 19000)] * 3
+    # on one host (one endpoint address) a wildcard takes the port from every address
+    one_host = _with(lambda d: (d["stages"][0].update(endpoint="10.77.0.1:19000", bind_addr="0.0.0.0:19000"),
+                                d["stages"][1].update(endpoint="10.77.0.1:19001", bind_addr="127.0.0.1:19000")))
+    with pytest.raises(TopologyError, match="stage 1: bind_addr 127.0.0.1:19000 is already used by stage 0 "
+                                            r"\(as 0.0.0.0:19000\)"):
+        parse_topology(one_host, shape=shape)
+
 def test_hosts_are_resolved_only_where_ports_meet(monkeypatch):
     """Distinct ports cost no lookup; an unresolvable host is compared as written."""
     from skippy_wire.net import topology
@@ -274,7 +287,7 @@ def test_hosts_are_resolved_only_where_ports_meet(monkeypatch):
     assert looked_up == []
     names = _with(lambda d: [s.update(endpoint=f"h{i}.example:19000") for i, s in enumerate(d["stages"])])
     assert parse_topology(names, shape=shape).downstream(0) == ("h1.example", 19000)
-    assert sorted(set(looked_up)) == ["0.0.0.0", "h0.example", "h1.example", "h2.example"]
+    assert sorted(set(looked_up)) == ["h0.example", "h1.example", "h2.example"]
     with pytest.raises(TopologyError, match="stage 1: endpoint h0.example:19000 is already used by stage 0"):
         parse_topology(dict(names, stages=[names["stages"][0], *names["stages"]]), shape=shape)
 

@@ -54,7 +54,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .transport import ipv4_addresses, parse_address
+from .transport import WILDCARD_HOSTS, ipv4_addresses, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
@@ -313,24 +313,36 @@ def _resolve(host: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:
 
 
 def _check_addresses(name: str, stages: list[TopologyStage]) -> None:
-    """No two stages on one address (``endpoint`` or ``bind_addr``).  Only hosts that share a
-    port with another stage are resolved: a file of distinct ports costs no lookup."""
-    used = [(s, key, getattr(s, key)) for s in stages
-            for key in (("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",))]
+    """No two stages on one address: no two endpoints, and no two listening addresses on
+    one host (stages whose endpoints name one address), where a wildcard ``bind_addr``
+    takes its port on all of them.  A ``bind_addr`` is its own host's: two hosts may both
+    bind 0.0.0.0:19000.  Only hosts that share a port with another stage are resolved: a
+    file of distinct ports costs no lookup."""
     ports: dict[int, set[int]] = {}
-    for s, _, text in used:
-        ports.setdefault(parse_address(text)[1], set()).add(s.index)
+    for s in stages:
+        for text in (s.endpoint, s.bind_addr):
+            ports.setdefault(parse_address(text)[1], set()).add(s.index)
     cache: dict[str, frozenset[str]] = {}
-    seen: list[tuple[frozenset[str], int, int, str]] = []
-    for s, key, text in used:
-        host, port = parse_address(text)
-        hosts = _resolve(host, cache) if len(ports[port]) > 1 else frozenset([host])
-        for other_hosts, other_port, other_index, other_text in seen:
-            if other_port == port and other_index != s.index and hosts & other_hosts:
-                same = "" if parse_address(other_text) == (host, port) else f" (as {other_text})"
-                raise TopologyError(f"{name}: stage {s.index}: {key} {host}:{port} is already used by "
-                                    f"stage {other_index}{same}")
-        seen.append((hosts, port, s.index, text))
+
+    def hosts(host: str, port: int) -> frozenset[str]:
+        return _resolve(host, cache) if len(ports[port]) > 1 else frozenset([host])
+
+    for index, s in enumerate(stages):
+        for key in ("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",):
+            host, port = parse_address(getattr(s, key))
+            for t in stages[:index]:
+                if port not in {parse_address(t.endpoint)[1], parse_address(t.bind_addr)[1]}:
+                    continue
+                one_host = bool(hosts(*parse_address(s.endpoint)) & hosts(*parse_address(t.endpoint)))
+                for other_key in ("endpoint", "bind_addr") if t.bind_addr != t.endpoint else ("endpoint",):
+                    other_host, other_port = parse_address(getattr(t, other_key))
+                    if other_port != port or (not one_host and "bind_addr" in (key, other_key)):
+                        continue
+                    if hosts(host, port) & hosts(other_host, port) or (
+                            one_host and WILDCARD_HOSTS & {host, other_host}):
+                        same = "" if (other_host, other_port) == (host, port) else f" (as {getattr(t, other_key)})"
+                        raise TopologyError(f"{name}: stage {s.index}: {key} {host}:{port} is already used by "
+                                            f"stage {t.index}{same}")
 
 
 def parse_topology(data, *, name: str = "topology", model: str | Path | None = None,

@@ -85,7 +85,7 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 #: The hosts a listener binds to every address of this machine with.
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0"})
 
 
 def ipv4_addresses(host: str) -> frozenset[str]:
@@ -117,9 +117,9 @@ def names_listener(target: tuple[str, int], listen: tuple[str, int]) -> bool:
     if port != listen_port or port == 0:
         return False
     targets = ipv4_addresses(host)
-    if targets & _WILDCARD_HOSTS or targets & ipv4_addresses(listen_host):
+    if targets & WILDCARD_HOSTS or targets & ipv4_addresses(listen_host):
         return True
-    return listen_host in _WILDCARD_HOSTS and any(_is_local(ip) for ip in targets)
+    return listen_host in WILDCARD_HOSTS and any(_is_local(ip) for ip in targets)
 
 
 class SocketReader:
