@@ -126,6 +126,9 @@ def test_a_field_beyond_its_setup_type_is_named_alike(edit, name):
     (_set("profiles.0.parts.0.optional", "no"), "profiles[0].parts[0].optional"),
     (_set("profiles.0.parts.0.optional", 2), "profiles[0].parts[0].optional"),
     (_set("profiles.0.parts.0.optional", 0.0), "profiles[0].parts[0].optional"),
+    # read more than once, so no iterator (one twin used it up, the other raised TypeError)
+    (_set("profiles.0.parts.0.dimensions", iter), "profiles[0].parts[0].dimensions"),
+    (_set("profiles.0.parts.0.dimensions", None), "profiles[0].parts[0].dimensions"),
 ])
 def test_profiles_and_parts_of_the_wrong_type_are_named_alike(edit, name):
     # before: TypeError / AttributeError / ValueError, or an agreement of no profiles at all
@@ -265,3 +268,18 @@ def test_client_compares_the_offered_contract_by_value_not_container(impl):
     role, installed = served["result"]
     assert agreement.generation == installed.generation
     assert agreement.profiles[0].to_json() == output().to_json()
+
+
+def test_a_numpy_integer_dimension_is_its_value():
+    # the reference twin multiplied numpy scalars, which wrap: "activation part stride
+    # overflow" where 2**62 as an int is B.6.3's "activation layout overflow"
+    case = next(c for c in map(json.loads, (GOLDEN / "agreed_activation_decode.jsonl").read_text().splitlines())
+                if c["id"] == "v17-agd-00762")
+    wire = bytes.fromhex(case["wire_hex"])
+    outcomes = []
+    for value in (2**62, np.int64(2**62)):
+        agreement = ActivationAgreement.from_json(case["agreement"])
+        part = agreement.profile(int.from_bytes(wire[16:20], "little")).parts[0]
+        part.dimensions = (Fixed(value),) + tuple(part.dimensions[1:])
+        outcomes += [_outcome(lambda: kernels(impl).agreed_decode(agreement, case["codec_id"], wire)) for impl in IMPLS]
+    assert outcomes == [(InvalidDataError, "activation layout overflow")] * 4

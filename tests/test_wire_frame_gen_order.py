@@ -19,6 +19,7 @@ import pytest
 from conftest import IMPLS
 from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
 from skippy_wire.tools.conformance_gen import desc_from_case
+from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from skippy_wire.wire.agreement import ActivationAgreement
 from skippy_wire.wire.protocol import kernels
 
@@ -109,3 +110,15 @@ def test_payload_length_checks_keep_their_step(impl):
         (InvalidDataError, "unsupported activation frame version")
     assert _outcome(lambda: k.validate_frame(_desc(payload_bytes=2**40), -1)) == \
         (InvalidDataError, "decoded activation payload byte count exceeds maximum")
+
+
+def test_axes_given_as_iterators_are_read_once_by_both_twins():
+    # the compiled twin reads each part's axes once; the reference read them twice and found
+    # an iterator empty the second time (IndexError)
+    def desc():
+        part = ActivationPartV16(b"\x01" * 32, 0, 2, 1, 0, iter((4, 1, 1, 1)), iter((4, 16, 16, 16)), 0, 16)
+        return ActivationFrameV16(2, 0, 0, 4, 1, 1, 16, b"\x03" * 32, [part])
+
+    encoded = [kernels(impl).encode_frame(1, desc(), bytes(16)) for impl in IMPLS]
+    assert encoded[0] == encoded[1] and len(encoded[0]) == 68 + 128 + 16
+    assert [kernels(impl).frame_wire_bytes(2, desc()) for impl in IMPLS] == [68 + 128 + 8] * 2

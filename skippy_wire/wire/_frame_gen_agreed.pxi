@@ -98,7 +98,9 @@ cdef int _agreement_fields(object agreement) except -1:
             for name in ("ggml_type", "rank", "token_axis"):
                 _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
             _bool_field(part.optional, f"{where}.optional")
-            for k, d in enumerate(tuple(part.dimensions)):
+            if not isinstance(part.dimensions, (tuple, list)):  # read more than once: no iterator
+                raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {where}.dimensions")
+            for k, d in enumerate(part.dimensions):
                 if isinstance(d, Fixed):
                     _int_field(d.value, 0, U64_MAX, f"{where}.dimensions[{k}]")
                 elif isinstance(d, Dynamic):

@@ -11,6 +11,7 @@ Functions (the v16/v17 kernel API, see ``frame_gen``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import struct
@@ -125,8 +126,21 @@ def check_desc(desc: ActivationFrameV16) -> ActivationFrameV16:
         raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: parts")
     if not 1 <= len(desc.parts) <= MAX_PARTS:
         raise _err("activation frame part count is invalid")
+    desc = dataclasses.replace(desc, parts=[_axes_read_once(p) for p in desc.parts])
     check_fields(desc)
     return _plain(desc)
+
+
+def _axes_read_once(part):
+    """``part`` with its axes as tuples, each read once as the compiled twin reads them (an
+    iterator is used up by one reading); axes that are no iterable stay for check_fields to name."""
+    if not isinstance(part, ActivationPartV16):
+        return part
+    axes = {}
+    for name in ("dimensions", "byte_strides"):
+        with contextlib.suppress(TypeError):
+            axes[name] = tuple(getattr(part, name))
+    return dataclasses.replace(part, **axes)
 
 
 def validate_frame(desc: ActivationFrameV16, payload_len=None) -> ActivationFrameV16:

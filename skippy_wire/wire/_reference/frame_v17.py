@@ -101,7 +101,9 @@ def check_agreement_fields(agreement: ActivationAgreement) -> None:
             for name in ("ggml_type", "rank", "token_axis"):
                 _int_field(getattr(part, name), 0, U32_MAX, f"{where}.{name}")
             _bool_field(part.optional, f"{where}.optional")
-            for k, d in enumerate(tuple(part.dimensions)):
+            if not isinstance(part.dimensions, (tuple, list)):  # read more than once: no iterator
+                raise InvalidInputError(f"{AGREEMENT_RANGE_TEXT}: {where}.dimensions")
+            for k, d in enumerate(part.dimensions):
                 for value in (d.value,) if isinstance(d, Fixed) else (d.min, d.max) if isinstance(d, Dynamic) else ():
                     _int_field(value, 0, U64_MAX, f"{where}.dimensions[{k}]")
 
@@ -251,7 +253,7 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
             if d is TOKENS:
                 v = tokens
             elif isinstance(d, Fixed):
-                v = d.value
+                v = operator.index(d.value)  # a numpy integer would wrap in the products below
             else:
                 if len(view) < pos + 8:
                     raise UnexpectedEofError()
