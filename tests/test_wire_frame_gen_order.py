@@ -18,10 +18,11 @@ import pytest
 
 from conftest import IMPLS
 from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
-from skippy_wire.tools.conformance_gen import desc_from_case
+from skippy_wire.tools.conformance_gen import desc_from_case, message_from_case
 from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from skippy_wire.wire.agreement import ActivationAgreement
-from skippy_wire.wire.protocol import kernels
+from skippy_wire.wire.messages import SamplingConfig
+from skippy_wire.wire.protocol import WireProtocol, kernels
 
 GOLDEN = Path(__file__).parent / "golden" / "v17"
 
@@ -122,3 +123,28 @@ def test_axes_given_as_iterators_are_read_once_by_both_twins():
     encoded = [kernels(impl).encode_frame(1, desc(), bytes(16)) for impl in IMPLS]
     assert encoded[0] == encoded[1] and len(encoded[0]) == 68 + 128 + 16
     assert [kernels(impl).frame_wire_bytes(2, desc()) for impl in IMPLS] == [68 + 128 + 8] * 2
+
+
+def _golden_message_case() -> dict:
+    return next(c for c in map(json.loads, (GOLDEN / "frame.jsonl").read_text().splitlines())
+                if c["write"]["ok"] and c["message"]["activation_hex"])
+
+
+@pytest.mark.parametrize("edit, text", [
+    (lambda m: setattr(m, "state", None), "state must be a StageStateHeader, not NoneType"),
+    (lambda m: setattr(m.state, "activation_codec", "x"), "state.activation_codec value 'x' does not fit its wire type"),
+    (lambda m: setattr(m, "sampling", SamplingConfig(dry_sequence_breakers=(s for s in ["a"]))),
+     "sampling.dry_sequence_breakers must be a list of strings, not generator"),
+])
+def test_the_size_of_a_message_names_a_wrong_field_as_the_writer_does(edit, text):
+    # message_wire_bytes skipped the writer's checks: AttributeError, TypeError, or a
+    # generator used up by one twin and not the other
+    case = _golden_message_case()
+    agreement = ActivationAgreement.from_json(case["agreement"])
+    for impl in IMPLS:
+        for call in ("write", "message_wire_bytes"):
+            msg = message_from_case(case["message"])
+            edit(msg)
+            with pytest.raises(InvalidInputError) as err:
+                getattr(WireProtocol(17, impl=impl), call)(msg, agreement)
+            assert str(err.value) == text, (impl, call)

@@ -329,15 +329,13 @@ def message_wire_bytes(msg, agreement):
     cdef Desc d
     try:
         estimated = msg.estimated_wire_bytes()
+        codec_field = wire_int(msg.state.activation_codec)
     except (AttributeError, TypeError, ValueError, OverflowError):
-        estimated = None
-    if estimated is None:  # a field of the wrong type: the writer's error names it
-        write_stage_message(17, msg, agreement)
-        estimated = msg.estimated_wire_bytes()
+        raise out_of_range_error(msg) from None  # a field of the wrong type: named as the writer names it
     if not buf.view.len:
         return estimated
     if agreement is None:
         _raise(E_NO_AGREEMENT)
-    cdef int codec = _codec_id(msg.state.activation_codec)
+    cdef int codec = _codec_id(codec_field)
     _decode_into(codec, &d, msg.activation, 17, False)
     return estimated - buf.view.len + _agreed_size(agreement, codec, &d)

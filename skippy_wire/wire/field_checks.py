@@ -143,8 +143,8 @@ def _sampling_checks(s: Any):
                 yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
                 if isinstance(bias, BOOL_TYPES) or not isinstance(bias, numbers.Real):
                     yield f"sampling.logit_bias bias {bias!r} is not a number"
-        elif code == "S":
-            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        elif code == "S":  # read more than once (sized, then written): no iterator
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not isinstance(value, Sized):
                 yield f"sampling.{name} must be a list of strings, not {type_name(value)}"
                 return
             for item in value:

@@ -202,15 +202,13 @@ def message_wire_bytes(msg: StageWireMessage, agreement) -> int:
     activation = byte_view(msg.activation, "activation")
     try:
         estimated = msg.estimated_wire_bytes()
+        codec = wire_int(msg.state.activation_codec)
     except (AttributeError, TypeError, ValueError, OverflowError):
-        estimated = None
-    if estimated is None:  # a field of the wrong type: the writer's error names it
-        write_stage_message(17, msg, agreement)
-        estimated = msg.estimated_wire_bytes()
+        raise out_of_range_error(msg) from None  # a field of the wrong type: named as the writer names it
     if not len(activation):
         return estimated
     if agreement is None:
         raise InvalidDataError("activation requires an established agreement")
-    codec = codec_id(msg.state.activation_codec)
+    codec = codec_id(codec)
     desc, _payload = decode_frame(codec, activation, 17)
     return estimated - len(activation) + agreed_wire_bytes(agreement, codec, desc)
