@@ -39,7 +39,7 @@ def test_predicted_reply_bytes_equal_the_writer(token):
     assert frame.predicted_reply_bytes(token) == buf.getvalue()
 
 
-@pytest.mark.parametrize("token", [I32_MAX + 1, I32_MIN - 1])
+@pytest.mark.parametrize("token", [I32_MAX + 1, I32_MIN - 1, True])  # a bool packed as 1 before
 def test_predicted_reply_bytes_refuse_what_the_writer_refuses(token):
     with pytest.raises(InvalidInputError):
         frame.predicted_reply_bytes(token)
@@ -64,6 +64,20 @@ def test_decode_step_writer_equals_encoding_every_message(peer, version):
         pos = prompt_len + step if step < 150 else rng.randrange(0, I32_MAX)
         expected = link.encode(decode_message(token, pos, step, prompt_len, request_id, session_id))
         assert steps.message(token, pos, step) == expected
+
+
+@pytest.mark.parametrize("token, pos, step, text", [
+    (1, I32_MAX + 1, 0, f"pos_start value {I32_MAX + 1} does not fit its wire type"),
+    (1, 0, 1.5, "state.decode_step value 1.5 does not fit its wire type"),
+    ("x", 0, 0, "tokens value 'x' does not fit its wire type"),
+])
+def test_decode_step_writer_names_a_value_the_wire_cannot_carry(peer, token, pos, step, text):
+    # a raw struct.error before
+    link = LinkProtocol(15, peer, who="test")
+    steps = frame.DecodeStepWriter(link.encode(decode_message(5, 10, 0, 10, 1, 1)))
+    with pytest.raises(InvalidInputError) as err:
+        steps.message(token, pos, step)
+    assert str(err.value) == text
 
 
 def test_decode_step_writer_refuses_other_messages(peer):

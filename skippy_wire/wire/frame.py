@@ -29,9 +29,9 @@ from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-from .constants import (NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec,
+from .constants import (I32_MAX, I32_MIN, NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec,
                         CodecPolicy)
-from .field_checks import byte_array
+from .field_checks import byte_array, first_out_of_range
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -521,9 +521,11 @@ def predicted_reply_bytes(predicted: int) -> bytes:
     """The bytes of ``send_reply_predicted(predicted)`` with all-zero statistics (a decode
     step's reply: stages observe prefill only), without building a reply object."""
     try:
-        return _PREDICTED_HEAD.pack(WireReplyKind.PREDICTED_TOKEN, predicted, 1, predicted) + _PREDICTED_TAIL
+        if predicted.__class__ is not bool:  # a bool packs as an int; write_reply refuses it
+            return _PREDICTED_HEAD.pack(WireReplyKind.PREDICTED_TOKEN, predicted, 1, predicted) + _PREDICTED_TAIL
     except struct.error:
-        return write_reply(StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted]))  # raises the wire's error
+        pass
+    return write_reply(StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted]))  # raises the wire's error
 
 
 class DecodeStepWriter:
@@ -544,9 +546,13 @@ class DecodeStepWriter:
     def message(self, token: int, pos: int, step: int) -> bytes:
         """The step's message: the bytes the link's encoder gives the DecodeEmbd with these fields."""
         buf = self._buf
-        _I32.pack_into(buf, MESSAGE_POS_START_OFFSET, pos)
-        _PAIR.pack_into(buf, MESSAGE_DECODE_STEP_OFFSET, step, token)
-        _I32.pack_into(buf, STAGE_WIRE_FIXED_HEADER_BYTES, token)  # the token sideband follows the prefix
+        try:
+            _I32.pack_into(buf, MESSAGE_POS_START_OFFSET, pos)
+            _PAIR.pack_into(buf, MESSAGE_DECODE_STEP_OFFSET, step, token)
+            _I32.pack_into(buf, STAGE_WIRE_FIXED_HEADER_BYTES, token)  # the token sideband follows the prefix
+        except struct.error:  # named as the writer names it
+            raise first_out_of_range([("pos_start", pos, I32_MIN, I32_MAX), ("state.decode_step", step, I32_MIN, I32_MAX),
+                                      ("tokens", token, I32_MIN, I32_MAX)], "message") from None
         return bytes(buf)
 
 
