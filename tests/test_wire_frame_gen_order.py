@@ -57,10 +57,10 @@ ZERO_GENERATION = ActivationAgreement(bytes(16), AGREEMENT.profiles)
 
 def _outcome(fn):
     try:
-        fn()
+        result = fn()
     except WireError as exc:
         return type(exc), str(exc)
-    return "ok", None
+    return "ok", result
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -41,7 +41,7 @@ from .frame_v16 import (
     encode_frame,
     frame_wire_bytes,
     select_frame_codec,
-    validate_frame,
+    validate_frame as _validate_frame,
     wire_bytes_of,
 )
 from .frame_v17 import agreed_decode, agreed_encode, agreed_reframe, agreed_wire_bytes, validate_agreement
@@ -58,6 +58,11 @@ def _stage_checks(desc: ActivationFrameV16, token_count: int, source: int) -> No
         raise InvalidDataError("activation frame token count does not match stage message")
     if desc.producer_stage_index != source:
         raise InvalidDataError("activation frame producer does not match stage message")
+
+
+def validate_frame(desc: ActivationFrameV16, payload_len=None) -> None:
+    """A.5 as the kernel entry point: nothing is returned, as from the compiled twin."""
+    _validate_frame(desc, payload_len)
 
 
 def raw_frame(desc: ActivationFrameV16, payload: bytes) -> bytes:
