@@ -17,6 +17,7 @@ Conventions shared with ``skippy_wire.wire._codec`` (same names, signatures, beh
 
 from __future__ import annotations
 
+import array
 import operator
 import struct
 import sys
@@ -132,8 +133,26 @@ def _byte_view(payload, f32: bool = False) -> memoryview:
     return view
 
 
-def _u32_words(view: memoryview, count: int) -> tuple[int, ...]:
-    return struct.unpack_from(f"<{count}I", view)
+def _words(code: str, view, count: int) -> array.array:
+    """The first ``count`` little-endian words of ``view`` (``code`` "I": u32, "H": u16),
+    each its own size in memory: a tuple of Python ints took about nine times the payload."""
+    words = array.array(code)
+    words.frombytes(view[:count * words.itemsize])
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words
+
+
+def _u32_words(view: memoryview, count: int) -> array.array:
+    return _words("I", view, count)
+
+
+def _le_bytes(words: array.array) -> bytes:
+    """``words`` as little-endian bytes."""
+    if sys.byteorder == "big":
+        words = array.array(words.typecode, words)
+        words.byteswap()
+    return words.tobytes()
 
 
 def _f32_bits(value: float) -> int:
@@ -418,21 +437,21 @@ def _encode_values(codec: int, rows: int, columns: int, elements: int, view: mem
         if out is not None:
             _out_view(out, size, view)
     if codec == F16_RNE_V1:
-        halves = []
+        halves = array.array("H")
         for w in words:
             h = _f32_to_f16(w)
             if _is_non_finite(_f16_to_f32(h)):  # |x| >= 65520 rounds to infinity
                 raise _err("F16 activation value is out of range")
             halves.append(h)
-        return _emit(struct.pack(f"<{elements}H", *halves), size, out, view)
+        return _emit(_le_bytes(halves), size, out, view)
     if codec == BF16_RNE_V1:
-        halves = []
+        halves = array.array("H")
         for w in words:
             h = _f32_to_bf16(w)
             if _is_non_finite(_bf16_to_f32(h)):  # magnitude bits >= 0x7f7f8000
                 raise _err("BF16 activation value is out of range")
             halves.append(h)
-        return _emit(struct.pack(f"<{elements}H", *halves), size, out, view)
+        return _emit(_le_bytes(halves), size, out, view)
     encoded = bytearray()
     for row in range(rows):
         _s8_encode_row(words[row * columns : (row + 1) * columns], encoded)
@@ -472,17 +491,17 @@ def decode_activation(codec: int, token_count: int, n_embd: int, wire, state_fla
     if view.nbytes != _encoded_bytes(codec, rows, columns, elements):
         raise _err("activation payload size mismatch")
     if codec == RAW_F32_V1:
-        words = list(_u32_words(view, elements))  # no checks beyond the length (6.4)
+        words = _u32_words(view, elements)  # no checks beyond the length (6.4)
     elif codec in (F16_RNE_V1, BF16_RNE_V1):
         widen = _f16_to_f32 if codec == F16_RNE_V1 else _bf16_to_f32
-        words = []
-        for h in struct.unpack_from(f"<{elements}H", view):
+        words = array.array("I")
+        for h in _words("H", view, elements):
             w = widen(h)
             if _is_non_finite(w):
                 raise _err("activation payload contains non-finite value")
             words.append(w)
     else:
-        words = []
+        words = array.array("I")
         row_bytes = columns + 4
         for row in range(rows):
             base = row * row_bytes
@@ -497,7 +516,7 @@ def decode_activation(codec: int, token_count: int, n_embd: int, wire, state_fla
                 if _is_non_finite(w):
                     raise _err("activation payload contains non-finite value")
                 words.append(w)
-    return np.array(words, dtype=np.uint32).view(np.float32)
+    return np.frombuffer(words, dtype=np.uint32).view(np.float32)
 
 
 # --------------------------------------------------------------------------- selection
@@ -518,7 +537,7 @@ def _scan_exact(words) -> tuple[bool, bool]:
     return bf16_ok, f16_ok
 
 
-def _whole_words(payload) -> tuple[int, ...]:
+def _whole_words(payload) -> array.array:
     view = _byte_view(payload, f32=True)
     if view.nbytes % 4:
         raise _err("F32 activation payload size mismatch")
