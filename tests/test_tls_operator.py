@@ -16,7 +16,7 @@ import time
 import pytest
 
 from skippy_wire.errors import SetupClosed, StageError
-from skippy_wire.net.tls import TlsConfig, accept_tls, handshake_failure
+from skippy_wire.net.tls import TlsConfig, accept_tls, connect_tls, handshake_failure
 from skippy_wire.tools import serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -252,3 +252,17 @@ def test_a_stage_refused_by_its_peer_says_whose_certificate(pki):
     stranger = _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").client_context()
     assert _stage_error(pki, stranger, ssl.SSLCertVerificationError) == (
         "TLS handshake failed: the peer refused this side's certificate (unknown ca)")
+
+
+def test_a_handshake_the_peer_never_answers_times_out_in_words(pki):
+    # a driver connecting to a peer that accepts and stays silent said
+    # "_ssl.c:989: The handshake operation timed out"
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        sock = socket.create_connection(silent.getsockname()[:2], timeout=0.3)
+        context = _config(pki, "node.pem", "node.key").client_context()
+        with pytest.raises(TimeoutError) as err:
+            connect_tls(sock, context, "127.0.0.1")
+        assert str(err.value) == "the TLS handshake did not finish within 0.3 s"
+    finally:
+        silent.close()

@@ -65,7 +65,7 @@ from .connlog import ConnectionLog, ShedAwareLog
 from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, accept_tls, handshake_failure, is_loopback,
-                  starts_tls_handshake)
+                  link_error, starts_tls_handshake)
 from .transport import Peer, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -363,7 +363,7 @@ class StageServer:
                              + (f" ({exc.detail})" if exc.detail else "")) from exc
         except (WireError, OSError) as exc:
             peer.close()
-            why = "it closed the connection (its log says why)" if isinstance(exc, UnexpectedEofError) else exc
+            why = "it closed the connection (its log says why)" if isinstance(exc, UnexpectedEofError) else link_error(exc)
             raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 

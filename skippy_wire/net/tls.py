@@ -136,6 +136,12 @@ def tls_failure(exc: ssl.SSLError) -> str:
     return reason.replace("_", " ").lower() if reason else str(exc)
 
 
+def link_error(exc: BaseException):
+    """``exc`` from a link's first read, a TLS failure in words (with TLS 1.3 a peer refuses
+    this side's certificate after the handshake, at the first read)."""
+    return tls_failure(exc) if isinstance(exc, ssl.SSLError) else exc
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """A certificate chain, its key and the CA every peer must be signed by (PEM paths)."""
@@ -257,6 +263,10 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> 
 def _handshake(tls: ssl.SSLSocket) -> ssl.SSLSocket:
     try:
         tls.do_handshake()
+    except TimeoutError:  # in words, not "_ssl.c:989: The handshake operation timed out"
+        timeout = tls.gettimeout()
+        tls.close()
+        raise TimeoutError(f"the TLS handshake did not finish within {timeout:g} s") from None
     except BaseException:
         tls.close()
         raise
@@ -280,4 +290,4 @@ def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
            "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
-           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure"]
+           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure", "link_error"]

@@ -591,7 +591,8 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
-           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "address", "web_origin",
+           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",
+           "MAX_WAIT_S", "address", "web_origin",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]
