@@ -64,6 +64,12 @@ def pki(tmp_path_factory):
         _request(name, d)
         _openssl("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in",
                  f"{name}.csr", "-out", f"{name}.pem", "-startdate", start, "-enddate", end, "-notext", cwd=d)
+    for name, extension in (("codesign", "extendedKeyUsage=codeSigning"), ("crlsign", "keyUsage=critical,cRLSign"),
+                            ("serveronly", "extendedKeyUsage=serverAuth")):
+        _request(name, d)
+        (d / f"{name}.ext").write_text(extension + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ec.key", cwd=d)
     return d
 
@@ -93,6 +99,17 @@ def test_a_certificate_its_peers_would_refuse_is_refused_at_start_up(pki, cert, 
 def test_good_files_still_load(pki):
     _config(pki, "node.pem", "node.key").check()
     _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").check()  # its own CA: fine
+    _config(pki, "serveronly.pem", "serveronly.key").check()  # fit for a listener: a last stage may use it
+
+
+@pytest.mark.parametrize("cert", ["codesign", "crlsign"])
+def test_a_certificate_fit_for_neither_end_of_a_link_is_refused_at_start_up(pki, cert):
+    # it started, then failed every handshake ("unsuitable certificate purpose")
+    config = _config(pki, f"{cert}.pem", f"{cert}.key")
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-cert {config.cert} suits neither end of a stage link: its key usage "
+                                 "allows neither TLS server nor TLS client authentication")
 
 
 def test_an_expired_certificate_is_a_usage_error_of_serve(pki, capsys):

@@ -81,23 +81,56 @@ def _not_a_file(option: str, path: str) -> None:
         raise ValueError(f"{option} {path}: {not_a_regular_file(mode)}")
 
 
-#: The verification error of a certificate whose extended key usage does not cover the role
-#: it was checked in (X509_V_ERR_INVALID_PURPOSE): a stage's certificate may be fine for the
-#: roles it does play, so the start-up check does not refuse it.
+#: The verification error of a certificate whose (extended) key usage does not cover the
+#: role it was checked in (X509_V_ERR_INVALID_PURPOSE): a stage's certificate may be fine for
+#: the role it does play (a serverAuth-only one on a last stage), so only one that suits
+#: neither role is refused at start-up.
 _INVALID_PURPOSE = 26
 
 
 def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
-    """Check ``config``'s certificate as its peers will, in memory before any connection: a
-    handshake between a listener with its context and a client presenting the certificate.
-    The verification error (expired, not yet valid, not signed by the CA, ...), or None."""
+    """Check ``config``'s certificate as its peers will, in memory before any connection:
+    presented by a connecting side to a listener with its context, and, when that refuses
+    it only for its purpose, by a listener to a connecting side.  The verification error
+    (expired, not yet valid, not signed by the CA, fit for neither role, ...), or None."""
     try:
         server = config.server_context()
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
         client.load_cert_chain(config.cert, config.key)
+        listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        listener.load_cert_chain(config.cert, config.key)
+        verifier = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        verifier.check_hostname = False
+        verifier.load_verify_locations(config.ca)
     except (ssl.SSLError, OSError):  # not the certificate's validity: loading the contexts will say what
         return None
+    as_client = _refusal(client, server)
+    if as_client is None or as_client.verify_code != _INVALID_PURPOSE:
+        return as_client
+    as_listener = _refusal(verifier, listener)
+    return as_client if as_listener is not None and as_listener.verify_code == _INVALID_PURPOSE else None
+
+
+def _refusal(client: ssl.SSLContext, server: ssl.SSLContext) -> "ssl.SSLCertVerificationError | None":
+    """The verification error of an in-memory handshake between the two contexts, or None."""
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    pending = [client.wrap_bio(to_client, to_server, server_hostname=None),
+               server.wrap_bio(to_server, to_client, server_side=True)]
+    for _ in range(8):  # a TLS 1.2 or 1.3 handshake takes 2 or 3 flights
+        for end in list(pending):
+            try:
+                end.do_handshake()
+                pending.remove(end)
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLCertVerificationError as exc:
+                return exc
+            except ssl.SSLError:
+                return None  # not the certificate's validity: the links will say what it is
+        if not pending:
+            break
+    return None
     to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
     pending = [client.wrap_bio(to_client, to_server, server_hostname=None),
                server.wrap_bio(to_server, to_client, server_side=True)]
@@ -193,6 +226,9 @@ class TlsConfig:
         if not _certificates_in(self.ca)["x509_ca"]:
             raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
         refused = _verify_own(self)
+        if refused is not None and refused.verify_code == _INVALID_PURPOSE:
+            raise ValueError(f"--tls-cert {self.cert} suits neither end of a stage link: its key usage allows "
+                             "neither TLS server nor TLS client authentication")
         if refused is not None:
             raise ValueError(f"--tls-cert {self.cert} does not verify against --tls-ca {self.ca}: "
                              f"{refused.verify_message or refused.reason} "
