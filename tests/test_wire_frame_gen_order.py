@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IMPLS
-from skippy_wire.errors import InvalidDataError, InvalidInputError, WireError
+from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from skippy_wire.tools.conformance_gen import desc_from_case, message_from_case
 from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from skippy_wire.wire.agreement import ActivationAgreement
@@ -148,3 +148,21 @@ def test_the_size_of_a_message_names_a_wrong_field_as_the_writer_does(edit, text
             with pytest.raises(InvalidInputError) as err:
                 getattr(WireProtocol(17, impl=impl), call)(msg, agreement)
             assert str(err.value) == text, (impl, call)
+
+
+def test_the_size_of_a_message_reads_only_its_frame_s_descriptor():
+    # B.7.4 as upstream computes it: the descriptor is read (its EOF and part-count errors
+    # come before a missing agreement), the payload never decoded
+    case = _golden_message_case()
+    agreement = ActivationAgreement.from_json(case["agreement"])
+    for impl in IMPLS:
+        protocol = WireProtocol(17, impl=impl)
+        msg = message_from_case(case["message"])
+        size = protocol.message_wire_bytes(msg, agreement)
+        assert size == len(protocol.write(msg, agreement))
+        head = 68 + 128 * int.from_bytes(bytes(msg.activation)[24:28], "little")
+        msg.activation = bytes(msg.activation)[:head] + b"\xff" * (len(msg.activation) - head)  # NaN payload
+        assert protocol.message_wire_bytes(msg, agreement) == size
+        msg.activation = bytes(msg.activation)[:40]
+        with pytest.raises(UnexpectedEofError):
+            protocol.message_wire_bytes(msg, None)

@@ -334,8 +334,8 @@ def message_wire_bytes(msg, agreement):
         raise out_of_range_error(msg) from None  # a field of the wrong type: named as the writer names it
     if not buf.view.len:
         return estimated
+    cdef int codec = _codec_id(codec_field)
+    _read_desc(<const uint8_t*>buf.view.buf, buf.view.len, &d)  # the descriptor alone, as upstream reads it
     if agreement is None:
         _raise(E_NO_AGREEMENT)
-    cdef int codec = _codec_id(codec_field)
-    _decode_into(codec, &d, msg.activation, 17, False)
     return estimated - buf.view.len + _agreed_size(agreement, codec, &d)

@@ -40,6 +40,7 @@ from .frame_v16 import (
     desc_bytes,
     encode_frame,
     frame_wire_bytes,
+    read_desc,
     select_frame_codec,
     validate_frame as _validate_frame,
     wire_bytes_of,
@@ -212,8 +213,8 @@ def message_wire_bytes(msg: StageWireMessage, agreement) -> int:
         raise out_of_range_error(msg) from None  # a field of the wrong type: named as the writer names it
     if not len(activation):
         return estimated
+    codec = codec_id(codec)
+    desc = read_desc(activation)  # the descriptor alone, as upstream reads it: the payload is not decoded
     if agreement is None:
         raise InvalidDataError("activation requires an established agreement")
-    codec = codec_id(codec)
-    desc, _payload = decode_frame(codec, activation, 17)
     return estimated - len(activation) + agreed_wire_bytes(agreement, codec, desc)
