@@ -272,6 +272,18 @@ def test_options_are_matched_whole_and_conflicts_found_whatever_the_value(capsys
     assert_usage_error(capsys, args, message)
 
 
+def test_an_option_s_value_may_begin_with_a_dash_as_in_llama_cpp():
+    # argparse took "-hello" for an option: "argument -p/--prompt: expected one argument"
+    from skippy_wire.tools import run
+
+    parser = run.build_parser()
+    args = parser.parse_args(["-p", "-hello", "-sys", "-be-brief", "-n", "-1"])
+    assert (args.prompt_option, args.system_prompt, args.max_tokens) == ("-hello", "-be-brief", -1)
+    with pytest.raises(SystemExit):  # one of the command's own options is still no value
+        parser.parse_args(["-p", "--json"])
+    assert parser.parse_args(["--", "-p"]).prompt == "-p"  # after --, a positional as before
+
+
 def test_the_bench_scripts_match_options_whole_too():
     from skippy_wire.tools.bench_rows import script_options
 

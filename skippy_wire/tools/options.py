@@ -87,6 +87,29 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return super().format_help().replace("``", "")
 
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(self._values_taken_whole(sys.argv[1:] if args is None else list(args)),
+                                        namespace)
+
+    def _values_taken_whole(self, args: list[str]) -> list[str]:
+        """``-p -hello`` as ``-p=-hello``: an option's value may begin with a dash, as in
+        llama.cpp (argparse took it for an option), unless it is one of this command's options."""
+        one_value = {name for action in self._actions if action.nargs is None for name in action.option_strings}
+        out, i = [], 0
+        while i < len(args):
+            word = args[i]
+            if word == "--":
+                return out + args[i:]
+            value = args[i + 1] if i + 1 < len(args) else None
+            if (word in one_value and value is not None and value.startswith("-") and value != "--"
+                    and value.split("=", 1)[0] not in self._option_string_actions):
+                out.append(f"{word}={value}")
+                i += 2
+            else:
+                out.append(word)
+                i += 1
+        return out
+
     def _get_option_tuples(self, option_string: str) -> list:
         # A single-dash word is an option only as a whole, as in llama.cpp: argparse would
         # read `-ngl 99` as `-n gl`, and `-hf` as `-h -f` (help, exit 0).
