@@ -131,23 +131,6 @@ def _refusal(client: ssl.SSLContext, server: ssl.SSLContext) -> "ssl.SSLCertVeri
         if not pending:
             break
     return None
-    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
-    pending = [client.wrap_bio(to_client, to_server, server_hostname=None),
-               server.wrap_bio(to_server, to_client, server_side=True)]
-    for _ in range(8):  # a TLS 1.2 or 1.3 handshake takes 2 or 3 flights
-        for end in list(pending):
-            try:
-                end.do_handshake()
-                pending.remove(end)
-            except ssl.SSLWantReadError:
-                pass
-            except ssl.SSLCertVerificationError as exc:
-                return None if exc.verify_code == _INVALID_PURPOSE else exc
-            except ssl.SSLError:
-                return None  # not the certificate's validity: the links will say what it is
-        if not pending:
-            break
-    return None
 
 
 def tls_failure(exc: ssl.SSLError) -> str:
