@@ -51,12 +51,12 @@ from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, shutting_down_response)
-from .options import (seconds, DEFAULT_STAGES, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
-                      add_poll_option, add_tls_options, address, apply_topology, check_codec_options,
-                      check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
-                      handling_signals, int_at_least, int_between, poll_args, refuse_started_stage_options,
-                      thread_count, tls_config, training_context_size, EXIT_HANGUP, MAX_CTX_SIZE, STARTED_STAGES_ONLY,
-                      TRAINING_CONTEXT, MAX_PORT, web_origin)
+from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
+                      DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
+                      add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
+                      driver_poll_s, error_line, exiting_on_signals, handling_signals, int_at_least, int_between,
+                      poll_args, refuse_started_stage_options, seconds, thread_count, tls_config,
+                      training_context_size, web_origin)
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16

@@ -28,9 +28,9 @@ from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
-from .options import (seconds, EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, describe, error_line, exiting_on_signals, file_error,
-                      float_at_least, int_at_least, int_between, signals_deferred, thread_count,
+                      float_at_least, int_at_least, int_between, seconds, signals_deferred, thread_count,
                       training_context_size)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events

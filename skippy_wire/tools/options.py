@@ -611,7 +611,8 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
+           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
+           "MAX_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",

@@ -30,11 +30,10 @@ from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
-from .options import (seconds, EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, add_codec_options,
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
-                      exiting_on_signals,
-                      float_at_least, int_at_least, int_between, thread_count, tls_config,
-                      training_context_size, TRAINING_CONTEXT)
+                      exiting_on_signals, float_at_least, int_at_least, int_between, seconds, thread_count,
+                      tls_config, training_context_size)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
