@@ -29,8 +29,8 @@ from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-from .constants import (I32_MAX, I32_MIN, NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec,
-                        CodecPolicy)
+from .constants import (I32_MAX, I32_MIN, NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
+                        ActivationCodec, CodecPolicy)
 from .field_checks import byte_array, first_out_of_range
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
