@@ -10,6 +10,8 @@ session stops.  Logs go to stderr.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -218,6 +220,7 @@ def _cannot_start(stage_index: int, reason: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_malloc_arenas()  # before any thread allocates
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
@@ -245,6 +248,25 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args, args.stage_index)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
+
+
+#: glibc malloc arenas a stage process keeps at most (``mallopt(M_ARENA_MAX)``) unless the
+#: user sets MALLOC_ARENA_MAX: freed session memory stays in the arena of the thread that
+#: held it, and floods of connections (a thread each) took a stage from 112 to 800 MB
+#: resident; with two arenas it stayed near 260 MB.
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def bound_malloc_arenas() -> bool:
+    """Apply :data:`MALLOC_ARENAS` (glibc only); whether it was applied."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS))
+    except (OSError, AttributeError):  # not glibc: its own allocator, its own policy
+        return False
 
 
 def _serve(args, stage_index: int) -> int:
