@@ -80,6 +80,13 @@ def _one_error_line(err: str) -> str:
     (["serve", "--reply-timeout", "1e12"],
      "argument --reply-timeout: must be greater than 0 and at most 1000000, got 1e12"),
     (["serve", "--lane-wait", "1e308"], "argument --lane-wait: must be between 0 and 1000000, got 1e308"),
+    # accepted before: 100000 worker processes, a billion rounds, a delay past any timeout
+    (["verify-exhaustive", "--workers", "100000"], "argument --workers: must be between 1 and 512, got 100000"),
+    (["bench", "--repeat", "100000000000"], "argument --repeat: must be between 1 and 1000, got 100000000000"),
+    (["bench", "--min-time", "1e9"], "argument --min-time: must be greater than 0 and at most 1000000, got 1e9"),
+    (["bench-backend", "--repeat", "1001"], "argument --repeat: must be between 1 and 1000, got 1001"),
+    (["cluster", "--delay-ms", "1e12"], "argument --delay-ms: must be between 0 and 1000000000, got 1e12"),
+    (["bench-cluster", "--delays", "0,1e12"], "argument --delays: must be between 0 and 1000000000, got 1e12"),
     (["run", "--temp", "-1"], "argument --temp/--temperature: must be at least 0, got -1"),
     (["run", "--temp", "inf"], "argument --temp/--temperature: must be finite, got inf"),
     (["run", "--timeout", "inf"], "argument --timeout: must be finite, got inf"),

@@ -84,6 +84,27 @@ class _FailingChain:
         return []
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    # the repeated prompt was made first: 8.5 GB and rising, silent, deaf to SIGTERM
+    (["cluster", "--prompt-tokens", "20000000"], "20000000 prompt tokens + 16 new tokens exceed --ctx-size 16777216"),
+    (["cluster", "--prompt-tokens", "600", "-c", "512"], "600 prompt tokens + 16 new tokens exceed --ctx-size 512"),
+    (["bench-cluster", "--prompt-tokens", "20000000"],
+     "20000000 prompt tokens + 32 new tokens exceed --ctx-size 16777216"),
+    # an empty text was padded with spaces to --prompt-tokens
+    (["cluster", "--prompt-tokens", "8", "-n", "2", ""], "the prompt must have at least one token"),
+    (["bench-cluster", "--prompt", ""], "the prompt must have at least one token"),
+])
+def test_a_cluster_prompt_is_sized_before_it_is_made(capsys, monkeypatch, tiny_model, argv, message):
+    from skippy_wire.tools import cluster_bench
+
+    def started(*args, **kwargs):
+        raise AssertionError("went on to make namespace hosts")
+
+    monkeypatch.setattr(cluster, "netns_unavailable", started)
+    monkeypatch.setattr(cluster_bench, "run_cluster", started)
+    assert_usage_error(capsys, [*argv, "-m", str(tiny_model)], message)
+
 def test_run_cluster_leaves_no_temporary_directory_on_failure(monkeypatch, tmp_path, tiny_model):
     monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster, "NetnsChain", _FailingChain)

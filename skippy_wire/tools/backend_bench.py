@@ -45,8 +45,8 @@ from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.stage.threads import default_threads, oversubscription
 from skippy_wire.tools.bench_rows import cpu_model, progress
-from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_THREADS, Parser, doc_summary, file_error, int_at_least,
-                                       int_list, thread_counts)
+from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_ROUNDS, MAX_THREADS, Parser, doc_summary, file_error,
+                                       int_at_least, int_between, int_list, thread_counts)
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens of the prefill measured (one chunk from an empty session)")
     ap.add_argument("--decode", type=int_at_least(1), default=64, metavar="N",
                     help="single-token decode steps measured, after a 16-token prompt")
-    ap.add_argument("--repeat", type=int_at_least(1), default=5, metavar="R",
+    ap.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, metavar="R",
                     help="rounds of every measurement; the best is kept")
     ap.add_argument("--stages", action="store_true", help="one stage vs two stages of our backend instead")
     ap.add_argument("--split", type=int_at_least(1), default=None,

@@ -30,7 +30,7 @@ from ..wire import codec as api
 from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_model, paired_seconds, progress
-from .options import Parser, doc_summary, float_above, int_at_least
+from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
 #: What ``--repeat`` and ``--min-time`` are without ``--quick``, and what ``--quick`` makes
@@ -199,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated TOKENSxN_EMBD of the codec rows (default: {_sizes_text(SIZES)}; "
                              f"--quick: {_sizes_text(QUICK['sizes'])}); the framing rows time the 1x4096 message "
                              f"their goals name, the thread test {_label(THREAD_SIZE)}")
-    parser.add_argument("--repeat", type=int_at_least(1), default=None,
+    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=None,
                         help=f"timing rounds per operation, the best is kept (default: {REPEAT}; --quick: "
                              f"{QUICK['repeat']})")
-    parser.add_argument("--min-time", type=float_above(0), default=None, metavar="S",
+    parser.add_argument("--min-time", type=seconds(), default=None, metavar="S",
                         help=f"seconds per timing round (default: {MIN_TIME:g}; --quick: {QUICK['min_time']:g})")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: small sizes, few rounds, no thread test; --sizes, --repeat and "

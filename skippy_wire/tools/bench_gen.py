@@ -24,7 +24,7 @@ from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, 
 from ..wire.protocol import WireProtocol
 from .bench_rows import Ratio, Row, paired_seconds
 from .cli import guarded
-from .options import Parser, doc_summary, float_above, int_at_least
+from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
 
 V16_GOAL_RATIO = 0.9
 N_EMBD = 4096
@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     parser = Parser(prog="python -m skippy_wire.tools.bench_gen", description=doc_summary(__doc__))
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help="kernels measured (default: the live ones)")
-    parser.add_argument("--repeat", type=int_at_least(1), default=5, help="timing rounds (the best is kept)")
-    parser.add_argument("--min-time", type=float_above(0), default=0.2, help="seconds per timing round")
+    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
+    parser.add_argument("--min-time", type=seconds(), default=0.2, help="seconds per timing round")
     opts = parser.parse_args(argv)
     met = True
     for item in frame_gen_rows(opts):

@@ -30,7 +30,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, describe, error_line, exiting_on_signals, file_error,
-                      float_at_least, int_at_least, int_between, seconds, signals_deferred, thread_count,
+                      int_at_least, int_between, milliseconds, seconds, signals_deferred, thread_count,
                       training_context_size)
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
@@ -86,6 +86,8 @@ def prompt_ids(tokenizer, text: str, count: int | None) -> list[int]:
     ids = tokenizer.encode(text)
     if count is None:
         return ids
+    if not text or not ids:  # no text to repeat (it was padded with spaces)
+        raise ValueError("the prompt must have at least one token")
     reps = 1
     while len(ids) < count:
         reps *= 2
@@ -148,19 +150,26 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
     """Make the hosts, run one generation across them, clean everything up; see the module doc."""
     if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
         raise TopologyError(f"activation codec policy {opts.policy} requires activation codec raw-f32-v1")
-    reason = netns_unavailable()
-    if reason:
-        raise NetnsError(f"cannot make namespace hosts: {reason}")
     rate_bits = parse_rate(opts.rate)
     model = Path(opts.model) if opts.model else default_model()
     n_layer, _ = _read_model(model, model_shape)
     tokenizer = tokenizer or _read_model(model, Tokenizer.from_gguf)
-    prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
     resolved, trained = context_size(None, opts.ctx_size, model)  # -c 0: the model's training context
     opts = replace(opts, ctx_size=resolved)  # the result's options (and --check's stage) hold it
-    problem = fit_error(opts.hosts, model, n_layer, len(prompt), opts.max_tokens, opts.ctx_size, trained=trained)
-    if problem:  # before any namespace is made
-        raise TopologyError(problem)
+
+    def check_fit(n_prompt: int) -> None:  # before any namespace is made
+        problem = fit_error(opts.hosts, model, n_layer, n_prompt, opts.max_tokens, opts.ctx_size or MAX_CTX_SIZE,
+                            trained=trained)
+        if problem:
+            raise TopologyError(problem)
+
+    if opts.prompt_tokens is not None:
+        check_fit(opts.prompt_tokens)  # before the repeated prompt is made: 2^24 tokens take gigabytes
+    prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
+    check_fit(len(prompt))
+    reason = netns_unavailable()  # after the usage errors: they hold on any machine
+    if reason:
+        raise NetnsError(f"cannot make namespace hosts: {reason}")
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
     threads = opts.threads or default_threads()
     chain = NetnsChain(opts.hosts, rate_bits)
@@ -302,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_RAW_PROMPT, help="text to continue (default: %(default)r)")
     p.add_argument("--hosts", type=int_at_least(1), default=2, help="stage hosts (namespaces), one stage each")
     p.add_argument("--rate", type=link_rate, default="unlimited", help="link rate for tc tbf, e.g. 100mbit")
-    p.add_argument("--delay-ms", type=float_at_least(0), default=0.0,
+    p.add_argument("--delay-ms", type=milliseconds, default=0.0,
                    help="one-way link delay, added by the senders")
     add_codec_options(p)
     p.add_argument("--check", action="store_true",

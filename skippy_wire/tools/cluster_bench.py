@@ -27,8 +27,8 @@ from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
                       local_reference, progress_printer, run_cluster)
 from .bench_rows import cpu_model
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, Parser, check_output_dir, describe, doc_summary, error_line,
-                      exiting_on_signals, float_at_least, int_list)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, describe, doc_summary,
+                      error_line, exiting_on_signals, int_list, milliseconds)
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=doc_summary(__doc__.splitlines()[0]))
     p.add_argument("--hosts", type=int_list(1), default=DEFAULT_HOSTS, help="comma list of host counts")
     p.add_argument("--rates", type=comma_list(link_rate), default=DEFAULT_RATES, help="comma list of link rates")
-    p.add_argument("--delays", type=comma_list(float_at_least(0)), default=DEFAULT_DELAYS,
+    p.add_argument("--delays", type=comma_list(milliseconds), default=DEFAULT_DELAYS,
                    help="comma list of one-way ms")
     p.add_argument("--codecs", type=comma_list(codec_row), default=",".join(CODECS),
                    help="comma list of " + ", ".join(CODECS))
@@ -126,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     # -c 0: the model's training context, read once; checked now, not in the first run that needs it
     # (after the header, exit 1)
     args.ctx_size, trained = context_size(parser, args.ctx_size, model)
-    problem = fit_error(max(hosts), model, n_layer, args.prompt_tokens, args.max_tokens, args.ctx_size,
-                        trained=trained)
+    problem = fit_error(max(hosts), model, n_layer, args.prompt_tokens, args.max_tokens,
+                        args.ctx_size or MAX_CTX_SIZE, trained=trained)
     if problem:
         parser.error(problem)
+    if not args.prompt or not tokenizer.encode(args.prompt):  # nothing to repeat to --prompt-tokens
+        parser.error("the prompt must have at least one token")
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "

@@ -344,6 +344,8 @@ def float_at_least(lo: float) -> Callable[[str], float]:
     return _number(float, lambda v: v >= lo, f"at least {lo:g}", finite=True)
 
 
+#: The most timing rounds a benchmark option may ask for (a billion hung after the header).
+MAX_ROUNDS = 1000
 #: The longest wait an option may set (about 11.6 days): socket waits become poll(2)'s int
 #: milliseconds and timer deadlines time_t values, and 1e10 s failed every connection.
 MAX_WAIT_S = 1_000_000
@@ -354,6 +356,12 @@ def seconds(*, zero: bool = False) -> Callable[[str], float]:
     if zero:
         return _number(float, lambda v: 0 <= v <= MAX_WAIT_S, f"between 0 and {MAX_WAIT_S}", finite=True)
     return _number(float, lambda v: 0 < v <= MAX_WAIT_S, f"greater than 0 and at most {MAX_WAIT_S}", finite=True)
+
+
+def milliseconds(text: str) -> float:
+    """A delay in milliseconds: at least 0, at most :data:`MAX_WAIT_S` in milliseconds."""
+    return _number(float, lambda v: 0 <= v <= MAX_WAIT_S * 1000, f"between 0 and {MAX_WAIT_S * 1000}",
+                   finite=True)(text)
 
 
 def float_between(lo: float, hi: float) -> Callable[[str], float]:
@@ -616,7 +624,7 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",
-           "MAX_WAIT_S", "address", "web_origin",
+           "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address", "web_origin",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]

@@ -34,8 +34,8 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
-                      exiting_on_signals, float_at_least, int_at_least, int_between, seconds, thread_count,
-                      tls_config, training_context_size)
+                      exiting_on_signals, int_at_least, int_between, milliseconds, seconds, thread_count, tls_config,
+                      training_context_size)
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "overrides its model path; default: none, the options give them)")
     p.add_argument("--stage", type=int_at_least(0), default=None, metavar="K",
                    help="the stage of --topology to run (required with --topology; default: none)")
-    p.add_argument("--link-delay-ms", type=float_at_least(0), default=0.0,
+    p.add_argument("--link-delay-ms", type=milliseconds, default=0.0,
                    help="sleep this long before every send over a stage-to-stage link (emulated one-way "
                         "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,

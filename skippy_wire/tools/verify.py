@@ -61,7 +61,7 @@ from .._impl import kernel_module
 from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
-from .options import Parser, doc_summary, exiting_on_signals, int_at_least, int_between
+from .options import MAX_THREADS, Parser, doc_summary, exiting_on_signals, int_at_least, int_between
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of patterns (default: all up to 2^32)")
     p.add_argument("--chunk", type=int_at_least(1, base=0), default=DEFAULT_CHUNK,
                    help="patterns per chunk (default: 2^22)")
-    p.add_argument("--workers", type=int_at_least(1), default=None,
+    p.add_argument("--workers", type=int_between(1, MAX_THREADS), default=None,
                    help="worker processes (default: one per core; 1: in this process)")
     p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test")
     p.add_argument("--samples", type=int_at_least(0), default=SAMPLES,
