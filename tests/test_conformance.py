@@ -123,15 +123,19 @@ def test_a_line_that_is_no_case_fails_as_one_and_the_run_goes_on(vectors_dir, tm
     assert out.rstrip().endswith("conformance: 1 passed, 5 failed")
 
 
-def test_what_bears_the_name_of_a_vector_file_but_is_none_is_skipped(vectors_dir, tmp_path, capsys):
-    """Under a directory, only regular files named *.jsonl are vector files: a directory or
-    a dangling link with that name does not stop the run."""
+def test_what_bears_the_name_of_a_vector_file_but_cannot_be_read_fails(vectors_dir, tmp_path, capsys):
+    """Under a directory, a subdirectory named *.jsonl is searched, not read; a dangling link
+    or a device with that name fails as a file that cannot be read (they were skipped, so a
+    vector file gone missing passed unseen), and the run goes on."""
     (tmp_path / "select.jsonl").write_text((vectors_dir / "select.jsonl").read_text())
     (tmp_path / "old.jsonl").mkdir()
     (tmp_path / "gone.jsonl").symlink_to(tmp_path / "nowhere")
-    assert conformance.main([str(tmp_path)]) == 0
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")  # read without end, were it opened
+    assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert out.rstrip().endswith(" passed, 0 failed") and "FAIL" not in out
+    assert f"FAIL {tmp_path / 'gone.jsonl'}: cannot read it: no such file or directory\n" in out
+    assert f"FAIL {tmp_path / 'zero.jsonl'}: cannot read it: not a directory or a regular file\n" in out
+    assert out.rstrip().endswith(" passed, 2 failed")
 
 
 def test_a_fifo_or_a_device_is_a_usage_error(tmp_path, capsys):

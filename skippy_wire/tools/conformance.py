@@ -164,13 +164,13 @@ class Runner:
 
 # --- the command --------------------------------------------------------------------------
 def _files(paths: list[str]) -> list[Path]:
-    """The vector files: each path given that is not a directory, and the regular files
-    named ``*.jsonl`` under each directory (sorted; a subdirectory or a dangling link that
-    bears the name is no vector file)."""
+    """The vector files: each path given that is not a directory, and everything named
+    ``*.jsonl`` under each directory but a subdirectory (sorted: a dangling link or a device
+    that bears the name fails as a file that cannot be read)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(f for f in p.rglob("*.jsonl") if f.is_file())
+            found += sorted(f for f in p.rglob("*.jsonl") if not f.is_dir())
         else:
             found.append(p)
     return found
@@ -191,6 +191,10 @@ def _cases(path: Path):
     """``(lineno, case or None, problem)`` for each non-blank line of ``path``: a case is a
     JSON object; a line that is not (not UTF-8, not JSON, another JSON value) or a file that
     cannot be read gives a problem instead, failed and reported like a case."""
+    why = not_readable(str(path))
+    if why is not None:  # a FIFO would be read without end
+        yield 0, None, f"cannot read it: {why}"
+        return
     try:
         with open(path, "rb") as fh:
             for lineno, raw in enumerate(fh, 1):
