@@ -120,9 +120,9 @@ def test_axes_given_as_iterators_are_read_once_by_both_twins():
         part = ActivationPartV16(b"\x01" * 32, 0, 2, 1, 0, iter((4, 1, 1, 1)), iter((4, 16, 16, 16)), 0, 16)
         return ActivationFrameV16(2, 0, 0, 4, 1, 1, 16, b"\x03" * 32, [part])
 
-    encoded = [kernels(impl).encode_frame(1, desc(), bytes(16)) for impl in IMPLS]
-    assert encoded[0] == encoded[1] and len(encoded[0]) == 68 + 128 + 16
-    assert [kernels(impl).frame_wire_bytes(2, desc()) for impl in IMPLS] == [68 + 128 + 8] * 2
+    encoded = {bytes(kernels(impl).encode_frame(1, desc(), bytes(16))) for impl in IMPLS}
+    assert len(encoded) == 1 and len(encoded.pop()) == 68 + 128 + 16
+    assert {kernels(impl).frame_wire_bytes(2, desc()) for impl in IMPLS} == {68 + 128 + 8}
 
 
 def _golden_message_case() -> dict:
