@@ -25,7 +25,7 @@ from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
 from skippy_wire.net.topology import build_topology
 from skippy_wire.stage.models import model_shape, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.tools import cluster, run
-from skippy_wire.tools.options import exiting_on_signals
+from skippy_wire.tools.signals import exiting_on_signals
 from process_helpers import default_sigint
 
 pytestmark = pytest.mark.slow

@@ -54,9 +54,9 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream,
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
                       add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
-                      driver_poll_s, error_line, exiting_on_signals, handling_signals, int_at_least, int_between,
-                      poll_args, refuse_started_stage_options, seconds, thread_count, tls_config,
-                      training_context_size, web_origin)
+                      driver_poll_s, error_line, int_at_least, int_between, poll_args, refuse_started_stage_options,
+                      seconds, thread_count, tls_config, training_context_size, web_origin)
+from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
 DEFAULT_MAX_QUEUE = 16

@@ -10,7 +10,7 @@ another's imports, and owns the one place where failures become what the user se
   with the same prefix, see :class:`skippy_wire.tools.options.Parser`);
 * Ctrl-C: exit 130 quietly (the subcommand's ``with``/``finally`` blocks have already
   stopped its stage processes; SIGTERM and SIGHUP unwind the same way inside the commands
-  that start processes, see :func:`skippy_wire.tools.options.exiting_on_signals`);
+  that start processes, see :func:`skippy_wire.tools.signals.exiting_on_signals`);
 * a closed stdout (``skippy-wire run | head``): exit 141 quietly.
 
 Importing this module loads only the standard library's basics (and the package's empty
@@ -104,7 +104,6 @@ def _quiet_stdout() -> None:
 
 def dispatch(args: list[str], own_process: bool = False) -> int:
     from .options import EXIT_USAGE, error_line
-
     if args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0

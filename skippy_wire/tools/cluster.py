@@ -29,9 +29,9 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import ActivationCodec, CodecPolicy
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
-                      add_codec_options, check_output_dir, describe, error_line, exiting_on_signals, file_error,
-                      int_at_least, int_between, milliseconds, seconds, signals_deferred, thread_count,
-                      training_context_size)
+                      add_codec_options, check_output_dir, describe, error_line, file_error, int_at_least,
+                      int_between, milliseconds, seconds, thread_count, training_context_size)
+from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events
 from .run_report import check_tokens as report_check  # cluster's own takes a ClusterResult

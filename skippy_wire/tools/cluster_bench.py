@@ -28,7 +28,8 @@ from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context
                       local_reference, progress_printer, run_cluster)
 from .bench_rows import cpu_model
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, describe, doc_summary,
-                      error_line, exiting_on_signals, int_list, milliseconds)
+                      error_line, int_list, milliseconds)
+from .signals import exiting_on_signals
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
 #: and the lossless policy over raw f32.

@@ -26,7 +26,7 @@ import signal
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn
+from typing import Callable, NoReturn
 
 from ..errors import TopologyError
 from ..net.tls import TlsConfig
@@ -542,38 +542,6 @@ def tls_config(args):
     return config
 
 
-#: The signals that stop a command: Ctrl-C, and those :func:`exiting_on_signals` turns into exits.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def handling_signals(signals, handler) -> Iterator[None]:
-    """Inside: ``handler`` for each of ``signals`` not ignored on entry (``nohup``: it stays
-    ignored); the previous handlers come back on leaving."""
-    previous = {}
-    for sig in signals:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish) but are
-    remembered; on leaving, the first one is delivered again to the handler it would have met
-    (Ctrl-C raises KeyboardInterrupt there), unless a KeyboardInterrupt or SystemExit is already
-    unwinding (the command is stopping anyway).  A signal ignored on entry stays ignored."""
-    pending: list[int] = []
-    with handling_signals(STOP_SIGNALS, lambda signum, _frame: pending.append(signum)):
-        yield
-    if pending and not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
-        signal.raise_signal(pending[0])
-
-
 def utf8(text: str) -> str:
     """A command-line string that must be valid UTF-8 (argv decodes with surrogateescape)."""
     try:
@@ -581,20 +549,6 @@ def utf8(text: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("not valid UTF-8") from None
     return text
-
-
-@contextlib.contextmanager
-def exiting_on_signals() -> Iterator[None]:
-    """Inside: SIGTERM and SIGHUP unwind like Ctrl-C, as ``SystemExit(128 + signal)`` raised
-    in the main thread, so that ``with``/``finally`` blocks stop stage processes and remove
-    temporary files before the command exits 143 or 129.  A signal ignored on entry (``nohup``)
-    stays ignored."""
-
-    def on_signal(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum)
-
-    with handling_signals((signal.SIGTERM, signal.SIGHUP), on_signal):
-        yield
 
 
 def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | None:
@@ -626,5 +580,5 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",
            "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address", "web_origin",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
-           "exiting_on_signals", "signals_deferred", "handling_signals", "apply_topology", "STOP_SIGNALS", "utf8",
+           "apply_topology", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]

@@ -32,9 +32,10 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_SAMPLING, MAX_CTX_SIZE, MAX_THREADS, SEED_RANGE,
                       STARTED_STAGES_ONLY, TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption,
                       add_codec_options, add_poll_option, add_tls_options, address, apply_topology,
-                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, exiting_on_signals,
-                      file_error, float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
+                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
+                      float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)
+from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."

@@ -61,8 +61,8 @@ from .._impl import kernel_module
 from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
-from .options import MAX_THREADS, Parser, doc_summary, exiting_on_signals, int_at_least, int_between
-
+from .options import MAX_THREADS, Parser, doc_summary, int_at_least, int_between
+from .signals import exiting_on_signals
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
 #: Mismatches kept per chunk (the count is always exact).

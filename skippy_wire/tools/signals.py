@@ -1,0 +1,57 @@
+"""How a command stops: the signals that end it, handled so that its cleanup runs (stage
+processes stopped, temporary files removed) before it exits 130, 143 or 129."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from typing import Iterator
+
+#: The signals that stop a command: Ctrl-C, and those :func:`exiting_on_signals` turns into exits.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def handling_signals(signals, handler) -> Iterator[None]:
+    """Inside: ``handler`` for each of ``signals`` not ignored on entry (``nohup``: it stays
+    ignored); the previous handlers come back on leaving."""
+    previous = {}
+    for sig in signals:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish) but are
+    remembered; on leaving, the first one is delivered again to the handler it would have met
+    (Ctrl-C raises KeyboardInterrupt there), unless a KeyboardInterrupt or SystemExit is already
+    unwinding (the command is stopping anyway).  A signal ignored on entry stays ignored."""
+    pending: list[int] = []
+    with handling_signals(STOP_SIGNALS, lambda signum, _frame: pending.append(signum)):
+        yield
+    if pending and not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
+        signal.raise_signal(pending[0])
+
+
+@contextlib.contextmanager
+def exiting_on_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP unwind like Ctrl-C, as ``SystemExit(128 + signal)`` raised
+    in the main thread, so that ``with``/``finally`` blocks stop stage processes and remove
+    temporary files before the command exits 143 or 129.  A signal ignored on entry (``nohup``)
+    stays ignored."""
+
+    def on_signal(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    with handling_signals((signal.SIGTERM, signal.SIGHUP), on_signal):
+        yield
+
+
+__all__ = ["STOP_SIGNALS", "handling_signals", "signals_deferred", "exiting_on_signals"]
