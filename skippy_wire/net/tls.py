@@ -98,6 +98,9 @@ def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
         client.load_cert_chain(config.cert, config.key)
+        as_client = _refusal(client, server)
+        if as_client is None or as_client.verify_code != _INVALID_PURPOSE:
+            return as_client
         listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         listener.load_cert_chain(config.cert, config.key)
         verifier = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -105,9 +108,6 @@ def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
         verifier.load_verify_locations(config.ca)
     except (ssl.SSLError, OSError):  # not the certificate's validity: loading the contexts will say what
         return None
-    as_client = _refusal(client, server)
-    if as_client is None or as_client.verify_code != _INVALID_PURPOSE:
-        return as_client
     as_listener = _refusal(verifier, listener)
     return as_client if as_listener is not None and as_listener.verify_code == _INVALID_PURPOSE else None
 
