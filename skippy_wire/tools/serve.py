@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -264,8 +263,7 @@ def bound_malloc_arenas() -> bool:
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS))
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS))  # the C library this process runs on
     except (OSError, AttributeError):  # not glibc: its own allocator, its own policy
         return False
 
