@@ -318,24 +318,25 @@ def _check_addresses(name: str, stages: list[TopologyStage]) -> None:
     takes its port on all of them.  A ``bind_addr`` is its own host's: two hosts may both
     bind 0.0.0.0:19000.  Only hosts that share a port with another stage are resolved: a
     file of distinct ports costs no lookup."""
+    listening = [[(key, *parse_address(getattr(s, key)))
+                  for key in (("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",))]
+                 for s in stages]  # each stage's (key, host, port); the endpoint first
     ports: dict[int, set[int]] = {}
-    for s in stages:
-        for text in (s.endpoint, s.bind_addr):
-            ports.setdefault(parse_address(text)[1], set()).add(s.index)
+    for s, addresses in zip(stages, listening):
+        for _, _, port in addresses:
+            ports.setdefault(port, set()).add(s.index)
     cache: dict[str, frozenset[str]] = {}
 
     def hosts(host: str, port: int) -> frozenset[str]:
         return _resolve(host, cache) if len(ports[port]) > 1 else frozenset([host])
 
     for index, s in enumerate(stages):
-        for key in ("endpoint", "bind_addr") if s.bind_addr != s.endpoint else ("endpoint",):
-            host, port = parse_address(getattr(s, key))
-            for t in stages[:index]:
-                if port not in {parse_address(t.endpoint)[1], parse_address(t.bind_addr)[1]}:
+        for key, host, port in listening[index]:
+            for t, theirs in zip(stages[:index], listening):
+                if port not in {other_port for _, _, other_port in theirs}:
                     continue
-                one_host = bool(hosts(*parse_address(s.endpoint)) & hosts(*parse_address(t.endpoint)))
-                for other_key in ("endpoint", "bind_addr") if t.bind_addr != t.endpoint else ("endpoint",):
-                    other_host, other_port = parse_address(getattr(t, other_key))
+                one_host = bool(hosts(*listening[index][0][1:]) & hosts(*theirs[0][1:]))
+                for other_key, other_host, other_port in theirs:
                     if other_port != port or (not one_host and "bind_addr" in (key, other_key)):
                         continue
                     if hosts(host, port) & hosts(other_host, port) or (
