@@ -49,6 +49,8 @@ from .transport import Peer, connect
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK = 128
 DEFAULT_TIMEOUT = 60.0
+#: A generation needs a prompt of at least one token (what it says to an empty one).
+EMPTY_PROMPT = "the prompt must have at least one token"
 
 
 @contextlib.contextmanager
@@ -266,7 +268,7 @@ class PipelineClient:
         with no message in flight.
         """
         if not prompt:
-            raise ValueError("the prompt must have at least one token")
+            raise ValueError(EMPTY_PROMPT)
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
         self._marks = self._log_marks()
@@ -412,5 +414,5 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
     return result
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "GenerationResult", "PipelineClient",
+__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT", "GenerationResult", "PipelineClient",
            "prefill_messages", "decode_message", "generate_local", "yielding_to_stages"]

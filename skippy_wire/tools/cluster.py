@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.driver import DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
+from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
 from ..net.supervision import STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env
 from ..net.topology import build_topology
@@ -87,7 +87,7 @@ def prompt_ids(tokenizer, text: str, count: int | None) -> list[int]:
     if count is None:
         return ids
     if not text or not ids:  # no text to repeat (it was padded with spaces)
-        raise ValueError("the prompt must have at least one token")
+        raise ValueError(EMPTY_PROMPT)
     reps = 1
     while len(ids) < count:
         reps *= 2

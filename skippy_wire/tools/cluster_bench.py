@@ -25,7 +25,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
-                      local_reference, progress_printer, run_cluster)
+                      local_reference, progress_printer, prompt_ids, run_cluster)
 from .bench_rows import cpu_model
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, describe, doc_summary,
                       error_line, int_list, milliseconds)
@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                         args.ctx_size or MAX_CTX_SIZE, trained=trained)
     if problem:
         parser.error(problem)
-    if not args.prompt or not tokenizer.encode(args.prompt):  # nothing to repeat to --prompt-tokens
-        parser.error("the prompt must have at least one token")
+    try:  # cluster's own rule for the prompt, before the header rather than in every run
+        prompt_ids(tokenizer, args.prompt, args.prompt_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
