@@ -587,6 +587,50 @@ def test_trim_session_reaches_every_stage(chain_factory):
         client.request(StageWireMessage.stop(1, 5))
 
 
+def test_a_trim_to_nothing_of_a_session_never_opened_takes_no_lane(chain_factory):
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    kind = WireMessageKind.TRIM_SESSION
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        for session_id in (1, 2, 3):  # more than a connection may hold open
+            reply = client.request(StageWireMessage(kind, 0, 0, StageStateHeader.new(kind), session_id, 5))
+            assert int(reply.kind) == 1
+        assert [b.sessions for b in chain.backends] == [[], []]
+        assert client.generate(PROMPT, max_tokens=4, chunk_size=4).tokens == fake_reference(PROMPT, 4)
+
+
+def test_a_session_whose_peer_left_while_waiting_for_a_lane_gives_its_place_up(chain_factory, caplog):
+    from skippy_wire.net.admission import PEER_CHECK_INTERVAL, StageLimits
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.wire.messages import StageWireMessage
+
+    class OneLane(FakeBackend):
+        lane_count = 1
+
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    chain = chain_factory([(0, 6)], backends=[OneLane(0, 6)], limits=StageLimits(lane_wait=60))
+    server = chain.servers[0]
+    with PipelineClient(*chain.entry, timeout=10) as holder:
+        holder.request(StageWireMessage.configure_generation(1, 1, 4, None, None))  # the one lane
+        leavers = [_raw_connect(chain.entry) for _ in range(3)]
+        for index, sock in enumerate(leavers):  # each asks for a session, then goes
+            sock.sendall(write_stage_message(StageWireMessage.configure_generation(2, 2, 4, None, None)))
+        deadline = time.monotonic() + 5
+        while len(server.admission.lanes._queue) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server.admission.lanes._queue) == 3
+        for sock in leavers:
+            sock.close()
+        left = time.monotonic()
+        while server.admission.lanes._queue and time.monotonic() - left < 10 * PEER_CHECK_INTERVAL:
+            time.sleep(0.01)
+        assert not server.admission.lanes._queue  # long before the 60 s lane wait
+        assert caplog.text.count("the peer left while its session waited for a lane") == 3
+        assert server.admission.lanes.busy == 1
+    assert not chain.backends[0].sessions[1:]  # the leavers never opened a session
+
+
 def test_concurrent_connections_each_get_their_own_chain(chain_factory):
     import threading
 

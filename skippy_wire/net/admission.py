@@ -39,6 +39,8 @@ log = logging.getLogger("skippy_wire.net.server")
 DEFAULT_MAX_SESSIONS_PER_CONNECTION = 2
 #: Seconds a new session waits for a lane when all are busy.
 DEFAULT_LANE_WAIT = 10.0
+#: Seconds between two looks, while a session waits for a lane, at whether its peer left.
+PEER_CHECK_INTERVAL = 0.2
 #: Connections a stage serves at once; more are refused at accept.
 DEFAULT_MAX_CONNECTIONS = 64
 #: Seconds a whole message may take to arrive after its first byte.
@@ -122,7 +124,10 @@ class LaneGate:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
 
-    def acquire(self) -> None:
+    def acquire(self, gone: Callable[[], bool] | None = None) -> None:
+        """``gone()``, asked every :data:`PEER_CHECK_INTERVAL` s of a wait, says whether the
+        waiting session's peer has left: it then gives its place up at once (a flood of
+        connections that ask and leave would otherwise keep the queue full until ``wait``)."""
         with self._cond:
             if self.lanes is None or (not self._queue and self.busy < self.lanes):
                 self.busy += 1
@@ -135,7 +140,9 @@ class LaneGate:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise StageError(f"all {self.lanes} lanes are busy; gave up after {self.wait:g} s")
-                    self._cond.wait(left)
+                    if gone is not None and gone():
+                        raise StageError("the peer left while its session waited for a lane")
+                    self._cond.wait(left if gone is None else min(left, PEER_CHECK_INTERVAL))
                 self.busy += 1
             finally:
                 self._queue.remove(ticket)
@@ -155,13 +162,14 @@ class SessionAdmission:
         self.lanes = LaneGate(lanes, wait)
         self.per_connection = per_connection
 
-    def open(self, held: int, session_id: int, create: Callable[[], Any], lock):
+    def open(self, held: int, session_id: int, create: Callable[[], Any], lock,
+             gone: Callable[[], bool] | None = None):
         """``create()`` (under ``lock``) a session for a connection holding ``held``, once a
-        lane is free."""
+        lane is free (``gone``: see :meth:`LaneGate.acquire`)."""
         if held >= self.per_connection:
             raise StageError(f"session {session_id} refused: the connection already holds {held} sessions "
                              f"(max-sessions-per-connection {self.per_connection})")
-        self.lanes.acquire()
+        self.lanes.acquire(gone)
         try:
             with lock:
                 return create()
@@ -238,5 +246,5 @@ class ConnectionLimit:
 
 
 __all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
-           "DEFAULT_LANE_WAIT", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT", "DEFAULT_IDLE_TIMEOUT",
-           "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes", "max_message_bytes"]
+           "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT",
+           "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes", "max_message_bytes"]

@@ -272,8 +272,7 @@ class StageServer:
                         downstream.peer.close()
                         downstream = opened[0] = self._open_downstream(seq, upstream.sock)
                         clog.info("%s: downstream had closed the idle link; reconnected", name)
-                reply = self._handle(msg, sessions, upstream.reader.last_size, downstream, timer,
-                                     upstream.reader.last_raw)
+                reply = self._handle(msg, sessions, upstream, downstream, timer)
                 # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
                 upstream.sock.settimeout(self.io_timeout)
                 if not sessions:
@@ -391,30 +390,28 @@ class StageServer:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _handle(self, msg, sessions: dict, size: int, downstream: LinkProtocol | None,
-                timer: DecodeTimer | None = None, raw: bytes | None = None) -> bytes:
-        """Execute ``msg`` (``raw``: its bytes, when the reader kept them) and return the reply."""
+    def _handle(self, msg, sessions: dict, upstream: Peer, downstream: LinkProtocol | None,
+                timer: DecodeTimer | None = None) -> bytes:
+        """Execute ``msg``, just read from ``upstream``, and return the reply."""
         if msg.kind == DISCARD_STALE_WINDOWS:  # read from v16 on, executed nowhere here
             raise StageError(f"unsupported stage message kind {WireMessageKindV16(msg.kind).name} ({msg.kind})")
         kind = K(msg.kind)  # the v16/v17 readers give a plain int
         check_runnable(msg, self.backend)
         session = sessions.get(msg.session_id)
-        ahead = None
-        if session is not None:
-            session.stats.messages += 1
-            session.stats.received_bytes += size
-            if session.ahead is not None:
-                ahead = self.ahead.claim(msg, session)
-        if kind == K.STOP:
-            reply = self._relay(msg, downstream, session) if downstream else _reply_bytes(send_reply_ack)
-            if session is not None:
-                self._free(sessions.pop(msg.session_id), msg.session_id)
-            return reply
+        if session is None and (kind == K.STOP or (kind == K.TRIM_SESSION and msg.pos_start == 0)):
+            # nothing here to stop or trim: no lane is taken for it
+            return self._relay(msg, downstream, None) if downstream else _reply_bytes(send_reply_ack)
         if session is None:
             session = sessions[msg.session_id] = self.admission.open(
-                len(sessions), msg.session_id, lambda: ServedSession(self.backend.create_session()), self._runtime_lock)
-            session.stats.messages += 1
-            session.stats.received_bytes += size
+                len(sessions), msg.session_id, lambda: ServedSession(self.backend.create_session()), self._runtime_lock,
+                upstream.hung_up)
+        session.stats.messages += 1
+        session.stats.received_bytes += upstream.reader.last_size
+        ahead = self.ahead.claim(msg, session) if session.ahead is not None else None
+        if kind == K.STOP:
+            reply = self._relay(msg, downstream, session) if downstream else _reply_bytes(send_reply_ack)
+            self._free(sessions.pop(msg.session_id), msg.session_id)
+            return reply
         if kind == K.CONFIGURE_GENERATION:
             session.sampling = msg.sampling
             session.chat_metadata = msg.chat_sampling_metadata
@@ -470,7 +467,7 @@ class StageServer:
             if kind.requires_predicted_reply:
                 return _reply_bytes(send_reply_predicted, predicted, stats)
             return _reply_bytes(send_reply_ack, stats)
-        return self._forward(msg, frame, session, downstream, compute_us, timer, raw)
+        return self._forward(msg, frame, session, downstream, compute_us, timer, upstream.reader.last_raw)
 
     def _run_step(self, step: DecodeStep) -> tuple:
         """One decode step or prefill chunk alone (the batcher holds the runtime lock)."""
