@@ -85,6 +85,8 @@ def peer_gone(sock) -> bool:
         return bool(poller.poll(0))
     except OSError:
         return True
+
+
 _PEEK_BYTES = VERSION_WORD_OFFSET + 4
 
 

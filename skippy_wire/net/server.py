@@ -59,7 +59,7 @@ from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .admission import (DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, check_runnable,
                         max_message_bytes)
-from .protocol_io import LinkProtocol, link_identity, rows_boundary
+from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
 from .decode_ahead import DecodeAhead
@@ -404,7 +404,7 @@ class StageServer:
         if session is None:
             session = sessions[msg.session_id] = self.admission.open(
                 len(sessions), msg.session_id, lambda: ServedSession(self.backend.create_session()), self._runtime_lock,
-                upstream.hung_up)
+                lambda: peer_gone(upstream.sock))
         session.stats.messages += 1
         session.stats.received_bytes += upstream.reader.last_size
         ahead = self.ahead.claim(msg, session) if session.ahead is not None else None

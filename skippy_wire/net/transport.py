@@ -316,16 +316,6 @@ class Peer:
             pass
         return False
 
-    def hung_up(self) -> bool:
-        """Whether the other end has closed the connection (or its sending half: this end
-        would read EOF after what is already here), without reading anything."""
-        try:
-            poller = select.poll()
-            poller.register(self.sock.fileno(), select.POLLRDHUP)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):  # closed here already
-            return True
-
     def capturing_socket(self) -> "CountingSocket":
         """The socket for a handshake run outside the reader (the v17 setup): what passes
         through it is counted and captured like the records, and its first received bytes
