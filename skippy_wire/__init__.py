@@ -16,6 +16,7 @@ first use (so ``import skippy_wire.errors`` or the command line pay for nothing 
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 # Importing the package loads nothing heavy (numpy, the compiled kernels): the command line
 # must get to its Ctrl-C handling first, and ``skippy_wire.errors`` alone should stay cheap.
@@ -44,14 +45,57 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ".wire.forwarding": ("StageConfig", "forwarded_stage_message", "forwarded_stage_message_timed"),
 }
 
+if TYPE_CHECKING:  # the same names for type checkers, re-exported as PEP 484 spells it (`X as X`)
+    from ._impl import (IMPLEMENTATION as IMPLEMENTATION)
+    from .errors import (InvalidDataError as InvalidDataError, InvalidInputError as InvalidInputError,
+        UnexpectedEofError as UnexpectedEofError, WireError as WireError)
+    from .wire.constants import (READY_MAGIC as READY_MAGIC, STAGE_STATE_VERSION as STAGE_STATE_VERSION,
+        ActivationCodec as ActivationCodec, CodecPolicy as CodecPolicy, StateFlags as StateFlags,
+        activation_frame_flags_from_state_flags as activation_frame_flags_from_state_flags,
+        activation_payload_multiplier_from_state_flags as activation_payload_multiplier_from_state_flags,
+        activation_state_flags_from_frame_flags as activation_state_flags_from_frame_flags)
+    from .wire.codec import (activation_f32_bytes as activation_f32_bytes,
+        activation_shape as activation_shape, activation_wire_bytes as activation_wire_bytes,
+        bf16_view as bf16_view, decode_activation as decode_activation,
+        encode_activation as encode_activation,
+        encode_f32_activation_payload as encode_f32_activation_payload, f16_view as f16_view,
+        is_bf16_exact as is_bf16_exact, is_f16_exact as is_f16_exact,
+        select_and_encode_lossless as select_and_encode_lossless,
+        select_lossless_codec as select_lossless_codec)
+    from .wire.messages import (F32 as F32, LogitBias as LogitBias, RequestEpoch as RequestEpoch,
+        SamplingConfig as SamplingConfig, StageStateHeader as StageStateHeader,
+        StageWireMessage as StageWireMessage, WireMessageKind as WireMessageKind,
+        WireStagePhase as WireStagePhase)
+    from .wire.replies import (NativeMtpDraft as NativeMtpDraft, StageReply as StageReply,
+        StageReplyStats as StageReplyStats, StageReplyWindow as StageReplyWindow,
+        WireReplyKind as WireReplyKind)
+    from .wire.frame import (StageMessageDecoder as StageMessageDecoder,
+        StageReplyDecoder as StageReplyDecoder, iter_stage_messages as iter_stage_messages,
+        read_reply as read_reply, read_reply_from_buffer as read_reply_from_buffer,
+        read_stage_message as read_stage_message,
+        read_stage_message_from_buffer as read_stage_message_from_buffer, recv_ready as recv_ready,
+        recv_reply as recv_reply, send_ready as send_ready, send_reply_ack as send_reply_ack,
+        send_reply_ack_with_stats as send_reply_ack_with_stats, send_reply_message as send_reply_message,
+        send_reply_predicted as send_reply_predicted,
+        send_reply_predicted_tokens_with_stats as send_reply_predicted_tokens_with_stats,
+        send_reply_predicted_tokens_with_window_and_stats as send_reply_predicted_tokens_with_window_and_stats,
+        send_reply_predicted_with_stats as send_reply_predicted_with_stats,
+        send_reply_predicted_with_tokens_and_stats as send_reply_predicted_with_tokens_and_stats,
+        send_reply_predicted_with_tokens_window_and_stats as send_reply_predicted_with_tokens_window_and_stats,
+        write_reply as write_reply, write_stage_message as write_stage_message,
+        write_stage_message_to as write_stage_message_to)
+    from .wire.forwarding import (StageConfig as StageConfig,
+        forwarded_stage_message as forwarded_stage_message,
+        forwarded_stage_message_timed as forwarded_stage_message_timed)
 
-def __getattr__(name: str):
-    for module, names in _PUBLIC.items():
-        if name in names:
-            value = getattr(importlib.import_module(module, __name__), name)
-            globals()[name] = value  # once: later lookups do not come here
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:  # (hidden from type checkers, which would otherwise take every misspelt name as Any)
+    def __getattr__(name: str):
+        for module, names in _PUBLIC.items():
+            if name in names:
+                value = getattr(importlib.import_module(module, __name__), name)
+                globals()[name] = value  # once: later lookups do not come here
+                return value
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -16,6 +16,7 @@ per layer:
 from __future__ import annotations
 
 import enum
+import functools
 import stat
 from typing import Optional
 
@@ -166,8 +167,8 @@ class StageRuntimeError(SkippyError, RuntimeError):
         self.required: "int | list[int] | None" = None
         super().__init__(message if status is None else format_status_error(status, message))
 
-    def __reduce__(self):
-        return (type(self), (self.message, self.status))
+    def __reduce__(self):  # ``required`` travels too (set after construction)
+        return (type(self), (self.message, self.status), self.__dict__)
 
     @classmethod
     def from_native(cls, status: int, message: Optional[str], required: "int | list[int] | None" = None) -> "StageRuntimeError":
@@ -227,19 +228,27 @@ class StateVersionMismatch(StageError):
 
     def __init__(self, peer, own: int, *, peer_text: str | None = None, who: str = "peer",
                  me: str = "this stage") -> None:
-        self.peer, self.own = peer, own
+        self.peer, self.own, self.who, self.me = peer, own, who, me
         self.peer_text = peer_text or f"state version {peer}"
         if peer == own:
             super().__init__(f"{who} refused what {me} sent as not of state version {own}, which both speak")
         else:
             super().__init__(f"{who} speaks {self.peer_text}, {me} speaks state version {own}")
 
+    def __reduce__(self):
+        return (functools.partial(type(self), peer_text=self.peer_text, who=self.who, me=self.me),
+                (self.peer, self.own), self.__dict__)
+
 
 class TlsRequired(StageError):
     """A plain peer reached a stage that requires mutual TLS (it said so in the clear)."""
 
     def __init__(self, who: str = "peer", me: str = "this side") -> None:
+        self.who, self.me = who, me
         super().__init__(f"{who} requires mutual TLS; {me} speaks plain TCP (give --tls-cert, --tls-key and --tls-ca)")
+
+    def __reduce__(self):
+        return (type(self), (self.who, self.me), self.__dict__)
 
 
 class TopologyError(PipelineError, ValueError):

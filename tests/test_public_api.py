@@ -123,6 +123,49 @@ def test_a_read_message_and_the_wire_errors_pickle_and_deepcopy(impl):
         assert (type(back), str(back), back.received, back.expected) == (ProtocolVersionError, str(error), 16, 15)
 
 
+def _error_examples():
+    from skippy_wire import errors as e
+
+    return [e.SkippyError("x"), e.WireError("x"), e.InvalidDataError("bad"), e.InvalidInputError("bad"),
+            e.UnexpectedEofError(needed=12), e.ForwardingError("wrapped", e.InvalidDataError("inner")),
+            e.SetupError("setup failed", "because"), e.SetupClosed(detail="why"),
+            e.StageRuntimeError.from_native(4, "too small", 1234), e.ActivationFrameError("frame"),
+            e.SamplingConfigError("sampling", e.Status.INVALID_ARGUMENT), e.StageArgumentError("token"),
+            e.PartialBatchExecution(3, e.StageRuntimeError("boom")), e.StageError("stage"), e.PipelineError("p"),
+            e.StateVersionMismatch(16, 15, who="downstream 1.2.3.4:5", me="stage 2"),
+            e.StateVersionMismatch(None, 17, peer_text="state version 15 or 16"),
+            e.TlsRequired("stage 1", "the driver"), e.TopologyError("t"), e.NetnsError("n"), e.ToolError("tool"),
+            e.DissectError("record 3"), e.Mismatch("case 1")]
+
+
+def test_every_error_class_pickles_and_copies_with_its_text_and_fields():
+    # Embedders send errors across processes (a worker pool that cannot unpickle one breaks).
+    from skippy_wire import errors
+
+    examples = _error_examples()
+    classes = {cls for cls in vars(errors).values() if inspect.isclass(cls) and issubclass(cls, BaseException)}
+    assert {type(error) for error in examples} == classes  # a new class needs an example here
+    for error in examples:
+        for back in (pickle.loads(pickle.dumps(error)), copy.deepcopy(error)):
+            assert type(back) is type(error) and str(back) == str(error) and back.args == error.args
+            assert {k: repr(v) for k, v in vars(back).items()} == {k: repr(v) for k, v in vars(error).items()}
+
+
+def test_type_checkers_see_every_public_name_re_exported_and_no_module_getattr():
+    # The lazy names are spelled out under TYPE_CHECKING as `X as X` (a bare import is not a
+    # re-export under mypy --strict), and the module __getattr__ is hidden from type checkers,
+    # which would otherwise type every name, misspelt ones too, as Any.
+    tree = ast.parse((REPO / "skippy_wire" / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    seen = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and all(a.asname == a.name for a in node.names)
+        seen["." * node.level + (node.module or "")] = tuple(a.name for a in node.names)
+    assert seen == sw._PUBLIC
+    assert [f.name for f in block.orelse if isinstance(f, ast.FunctionDef)] == ["__getattr__"]
+    assert not [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"]
+
+
 def test_dataclass_fields_are_spelled_in_the_class_for_type_checkers():
     # A make_dataclass base is invisible to mypy: SamplingConfig(temperature=0.7) would not check.
     from skippy_wire.wire.messages import SAMPLING_WIRE_ORDER
@@ -152,6 +195,19 @@ def test_kernel_stubs_match_the_compiled_signatures(module, stub):
         runtime = ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
                    [p.name for p in params if p.kind == p.KEYWORD_ONLY])
         assert runtime == _stub_parameters(path, name), name
+
+
+def test_the_backend_stub_declares_every_public_attribute_of_its_classes():
+    from skippy_wire.stage import _backend
+
+    tree = ast.parse((REPO / "skippy_wire" / "stage" / "_backend.pyi").read_text(encoding="utf-8"))
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and hasattr(_backend, node.name)]
+    assert {c.name for c in classes} >= {"Model", "Session"}
+    for node in classes:
+        declared = ({n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+                    | {n.name for n in node.body if isinstance(n, ast.FunctionDef)})
+        compiled = {name for name in dir(getattr(_backend, node.name)) if not name.startswith("_")}
+        assert compiled <= declared | set(dir(Exception)), node.name
 
 
 @pytest.mark.parametrize("compiled, twin", [
