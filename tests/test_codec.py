@@ -352,6 +352,11 @@ def test_public_views_are_zero_copy():
     assert half.dtype == np.float16 and half.tolist() == [1.5, -3.0]
     with pytest.raises(InvalidDataError, match="^activation payload size mismatch$"):
         api.f16_view(b"\x00\x01\x02")
+    for view_of in (api.bf16_view, api.f16_view):  # the codec functions' refusals, not numpy's
+        with pytest.raises(InvalidInputError, match="^payload must not be an array of Python objects$"):
+            view_of(np.array([1, 2], dtype=object))
+        with pytest.raises(InvalidInputError, match="^payload must be a C-contiguous buffer$"):
+            view_of(np.zeros((4, 4), np.uint8)[:, ::2])
 
 
 def test_package_reexports_and_flag_mapping():

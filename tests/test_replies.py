@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import struct
 
+import numpy as np
 import pytest
 
 from skippy_wire.wire import frame
@@ -21,7 +22,7 @@ from skippy_wire.wire.replies import (
 
 def sent(impl, fn, *args) -> bytes:
     buf = io.BytesIO()
-    fn(buf, *args)
+    fn(buf, *args, impl=impl)
     return buf.getvalue()
 
 
@@ -116,6 +117,17 @@ def test_token_vector_reply_round_trips(impl):
     assert (reply.kind, reply.predicted, reply.predicted_tokens) == (WireReplyKind.PREDICTED_TOKENS, 1, [1, 2, 3])
     empty = recv(impl, sent(impl, frame.send_reply_predicted_tokens_with_stats, []))
     assert (empty.predicted, empty.predicted_tokens) == (0, [])
+
+
+@pytest.mark.parametrize("first", [2**40, -(2**31) - 1, True, "7"])
+def test_a_token_vector_reply_names_a_first_token_it_cannot_carry_as_one_of_its_tokens(impl, first):
+    # (its ``predicted`` field is the first token, a field the caller never passed)
+    for send in (frame.send_reply_predicted_tokens_with_stats, frame.send_reply_predicted_tokens_with_window_and_stats):
+        extra = (StageReplyWindow(),) if send is frame.send_reply_predicted_tokens_with_window_and_stats else ()
+        with pytest.raises(InvalidInputError, match=r"^predicted_tokens value .* does not fit its wire type$"):
+            send(io.BytesIO(), [first, 2], *extra, impl=impl)
+    reply = recv(impl, sent(impl, frame.send_reply_predicted_tokens_with_stats, [np.int32(7), 3]))
+    assert (reply.predicted, reply.predicted_tokens) == (7, [7, 3])
 
 
 def test_reply_window_metadata_round_trips(impl):

@@ -70,6 +70,7 @@ class BatchResult:
     predicted_tokens: list[int]  # predicted_tokens[i] belongs to sampled_request_indexes[i]
 
 class Model:
+    path: str  # as given to the constructor
     n_layer: int
     n_embd: int
     n_vocab: int

@@ -37,9 +37,11 @@ import numpy as np
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError
+from .field_checks import holds_objects
 from .constants import (
     LOSSLESS_CODECS,
     NON_CONTIGUOUS_TEXT,
+    OBJECT_ARRAY_TEXT,
     WIRE_SIZE_TEXT,
     ActivationCodec,
     activation_frame_flags_from_state_flags,
@@ -191,8 +193,9 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer
 def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: BufferLike, state_flags: int = 0) -> np.ndarray:
     """Decode an activation wire payload (wire-format.md 7.4 and 6.3).
 
-    Returns a new 1-D ``float32`` array (its memory shared with nothing else) with every
-    value, bit patterns preserved.
+    Returns a new 1-D ``float32`` array with every value, bit patterns preserved, whose
+    memory nothing the caller holds shares (the compiled twin's array owns it; the reference
+    twin's lies over a private ``array.array``).
 
     Raises :class:`InvalidDataError`: "unknown stage activation codec", "negative
     activation dimensions", "decoded activation payload byte count exceeds maximum",
@@ -255,6 +258,8 @@ def is_f16_exact(payload: BufferLike) -> bool:
 
 def _wire_bytes_view(wire: BufferLike) -> np.ndarray:
     if isinstance(wire, np.ndarray):
+        if holds_objects(wire):  # its buffer holds the objects' addresses
+            raise InvalidInputError(OBJECT_ARRAY_TEXT)
         if not wire.flags.c_contiguous:
             raise InvalidInputError(NON_CONTIGUOUS_TEXT)
         return wire.reshape(-1).view(np.uint8)
@@ -275,7 +280,8 @@ def bf16_view(wire: BufferLike) -> np.ndarray:
     """Zero-copy ``ml_dtypes.bfloat16`` view of a BF16 wire payload (no value checks).
 
     The view shares memory with ``wire`` (read-only for ``bytes``).  Raises
-    :class:`InvalidDataError` "activation payload size mismatch" for an odd byte length.
+    :class:`InvalidDataError` "activation payload size mismatch" for an odd byte length,
+    :class:`InvalidInputError` for a non-contiguous buffer or an array of Python objects.
     """
     import ml_dtypes  # here, not at the top: its import costs a command-line start ~1.5 s
 
@@ -285,7 +291,6 @@ def bf16_view(wire: BufferLike) -> np.ndarray:
 def f16_view(wire: BufferLike) -> np.ndarray:
     """Zero-copy ``numpy.float16`` view of an F16 wire payload (no value checks).
 
-    Raises :class:`InvalidDataError` "activation payload size mismatch" for an odd
-    byte length.
+    Raises as :func:`bf16_view`.
     """
     return _half_view(wire, np.dtype("<f2"))

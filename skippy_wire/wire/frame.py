@@ -18,7 +18,8 @@ see :mod:`skippy_wire.wire.messages`).  Stream arguments are objects with ``read
 at most :data:`STREAM_CHUNK_BYTES`, so a hostile length costs at most what was received.
 
 The kernels (``_frame`` compiled, ``_reference.frame`` twin) are chosen by
-``SKIPPY_WIRE_IMPL``; every function here also takes ``impl="cython"|"python"``.
+``SKIPPY_WIRE_IMPL``; every function here that reads or writes messages and replies also
+takes ``impl="cython"|"python"`` (``send_ready`` and ``recv_ready`` run no kernel).
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ class _IncrementalDecoder(Generic[_Record]):
     the same feed are returned first (``consumed`` then says exactly where the bad record
     starts) and the error is raised by the next ``feed``; with no such records it is raised
     at once.  Every later ``feed`` raises it again.  A failed decoder holds no bytes.
+
+    A decoder is one stream's state and takes no lock: feed it from one thread at a time
+    (one decoder per connection; decoders of different streams run in parallel).
     """
 
     #: The record's name in the decoder-limit error text.
@@ -449,51 +453,62 @@ def _stats(stats: Optional[StageReplyStats]) -> StageReplyStats:
     return StageReplyStats() if stats is None else stats
 
 
-def send_reply_ack(stream, stats: Optional[StageReplyStats] = None) -> None:
+def send_reply_ack(stream, stats: Optional[StageReplyStats] = None, *, impl: Optional[str] = None) -> None:
     """Write an Ack reply with ``stats`` (default: all zero).  Also ``send_reply_ack_with_stats``."""
-    send_reply_message(stream, StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, _stats(stats)))
+    send_reply_message(stream, StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, _stats(stats)), impl=impl)
 
 
 send_reply_ack_with_stats = send_reply_ack
 
 
-def send_reply_predicted(stream, predicted: int, stats: Optional[StageReplyStats] = None) -> None:
+def send_reply_predicted(stream, predicted: int, stats: Optional[StageReplyStats] = None, *,
+                         impl: Optional[str] = None) -> None:
     """Write a PredictedToken reply carrying ``predicted`` (also as its one token), window 0.
     Also ``send_reply_predicted_with_stats``."""
     send_reply_message(
-        stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted], StageReplyWindow(), None, _stats(stats))
-    )
+        stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, [predicted], StageReplyWindow(), None, _stats(stats)),
+        impl=impl)
 
 
 send_reply_predicted_with_stats = send_reply_predicted
 
 
 def send_reply_predicted_with_tokens_and_stats(
-    stream, predicted: int, tokens: Sequence[int], stats: Optional[StageReplyStats] = None
+    stream, predicted: int, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *, impl: Optional[str] = None
 ) -> None:
     """Write a PredictedToken reply: ``predicted`` plus the token list ``tokens``, window 0."""
-    send_reply_predicted_with_tokens_window_and_stats(stream, predicted, tokens, StageReplyWindow(), stats)
+    send_reply_predicted_with_tokens_window_and_stats(stream, predicted, tokens, StageReplyWindow(), stats, impl=impl)
 
 
 def send_reply_predicted_with_tokens_window_and_stats(
-    stream, predicted: int, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None
+    stream, predicted: int, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None,
+    *, impl: Optional[str] = None
 ) -> None:
     """Write a PredictedToken reply: ``predicted``, the token list ``tokens`` and ``window``."""
-    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, list(tokens), window, None, _stats(stats)))
+    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, list(tokens), window, None,
+                                          _stats(stats)), impl=impl)
 
 
-def send_reply_predicted_tokens_with_stats(stream, tokens: Sequence[int], stats: Optional[StageReplyStats] = None) -> None:
+def send_reply_predicted_tokens_with_stats(stream, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *,
+                                           impl: Optional[str] = None) -> None:
     """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0), window 0."""
-    send_reply_predicted_tokens_with_window_and_stats(stream, tokens, StageReplyWindow(), stats)
+    send_reply_predicted_tokens_with_window_and_stats(stream, tokens, StageReplyWindow(), stats, impl=impl)
 
 
 def send_reply_predicted_tokens_with_window_and_stats(
-    stream, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None
+    stream, tokens: Sequence[int], window: StageReplyWindow, stats: Optional[StageReplyStats] = None, *,
+    impl: Optional[str] = None
 ) -> None:
     """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0) and ``window``."""
     tokens = list(tokens)
-    predicted = tokens[0] if tokens else 0
-    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKENS, predicted, tokens, window, None, _stats(stats)))
+    first = tokens[0] if tokens else 0
+    try:
+        fits = not isinstance(first, bool) and I32_MIN <= operator.index(first) <= I32_MAX
+    except TypeError:
+        fits = False
+    predicted = first if fits else 0  # (else the writer names it, as one of ``tokens``)
+    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKENS, predicted, tokens, window, None, _stats(stats)),
+                       impl=impl)
 
 
 # --- the per-token fast paths of a decode step ---------------------------------------------
