@@ -17,10 +17,12 @@ named extensions.
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # ggml_build.py beside this file (pip's build runs setup.py from elsewhere)
@@ -28,10 +30,11 @@ import ggml_build  # noqa: E402
 
 PKG = HERE / "skippy_wire"
 STAGE = PKG / "stage"
+RECORD_NAME = "_ggml_build.json"  # skippy_wire.stage._ggml.BUILD_INFO
 
 # Portable by default: no -march=native (SIMD paths are chosen at run time by CPU feature;
 # ggml itself is built for this CPU by ggml_build.py).
-OPT_FLAGS = ["-O3", "-fno-strict-aliasing"]
+OPT_FLAGS = ["-O3", "-fno-strict-aliasing", "-g0"]  # (-g0: no debug info, 7 MB less in the backend)
 if os.environ.get("SKIPPY_WIRE_DEBUG_BUILD"):
     OPT_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer"]
 if os.environ.get("SKIPPY_WIRE_ASAN"):
@@ -81,30 +84,39 @@ def frame_gen_extension() -> Extension:
 
 
 def backend_extension() -> Extension:
+    """The backend binding and its C++ sources; ggml is linked in by :func:`link_ggml` when
+    the extension is built (not whenever setup.py is read: an sdist compiles nothing)."""
+    stage_sources = sorted(str(p.relative_to(HERE)) for p in (STAGE / "_stage").glob("*.c*"))
+    return Extension(
+        "skippy_wire.stage._backend",
+        sources=["skippy_wire/stage/_backend.pyx", *stage_sources],
+        depends=sorted(str(p) for p in (STAGE / "_stage").glob("*.h")),
+        include_dirs=[str(STAGE / "_stage")],
+        language="c++",
+        extra_compile_args=OPT_FLAGS + ["-std=c++17"],
+        extra_link_args=list(ASAN_LINK),
+    )
+
+
+def link_ggml(ext: Extension, record: Path) -> None:
+    """Resolve ggml (built from source for this CPU, or the wheel's) and link ``ext``
+    against it; what it links is written to ``record`` (beside the built module, read at
+    run time by skippy_wire.stage._ggml.build_info())."""
     import sysconfig
 
     ggml = ggml_build.resolve(_libggml_root)
-    # What the backend carries, read at run time by skippy_wire.stage._ggml (build_info()).
-    (STAGE / "_ggml_build.json").write_text(json.dumps(ggml.info(), indent=1) + "\n")
-    stage_sources = sorted(str(p.relative_to(HERE)) for p in (STAGE / "_stage").glob("*.c*"))
-    common = dict(
-        sources=["skippy_wire/stage/_backend.pyx", *stage_sources],
-        depends=sorted(str(p) for p in (STAGE / "_stage").glob("*.h")),
-        include_dirs=[str(ggml.include_dir), str(STAGE / "_stage")],
-        language="c++",
-        extra_compile_args=OPT_FLAGS + ["-std=c++17"],
-    )
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(ggml.info(), indent=1) + "\n")
+    ext.include_dirs.insert(0, str(ggml.include_dir))
     if ggml.source == "sdist":
         # ggml built here for this CPU, linked in statically; --exclude-libs keeps its symbols
         # private, so a libggml loaded by someone else in the process (llama.cpp, the wheel)
         # can neither interpose on ours nor be interposed on.
-        return Extension(
-            "skippy_wire.stage._backend",
-            extra_objects=[str(p) for p in ggml.static_libs],
-            **{**common, "depends": common["depends"] + [str(p) for p in ggml.static_libs]},
-            libraries=["pthread", "m"],
-            extra_link_args=ASAN_LINK + ["-Wl,--exclude-libs,ALL"],
-        )
+        ext.extra_objects += [str(p) for p in ggml.static_libs]
+        ext.depends += [str(p) for p in ggml.static_libs]
+        ext.libraries += ["pthread", "m"]
+        ext.extra_link_args += ["-Wl,--exclude-libs,ALL"]
+        return
     # Portable fallback: the libggml-python wheel's shared libraries.  Where they are at run
     # time: next to the installed extension ($ORIGIN/..), in this interpreter's site-packages
     # (an editable/in-tree build made under pip's build isolation, whose own libggml copy is
@@ -114,13 +126,9 @@ def backend_extension() -> Extension:
     rpaths = ["$ORIGIN/../../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
     if lib64 not in rpaths:
         rpaths.append(lib64)
-    return Extension(
-        "skippy_wire.stage._backend",
-        library_dirs=[lib64],
-        libraries=["ggml-base", "ggml-cpu"],
-        extra_link_args=ASAN_LINK + [f"-Wl,-rpath,{r}" for r in rpaths],
-        **common,
-    )
+    ext.library_dirs.append(lib64)
+    ext.libraries += ["ggml-base", "ggml-cpu"]
+    ext.extra_link_args += [f"-Wl,-rpath,{r}" for r in rpaths]
 
 
 EXTENSIONS = {
@@ -131,7 +139,9 @@ EXTENSIONS = {
 }
 
 
-def extensions():
+def extensions() -> list:
+    """The extensions this build compiles (SKIPPY_WIRE_PUREPYTHON, SKIPPY_WIRE_BUILD_ONLY),
+    their Cython sources translated when each is built (:class:`build_ext`)."""
     if os.environ.get("SKIPPY_WIRE_PUREPYTHON"):
         print("skippy_wire: pure-Python build (no compiled extensions)", file=sys.stderr)
         return []
@@ -143,19 +153,35 @@ def extensions():
     if missing:
         raise SystemExit(f"missing extension sources: {missing}")
     chosen = [make() for name, (_, make) in EXTENSIONS.items() if not only or name in only]
-    from Cython.Build import cythonize
-
     import numpy
 
     for ext in chosen:
         ext.include_dirs.append(numpy.get_include())
         ext.define_macros.append(("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"))
-    print("skippy_wire: compiled build of " + ", ".join(e.name for e in chosen), file=sys.stderr)
-    return cythonize(
-        chosen,
-        compiler_directives={"language_level": "3", "embedsignature": True},
-        quiet=True,
-    )
+    return chosen
 
 
-setup(ext_modules=extensions())
+class build_ext(_build_ext):
+    """Compiles each extension: Cython first, and for the backend ggml (:func:`link_ggml`)."""
+
+    record = None  # the backend's build record, where this build wrote it
+
+    def build_extension(self, ext: Extension) -> None:
+        from Cython.Build import cythonize
+
+        if ext.name == "skippy_wire.stage._backend":
+            self.record = Path(self.get_ext_fullpath(ext.name)).with_name(RECORD_NAME)
+            link_ggml(ext, self.record)
+        print(f"skippy_wire: compiling {ext.name}", file=sys.stderr)
+        ext.sources = cythonize([ext], compiler_directives={"language_level": "3", "embedsignature": True},
+                                quiet=True)[0].sources
+        super().build_extension(ext)
+
+    def copy_extensions_to_source(self) -> None:
+        """An in-place (editable) build: the record goes where the built modules go."""
+        super().copy_extensions_to_source()
+        if self.record is not None:
+            shutil.copyfile(self.record, STAGE / RECORD_NAME)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext})

@@ -39,7 +39,8 @@ def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleT
         except ImportError as exc:
             raise ImportError(
                 f"the compiled module skippy_wire.wire._{concept} is not built ({exc}); "
-                "build it with `pip install -e .` or set SKIPPY_WIRE_IMPL=python"
+                "install skippy_wire with its compiled modules (without SKIPPY_WIRE_PUREPYTHON; "
+                "`pip install -e .` in a source tree) or set SKIPPY_WIRE_IMPL=python"
             ) from exc
     raise ValueError(f"unknown implementation {implementation!r}")
 

@@ -153,6 +153,20 @@ def test_ggml_build_script_runs_from_its_cache():
     assert f'"key": "{info["key"]}"' in run.stdout
 
 
+def test_reading_setup_py_builds_nothing(tmp_path):
+    # An sdist, `setup.py --version` and the like read setup.py: ggml is resolved (built,
+    # downloaded) and the build record written only when the backend is compiled.
+    record = ROOT / "skippy_wire" / "stage" / "_ggml_build.json"
+    before = record.stat().st_mtime_ns if record.exists() else None
+    env = {**os.environ, ggml_build.ENV_CACHE: str(tmp_path / "cache"), ggml_build.ENV_MODE: ""}
+    run = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "0.1.0"
+    assert not (tmp_path / "cache").exists()
+    assert (record.stat().st_mtime_ns if record.exists() else None) == before
+
+
 @pytest.mark.slow
 def test_bench_backend_batch_compares_batched_decode_steps(capsys):
     assert backend_bench.main(["--batch", "1,2", "--decode", "2", "--repeat", "1"]) == 0

@@ -132,6 +132,18 @@ def test_two_stage_processes_match_one_in_process_stage(tiny_model):
     assert generate_local(tiny_model, PROMPT, max_tokens=0, chunk_size=4, threads=1).tokens == []
 
 
+def test_stage_processes_run_the_drivers_package_whatever_stands_in_the_working_directory(tiny_model, tmp_path,
+                                                                                         monkeypatch):
+    # A `skippy_wire/` folder (a source checkout beside an installed package) or a module
+    # named like a dependency where the user stands must not replace what the stages import.
+    (tmp_path / "skippy_wire").mkdir()
+    (tmp_path / "skippy_wire" / "__init__.py").write_text("raise ImportError('the decoy in the working directory')\n")
+    (tmp_path / "numpy.py").write_text("raise ImportError('the decoy numpy')\n")
+    monkeypatch.chdir(tmp_path)
+    result, _ = _pipeline_tokens(tiny_model, 2)
+    assert result.tokens == generate_local(tiny_model, PROMPT, max_tokens=12, chunk_size=4, threads=1).tokens
+
+
 def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, monkeypatch):
     """Every session a stage freed left its event twice in the supervisor, for ever: some 6 KB
     a generation in a long-running API.  Now the latest SESSION_EVENTS_KEPT, and none queued."""

@@ -23,6 +23,7 @@ import queue
 import re
 import select
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -92,12 +93,20 @@ def default_model() -> Path:
 
 def stage_env() -> dict:
     """The environment of a stage child: unbuffered, running the very package the driver
-    imported (installed or not)."""
+    imported: a source tree run uninstalled goes on the child's path; an installed package
+    is found where the driver found it, after the standard library."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    if package_root not in site.getsitepackages() + [site.getusersitepackages()]:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
+
+
+#: How a stage child starts: never with the working directory on its import path (``-P``,
+#: Python 3.11 on), so a ``skippy_wire/`` or ``numpy.py`` where the user stands cannot
+#: replace the package the driver runs.
+STAGE_COMMAND = (sys.executable, *(("-P",) if sys.version_info >= (3, 11) else ()), "-m", "skippy_wire", "serve")
 
 
 _LIVE: set["StageProcess"] = set()
@@ -129,7 +138,7 @@ class StageProcess:
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._tail_count = 0
         self.popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "skippy_wire", "serve", "--exit-on-stdin-eof", *args],
+            [*prefix, *STAGE_COMMAND, "--exit-on-stdin-eof", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
             start_new_session=True,
         )
