@@ -326,6 +326,18 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
         assert not engine.tokenizer.encoding.is_set()  # 16 tokens of at most 4 bytes: never encoded
 
 
+def test_a_mixed_prompt_too_long_for_the_context_is_refused_before_any_piece_is_tokenized():
+    # A million one-letter texts: each piece is a token at least, and each passed the size
+    # check on its own, so they were tokenized one call at a time (seconds) before the 400.
+    engine = FakeEngine(ctx_size=16)
+    with TestClient(_fake_api(engine).app()) as client:
+        for prompt in ([["x"] * 16], [1] * 10 + ["x"] * 6, [["x" * 33, "y" * 32]]):  # (texts: 65 bytes > 16 x 4)
+            r = client.post("/v1/completions", json={"prompt": prompt})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert not engine.tokenizer.encoding.is_set()
+        assert client.post("/v1/completions", json={"prompt": [1] * 10 + ["x"] * 5}).status_code == 200
+
+
 def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed():
     with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
         s = _connect(url)

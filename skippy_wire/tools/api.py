@@ -304,7 +304,12 @@ class Api:
         if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
                                                        for t in prompt):
             # token ids, or llama-server's mixed prompt: the texts among them tokenized in place
-            # (a BOS, where the model adds one, only before a text that opens the prompt)
+            # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
+            # piece is a token at least, and the texts together must fit: a prompt of a million
+            # pieces is refused before a million calls to the tokenizer.
+            check_context(len(prompt), None, self.engine.ctx_size, "prompt")
+            check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
+                            self.engine.ctx_size, "'prompt'", "prompt")
             tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
                       self._encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False))]
             check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
