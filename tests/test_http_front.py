@@ -667,6 +667,46 @@ def test_a_cors_origin_is_checked_as_browsers_send_it(text):
     assert web_origin("https://page.example") == "https://page.example" and web_origin("*") == "*"
 
 
+def test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_finish():
+    engine = FakeEngine()
+    engine.gate.clear()  # the running request holds its lane until the gate opens
+    api = _fake_api(engine)
+    said: list[str] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = http_front.StoppingServer(uvicorn.Config(api.app(), log_level="warning", lifespan="off",
+                                                      timeout_graceful_shutdown=30), said.append,
+                                       api.admission.refuse_waiting)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    url = "http://127.0.0.1:%d/v1/completions" % listener.getsockname()[1]
+    answers: dict[str, httpx.Response] = {}
+
+    def call(name: str) -> None:
+        answers[name] = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+
+    running, queued = (threading.Thread(target=call, args=(name,), daemon=True) for name in ("running", "queued"))
+    try:
+        running.start()
+        _until(lambda: api.admission.running == 1, "the first request runs")
+        queued.start()
+        _until(lambda: api.admission.waiting == 1, "the second request waits")
+        server.should_exit = True
+        queued.join(20)  # answered while the running one still holds its lane (30 s of grace)
+        assert answers["queued"].status_code == 503, answers
+        assert answers["queued"].json()["error"]["code"] == "shutting_down"
+        assert "running" not in answers
+        engine.gate.set()
+        running.join(20)
+        thread.join(20)
+    finally:
+        engine.gate.set()
+        server.should_exit = True
+        listener.close()
+    assert answers["running"].status_code == 200
+    assert said == ["stopping: 1 request(s) in flight get up to 30 s to finish (Ctrl-C again: stop now); "
+                    "1 queued refused"]
+
+
 def test_a_stop_says_what_it_waits_for_and_what_it_cut_off(caplog):
     # a request that never finishes: the stop names it and its grace period, then the cut-off
     # in the command's own lines, where uvicorn logged an ERROR

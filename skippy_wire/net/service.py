@@ -55,6 +55,10 @@ class Cancelled(SkippyError):
     """The request was cancelled between two tokens."""
 
 
+class ServerStopping(SkippyError):
+    """The server stops: a request still waiting for a lane is refused (it never started)."""
+
+
 class PipelineUnavailable(PipelineError):
     """A request failed in the pipeline and it does not answer a readiness probe since:
     nothing can be served until it is whole again (retry later)."""
@@ -453,6 +457,7 @@ class Admission:
         self.max_queue = max_queue
         self.running = 0  # lanes granted, borrowed ones included
         self.borrowed = 0
+        self.stopping = False
         self._queue: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -461,8 +466,11 @@ class Admission:
 
     def ticket(self) -> asyncio.Future:
         """A future done once a lane is this request's: at once when one is free, else
-        in arrival order; QueueFullError when too many already wait."""
+        in arrival order (cancelled: :meth:`refuse_waiting`); QueueFullError when too many
+        already wait, ServerStopping once the server stops."""
         ticket = asyncio.get_running_loop().create_future()
+        if self.stopping:
+            raise ServerStopping("the server is shutting down")
         if self.running < self.max_inflight and not self._queue:
             self.running += 1
             ticket.set_result(None)
@@ -472,6 +480,16 @@ class Admission:
         else:
             self._queue.append(ticket)
         return ticket
+
+    def refuse_waiting(self) -> int:
+        """The server stops: every waiting ticket is cancelled (its request answered at
+        once, not after the running ones' grace period), and so is every later ask.  How
+        many were waiting."""
+        self.stopping = True
+        refused = len(self._queue)
+        while self._queue:
+            self._queue.popleft().cancel()
+        return refused
 
     def withdraw(self, ticket: asyncio.Future) -> None:
         """Give a ticket up: out of the queue, or its lane back if it was granted."""

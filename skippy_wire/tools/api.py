@@ -38,7 +38,8 @@ from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
 from ..net.connlog import RateLimitedRecords
-from ..net.service import READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError
+from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError,
+                           ServerStopping)
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -260,7 +261,7 @@ class Api:
     async def _answer(self, request: Request, *, chat: bool, native: bool = False) -> Response:
         try:
             return await self._generate(request, chat=chat, native=native)
-        except asyncio.CancelledError:  # the server stops (its graceful period over): say so
+        except (asyncio.CancelledError, ServerStopping):  # the server stops (queued, or its graceful period over)
             return shutting_down_response()
 
     def _rendered(self, body: dict) -> str:
@@ -368,6 +369,8 @@ class Api:
         ticket = self.admission.ticket()
         try:
             while not await request.is_disconnected():
+                if ticket.cancelled():  # only refuse_waiting() cancels a ticket that still waits
+                    raise ServerStopping("the server is shutting down")
                 if ticket.done():
                     return True
                 await asyncio.wait({ticket}, timeout=DISCONNECT_POLL_S)
@@ -562,7 +565,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
-            server, ended, hangups = StoppingServer(config, progress), [], []
+            server, ended, hangups = StoppingServer(config, progress, api.admission.refuse_waiting), [], []
 
             def hang_up(signum: int, _frame) -> None:  # stops uvicorn as its own SIGTERM handling does
                 hangups.append(signum)

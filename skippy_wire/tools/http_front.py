@@ -276,16 +276,21 @@ class IdleSheddingProtocol(H11Protocol):
 class StoppingServer(uvicorn.Server):
     """uvicorn's server, saying through ``say`` what a stop waits for: the requests in flight
     and their grace period (a second Ctrl-C ends it), then how many it cut off.  uvicorn's own
-    ERROR line for those is dropped: stopping is no error."""
+    ERROR line for those is dropped: stopping is no error.  ``refuse_waiting()`` answers the
+    requests still queued at once and says how many."""
 
-    def __init__(self, config: uvicorn.Config, say: Callable[[str], None]) -> None:
+    def __init__(self, config: uvicorn.Config, say: Callable[[str], None],
+                 refuse_waiting: Callable[[], int] = lambda: 0) -> None:
         super().__init__(config)
-        self.say = say
+        self.say, self.refuse_waiting = say, refuse_waiting
 
     async def shutdown(self, sockets=None) -> None:
-        if self.server_state.tasks:
-            self.say(f"stopping: {len(self.server_state.tasks)} request(s) in flight get up to "
-                     f"{self.config.timeout_graceful_shutdown:g} s to finish (Ctrl-C again: stop now)")
+        refused = self.refuse_waiting()  # requests not started are answered now, not after the grace period
+        running = len(self.server_state.tasks) - refused
+        if running > 0:
+            self.say(f"stopping: {running} request(s) in flight get up to "
+                     f"{self.config.timeout_graceful_shutdown:g} s to finish (Ctrl-C again: stop now)"
+                     + (f"; {refused} queued refused" if refused else ""))
         log = logging.getLogger("uvicorn.error")
         log.addFilter(self._cut_off)
         try:
