@@ -15,6 +15,7 @@ import json
 import re
 import logging
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -289,6 +290,18 @@ def test_deeply_nested_json_is_a_400():
     with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
         r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+
+
+def test_an_integer_too_long_to_read_is_named_as_such_not_as_invalid_json():
+    with TestClient(_fake_api().app()) as client:
+        for digits in ("9" * 5000, "-" + "9" * 5000):
+            r = client.post("/v1/completions", content='{"prompt": "Hi", "seed": %s}' % digits,
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == ("the request body holds an integer of 5000 digits; at most "
+                                                    f"{sys.get_int_max_str_digits()} are read")
+        assert client.post("/v1/completions", json={"prompt": "Hi", "seed": 10 ** 20}).status_code == 400  # range
+        assert client.post("/v1/completions", json={"prompt": "Hi", "seed": -5, "max_tokens": 2}).status_code == 200
 
 
 def test_a_compressed_body_is_a_415_naming_its_encoding():

@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import re
+import sys
 import uuid
 from typing import Callable, Optional
 
@@ -305,13 +306,26 @@ class StoppingServer(uvicorn.Server):
         return True
 
 
+class LongNumber(ValueError):
+    """An integer in a JSON body with more digits than Python converts (a valid JSON number)."""
+
+
+def _json_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > sys.get_int_max_str_digits() > 0:
+        raise LongNumber(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; "
+                         f"at most {sys.get_int_max_str_digits()} are read")
+    return int(digits)
+
+
 async def json_body(request: Request) -> dict | Response:
     """The request's body as a JSON object, or the error response that says why it is not one."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":  # a compressed body would read as "not valid JSON"
         return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
     try:
-        body = json.loads(await read_body(request))
+        body = json.loads(await read_body(request), parse_int=_json_int)
+    except LongNumber as exc:
+        return error_response(400, str(exc))
     except BodyTooLarge:
         return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
     except BodiesBufferFull:
