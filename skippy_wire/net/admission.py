@@ -247,4 +247,5 @@ class ConnectionLimit:
 
 __all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
            "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT",
-           "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes", "max_message_bytes"]
+           "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes",
+           "max_message_bytes"]
