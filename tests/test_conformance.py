@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GOLDEN
 
 from skippy_wire.tools import conformance
 
@@ -214,3 +215,16 @@ def test_a_case_without_a_field_it_needs_names_the_field(vectors_dir, tmp_path, 
     assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"FAIL {case['id']} [frame] cases.jsonl:1: the case has no field 'write'\n" in out
+
+
+@pytest.mark.parametrize("version, file", [("v15", "activation.jsonl"), ("v16", "activation_frame.jsonl"),
+                                           ("v17", "activation_frame.jsonl")])
+def test_a_case_naming_its_codec_two_different_ways_fails(version, file, tmp_path, capsys):
+    # A case whose codec name and codec id disagree was edited: it must not pass by the id.
+    case = next(c for c in _read(GOLDEN / version / file) if c.get("codec") == "F16RneV1")
+    case["codec"] = "Bf16RneV1"
+    (tmp_path / "cases.jsonl").write_text(json.dumps(case) + "\n")
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {case['id']} [{case['group']}] cases.jsonl:1\n" in out
+    assert f"     case names codec Bf16RneV1 with id {case['codec_id']}\n" in out

@@ -41,6 +41,15 @@ def _f32_hex(values) -> list:
 
 
 # --- group runners ------------------------------------------------------------------------
+def check_codec_naming(case: dict) -> None:
+    """A case that names its codec both ways (``codec``, ``codec_id``, as every version's
+    vectors do) must name one codec: an edited case is then noticed, whichever runs it."""
+    name, codec_id = case.get("codec"), case.get("codec_id")
+    known = {codec.rust_name: int(codec) for codec in ActivationCodec}
+    if name in known and codec_id is not None and known[name] != codec_id:
+        raise Mismatch(f"case names codec {name} with id {codec_id}")
+
+
 class Runner:
     def __init__(self, impl: str) -> None:
         self.impl = impl
@@ -56,9 +65,6 @@ class Runner:
     # activation: expected wire length, encode, and decode of what was encoded
     def case_activation(self, c: dict) -> None:
         codec, tc, width, flags = c["codec_id"], c["token_count"], c["width"], c["state_flags"]
-        known = {x.rust_name: int(x) for x in ActivationCodec}
-        if c.get("codec") in known and known[c["codec"]] != codec:
-            raise Mismatch(f"case names codec {c['codec']} with id {codec}")
         payload = bytes.fromhex(c["input_hex"])
         got = outcome(self.codec.activation_wire_bytes, codec, tc, width, flags)
         want = c["expected_wire_len"]
@@ -256,6 +262,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
             group = str(case.get("group"))
             tally = per_group.setdefault(group, [0, 0])
             try:
+                check_codec_naming(case)
                 (conformance_gen.runner_for(case, impl, protocol) or runner).run(case)
             except Mismatch as exc:
                 failed += 1
