@@ -120,3 +120,36 @@ class Pipeline:
     def trim(self, n):
         for s in self.sessions:
             s.trim(n)
+
+
+#: In :func:`rewritten_gguf`'s ``kv``: remove the key.
+DROP = object()
+
+
+def rewritten_gguf(src, dst, *, kv: dict | None = None, tensors: dict | None = None):
+    """A copy of the GGUF ``src`` at ``dst`` with metadata ``kv`` ({key: (value, value type)}
+    or {key: DROP}) and tensors ``tensors`` ({name: numpy array}) changed: a model broken
+    in exactly one way."""
+    import gguf
+    import numpy as np
+
+    kv, tensors = dict(kv or {}), tensors or {}
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        change = kv.pop(field.name, None)
+        if change is DROP:
+            continue
+        value, vtype = change or (field.contents(), field.types[0])
+        writer.add_key_value(field.name, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for key, (value, vtype) in kv.items():
+        writer.add_key_value(key, value, vtype)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensors.get(tensor.name, tensor.data)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(dst)

@@ -30,6 +30,7 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_token
 from tokenizers import models as tokenizer_models
 
 from ..errors import not_a_regular_file
+from ..wire.constants import I32_MAX
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -236,6 +237,11 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
             buf.release()
 
 
+def _all(values, kind: type) -> bool:
+    """Whether ``values`` is a list of ``kind`` (a bool is no int here)."""
+    return isinstance(values, list) and all(type(v) is kind for v in values)
+
+
 def _has_shape(found: dict) -> bool:
     arch = found.get("general.architecture")
     return bool(arch) and f"{arch}.block_count" in found and f"{arch}.embedding_length" in found
@@ -247,7 +253,16 @@ def model_shape(path: PathLike) -> Tuple[int, int]:
     if not _has_shape(found):
         raise ValueError(f"{path}: GGUF metadata lacks the block count or embedding length")
     arch = found["general.architecture"]
-    return int(found[f"{arch}.block_count"]), int(found[f"{arch}.embedding_length"])
+    return tuple(_count(path, found, f"{arch}.{key}") for key in ("block_count", "embedding_length"))
+
+
+def _count(path: PathLike, kv: dict, key: str) -> int:
+    """The positive integer at ``key`` of a GGUF's metadata, within the backend's i32;
+    ValueError naming it otherwise (an array, a string, 2^40)."""
+    value = kv.get(key)
+    if type(value) is not int or not 0 < value <= I32_MAX:
+        raise ValueError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
+    return value
 
 
 class Tokenizer:
@@ -304,12 +319,12 @@ class Tokenizer:
                     self._byte_ids[b] = i
                     self._id_bytes[i] = bytes([b])
             if any(ty == _NORMAL for ty in self.token_types):
-                raise NotImplementedError(
+                raise ValueError(
                     "SentencePiece vocabularies with normal pieces are not supported; "
                     "only byte-token SPM vocabularies (the tiny test model) and gpt2 BPE are"
                 )
         else:
-            raise NotImplementedError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
+            raise ValueError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
 
     def _build_bpe(self, merges: Sequence[str]):
 
@@ -331,7 +346,7 @@ class Tokenizer:
         elif self.pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
             pre = byte_level
         else:
-            raise NotImplementedError(f"BPE pre-tokenizer {self.pre!r} is not supported")
+            raise ValueError(f"BPE pre-tokenizer {self.pre!r} is not supported")
         # llama.cpp matches control (and unknown) tokens in the text only when asked to parse
         # special tokens, user-defined ones always: the second tokenizer encodes the special
         # ones as plain text (one object per mode, since the flag is shared state)
@@ -359,18 +374,30 @@ class Tokenizer:
         model, tokens = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.tokens")
         if not model or not tokens:
             raise ValueError(f"{path} has no tokenizer.ggml.model / tokenizer.ggml.tokens")
+        types, merges = kv.get("tokenizer.ggml.token_type") or [], kv.get("tokenizer.ggml.merges")
+        # Every value of the right kind, once, here: a wrong one is a file's fault, named in one
+        # line, not a TypeError at load or an IndexError at the hundredth token.
+        if not (isinstance(model, str) and _all(tokens, str) and _all(types, int) and
+                (merges is None or _all(merges, str))):
+            raise ValueError(f"{path}: tokenizer.ggml.model, tokens, token_type or merges hold values of the wrong type")
+        if types and len(types) != len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        if merges is not None and not all(" " in m for m in merges):
+            raise ValueError(f"{path}: a tokenizer.ggml.merges entry is not two pieces separated by a space")
 
         def opt_int(key):
-            v = kv.get(key)
-            return None if v is None else int(v)
+            value = kv.get(key)
+            if value is not None and type(value) is not int:
+                raise ValueError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
+            return value
 
         add_bos = kv.get("tokenizer.ggml.add_bos_token")
         return cls(
             model=model,
             pre=kv.get("tokenizer.ggml.pre"),
             tokens=tokens,
-            token_types=kv.get("tokenizer.ggml.token_type") or [],
-            merges=kv.get("tokenizer.ggml.merges"),
+            token_types=types,
+            merges=merges,
             bos_id=opt_int("tokenizer.ggml.bos_token_id"),
             eos_id=opt_int("tokenizer.ggml.eos_token_id"),
             eot_id=opt_int("tokenizer.ggml.eot_token_id"),

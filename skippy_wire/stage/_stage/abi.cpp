@@ -87,7 +87,14 @@ enum skippy_status skippy_model_open(const char * path, const struct skippy_stag
     ensure_log_installed();
     auto * m = new (std::nothrow) skippy_model();
     if (!m) return fail(out_error, SKIPPY_STATUS_RUNTIME_ERROR, "out of memory");
-    result r = model_load(m, path, config);
+    result r;
+    try {  // sizes come from the file: an exception must not cross the C ABI (it aborts)
+        r = model_load(m, path, config);
+    } catch (const std::bad_alloc &) {
+        r = err(SKIPPY_STATUS_RUNTIME_ERROR, strf("out of memory loading '%s'", path));
+    } catch (const std::exception & e) {
+        r = err(SKIPPY_STATUS_RUNTIME_ERROR, strf("loading '%s' failed: %s", path, e.what()));
+    }
     if (!r.is_ok()) {
         model_destroy(m);
         return fail(out_error, r.status, r.message);

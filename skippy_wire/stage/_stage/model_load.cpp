@@ -122,6 +122,12 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     };
     result r;
     if (!(r = need_int("block_count", &m->n_layer)).is_ok()) return r;
+    // Each layer has its nine tensors: a block count the file cannot hold is refused before
+    // anything is sized by it (2^30 layers would allocate gigabytes, then abort).
+    if ((int64_t) m->n_layer * 9 > gguf_get_n_tensors(g)) {
+        return err(SKIPPY_STATUS_MODEL_ERROR, strf("%sblock_count %d: the file holds %lld tensors, fewer than its layers need",
+                                                   a.c_str(), m->n_layer, (long long) gguf_get_n_tensors(g)));
+    }
     if (!(r = need_int("embedding_length", &m->n_embd)).is_ok()) return r;
     if (!(r = need_int("feed_forward_length", &m->n_ff)).is_ok()) return r;
     if (!(r = need_int("attention.head_count", &m->n_head)).is_ok()) return r;
@@ -143,6 +149,9 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     m->n_ctx_train = 2048;
     if (gguf_int(g, a + "context_length", &v)) m->n_ctx_train = (int) v;
     if (gguf_float(g, a + "attention.layer_norm_rms_epsilon", &dv)) m->eps = (float) dv;
+    if (!std::isfinite(m->eps) || m->eps < 0) {  // ggml's rms_norm aborts on it
+        return err(SKIPPY_STATUS_MODEL_ERROR, strf("invalid %sattention.layer_norm_rms_epsilon %g", a.c_str(), dv));
+    }
     if (gguf_float(g, a + "rope.freq_base", &dv)) m->freq_base = (float) dv;
     {
         int64_t sid = gguf_find_key(g, (a + "rope.scaling.type").c_str());
@@ -161,6 +170,12 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     int64_t embd_id = gguf_find_tensor(g, "token_embd.weight");
     if (embd_id < 0) return err(SKIPPY_STATUS_MODEL_ERROR, "GGUF has no token_embd.weight");
     m->n_vocab = (int) gguf_get_tensor_ne(g, embd_id)[1];
+    int64_t tokens_id = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (tokens_id >= 0 && gguf_get_kv_type(g, tokens_id) == GGUF_TYPE_ARRAY &&
+        (int64_t) gguf_get_arr_n(g, tokens_id) != m->n_vocab) {  // as llama.cpp: one embedding row per token
+        return err(SKIPPY_STATUS_MODEL_ERROR, strf("the vocabulary lists %lld tokens, token_embd.weight has %d rows",
+                                                   (long long) gguf_get_arr_n(g, tokens_id), m->n_vocab));
+    }
 
     // config (runtime.md §1.2 admission rules)
     m->stage_index = cfg->stage_index;
@@ -222,6 +237,10 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
         bool is_vector = w.ne1 == 1;
         if (is_vector && meta->type != GGML_TYPE_F32) {
             return err(SKIPPY_STATUS_MODEL_ERROR, strf("tensor %s must be F32", w.name.c_str()));
+        }
+        if (!is_vector && !ggml_get_type_traits_cpu(meta->type)->vec_dot) {  // ggml-cpu would abort or crash
+            return err(SKIPPY_STATUS_UNSUPPORTED, strf("tensor %s is of type %s, which the CPU backend cannot multiply",
+                                                       w.name.c_str(), ggml_type_name(meta->type)));
         }
         ggml_tensor * t = ggml_dup_tensor(m->wctx, meta);
         ggml_set_name(t, w.name.c_str());
