@@ -1,9 +1,11 @@
 """Chat templates: the SmolLM2 GGUF's template renders as transformers renders it."""
 
+import re
+
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from skippy_wire.stage.chat import ChatTemplate, ChatTemplateError
+from skippy_wire.stage.chat import MAX_RANGE_ITEMS, MAX_RENDERED_CHARS, ChatTemplate, ChatTemplateError
 from skippy_wire.stage.models import read_gguf_metadata, smollm2_path, write_tiny_llama_gguf
 
 TWO_TURNS = [
@@ -141,3 +143,28 @@ def test_sandbox_refuses_attribute_escape():
     template = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatTemplateError):
         template.render([{"role": "user", "content": "x"}])
+
+
+USER = [{"role": "user", "content": "x" * 200}]
+
+
+@pytest.mark.parametrize("source, fragment", [
+    # each range within the sandbox's 100,000, together 10^10 turns: hours
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     f"the template's ranges make more than {MAX_RANGE_ITEMS} items"),
+    ("{{ 'Hello ' * 200000000 }}", f"a repetition of more than {MAX_RENDERED_CHARS} items"),
+    ("{{ [1] * 200000000 }}", f"a repetition of more than {MAX_RENDERED_CHARS} items"),
+    ("{{ 2 ** 1000000000 }}", "an exponent above 1024"),
+    ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}",  # 20 million characters
+     f"it wrote more than {MAX_RENDERED_CHARS} characters"),
+])
+def test_a_template_from_a_model_file_is_bounded_in_time_and_memory(source, fragment):
+    with pytest.raises(ChatTemplateError, match=f"^the chat template failed: {re.escape(fragment)}$"):
+        ChatTemplate(source).render(USER)
+
+
+def test_the_range_budget_is_each_renders_own():
+    template = ChatTemplate("{% for i in range(6) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                            "{{ messages[0].content[:1] }}")
+    assert [template.render(USER) for _ in range(3)] == ["x"] * 3  # 1.8 million items over three renders
+    assert ChatTemplate("{{ 'ab' * 3 }}{{ 2 ** 10 }}").render(USER) == "ababab1024"

@@ -68,3 +68,12 @@ def test_the_command_line_says_so_in_one_line(tiny_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("skippy-wire: error: ") and "tokenizer model 'bert' is not supported" in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_chat_template_that_does_not_compile_is_named_not_taken_for_none(tiny_path, tmp_path, capsys):
+    path = rewritten_gguf(tiny_path, tmp_path / "template.gguf",
+                          kv={"tokenizer.chat_template": ("{% for %}", V.STRING)})
+    assert cli.main(["run", "-m", path, "-n", "1", "--stages", "1", "Hi"]) == 0
+    err = capsys.readouterr().err
+    assert "the chat template does not compile: " in err and ": the prompt goes as is" in err
+    assert "has no chat template" not in err

@@ -9,6 +9,7 @@ has to be tokenized (special tokens such as ``<|im_start|>`` are matched by the 
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import json
 from os import PathLike
@@ -33,6 +34,21 @@ class ChatTemplateError(StageRuntimeError, ValueError):
     """A model has no chat template, the template failed, or the messages are malformed."""
 
 
+class NoChatTemplate(ChatTemplateError):
+    """The model file carries no chat template."""
+
+
+#: What one render may do: a template comes from the model file, which is not trusted.  The
+#: items all its ranges make together (the sandbox bounds each range alone, not a loop in a
+#: loop), and the characters of a string or list it repeats and of the prompt it writes.
+#: Far above what real templates need (a few loops over the messages).
+MAX_RANGE_ITEMS = 1_000_000
+MAX_RENDERED_CHARS = 16 << 20
+#: The largest exponent of a template's ``**`` (2 ** 10 ** 9 would compute for minutes).
+MAX_EXPONENT = 1024
+_RANGE_ITEMS: contextvars.ContextVar[list] = contextvars.ContextVar("range_items")
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -46,12 +62,36 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _bounded_range(*args: int) -> range:
+    items = jinja2.sandbox.safe_range(*args)
+    counted = _RANGE_ITEMS.get()
+    counted[0] += len(items)
+    if counted[0] > MAX_RANGE_ITEMS:
+        raise jinja2.exceptions.SecurityError(f"the template's ranges make more than {MAX_RANGE_ITEMS} items")
+    return items
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox with :data:`MAX_RENDERED_CHARS` and :data:`MAX_EXPONENT` on ``*``, ``**``."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise jinja2.exceptions.SecurityError(f"an exponent above {MAX_EXPONENT}")
+        if operator == "*":
+            seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_RENDERED_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a repetition of more than {MAX_RENDERED_CHARS} items")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> jinja2.Environment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _bounded_range
     return env
 
 
@@ -125,7 +165,7 @@ class ChatTemplate:
         kv = read_gguf_metadata(path, "tokenizer.")
         source = kv.get(CHAT_TEMPLATE_KEY)
         if not isinstance(source, str) or not source.strip():
-            raise ChatTemplateError(f"{path} has no chat template ({CHAT_TEMPLATE_KEY}); send a raw prompt instead")
+            raise NoChatTemplate(f"{path} has no chat template ({CHAT_TEMPLATE_KEY}); send a raw prompt instead")
         vocab = tokens if tokens is not None else kv.get("tokenizer.ggml.tokens") or []
 
         def text_of(key: str) -> str:
@@ -145,11 +185,20 @@ class ChatTemplate:
         prefill = None
         if continue_final_message and checked[-1]["role"] == "assistant":
             prefill, add_generation_prompt = checked.pop()["content"], True
+        counted = _RANGE_ITEMS.set([0])
         try:
-            return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra) + (prefill or "")
+            pieces, size = [], 0
+            for piece in self._template.generate(messages=checked, add_generation_prompt=add_generation_prompt,
+                                                 bos_token=self.bos_token, eos_token=self.eos_token, **extra):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"it wrote more than {MAX_RENDERED_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces) + (prefill or "")
         except Exception as exc:  # noqa: BLE001 -- over the client's data, any failure is the request's
             # (a TemplateError, or e.g. a TypeError from a message field of an unexpected type)
             lone = prefill is not None and not checked
             why = " (rendering no messages, to continue a lone assistant message)" if lone else ""
             raise ChatTemplateError(f"the chat template failed{why}: {exc}") from None
+        finally:
+            _RANGE_ITEMS.reset(counted)

@@ -24,7 +24,7 @@ from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, Pi
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
-from ..stage.chat import ChatTemplate, ChatTemplateError
+from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -242,10 +242,12 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
         return args.prompt, False
     try:
         template = ChatTemplate.from_gguf(model, tokenizer.tokens)
-    except ChatTemplateError:
+    except ChatTemplateError as exc:
         if args.system_prompt is not None:
             parser.error(f"-sys/--system-prompt: {model.name} has no chat template to put it in")
-        progress(f"{model.name} has no chat template: the prompt goes as is")
+        # (a template that does not compile is named, not taken for none)
+        why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
+        progress(f"{why}: the prompt goes as is")
         return args.prompt, False
     messages = [{"role": "user", "content": args.prompt}]
     if args.system_prompt is not None:
