@@ -2,6 +2,8 @@
 
 #include "stage_internal.h"
 
+#include <sys/stat.h>
+
 namespace skippy_stage {
 
 // ---- GGUF metadata helpers
@@ -229,11 +231,17 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     m->wctx = ggml_init(wp);
     if (!m->wctx) return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml_init failed");
     std::vector<std::pair<int64_t, ggml_tensor *>> loads;
+    struct stat st;
+    const uint64_t file_size = fstat(fileno(fg.f), &st) == 0 ? (uint64_t) st.st_size : UINT64_MAX;
     for (auto & w : want) {
         int64_t id = gguf_find_tensor(g, w.name.c_str());
         ggml_tensor * meta = id >= 0 ? ggml_get_tensor(gg.meta, w.name.c_str()) : nullptr;
         if (!meta) return err(SKIPPY_STATUS_MODEL_ERROR, strf("GGUF has no tensor %s", w.name.c_str()));
         if (!(r = check_shape(meta, w.name.c_str(), w.ne0, w.ne1)).is_ok()) return r;
+        // before any weight memory is sized by it: a truncated file declaring gigabytes
+        if (gguf_get_data_offset(g) + gguf_get_tensor_offset(g, id) + ggml_nbytes(meta) > file_size) {
+            return err(SKIPPY_STATUS_MODEL_ERROR, strf("GGUF is truncated in tensor %s", w.name.c_str()));
+        }
         bool is_vector = w.ne1 == 1;
         if (is_vector && meta->type != GGML_TYPE_F32) {
             return err(SKIPPY_STATUS_MODEL_ERROR, strf("tensor %s must be F32", w.name.c_str()));
