@@ -4,6 +4,8 @@ from the metadata readers the commands use before it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -77,3 +79,17 @@ def test_a_chat_template_that_does_not_compile_is_named_not_taken_for_none(tiny_
     err = capsys.readouterr().err
     assert "the chat template does not compile: " in err and ": the prompt goes as is" in err
     assert "has no chat template" not in err
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data[:2], "failed to read magic"),
+    (lambda data: b"GGUG" + data[4:], "invalid magic characters: 'GGUG', expected 'GGUF'"),
+    (lambda data: data[:4] + (9).to_bytes(4, "little") + data[8:], "only supports up to version 3"),
+])
+def test_a_file_ggml_cannot_read_says_why(tiny_path, tmp_path, damage, reason):
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(damage(Path(tiny_path).read_bytes()))
+    with pytest.raises(StageRuntimeError) as error:
+        B.Model(str(path), n_threads=1)
+    assert error.value.status == Status.MODEL_ERROR
+    assert f"'{path}' is not a readable GGUF file: " in error.value.message and reason in error.value.message

@@ -42,7 +42,20 @@ std::mutex g_log_mutex;
 skippy_stage_log_callback g_log_cb = nullptr;
 void * g_log_ud = nullptr;
 
+// The first error ggml logged on this thread since the last take_log_error(): why a call
+// that reports only failure (gguf_init_from_file returns null) failed.
+static thread_local std::string t_first_error;
+
+std::string take_log_error() {
+    std::string text = std::move(t_first_error);
+    t_first_error.clear();
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    const size_t colon = text.find(": ");  // "gguf_init_from_file_impl: the reason"
+    return colon == std::string::npos ? text : text.substr(colon + 2);
+}
+
 static void log_trampoline(enum ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR && t_first_error.empty() && text) t_first_error = text;
     skippy_stage_log_callback cb;
     void * ud;
     {

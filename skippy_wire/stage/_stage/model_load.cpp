@@ -97,9 +97,13 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     }
     gguf_guard gg;
     gguf_init_params gp = {/*.no_alloc =*/true, /*.ctx =*/&gg.meta};
+    ensure_log_installed();
+    take_log_error();
     gg.g = gguf_init_from_file(path, gp);
     if (!gg.g || !gg.meta) {
-        return err(SKIPPY_STATUS_MODEL_ERROR, strf("'%s' is not a readable GGUF file", path));
+        const std::string why = take_log_error();
+        return err(SKIPPY_STATUS_MODEL_ERROR, strf("'%s' is not a readable GGUF file%s%s", path,
+                                                   why.empty() ? "" : ": ", why.c_str()));
     }
     const gguf_context * g = gg.g;
 

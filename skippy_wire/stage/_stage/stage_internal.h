@@ -152,6 +152,7 @@ inline result err(skippy_status s, std::string m) { return {s, std::move(m)}; }
 
 skippy_status finish(skippy_error ** out_error, const result & r);
 void ensure_log_installed();
+std::string take_log_error();
 void set_log_callback(skippy_stage_log_callback callback, void * user_data);
 int physical_cores();
 
