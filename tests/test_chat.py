@@ -5,7 +5,8 @@ import re
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from skippy_wire.stage.chat import MAX_RANGE_ITEMS, MAX_RENDERED_CHARS, ChatTemplate, ChatTemplateError
+from skippy_wire.stage.chat import (MAX_INTEGER_BITS, MAX_RANGE_ITEMS, MAX_RENDERED_CHARS, ChatTemplate,
+                                    ChatTemplateError)
 from skippy_wire.stage.models import read_gguf_metadata, smollm2_path, write_tiny_llama_gguf
 
 TWO_TURNS = [
@@ -157,6 +158,13 @@ USER = [{"role": "user", "content": "x" * 200}]
     ("{{ 2 ** 1000000000 }}", "an exponent above 1024"),
     ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}",  # 20 million characters
      f"it wrote more than {MAX_RENDERED_CHARS} characters"),
+    # a number squared in a loop, each exponent small: minutes of big-integer arithmetic
+    ("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+     f"an integer of more than {MAX_INTEGER_BITS} bits"),
+    ("{{ ((9 ** 1024) ** 1024) ** 1024 > 1 }}", f"an integer of more than {MAX_INTEGER_BITS} bits"),
+    # a string doubled in a loop with +: 2^41 characters
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     f"a sequence of more than {MAX_RENDERED_CHARS} items"),
 ])
 def test_a_template_from_a_model_file_is_bounded_in_time_and_memory(source, fragment):
     with pytest.raises(ChatTemplateError, match=f"^the chat template failed: {re.escape(fragment)}$"):
@@ -167,4 +175,5 @@ def test_the_range_budget_is_each_renders_own():
     template = ChatTemplate("{% for i in range(6) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
                             "{{ messages[0].content[:1] }}")
     assert [template.render(USER) for _ in range(3)] == ["x"] * 3  # 1.8 million items over three renders
-    assert ChatTemplate("{{ 'ab' * 3 }}{{ 2 ** 10 }}").render(USER) == "ababab1024"
+    assert ChatTemplate("{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ 'c' + 'd' }}{{ 3 * 4 + 1 }}{{ 2 ** -1 }}").render(USER) \
+        == "ababab1024cd130.5"

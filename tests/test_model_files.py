@@ -93,3 +93,13 @@ def test_a_file_ggml_cannot_read_says_why(tiny_path, tmp_path, damage, reason):
         B.Model(str(path), n_threads=1)
     assert error.value.status == Status.MODEL_ERROR
     assert f"'{path}' is not a readable GGUF file: " in error.value.message and reason in error.value.message
+
+
+def test_a_system_prompt_with_a_template_that_does_not_compile_names_the_failure(tiny_path, tmp_path, capsys):
+    path = rewritten_gguf(tiny_path, tmp_path / "template.gguf",
+                          kv={"tokenizer.chat_template": ("{% for %}", V.STRING)})
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "-m", path, "-n", "1", "--stages", "1", "-sys", "Be brief.", "Hi"])
+    assert exit_.value.code == 2
+    assert "error: -sys/--system-prompt: the chat template does not compile: " in \
+        capsys.readouterr().err

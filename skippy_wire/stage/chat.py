@@ -44,8 +44,10 @@ class NoChatTemplate(ChatTemplateError):
 #: Far above what real templates need (a few loops over the messages).
 MAX_RANGE_ITEMS = 1_000_000
 MAX_RENDERED_CHARS = 16 << 20
-#: The largest exponent of a template's ``**`` (2 ** 10 ** 9 would compute for minutes).
+#: The largest exponent of a template's ``**`` (2 ** 10 ** 9 would compute for minutes), and
+#: the most bits an integer made by ``*`` or ``**`` may have (a number squared in a loop).
 MAX_EXPONENT = 1024
+MAX_INTEGER_BITS = 1 << 20
 _RANGE_ITEMS: contextvars.ContextVar[list] = contextvars.ContextVar("range_items")
 
 
@@ -72,17 +74,27 @@ def _bounded_range(*args: int) -> range:
 
 
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The sandbox with :data:`MAX_RENDERED_CHARS` and :data:`MAX_EXPONENT` on ``*``, ``**``."""
+    """The sandbox with :data:`MAX_RENDERED_CHARS` on the sequences ``*`` and ``+`` make,
+    :data:`MAX_EXPONENT` and :data:`MAX_INTEGER_BITS` on the integers ``*`` and ``**`` make."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+"})
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        ints = isinstance(left, int) and isinstance(right, int)
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
             raise jinja2.exceptions.SecurityError(f"an exponent above {MAX_EXPONENT}")
+        bits = (left.bit_length() * max(right, 0) if operator == "**" else left.bit_length() + right.bit_length()) \
+            if ints and operator != "+" else 0
+        if bits > MAX_INTEGER_BITS:
+            raise jinja2.exceptions.SecurityError(f"an integer of more than {MAX_INTEGER_BITS} bits")
+        sequences = (str, list, tuple)
         if operator == "*":
-            seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_RENDERED_CHARS:
+            seq, times = (left, right) if isinstance(left, sequences) else (right, left)
+            if isinstance(seq, sequences) and isinstance(times, int) and len(seq) * times > MAX_RENDERED_CHARS:
                 raise jinja2.exceptions.SecurityError(f"a repetition of more than {MAX_RENDERED_CHARS} items")
+        if operator == "+" and isinstance(left, sequences) and isinstance(right, sequences) \
+                and len(left) + len(right) > MAX_RENDERED_CHARS:
+            raise jinja2.exceptions.SecurityError(f"a sequence of more than {MAX_RENDERED_CHARS} items")
         return super().call_binop(context, operator, left, right)
 
 

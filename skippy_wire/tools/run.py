@@ -243,10 +243,10 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
     try:
         template = ChatTemplate.from_gguf(model, tokenizer.tokens)
     except ChatTemplateError as exc:
-        if args.system_prompt is not None:
-            parser.error(f"-sys/--system-prompt: {model.name} has no chat template to put it in")
         # (a template that does not compile is named, not taken for none)
         why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
+        if args.system_prompt is not None:
+            parser.error(f"-sys/--system-prompt: {why}" + (" to put it in" if isinstance(exc, NoChatTemplate) else ""))
         progress(f"{why}: the prompt goes as is")
         return args.prompt, False
     messages = [{"role": "user", "content": args.prompt}]
