@@ -470,7 +470,7 @@ class Admission:
         already wait, ServerStopping once the server stops."""
         ticket = asyncio.get_running_loop().create_future()
         if self.stopping:
-            raise ServerStopping("the server is shutting down")
+            raise ServerStopping()
         if self.running < self.max_inflight and not self._queue:
             self.running += 1
             ticket.set_result(None)

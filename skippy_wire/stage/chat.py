@@ -38,10 +38,10 @@ class NoChatTemplate(ChatTemplateError):
     """The model file carries no chat template."""
 
 
-#: What one render may do: a template comes from the model file, which is not trusted.  The
+#: What one render may do, so that a runaway template from a model file ends in an error: the
 #: items all its ranges make together (the sandbox bounds each range alone, not a loop in a
-#: loop), and the characters of a string or list it repeats and of the prompt it writes.
-#: Far above what real templates need (a few loops over the messages).
+#: loop), and the characters of a string or list it makes with ``*`` or ``+`` and of the
+#: prompt it writes.  Far above what real templates need (a few loops over the messages).
 MAX_RANGE_ITEMS = 1_000_000
 MAX_RENDERED_CHARS = 16 << 20
 #: The largest exponent of a template's ``**`` (2 ** 10 ** 9 would compute for minutes), and

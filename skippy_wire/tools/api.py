@@ -370,7 +370,7 @@ class Api:
         try:
             while not await request.is_disconnected():
                 if ticket.cancelled():  # only refuse_waiting() cancels a ticket that still waits
-                    raise ServerStopping("the server is shutting down")
+                    raise ServerStopping()
                 if ticket.done():
                     return True
                 await asyncio.wait({ticket}, timeout=DISCONNECT_POLL_S)
