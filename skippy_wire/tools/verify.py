@@ -479,6 +479,12 @@ def _stopping(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.join(5)
+    # Its manager thread closes the pool's wake-up pipe when it sees the workers gone; at exit,
+    # Python 3.11 writes to that pipe without a lock ("Exception ignored ... Bad file
+    # descriptor" when the two meet), so the thread is let finish first.
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(5)
 
 
 def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
