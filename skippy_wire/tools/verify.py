@@ -47,6 +47,7 @@ Prints the mismatch count and the first mismatches in hex; exits 1 on any.
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import sys
 import time
@@ -479,12 +480,9 @@ def _stopping(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.join(5)
-    # Its manager thread closes the pool's wake-up pipe when it sees the workers gone; at exit,
-    # Python 3.11 writes to that pipe without a lock ("Exception ignored ... Bad file
-    # descriptor" when the two meet), so the thread is let finish first.
-    manager = getattr(pool, "_executor_manager_thread", None)
-    if manager is not None:
-        manager.join(5)
+    # (its manager thread closes a wake-up pipe Python 3.11 writes to unlocked at exit: EBADF)
+    if getattr(pool, "_executor_manager_thread", None) is not None:
+        pool._executor_manager_thread.join(5)
 
 
 def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
@@ -544,8 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv):
     p = build_parser()
     args = p.parse_args(argv)
-    if args.limit is None:
-        args.limit = TOTAL - args.start
+    args.limit = TOTAL - args.start if args.limit is None else args.limit
     if args.start + args.limit > TOTAL:
         p.error(f"--start 0x{args.start:x} + --limit {args.limit} go past 2^32")
     return args
@@ -579,13 +576,10 @@ def main(argv=None) -> int:
     mismatches = sum(r.mismatches for r in results)
     elapsed = time.monotonic() - t0
 
-    stats: dict = {}
-    by_check: dict = {}
+    stats, by_check = collections.Counter(), collections.Counter()
     for r in results:
-        for k, v in r.stats.items():
-            stats[k] = stats.get(k, 0) + v
-        for k, v in r.by_check.items():
-            by_check[k] = by_check.get(k, 0) + v
+        stats.update(r.stats)
+        by_check.update(r.by_check)
     first = sorted((m for r in results for m in r.first), key=lambda m: (m.check.startswith("decode16"), m.x))
     end = args.start + args.limit - 1
     print(f"verify-exhaustive: impl={args.impl} patterns 0x{args.start:08x}..0x{end:08x} ({args.limit}) "
