@@ -383,6 +383,20 @@ def test_reader_arguments_are_checked_alike_in_every_version(impl):
             WireProtocol(version)
 
 
+def test_an_offset_outside_the_buffer_is_named_however_far_out(impl):
+    data = frame.write_stage_message(messages()[0], impl=impl)
+    ack = StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, StageReplyStats())
+    reply = frame.write_reply(ack, impl=impl)
+    readers = (lambda offset: frame.read_stage_message_from_buffer(data, 4, offset=offset, impl=impl),
+               lambda offset: frame.read_reply_from_buffer(reply, offset=offset, impl=impl),
+               *(lambda offset, v=version: WireProtocol(v, impl=impl).read_from_buffer(data, offset=offset)
+                 for version in (15, 16, 17)))
+    for read in readers:
+        for offset in (len(data) + len(reply) + 1, -1, 2**63, -2**63 - 1, 10**30):  # past a C index too
+            with pytest.raises(ValueError, match="^offset outside the buffer$"):
+                read(offset)
+
+
 def test_a_reader_refuses_what_it_cannot_read_alike_in_both_implementations(impl):
     import numpy as np
 

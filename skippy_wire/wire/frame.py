@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
 from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
 
 from .. import _impl
@@ -100,6 +101,14 @@ def _check_int(value: Any, name: str) -> int:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
 
 
+def check_offset(value: Any) -> int:
+    """A buffer offset for a reader kernel: an int, and one past what a C index holds is
+    passed as -1, so the kernel names it "outside the buffer" as any other (an OverflowError
+    converting it would name neither)."""
+    offset = _check_int(value, "offset")
+    return offset if abs(offset) <= sys.maxsize else -1
+
+
 def check_sampling_lists(msg: StageWireMessage) -> None:
     """A sampling block's string lists must be lists of strings, refused up front when they
     are not: a bare ``str`` would be written one character per entry, and an iterator
@@ -147,7 +156,7 @@ def read_stage_message_from_buffer(
     """
     expected, pol = reader_expectation(codec, policy)
     return kernels(impl).read_stage_message_from_buffer(
-        readable(data), _check_int(n_embd, "n_embd"), expected, pol, _check_int(offset, "offset"))
+        readable(data), _check_int(n_embd, "n_embd"), expected, pol, check_offset(offset))
 
 
 def read_stage_message(data_or_stream, n_embd: int, codec=None, policy=None, *,
@@ -435,7 +444,7 @@ def send_reply_message(stream, reply: StageReply, *, impl: Optional[str] = None)
 def read_reply_from_buffer(data, *, offset: int = 0, impl: Optional[str] = None) -> tuple[StageReply, int]:
     """Read one reply at ``offset`` of a bytes-like object; returns ``(reply, consumed)``
     (trailing bytes are ignored).  A short buffer is UnexpectedEofError."""
-    return kernels(impl).read_reply_from_buffer(readable(data), _check_int(offset, "offset"))
+    return kernels(impl).read_reply_from_buffer(readable(data), check_offset(offset))
 
 
 def read_reply(data_or_stream, *, impl: Optional[str] = None) -> StageReply:

@@ -99,7 +99,7 @@ class WireProtocol:
         """One message from a bytes-like object -> ``(message, consumed)``.  ``n_embd`` is
         used by v15 only.  A message of another state version -> ProtocolVersionError."""
         return self.buffer_reader(n_embd, codec, policy, lambda: agreement)(_v15.readable(data),
-                                                                           _v15._check_int(offset, "offset"))
+                                                                           _v15.check_offset(offset))
 
     def buffer_reader(self, n_embd: int = 0, codec=None, policy=None, agreement=lambda: None):
         """:meth:`read_from_buffer` with its arguments bound once, as ``parse(data, offset)``
