@@ -233,6 +233,12 @@ def test_killed_stage_fails_the_request_with_a_reason(tiny_model):
         with pytest.raises(PipelineError, match="READY handshake"):
             PipelineClient(*cluster.entry, timeout=20)
         assert cluster.stages[0].popen.poll() is None
+        # A connection to a killed stage 0 names how it ended, not only the refused connect.
+        cluster.stages[0].popen.send_signal(signal.SIGKILL)
+        cluster.stages[0].popen.wait(10)
+        with pytest.raises(PipelineError, match=r"^stage 0 at \S+ \(layers 0\.\.\d+\) was killed by SIGKILL; "
+                                                r"cannot connect to stage 0 at "):
+            PipelineClient(*cluster.entry, timeout=20)
 
 
 def test_capture_files_can_be_inspected(tiny_model, tmp_path):

@@ -148,7 +148,7 @@ class PipelineClient:
         except ssl.SSLError as exc:
             raise PipelineError(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
-            raise PipelineError(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
+            raise self._failed(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
         self._peer.reader.poll_s = poll_s
         self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")
