@@ -692,6 +692,25 @@ def test_a_decode_step_of_several_tokens_is_refused_before_it_is_computed(chain_
     assert "a DecodeEmbd carries one token, this one 2" in caplog.text
 
 
+def test_a_message_whose_token_ids_miss_its_count_is_refused_by_every_stage(chain_factory, caplog):
+    from skippy_wire.net.driver import prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    # stage 0 reads the ids; a later stage gets rows of activation and the ids beside them
+    for server, activation in ((chain.servers[0], b""), (chain.servers[1], bytes(3 * N_EMBD * 4))):
+        msg = next(prefill_messages(PROMPT[:3], 16, 1, 1))
+        msg.tokens, msg.activation = [], activation
+        msg.state.source_stage_index = 0 if activation else -1  # (-1: the driver's, carrying none)
+        with PipelineClient(*server.address, timeout=10) as client:
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.request(msg)
+        assert caplog.text.count("message counts 3 tokens but carries 0 token ids") == 1
+        caplog.clear()
+    assert [len(b.sessions) for b in chain.backends] == [1, 1] and all(b.sessions[0].token_count == 0
+                                                                         for b in chain.backends)
+
+
 def test_sampling_the_terminal_would_refuse_is_refused_by_the_first_stage_with_its_reason(chain_factory, caplog):
     from skippy_wire.wire.messages import SamplingConfig
 

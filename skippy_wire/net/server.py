@@ -425,8 +425,8 @@ class StageServer:
 
         sampling = msg.sampling if msg.sampling is not None else session.sampling
         tokens = list(msg.tokens)
-        if self.backend.is_source and len(tokens) != msg.token_count:
-            raise StageError(f"first stage needs {msg.token_count} tokens, message carries {len(tokens)}")
+        if len(tokens) != msg.token_count:  # every stage's runtime takes a row per token id
+            raise StageError(f"message counts {msg.token_count} tokens but carries {len(tokens)} token ids")
         if ahead is None:
             self._check_position(msg, session)
         started = time.perf_counter()
