@@ -5,6 +5,7 @@ without holding the connection (``skippy_wire.net.tls``; certificates made with 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -230,6 +231,40 @@ def test_a_handshake_stalled_by_the_peer_ends_when_the_stage_closes_the_connecti
     assert outcome, "the handshake went on after its connection was shut down"
     assert time.monotonic() - started < 5
     assert isinstance(outcome[0], SetupClosed), outcome  # a peer that left, as on a plain stage
+
+
+def test_a_stage_names_a_handshake_dripped_past_its_deadline(pki, caplog):
+    """The handshake has one deadline (--io-timeout), however often the peer sends a byte:
+    the stage's log says the handshake did not finish, not that the peer stalled."""
+    from skippy_wire.net.server import StageServer
+    from test_server import FakeBackend
+
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"), io_timeout=0.5,
+                         tls=_config(pki, "node.pem", "node.key"))
+    server.start()
+    dripper = socket.create_connection(server.address)
+    try:
+        hello = b"\x16\x03\x01\x00\x50" + bytes(0x50)  # a record header and a body that never parses
+        for byte in hello[:20]:  # a byte every 0.1 s: never quiet for --io-timeout, done in 2 s
+            try:
+                dripper.sendall(bytes([byte]))
+            except OSError:  # the stage has closed the connection
+                break
+            time.sleep(0.1)
+        assert _wait_for_text(caplog, "closing")
+    finally:
+        dripper.close()
+        server.shutdown()
+    assert "the TLS handshake did not finish within 0.5 s; closing" in caplog.text
+    assert "stalled" not in caplog.text
+
+
+def _wait_for_text(caplog, text: str, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return text in caplog.text
 
 
 def test_a_completed_handshake_leaves_no_descriptor_behind(pki):

@@ -64,8 +64,8 @@ from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
 from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
-from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, accept_tls, handshake_failure, is_loopback,
-                  link_error, starts_tls_handshake)
+from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
+                  is_loopback, link_error, starts_tls_handshake)
 from .transport import Peer, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
@@ -296,6 +296,8 @@ class StageServer:
         except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
             clog.error("%s: peer reset the connection%s; closing", name,
                             " in the middle of a message" if upstream.reader.buffered else "")
+        except HandshakeTimeout as exc:
+            clog.error("%s: %s; closing", name, exc)
         except (socket.timeout, TimeoutError):
             clog.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
         except WireError as exc:

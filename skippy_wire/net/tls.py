@@ -279,13 +279,18 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> 
     return tls
 
 
+class HandshakeTimeout(TimeoutError):
+    """The TLS handshake did not finish within its deadline (a peer may send a byte at a
+    time and never stall): the text says how long it had."""
+
+
 def _handshake(tls: ssl.SSLSocket) -> ssl.SSLSocket:
     try:
         tls.do_handshake()
     except TimeoutError:  # in words, not "_ssl.c:989: The handshake operation timed out"
         timeout = tls.gettimeout()
         tls.close()
-        raise TimeoutError(f"the TLS handshake did not finish within {timeout:g} s") from None
+        raise HandshakeTimeout(f"the TLS handshake did not finish within {timeout:g} s") from None
     except BaseException:
         tls.close()
         raise
