@@ -16,7 +16,7 @@ import pytest
 
 from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
 from skippy_wire.errors import PipelineError, StageRuntimeError, Status
-from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.driver import PipelineClient, prefill_messages
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
 from skippy_wire.tools.serve import stage_config
@@ -598,6 +598,26 @@ def test_a_trim_to_nothing_of_a_session_never_opened_takes_no_lane(chain_factory
             assert int(reply.kind) == 1
         assert [b.sessions for b in chain.backends] == [[], []]
         assert client.generate(PROMPT, max_tokens=4, chunk_size=4).tokens == fake_reference(PROMPT, 4)
+
+
+@pytest.mark.parametrize("position", [-5, 3])
+def test_a_trim_past_what_a_session_holds_is_refused_before_it_takes_a_lane(chain_factory, caplog, position):
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    kind = WireMessageKind.TRIM_SESSION
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(StageWireMessage(kind, position, 0, StageStateHeader.new(kind), 1, 5))
+    assert f"TRIM_SESSION to position {position}, but session 5 holds 0 tokens" in caplog.text
+    assert [b.sessions for b in chain.backends] == [[], []]  # no session opened for it
+    with PipelineClient(*chain.entry, timeout=10) as client:  # nor for a held one's trim past its end
+        for msg in prefill_messages(PROMPT, 16, 1, 5):
+            client.request(msg)
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(StageWireMessage(kind, len(PROMPT) + 1, 0, StageStateHeader.new(kind), 1, 5))
+    assert f"TRIM_SESSION to position {len(PROMPT) + 1}, but session 5 holds {len(PROMPT)} tokens" in caplog.text
 
 
 def test_a_session_whose_peer_left_while_waiting_for_a_lane_gives_its_place_up(chain_factory, caplog):

@@ -400,7 +400,12 @@ class StageServer:
         kind = K(msg.kind)  # the v16/v17 readers give a plain int
         check_runnable(msg, self.backend)
         session = sessions.get(msg.session_id)
-        if session is None and (kind == K.STOP or (kind == K.TRIM_SESSION and msg.pos_start == 0)):
+        if kind == K.TRIM_SESSION:  # checked before a session is opened for it: a lane and a cache
+            have = 0 if session is None else getattr(session.runtime, "token_count", msg.pos_start)
+            if not 0 <= msg.pos_start <= have:
+                raise StageError(f"TRIM_SESSION to position {msg.pos_start}, but session {msg.session_id} "
+                                 f"holds {have} tokens")
+        if session is None and kind in (K.STOP, K.TRIM_SESSION):
             # nothing here to stop or trim: no lane is taken for it
             return self._relay(msg, downstream, None) if downstream else _reply_bytes(send_reply_ack)
         if session is None:
