@@ -208,3 +208,29 @@ def test_serve_of_a_range_the_model_does_not_fit_is_a_usage_error(capsys, tiny_m
     # (found from the GGUF header, before the layers load; the runtime said it with status 1)
     argv = ["serve", "-m", str(tiny_model), "--layer-start", layers[0], "--layer-end", layers[1], "--stage-index", "1"]
     assert_usage_error(capsys, argv + (["--downstream", downstream] if downstream else []), message)
+
+
+def test_serve_whose_stdout_closed_serves_on_without_its_events(tiny_model):
+    """`serve | head -1`: the first session event met a closed pipe, and the connection's
+    handler took the BrokenPipeError for its peer resetting: every request failed."""
+    import json
+
+    from skippy_wire.net.driver import PipelineClient
+
+    stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model), "--layer-start",
+                              "0", "--layer-end", "4", "--listen", "127.0.0.1:0"], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        listening = json.loads(stage.stdout.readline())
+        stage.stdout.close()  # the reader leaves after the first line
+        outputs = []
+        for session in (1, 2):
+            with PipelineClient(listening["host"], listening["port"], timeout=30) as client:
+                outputs.append(client.generate([1, 2, 3], max_tokens=3, chunk_size=4, session_id=session).tokens)
+        assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+        assert stage.poll() is None
+    finally:
+        stage.terminate()
+        _, err = stage.communicate(timeout=30)
+    assert err.count("stdout is closed: session events are no longer printed") == 1
+    assert "reset" not in err and "Traceback" not in err and "Exception ignored" not in err

@@ -92,7 +92,7 @@ def mistyped_command(word: str) -> str | None:
     return close[0] if close else None
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -148,7 +148,7 @@ def guarded(run: Callable[[], int | None]) -> int:
     try:
         return int(run() or 0)
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         return _status("EXIT_BROKEN_PIPE")
     except KeyboardInterrupt:
         return _status("EXIT_INTERRUPTED")

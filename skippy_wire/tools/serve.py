@@ -31,6 +31,7 @@ from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
+from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
                       int_at_least, int_between, milliseconds, seconds, thread_count, tls_config,
@@ -164,8 +165,12 @@ def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
 
 
 def _print_event(event: dict) -> None:
-    sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`serve | head -1`): the stage serves on without its events
+        quiet_stdout()
+        log.warning("stdout is closed: session events are no longer printed")
 
 
 def _check_output_dir(parser: argparse.ArgumentParser, option: str, directory: str) -> None:
