@@ -134,6 +134,7 @@ def test_given_values_are_still_checked(body, param):
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": "text"}, "modalities"),
+    ({"web_search_options": {}}, "web_search_options"),  # asks for a web search, whatever it holds
 ])
 def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
     with pytest.raises(BadRequest) as err:

@@ -47,9 +47,10 @@ MAX_NATIVE_TEMPERATURE = 1e6
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
 #: (compared with their type: ``0`` is not ``false``; ``audio``, the spoken reply's voice,
-#: has none).  ``logprobs`` is told apart below.
+#: and ``web_search_options``, a search before answering even when empty, have none).
+#: ``logprobs`` is told apart below.
 _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,),
-             "modalities": (["text"],), "audio": ()}
+             "modalities": (["text"],), "audio": (), "web_search_options": ()}
 #: llama-server's own sampling and output controls that the stages cannot honour, with the
 #: values that ask for nothing (llama-server's defaults; its web UI sends them all).
 _LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typical_p": (1, 1.0),
