@@ -45,7 +45,7 @@ NO_NETNS_ENV = "SKIPPY_WIRE_NO_NETNS"
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bps": 8, "kbps": 8 * 10**3,
                "mbps": 8 * 10**6, "gbps": 8 * 10**9}
-_UNLIMITED = ("", "0", "none", "unlimited", "inf")
+_UNLIMITED = ("none", "unlimited", "inf")  # (a rate of 0 would carry nothing: refused, not read as these)
 
 
 def parse_rate(text: str | None) -> int | None:
