@@ -517,8 +517,8 @@ def test_driver_reports_a_refused_connection():
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()[:2]
     listener.close()
-    with pytest.raises(PipelineError, match="cannot connect to stage 0"):
-        PipelineClient(*address, timeout=2)
+    with pytest.raises(PipelineError, match=r"^cannot connect to stage 0 at [\d.:]+: connection refused$"):
+        PipelineClient(*address, timeout=2)  # in words, not Python's "[Errno 111] Connection refused"
 
 
 # -- configuration -------------------------------------------------------------------------

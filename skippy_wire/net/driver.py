@@ -44,7 +44,7 @@ from .protocol_io import LinkProtocol
 from .supervision import launched_cluster
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
-from .transport import Peer, connect
+from .transport import Peer, connect, os_reason
 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK = 128
@@ -148,7 +148,7 @@ class PipelineClient:
         except ssl.SSLError as exc:
             raise PipelineError(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
-            raise self._failed(f"cannot connect to stage 0 at {self.address}: {exc}") from exc
+            raise self._failed(f"cannot connect to stage 0 at {self.address}: {os_reason(exc)}") from exc
         self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
         self._peer.reader.poll_s = poll_s
         self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")

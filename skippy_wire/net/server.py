@@ -66,7 +66,7 @@ from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
-from .transport import Peer, accept_connection, connect
+from .transport import Peer, accept_connection, connect, os_reason
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -348,7 +348,7 @@ class StageServer:
         except ssl.SSLError as exc:
             raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
         except OSError as exc:
-            raise StageError(f"cannot connect to downstream {host}:{port}: {exc}") from exc
+            raise StageError(f"cannot connect to downstream {host}:{port}: {os_reason(exc)}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture
         peer = Peer(sock, capture_prefix=capture)
         link = LinkProtocol(self.protocol, peer, who=f"downstream {host}:{port}", upstream=upstream)

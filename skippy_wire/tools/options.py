@@ -154,8 +154,10 @@ def error_line(message: str) -> str:
 def describe(exc: BaseException) -> str:
     """One line for ``exc``: ``path: reason`` for an OSError, else its message."""
     if isinstance(exc, OSError) and exc.strerror:
+        from ..net.transport import os_reason  # (the wire's kernels load with it: not before a failure)
+
         where = exc.filename if exc.filename is not None else None
-        reason = exc.strerror[0].lower() + exc.strerror[1:]
+        reason = os_reason(exc)
         # socket.create_server appends "(while attempting to bind on address ('H', P))": a
         # Python tuple the caller, who names the address, does not need
         reason = reason.split(" (while attempting to bind on address ")[0]

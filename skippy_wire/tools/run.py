@@ -330,7 +330,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     try:
         if args.connect:
             cluster, entry = contextlib.nullcontext(), args.connect
-            progress(f"using the running pipeline at {connected}")
+            progress(f"connecting to the running pipeline at {connected}")
         else:  # a stage that cannot start raises PipelineError with its own reason
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
