@@ -88,6 +88,8 @@ def test_bench_backend_describes_itself_in_full(capsys):
     (["cluster", "--delay-ms", "-1"], "argument --delay-ms: must be between 0 and 1000000000, got -1"),
     (["cluster", "--rate", "5foo"],
      "argument --rate: rate must look like 100mbit, 20mbit, 1gbit or unlimited, not '5foo'"),
+    (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "2", "--plan", "garbage"],
+     "--plan: a plan is START-END,START-END,..., not 'garbage'"),
     (["cluster", "--rate", "0"], "argument --rate: rate must look like 100mbit, 20mbit, 1gbit or unlimited, not '0'"),
     (["bench-cluster", "--rates", "unlimited,0mbit"], "argument --rates: rate '0mbit' is below 8kbit"),
     (["bench-cluster", "--codecs", "f17"],

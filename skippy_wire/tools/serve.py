@@ -205,6 +205,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         if args.layer_start != 0:
             parser.error("--stage-index is required when --layer-start > 0")
         args.stage_index = 0
+    if args.plan:
+        try:
+            parse_plan(args.plan)
+        except ValueError as exc:
+            parser.error(f"--plan: {exc}")
     if args.capture:
         # PREFIX-messages.bin: the directory is the text before the last slash, as written.
         _check_output_dir(parser, "--capture", os.path.dirname(args.capture) or os.curdir)
