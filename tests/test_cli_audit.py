@@ -278,6 +278,8 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
     (["run", "--temperatur=0"], "unrecognized arguments: --temperatur=0; did you mean '--temperature'?"),
     (["cluster", "--measure", "0"], "unrecognized arguments: --measure; did you mean '--measure-seconds'?"),
     (["serve", "--zzz"], "unrecognized arguments: --zzz"),
+    (["--verison"], "unrecognized arguments: --verison; did you mean '--version'?"),  # every command takes it
+    (["api", "--verison"], "unrecognized arguments: --verison; did you mean '--version'?"),
     # llama.cpp options this CLI lacks are refused, never split into a short option and a
     # value (`-ngl 99` was `-n gl`; `-hf` was `-h -f`: help and exit 0)
     (["run", "-ngl"], "unrecognized arguments: -ngl"),

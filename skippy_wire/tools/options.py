@@ -133,7 +133,8 @@ class Parser(argparse.ArgumentParser):
         if unknown is None:
             return ""
         dashes = "--" if unknown.startswith("--") else "-"
-        options = [name for name in self._option_string_actions
+        # --version is every command's too (read before the command's parser runs)
+        options = [name for name in [*self._option_string_actions, "--version"]
                    if name.startswith(dashes) and (dashes == "--") == name.startswith("--")]
         close = sorted(name for name in options if name.startswith(unknown))
         if dashes == "--":  # a short option's spelling is too short to be close to another's
