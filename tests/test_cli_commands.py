@@ -379,9 +379,9 @@ def test_cluster_n_is_documented_as_it_is_taken(capsys):
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
-    row = next(line for line in docs.splitlines() if line.startswith("| `-n/--max-tokens`, `--chunk-size` | 16, 64 |"))
+    row = next(line for line in docs.splitlines() if line.startswith("| `-n/--max-tokens` (`--predict`, `--n-predict`), `--chunk-size` | 16, 64 |"))
     assert "`-n` is at least 1" in row
-    assert_usage_error(capsys, ["cluster", "-n", "-1"], "argument -n/--max-tokens: must be at least 1, got -1")
+    assert_usage_error(capsys, ["cluster", "-n", "-1"], "argument -n/--max-tokens/--predict/--n-predict: must be at least 1, got -1")
 
 
 def test_bench_backend_names_llama_cpp_only_where_it_is_the_reference():
