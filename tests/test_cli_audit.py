@@ -522,3 +522,12 @@ def test_a_busy_api_port_is_named_without_python_s_tuple(capsys, tiny_model):
     assert _one_error_line(err) == f"skippy-wire: error: cannot listen on 127.0.0.1:{port}: address already in use"
     assert describe(OSError(98, "Address already in use (while attempting to bind on address ('127.0.0.1', 9411))")) \
         == "address already in use"
+
+
+def test_bytes_of_a_name_that_are_not_utf8_are_shown_as_given(capsys, tmp_path):
+    """Python keeps them as lone surrogates: the line read "/tmp/\\udcff.gguf"."""
+    missing = f"{tmp_path}/\udcff.gguf"  # what argv holds for the bytes b"\xff.gguf"
+    code, out, err = _main(capsys, "run", "-m", missing, "hi")
+    assert (code, out) == (1, "")
+    assert _one_error_line(err) == f"skippy-wire: error: {tmp_path}/\\xff.gguf: no such file or directory"
+    assert_usage_error(capsys, ["run", "--chec\udcff"], "unrecognized arguments: --chec\\xff; did you mean '--check'?")

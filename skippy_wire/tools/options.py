@@ -119,7 +119,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {message}{self._suggestion(message)}\n")
+        self.exit(EXIT_USAGE, f"{ERROR_PREFIX} {shown(message)}{self._suggestion(message)}\n")
 
     def _suggestion(self, message: str) -> str:
         """``; did you mean '--check'?`` for the first unknown option of ``message``."""
@@ -149,7 +149,16 @@ def doc_summary(doc: str | None) -> str:
 
 def error_line(message: str) -> str:
     """``skippy-wire: error: message`` on one line."""
-    return f"{ERROR_PREFIX} {' '.join(str(message).split())}"
+    return f"{ERROR_PREFIX} {' '.join(shown(str(message)).split())}"
+
+
+def shown(text: str) -> str:
+    """``text`` with the bytes of a file name or argument that are not UTF-8 (which Python
+    keeps as the lone surrogates U+DC80-U+DCFF) written as ``\\xff``, as they were given."""
+    return _UNDECODED.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}", text)
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 def describe(exc: BaseException) -> str:
