@@ -151,5 +151,11 @@ def decode_step_frame_batch_sampled(
     capacities: Sequence[int],
     predicted_capacity: int,
 ) -> BatchResult: ...
+def set_interrupted(interrupted: bool) -> None:
+    """Process-wide: while True, a computation in progress stops at its next graph node and
+    its call raises (the pending signal's handler first, e.g. KeyboardInterrupt; else
+    StageRuntimeError "computation interrupted"), as every later one does until False."""
+    ...
+
 def set_log_callback(callback: Optional[Any]) -> None:
     """callback(level: int, text: str) receives ggml's log lines; None = drop (default)."""

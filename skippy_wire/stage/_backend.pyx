@@ -13,6 +13,7 @@ GIL is released around every native execution call.
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
@@ -96,6 +97,8 @@ cdef int _check(int status, object message, object required=None) except -1:
     """The one place a status other than OK becomes an exception (``StageRuntimeError``)."""
     if status == SKIPPY_STATUS_OK:
         return 0
+    if skippy_interrupted():  # stopped by set_interrupted: the signal's own handler raises (Ctrl-C: KeyboardInterrupt)
+        PyErr_CheckSignals()
     raise StageRuntimeError.from_native(status, message,
                                         required if status == SKIPPY_STATUS_BUFFER_TOO_SMALL else None)
 
@@ -555,6 +558,10 @@ cdef void _log_trampoline(int level, const char * text, void * user_data) noexce
         cb(level, text.decode("utf-8", "replace"))
     except BaseException:
         pass  # a logging failure must never unwind through C
+
+
+def set_interrupted(bint interrupted):
+    skippy_set_interrupted(interrupted)
 
 
 def set_log_callback(callback):

@@ -101,6 +101,8 @@ cdef extern from "skippy_stage.h" nogil:
     const char * skippy_status_string(int32_t status)
     void skippy_error_free(skippy_error * error)
     void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data)
+    void skippy_set_interrupted(cbool interrupted)
+    cbool skippy_interrupted()
 
     skippy_status skippy_model_open(const char * path, const skippy_stage_config * config,
                                     skippy_model_t ** out_model, skippy_error ** out_error)

@@ -42,6 +42,7 @@ import numpy as np
 
 from skippy_wire.errors import ToolError
 from skippy_wire.stage import _ggml, models, runtime
+from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.stage.threads import default_threads, oversubscription
 from skippy_wire.tools.bench_rows import cpu_model, progress
@@ -370,18 +371,16 @@ def main(argv=None):
     warning = oversubscription(max(args.threads or [default_threads()]))
     if warning:
         print(f"[skippy-wire] warning: -t {max(args.threads)}: {warning}", file=sys.stderr, flush=True)
-    if args.matmul:
-        matmul_ab(path, (args.threads or [default_threads()])[0], args.prefill, sizes, args.repeat)
-        return 0
-    if args.batch:
-        batched_decode(path, args.threads or [default_threads()], sizes, args.decode, args.repeat)
-        return 0
-    threads_list = args.threads or ([2] if args.stages else [1, 2])
-    if not args.stages:
-        side_by_side(path, threads_list, args.prefill, args.decode, args.repeat)
-        return 0
-    one_vs_two(path, threads_list, args.split if args.split is not None else n_layer // 2, args.prefill, args.decode,
-               args.repeat)
+    with interruptible_compute():  # Ctrl-C stops a long prefill at once, not when it ends
+        if args.matmul:
+            matmul_ab(path, (args.threads or [default_threads()])[0], args.prefill, sizes, args.repeat)
+        elif args.batch:
+            batched_decode(path, args.threads or [default_threads()], sizes, args.decode, args.repeat)
+        elif not args.stages:
+            side_by_side(path, args.threads or [1, 2], args.prefill, args.decode, args.repeat)
+        else:
+            one_vs_two(path, args.threads or [2], args.split if args.split is not None else n_layer // 2,
+                       args.prefill, args.decode, args.repeat)
     return 0
 
 

@@ -25,6 +25,7 @@ from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, Pi
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
+from ..stage.interrupt import interruptible_compute
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -352,9 +353,10 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     check = None
     if args.check:
         progress("check: running one in-process stage over all layers")
-        local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
-                               chunk_size=args.chunk_size, is_eog=is_eog, threads=args.threads,
-                               ctx_size=args.ctx_size)
+        with interruptible_compute():
+            local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
+                                   chunk_size=args.chunk_size, is_eog=is_eog, threads=args.threads,
+                                   ctx_size=args.ctx_size)
         check = check_tokens(result.tokens, local, args.activation_codec, args.activation_codec_policy)
     if args.json:
         summary = json_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,

@@ -37,6 +37,10 @@ struct skippy_abi_version skippy_abi_version(void) {
     return {SKIPPY_STAGE_ABI_MAJOR, SKIPPY_STAGE_ABI_MINOR, SKIPPY_STAGE_ABI_PATCH};
 }
 
+void skippy_set_interrupted(bool interrupted) { g_interrupted.store(interrupted, std::memory_order_relaxed); }
+
+bool skippy_interrupted(void) { return g_interrupted.load(std::memory_order_relaxed); }
+
 uint64_t skippy_abi_features(void) {
     return SKIPPY_FEATURE_RUNTIME_SLICE | SKIPPY_FEATURE_ACTIVATION_FRAME | SKIPPY_FEATURE_SESSION_RESET |
            SKIPPY_FEATURE_SAMPLING_CONFIG | SKIPPY_FEATURE_BATCH_VERIFY_FRAME | SKIPPY_FEATURE_LOGIT_BIAS |

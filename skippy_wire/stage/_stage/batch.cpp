@@ -147,8 +147,8 @@ result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_s
         for (size_t r = 0; r < R; r++) last[r] = off[r] + (int) ios[r].n - 1;
         ggml_backend_tensor_set(inp_last, last.data(), 0, sizeof(int32_t) * R);
     }
-    if (ggml_backend_graph_compute(m->backend, gf) != GGML_STATUS_SUCCESS) {
-        return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml graph compute failed");
+    if (result computed = compute_result(ggml_backend_graph_compute(m->backend, gf)); !computed.is_ok()) {
+        return computed;
     }
     std::vector<std::vector<float>> logits(R);
     for (size_t r = 0; r < R; r++) {

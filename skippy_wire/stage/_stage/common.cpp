@@ -84,6 +84,16 @@ void set_log_callback(skippy_stage_log_callback callback, void * user_data) {
     ensure_log_installed();
 }
 
+std::atomic<bool> g_interrupted{false};
+
+bool interrupted_callback(void *) { return g_interrupted.load(std::memory_order_relaxed); }
+
+result compute_result(ggml_status status) {
+    if (status == GGML_STATUS_SUCCESS) return {};
+    if (status == GGML_STATUS_ABORTED) return err(SKIPPY_STATUS_RUNTIME_ERROR, "computation interrupted");
+    return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml graph compute failed");
+}
+
 int physical_cores() {
     // Pairs (package, core) from sysfs; capped by the affinity mask (containers, taskset).
     std::set<std::pair<int, int>> cores;

@@ -162,8 +162,8 @@ result eval_chunk(skippy_session * s, const int32_t * tokens, const uint8_t * in
         }
         if (!host.empty()) ggml_backend_tensor_set(g.inp_mask, host.data(), 0, host.size() * sizeof(float));
     }
-    if (ggml_backend_graph_compute(m->backend, g.gf) != GGML_STATUS_SUCCESS) {
-        return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml graph compute failed");
+    if (result computed = compute_result(ggml_backend_graph_compute(m->backend, g.gf)); !computed.is_ok()) {
+        return computed;
     }
     if (g.out_x && out_rows) ggml_backend_tensor_get(g.out_x, out_rows, 0, ggml_nbytes(g.out_x));
     if (g.out_logits && out_logits) ggml_backend_tensor_get(g.out_logits, out_logits, 0, ggml_nbytes(g.out_logits));

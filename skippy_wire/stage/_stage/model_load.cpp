@@ -266,6 +266,7 @@ result model_load(skippy_model * m, const char * path, const skippy_stage_config
     m->backend = ggml_backend_cpu_init();
     if (!m->backend) return err(SKIPPY_STATUS_RUNTIME_ERROR, "ggml CPU backend init failed");
     ggml_backend_cpu_set_n_threads(m->backend, m->n_threads);
+    ggml_backend_cpu_set_abort_callback(m->backend, interrupted_callback, nullptr);
     m->threads_now = m->n_threads;
     if (m->n_threads > 1) {
         // A persistent pool instead of threads created per graph.  poll 0: idle workers

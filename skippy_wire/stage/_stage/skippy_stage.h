@@ -291,6 +291,11 @@ const char * skippy_status_string(int32_t status);
 void skippy_error_free(struct skippy_error * error);
 /* Routes ggml's log (process-wide).  NULL callback = drop everything (the default). */
 void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data);
+/* Process-wide: while set, a computation in progress stops at its next graph node and its
+ * call fails with SKIPPY_STATUS_RUNTIME_ERROR "computation interrupted" (the session is
+ * unchanged), as does every later one until it is cleared.  For a command's Ctrl-C. */
+void skippy_set_interrupted(bool interrupted);
+bool skippy_interrupted(void);
 
 /* ---- model / session ---- */
 enum skippy_status skippy_model_open(const char * path, const struct skippy_stage_config * config,

@@ -154,6 +154,10 @@ skippy_status finish(skippy_error ** out_error, const result & r);
 void ensure_log_installed();
 std::string take_log_error();
 void set_log_callback(skippy_stage_log_callback callback, void * user_data);
+extern std::atomic<bool> g_interrupted;  // skippy_set_interrupted
+bool interrupted_callback(void *);  // ggml's abort callback: reads g_interrupted
+// A graph's compute status as a result (an interrupted one says so).
+result compute_result(ggml_status status);
 int physical_cores();
 
 // ---- identities and descriptors (identity.cpp) ----

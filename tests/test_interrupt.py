@@ -1,0 +1,92 @@
+"""Ctrl-C during a long native computation (``skippy_wire.stage.interrupt``): the command
+stops at the computation's next graph node, not when the call returns, and the session is
+left as it was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from skippy_wire.errors import StageRuntimeError
+from skippy_wire.stage import _backend as B
+from skippy_wire.stage import models
+from skippy_wire.stage.interrupt import interruptible_compute
+from skippy_wire.stage.native import retry_with_required_capacity
+
+REPO = Path(__file__).resolve().parents[1]
+#: A prompt SmolLM2 takes seconds to prefill on one thread (about 2 s per 512 tokens here).
+LONG = 2048
+SIGNAL_AFTER_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return str(models.smollm2_path())
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
+
+
+def _timed_signal(signum: int, delay: float) -> threading.Timer:
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signum))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_stops_a_long_prefill_at_once_and_leaves_the_session_as_it_was(smollm2):
+    model = B.Model(smollm2, n_threads=1, ctx_size=LONG + 64)
+    session = model.create_session()
+    prompt = [(7 * i) % 1000 + 10 for i in range(LONG)]
+    with interruptible_compute():
+        timer = _timed_signal(signal.SIGINT, SIGNAL_AFTER_S)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            retry_with_required_capacity(session.prefill_chunk_frame, prompt)
+        stopped = time.monotonic() - started
+        timer.join()
+    # The whole prefill takes several times the signal's delay: it stopped well before its end.
+    assert stopped < SIGNAL_AFTER_S + 1.0, stopped
+    assert session.position == 0
+    # Once the context has ended, the backend computes again (the flag is cleared).
+    assert retry_with_required_capacity(session.prefill_chunk_frame, prompt[:8]) is not None
+    assert session.position == 8
+
+
+def test_without_a_pending_signal_an_interrupted_call_says_so(smollm2):
+    model = B.Model(smollm2, n_threads=1, ctx_size=64)
+    session = model.create_session()
+    B.set_interrupted(True)
+    try:
+        with pytest.raises(StageRuntimeError, match="computation interrupted"):
+            retry_with_required_capacity(session.prefill_chunk_frame, [10, 11, 12])
+    finally:
+        B.set_interrupted(False)
+    assert session.position == 0
+
+
+def test_bench_backend_exits_130_promptly_on_ctrl_c():
+    """bench-backend --prefill 2048 went on for the whole prefill after a Ctrl-C."""
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "bench-backend", "-t", "1", "--repeat", "1",
+                             "--decode", "4", "--prefill", str(LONG)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the table's header: the prefill starts now
+            if line.startswith("threads |"):
+                break
+        time.sleep(SIGNAL_AFTER_S)
+        proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        stopped = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert stopped < 2.0, stopped
+    assert "Traceback" not in err
