@@ -598,6 +598,7 @@ def test_json_is_one_object_with_text_and_summary(capsys, smollm2_pipeline):
     assert summary["sampling"] is None and summary["chat_template"] is True and summary["protocol"] == 15
     assert summary["connected"] == smollm2_pipeline
     assert 1 <= summary["completion_tokens"] <= 12 and summary["stop_reason"] in ("eog", "max_tokens")
+    assert summary["session_end_error"] is None  # the closing Stop was answered
 
 
 @pytest.mark.slow

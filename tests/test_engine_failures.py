@@ -12,7 +12,7 @@ import time
 
 import pytest
 from test_http_front import FakeTokenizer
-from test_server import Chain
+from test_server import Chain, FakeBackend, fake_reference
 
 from skippy_wire.errors import PipelineError
 from skippy_wire.net.driver import PipelineClient
@@ -135,3 +135,43 @@ def test_a_stage_0_that_trickles_its_reply_is_bounded_by_the_timeout():
     finally:
         done.set()
         listener.close()
+
+
+class StallingOnStop(FakeBackend):
+    """A terminal stage that stalls on the session's closing Stop until ``release`` is set:
+    every token has been sent when the Stop goes unanswered."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(3, 6, 1)
+        self.release = release
+
+    def free_session(self, session) -> None:
+        self.release.wait(10)
+        super().free_session(session)
+
+
+def test_a_whole_text_whose_closing_stop_goes_unanswered_is_kept(caplog):
+    """The driver raised over a complete result: the API answered 502 and dropped the text
+    when only the Stop after the last token got no answer (a stage stalled just then)."""
+    release = threading.Event()
+    chain = Chain([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), StallingOnStop(release)])
+    try:
+        with PipelineClient(*chain.entry, timeout=TIMEOUT_S) as client:
+            result = client.generate([1, 2, 3], max_tokens=3, chunk_size=4)
+            assert result.tokens == fake_reference([1, 2, 3], 3)
+            assert "no answer to Stop" in result.unended and not client.alive()
+        release.set()
+        release.clear()
+        engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+        try:
+            with caplog.at_level(logging.WARNING, logger="skippy_wire.net.service"):
+                out = _generate(engine)
+                assert out.completion_tokens == 2 and out.finish_reason == "length"
+                assert engine.failing and not engine._idle  # the connection is not reused
+                assert "got no answer (its text was complete)" in caplog.text
+        finally:
+            release.set()
+            engine.close()
+    finally:
+        release.set()
+        chain.close()

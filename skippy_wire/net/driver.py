@@ -97,6 +97,10 @@ class GenerationResult:
     #: stage 0 (write to reply).
     driver_gap_s: float = 0.0
     decode_round_trip_s: float = 0.0
+    #: Why the session's closing Stop got no Ack, when it did not (every token had come: the
+    #: text stands, and the connection is closed, as a late Ack would be read as the next
+    #: request's reply); else None.
+    unended: str | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -325,7 +329,11 @@ class PipelineClient:
                 token = self._expect(reply, ack=False)
                 pos += 1
             result.decode_s = time.perf_counter() - started
-            self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+            try:
+                self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+            except PipelineError as exc:
+                result.unended = str(exc)
+                self.close()
         finally:
             result.sent_bytes = self.sent_bytes - sent0
             result.received_bytes = self.received_bytes - recv0

@@ -380,6 +380,10 @@ class GenerationEngine:
                                      on_token=on_token, request_id=session, session_id=session,
                                      before_step=before_step)
             out.finish_reason = "stop" if result.stop_reason == "eog" else "length"
+            if result.unended is not None:  # the text is whole; the pipeline may not be
+                healthy = False
+                self._answered(PipelineError(f"the end of session {session} got no answer (its text was complete): "
+                                             f"{result.unended}"))
         except Cancelled:
             out.finish_reason = "stop"
             unstopped = self._stop_session(client, session)

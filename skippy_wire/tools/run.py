@@ -408,6 +408,8 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=is_eog, on_token=streamer.push)
             streamer.finish()
+            if result.unended is not None:  # the text is whole: said, not a failure
+                progress(f"warning: the end of the session got no answer (the text is complete): {result.unended}")
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
         raise PipelineError(f"request failed: {exc}") from None
