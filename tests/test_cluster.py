@@ -165,8 +165,25 @@ def test_killed_stage_ends_the_driver_with_one_line(netns):
     assert proc.returncode == 1, err
     errors = [line for line in err.splitlines() if line.startswith("skippy-wire: error:")]
     assert len(errors) == 1, err
-    assert "request failed: stage 0 at 10.77.0.1:19000 closed the connection" in errors[0]
-    assert "stage 1 (pid" in errors[0] and "exited with status -9" in errors[0]
+    assert re.search(r"stage 1 at 10\.77\.\d+\.\d+:19000 \(layers \d+\.\.\d+\) was killed by SIGKILL; "
+                     r"stage 0 at 10\.77\.0\.1:19000 closed the connection", errors[0]), errors[0]
+    _assert_nothing_left(_run_id(seen), pids)
+
+
+def test_a_stopped_stage_is_named_before_the_driver_gives_up(netns):
+    """Every stage waited as long as the driver, so all timed out together and the error
+    named only stage 0's silence."""
+    proc, seen = _start_and_wait_generating(["--timeout", "4"])
+    pids = _pids(seen)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if _alive(pids[1]):
+            os.kill(pids[1], signal.SIGCONT)
+    assert proc.returncode == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("skippy-wire: error:")]
+    assert len(errors) == 1 and re.search(r"stage 1 at \S+ \(layers \d+\.\.\d+\) is stopped \(SIGSTOP", errors[0]), err
     _assert_nothing_left(_run_id(seen), pids)
 
 

@@ -16,14 +16,14 @@ import logging
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
-from ..net.supervision import STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env
+from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env,
+                               stage_reply_timeouts)
 from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
@@ -93,12 +93,6 @@ def prompt_ids(tokenizer, text: str, count: int | None) -> list[int]:
         reps *= 2
         ids = tokenizer.encode(" ".join([text] * reps))
     return ids[:count]
-
-
-def _dead_stages(procs: list[StageProcess], chain: NetnsChain) -> str:
-    dead = [f"stage {p.index} (pid {p.popen.pid} in {chain.name(p.index)}) exited with status {p.popen.poll()}"
-            for p in procs if p.popen.poll() is not None]
-    return ("; " + "; ".join(dead)) if dead else ""
 
 
 def _startup_error(proc: StageProcess, exc: Exception) -> str:
@@ -198,7 +192,9 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         topo_file = topology.write(work / "topology.json")
         env = stage_env()
         for index, stage in enumerate(topology.stages):
-            args = ["--topology", str(topo_file), "--stage", str(index), "--reply-timeout", str(opts.timeout)]
+            # each stage waits less than its upstream, as run's: the first to give up names the silent one
+            reply_timeout = stage_reply_timeouts(opts.timeout, opts.hosts)[index]
+            args = ["--topology", str(topo_file), "--stage", str(index), "--reply-timeout", repr(reply_timeout)]
             if opts.delay_ms:
                 args += ["--link-delay-ms", str(opts.delay_ms)]
             proc = StageProcess(index, (stage.layer_start, stage.layer_end), args, env=env,
@@ -212,6 +208,8 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
                 raise PipelineError(_startup_error(proc, exc)) from None
             progress(f"stage {proc.index}: pid {proc.popen.pid}, layers {proc.layers[0]}..{proc.layers[1]}, "
                      f"listening on {proc.address} in {chain.name(proc.index)}")
+        stages = StageCluster(procs, model, opts.codec, opts.policy, threads)
+        marks = stages.log_marks()
         with in_netns(chain.name(0)):
             client = PipelineClient(*topology.entry, timeout=opts.timeout)
         progress(f"generating: prompt {len(prompt)} tokens, up to {opts.max_tokens} new tokens")
@@ -226,13 +224,13 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
                 streamer.end_line()
             if not isinstance(exc, PipelineError):
                 raise
-            time.sleep(0.2)  # let a dying stage's exit be seen
-            raise PipelineError(f"{exc}{_dead_stages(procs, chain)}") from None
+            cause = stages.explain(marks)  # the stage that ended, is stopped, or logged the first error
+            raise PipelineError(f"{cause}; {exc}" if cause else str(exc)) from None
         if streamer:
             streamer.finish()
         client.close()
         client = None
-        events = StageCluster(procs, model, opts.codec, opts.policy, threads).session_events()
+        events = stages.session_events()
     finally:
         problems: list[str] = []
         # Ctrl-C (or SIGTERM, SIGHUP) must not stop the cleanup, and is acted on after it.
