@@ -341,6 +341,30 @@ def test_a_failed_request_names_the_first_stage_that_takes_no_connection():
             s.close()
 
 
+def test_a_stage_on_a_network_the_driver_has_no_route_to_is_not_blamed(monkeypatch):
+    """A driver that reaches only stage 0's front address named stage 1 "cannot be reached
+    (Network is unreachable)" for any failure, wherever it was."""
+    import errno
+
+    from skippy_wire.net import topology as topology_module
+
+    def connect(address, timeout):
+        host, _ = address
+        if host == "10.99.1.2":  # a back-end network only stage 0 reaches
+            raise OSError(errno.ENETUNREACH, "Network is unreachable")
+        if host == "10.99.2.2":
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        return socket.socket()
+
+    monkeypatch.setattr(topology_module.socket, "create_connection", connect)
+    endpoints = ["10.99.0.1:19000", "10.99.1.2:19000", "10.99.2.2:19000"]
+    topology = build_topology("/models/m.gguf", [(0, 10), (10, 20), (20, 30)], endpoints, shape=shape)
+    assert topology.unreachable_stage() == "stage 2 at 10.99.2.2:19000 (layers 20..30) refuses connections (it is " \
+                                           "not running)"
+    only_back_end = build_topology("/models/m.gguf", [(0, 15), (15, 30)], endpoints[:2], shape=shape)
+    assert only_back_end.unreachable_stage() is None
+
+
 def test_serve_takes_the_v17_model_id_from_the_topology(tmp_path):
     # The stage's v17 identity took the model file's stem, so a host keeping the model under
     # another name (--model, as the file allows) was refused by its neighbour ("model ... mismatch").

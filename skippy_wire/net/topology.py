@@ -54,7 +54,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .transport import WILDCARD_HOSTS, ipv4_addresses, parse_address
+from .transport import WILDCARD_HOSTS, ipv4_addresses, os_reason, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
@@ -153,9 +153,11 @@ class Topology:
         return path
 
     def unreachable_stage(self, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-        """The first stage whose endpoint takes no TCP connection now, in words naming it, its
-        address and layers; None when every one does.  A driver's account of a failed
-        request: the wire has no error reply, so a stage that ended shows only as a close."""
+        """The first stage whose endpoint takes no TCP connection from this host now, in
+        words naming it, its address and layers; None when every one does.  A driver's
+        account of a failed request: the wire has no error reply, so a stage that ended shows
+        only as a close.  A stage on a network this host has no route to (a back-end network
+        only its neighbours reach) is passed over: that says nothing of the stage."""
         for stage in self.stages:
             host, port = stage.address
             try:
@@ -163,9 +165,11 @@ class Topology:
             except ConnectionRefusedError:
                 why = "refuses connections (it is not running)"
             except (socket.timeout, TimeoutError):
-                why = f"accepted no connection within {timeout:g} s"
+                why = f"accepted no connection from this host within {timeout:g} s"
             except OSError as exc:
-                why = f"cannot be reached ({exc.strerror or exc})"
+                if exc.errno == errno.ENETUNREACH:
+                    continue
+                why = f"cannot be reached from this host ({os_reason(exc)})"
             else:
                 continue
             return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
