@@ -379,6 +379,26 @@ def test_serve_takes_the_v17_model_id_from_the_topology(tmp_path):
         assert args.model_id == model_id
 
 
+def test_serve_takes_the_v17_topology_id_and_plan_from_the_topology(tmp_path, capsys):
+    """Stages started from a file announced the id "skippy-wire" whatever the file's, so
+    stages of two files were never told apart, and their upstreams went unchecked."""
+    n_layer, _ = model_shape(smollm2_path())
+    half = n_layer // 2
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"topology_id": "two-hosts", "model_path": str(smollm2_path()), "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": half},
+        {"endpoint": "127.0.0.1:2", "layer_start": half, "layer_end": n_layer}]}))
+    parser = serve.build_parser()
+    args = parser.parse_args(["--topology", str(path), "--stage", "1", "--protocol", "17"])
+    serve._check_args(parser, args)
+    assert (args.topology_id, args.plan) == ("two-hosts", f"0-{half},{half}-{n_layer}")
+    # a plan given beside the file that does not give this stage its layers is refused
+    args = parser.parse_args(["--topology", str(path), "--stage", "1", "--protocol", "17", "--plan", f"0-{n_layer}"])
+    with pytest.raises(SystemExit):
+        serve._check_args(parser, args)
+    assert f"--plan 0-{n_layer} does not give stage 1 its layers {half}-{n_layer}" in capsys.readouterr().err
+
+
 # --- an operator's malformed files: one line naming the file, never a hang or a traceback ---
 
 

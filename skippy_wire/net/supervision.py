@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 from ..errors import PipelineError
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import default_threads, oversubscription
+from ..wire.activation_frame import STAGE_STATE_VERSION_V17
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
 
@@ -425,7 +426,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     "--stage-index", str(index), "--listen", "127.0.0.1:0",
                     "--activation-codec", codec, "--activation-codec-policy", policy,
                     "--ctx-size", str(ctx_size), "--threads", str(threads), "--protocol", str(protocols[index]),
-                    "--run-id", run_id, "--plan", plan, *(tls.as_args() if tls else ()), *extra_args,
+                    *(("--run-id", run_id, "--plan", plan) if protocols[index] == STAGE_STATE_VERSION_V17 else ()),
+                    *(tls.as_args() if tls else ()), *extra_args,
                     *(stage_args or {}).get(index, ())]
             if io_timeout is not None:
                 args += ["--io-timeout", str(io_timeout)]

@@ -26,7 +26,7 @@ from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
-from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
 from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, metavar="A-B,B-C,...",
                    help="v17: the layer ranges of every stage (topology id, and the upstream is checked against it; "
                         "default: none)")
+    p.set_defaults(topology_id=None)  # v17: a --topology file's id, else --plan's text
     p.add_argument("--model-id", default=None,
                    help="v17: the model id (default: --topology's model_id, else the model file's stem)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
@@ -162,6 +163,9 @@ def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
     args.activation_codec, args.activation_codec_policy = stage.activation_codec, stage.activation_codec_policy
     args.threads = stage.threads or args.threads
     args.ctx_size = topology.ctx_size
+    # v17: stages from one file share its id, and its layer ranges are the plan they check
+    args.topology_id = topology.topology_id
+    args.plan = args.plan or ",".join(f"{s.layer_start}-{s.layer_end}" for s in topology.stages)
 
 
 def _print_event(event: dict) -> None:
@@ -188,6 +192,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every check that needs no model: usage errors (status 2) before anything starts."""
     if (args.topology is None) != (args.stage is None):
         parser.error("--topology and --stage go together")
+    if args.plan is not None and args.protocol != STAGE_STATE_VERSION_V17:
+        parser.error(f"--plan is checked by the setup handshake of --protocol {STAGE_STATE_VERSION_V17} only")
     if args.topology is not None:
         _apply_topology(parser, args)
     elif args.model is None or args.layer_start is None or args.layer_end is None:
@@ -206,10 +212,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error("--stage-index is required when --layer-start > 0")
         args.stage_index = 0
     if args.plan:
-        try:
-            parse_plan(args.plan)
-        except ValueError as exc:
-            parser.error(f"--plan: {exc}")
+        _check_plan(parser, args)
     if args.capture:
         # PREFIX-messages.bin: the directory is the text before the last slash, as written.
         _check_output_dir(parser, "--capture", os.path.dirname(args.capture) or os.curdir)
@@ -219,6 +222,24 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         args.tls = tls_config(args)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def _check_plan(parser: argparse.ArgumentParser, args) -> None:
+    """``--plan`` (or the topology file's) must parse, follow on from layer 0 without gaps,
+    and give this stage its own layers: else every upstream's setup fails against it."""
+    try:
+        plan = parse_plan(args.plan)
+    except ValueError as exc:
+        parser.error(f"--plan: {exc}")
+    ends = [0] + [stage.layer_end for stage in plan]
+    for stage, start in zip(plan, ends):
+        if stage.layer_start != start or stage.layer_end <= stage.layer_start:
+            parser.error(f"--plan {args.plan}: stage {stage.stage_index}'s layers {stage.layer_start}-"
+                         f"{stage.layer_end} are not a range that starts at layer {start}")
+    mine = next((stage for stage in plan if stage.stage_index == args.stage_index), None)
+    if mine is None or (mine.layer_start, mine.layer_end) != (args.layer_start, args.layer_end):
+        parser.error(f"--plan {args.plan} does not give stage {args.stage_index} its layers "
+                     f"{args.layer_start}-{args.layer_end}")
 
 
 def _cannot_start(stage_index: int, reason: str) -> int:
@@ -309,7 +330,7 @@ def _serve(args, stage_index: int) -> int:
         config.ctx_size = args.ctx_size
         plan = parse_plan(args.plan) if args.plan else None
         identity = link_identity(config, downstream is not None, run_id=args.run_id,
-                                 topology_id=args.plan or DEFAULT_RUN_ID,
+                                 topology_id=args.topology_id or args.plan or DEFAULT_RUN_ID,
                                  model_id=args.model_id or Path(args.model).stem)
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
