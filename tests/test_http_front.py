@@ -752,3 +752,12 @@ def test_a_stop_says_what_it_waits_for_and_what_it_cut_off(caplog):
     assert said == ["stopping: 1 request(s) in flight get up to 0.3 s to finish (Ctrl-C again: stop now)",
                     "stopping: 1 request(s) cut off"]
     assert not [r for r in caplog.records if "Cancel" in r.getMessage()]
+
+
+def test_an_api_open_beyond_loopback_without_a_key_is_warned_about():
+    assert http_front.open_api_warning("127.0.0.1", 9337, None) is None
+    assert http_front.open_api_warning("0.0.0.0", 9337, "secret") is None
+    for host in ("0.0.0.0", "10.0.0.5"):
+        assert http_front.open_api_warning(host, 9337, None) == (
+            f"warning: listening on {host}:9337, beyond loopback, without --api-key: anyone who can reach this port "
+            "can generate (docs/security.md)")

@@ -51,7 +51,7 @@ from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, che
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
-                         error_response, json_body, shutting_down_response)
+                         error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
                       add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
@@ -93,11 +93,9 @@ class Api:
         self.fingerprint = _fingerprint()
         self._admission: Optional[Admission] = None
         self.workers = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="generate")  # generations
-        # The readiness probe runs apart from the generations, one at a time, however many
-        # /health requests wait on it.
+        # The readiness probe runs apart from the generations, one at a time however many /health wait on it.
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="health")
-        # Prompts are rendered and tokenized one at a time: each holds the interpreter and
-        # some 200 bytes of memory per byte of text while it runs.
+        # Prompts are rendered and tokenized one at a time (each holds the interpreter, ~200 B per byte of text).
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._probe: Optional[asyncio.Future] = None
 
@@ -577,6 +575,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 host, port = listener.getsockname()[:2]
                 progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                          f"{args.max_inflight} in flight, Ctrl-C to stop)")
+                if warning := open_api_warning(host, port, args.api_key):
+                    progress(warning)
                 if not args.connect_address:
                     threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
                                      name="stage-watch", daemon=True).start()

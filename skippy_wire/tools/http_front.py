@@ -20,6 +20,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..net.tls import is_loopback
+
 #: Routes open without the API key (as llama-server keeps its health check open, with and
 #: without the /v1 prefix, as the route answers).
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
@@ -42,6 +44,14 @@ CORS_HEADERS = ["*"]
 CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
 #: A client's own ``X-Request-Id`` that is echoed: visible ASCII, not too long.
 _CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+
+def open_api_warning(host: str, port: int, api_key: Optional[str]) -> Optional[str]:
+    """What to say at start-up of an API that listens beyond loopback without a key."""
+    if is_loopback(host) or api_key:
+        return None
+    return (f"warning: listening on {host}:{port}, beyond loopback, without --api-key: anyone who can reach this "
+            "port can generate (docs/security.md)")
 
 
 def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
