@@ -219,6 +219,11 @@ class PipelineError(SkippyError, RuntimeError):
     """A request through the pipeline failed; the message says which stage and why."""
 
 
+class PipelineMismatch(PipelineError):
+    """Stage 0 speaks another state version, or requires mutual TLS this side lacks: a
+    setting to change, which no wait mends (unlike a stage that is down)."""
+
+
 class StateVersionMismatch(StageError):
     """The peer of a connection speaks another stage state version (15, 16 or 17).
 

@@ -495,6 +495,37 @@ def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status):
     assert code == status and not alive and "Traceback" not in log, (code, alive, log)
 
 
+def test_api_connect_to_a_stage_that_requires_tls_it_lacks_is_a_start_up_error(tmp_path):
+    """It served 503s "until the stages answer", which a stage that refuses plain TCP never does."""
+    import threading
+
+    from skippy_wire.net.tls import TLS_REQUIRED_NOTICE
+    from skippy_wire.stage.models import write_tiny_llama_gguf
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    stage = socket.create_server(("127.0.0.1", 0))  # says what a mutual-TLS stage says to a plain peer
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = stage.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(TLS_REQUIRED_NOTICE)
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--model",
+                               str(model), "--ctx-size", "64", "--connect", "127.0.0.1:%d" % stage.getsockname()[1]],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        stage.close()
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "until the stages answer" not in done.stderr
+    assert re.search(r"^skippy-wire: error: stage 0 at \S+ requires mutual TLS", done.stderr, re.M), done.stderr
+
+
 def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp_path):
     """With someone else's stages the API waits for them (/health 503) instead of exiting 1,
     so a supervisor may start it first; it takes the topology's model and stage 0."""

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import PipelineError, SetupClosed, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
+from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
+                      UnexpectedEofError, WireError)
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
@@ -201,7 +202,7 @@ class PipelineClient:
         try:
             return fn()
         except (StateVersionMismatch, TlsRequired) as exc:
-            raise PipelineError(str(exc)) from None
+            raise PipelineMismatch(str(exc)) from None
         except ssl.SSLError as exc:  # e.g. TLS 1.3: our certificate was refused after the handshake
             raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {tls_failure(exc)}") from None
         except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..errors import PipelineError, SkippyError
+from ..errors import PipelineError, PipelineMismatch, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline
 from ..net.backend import DEFAULT_LANES
@@ -552,7 +552,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             try:
                 engine.check_ready()
             except PipelineError as exc:
-                if not args.connect_address:
+                if not args.connect_address or isinstance(exc, PipelineMismatch):  # no wait mends a mismatch
                     raise
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
