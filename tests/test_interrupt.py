@@ -16,22 +16,15 @@ import pytest
 
 from skippy_wire.errors import StageRuntimeError
 from skippy_wire.stage import _backend as B
-from skippy_wire.stage import models
 from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
+
+from test_backend_smollm2 import smollm2  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 #: A prompt SmolLM2 takes seconds to prefill on one thread (about 2 s per 512 tokens here).
 LONG = 2048
 SIGNAL_AFTER_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return str(models.smollm2_path())
-    except FileNotFoundError as exc:
-        pytest.fail(str(exc))
 
 
 def _timed_signal(signum: int, delay: float) -> threading.Timer:
