@@ -248,6 +248,7 @@ class _FakeClient:
     streams ``tokens`` through ``on_token``, then calls ``then`` (to raise or signal)."""
 
     max_tokens: list[int] = []
+    session_end_error = None  # what the closing Stop's failure said, if it failed
 
     def __init__(self, tokens, then=None) -> None:
         self.tokens, self.then = tokens, then
@@ -269,7 +270,8 @@ class _FakeClient:
             on_token(token)
         if self.then:
             self.then()
-        return GenerationResult(prompt_tokens=list(prompt), tokens=list(self.tokens), prefill_s=0.01, decode_s=0.01)
+        return GenerationResult(prompt_tokens=list(prompt), tokens=list(self.tokens), prefill_s=0.01, decode_s=0.01,
+                                session_end_error=self.session_end_error)
 
 
 @pytest.fixture
@@ -295,6 +297,18 @@ def test_connect_json_reports_null_for_what_the_driver_cannot_know(capsys, tiny_
     summary = json.loads(out)["summary"]
     assert summary["connected"] == "127.0.0.1:9"
     assert [summary[k] for k in ("stages", "codec", "policy", "threads")] == [None, None, None, None]
+
+
+def test_a_text_whose_closing_stop_went_unanswered_is_printed_with_a_warning(capsys, tiny_model, fake_client):
+    client = fake_client(" world")
+    client.session_end_error = "stage 0 at 127.0.0.1:9: no answer to Stop (session 1) within 60 s"
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                           "hello")
+    assert code == 0, err  # the text is whole
+    doc = json.loads(out)
+    assert doc["text"] == " world" and doc["summary"]["session_end_error"] == client.session_end_error
+    assert err == ("[skippy-wire] warning: the session's closing Stop got no answer (its text is complete): "
+                   f"{client.session_end_error}\n")
 
 
 def test_llama_cli_special_values_fill_the_training_context(capsys, tiny_model, fake_client):

@@ -159,7 +159,7 @@ def test_a_whole_text_whose_closing_stop_goes_unanswered_is_kept(caplog):
         with PipelineClient(*chain.entry, timeout=TIMEOUT_S) as client:
             result = client.generate([1, 2, 3], max_tokens=3, chunk_size=4)
             assert result.tokens == fake_reference([1, 2, 3], 3)
-            assert "no answer to Stop" in result.unended and not client.alive()
+            assert "no answer to Stop" in result.session_end_error and not client.alive()
         release.set()
         release.clear()
         engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
@@ -168,7 +168,7 @@ def test_a_whole_text_whose_closing_stop_goes_unanswered_is_kept(caplog):
                 out = _generate(engine)
                 assert out.completion_tokens == 2 and out.finish_reason == "length"
                 assert engine.failing and not engine._idle  # the connection is not reused
-                assert "got no answer (its text was complete)" in caplog.text
+                assert "the session's closing Stop got no answer (its text is complete) (session " in caplog.text
         finally:
             release.set()
             engine.close()

@@ -64,6 +64,46 @@ def test_without_a_pending_signal_an_interrupted_call_says_so(smollm2):
     assert session.position == 0
 
 
+def test_a_ctrl_c_caught_inside_the_block_leaves_the_backend_computing(smollm2):
+    """The flag the watcher set stayed set: every later computation in the block failed."""
+    model = B.Model(smollm2, n_threads=1, ctx_size=64)
+    session = model.create_session()
+    with interruptible_compute():
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # Python code: the handler raises here
+        time.sleep(0.2)  # the watcher has seen the signal by now
+        outcomes = []
+        for _ in range(3):
+            try:
+                outcomes.append(retry_with_required_capacity(session.prefill_chunk_frame, [10]) is not None)
+            except StageRuntimeError as exc:  # the flag meant for a computation that never ran
+                assert "computation interrupted" in str(exc)
+                outcomes.append(False)
+    assert outcomes[1:] == [True, True], outcomes  # one at most is stopped by it
+
+
+def test_the_wake_up_descriptor_set_before_is_kept_and_fed():
+    """An event loop's wake-up descriptor gets every signal's byte inside the block, and is
+    the process's again after it."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    outer = signal.set_wakeup_fd(write_end)
+    try:
+        with interruptible_compute():
+            assert signal.set_wakeup_fd(signal.set_wakeup_fd(-1)) != write_end  # the block's own
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)
+            time.sleep(0.2)
+        assert signal.set_wakeup_fd(write_end) == write_end
+        assert os.read(read_end, 16) == bytes([signal.SIGINT])
+    finally:
+        signal.set_wakeup_fd(outer)
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_bench_backend_exits_130_promptly_on_ctrl_c():
     """bench-backend --prefill 2048 went on for the whole prefill after a Ctrl-C."""
     proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "bench-backend", "-t", "1", "--repeat", "1",

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
                       UnexpectedEofError, WireError)
+from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import default_threads
@@ -47,6 +48,8 @@ from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
 from .transport import Peer, connect, os_reason
 
+#: What is said of a generation whose every token came but whose closing Stop got no answer.
+SESSION_END_UNANSWERED = "the session's closing Stop got no answer (its text is complete)"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK = 128
 DEFAULT_TIMEOUT = 60.0
@@ -99,9 +102,9 @@ class GenerationResult:
     driver_gap_s: float = 0.0
     decode_round_trip_s: float = 0.0
     #: Why the session's closing Stop got no Ack, when it did not (every token had come: the
-    #: text stands, and the connection is closed, as a late Ack would be read as the next
-    #: request's reply); else None.
-    unended: str | None = None
+    #: text stands, :data:`SESSION_END_UNANSWERED`, and the connection is closed, as a late
+    #: Ack would be read as the next request's reply); else None.
+    session_end_error: str | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -217,7 +220,7 @@ class PipelineClient:
             raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
                                " (a stage failed; the stages' logs say which and why)") from None
         except ConnectionError as exc:
-            raise self._failed(f"stage 0 at {self.address}: connection lost during {what}: {exc}") from None
+            raise self._failed(f"stage 0 at {self.address}: connection lost during {what}: {os_reason(exc)}") from None
         except WireError as exc:
             raise self._failed(f"stage 0 at {self.address}: malformed reply to {what}: {exc}") from None
 
@@ -333,7 +336,7 @@ class PipelineClient:
             try:
                 self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
             except PipelineError as exc:
-                result.unended = str(exc)
+                result.session_end_error = str(exc)
                 self.close()
         finally:
             result.sent_bytes = self.sent_bytes - sent0
@@ -395,33 +398,35 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
                    ctx_size: int = DEFAULT_CTX_SIZE, layers: tuple[int, int] | None = None) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
-    if layers is None:
-        layers = (0, model_shape(model)[0])
-    stage = StageModel.open(model, layers[0], layers[1], stage_index=0, ctx_size=ctx_size,
-                            n_threads=threads or default_threads())
-    session = stage.create_session()
-    result = GenerationResult(list(prompt))
-    started = time.perf_counter()
-    token = None
-    for start in range(0, len(prompt), chunk_size):
-        chunk = prompt[start:start + chunk_size]
-        if start + chunk_size >= len(prompt):
-            token, _ = session.prefill_chunk_frame_sampled(chunk, sampling)
-        else:
-            session.prefill_chunk_frame(chunk)
-    result.prefill_s = time.perf_counter() - started
-    started = time.perf_counter()
-    while max_tokens > 0:  # 0: the prompt evaluated, as PipelineClient.generate
-        result.tokens.append(int(token))
-        if is_eog is not None and is_eog(token):
-            result.stop_reason = "eog"
-            break
-        if len(result.tokens) >= max_tokens:
-            break
-        token, _ = session.decode_step_frame_sampled(token, sampling)
-    result.decode_s = time.perf_counter() - started
+    with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
+        if layers is None:
+            layers = (0, model_shape(model)[0])
+        stage = StageModel.open(model, layers[0], layers[1], stage_index=0, ctx_size=ctx_size,
+                                n_threads=threads or default_threads())
+        session = stage.create_session()
+        result = GenerationResult(list(prompt))
+        started = time.perf_counter()
+        token = None
+        for start in range(0, len(prompt), chunk_size):
+            chunk = prompt[start:start + chunk_size]
+            if start + chunk_size >= len(prompt):
+                token, _ = session.prefill_chunk_frame_sampled(chunk, sampling)
+            else:
+                session.prefill_chunk_frame(chunk)
+        result.prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        while max_tokens > 0:  # 0: the prompt evaluated, as PipelineClient.generate
+            result.tokens.append(int(token))
+            if is_eog is not None and is_eog(token):
+                result.stop_reason = "eog"
+                break
+            if len(result.tokens) >= max_tokens:
+                break
+            token, _ = session.decode_step_frame_sampled(token, sampling)
+        result.decode_s = time.perf_counter() - started
     return result
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT", "GenerationResult", "PipelineClient",
-           "prefill_messages", "decode_message", "generate_local", "yielding_to_stages"]
+__all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT",
+           "GenerationResult", "PipelineClient", "prefill_messages", "decode_message", "generate_local",
+           "yielding_to_stages"]

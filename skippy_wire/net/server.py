@@ -10,16 +10,16 @@ For every upstream connection it
    the runtime, and either forward the result downstream (9) and relay the downstream
    reply, or -- on the terminal stage -- reply itself (11.2).
 
-Kinds handled (2.1): ConfigureGeneration (sampling for the session, forwarded to every
-stage), PrefillEmbd / PrefillFinalEmbd, DecodeEmbd, TrimSession, Stop.  The first stage
-embeds ``msg.tokens``; later stages take the decoded activation.  The terminal stage
-replies PredictedToken for kinds that require a predicted reply and Ack otherwise.
-Stop frees the session and is acknowledged; the connection stays open.
+Kinds handled (2.1): ConfigureGeneration (sampling for the session, forwarded to every stage),
+PrefillEmbd / PrefillFinalEmbd, DecodeEmbd, TrimSession, Stop.  The first stage embeds
+``msg.tokens``; later stages take the decoded activation.  The terminal stage replies
+PredictedToken for kinds that require a predicted reply and Ack otherwise.  Stop frees the
+session and is acknowledged; the connection stays open.
 
-Sessions are keyed by ``session_id`` and belong to the connection that opened them; a
-closed connection frees its sessions.  Runtime calls are serialised by one lock.  Decode
-ahead (:mod:`.decode_ahead`): a first stage computes a session's next decode step while
-its reply travels to the driver and the next DecodeEmbd travels back.
+Sessions are keyed by ``session_id`` and belong to the connection that opened them; a closed
+connection frees its sessions.  Runtime calls are serialised by one lock.  Decode ahead
+(:mod:`.decode_ahead`): a first stage computes a session's next decode step while its reply
+makes the round trip to the driver.
 
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
 lanes, a whole-message deadline, a message size this stage could execute (checked from the
@@ -28,9 +28,8 @@ mid-message, sends bytes that do not parse, stalls or breaks a limit gets a logg
 and its connection closed; a failing downstream closes the upstream connection too, and
 an upstream that leaves while its reply is awaited downstream closes the downstream one.
 
-Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic
-counters when a session stops (the ``serve`` CLI, :mod:`skippy_wire.tools.serve`, prints
-them as JSON lines next to its "listening" event).
+Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic counters
+when a session stops (``serve`` prints them as JSON lines after its "listening" event).
 """
 
 from __future__ import annotations
@@ -296,10 +295,9 @@ class StageServer:
         except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
             clog.error("%s: peer reset the connection%s; closing", name,
                             " in the middle of a message" if upstream.reader.buffered else "")
-        except HandshakeTimeout as exc:
-            clog.error("%s: %s; closing", name, exc)
-        except (socket.timeout, TimeoutError):
-            clog.error("%s: peer stalled for more than %.1f s; closing", name, self.io_timeout)
+        except (socket.timeout, TimeoutError) as exc:  # a TLS handshake's deadline says so itself
+            stalled = f"peer stalled for more than {self.io_timeout:.1f} s"
+            clog.error("%s: %s; closing", name, exc if isinstance(exc, HandshakeTimeout) else stalled)
         except WireError as exc:
             malformed = f"malformed stage message ({exc.kind}: {exc})"
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
@@ -401,12 +399,11 @@ class StageServer:
         check_runnable(msg, self.backend)
         session = sessions.get(msg.session_id)
         if kind == K.TRIM_SESSION:  # checked before a session is opened for it: a lane and a cache
-            have = 0 if session is None else getattr(session.runtime, "token_count", msg.pos_start)
+            have = 0 if session is None else session.runtime.token_count
             if not 0 <= msg.pos_start <= have:
                 raise StageError(f"TRIM_SESSION to position {msg.pos_start}, but session {msg.session_id} "
                                  f"holds {have} tokens")
-        if session is None and kind in (K.STOP, K.TRIM_SESSION):
-            # nothing here to stop or trim: no lane is taken for it
+        if session is None and kind in (K.STOP, K.TRIM_SESSION):  # nothing here to stop or trim: no lane taken
             return self._relay(msg, downstream, None) if downstream else _reply_bytes(send_reply_ack)
         if session is None:
             session = sessions[msg.session_id] = self.admission.open(
@@ -448,8 +445,7 @@ class StageServer:
             if ahead.batch_size > 1:
                 session.stats.batched_decode_steps += 1
         elif kind == K.DECODE_EMBD:
-            token = tokens[0] if tokens else msg.state.current_token
-            step = DecodeStep(session.runtime, token, msg.activation, msg.state.flags, sampling)
+            step = DecodeStep(session.runtime, tokens[0], msg.activation, msg.state.flags, sampling)
             predicted, frame = self.batcher.decode(step)
             if timer is not None:
                 timer.compute_end = time.perf_counter()

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
-from .driver import PipelineClient
+from .driver import SESSION_END_UNANSWERED, PipelineClient
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -380,10 +380,10 @@ class GenerationEngine:
                                      on_token=on_token, request_id=session, session_id=session,
                                      before_step=before_step)
             out.finish_reason = "stop" if result.stop_reason == "eog" else "length"
-            if result.unended is not None:  # the text is whole; the pipeline may not be
+            if result.session_end_error is not None:  # the text is whole; the pipeline may not be
                 healthy = False
-                self._answered(PipelineError(f"the end of session {session} got no answer (its text was complete): "
-                                             f"{result.unended}"))
+                self._answered(PipelineError(f"{SESSION_END_UNANSWERED} (session {session}): "
+                                             f"{result.session_end_error}"))
         except Cancelled:
             out.finish_reason = "stop"
             unstopped = self._stop_session(client, session)

@@ -152,9 +152,9 @@ def decode_step_frame_batch_sampled(
     predicted_capacity: int,
 ) -> BatchResult: ...
 def set_interrupted(interrupted: bool) -> None:
-    """Process-wide: while True, a computation in progress stops at its next graph node and
-    its call raises (the pending signal's handler first, e.g. KeyboardInterrupt; else
-    StageRuntimeError "computation interrupted"), as every later one does until False."""
+    """Process-wide: while True, a computation in progress (or the next one) stops at its
+    next graph node, the flag is cleared, and its call raises: the pending signal's handler
+    first (e.g. KeyboardInterrupt), else StageRuntimeError "computation interrupted"."""
     ...
 
 def set_log_callback(callback: Optional[Any]) -> None:

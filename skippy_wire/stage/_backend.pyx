@@ -98,6 +98,7 @@ cdef int _check(int status, object message, object required=None) except -1:
     if status == SKIPPY_STATUS_OK:
         return 0
     if skippy_interrupted():  # stopped by set_interrupted: the signal's own handler raises (Ctrl-C: KeyboardInterrupt)
+        skippy_set_interrupted(False)  # its work is done: the next call computes
         PyErr_CheckSignals()
     raise StageRuntimeError.from_native(status, message,
                                         required if status == SKIPPY_STATUS_BUFFER_TOO_SMALL else None)

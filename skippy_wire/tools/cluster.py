@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
+from ..net.driver import (DEFAULT_TIMEOUT, EMPTY_PROMPT, SESSION_END_UNANSWERED, GenerationResult, PipelineClient,
+                          generate_local)
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
 from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env,
                                stage_reply_timeouts)
@@ -228,6 +229,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
             raise PipelineError(f"{cause}; {exc}" if cause else str(exc)) from None
         if streamer:
             streamer.finish()
+        if result.session_end_error is not None:  # the text is whole: said, not a failure (as run)
+            cause = stages.explain(marks)
+            progress(f"warning: {SESSION_END_UNANSWERED}: " + (f"{cause}; " if cause else "")
+                     + result.session_end_error)
         client.close()
         client = None
         events = stages.session_events()

@@ -20,12 +20,11 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PipelineError, ToolError
-from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, PipelineClient,
+from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, SESSION_END_UNANSWERED, PipelineClient,
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
-from ..stage.interrupt import interruptible_compute
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -353,10 +352,9 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     check = None
     if args.check:
         progress("check: running one in-process stage over all layers")
-        with interruptible_compute():
-            local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
-                                   chunk_size=args.chunk_size, is_eog=is_eog, threads=args.threads,
-                                   ctx_size=args.ctx_size)
+        local = generate_local(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
+                               chunk_size=args.chunk_size, is_eog=is_eog, threads=args.threads,
+                               ctx_size=args.ctx_size)
         check = check_tokens(result.tokens, local, args.activation_codec, args.activation_codec_policy)
     if args.json:
         summary = json_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
@@ -408,8 +406,9 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=is_eog, on_token=streamer.push)
             streamer.finish()
-            if result.unended is not None:  # the text is whole: said, not a failure
-                progress(f"warning: the end of the session got no answer (the text is complete): {result.unended}")
+            if result.session_end_error is not None:  # the text is whole: said, not a failure
+                print(f"[skippy-wire] warning: {SESSION_END_UNANSWERED}: {result.session_end_error}",
+                      file=sys.stderr, flush=True)  # (also with --quiet: the stages may need a look)
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
         raise PipelineError(f"request failed: {exc}") from None

@@ -183,7 +183,7 @@ def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | No
         "prefill_ms": result.prefill_s * 1000, "prefill_tok_s": result.prefill_tok_s,
         "decode_tokens": result.decode_tokens, "decode_ms": result.decode_s * 1000,
         "decode_tok_s": result.decode_tok_s, "sent_bytes": result.sent_bytes,
-        "received_bytes": result.received_bytes, "session_end_error": result.unended,
+        "received_bytes": result.received_bytes, "session_end_error": result.session_end_error,
         "stage_sessions": [merge_session_events(events) for events in cluster_events or []],
     }
 

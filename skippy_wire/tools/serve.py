@@ -26,7 +26,7 @@ from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
-from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
+from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.models import model_shape
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage state version spoken on every link")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="v17: the run id the setup handshake checks")
     p.add_argument("--plan", default=None, metavar="A-B,B-C,...",
-                   help="v17: the layer ranges of every stage (topology id, and the upstream is checked against it; "
-                        "default: none)")
+                   help="v17: the layer ranges of every stage, from layer 0 without gaps, this stage's own among "
+                        "them (the upstream is checked against it; also the topology id without --topology; "
+                        "default: --topology's ranges, else none)")
     p.set_defaults(topology_id=None)  # v17: a --topology file's id, else --plan's text
     p.add_argument("--model-id", default=None,
                    help="v17: the model id (default: --topology's model_id, else the model file's stem)")
@@ -192,8 +193,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every check that needs no model: usage errors (status 2) before anything starts."""
     if (args.topology is None) != (args.stage is None):
         parser.error("--topology and --stage go together")
-    if args.plan is not None and args.protocol != STAGE_STATE_VERSION_V17:
-        parser.error(f"--plan is checked by the setup handshake of --protocol {STAGE_STATE_VERSION_V17} only")
     if args.topology is not None:
         _apply_topology(parser, args)
     elif args.model is None or args.layer_start is None or args.layer_end is None:
@@ -233,9 +232,12 @@ def _check_plan(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--plan: {exc}")
     ends = [0] + [stage.layer_end for stage in plan]
     for stage, start in zip(plan, ends):
-        if stage.layer_start != start or stage.layer_end <= stage.layer_start:
+        if stage.layer_end <= stage.layer_start:
             parser.error(f"--plan {args.plan}: stage {stage.stage_index}'s layers {stage.layer_start}-"
-                         f"{stage.layer_end} are not a range that starts at layer {start}")
+                         f"{stage.layer_end} are empty")
+        if stage.layer_start != start:
+            parser.error(f"--plan {args.plan}: stage {stage.stage_index} starts at layer {stage.layer_start}, "
+                         f"not at layer {start} where the stage before it ends")
     mine = next((stage for stage in plan if stage.stage_index == args.stage_index), None)
     if mine is None or (mine.layer_start, mine.layer_end) != (args.layer_start, args.layer_end):
         parser.error(f"--plan {args.plan} does not give stage {args.stage_index} its layers "

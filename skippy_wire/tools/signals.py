@@ -8,8 +8,7 @@ import signal
 import sys
 from typing import Iterator
 
-#: The signals that stop a command: Ctrl-C, and those :func:`exiting_on_signals` turns into exits.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+from ..stage.interrupt import STOP_SIGNALS
 
 
 @contextlib.contextmanager

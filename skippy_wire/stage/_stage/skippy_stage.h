@@ -293,7 +293,8 @@ void skippy_error_free(struct skippy_error * error);
 void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data);
 /* Process-wide: while set, a computation in progress stops at its next graph node and its
  * call fails with SKIPPY_STATUS_RUNTIME_ERROR "computation interrupted" (the session is
- * unchanged), as does every later one until it is cleared.  For a command's Ctrl-C. */
+ * unchanged), as does every later one until it is cleared (the caller clears it once it
+ * has seen the failure).  For a command's Ctrl-C. */
 void skippy_set_interrupted(bool interrupted);
 bool skippy_interrupted(void);
 
