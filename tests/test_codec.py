@@ -255,6 +255,29 @@ def test_dimensions_outside_i32_are_rejected(codec_impl):
         codec_impl.activation_shape(1.0, 2, 0)
 
 
+def test_state_flags_outside_i32_are_rejected_not_truncated(codec_impl):
+    """2**32 read as 0 and 2**32 + 0x40 as a doubling flag: upstream's flag word is an i32."""
+    import skippy_wire as sw
+
+    payload = f32(*([1.0] * 8))
+    for flags in (2**31, 2**32, 2**32 + 0x40, -(2**31) - 1, 2**70):
+        for call in (lambda: codec_impl.activation_shape(1, 4, flags),
+                     lambda: codec_impl.activation_f32_bytes(1, 4, flags),
+                     lambda: codec_impl.activation_wire_bytes(RAW, 1, 4, flags),
+                     lambda: codec_impl.encode_activation(RAW, 1, 4, payload[:16], flags),
+                     lambda: codec_impl.decode_activation(RAW, 1, 4, payload[:16], flags),
+                     lambda: codec_impl.select_lossless_codec(1, 4, payload[:16], flags, [RAW]),
+                     lambda: sw.activation_frame_flags_from_state_flags(flags),
+                     lambda: sw.activation_payload_multiplier_from_state_flags(flags)):
+            with pytest.raises(InvalidInputError, match="^state flags must fit in an i32$"):
+                call()
+    for flags in (-(2**31) | 0x40, 2**31 - 1, -1):  # every bit of the word, the sign bit included
+        assert codec_impl.activation_shape(1, 4, flags)[1] == 1
+    for frame_flags in (-1, 2**64):
+        with pytest.raises(InvalidInputError, match="^activation frame flags must fit in a u64$"):
+            sw.activation_state_flags_from_frame_flags(frame_flags)
+
+
 def test_f16_range_boundaries(codec_impl):
     ok = {0x477FEFFF: 0x7BFF, 0x477FE000: 0x7BFF}  # 65519.996 and 65504 -> 0x7bff
     for value, half in ok.items():

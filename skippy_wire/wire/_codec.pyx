@@ -37,6 +37,7 @@ cdef size_t _nogil_threshold = 32768
 NON_CONTIGUOUS = _wc.NON_CONTIGUOUS_TEXT
 OBJECT_ARRAY = _wc.OBJECT_ARRAY_TEXT
 DIMENSION_RANGE = _wc.DIMENSION_RANGE_TEXT
+STATE_FLAGS_RANGE = _wc.STATE_FLAGS_RANGE_TEXT
 BITS_DTYPE_U32 = _wc.BITS_DTYPE_U32_TEXT
 BITS_DTYPE_U16 = _wc.BITS_DTYPE_U16_TEXT
 OUT_NON_CONTIGUOUS = _wc.OUT_NON_CONTIGUOUS_TEXT
@@ -119,6 +120,8 @@ cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) e
     state_flags = PyNumber_Index(state_flags)
     if not (-2147483648 <= token_count <= 2147483647 and -2147483648 <= n_embd <= 2147483647):
         raise InvalidInputError(DIMENSION_RANGE)
+    if not -2147483648 <= state_flags <= 2147483647:
+        raise InvalidInputError(STATE_FLAGS_RANGE)
     d.token_count = token_count
     d.n_embd = n_embd
     d.doubled = (state_flags & F_DOUBLING) != 0

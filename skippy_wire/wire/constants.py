@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
+
+from ..errors import InvalidInputError
 
 # --- protocol constants and limits (section 1) -------------------------------------------
 STAGE_STATE_VERSION = 15
@@ -78,6 +81,9 @@ PAYLOAD_FORMAT_TEXT = "payload must be little-endian f32 values or raw bytes, no
 #: filled with the type's name.
 NOT_BYTES_LIKE_TEXT = "a bytes-like object is required, not {!r}"
 DIMENSION_RANGE_TEXT = "activation dimensions must fit in an i32"
+#: State flags are upstream's i32 flag word, frame flags its u64: a wider int would lose bits.
+STATE_FLAGS_RANGE_TEXT = "state flags must fit in an i32"
+FRAME_FLAGS_RANGE_TEXT = "activation frame flags must fit in a u64"
 BITS_DTYPE_U32_TEXT = "expected a numpy uint32 array of f32 bit patterns"
 BITS_DTYPE_U16_TEXT = "expected a numpy uint16 array of 16-bit float bit patterns"
 OUT_NON_CONTIGUOUS_TEXT = "out must be a C-contiguous buffer"
@@ -218,19 +224,31 @@ _FRAME_TO_STATE = (
 )
 
 
+def state_flags_word(state_flags: int) -> int:
+    """``state_flags`` as an int of upstream's i32 flag word; else InvalidInputError."""
+    value = operator.index(state_flags)
+    if not I32_MIN <= value <= I32_MAX:
+        raise InvalidInputError(STATE_FLAGS_RANGE_TEXT)
+    return value
+
+
 def activation_state_flags_from_frame_flags(frame_flags: int) -> int:
     """Frame flag bits 0/1/2 to state flag bits 6/7/8; every other bit is dropped."""
+    frame_flags = operator.index(frame_flags)
+    if not 0 <= frame_flags <= U64_MAX:
+        raise InvalidInputError(FRAME_FLAGS_RANGE_TEXT)
     return sum(state for frame, state in _FRAME_TO_STATE if frame_flags & frame)
 
 
 def activation_frame_flags_from_state_flags(state_flags: int) -> int:
     """State flag bits 6/7/8 to frame flag bits 0/1/2; every other bit is dropped."""
+    state_flags = state_flags_word(state_flags)
     return sum(frame for frame, state in _FRAME_TO_STATE if state_flags & state)
 
 
 def activation_payload_multiplier_from_state_flags(state_flags: int) -> int:
     """2 when an RWKV7 or Inkling sideband doubles the rows (never 3), else 1."""
-    return 2 if state_flags & ROW_DOUBLING_SIDEBANDS else 1
+    return 2 if state_flags_word(state_flags) & ROW_DOUBLING_SIDEBANDS else 1
 
 #: The largest context (tokens per session) a stage takes: the backend refuses more
 #: (``skippy_stage_init``, stage/_stage/abi.cpp).

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
 from .. import constants as _texts
-from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES
+from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES, state_flags_word
 
 RAW_F32_V1 = 1
 F16_RNE_V1 = 2
@@ -79,7 +79,7 @@ def _dims(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, in
     state_flags = operator.index(state_flags)
     if not (I32_MIN <= token_count <= I32_MAX and I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError(DIMENSION_RANGE)
-    return int(token_count), int(n_embd), int(state_flags)
+    return int(token_count), int(n_embd), state_flags_word(state_flags)
 
 
 def _memoryview(obj) -> memoryview:
