@@ -98,7 +98,7 @@ def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tup
 
     Raises :class:`InvalidDataError` "negative activation dimensions" when
     ``token_count < 0`` or ``n_embd <= 0``; :class:`InvalidInputError` when a dimension
-    does not fit in an i32.
+    or ``state_flags`` does not fit in an i32.
     """
     return kernels().activation_shape(token_count, n_embd, state_flags)
 
