@@ -30,7 +30,10 @@ import time
 import traceback
 from pathlib import Path
 
-import atheris
+try:
+    import atheris
+except ImportError:
+    sys.exit("fuzz: atheris is not installed: pip install -e '.[fuzz]' (docs/reliability.md)")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

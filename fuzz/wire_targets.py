@@ -23,6 +23,7 @@ import json
 import math
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +103,10 @@ def canon(value):
 
 #: FUZZ_MODE: "differential" (compiled and reference, compared; the default), "compiled"
 #: (the compiled implementation alone: no parity check, many times faster) or "reference".
+MODES = ("differential", "compiled", "reference")
 MODE = os.environ.get("FUZZ_MODE", "differential")
+if MODE not in MODES:  # a misspelt mode ran the reference alone, under a banner saying otherwise
+    sys.exit(f"fuzz: FUZZ_MODE={MODE!r} is none of {', '.join(MODES)}")
 
 
 def outcome(fn, *args, limit: int | None = None):

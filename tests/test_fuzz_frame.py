@@ -252,3 +252,15 @@ def test_a_failed_decoder_leaves_the_callers_buffer_resizable(impl, fault, as_vi
     with pytest.raises(WireError) as again:
         decoder.feed(b"\0")
     assert str(again.value) == str(first.value)
+
+
+@pytest.mark.parametrize("mode", ["bogus", "Compiled"])
+def test_a_misspelt_fuzz_mode_is_refused(mode):
+    """It ran the reference alone under a banner that said "compiled vs reference"."""
+    import os
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import wire_targets"], cwd=Path(wire_targets.__file__).parent,
+                          env={**os.environ, "FUZZ_MODE": mode}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == f"fuzz: FUZZ_MODE={mode!r} is none of differential, compiled, reference\n"
