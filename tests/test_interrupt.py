@@ -19,12 +19,22 @@ from skippy_wire.stage import _backend as B
 from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
 
+from process_helpers import default_sigint
 from test_backend_smollm2 import smollm2  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 #: A prompt SmolLM2 takes seconds to prefill on one thread (about 2 s per 512 tokens here).
 LONG = 2048
 SIGNAL_AFTER_S = 1.0
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Ctrl-C as a terminal's command meets it: a runner started in the background (``cmd &``)
+    ignores SIGINT, and Python then installs no KeyboardInterrupt handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _timed_signal(signum: int, delay: float) -> threading.Timer:
@@ -108,7 +118,7 @@ def test_bench_backend_exits_130_promptly_on_ctrl_c():
     """bench-backend --prefill 2048 went on for the whole prefill after a Ctrl-C."""
     proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "bench-backend", "-t", "1", "--repeat", "1",
                              "--decode", "4", "--prefill", str(LONG)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         for line in proc.stdout:  # the table's header: the prefill starts now
             if line.startswith("threads |"):
