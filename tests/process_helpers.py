@@ -23,6 +23,6 @@ def thread_slices(pid: int) -> set[int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/sched", encoding="ascii") as fh:
                 found |= {int(line.split(":")[1]) for line in fh if line.startswith("se.slice")}
-        except FileNotFoundError:  # the thread ended after the listing
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended after the listing (or the open)
             pass
     return found
