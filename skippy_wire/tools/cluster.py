@@ -20,8 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.driver import (DEFAULT_TIMEOUT, EMPTY_PROMPT, SESSION_END_UNANSWERED, GenerationResult, PipelineClient,
-                          generate_local)
+from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
 from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env,
                                stage_reply_timeouts)
@@ -34,7 +33,7 @@ from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS,
                       int_between, milliseconds, seconds, thread_count, training_context_size)
 from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
-from .run_report import TextStreamer, format_summary, merge_session_events
+from .run_report import TextStreamer, format_summary, merge_session_events, warn_if_unended
 from .run_report import check_tokens as report_check  # cluster's own takes a ClusterResult
 
 #: The port every stage listens on inside its own namespace.
@@ -230,9 +229,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         if streamer:
             streamer.finish()
         if result.session_end_error is not None:  # the text is whole: said, not a failure (as run)
-            cause = stages.explain(marks)
-            progress(f"warning: {SESSION_END_UNANSWERED}: " + (f"{cause}; " if cause else "")
-                     + result.session_end_error)
+            warn_if_unended(result, stages.explain(marks))
         client.close()
         client = None
         events = stages.session_events()

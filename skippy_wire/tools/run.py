@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PipelineError, ToolError
-from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, SESSION_END_UNANSWERED, PipelineClient,
+from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, PipelineClient,
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
@@ -36,7 +36,7 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_SAMPLING, MAX_CTX_SIZE
                       float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)
 from .signals import exiting_on_signals
-from .run_report import TextStreamer, check_tokens, format_summary, json_summary
+from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The most ``-f`` reads, as the API's largest request body: tokenizing takes about 200 bytes
@@ -406,9 +406,7 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=is_eog, on_token=streamer.push)
             streamer.finish()
-            if result.session_end_error is not None:  # the text is whole: said, not a failure
-                print(f"[skippy-wire] warning: {SESSION_END_UNANSWERED}: {result.session_end_error}",
-                      file=sys.stderr, flush=True)  # (also with --quiet: the stages may need a look)
+            warn_if_unended(result)  # the text is whole: said, not a failure
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
         raise PipelineError(f"request failed: {exc}") from None

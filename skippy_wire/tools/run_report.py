@@ -4,9 +4,10 @@ its ``--json`` form and the ``--check`` verdict."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from ..net.driver import GenerationResult
+from ..net.driver import SESSION_END_UNANSWERED, GenerationResult
 from ..net.service import TextAssembler
 from ..net.session_state import DECODE_STRETCHES
 from ..wire.replies import StageReplyStats
@@ -160,6 +161,15 @@ def check_tokens(tokens: list[int], local: GenerationResult, codec: str, policy:
                        f"vs in-process {local.tokens[first:first + 8]}"
                        + (f" ({codec} is lossy, so a divergence can be expected)" if lossy else ""),
             "error": f"check failed: the {name}'s tokens differ from one in-process stage's from position {first}"}
+
+
+def warn_if_unended(result: GenerationResult, cause: str | None = None) -> None:
+    """When every token came but the closing Stop got no answer: a warning on stderr, also
+    with --quiet (the text stands; the stages may need a look), ``cause`` (which stage, when
+    known) before what the driver saw."""
+    if result.session_end_error is not None:
+        print(f"[skippy-wire] warning: {SESSION_END_UNANSWERED}: " + (f"{cause}; " if cause else "")
+              + result.session_end_error, file=sys.stderr, flush=True)
 
 
 def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,
