@@ -184,13 +184,17 @@ def _stub_parameters(path, name):
     return [x.arg for x in a.posonlyargs + a.args], [x.arg for x in a.kwonlyargs]
 
 
-@pytest.mark.parametrize("module, stub", [("skippy_wire.wire._codec", "_codec.pyi"), ("skippy_wire.wire._frame", "_frame.pyi")])
+@pytest.mark.parametrize("module, stub", [("skippy_wire.wire._codec", "_codec.pyi"), ("skippy_wire.wire._frame", "_frame.pyi"),
+                                          ("skippy_wire.wire._frame_gen", "_frame_gen.pyi")])
 def test_kernel_stubs_match_the_compiled_signatures(module, stub):
     if sw.IMPLEMENTATION != "cython":
         pytest.skip("the compiled kernels are not loaded under SKIPPY_WIRE_IMPL=python")
     mod = importlib.import_module(module)
     path = REPO / "skippy_wire" / "wire" / stub
     names = [n.name for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.FunctionDef)]
+    defined = {n for n, f in vars(mod).items() if not n.startswith("_") and getattr(f, "__module__", None) == module
+               and callable(f) and not isinstance(f, type)}
+    assert defined <= set(names), defined - set(names)
     for name in set(names):
         params = inspect.signature(getattr(mod, name)).parameters.values()
         runtime = ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
