@@ -4,8 +4,10 @@ skippy-protocol crate, with compiled kernels and a pure-Python reference twin.
 The names here (``__all__``) are the state version 15 API (the default everywhere):
 activation codecs, stage messages, framing, replies, READY and forwarding.  State versions
 16 and 17 are spoken through ``skippy_wire.wire.protocol.WireProtocol(version)``
-(docs/wire-format.md).  Every exception is a class of :mod:`skippy_wire.errors`; the wire
-ones (``WireError`` and its three upstream kinds) are re-exported here.
+(docs/wire-format.md).  Every error about bytes, messages, model files or peers is a class
+of :mod:`skippy_wire.errors` (``SkippyError``); the wire ones (``WireError`` and its three
+upstream kinds) are re-exported here.  A call's own argument of the wrong type or value is
+Python's TypeError or ValueError, a file that cannot be opened an OSError.
 
 ``IMPLEMENTATION`` says which kernels are live ("cython" or "python");
 ``SKIPPY_WIRE_IMPL=python`` (set before the first import) forces the twin, and every

@@ -177,6 +177,11 @@ class StageRuntimeError(SkippyError, RuntimeError):
         return error
 
 
+class ModelFileError(StageRuntimeError, ValueError):
+    """A model file the stage layer cannot read: not a regular file or not a GGUF file,
+    truncated or malformed metadata, a vocabulary of a kind it cannot tokenize."""
+
+
 class ActivationFrameError(StageRuntimeError, ValueError):
     """An activation frame or descriptor is inconsistent (checked before any native call)."""
 

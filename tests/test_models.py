@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
+from skippy_wire.errors import ModelFileError, SkippyError
 from skippy_wire.stage import models
 
 
@@ -82,6 +83,20 @@ def test_read_gguf_metadata(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + head[4:])
     with pytest.raises(ValueError, match="not a GGUF"):
         models.read_gguf_metadata(tmp_path / "bad.gguf")
+
+
+def test_a_file_that_is_no_model_is_a_model_file_error(tmp_path):
+    # An embedder catching the package's root catches these too (and ValueError still does).
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    for path, text in (("empty.gguf", "is empty, not a GGUF file"), ("text.gguf", "is not a GGUF file"),
+                       ("cut.gguf", "GGUF metadata is truncated at byte 8")):
+        for read in (models.read_gguf_metadata, models.model_shape, models.Tokenizer.from_gguf):
+            with pytest.raises(SkippyError) as error:
+                read(tmp_path / path)
+            assert type(error.value) is ModelFileError and isinstance(error.value, ValueError)
+            assert str(error.value).endswith(text)
 
 
 def test_model_shape_reads_the_block_count_and_width(tmp_path):

@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 
-from ..errors import not_a_regular_file
+from ..errors import ModelFileError, not_a_regular_file
 from ..wire.constants import I32_MAX
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -178,8 +178,12 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
     with contextlib.suppress(OSError):  # a missing file, a directory: open() names the reason
         mode = os.stat(path).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO's open() would wait for a writer
-            raise ValueError(f"{path}: {not_a_regular_file(mode)}")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            raise ModelFileError(f"{path}: {not_a_regular_file(mode)}")
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file with a plain ValueError
+            raise ModelFileError(f"{path} is empty, not a GGUF file")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with mm:
         buf = memoryview(mm)
         try:
             end = len(buf)
@@ -188,7 +192,7 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
             def take(n: int) -> int:
                 nonlocal pos
                 if n < 0 or n > end - pos:
-                    raise ValueError(f"{path}: GGUF metadata is truncated at byte {pos}")
+                    raise ModelFileError(f"{path}: GGUF metadata is truncated at byte {pos}")
                 start = pos
                 pos += n
                 return start
@@ -215,13 +219,13 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
                         start = take(size * count)
                         return list(struct.unpack_from(f"<{count}{fmt[1]}", buf, start))
                     return [value(etype, depth + 1) for _ in range(count)]
-                raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+                raise ModelFileError(f"{path}: unknown GGUF value type {vtype}")
 
             if bytes(buf[take(4) : 4]) != b"GGUF":
-                raise ValueError(f"{path} is not a GGUF file")
+                raise ModelFileError(f"{path} is not a GGUF file")
             version = unpack("<I")
             if version < 2:
-                raise ValueError(f"{path}: GGUF version {version} is not supported")
+                raise ModelFileError(f"{path}: GGUF version {version} is not supported")
             unpack("<Q")  # tensor count
             n_kv = unpack("<Q")
             out = {}
@@ -251,17 +255,17 @@ def model_shape(path: PathLike) -> Tuple[int, int]:
     """``(n_layer, n_embd)`` from the GGUF metadata, reading only as far as those keys."""
     found = read_gguf_metadata(path, stop=_has_shape)
     if not _has_shape(found):
-        raise ValueError(f"{path}: GGUF metadata lacks the block count or embedding length")
+        raise ModelFileError(f"{path}: GGUF metadata lacks the block count or embedding length")
     arch = found["general.architecture"]
     return tuple(_count(path, found, f"{arch}.{key}") for key in ("block_count", "embedding_length"))
 
 
 def _count(path: PathLike, kv: dict, key: str) -> int:
     """The positive integer at ``key`` of a GGUF's metadata, within the backend's i32;
-    ValueError naming it otherwise (an array, a string, 2^40)."""
+    ModelFileError naming it otherwise (an array, a string, 2^40)."""
     value = kv.get(key)
     if type(value) is not int or not 0 < value <= I32_MAX:
-        raise ValueError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
+        raise ModelFileError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
     return value
 
 
@@ -319,12 +323,12 @@ class Tokenizer:
                     self._byte_ids[b] = i
                     self._id_bytes[i] = bytes([b])
             if any(ty == _NORMAL for ty in self.token_types):
-                raise ValueError(
+                raise ModelFileError(
                     "SentencePiece vocabularies with normal pieces are not supported; "
                     "only byte-token SPM vocabularies (the tiny test model) and gpt2 BPE are"
                 )
         else:
-            raise ValueError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
+            raise ModelFileError(f"tokenizer model {model!r} is not supported (gpt2 BPE or byte SPM only)")
 
     def _build_bpe(self, merges: Sequence[str]):
 
@@ -346,7 +350,7 @@ class Tokenizer:
         elif self.pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
             pre = byte_level
         else:
-            raise ValueError(f"BPE pre-tokenizer {self.pre!r} is not supported")
+            raise ModelFileError(f"BPE pre-tokenizer {self.pre!r} is not supported")
         # llama.cpp matches control (and unknown) tokens in the text only when asked to parse
         # special tokens, user-defined ones always: the second tokenizer encodes the special
         # ones as plain text (one object per mode, since the flag is shared state)
@@ -373,22 +377,22 @@ class Tokenizer:
         kv = read_gguf_metadata(path, "tokenizer.")
         model, tokens = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.tokens")
         if not model or not tokens:
-            raise ValueError(f"{path} has no tokenizer.ggml.model / tokenizer.ggml.tokens")
+            raise ModelFileError(f"{path} has no tokenizer.ggml.model / tokenizer.ggml.tokens")
         types, merges = kv.get("tokenizer.ggml.token_type") or [], kv.get("tokenizer.ggml.merges")
         # Every value of the right kind, once, here: a wrong one is a file's fault, named in one
         # line, not a TypeError at load or an IndexError at the hundredth token.
         if not (isinstance(model, str) and _all(tokens, str) and _all(types, int) and
                 (merges is None or _all(merges, str))):
-            raise ValueError(f"{path}: tokenizer.ggml.model, tokens, token_type or merges hold values of the wrong type")
+            raise ModelFileError(f"{path}: tokenizer.ggml.model, tokens, token_type or merges hold values of the wrong type")
         if types and len(types) != len(tokens):
-            raise ValueError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+            raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         if merges is not None and not all(" " in m for m in merges):
-            raise ValueError(f"{path}: a tokenizer.ggml.merges entry is not two pieces separated by a space")
+            raise ModelFileError(f"{path}: a tokenizer.ggml.merges entry is not two pieces separated by a space")
 
         def opt_int(key):
             value = kv.get(key)
             if value is not None and type(value) is not int:
-                raise ValueError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
+                raise ModelFileError(f"{path}: invalid GGUF metadata {key} = {str(value)[:60]}")
             return value
 
         add_bos = kv.get("tokenizer.ggml.add_bos_token")
