@@ -158,7 +158,36 @@ def test_a_body_that_stalls_gets_408(api_url, monkeypatch):
         response = http.client.HTTPResponse(s)
         response.begin()
         body = json.loads(response.read())
+        assert response.getheader("connection") == "close" and s.recv(1) == b""  # a body dripped on is not read
     assert response.status == 408 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_still_sending_an_oversized_body_gets_its_413(api_url):
+    # Closed at once, the connection's unread bytes would reset it under the answer.
+    body = b'{"prompt": "' + b"a" * http_front.MAX_BODY_BYTES + b'"}'
+    for _ in range(5):
+        for content in (body, (body[i:i + 65536] for i in range(0, len(body), 65536))):  # declared, chunked
+            r = httpx.post(api_url + "/v1/completions", content=content, timeout=30)
+            assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+            assert r.headers["connection"] == "close"
+
+
+def test_an_endless_body_gets_413_and_is_read_no_further(api_url):
+    # Kept open, the connection would read and drop gigabytes a minute for as long as the
+    # peer sends them.
+    block = b"a" * 65536
+    with _post_head(api_url, 10 ** 12, b"") as s:
+        s.settimeout(10)
+        with contextlib.suppress(ConnectionError):  # the server may answer and close while this sends
+            for _ in range(http_front.MAX_BODY_BYTES // len(block) + 2):
+                s.sendall(block)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert response.status == 413 and json.loads(response.read())["error"]["type"] == "invalid_request_error"
+        assert response.getheader("connection") == "close"
+        with pytest.raises(ConnectionError):  # reset: what arrives now is not read
+            for _ in range(2000):  # 128 MiB at most
+                s.sendall(block)
 
 
 def test_a_client_that_leaves_mid_body_is_no_error(api_url):

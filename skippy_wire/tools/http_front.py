@@ -34,6 +34,12 @@ MAX_BUFFERED_BODY_BYTES = 64 << 20
 #: Seconds a request body may take to arrive once its head has (as a stage's
 #: --message-timeout); a slower one gets 408.
 BODY_TIMEOUT_S = 30
+#: After an answer that closes the connection while the request's body still arrives (413,
+#: 408), that body is read and dropped for at most this long and this much before the
+#: connection closes: closed at once, the unread bytes would make the kernel reset it and a
+#: client still sending could lose the answer; never closed, a peer could stream forever.
+LINGER_S = 2.0
+LINGER_BYTES = MAX_BODY_BYTES
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
 #: Request headers a browser page may send cross-origin (``--cors-origin``): any, as
@@ -58,6 +64,11 @@ def error_object(message: str, *, type_: str = "invalid_request_error", param: O
                  code: Optional[str] = None) -> dict:
     """An OpenAI error object (also what a stream sends once its head has gone)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+#: Headers of an answer after which the connection closes (the rest of a body left unread
+#: would otherwise be read and dropped for as long as the peer sends it).
+CLOSE = {"Connection": "close"}
 
 
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
@@ -113,7 +124,7 @@ class RefuseAmbiguousLength:
             names = {name for name, _ in scope["headers"]}
             if b"content-length" in names and b"transfer-encoding" in names:
                 response = error_response(400, "a request may not carry both Content-Length and Transfer-Encoding",
-                                          headers={"Connection": "close"})
+                                          headers=CLOSE)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -212,7 +223,7 @@ async def too_many_connections(scope, receive, send) -> None:
     uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
     response = error_response(503, "every connection is serving a request; retry later", type_="server_error",
                               code="too_many_connections",
-                              headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+                              headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
     await response(scope, receive, send)
 
 
@@ -240,6 +251,7 @@ class IdleSheddingProtocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+        self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
 
     @property
     def app(self):
@@ -256,6 +268,7 @@ class IdleSheddingProtocol(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.quiet_since = self.loop.time()
         super().connection_made(transport)
+        self.transport = LingeringClose(transport, self)  # what each request's cycle closes
         if self.max_connections is not None and len(self.connections) >= self.max_connections:
             quiet = [c for c in self.connections if c is not self and c.is_quiet()]
             if quiet:
@@ -265,12 +278,25 @@ class IdleSheddingProtocol(H11Protocol):
         self.quiet_since = self.loop.time()
         super().on_response_complete()
 
+    def data_received(self, data: bytes) -> None:
+        if self.lingering is None:
+            super().data_received(data)
+            return
+        self.lingering += len(data)
+        if self.lingering > LINGER_BYTES:
+            self.transport.close()
+
     def is_quiet(self) -> bool:
         return self.cycle is None or self.cycle.response_complete or self.conn.their_state is h11.SEND_BODY
 
     def shed(self) -> None:
         self.connections.discard(self)  # counted out now, not when the loop gets to it
-        self.transport.close()
+        self.transport.close_now()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.lingering is not None:  # a server stopping waits for no body
+            self.transport.close_now()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
@@ -282,6 +308,32 @@ class IdleSheddingProtocol(H11Protocol):
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+class LingeringClose:
+    """A connection's transport whose ``close()``, while the peer's request body is still
+    arriving, sends the answer and a FIN at once but closes only after :data:`LINGER_S`
+    or :data:`LINGER_BYTES` more of that body (the protocol drops them), or when the peer
+    closes (Apache's and nginx's lingering close).  Everything else is the transport's."""
+
+    def __init__(self, transport, protocol: IdleSheddingProtocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close_now(self) -> None:
+        self._transport.close()
+
+    def close(self) -> None:
+        protocol, transport = self._protocol, self._transport
+        if protocol.lingering is not None or transport.is_closing() or protocol.conn.their_state is not h11.SEND_BODY:
+            transport.close()
+            return
+        protocol.lingering = 0
+        if transport.can_write_eof():  # (not under TLS)
+            transport.write_eof()
+        protocol.loop.call_later(LINGER_S, transport.close)
 
 
 class StoppingServer(uvicorn.Server):
@@ -342,18 +394,19 @@ async def json_body(request: Request) -> dict | Response:
     """The request's body as a JSON object, or the error response that says why it is not one."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":  # a compressed body would read as "not valid JSON"
-        return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed")
+        return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed",
+                              headers=CLOSE)
     try:
         body = _parsed(await read_body(request))
     except LongNumber as exc:
         return error_response(400, str(exc))
     except BodyTooLarge:
-        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", headers=CLOSE)
     except BodiesBufferFull:
         return error_response(503, "the server is receiving too many request bodies at once; retry later",
-                              type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+                              type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
     except asyncio.TimeoutError:
-        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
+        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s", headers=CLOSE)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is left to read it
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
