@@ -265,6 +265,39 @@ def test_arguments_of_the_wrong_kind_fail_alike_in_both_twins():
         assert cy is not None and cy == py, (type(data), cy, py)
 
 
+def test_unknown_admission_arguments_fail_alike_in_both_twins():
+    """A kernel reader's expected codec and policy are checked, alike, before any byte: the
+    compiled readers took an unknown policy for AutoLosslessV1 (admitting a message the
+    reference refused) and an unknown codec for a mismatch on the wire."""
+    import json
+
+    from conftest import GOLDEN
+
+    gen = {impl: kernel_module("frame_gen", impl) for impl in ("cython", "python")}
+    with (GOLDEN / "v16" / "frame.jsonl").open(encoding="utf-8") as cases:
+        first = json.loads(cases.readline())
+    v16 = bytes.fromhex(first["write"]["hex"])  # an F16 activation from stage 0
+    assert first["message"]["state"]["activation_codec_id"] == 2
+    v15 = CY.write_stage_message(StageWireMessage(
+        WireMessageKind.PREFILL_EMBD, token_count=1, activation=bytes(8),
+        state=StageStateHeader(source_stage_index=0, activation_codec=ActivationCodec.F16_RNE_V1)))
+    readers = {"cython": (lambda *a: CY.read_stage_message_from_buffer(v15, 4, *a),
+                          lambda *a: gen["cython"].read_stage_message_from_buffer(16, v16, *a)),
+               "python": (lambda *a: PY.read_stage_message_from_buffer(v15, 4, *a),
+                          lambda *a: gen["python"].read_stage_message_from_buffer(16, v16, *a))}
+    for expected, policy, text in ((1, 2, "2 is not a valid CodecPolicy"), (2, -1, "-1 is not a valid CodecPolicy"),
+                                   (0, 0, "0 is not a valid ActivationCodec"),
+                                   (5, 1, "5 is not a valid ActivationCodec")):
+        for impl, pair in readers.items():
+            for read in pair:
+                with pytest.raises(ValueError) as error:
+                    read(expected, policy, 0)
+                assert str(error.value) == text and not isinstance(error.value, WireError), (impl, expected, policy)
+    for impl, pair in readers.items():  # the known ids still admit as before
+        for read in pair:
+            assert read(ActivationCodec.F16_RNE_V1, 0, 0)[1] > 0 and read(1, 1, 0)[1] > 0, impl
+
+
 def test_a_token_list_changed_by_its_own_items_writes_alike():
     """Converting an item may run code (``__index__``) that empties the list being written:
     the compiled writer indexed it unchecked (a segfault); both now write the snapshot."""

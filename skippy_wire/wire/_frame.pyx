@@ -58,7 +58,7 @@ from .messages import (
     StageWireMessage,
     WireMessageKind,
 )
-from .field_checks import holds_objects, out_of_range_error
+from .field_checks import check_admission, holds_objects, out_of_range_error
 from .replies import (
     STATS_FIELDS,
     NativeMtpDraft,

@@ -57,7 +57,7 @@ from .constants import (
     MAX_STAGE_STATE_IMPORT_BYTES,
 )
 from .messages import SAMPLING_WIRE_ORDER, LogitBias, SamplingConfig, StageStateHeader, StageWireMessage, f32_from_bits
-from .field_checks import holds_objects, out_of_range_error, wire_bool, wire_int
+from .field_checks import check_admission, holds_objects, out_of_range_error, wire_bool, wire_int
 from . import _codec
 from . import _frame
 

@@ -172,6 +172,8 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
                                    agreement=None):
     if version != 16 and version != 17:
         raise ValueError(f"state version {version} is not 16 or 17")
+    if not (policy == 0 or policy == 1) or (expected_codec is not None and expected_codec not in _CODECS):
+        check_admission(expected_codec, policy)  # (a per-message call: the enums only when off the known ids)
     cdef _Buffer buf = _Buffer(data)
     if offset < 0 or offset > buf.view.len:
         raise ValueError("offset outside the buffer")

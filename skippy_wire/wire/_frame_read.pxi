@@ -253,6 +253,8 @@ def read_stage_message_from_buffer(data, n_embd, expected_codec=None, int policy
     """
     if not -2147483648 <= n_embd <= 2147483647:  # compared as Python ints: any size is named
         raise InvalidInputError("n_embd does not fit in i32")
+    if not (policy == 0 or policy == 1) or (expected_codec is not None and expected_codec not in _CODECS):
+        check_admission(expected_codec, policy)  # (a per-message call: the enums only when off the known ids)
     cdef long long n_embd_ll = n_embd
     cdef Py_buffer view
     if PyBytes_CheckExact(data):  # common case: no buffer export needed

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sized
 import numpy as np
 
 from ..errors import InvalidInputError
-from .constants import I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, U32_MAX, U64_MAX
+from .constants import I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, U32_MAX, U64_MAX, ActivationCodec, CodecPolicy
 from .messages import SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage
 
 #: The state header's i32 fields, in wire order.
@@ -199,5 +199,16 @@ def out_of_range_error(msg: StageWireMessage) -> InvalidInputError:
     return first_out_of_range(_message_checks(msg), "message")
 
 
-__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "wire_int", "wire_bool", "wire_f32", "first_out_of_range",
+def check_admission(expected_codec, policy) -> None:
+    """A reader kernel's admission arguments (v15 8.2), checked alike by both implementations
+    before any byte is read: ``policy`` a CodecPolicy id, ``expected_codec`` None or an
+    ActivationCodec id; else the enum's own ValueError.  (The public readers map theirs
+    through ``frame.reader_expectation`` first.)"""
+    CodecPolicy(policy)
+    if expected_codec is not None:
+        ActivationCodec(expected_codec)
+
+
+__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "check_admission", "wire_int", "wire_bool", "wire_f32", "first_out_of_range",
            "int_list_checks", "out_of_range_error", "type_name"]
+

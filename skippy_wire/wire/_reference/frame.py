@@ -52,7 +52,7 @@ from ..messages import (
     f32_bits,
     f32_from_bits,
 )
-from ..field_checks import NOT_INT_LISTS, byte_array, out_of_range_error, wire_bool, wire_f32, wire_int
+from ..field_checks import NOT_INT_LISTS, byte_array, check_admission, out_of_range_error, wire_bool, wire_f32, wire_int
 from ..replies import (
     NativeMtpDraft,
     StageReply,
@@ -208,6 +208,7 @@ def read_stage_message_from_buffer(data, n_embd: int, expected_codec=None, polic
     """
     if not (I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError("n_embd does not fit in i32")
+    check_admission(expected_codec, policy)
     cur = Cursor(data, offset)
     # 1. kind
     kind = _KINDS.get(cur.i32())

@@ -27,7 +27,7 @@ from ..activation_frame import ActivationFrameV16
 from ..constants import ActivationCodec, CodecPolicy
 from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
 from ..messages import StageStateHeader, StageWireMessage
-from ..field_checks import out_of_range_error, wire_int
+from ..field_checks import check_admission, out_of_range_error, wire_int
 from . import frame as _v15
 from .frame import Cursor, byte_view, check_sideband_counts, read_sampling
 from .frame_v16 import (
@@ -77,6 +77,7 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
                                    agreement=None):
     if version not in VERSIONS:
         raise ValueError(f"state version {version} is not 16 or 17")
+    check_admission(expected_codec, policy)
     cur = Cursor(data, offset)
     kind, = cur.unpack("<i")
     if kind not in KNOWN_KINDS:
