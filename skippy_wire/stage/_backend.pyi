@@ -41,7 +41,7 @@ MTP_DRAFT_BYTES: int  # 56
 ITERATION_REQUEST_BYTES: int  # 72
 
 # int32 buffer (bytes-like / array('i') / int32 ndarray) or a list of ints
-Int32s = Any
+_Int32s = Any
 
 def abi_version() -> tuple[int, int, int]: ...
 def abi_features() -> int: ...
@@ -114,14 +114,14 @@ class Session:
     def model(self) -> Model: ...
     # Frame calls: ``input_desc``/``input_payload`` are the v2 input frame of a non-first
     # stage; ``capacity`` is the size of the output payload buffer (too small: BUFFER_TOO_SMALL).
-    def prefill_chunk_frame(self, tokens: Int32s, positions: Optional[Int32s] = None,
+    def prefill_chunk_frame(self, tokens: _Int32s, positions: Optional[_Int32s] = None,
                             sampling: Optional[bytes] = None, sample: bool = False,
                             input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
                             capacity: int = 0) -> FrameResult: ...
     def decode_step_frame_sampled(self, token: int, sampling: Optional[bytes] = None,
                                   input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
                                   capacity: int = 0) -> FrameResult: ...
-    def verify_tokens_frame_sampled(self, tokens: Int32s, sampling: Optional[bytes] = None,
+    def verify_tokens_frame_sampled(self, tokens: _Int32s, sampling: Optional[bytes] = None,
                                     input_desc: Optional[bytes] = None, input_payload: Optional[bytes] = None,
                                     capacity: int = 0, token_capacity: Optional[int] = None,
                                     max_draft: int = 0) -> VerifyResult: ...
@@ -135,12 +135,12 @@ class Session:
     def close(self) -> None:
         """Free the native session and its lane (also done on garbage collection)."""
 
-IterationRequest = tuple[
-    Optional[Session], Int32s, Optional[Int32s], Optional[bytes], Optional[bytes], Optional[bytes], bool
+_IterationRequest = tuple[
+    Optional[Session], _Int32s, Optional[_Int32s], Optional[bytes], Optional[bytes], Optional[bytes], bool
 ]
 
 def iteration_batch_sampled(
-    requests: Sequence[IterationRequest], capacities: Sequence[int], sampled_capacity: int
+    requests: Sequence[_IterationRequest], capacities: Sequence[int], sampled_capacity: int
 ) -> BatchResult: ...
 def decode_step_frame_batch_sampled(
     sessions: Sequence[Optional[Session]],
