@@ -130,6 +130,7 @@ def _error_examples():
             e.UnexpectedEofError(needed=12), e.ForwardingError("wrapped", e.InvalidDataError("inner")),
             e.SetupError("setup failed", "because"), e.SetupClosed(detail="why"),
             e.StageRuntimeError.from_native(4, "too small", 1234), e.ActivationFrameError("frame"),
+            e.ModelFileError("m.gguf is not a GGUF file"),
             e.SamplingConfigError("sampling", e.Status.INVALID_ARGUMENT), e.StageArgumentError("token"),
             e.PartialBatchExecution(3, e.StageRuntimeError("boom")), e.StageError("stage"), e.PipelineError("p"),
             e.PipelineMismatch("m"),
