@@ -134,14 +134,34 @@ def test_requests_being_served_are_never_shed(gated):
     assert httpx.get(url + "/ok", timeout=10).text == "ok"
 
 
+@contextlib.contextmanager
+def logged_by_uvicorn():
+    """The records uvicorn's logger takes from here on (it does not propagate to the root,
+    so caplog misses them); entered once the server runs, whose start configures it."""
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+
+
+def _errors(records) -> list:
+    return [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+
+
 @pytest.fixture
 def api_url(caplog):
     """The API's routes with no stages behind them: enough for what happens before a
     request reaches the engine."""
     api = Api(None, model_id="m", chat_template=None, max_inflight=1)
-    with caplog.at_level(logging.WARNING), serving(api.app(), limit_concurrency=LIMIT) as url:
+    with caplog.at_level(logging.WARNING), serving(api.app(), limit_concurrency=LIMIT) as url, \
+            logged_by_uvicorn() as records:
         yield url
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert not _errors(caplog.records) and not _errors(records), (caplog.text, _errors(records))
 
 
 def _post_head(url: str, length: int, part: bytes) -> socket.socket:
@@ -507,6 +527,38 @@ def test_a_request_whose_client_left_before_admission_never_generates():
         r = httpx.post(url + "/v1/completions", json={"prompt": "B", "stream": True}, timeout=30)
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     assert engine.prompts == ["B"]
+
+
+class FloodingEngine(FakeEngine):
+    """Streams 256 KiB pieces of text, ten a second, until cancelled (64 at most)."""
+
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
+        for _ in range(64):
+            if cancelled.is_set():
+                self.counters["flood_cancelled"] += 1
+                raise Cancelled("stop")
+            on_text("x" * (256 << 10), [120])
+            time.sleep(0.1)
+        return Generation(text="", prompt_tokens=len(prompt), completion_tokens=64, finish_reason="length")
+
+
+def test_a_stream_whose_client_reads_nothing_is_closed(monkeypatch):
+    # Its connection was held for good: never quiet (an answer unfinished), so never shed.
+    monkeypatch.setattr(http_front, "STALLED_READER_S", 0.5)
+    engine, servers = FloodingEngine(), []
+    with serving(_fake_api(engine).app(), servers, limit_concurrency=LIMIT) as url, logged_by_uvicorn() as records:
+        host, port = url.removeprefix("http://").split(":")
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect((host, int(port)))
+        with reader:
+            body = json.dumps({"prompt": "A", "stream": True}).encode()
+            reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            _until(lambda: engine.counters["flood_cancelled"] == 1, "the stalled stream is cancelled")
+            _until(lambda: not servers[0].server_state.connections, "its connection is closed")
+    assert "a client read none of its answer for 0.5 s: its connection is closed" in [r.getMessage() for r in records]
+    assert not _errors(records)
 
 
 def test_health_asks_every_stage():

@@ -40,6 +40,10 @@ BODY_TIMEOUT_S = 30
 #: client still sending could lose the answer; never closed, a peer could stream forever.
 LINGER_S = 2.0
 LINGER_BYTES = MAX_BODY_BYTES
+#: Seconds a connection's answer may wait on a client that reads none of it (the write
+#: buffer full) before the connection closes: nginx's ``send_timeout`` default.  A stream
+#: whose client stopped reading would otherwise hold its connection for good.
+STALLED_READER_S = 60
 #: Seconds a client is told to wait before retrying a refused (503) request.
 RETRY_AFTER_S = 1
 #: Request headers a browser page may send cross-origin (``--cors-origin``): any, as
@@ -252,6 +256,7 @@ class IdleSheddingProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
+        self.stalled: Optional[asyncio.TimerHandle] = None  # set while the client reads nothing
 
     @property
     def app(self):
@@ -277,6 +282,27 @@ class IdleSheddingProtocol(H11Protocol):
     def on_response_complete(self) -> None:
         self.quiet_since = self.loop.time()
         super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.stalled = self.loop.call_later(STALLED_READER_S, self.stalled_reader)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._unstall()
+        super().connection_lost(exc)
+
+    def _unstall(self) -> None:
+        if self.stalled is not None:
+            self.stalled.cancel()
+            self.stalled = None
+
+    def stalled_reader(self) -> None:
+        self.logger.warning("a client read none of its answer for %g s: its connection is closed", STALLED_READER_S)
+        self.transport.abort()  # close() would wait for the buffer to drain; the request sees the client gone
 
     def data_received(self, data: bytes) -> None:
         if self.lingering is None:
