@@ -33,13 +33,17 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job starts
+
+
 class ApiServer:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint: bool = True) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--ctx-size", "512", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-            preexec_fn=default_sigint)
+            preexec_fn=default_sigint if sigint else _ignore_sigint)
         self.log: list[str] = []
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
@@ -473,11 +477,13 @@ def test_a_stage_that_dies_stops_the_api_with_one_line():
                      log, re.M), log
 
 
-@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status):
+@pytest.mark.parametrize("signum,status,sigint", [(signal.SIGTERM, 143, True), (signal.SIGHUP, 129, True),
+                                                  (signal.SIGINT, 130, False)])
+def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status, sigint):
     """uvicorn stops gracefully on SIGTERM and used to return 0 from the command; a closed
-    terminal (SIGHUP) killed it without stopping its stage processes."""
-    server = ApiServer("--stages", "2")
+    terminal (SIGHUP) killed it without stopping its stage processes; a SIGINT sent to one
+    started with SIGINT ignored (a background job) stopped it with status 0."""
+    server = ApiServer("--stages", "2", sigint=sigint)
     try:
         stages = _children(server.proc.pid)
         assert len(stages) == 2, stages

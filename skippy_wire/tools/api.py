@@ -589,6 +589,9 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             if ended:
                 print(error_line(f"{ended[0]}; the API stopped"), file=sys.stderr)
                 return 1
+            if server.stopped_by is not None:  # uvicorn's own re-raise of it was ignored (SIGINT in a background job)
+                progress("stopped")
+                return 128 + server.stopped_by
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         progress("stopped")
         return 130

@@ -372,6 +372,12 @@ class StoppingServer(uvicorn.Server):
                  refuse_waiting: Callable[[], int] = lambda: 0) -> None:
         super().__init__(config)
         self.say, self.refuse_waiting = say, refuse_waiting
+        self.stopped_by: Optional[int] = None  # the first signal uvicorn stopped for
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         refused = self.refuse_waiting()  # requests not started are answered now, not after the grace period
