@@ -144,21 +144,20 @@ def test_stage_processes_run_the_drivers_package_whatever_stands_in_the_working_
     assert result.tokens == generate_local(tiny_model, PROMPT, max_tokens=12, chunk_size=4, threads=1).tokens
 
 
-def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, monkeypatch):
+@pytest.mark.parametrize("kept", [3, 0])
+def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, kept):
     """Every session a stage freed left its event twice in the supervisor, for ever: some 6 KB
-    a generation in a long-running API.  Now the latest SESSION_EVENTS_KEPT, and none queued."""
-    from skippy_wire.net import supervision
-
-    monkeypatch.setattr(supervision, "SESSION_EVENTS_KEPT", 3)
-    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60) as cluster:
+    a generation in a long-running API.  Now the latest ``session_events_kept`` (the API,
+    which reads none, keeps none), and none queued."""
+    with launch_pipeline(tiny_model, 2, threads=1, startup_timeout=60, session_events_kept=kept) as cluster:
         with PipelineClient(*cluster.entry, timeout=30) as client:
             for session in range(1, 7):
                 client.generate(PROMPT, max_tokens=2, chunk_size=4, session_id=session, request_id=session)
-        kept = cluster.session_events(wait=5, count=3)
+        events = cluster.session_events(wait=5 if kept else 0.5, count=kept)
         time.sleep(0.5)  # the readers have the last events
-        assert [len(stage.session_events) for stage in cluster.stages] == [3, 3]
+        assert [len(stage.session_events) for stage in cluster.stages] == [kept, kept]
         assert [stage.events.qsize() for stage in cluster.stages] == [0, 0]
-    assert [len(events) for events in kept] == [3, 3]
+    assert [len(stage_events) for stage_events in events] == [kept, kept]
 
 
 @pytest.mark.slow

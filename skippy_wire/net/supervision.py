@@ -49,9 +49,9 @@ REPLY_TIMEOUT_STEP_S = 2.0
 #: Lines of a stage's stderr kept in memory when it has no log file, and the longest wait for
 #: the reader of that stderr to take in what is there before they are looked at.
 LOG_TAIL_LINES = 200
-#: The "session" events (one per session a stage frees, about 1.5 KB each) kept per stage: the
-#: latest, enough for every command and benchmark that reads them; a long-running API
-#: kept every one (some 6 KB a generation, without end).
+#: The "session" events (one per session a stage frees, about 2.6 KB each parsed) kept per
+#: stage by default: the latest, enough for every command and benchmark that reads them
+#: (the API, which reads none, keeps none).
 SESSION_EVENTS_KEPT = 1024
 TAIL_SETTLE_S = 0.5
 #: The longest wait, when stages only report a neighbour that went away, for one that
@@ -125,14 +125,15 @@ class StageProcess:
     """One ``skippy-wire serve`` child.  Its stdout JSON events are collected by a thread."""
 
     def __init__(self, index: int, layers: tuple[int, int], args: list[str], *, env=None,
-                 log_path: Path | None = None, prefix: Iterable[str] = ()) -> None:
+                 log_path: Path | None = None, prefix: Iterable[str] = (),
+                 session_events_kept: int = SESSION_EVENTS_KEPT) -> None:
         self.index = index
         self.layers = layers
         self.host = "127.0.0.1"
         self.port: int | None = None
         self.n_embd: int | None = None
         self.events: "queue.Queue[dict]" = queue.Queue()
-        self.session_events: collections.deque[dict] = collections.deque(maxlen=SESSION_EVENTS_KEPT)
+        self.session_events: collections.deque[dict] = collections.deque(maxlen=session_events_kept)
         self._stderr = open(log_path, "wb") if log_path else subprocess.PIPE
         self.log_path = log_path
         #: Without a log file: the last lines of the stage's stderr, and how many came in all.
@@ -384,7 +385,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     log_dir: str | Path | None = None, extra_args: Iterable[str] = (),
                     stage_args: dict[int, list[str]] | None = None,
                     on_progress: Callable[[str], None] | None = None, protocol: int = 15,
-                    protocols: list[int] | None = None, tls=None) -> StageCluster:
+                    protocols: list[int] | None = None, tls=None,
+                    session_events_kept: int = SESSION_EVENTS_KEPT) -> StageCluster:
     """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly.
 
     ``capture_dir``: each stage with a downstream records that hop to
@@ -398,6 +400,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     mixed pipelines); v17 stages share one fresh run id, the plan and the model id, and
     the cluster's ``identity`` is the driver's.  ``tls`` (a :class:`~skippy_wire.net.tls.
     TlsConfig`): every stage serves and forwards over mutual TLS with it.
+    ``session_events_kept``: the latest "session" events kept per stage (0: none, for a
+    caller that never reads them).
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)
@@ -439,7 +443,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     args += ["--capture", str(Path(capture_dir) / f"hop{index + 1}")]
             started = time.perf_counter()
             proc = StageProcess(index, (start, end), args, env=env,
-                                log_path=log_dir / f"stage{index}.log" if log_dir else None)
+                                log_path=log_dir / f"stage{index}.log" if log_dir else None,
+                                session_events_kept=session_events_kept)
             procs.insert(0, proc)
             proc.wait_listening(startup_timeout)
             if on_progress:

@@ -537,7 +537,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
-                                      extra_args=poll_args(args.poll_ms, args.stages))
+                                      extra_args=poll_args(args.poll_ms, args.stages), session_events_kept=0)
             entry = cluster.entry
         # each request that fails in the pipeline, and its recovery, as a progress line
         engine_log = logging.StreamHandler(sys.stderr)
