@@ -245,6 +245,58 @@ def test_compute_releases_the_gil(tiny_path):
     assert ran_while_inside(iteration)
 
 
+def test_a_session_busy_in_another_thread_refuses_calls_and_is_freed_when_free(tiny_path):
+    """Sessions are not shared (runtime.md 1.3): a call overlapping another thread's call on
+    the same session raced on its native state (two prefills both at position 0, the
+    history vector grown from two threads), and a close() freed the session under the
+    running call.  Now the overlapping call is refused and the close waits for the call."""
+    prompt = [(7 * i + 3) % N_VOCAB for i in range(200)]
+    model = open_model(tiny_path, n_threads=1, ctx_size=256)
+    want = run_verify(model.create_session(), prompt)[2]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # the watcher runs before the call returns only if the call releases the GIL
+    try:
+        for _ in range(20):
+            session = model.create_session()
+            inside, go, seen = [False], threading.Event(), []
+
+            def watch():
+                go.wait()
+                if not inside[0]:
+                    return
+                for call in (lambda: session.position, lambda: session.trim(0),
+                             lambda: B.iteration_batch_sampled([(session, [1], None, None, None, None, True)], [0], 1)):
+                    seen.append("refused" if _refused(call) else "ran")
+                session.close()
+                seen.append("closed")
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            inside[0] = True
+            go.set()
+            got = session.verify_tokens_frame_sampled(prompt).predicted_tokens
+            inside[0] = False
+            watcher.join()
+            if seen:
+                break
+            session.close()
+        else:
+            pytest.fail("the watcher never ran while the call was inside native code")
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen == ["refused", "refused", "refused", "closed"] and got == want
+    with pytest.raises(ValueError, match="^Session is closed$"):
+        session.position
+
+
+def _refused(call) -> bool:
+    try:
+        call()
+    except StageRuntimeError as exc:
+        return str(exc) == B.SESSION_BUSY
+    return False
+
+
 def test_threads_on_two_models_agree(tiny_path):
     m1, m2 = open_model(tiny_path, n_threads=1), open_model(tiny_path, n_threads=1)
     want = run_verify(m1.create_session(), PROMPT)[2]

@@ -39,6 +39,7 @@ ACTIVATION_BOUNDARY_DESC_BYTES: int  # 2088
 SAMPLING_CONFIG_BYTES: int  # 2352
 MTP_DRAFT_BYTES: int  # 56
 ITERATION_REQUEST_BYTES: int  # 72
+SESSION_BUSY: str  # the text of a call overlapping another thread's call on one session
 
 # int32 buffer (bytes-like / array('i') / int32 ndarray) or a list of ints
 _Int32s = Any

@@ -391,10 +391,18 @@ cdef class Model:
                 f"{self.info.layer_end}) of {self.info.n_layer}>")
 
 
+#: A call on a session while another thread's call on it runs (native state would race).
+SESSION_BUSY = "the session is in use by another thread: calls on one session must not overlap"
+
+
 @cython.no_gc_clear  # __dealloc__ needs _model (its lane counter) even inside a collected cycle
 cdef class Session:
     cdef skippy_session_t * ptr
     cdef Model _model
+    # A call of this session runs with the GIL released (set and read with the GIL held); a
+    # close() meanwhile frees the session when that call returns, not under it.
+    cdef bint busy
+    cdef bint close_pending
 
     def __cinit__(self):
         self.ptr = NULL
@@ -412,11 +420,27 @@ cdef class Session:
             self._model.live_sessions -= 1
 
     def close(self):
-        self._free()
+        if self.busy:
+            self.close_pending = True
+        else:
+            self._free()
 
     cdef _check(self):
         if self.ptr == NULL:
             raise ValueError("Session is closed")
+        if self.busy:
+            raise StageRuntimeError(SESSION_BUSY)
+
+    cdef _enter(self):
+        """Before a call that releases the GIL: the session is this call's until _leave()."""
+        self._check()
+        self.busy = True
+
+    cdef _leave(self):
+        self.busy = False
+        if self.close_pending:
+            self.close_pending = False
+            self._free()
 
     @property
     def model(self):
@@ -440,15 +464,19 @@ cdef class Session:
         cdef _FrameCall c = _FrameCall.of(sampling, input_desc, input_payload, capacity)
         cdef int32_t predicted = -1
         cdef skippy_status st
-        with nogil:
-            if sample:
-                st = skippy_prefill_chunk_frame_sampled_with_positions(
-                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.sampling, c.input_desc,
-                    c.input_payload, &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &predicted, &c.e)
-            else:
-                st = skippy_prefill_chunk_frame_with_positions(
-                    self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.input_desc, c.input_payload,
-                    &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &c.e)
+        self._enter()
+        try:
+            with nogil:
+                if sample:
+                    st = skippy_prefill_chunk_frame_sampled_with_positions(
+                        self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.sampling, c.input_desc,
+                        c.input_payload, &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &predicted, &c.e)
+                else:
+                    st = skippy_prefill_chunk_frame_with_positions(
+                        self.ptr, tok.data(), tok.size(), pos_ptr, pos.size(), c.input_desc, c.input_payload,
+                        &c.out_desc, c.bufp, c.capacity, &c.out_bytes, &c.e)
+        finally:
+            self._leave()
         return c.result(st, predicted if sample else -1)
 
     def decode_step_frame_sampled(self, int32_t token, sampling=None, input_desc=None, input_payload=None,
@@ -457,10 +485,14 @@ cdef class Session:
         cdef _FrameCall c = _FrameCall.of(sampling, input_desc, input_payload, capacity)
         cdef int32_t predicted = -1
         cdef skippy_status st
-        with nogil:
-            st = skippy_decode_step_frame_sampled(
-                self.ptr, token, c.sampling, c.input_desc, c.input_payload, &c.out_desc, c.bufp, c.capacity,
-                &c.out_bytes, &predicted, &c.e)
+        self._enter()
+        try:
+            with nogil:
+                st = skippy_decode_step_frame_sampled(
+                    self.ptr, token, c.sampling, c.input_desc, c.input_payload, &c.out_desc, c.bufp, c.capacity,
+                    &c.out_bytes, &predicted, &c.e)
+        finally:
+            self._leave()
         return c.result(st, predicted)
 
     def verify_tokens_frame_sampled(self, tokens, sampling=None, input_desc=None, input_payload=None,
@@ -475,10 +507,14 @@ cdef class Session:
         predicted.resize(tcap if tcap else 1)
         cdef size_t n_pred = 0
         cdef skippy_status st
-        with nogil:
-            st = skippy_verify_tokens_frame_sampled(
-                self.ptr, tok.data(), tok.size(), c.sampling, c.input_desc, c.input_payload, &c.out_desc,
-                c.bufp, c.capacity, &c.out_bytes, predicted.data(), tcap, &n_pred, max_draft, &draft, &c.e)
+        self._enter()
+        try:
+            with nogil:
+                st = skippy_verify_tokens_frame_sampled(
+                    self.ptr, tok.data(), tok.size(), c.sampling, c.input_desc, c.input_payload, &c.out_desc,
+                    c.bufp, c.capacity, &c.out_bytes, predicted.data(), tcap, &n_pred, max_draft, &draft, &c.e)
+        finally:
+            self._leave()
         _check(st, _take_message(c.e), c.out_bytes)
         cdef VerifyResult r = VerifyResult.__new__(VerifyResult)
         r.out_desc = _desc_bytes(&c.out_desc)
@@ -492,9 +528,13 @@ cdef class Session:
         self._check()
         cdef _FrameCall c = _FrameCall.output(capacity)
         cdef skippy_status st
-        with nogil:
-            st = skippy_session_copy_output_activation_frame(self.ptr, token_count, &c.out_desc, c.bufp, c.capacity,
-                                                             &c.out_bytes, &c.e)
+        self._enter()
+        try:
+            with nogil:
+                st = skippy_session_copy_output_activation_frame(self.ptr, token_count, &c.out_desc, c.bufp, c.capacity,
+                                                                 &c.out_bytes, &c.e)
+        finally:
+            self._leave()
         return c.result(st, -1)
 
     def sample_current(self, sampling=None):
@@ -503,8 +543,12 @@ cdef class Session:
         cdef int32_t token = -1
         cdef skippy_error * e = NULL
         cdef skippy_status st
-        with nogil:
-            st = skippy_session_sample_current(self.ptr, <const skippy_sampling_config *> samp.ptr, &token, &e)
+        self._enter()
+        try:
+            with nogil:
+                st = skippy_session_sample_current(self.ptr, <const skippy_sampling_config *> samp.ptr, &token, &e)
+        finally:
+            self._leave()
         _check(st, _take_message(e))
         return token
 

@@ -23,6 +23,26 @@ cdef skippy_session_t * _session_ptr(object s) except? NULL:
     return (<Session> s).ptr
 
 
+cdef list _enter_all(sessions):
+    """Session._enter() for each distinct Session of a batch (a repeated one is native's to
+    refuse), or for none of them."""
+    cdef list entered = []
+    try:
+        for s in sessions:
+            if isinstance(s, Session) and not any(s is t for t in entered):
+                (<Session> s)._enter()
+                entered.append(s)
+    except BaseException:
+        _leave_all(entered)
+        raise
+    return entered
+
+
+cdef _leave_all(list entered):
+    for s in entered:
+        (<Session> s)._leave()
+
+
 def iteration_batch_sampled(requests, capacities, size_t sampled_capacity):
     cdef size_t n = len(requests)
     if <size_t> len(capacities) != n:
@@ -80,10 +100,14 @@ def iteration_batch_sampled(requests, capacities, size_t sampled_capacity):
         out_ptrs[i] = <void *> _payload_ptr(buf)
     cdef skippy_error * e = NULL
     cdef skippy_status st
-    with nogil:
-        st = skippy_iteration_batch_sampled(reqs.data(), n, out_descs.data(), out_ptrs.data(), caps.data(),
-                                            out_bytes.data(), idx.data(), pred.data(), sampled_capacity,
-                                            &n_sampled, &e)
+    entered = _enter_all([request[0] for request in requests])
+    try:
+        with nogil:
+            st = skippy_iteration_batch_sampled(reqs.data(), n, out_descs.data(), out_ptrs.data(), caps.data(),
+                                                out_bytes.data(), idx.data(), pred.data(), sampled_capacity,
+                                                &n_sampled, &e)
+    finally:
+        _leave_all(entered)
     sizes = [out_bytes[i] for i in range(n)]
     _check(st, _take_message(e), sizes)
     cdef size_t ns = min(n_sampled, sampled_capacity)
@@ -140,10 +164,14 @@ def decode_step_frame_batch_sampled(sessions, token_ids, samplings, input_descs,
         out_ptrs[i] = <void *> _payload_ptr(buf)
     cdef skippy_error * e = NULL
     cdef skippy_status st
-    with nogil:
-        st = skippy_decode_step_frame_batch_sampled(sess.data(), toks.data(), samps.data(), descs.data(), pays.data(),
-                                                    out_descs.data(), out_ptrs.data(), caps.data(), out_bytes.data(),
-                                                    pred.data(), predicted_capacity, n, &e)
+    entered = _enter_all(sessions)
+    try:
+        with nogil:
+            st = skippy_decode_step_frame_batch_sampled(sess.data(), toks.data(), samps.data(), descs.data(),
+                                                        pays.data(), out_descs.data(), out_ptrs.data(), caps.data(),
+                                                        out_bytes.data(), pred.data(), predicted_capacity, n, &e)
+    finally:
+        _leave_all(entered)
     sizes = [out_bytes[i] for i in range(n)]
     _check(st, _take_message(e), sizes)
     return _batch_result(out_descs, bufs, sizes, list(range(n)), [pred[i] for i in range(n)])

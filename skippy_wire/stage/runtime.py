@@ -214,7 +214,8 @@ class StageSession(_NativeHandle):
 
     Fields as upstream: ``token_count`` (mirror of native ``n_past``), ``terminal_stage``
     and ``batched_activation_exports``.  Obtain from :meth:`StageModel.create_session`.
-    Not thread-safe: serialise calls per session.
+    Not shared between threads: a call overlapping another thread's call on this session
+    raises StageRuntimeError (docs/runtime.md, "Threads").
     """
 
     __slots__ = ("_raw", "_lib", "_model", "token_count", "terminal_stage", "batched_activation_exports")
