@@ -4,6 +4,7 @@ BUFFER_TOO_SMALL retry works natively, bad input is a clear exception."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -350,6 +351,26 @@ def test_smollm2_two_stage_split_predicts_paris():
     frame = frame_from_wire(out.payload, 5, first.n_embd, 0, 0, 15, boundary=last.input_activation_boundary())
     predicted, _, _ = b.verify_tokens_frame(prompt, frame)
     assert predicted == [29, 282, 260, 314, 7042]  # runtime.md section 5.3; 7042 = "ĠParis"
+
+
+def test_a_kv_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated():
+    """It was allocated and zeroed page by page until the out-of-memory killer ended the
+    process (`-c 1000000` on SmolLM2 asks 46 GB a session)."""
+    from skippy_wire.wire.constants import MAX_CTX_SIZE
+
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    per_position = 2 * 30 * 3 * 64 * 4  # SmolLM2: K and V rows of 30 layers, 3 KV heads of 64, f32
+    ctx_size = 2 * available // per_position
+    if ctx_size > MAX_CTX_SIZE:
+        pytest.skip("this machine holds SmolLM2's KV cache at the largest context")
+    model = StageModel.open(str(models.smollm2_path()), 0, None, n_threads=1, ctx_size=ctx_size)
+    with pytest.raises(StageRuntimeError) as error:
+        model.create_session()
+    assert re.fullmatch(rf"RuntimeError: cannot allocate the KV cache: \d+ MiB for {ctx_size} positions, \d+ MiB "
+                        r"of memory available", str(error.value)), str(error.value)
+    with pytest.raises(StageRuntimeError, match="cannot allocate the KV cache: "):  # the lane was given back
+        model.create_session()
 
 
 @pytest.mark.parametrize("codec_name", ["RAW_F32_V1", "BF16_RNE_V1"])

@@ -145,6 +145,25 @@ bool skippy_model_input_activation_boundary(const skippy_model_t * m, struct ski
     return true;
 }
 
+// What this machine can still give without swapping (Linux's MemAvailable), or 0 when unknown.
+// A KV cache larger than that is refused: allocated, it would be zeroed page by page until
+// the kernel's out-of-memory killer ended the process.
+static uint64_t memory_available() {
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kib = 0;
+    uint64_t bytes = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
+            bytes = (uint64_t) kib * 1024;
+            break;
+        }
+    }
+    fclose(f);
+    return bytes;
+}
+
 enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t ** out_session,
                                          struct skippy_error ** out_error) {
     if (out_session) *out_session = nullptr;
@@ -158,7 +177,7 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
     }
     if (lane < 0) return fail(out_error, SKIPPY_STATUS_RUNTIME_ERROR, "no skippy execution lane is available");
     auto * s = new (std::nothrow) skippy_session();
-    auto release = [&](const char * why) {
+    auto release = [&](const std::string & why) {
         if (s) {
             if (s->kbuf) ggml_backend_buffer_free(s->kbuf);
             if (s->kctx) ggml_free(s->kctx);
@@ -180,6 +199,13 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
     for (size_t i = 0; i < n_owned; i++) {
         s->k.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, n_embd_kv, m->ctx_size));
         s->v.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, m->ctx_size, n_embd_kv));  // transposed
+    }
+    const uint64_t kv_bytes = 2 * (uint64_t) n_owned * (uint64_t) n_embd_kv * m->ctx_size * sizeof(float);
+    const uint64_t available = memory_available();
+    if (available && kv_bytes > available) {
+        return release("cannot allocate the KV cache: " + std::to_string(kv_bytes >> 20) + " MiB for " +
+                       std::to_string(m->ctx_size) + " positions, " + std::to_string(available >> 20) +
+                       " MiB of memory available");
     }
     s->kbuf = ggml_backend_alloc_ctx_tensors(s->kctx, m->backend);
     if (!s->kbuf) return release("cannot allocate the KV cache");
