@@ -144,6 +144,25 @@ def test_stage_processes_run_the_drivers_package_whatever_stands_in_the_working_
     assert result.tokens == generate_local(tiny_model, PROMPT, max_tokens=12, chunk_size=4, threads=1).tokens
 
 
+def test_a_context_whose_kv_cache_outgrows_the_memory_available_starts_no_stage(tiny_model, monkeypatch):
+    """Each stage refused its share only once the stages before it had zeroed theirs (at
+    -c 1000000 on SmolLM2, stage 0 still zeroing 22 GB when the driver's 60 s ran out)."""
+    from skippy_wire.net import supervision
+    from skippy_wire.stage.models import kv_cache_bytes
+
+    assert kv_cache_bytes(tiny_model, 1) == 2 * 4 * 2 * 16 * 4  # K and V, 4 layers, 2 KV heads of 16, f32
+    assert supervision.memory_available() > 0
+    started = []
+    monkeypatch.setattr(supervision, "StageProcess", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(supervision, "memory_available", lambda: 1023 << 20)
+    with pytest.raises(ValueError) as error:
+        launch_pipeline(tiny_model, 2, threads=1, ctx_size=1 << 20)
+    assert str(error.value) == (f"a context of {1 << 20} positions takes 1024 MiB of KV cache a session over "
+                                f"{tiny_model.name}'s layers, more than the 1023 MiB of memory available; "
+                                "give a smaller -c/--ctx-size") and not started
+    supervision.check_kv_cache_fits(tiny_model, 1 << 19)  # 512 MiB: fits
+
+
 @pytest.mark.parametrize("kept", [3, 0])
 def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, kept):
     """Every session a stage freed left its event twice in the supervisor, for ever: some 6 KB

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import PipelineError
-from ..stage.models import model_shape, smollm2_path
+from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
 from ..stage.threads import default_threads, oversubscription
 from ..wire.activation_frame import STAGE_STATE_VERSION_V17
 from ..wire.forwarding import DEFAULT_CTX_SIZE
@@ -377,6 +377,28 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
     return _LAUNCHED.get((host, int(port)))
 
 
+def memory_available() -> int | None:
+    """What this machine can still give without swapping (Linux's MemAvailable), in bytes;
+    None where that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def check_kv_cache_fits(model: Path, ctx_size: int) -> None:
+    """ValueError when one session's KV cache over the model's layers, all on this machine,
+    outgrows the memory available: each stage would refuse its share only once the stages
+    before it had taken theirs (zeroing gigabytes first), or not at all, the machine then
+    swapping or killing processes."""
+    need, available = kv_cache_bytes(model, ctx_size), memory_available()
+    if available is not None and need > available:
+        raise ValueError(f"a context of {ctx_size} positions takes {need >> 20} MiB of KV cache a session over "
+                         f"{model.name}'s layers, more than the {available >> 20} MiB of memory available; "
+                         "give a smaller -c/--ctx-size")
+
+
 def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",
                     threads: int | None = None, ctx_size: int = DEFAULT_CTX_SIZE,
                     layers: list[tuple[int, int]] | None = None, startup_timeout: float = STARTUP_TIMEOUT,
@@ -405,6 +427,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)
+    check_kv_cache_fits(model, ctx_size)
     if layers is None:
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)

@@ -260,6 +260,22 @@ def model_shape(path: PathLike) -> Tuple[int, int]:
     return tuple(_count(path, found, f"{arch}.{key}") for key in ("block_count", "embedding_length"))
 
 
+def kv_cache_bytes(path: PathLike, ctx_size: int) -> int:
+    """The K/V cache one session of the whole model holds at ``ctx_size`` positions, sized
+    as the backend sizes it (``skippy_session_create``: an f32 K and V row of
+    ``head_count_kv`` x ``key_length`` values per layer and position)."""
+    # the architecture's keys come before the tokenizer's large arrays (as for model_shape)
+    found = read_gguf_metadata(path, stop=lambda kv: next(reversed(kv)).startswith("tokenizer."))
+    n_layer, n_embd = model_shape(path)
+    arch = found["general.architecture"]
+    n_head = _count(path, found, f"{arch}.attention.head_count")
+    n_head_kv = found.get(f"{arch}.attention.head_count_kv", n_head)
+    head_dim = found.get(f"{arch}.attention.key_length", n_embd // n_head)
+    if type(n_head_kv) is not int or type(head_dim) is not int:
+        raise ModelFileError(f"{path}: invalid GGUF metadata: attention head counts")
+    return 2 * n_layer * n_head_kv * head_dim * 4 * ctx_size
+
+
 def _count(path: PathLike, kv: dict, key: str) -> int:
     """The positive integer at ``key`` of a GGUF's metadata, within the backend's i32;
     ModelFileError naming it otherwise (an array, a string, 2^40)."""
