@@ -392,7 +392,11 @@ def check_kv_cache_fits(model: Path, ctx_size: int) -> None:
     outgrows the memory available: each stage would refuse its share only once the stages
     before it had taken theirs (zeroing gigabytes first), or not at all, the machine then
     swapping or killing processes."""
-    need, available = kv_cache_bytes(model, ctx_size), memory_available()
+    try:
+        need = kv_cache_bytes(model, ctx_size)
+    except (OSError, ValueError):  # a model that cannot be read: the stages say why in their words
+        return
+    available = memory_available()
     if available is not None and need > available:
         raise ValueError(f"a context of {ctx_size} positions takes {need >> 20} MiB of KV cache a session over "
                          f"{model.name}'s layers, more than the {available >> 20} MiB of memory available; "
