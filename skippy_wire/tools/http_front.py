@@ -285,6 +285,7 @@ class IdleSheddingProtocol(H11Protocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        self._unstall()
         self.stalled = self.loop.call_later(STALLED_READER_S, self.stalled_reader)
 
     def resume_writing(self) -> None:
