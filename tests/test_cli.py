@@ -182,6 +182,17 @@ def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
     assert run.sampling_params(run.build_parser().parse_args(["--top-k", "7"])).top_k == 7
 
 
+def test_seed_4294967295_is_random_as_in_llama_cli():
+    # llama.cpp's LLAMA_DEFAULT_SEED (and the API's seed of that value): it ran as seed 0 did.
+    from skippy_wire.tools import run
+
+    def seed(value):
+        return run.sampling_params(run.build_parser().parse_args(["-s", value])).seed
+
+    assert seed("-1") is None and seed("4294967295") is None
+    assert seed("0") == 0 and seed("4294967294") == 4294967294
+
+
 def test_the_penalties_look_back_64_tokens_as_in_llama_cli():
     from skippy_wire.tools import run
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .options import LLAMA_SAMPLING, SEED_RANGE, UNTIL_FULL
+from .options import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, SEED_RANGE, UNTIL_FULL
 
 MAX_STOP_STRINGS = 4
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
@@ -32,10 +32,9 @@ MAX_PROMPTS = 64
 #: stop string), but a request's memory must stay bounded: a stop string and its
 #: automaton's table take up to 8 bytes a character, so 4 of these at most 2 MiB.
 MAX_STOP_CHARS = 65536
-#: The reduced seed that asks for a random one: -1 (or 2**32 - 1), llama-server's
-#: ``LLAMA_DEFAULT_SEED``.  The wire carries a u32 seed, and llama-server reads ``seed`` as
-#: a uint32 too: a seed is reduced modulo :data:`.options.SEED_RANGE`.
-LLAMA_DEFAULT_SEED = SEED_RANGE - 1
+# A seed is reduced modulo :data:`.options.SEED_RANGE` (the wire carries a u32 seed, and
+# llama-server reads ``seed`` as a uint32 too): -1 then asks for a random one, as
+# :data:`.options.LLAMA_DEFAULT_SEED` does.
 #: OpenAI's sampling defaults (every filter off, the penalties over all the text so far),
 #: those of the /v1 routes; ``/completion`` takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
 OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
@@ -339,4 +338,4 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
 
 __all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
-           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS", "LLAMA_DEFAULT_SEED"]
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]

@@ -47,6 +47,9 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 MAX_PORT = 65535
 #: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
 SEED_RANGE = 2**32
+#: The seed that asks for a random one, llama.cpp's ``LLAMA_DEFAULT_SEED`` (llama-cli's
+#: ``-s 4294967295``, llama-server's ``seed``; as -1 is).
+LLAMA_DEFAULT_SEED = SEED_RANGE - 1
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

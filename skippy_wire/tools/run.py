@@ -29,8 +29,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_SAMPLING, MAX_CTX_SIZE, MAX_THREADS, SEED_RANGE,
-                      STARTED_STAGES_ONLY, TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption,
+from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_CTX_SIZE, MAX_THREADS,
+                      SEED_RANGE, STARTED_STAGES_ONLY, TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption,
                       add_codec_options, add_poll_option, add_tls_options, address, apply_topology,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
                       float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    type=int_at_least(1, special=(UNTIL_FULL, "until the context is full")),
                    default=DEFAULT_MAX_TOKENS, help="tokens to generate at most (-1: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
-                   help="sampling seed (-1: random)")
+                   help="sampling seed (-1 or 4294967295, llama.cpp's LLAMA_DEFAULT_SEED: random)")
     p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
                    default=LLAMA_SAMPLING["temperature"], help="temperature (0: greedy)")
     p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=LLAMA_SAMPLING["top_k"],
@@ -218,7 +218,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` banned."""
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=None if args.seed == RANDOM_SEED else args.seed,
+                              seed=None if args.seed in (RANDOM_SEED, LLAMA_DEFAULT_SEED) else args.seed,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                               ignore_eos=args.ignore_eos)
