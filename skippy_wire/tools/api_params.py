@@ -18,7 +18,8 @@ from typing import Any, Optional
 from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .options import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, SEED_RANGE, UNTIL_FULL
+from .options import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
+                      UNTIL_FULL)
 
 MAX_STOP_STRINGS = 4
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
@@ -38,10 +39,8 @@ MAX_STOP_CHARS = 65536
 #: OpenAI's sampling defaults (every filter off, the penalties over all the text so far),
 #: those of the /v1 routes; ``/completion`` takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
 OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
-#: The hottest temperature OpenAI takes, and llama-server's route here (llama-server takes
-#: any; the wire carries an f32, and past this every token is as likely as any other).
+#: The hottest temperature OpenAI takes (llama-server's route: :data:`.options.MAX_NATIVE_TEMPERATURE`).
 MAX_OPENAI_TEMPERATURE = 2.0
-MAX_NATIVE_TEMPERATURE = 1e6
 #: A logit_bias key is a token id: decimal digits, no more than a u32 has.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
@@ -306,7 +305,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 10.0, above=True),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
         repeat_last_n=_number(body, "repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1, integer=True),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)

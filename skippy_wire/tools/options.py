@@ -50,6 +50,11 @@ SEED_RANGE = 2**32
 #: The seed that asks for a random one, llama.cpp's ``LLAMA_DEFAULT_SEED`` (llama-cli's
 #: ``-s 4294967295``, llama-server's ``seed``; as -1 is).
 LLAMA_DEFAULT_SEED = SEED_RANGE - 1
+#: The hottest temperature and the largest repeat penalty taken (``run``, llama-server's
+#: routes): llama.cpp takes any, but the wire carries an f32 (1e39 became +inf), and past
+#: these every token is as likely as any other, or every repeated one as good as banned.
+MAX_NATIVE_TEMPERATURE = 1e6
+MAX_REPEAT_PENALTY = 10.0
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -351,12 +356,12 @@ def thread_counts(text: str) -> list[int]:
 thread_counts.__name__ = "list"
 
 
-def float_above(lo: float) -> Callable[[str], float]:
-    return _number(float, lambda v: v > lo, f"greater than {lo:g}", finite=True)
-
-
 def float_at_least(lo: float) -> Callable[[str], float]:
     return _number(float, lambda v: v >= lo, f"at least {lo:g}", finite=True)
+
+
+def float_above(lo: float, hi: float) -> Callable[[str], float]:
+    return _number(float, lambda v: lo < v <= hi, f"greater than {lo:g} and at most {hi:g}")
 
 
 #: The most timing rounds a benchmark option may ask for (a billion hung after the header).

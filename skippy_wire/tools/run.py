@@ -29,11 +29,11 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_CTX_SIZE, MAX_THREADS,
-                      SEED_RANGE, STARTED_STAGES_ONLY, TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption,
-                      add_codec_options, add_poll_option, add_tls_options, address, apply_topology,
+from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_CTX_SIZE,
+                      MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, MAX_THREADS, SEED_RANGE, STARTED_STAGES_ONLY,
+                      TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_poll_option, add_tls_options, address, apply_topology,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
-                      float_above, float_at_least, float_between, int_at_least, int_between, poll_args,
+                      float_above, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
@@ -91,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_MAX_TOKENS, help="tokens to generate at most (-1: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
                    help="sampling seed (-1 or 4294967295, llama.cpp's LLAMA_DEFAULT_SEED: random)")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float_at_least(0),
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float_between(0, MAX_NATIVE_TEMPERATURE),
                    default=LLAMA_SAMPLING["temperature"], help="temperature (0: greedy)")
     p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=LLAMA_SAMPLING["top_k"],
                    help="top-k (0 or below: off)")
     p.add_argument("--top-p", type=float_between(0, 1), default=LLAMA_SAMPLING["top_p"], help="top-p (1: off)")
     p.add_argument("--min-p", type=float_between(0, 1), default=LLAMA_SAMPLING["min_p"], help="min-p (0: off)")
-    p.add_argument("--repeat-penalty", type=float_above(0), default=DEFAULT_REPEAT_PENALTY,
+    p.add_argument("--repeat-penalty", type=float_above(0, MAX_REPEAT_PENALTY), default=DEFAULT_REPEAT_PENALTY,
                    help="repetition penalty (1: off)")
     p.add_argument("--repeat-last-n", type=int_between(-1, 2**31 - 1), default=LLAMA_SAMPLING["repeat_last_n"],
                    help="last tokens the repeat, presence and frequency penalties consider (-1: the whole context, "
