@@ -352,28 +352,48 @@ def test_rows_without_a_finite_maximum_follow_the_tie_rule(tiny_path):
 
 
 def test_nan_logits_are_never_chosen_over_numbers(tiny_path):
-    # A NaN logit (a NaN bias here; inf - inf from penalties and bias alike) ranks as -inf: it
-    # neither wins greedy from id 0 (the first-maximum scan started at a NaN and kept it) nor
-    # breaks the candidate sort's order (the draws left the logits' top k).
+    # A NaN logit (inf - inf from a +inf and a -inf bias on one token, or from penalties)
+    # ranks as -inf: it neither wins greedy from id 0 (the first-maximum scan started at a NaN
+    # and kept it) nor breaks the candidate sort's order (the draws left the logits' top k).
     s = open_model(tiny_path).create_session()
     greedy = run_prefill(s, PROMPT)[2]
     logits = np.frombuffer(s.copy_logits(), dtype=np.float32)
-    nan = float("nan")
+    inf = float("inf")
     for poisoned in ([0], [0, 5, greedy], list(range(0, N_VOCAB, 2))):
         l = logits.copy()
         l[poisoned] = -np.inf
         best = int(np.argmax(l))
         top5 = set(int(t) for t in np.argsort(-l, kind="stable")[:5])
-        bias = [(t, nan) for t in poisoned]
+        bias = [(t, b) for t in poisoned for b in (inf, -inf)]  # NaN logits
         assert s.sample_current(pack_sampling(logit_bias=bias, temperature=0.0)) == best
         assert s.sample_current(pack_sampling(logit_bias=bias, top_k=1, seed=3)) == best
         for seed in range(1, 17):
             assert s.sample_current(pack_sampling(logit_bias=bias, top_k=5, temperature=50.0, seed=seed)) in top5
             token = s.sample_current(pack_sampling(logit_bias=bias, temperature=1.0, top_p=0.9, seed=seed))
             assert 0 <= token < N_VOCAB and token not in poisoned
-    # inf - inf: a +inf and a -inf bias on one token make it NaN, not the winner
-    assert s.sample_current(pack_sampling(logit_bias=[(9, float("inf")), (9, float("-inf"))],
-                                          temperature=0.0)) == greedy
-    every = [(t, nan) for t in range(N_VOCAB)]
-    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.1)):
-        assert [s.sample_current(pack_sampling(logit_bias=every, seed=seed, **kw)) for seed in (1, 2)] == [0, 0], kw
+
+
+def test_nan_sampling_values_and_samplers_not_run_are_refused(tiny_path):
+    # A NaN temperature decoded greedily, a NaN top-p or min-p switched the filter off, a NaN
+    # penalty or bias banned tokens, and typical-p, XTC, DRY, mirostat ... were ignored: all
+    # without a word.
+    s = open_model(tiny_path).create_session()
+    run_prefill(s, PROMPT)
+    nan = float("nan")
+    names = {"presence": "presence_penalty", "frequency": "frequency_penalty", "repeat": "repeat_penalty"}
+    for field in ("temperature", "top_p", "min_p", "presence", "frequency", "repeat"):
+        assert status_of(s.sample_current, pack_sampling(**{field: nan})) == (
+            Status.INVALID_ARGUMENT, f"sampling {names.get(field, field)} is NaN"), field
+    assert status_of(s.sample_current, pack_sampling(logit_bias=[(7, nan)])) == (
+        Status.INVALID_ARGUMENT, "the logit bias of token 7 is NaN")
+    for offset, name, value, off in ((48, "typical_p", 0.5, "1"), (52, "top_nsigma", 1.0, "-1"),
+                                     (56, "dynatemp_range", 0.5, "0"), (80, "xtc_probability", 0.5, "0"),
+                                     (64, "dry_multiplier", 1.0, "0")):
+        config = bytearray(pack_sampling())
+        struct.pack_into("<f", config, offset, value)
+        assert status_of(s.sample_current, bytes(config)) == (
+            Status.UNSUPPORTED, f"sampling {name}: that sampler is not supported by this backend ({off} leaves it off)")
+    config = bytearray(pack_sampling())
+    struct.pack_into("<i", config, 88, 2)  # mirostat_mode 2
+    assert status_of(s.sample_current, bytes(config))[0] == Status.UNSUPPORTED
+    assert 0 <= s.sample_current(pack_sampling(seed=1)) < N_VOCAB  # the neutral values sample
