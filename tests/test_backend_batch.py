@@ -246,7 +246,7 @@ def test_compute_releases_the_gil(tiny_path):
 
 
 def test_a_session_busy_in_another_thread_refuses_calls_and_is_freed_when_free(tiny_path):
-    """Sessions are not shared (runtime.md 1.3): a call overlapping another thread's call on
+    """Sessions are not shared (docs/runtime.md, "Threads"): a call overlapping another thread's call on
     the same session raced on its native state (two prefills both at position 0, the
     history vector grown from two threads), and a close() freed the session under the
     running call.  Now the overlapping call is refused and the close waits for the call."""

@@ -182,6 +182,21 @@ def test_a_body_that_stalls_gets_408(api_url, monkeypatch):
     assert response.status == 408 and body["error"]["type"] == "invalid_request_error"
 
 
+def test_an_endless_body_refused_by_the_key_check_is_read_no_further():
+    # A 401 (as a 403, 404 or 405) is answered before the body is read: the connection kept
+    # reading and dropping it, gigabytes a minute, for anyone without the key.
+    api = Api(None, model_id="m", chat_template=None, max_inflight=1, api_key="k")
+    block = b"a" * 65536
+    with serving(api.app(), limit_concurrency=LIMIT) as url, _post_head(url, 10 ** 12, b"") as s:
+        s.settimeout(10)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert response.status == 401 and json.loads(response.read())["error"]["code"] == "invalid_api_key"
+        with pytest.raises(ConnectionError):  # reset once the lingering read has had its 8 MiB
+            for _ in range(2000):  # 128 MiB at most
+                s.sendall(block)
+
+
 def test_a_client_still_sending_an_oversized_body_gets_its_413(api_url):
     # Closed at once, the connection's unread bytes would reset it under the answer.
     body = b'{"prompt": "' + b"a" * http_front.MAX_BODY_BYTES + b'"}'

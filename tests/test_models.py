@@ -85,6 +85,21 @@ def test_read_gguf_metadata(tmp_path):
         models.read_gguf_metadata(tmp_path / "bad.gguf")
 
 
+def test_the_kv_cache_size_reads_keys_in_any_order(tmp_path):
+    # The read stopped at the first tokenizer key, before an architecture key written after it.
+    w = gguf.GGUFWriter(str(tmp_path / "late.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    assert models.kv_cache_bytes(tmp_path / "late.gguf", 10) == 2 * 4 * 2 * 16 * 4 * 10
+    assert models.kv_cache_bytes(models.smollm2_path(), 1) == 2 * 30 * 3 * 64 * 4
+
+
 def test_a_file_that_is_no_model_is_a_model_file_error(tmp_path):
     # An embedder catching the package's root catches these too (and ValueError still does).
     (tmp_path / "empty.gguf").write_bytes(b"")

@@ -185,7 +185,8 @@ def _stub_parameters(path, name):
     return [x.arg for x in a.posonlyargs + a.args], [x.arg for x in a.kwonlyargs]
 
 
-@pytest.mark.parametrize("module, stub", [("skippy_wire.wire._codec", "_codec.pyi"), ("skippy_wire.wire._frame", "_frame.pyi"),
+@pytest.mark.parametrize("module, stub", [("skippy_wire.wire._codec", "_codec.pyi"),
+                                          ("skippy_wire.wire._frame", "_frame.pyi"),
                                           ("skippy_wire.wire._frame_gen", "_frame_gen.pyi")])
 def test_kernel_stubs_match_the_compiled_signatures(module, stub):
     if sw.IMPLEMENTATION != "cython":

@@ -427,7 +427,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     the cluster's ``identity`` is the driver's.  ``tls`` (a :class:`~skippy_wire.net.tls.
     TlsConfig`): every stage serves and forwards over mutual TLS with it.
     ``session_events_kept``: the latest "session" events kept per stage (0: none, for a
-    caller that never reads them).
+    caller that never reads them; :meth:`StageCluster.session_events` then has none to give).
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)

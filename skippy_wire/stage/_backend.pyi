@@ -134,7 +134,8 @@ class Session:
     def retire_verify_checkpoint(self, token_start: int, token_count: int) -> None: ...
     def reset(self) -> None: ...
     def close(self) -> None:
-        """Free the native session and its lane (also done on garbage collection)."""
+        """Free the native session and its lane (also done on garbage collection); during
+        another thread's call on it, once that call returns."""
 
 _IterationRequest = tuple[
     Optional[Session], _Int32s, Optional[_Int32s], Optional[bytes], Optional[bytes], Optional[bytes], bool

@@ -428,7 +428,8 @@ class StageSession(_NativeHandle):
         self.token_count = 0
 
     def close(self) -> None:
-        """Release the native session (and its lane)."""
+        """Release the native session (and its lane; during another thread's call on it, once
+        that call returns)."""
         raw, self._raw = self._raw, None
         _close_native(raw)
 

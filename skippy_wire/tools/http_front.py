@@ -34,8 +34,8 @@ MAX_BUFFERED_BODY_BYTES = 64 << 20
 #: Seconds a request body may take to arrive once its head has (as a stage's
 #: --message-timeout); a slower one gets 408.
 BODY_TIMEOUT_S = 30
-#: After an answer that closes the connection while the request's body still arrives (413,
-#: 408), that body is read and dropped for at most this long and this much before the
+#: After an answer given while the request's body still arrives (413, 408, 401, 404 ...),
+#: the connection closes: that body is read and dropped for at most this long and this much before the
 #: connection closes: closed at once, the unread bytes would make the kernel reset it and a
 #: client still sending could lose the answer; never closed, a peer could stream forever.
 LINGER_S = 2.0
@@ -256,6 +256,7 @@ class IdleSheddingProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
+        self.linger_end: Optional[asyncio.TimerHandle] = None
         self.stalled: Optional[asyncio.TimerHandle] = None  # set while the client reads nothing
 
     @property
@@ -282,6 +283,8 @@ class IdleSheddingProtocol(H11Protocol):
     def on_response_complete(self) -> None:
         self.quiet_since = self.loop.time()
         super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY:  # answered (401, 404, 413 ...) before its body ended
+            self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -294,6 +297,8 @@ class IdleSheddingProtocol(H11Protocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._unstall()
+        if self.linger_end is not None:
+            self.linger_end.cancel()
         super().connection_lost(exc)
 
     def _unstall(self) -> None:
@@ -360,7 +365,7 @@ class LingeringClose:
         protocol.lingering = 0
         if transport.can_write_eof():  # (not under TLS)
             transport.write_eof()
-        protocol.loop.call_later(LINGER_S, transport.close)
+        protocol.linger_end = protocol.loop.call_later(LINGER_S, transport.close)
 
 
 class StoppingServer(uvicorn.Server):

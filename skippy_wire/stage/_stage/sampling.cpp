@@ -35,7 +35,8 @@ result validate_sampling(const skippy_sampling_config * s) {
     }
     for (uint32_t i = 0; i < s->logit_bias_count; i++) {
         if (std::isnan(s->logit_bias[i].bias)) {
-            return err(SKIPPY_STATUS_INVALID_ARGUMENT, strf("the logit bias of token %d is NaN", s->logit_bias[i].token));
+            return err(SKIPPY_STATUS_INVALID_ARGUMENT,
+                       strf("the logit bias of token %d is NaN", s->logit_bias[i].token));
         }
     }
     // Samplers this backend does not run: a value that would turn one on is refused, not
@@ -47,7 +48,8 @@ result validate_sampling(const skippy_sampling_config * s) {
     for (const auto & u : unsupported) {
         if (u.on) {
             return err(SKIPPY_STATUS_UNSUPPORTED,
-                       strf("sampling %s: that sampler is not supported by this backend (%s leaves it off)", u.name, u.off));
+                       strf("sampling %s: that sampler is not supported by this backend (%s leaves it off)",
+                            u.name, u.off));
         }
     }
     return {};
