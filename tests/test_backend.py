@@ -373,10 +373,10 @@ def test_nan_logits_are_never_chosen_over_numbers(tiny_path):
             assert 0 <= token < N_VOCAB and token not in poisoned
 
 
-def test_nan_sampling_values_and_samplers_not_run_are_refused(tiny_path):
+def test_nan_sampling_values_are_refused(tiny_path):
     # A NaN temperature decoded greedily, a NaN top-p or min-p switched the filter off, a NaN
-    # penalty or bias banned tokens, and typical-p, XTC, DRY, mirostat ... were ignored: all
-    # without a word.
+    # penalty or bias banned tokens: all without a word.  The samplers the chain does not run
+    # (typical-p, XTC, DRY, mirostat ...) are accepted and not run, as runtime.md 2.4's are.
     s = open_model(tiny_path).create_session()
     run_prefill(s, PROMPT)
     nan = float("nan")
@@ -386,14 +386,6 @@ def test_nan_sampling_values_and_samplers_not_run_are_refused(tiny_path):
             Status.INVALID_ARGUMENT, f"sampling {names.get(field, field)} is NaN"), field
     assert status_of(s.sample_current, pack_sampling(logit_bias=[(7, nan)])) == (
         Status.INVALID_ARGUMENT, "the logit bias of token 7 is NaN")
-    for offset, name, value, off in ((48, "typical_p", 0.5, "1"), (52, "top_nsigma", 1.0, "-1"),
-                                     (56, "dynatemp_range", 0.5, "0"), (80, "xtc_probability", 0.5, "0"),
-                                     (64, "dry_multiplier", 1.0, "0")):
-        config = bytearray(pack_sampling())
-        struct.pack_into("<f", config, offset, value)
-        assert status_of(s.sample_current, bytes(config)) == (
-            Status.UNSUPPORTED, f"sampling {name}: that sampler is not supported by this backend ({off} leaves it off)")
-    config = bytearray(pack_sampling())
-    struct.pack_into("<i", config, 88, 2)  # mirostat_mode 2
-    assert status_of(s.sample_current, bytes(config))[0] == Status.UNSUPPORTED
-    assert 0 <= s.sample_current(pack_sampling(seed=1)) < N_VOCAB  # the neutral values sample
+    config = bytearray(pack_sampling(seed=1))
+    struct.pack_into("<f", config, 48, 0.5)  # typical_p
+    assert s.sample_current(bytes(config)) == s.sample_current(pack_sampling(seed=1))

@@ -22,14 +22,13 @@ result validate_sampling(const skippy_sampling_config * s) {
     if (s->dry_sequence_breaker_count > SKIPPY_MAX_DRY_SEQUENCE_BREAKERS) {
         return err(SKIPPY_STATUS_INVALID_ARGUMENT, "more than 8 DRY sequence breakers");
     }
-    // A NaN would switch a filter off or ban tokens without a word (the command line and the
-    // API refuse it; a sampling block from the wire or an embedder need not have).
+    // A NaN in a number the chain uses would switch a filter off or ban tokens without a word
+    // (the command line and the API refuse it; a sampling block from the wire or an embedder
+    // need not have).
     const struct { const char * name; float value; } numbers[] = {
         {"temperature", s->temperature}, {"top_p", s->top_p}, {"min_p", s->min_p},
         {"presence_penalty", s->presence_penalty}, {"frequency_penalty", s->frequency_penalty},
-        {"repeat_penalty", s->repeat_penalty}, {"typical_p", s->typical_p}, {"top_nsigma", s->top_nsigma},
-        {"dynatemp_range", s->dynatemp_range}, {"xtc_probability", s->xtc_probability},
-        {"dry_multiplier", s->dry_multiplier}};
+        {"repeat_penalty", s->repeat_penalty}};
     for (const auto & n : numbers) {
         if (std::isnan(n.value)) return err(SKIPPY_STATUS_INVALID_ARGUMENT, strf("sampling %s is NaN", n.name));
     }
@@ -37,19 +36,6 @@ result validate_sampling(const skippy_sampling_config * s) {
         if (std::isnan(s->logit_bias[i].bias)) {
             return err(SKIPPY_STATUS_INVALID_ARGUMENT,
                        strf("the logit bias of token %d is NaN", s->logit_bias[i].token));
-        }
-    }
-    // Samplers this backend does not run: a value that would turn one on is refused, not
-    // ignored (llama.cpp's values that leave each off are named).
-    const struct { const char * name; bool on; const char * off; } unsupported[] = {
-        {"typical_p", s->typical_p < 1.0f, "1"}, {"top_nsigma", s->top_nsigma > 0.0f, "-1"},
-        {"dynatemp_range", s->dynatemp_range > 0.0f, "0"}, {"xtc_probability", s->xtc_probability > 0.0f, "0"},
-        {"dry_multiplier", s->dry_multiplier > 0.0f, "0"}, {"mirostat_mode", s->mirostat_mode != 0, "0"}};
-    for (const auto & u : unsupported) {
-        if (u.on) {
-            return err(SKIPPY_STATUS_UNSUPPORTED,
-                       strf("sampling %s: that sampler is not supported by this backend (%s leaves it off)",
-                            u.name, u.off));
         }
     }
     return {};
