@@ -379,7 +379,8 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
 
 def memory_available() -> int | None:
     """What this machine can still give without swapping (Linux's MemAvailable), in bytes;
-    None where that is not known."""
+    None where that is not known.  (The backend checks each session's own cache the same way
+    when it creates one: ``skippy_session_create``.)"""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))

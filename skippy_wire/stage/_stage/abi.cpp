@@ -147,7 +147,8 @@ bool skippy_model_input_activation_boundary(const skippy_model_t * m, struct ski
 
 // What this machine can still give without swapping (Linux's MemAvailable), or 0 when unknown.
 // A KV cache larger than that is refused: allocated, it would be zeroed page by page until
-// the kernel's out-of-memory killer ended the process.
+// the kernel's out-of-memory killer ended the process.  (net/supervision.py checks one
+// session over all of a pipeline's layers the same way before starting its stages.)
 static uint64_t memory_available() {
     FILE * f = fopen("/proc/meminfo", "r");
     if (!f) return 0;
