@@ -480,19 +480,6 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(str(exc))
 
 
-def _stop_when_a_stage_ends(cluster, server: "uvicorn.Server", ended: list) -> None:
-    """A stage process this command started has ended: nothing can be served any more, so
-    the server stops (and the command exits 1, for a supervisor to restart it) instead of
-    answering every request with 502."""
-    while not server.should_exit:
-        how = cluster.exited()
-        if how is not None:
-            ended.append(how)
-            server.should_exit = True
-            return
-        time.sleep(STAGE_WATCH_S)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -563,31 +550,26 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
-            server, ended, hangups = StoppingServer(config, progress, api.admission.refuse_waiting), [], []
-
-            def hang_up(signum: int, _frame) -> None:  # stops uvicorn as its own SIGTERM handling does
-                hangups.append(signum)
-                server.should_exit = True
-
+            server = StoppingServer(config, progress, api.admission.refuse_waiting)
             # before the line that says it serves: a SIGHUP from then on stops uvicorn, instead of
             # unwinding from inside whatever runs (a thread's start, a lock)
-            with handling_signals((signal.SIGHUP,), hang_up):
+            with handling_signals((signal.SIGHUP,), server.stop_for):
                 host, port = listener.getsockname()[:2]
                 progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                          f"{args.max_inflight} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_key):
                     progress(warning)
                 if not args.connect_address:
-                    threading.Thread(target=_stop_when_a_stage_ends, args=(cluster, server, ended),
+                    threading.Thread(target=server.stop_when, args=(cluster.exited, STAGE_WATCH_S),
                                      name="stage-watch", daemon=True).start()
                 try:
                     server.run(sockets=[listener])
                 finally:
                     api.close()
-            if hangups:
+            if server.stopped_by == signal.SIGHUP:
                 raise SystemExit(EXIT_HANGUP)
-            if ended:
-                print(error_line(f"{ended[0]}; the API stopped"), file=sys.stderr)
+            if server.ended:
+                print(error_line(f"{server.ended}; the API stopped"), file=sys.stderr)
                 return 1
             if server.stopped_by is not None:  # uvicorn's own re-raise of it was ignored (SIGINT in a background job)
                 progress("stopped")

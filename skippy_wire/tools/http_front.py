@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+import time
 import uuid
 from typing import Callable, Optional
 
@@ -378,12 +379,30 @@ class StoppingServer(uvicorn.Server):
                  refuse_waiting: Callable[[], int] = lambda: 0) -> None:
         super().__init__(config)
         self.say, self.refuse_waiting = say, refuse_waiting
-        self.stopped_by: Optional[int] = None  # the first signal uvicorn stopped for
+        self.stopped_by: Optional[int] = None  # the first signal it stopped for
+        self.ended: Optional[str] = None  # why nothing could be served any more (stop_when)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.stopped_by is None:
             self.stopped_by = sig
         super().handle_exit(sig, frame)
+
+    def stop_for(self, sig: int, _frame=None) -> None:
+        """A handler of a signal uvicorn does not handle (SIGHUP): stop as it stops on its own."""
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        self.should_exit = True
+
+    def stop_when(self, ended: Callable[[], Optional[str]], every_s: float) -> None:
+        """In a thread of its own: once ``ended()`` names why nothing can be served any more (a
+        stage process gone), keep it in :attr:`ended` and stop, instead of answering every
+        request with 502."""
+        while not self.should_exit:
+            why = ended()
+            if why is not None:
+                self.ended, self.should_exit = why, True
+                return
+            time.sleep(every_s)
 
     async def shutdown(self, sockets=None) -> None:
         refused = self.refuse_waiting()  # requests not started are answered now, not after the grace period
