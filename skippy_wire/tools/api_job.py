@@ -22,7 +22,7 @@ from starlette.requests import Request
 from ..errors import PipelineError
 from .api_params import Options
 from .http_front import error_object, sse
-from .options import SEED_RANGE
+from .llama_sampling import SEED_RANGE
 
 #: Seconds between checks that the client of a waiting request (queued, or generating
 #: without a stream) is still connected.

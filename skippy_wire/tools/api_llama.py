@@ -19,7 +19,7 @@ import json
 from starlette.responses import JSONResponse, Response
 
 from .api_job import GenerationJob
-from .options import LLAMA_DEFAULT_SEED
+from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
 from .http_front import sse
 

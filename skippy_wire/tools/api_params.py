@@ -18,8 +18,8 @@ from typing import Any, Optional
 from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .options import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
-                      UNTIL_FULL)
+from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
+from .options import UNTIL_FULL
 
 MAX_STOP_STRINGS = 4
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
@@ -33,13 +33,13 @@ MAX_PROMPTS = 64
 #: stop string), but a request's memory must stay bounded: a stop string and its
 #: automaton's table take up to 8 bytes a character, so 4 of these at most 2 MiB.
 MAX_STOP_CHARS = 65536
-# A seed is reduced modulo :data:`.options.SEED_RANGE` (the wire carries a u32 seed, and
+# A seed is reduced modulo :data:`.llama_sampling.SEED_RANGE` (the wire carries a u32 seed, and
 # llama-server reads ``seed`` as a uint32 too): -1 then asks for a random one, as
-# :data:`.options.LLAMA_DEFAULT_SEED` does.
+# :data:`.llama_sampling.LLAMA_DEFAULT_SEED` does.
 #: OpenAI's sampling defaults (every filter off, the penalties over all the text so far),
-#: those of the /v1 routes; ``/completion`` takes llama.cpp's (:data:`.options.LLAMA_SAMPLING`).
+#: those of the /v1 routes; ``/completion`` takes llama.cpp's (:data:`.llama_sampling.LLAMA_SAMPLING`).
 OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
-#: The hottest temperature OpenAI takes (llama-server's route: :data:`.options.MAX_NATIVE_TEMPERATURE`).
+#: The hottest temperature OpenAI takes (llama-server's route: :data:`.llama_sampling.MAX_NATIVE_TEMPERATURE`).
 MAX_OPENAI_TEMPERATURE = 2.0
 #: A logit_bias key is a token id: decimal digits, no more than a u32 has.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")

@@ -45,16 +45,6 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 EXIT_TERMINATED = 128 + signal.SIGTERM
 #: The TCP port range (port 0: any free port).
 MAX_PORT = 65535
-#: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
-SEED_RANGE = 2**32
-#: The seed that asks for a random one, llama.cpp's ``LLAMA_DEFAULT_SEED`` (llama-cli's
-#: ``-s 4294967295``, llama-server's ``seed``; as -1 is).
-LLAMA_DEFAULT_SEED = SEED_RANGE - 1
-#: The hottest temperature and the largest repeat penalty taken (``run``, llama-server's
-#: routes): llama.cpp takes any, but the wire carries an f32 (1e39 became +inf), and past
-#: these every token is as likely as any other, or every repeated one as good as banned.
-MAX_NATIVE_TEMPERATURE = 1e6
-MAX_REPEAT_PENALTY = 10.0
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -435,9 +425,6 @@ def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], st
     return convert
 
 
-#: llama.cpp's sampling defaults (llama-cli's and llama-server's): ``run``'s, and those of the
-#: API's llama-server route ``/completion``.
-LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64}
 #: ``--stages`` of ``run`` and ``api`` when neither ``--connect`` nor ``--topology`` is given.
 DEFAULT_STAGES = 2
 #: The namespace attribute where :class:`StartedStagesOption` notes the options given.
@@ -593,7 +580,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "SEED_RANGE", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
+           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
            "MAX_POLL_MS",
            "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
@@ -601,4 +588,4 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address", "web_origin",
            "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
            "apply_topology", "utf8",
-           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "LLAMA_SAMPLING"]
+           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

@@ -29,10 +29,10 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .options import (DEFAULT_STAGES, EXIT_FAILURE, LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_CTX_SIZE,
-                      MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, MAX_THREADS, SEED_RANGE, STARTED_STAGES_ONLY,
-                      TRAINING_CONTEXT, UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_poll_option,
-                      add_tls_options, address, apply_topology,
+from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
+from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
+                      UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_poll_option, add_tls_options,
+                      address, apply_topology,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
                       float_above, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)

@@ -1,0 +1,19 @@
+"""llama.cpp's sampling conventions, shared by ``run`` (llama-cli's options) and ``api``
+(llama-server's fields): the defaults, the seed that asks for a random one, and the largest
+values taken."""
+
+#: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
+SEED_RANGE = 2**32
+#: The seed that asks for a random one, llama.cpp's ``LLAMA_DEFAULT_SEED`` (llama-cli's
+#: ``-s 4294967295``, llama-server's ``seed``; as -1 is).
+LLAMA_DEFAULT_SEED = SEED_RANGE - 1
+#: The hottest temperature and the largest repeat penalty taken (``run``, llama-server's
+#: routes): llama.cpp takes any, but the wire carries an f32 (1e39 became +inf), and past
+#: these every token is as likely as any other, or every repeated one as good as banned.
+MAX_NATIVE_TEMPERATURE = 1e6
+MAX_REPEAT_PENALTY = 10.0
+#: llama.cpp's sampling defaults (llama-cli's and llama-server's): ``run``'s, and those of the
+#: API's llama-server route ``/completion``.
+LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64}
+
+__all__ = ["SEED_RANGE", "LLAMA_DEFAULT_SEED", "MAX_NATIVE_TEMPERATURE", "MAX_REPEAT_PENALTY", "LLAMA_SAMPLING"]
