@@ -145,6 +145,13 @@ _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), 
                (stat.S_ISSOCK, "a socket"))
 
 
+def os_reason(exc: OSError) -> str:
+    """An OSError's reason in words ("connection refused"), without Python's "[Errno 111]"."""
+    if exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
+
+
 def not_a_regular_file(mode: int) -> str:
     """What an error says of a file of ``mode`` (a FIFO, a device) that is read only as a
     regular file: "it is a FIFO, not a regular file"."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
-                      UnexpectedEofError, WireError)
+                      UnexpectedEofError, WireError, os_reason)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
@@ -46,7 +46,7 @@ from .protocol_io import LinkProtocol
 from .supervision import launched_cluster
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
-from .transport import Peer, connect, os_reason
+from .transport import Peer, connect
 
 #: What is said of a generation whose every token came but whose closing Stop got no answer.
 SESSION_END_UNANSWERED = "the session's closing Stop got no answer (its text is complete)"

@@ -42,7 +42,8 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
+from ..errors import (StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError,
+                      os_reason)
 from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
@@ -65,7 +66,7 @@ from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
-from .transport import Peer, accept_connection, connect, os_reason
+from .transport import Peer, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
 

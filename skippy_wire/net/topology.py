@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import TopologyError, not_a_regular_file
+from ..errors import TopologyError, not_a_regular_file, os_reason
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .transport import WILDCARD_HOSTS, ipv4_addresses, os_reason, parse_address
+from .transport import WILDCARD_HOSTS, ipv4_addresses, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}

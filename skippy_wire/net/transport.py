@@ -31,13 +31,6 @@ MAX_POLLED_WAIT = 1.0
 ACCEPT_RETRY_S = 0.1
 
 
-def os_reason(exc: OSError) -> str:
-    """An OSError's reason in words ("connection refused"), without Python's "[Errno 111]"."""
-    if exc.strerror:
-        return exc.strerror[0].lower() + exc.strerror[1:]
-    return str(exc) or type(exc).__name__
-
-
 def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
     """Open a TCP connection with TCP_NODELAY set; ``tls`` (a client ``ssl.SSLContext``):
     mutual TLS over it (:mod:`.tls`), the handshake done within ``timeout``."""

@@ -28,7 +28,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from ..errors import TopologyError
+from ..errors import TopologyError, os_reason
 from ..net.tls import TlsConfig
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, available_cpus, default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
@@ -162,8 +162,6 @@ _UNDECODED = re.compile("[\udc80-\udcff]")
 def describe(exc: BaseException) -> str:
     """One line for ``exc``: ``path: reason`` for an OSError, else its message."""
     if isinstance(exc, OSError) and exc.strerror:
-        from ..net.transport import os_reason  # (the wire's kernels load with it: not before a failure)
-
         where = exc.filename if exc.filename is not None else None
         reason = os_reason(exc)
         # socket.create_server appends "(while attempting to bind on address ('H', P))": a
