@@ -253,7 +253,10 @@ def _has_shape(found: dict) -> bool:
 
 def model_shape(path: PathLike) -> Tuple[int, int]:
     """``(n_layer, n_embd)`` from the GGUF metadata, reading only as far as those keys."""
-    found = read_gguf_metadata(path, stop=_has_shape)
+    return _shape(path, read_gguf_metadata(path, stop=_has_shape))
+
+
+def _shape(path: PathLike, found: dict) -> Tuple[int, int]:
     if not _has_shape(found):
         raise ModelFileError(f"{path}: GGUF metadata lacks the block count or embedding length")
     arch = found["general.architecture"]
@@ -265,10 +268,8 @@ def kv_cache_bytes(path: PathLike, ctx_size: int) -> int:
     as the backend sizes it (``skippy_session_create``: an f32 K and V row of
     ``head_count_kv`` x ``key_length`` values per layer and position)."""
     found = read_gguf_metadata(path)  # whole (SmolLM2's 49k-token vocabulary: 0.07 s)
-    if not _has_shape(found):
-        raise ModelFileError(f"{path}: GGUF metadata lacks the block count or embedding length")
+    n_layer, n_embd = _shape(path, found)
     arch = found["general.architecture"]
-    n_layer, n_embd = (_count(path, found, f"{arch}.{key}") for key in ("block_count", "embedding_length"))
     n_head = _count(path, found, f"{arch}.attention.head_count")
     n_head_kv = found.get(f"{arch}.attention.head_count_kv", n_head)
     head_dim = found.get(f"{arch}.attention.key_length", n_embd // n_head)

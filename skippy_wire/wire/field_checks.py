@@ -209,6 +209,5 @@ def check_admission(expected_codec, policy) -> None:
         ActivationCodec(expected_codec)
 
 
-__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "check_admission", "wire_int", "wire_bool", "wire_f32", "first_out_of_range",
-           "int_list_checks", "out_of_range_error", "type_name"]
-
+__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "check_admission", "wire_int", "wire_bool", "wire_f32",
+           "first_out_of_range", "int_list_checks", "out_of_range_error", "type_name"]
