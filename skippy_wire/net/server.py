@@ -75,7 +75,6 @@ _OBSERVED_PREFILL_KINDS = (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD)
 
 DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
-
 EventSink = Callable[[dict], None]
 
 def _reply_bytes(writer: Callable, *args) -> bytes:
