@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 
 from ..errors import PipelineError
 from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
+from ..stage.native import memory_available
 from ..stage.threads import default_threads, oversubscription
 from ..wire.activation_frame import STAGE_STATE_VERSION_V17
 from ..wire.forwarding import DEFAULT_CTX_SIZE
@@ -375,17 +376,6 @@ _LAUNCHED: dict[tuple[str, int], StageCluster] = {}
 def launched_cluster(host: str, port: int) -> StageCluster | None:
     """The running pipeline this process started whose stage 0 listens on ``host:port``."""
     return _LAUNCHED.get((host, int(port)))
-
-
-def memory_available() -> int | None:
-    """What this machine can still give without swapping (Linux's MemAvailable), in bytes;
-    None where that is not known.  (The backend checks each session's own cache the same way
-    when it creates one: ``skippy_session_create``.)"""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
 
 
 def check_kv_cache_fits(model: Path, ctx_size: int) -> None:

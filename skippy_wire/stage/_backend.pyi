@@ -159,5 +159,11 @@ def set_interrupted(interrupted: bool) -> None:
     first (e.g. KeyboardInterrupt), else StageRuntimeError "computation interrupted"."""
     ...
 
+def memory_available(root: str = "") -> Optional[int]:
+    """Bytes this process can still allocate: the lesser of Linux's MemAvailable and what the
+    memory limits of its cgroups leave (v2 memory.max, v1 memory.limit_in_bytes, less the
+    working set); None when none can be read.  ``root`` prefixes every path read."""
+    ...
+
 def set_log_callback(callback: Optional[Any]) -> None:
     """callback(level: int, text: str) receives ggml's log lines; None = drop (default)."""

@@ -102,6 +102,7 @@ cdef extern from "skippy_stage.h" nogil:
     void skippy_error_free(skippy_error * error)
     void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data)
     void skippy_set_interrupted(cbool interrupted)
+    cbool skippy_memory_available(const char * root, uint64_t * out_bytes)
     cbool skippy_interrupted()
 
     skippy_status skippy_model_open(const char * path, const skippy_stage_config * config,

@@ -1,5 +1,6 @@
-# Process-wide switches of the native backend (included by _backend.pyx): where ggml's and
-# the stage's log lines go, and the interrupt flag a long computation checks at every node.
+# Process-wide switches and facts of the native backend (included by _backend.pyx): where
+# ggml's and the stage's log lines go, the interrupt flag a long computation checks at every
+# node, and the memory a session's KV cache is checked against.
 
 cdef object _log_callback = None
 
@@ -16,6 +17,14 @@ cdef void _log_trampoline(int level, const char * text, void * user_data) noexce
 
 def set_interrupted(bint interrupted):
     skippy_set_interrupted(interrupted)
+
+
+def memory_available(str root=""):
+    """Bytes this process can still allocate (``skippy_memory_available``: MemAvailable and the
+    memory limits of its cgroups), None when unknown; ``root`` prefixes the paths read."""
+    cdef uint64_t available = 0
+    cdef bytes path = root.encode()
+    return available if skippy_memory_available(path, &available) else None
 
 
 def set_log_callback(callback):

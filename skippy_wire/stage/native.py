@@ -138,7 +138,14 @@ def retry_with_required_capacity(fn: Callable[..., Result], *args: Any, **kw: An
         return fn(*args, **{**kw, "capacity": error.required})
 
 
+def memory_available() -> Optional[int]:
+    """Bytes this process can still allocate, as a session's KV cache is checked against them
+    (MemAvailable and the memory limits of its cgroups); None where that is not known or this
+    install has no compiled backend."""
+    return None if BACKEND is None else BACKEND.memory_available()
+
+
 __all__ = [
-    "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "output_frame", "raw_input",
+    "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "memory_available", "output_frame", "raw_input",
     "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
 ]

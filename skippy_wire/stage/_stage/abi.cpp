@@ -145,26 +145,6 @@ bool skippy_model_input_activation_boundary(const skippy_model_t * m, struct ski
     return true;
 }
 
-// What this machine can still give without swapping (Linux's MemAvailable), or 0 when unknown.
-// A KV cache larger than that is refused: allocated, it would be zeroed page by page until
-// the kernel's out-of-memory killer ended the process.  (net/supervision.py checks one
-// session over all of a pipeline's layers the same way before starting its stages.)
-static uint64_t memory_available() {
-    FILE * f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    unsigned long long kib = 0;
-    uint64_t bytes = 0;
-    while (fgets(line, sizeof line, f)) {
-        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
-            bytes = (uint64_t) kib * 1024;
-            break;
-        }
-    }
-    fclose(f);
-    return bytes;
-}
-
 enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t ** out_session,
                                          struct skippy_error ** out_error) {
     if (out_session) *out_session = nullptr;
@@ -202,8 +182,8 @@ enum skippy_status skippy_session_create(skippy_model_t * m, skippy_session_t **
         s->v.push_back(ggml_new_tensor_2d(s->kctx, GGML_TYPE_F32, m->ctx_size, n_embd_kv));  // transposed
     }
     const uint64_t kv_bytes = 2 * (uint64_t) n_owned * (uint64_t) n_embd_kv * m->ctx_size * sizeof(float);
-    const uint64_t available = memory_available();
-    if (available && kv_bytes > available) {
+    uint64_t available = 0;
+    if (skippy_memory_available("", &available) && kv_bytes > available) {
         return release("cannot allocate the KV cache: " + std::to_string(kv_bytes >> 20) + " MiB for " +
                        std::to_string(m->ctx_size) + " positions, " + std::to_string(available >> 20) +
                        " MiB of memory available");

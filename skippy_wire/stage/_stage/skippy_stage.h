@@ -297,6 +297,11 @@ void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data);
  * has seen the failure).  For a command's Ctrl-C. */
 void skippy_set_interrupted(bool interrupted);
 bool skippy_interrupted(void);
+/* The bytes this process can still allocate: the lesser of Linux's MemAvailable and what the
+ * memory limits of its cgroup and the cgroups above it leave (v2 memory.max, v1
+ * memory.limit_in_bytes, less the working set).  False when none of them can be read.
+ * `root` prefixes every path read: "" for this machine. */
+bool skippy_memory_available(const char * root, uint64_t * out_bytes);
 
 /* ---- model / session ---- */
 enum skippy_status skippy_model_open(const char * path, const struct skippy_stage_config * config,
