@@ -116,6 +116,15 @@ def test_bad_requests_get_llama_servers_error_objects():
             assert error["code"] == 400 and error["type"] == "invalid_request_error" and param in error["message"]
         long = _post(client, {"prompt": "x" * 100}).json()["error"]
         assert (long["code"], long["type"]) == (400, "exceed_context_size_error") and "context" in long["message"]
+        # a prompt that leaves no room for a token: llama-server's words and the two numbers
+        # its clients read to shorten their history
+        full = _post(client, {"prompt": [65] * 64, "n_predict": 4})
+        assert full.status_code == 400 and full.json() == {"error": {
+            "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 64, "n_ctx": 64,
+            "message": "request (64 tokens) exceeds the available context size (64 tokens), try increasing it"}}
+        assert _post(client, {"prompt": [65] * 63, "n_predict": 4}).status_code == 200
+        openai = client.post("/v1/completions", json={"prompt": [65] * 64}).json()["error"]
+        assert set(openai) == {"message", "type", "param", "code"} and openai["code"] == "context_length_exceeded"
         assert client.post("/v1/completions", json={"prompt": ""}).json()["error"]["param"] == "prompt"  # OpenAI's
         assert client.get("/completion").status_code == 405
 

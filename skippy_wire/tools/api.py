@@ -45,7 +45,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_llama import LlamaCompletionJob, llama_error, llama_piece
+from .api_llama import LlamaCompletionJob, check_llama_context, llama_error, llama_piece
 from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
                          check_tokenize_size, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
@@ -233,7 +233,7 @@ class Api:
             check_text(body)
             return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._tokenizing, answer, body))
         except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
+            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
 
     def _tokenized(self, body: dict) -> dict:
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
@@ -271,10 +271,10 @@ class Api:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
-    def _prompts(self, body: dict, chat: bool, n: int) -> list[list[int]]:
+    def _prompts(self, body: dict, chat: bool, n: int, native: bool) -> list[list[int]]:
         """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
         batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`
-        generations with ``n`` choices each."""
+        generations with ``n`` choices each; ``native``: llama-server's route, refusing in its words."""
         if chat:
             return [self._encode(self._rendered(body), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
@@ -282,7 +282,7 @@ class Api:
         if batch and len(prompt) * n > MAX_PROMPTS:
             raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
                              "prompt")
-        return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
+        return [self._prompt_tokens(p, native) for p in (prompt if batch else [prompt])]
 
     def _encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
@@ -295,7 +295,7 @@ class Api:
             raise BadRequest(f"{what} encodes to no tokens", param)
         return tokens
 
-    def _prompt_tokens(self, prompt) -> list[int]:
+    def _prompt_tokens(self, prompt, native: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
@@ -306,6 +306,8 @@ class Api:
             # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
             # piece is a token at least, and the texts together must fit: a prompt of a million
             # pieces is refused before a million calls to the tokenizer.
+            if native:
+                check_llama_context(len(prompt), self.engine.ctx_size)
             check_context(len(prompt), None, self.engine.ctx_size, "prompt")
             check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
                             self.engine.ctx_size, "'prompt'", "prompt")
@@ -327,17 +329,19 @@ class Api:
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
             prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
-                                                                       options.n)
+                                                                       options.n, native)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
             budget = None if native else options.max_tokens
             param = "messages" if chat else "prompt"
+            for prompt in prompts if native else ():
+                check_llama_context(len(prompt), self.engine.ctx_size)
             max_tokens = [min(check_context(len(prompt), budget, self.engine.ctx_size, param),
                               self.engine.ctx_size if options.max_tokens is None else options.max_tokens)
                           for prompt in prompts]
             prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
             max_tokens = [limit for limit in max_tokens for _ in range(options.n)]
         except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
+            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
         try:
             if not await self._admit(request):
                 self.engine.counters.update(requests=1, cancelled=1)  # its client left the queue

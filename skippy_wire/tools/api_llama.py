@@ -19,6 +19,7 @@ import json
 from starlette.responses import JSONResponse, Response
 
 from .api_job import GenerationJob
+from .api_params import BadRequest
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
 from .http_front import sse
@@ -106,16 +107,29 @@ class LlamaCompletionJob(GenerationJob):
 _MISSING = object()
 
 
+def check_llama_context(prompt_tokens: int, ctx: int) -> None:
+    """llama-server's refusal of a prompt that leaves the context no room for a token, in its
+    words, its error object carrying ``n_prompt_tokens`` and ``n_ctx`` (clients read them to
+    shorten their history)."""
+    if prompt_tokens >= ctx:
+        raise BadRequest(f"request ({prompt_tokens} tokens) exceeds the available context size ({ctx} tokens), "
+                         "try increasing it", "prompt", "context_length_exceeded",
+                         fields={"n_prompt_tokens": prompt_tokens, "n_ctx": ctx})
+
+
 def llama_error(response: Response) -> Response:
     """An error answer in llama-server's words: ``{"error": {"code": STATUS, "message",
     "type"}}`` (OpenAI's ``code`` is a name, llama-server's the HTTP status; a prompt too
-    long for the context is its ``exceed_context_size_error``)."""
+    long for the context is its ``exceed_context_size_error``), with the members the error
+    carries beside OpenAI's four."""
     if response.status_code < 400 or response.media_type != "application/json":
         return response
     error = json.loads(response.body).get("error") or {}
     kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else error.get("type")
+    extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse({"error": {"code": response.status_code, "message": error.get("message"), "type": kind}},
+    return JSONResponse({"error": {"code": response.status_code, "message": error.get("message"), "type": kind,
+                                   **extra}},
                         status_code=response.status_code, headers=headers)
 
 
@@ -147,4 +161,4 @@ def _timings(result) -> dict:
             "predicted_per_second": predicted_per_second}
 
 
-__all__ = ["LlamaCompletionJob", "llama_error", "llama_piece"]
+__all__ = ["LlamaCompletionJob", "check_llama_context", "llama_error", "llama_piece"]

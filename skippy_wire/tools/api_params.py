@@ -65,9 +65,11 @@ _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function
 class BadRequest(Exception):
     """A request the endpoint refuses with HTTP 400 (``param`` names the culprit)."""
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 fields: Optional[dict] = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+        self.fields = fields or {}  # members the error object carries beside OpenAI's four
 
 
 def check_text(body: dict) -> None:

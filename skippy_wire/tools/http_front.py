@@ -77,9 +77,12 @@ CLOSE = {"Connection": "close"}
 
 
 def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
-                   param: Optional[str] = None, code: Optional[str] = None, headers=None) -> JSONResponse:
-    return JSONResponse(error_object(message, type_=type_, param=param, code=code), status_code=status,
-                        headers=headers)
+                   param: Optional[str] = None, code: Optional[str] = None, headers=None,
+                   fields: Optional[dict] = None) -> JSONResponse:
+    """An OpenAI error object as a response; ``fields``: members beside its four (llama-server's)."""
+    body = error_object(message, type_=type_, param=param, code=code)
+    body["error"].update(fields or {})
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def shutting_down_error() -> dict:
