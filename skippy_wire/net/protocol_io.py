@@ -49,6 +49,7 @@ from ..wire.frame import RecordDecoder, recv_ready, write_stage_message
 from ..wire.frame import kernels as frame_kernels
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
 from .tls import TLS_REQUIRED_NOTICE
+from .transport import UPSTREAM_CHECK_S
 from ..wire.setup import (
     SETUP_MAGIC,
     PlanStage,
@@ -68,10 +69,6 @@ NOTICE_WAIT_SECONDS = 2.0
 #: A v17 listener whose peer sent no Hello within this long takes it for a v15/v16 peer
 #: waiting for READY: it sends the notice and closes.
 HELLO_GRACE_SECONDS = 2.0
-#: While a stage waits for its downstream's reply, it looks this often whether its upstream
-#: has gone (a driver that gave up): then it gives up too, and the session is freed at once
-#: on it and on the stages after it, rather than when the reply timeout ends.
-UPSTREAM_CHECK_S = 1.0
 #: poll(2) events of a peer that has closed (or shut its sending side) or reset.
 _HANGUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
@@ -214,6 +211,7 @@ class LinkProtocol:
                 timeout: Optional[float] = None) -> None:
         """The connecting side: wait for READY (15, 16) or run the setup handshake (17)."""
         if self.version != STAGE_STATE_VERSION_V17:
+            self._wait_for_ready(timeout)
             self.peer.sock.settimeout(timeout)
             head = self.peer.reader.read_exact(4)
             if head == VERSION_NOTICE_MAGIC:
@@ -233,6 +231,24 @@ class LinkProtocol:
                 raise self.mismatch(got) from None
             raise
         self.conn.establish(agreement)
+
+    def _wait_for_ready(self, timeout: Optional[float]) -> None:
+        """Until the peer's first bytes arrive (READY: it connected its own downstream), or
+        ``timeout`` (then the read that follows times out); StageError once the
+        :attr:`upstream` connection this link is for has gone (looked at every
+        :data:`UPSTREAM_CHECK_S`): a stage's thread must not outlive its connection by a
+        downstream that accepts and never answers."""
+        if self.upstream is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self.peer.sock, select.POLLIN)
+        while not poller.poll(int(UPSTREAM_CHECK_S * 1000)):
+            if peer_gone(self.upstream):
+                raise StageError(f"upstream closed the connection while waiting for {self.who} to send READY; "
+                                 "giving up")
+            if deadline is not None and time.monotonic() >= deadline:
+                return
 
     def _notice_after_setup_error(self) -> Optional[int]:
         """After a failed handshake: did a v15/v16 peer of this package send its notice
@@ -417,6 +433,6 @@ class LinkProtocol:
         return forwarded_frame_message_timed(config, incoming, desc, payload, self.wire)
 
 
-__all__ = ["UPSTREAM_CHECK_S", "peer_gone", "DEFAULT_RUN_ID", "stage_id", "link_identity", "driver_identity",
+__all__ = ["peer_gone", "DEFAULT_RUN_ID", "stage_id", "link_identity", "driver_identity",
            "parse_plan", "rows_boundary", "VERSION_NOTICE_MAGIC", "VERSION_NOTICE_BYTES", "version_notice", "parse_version_notice",
            "peer_version_of", "LinkProtocol", "WireError"]

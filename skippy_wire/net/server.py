@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import (StageError, StageRuntimeError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError,
+from ..errors import (StageError, StageRuntimeError, StateVersionMismatch, UnexpectedEofError, WireError,
                       os_reason)
 from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
@@ -75,6 +75,9 @@ _OBSERVED_PREFILL_KINDS = (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD)
 
 DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
+#: A downstream that has not taken a connection within this long is reported unreachable
+#: (the same wait would hold the driver, whose READY it is); sooner when the upstream leaves.
+DOWNSTREAM_CONNECT_TIMEOUT = 10.0
 EventSink = Callable[[dict], None]
 
 def _reply_bytes(writer: Callable, *args) -> bytes:
@@ -127,12 +130,8 @@ class StageServer:
         self.plan = plan
         self.config = config
         self.downstream = downstream
-        self.io_timeout = io_timeout
-        self.idle_timeout = idle_timeout
-        self.reply_timeout = reply_timeout
-        self.capture = capture
-        self.link_delay = link_delay
-        self.prefill_overlap = prefill_overlap
+        self.io_timeout, self.idle_timeout, self.reply_timeout = io_timeout, idle_timeout, reply_timeout
+        self.capture, self.link_delay, self.prefill_overlap = capture, link_delay, prefill_overlap
         self.events = events or (lambda event: None)
         self.clog = ConnectionLog(log)  # lines about connections (peers decide how many)
         self.codec = ActivationCodec(config.activation_codec)
@@ -342,7 +341,8 @@ class StageServer:
     def _open_downstream(self, seq: int, upstream: socket.socket) -> LinkProtocol:
         host, port = self.downstream
         try:
-            sock = connect(host, port, timeout=self.reply_timeout, tls=self._tls_client)
+            sock = connect(host, port, timeout=min(self.reply_timeout, DOWNSTREAM_CONNECT_TIMEOUT),
+                           tls=self._tls_client, abandoned=lambda: self._stop.is_set() or peer_gone(upstream))
         except ssl.SSLError as exc:
             raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
         except OSError as exc:
@@ -353,7 +353,7 @@ class StageServer:
         peer.send_delay = self.link_delay
         try:
             link.connect(SetupRole.ACTIVATION, self.identity, self._profile("output"), timeout=self.reply_timeout)
-        except (StateVersionMismatch, TlsRequired):
+        except StageError:  # a version mismatch, TLS required, or its upstream gone meanwhile
             peer.close()
             raise
         except SetupError as exc:
@@ -597,4 +597,4 @@ class StageServer:
                      **session.stats.as_dict()})
 
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "StageServer"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "DEFAULT_REPLY_TIMEOUT", "DOWNSTREAM_CONNECT_TIMEOUT", "StageServer"]

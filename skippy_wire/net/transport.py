@@ -11,11 +11,13 @@ may pipeline: records completed by one chunk are queued and returned one at a ti
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import select
 import socket
 import ssl
 import time
+from typing import Callable
 
 from ..errors import UnexpectedEofError
 from ..wire.frame import StageReplyDecoder, recv_ready
@@ -29,12 +31,21 @@ HEAD_BYTES = 64
 MAX_POLLED_WAIT = 1.0
 #: Seconds a listener pauses after a failed accept (descriptors run out: some may free up).
 ACCEPT_RETRY_S = 0.1
+#: While a stage waits on its downstream (its connect, READY, a reply), it looks this often
+#: whether its upstream has gone (a driver that gave up, a connection shed): then it gives
+#: up too, its thread ends, and the session is freed at once on it and on the stages after
+#: it, rather than when the wait's own timeout ends.
+UPSTREAM_CHECK_S = 1.0
 
 
-def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
+def connect(host: str, port: int, timeout: float, tls=None,
+            abandoned: Callable[[], bool] | None = None) -> socket.socket:
     """Open a TCP connection with TCP_NODELAY set; ``tls`` (a client ``ssl.SSLContext``):
-    mutual TLS over it (:mod:`.tls`), the handshake done within ``timeout``."""
-    sock = socket.create_connection((host, port), timeout=timeout)
+    mutual TLS over it (:mod:`.tls`), the handshake done within ``timeout``.  ``abandoned``
+    is asked every :data:`UPSTREAM_CHECK_S` while the connection is being made (a host that
+    drops the packets answers nothing): True ends the attempt, ``ConnectionAbortedError``."""
+    sock = socket.create_connection((host, port), timeout=timeout) if abandoned is None \
+        else _connect_unless(host, port, timeout, abandoned)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is not None:
         try:
@@ -43,6 +54,39 @@ def connect(host: str, port: int, timeout: float, tls=None) -> socket.socket:
             sock.close()
             raise
     return sock
+
+
+def _connect_unless(host: str, port: int, timeout: float, abandoned: Callable[[], bool]) -> socket.socket:
+    """``socket.create_connection`` (every address ``host`` names in turn, within ``timeout``
+    in all), asking ``abandoned`` between waits of :data:`UPSTREAM_CHECK_S`."""
+    deadline = time.monotonic() + timeout
+    error: OSError = OSError(f"{host} names no address")
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            code = sock.connect_ex(address)
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            while code in (errno.EINPROGRESS, errno.EAGAIN):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                if abandoned():
+                    raise ConnectionAbortedError("given up: the connection it was for has gone")
+                if poller.poll(int(min(left, UPSTREAM_CHECK_S) * 1000) + 1):
+                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise OSError(code, os.strerror(code))
+            sock.settimeout(timeout)
+            return sock
+        except (socket.timeout, ConnectionAbortedError):
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
 
 
 def accept_connection(listener: socket.socket, stopped, log_error) -> tuple | None:
@@ -383,5 +427,5 @@ class CountingSocket:
         self.peer.send(data)
 
 
-__all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "connect", "accept_connection", "parse_address",
-           "SocketReader", "Peer", "CountingSocket"]
+__all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
+           "parse_address", "SocketReader", "Peer", "CountingSocket"]
