@@ -68,6 +68,14 @@ class StageLimits:
     max_message_bytes: Optional[int] = None
 
 
+def overdue_message(message_timeout: float, decoder) -> StageError:
+    """A message not complete ``message_timeout`` seconds after its first byte, with how far
+    its ``decoder`` got: a legitimate message over a slow link hits the limit too."""
+    return StageError(f"message not complete {message_timeout:g} s after its first byte ({decoder.buffered} bytes "
+                      f"received, at least {decoder.wanted} more to come; a link this slow needs a larger "
+                      "--message-timeout)")
+
+
 def sampling_block_bytes() -> int:
     """The largest sampling block (wire-format.md 4.3: 108 bytes of fixed fields, then
     8 per logit bias and 4 + length per DRY breaker and sampler string)."""
@@ -245,7 +253,7 @@ class ConnectionLimit:
                         "%d refused so far)", addr[0], addr[1], self.limit, self.refused)
 
 
-__all__ = ["StageLimits", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
+__all__ = ["StageLimits", "overdue_message", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
            "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT",
            "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes",
            "max_message_bytes"]

@@ -58,7 +58,7 @@ from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .admission import (DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, check_runnable,
-                        max_message_bytes)
+                        max_message_bytes, overdue_message)
 from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
@@ -384,7 +384,7 @@ class StageServer:
         except (socket.timeout, TimeoutError):
             if time.monotonic() < peer.reader.deadline:
                 raise
-            raise StageError(f"message not complete {self.limits.message_timeout:g} s after its first byte") from None
+            raise overdue_message(self.limits.message_timeout, peer.reader.decoder) from None
         finally:
             peer.reader.deadline = None
 
