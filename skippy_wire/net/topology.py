@@ -40,6 +40,7 @@ that cannot be read is the model's failure, not the file's: its ``OSError``, or 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import re
@@ -72,6 +73,7 @@ MAX_NUMBER_DIGITS = 100
 MAX_QUOTED_CHARS = 80
 #: One label of a host name (IDNA names are checked in their ASCII form; ``_`` as resolvers allow it).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}\Z")
+_NUMERIC_HOST = re.compile(r"[0-9.]+\Z")
 
 _TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
 _STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",
@@ -223,6 +225,11 @@ def _host_problem(host: str) -> str | None:
         return "is longer than a host name may be (253 characters)"
     if not all(_HOST_LABEL.match(label) for label in name.split(".")):
         return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
+    if _NUMERIC_HOST.match(name):  # no host name is all digits (RFC 3696): meant as an address
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            return "is not a valid IPv4 address (four numbers of 0-255)"
     return None
 
 
@@ -238,6 +245,9 @@ def _address(where: str, key: str, text) -> str:
     problem = _host_problem(host)
     if problem:
         raise TopologyError(f"{where}: {key} host {_shown(host)} {problem}")
+    if key == "endpoint" and host in WILDCARD_HOSTS:
+        raise TopologyError(f"{where}: endpoint host {_shown(host)} is every address of a machine, none to connect "
+                            "to: give the address the stage is reached at (its bind_addr may be 0.0.0.0)")
     return text
 
 
