@@ -114,3 +114,75 @@ def test_connections_shed_while_their_downstream_hangs_take_their_threads_with_t
             for client in clients:
                 client.close()
             server.shutdown()
+
+
+def opening_downstream(protocol: int, downstream, reply_timeout: float, tls=None):
+    """``_open_downstream`` of a stage at ``protocol`` for an upstream connection (one end
+    of a socket pair, the other returned), run in a thread; its outcome in a list."""
+    server = StageServer(FakeBackend(0, 3, 0), stage_config(0, 0, 3, "raw-f32-v1", "fixed"), downstream=downstream,
+                         reply_timeout=reply_timeout, protocol=protocol, tls=tls)
+    server.start()  # its listener then closes with shutdown()
+    upstream, driver_end = socket.socketpair()
+    outcome: list = []
+
+    def open_it() -> None:
+        started = time.monotonic()
+        try:
+            outcome.append(server._open_downstream(1, upstream))
+        except Exception as exc:  # noqa: BLE001 -- the outcome under test
+            outcome.append(exc)
+        outcome.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=open_it, daemon=True)
+    thread.start()
+    return server, upstream, driver_end, thread, outcome
+
+
+@pytest.mark.parametrize("protocol, waiting_for", [(15, "to send READY"), (16, "to send READY"),
+                                                  (17, "to answer the stage setup")])
+def test_every_protocol_s_first_wait_on_the_downstream_ends_when_the_upstream_goes(protocol, waiting_for):
+    with listener_that_takes_nothing(answers_connects=True) as downstream:
+        server, upstream, driver_end, thread, outcome = opening_downstream(protocol, downstream, 60.0)
+        try:
+            time.sleep(0.3)
+            driver_end.close()
+            thread.join(ENDS_WITHIN_S)
+            assert not thread.is_alive()
+            error, took = outcome
+            assert str(error) == (f"upstream closed the connection while waiting for downstream "
+                                  f"127.0.0.1:{downstream[1]} {waiting_for}; giving up"), error
+            assert took < 0.3 + ENDS_WITHIN_S
+        finally:
+            upstream.close()
+            server.shutdown()
+
+
+def test_the_ready_wait_keeps_its_own_timeout_while_it_looks_at_the_upstream():
+    """It used to look until the timeout, then wait the whole timeout once more."""
+    with listener_that_takes_nothing(answers_connects=True) as downstream:
+        server, upstream, driver_end, thread, outcome = opening_downstream(15, downstream, 1.5)
+        try:
+            thread.join(10.0)
+            error, took = outcome
+            assert "did not send READY" in str(error) and 1.4 < took < 1.5 + UPSTREAM_CHECK_S, (error, took)
+        finally:
+            driver_end.close()
+            upstream.close()
+            server.shutdown()
+
+
+def test_a_watched_connect_tries_each_address_of_the_host_in_turn(monkeypatch):
+    """As socket.create_connection: one that takes no connection within the timeout, then
+    the next (a dual-stack name whose first address is dropped still connects)."""
+    with listener_that_takes_nothing(answers_connects=False) as dead, \
+            socket.create_server(("127.0.0.1", 0)) as live:
+        addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", dead),
+                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", live.getsockname()[:2])]
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: addresses)
+        with connect("two.example", 1, timeout=0.5, abandoned=lambda: False) as sock:
+            assert sock.getpeername()[:2] == live.getsockname()[:2]
+        addresses.reverse()
+        addresses[0] = (socket.AF_INET, socket.SOCK_STREAM, 6, "", dead)  # both dead: the first failure
+        addresses[1] = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 1))
+        with pytest.raises(TimeoutError):
+            connect("two.example", 1, timeout=0.5, abandoned=lambda: False)

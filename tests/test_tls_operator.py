@@ -318,3 +318,32 @@ def test_a_handshake_the_peer_never_answers_times_out_in_words(pki):
         assert str(err.value) == "the TLS handshake did not finish within 0.3 s"
     finally:
         silent.close()
+
+
+def test_a_tls_downstream_silent_after_its_handshake_is_given_up_when_the_upstream_goes(pki):
+    """Its TLS 1.3 session tickets made the socket readable with no READY in them: the wait
+    stopped looking at the upstream and slept through the whole reply timeout."""
+    from test_downstream_waits import ENDS_WITHIN_S, opening_downstream
+    from test_hardening import _wait_for
+
+    config = _config(pki, "node.pem", "node.key")
+    silent = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def handshake_then_nothing() -> None:
+        conn, _ = silent.accept()
+        held.append(accept_tls(conn, config.server_context(), 10.0))
+
+    threading.Thread(target=handshake_then_nothing, daemon=True).start()
+    server, upstream, driver_end, thread, outcome = opening_downstream(15, silent.getsockname()[:2], 60.0, tls=config)
+    try:
+        assert _wait_for(lambda: held, 10.0)  # the handshake is done: the stage waits for READY
+        time.sleep(0.3)
+        driver_end.close()
+        thread.join(ENDS_WITHIN_S)
+        assert not thread.is_alive()
+        assert "while waiting for downstream" in str(outcome[0]) and "to send READY" in str(outcome[0]), outcome
+    finally:
+        for sock in (upstream, driver_end, silent, *held):
+            sock.close()
+        server.shutdown()

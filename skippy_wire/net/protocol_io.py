@@ -211,9 +211,12 @@ class LinkProtocol:
                 timeout: Optional[float] = None) -> None:
         """The connecting side: wait for READY (15, 16) or run the setup handshake (17)."""
         if self.version != STAGE_STATE_VERSION_V17:
-            self._wait_for_ready(timeout)
             self.peer.sock.settimeout(timeout)
-            head = self.peer.reader.read_exact(4)
+            try:
+                head = self.peer.reader.read_exact(4, gone=self._upstream_gone)
+            except ConnectionAbortedError:
+                raise StageError(f"upstream closed the connection while waiting for {self.who} to send READY; "
+                                 "giving up") from None
             if head == VERSION_NOTICE_MAGIC:
                 raise self.mismatch(parse_version_notice(head + self.peer.reader.read_exact(4)))
             if head == TLS_REQUIRED_NOTICE:
@@ -222,8 +225,11 @@ class LinkProtocol:
             return
         sock = self.peer.capturing_socket()
         try:
-            agreement = client_setup(sock, role, setup, output, timeout=timeout)
+            agreement = client_setup(sock, role, setup, output, timeout=timeout, cancelled=self._upstream_gone)
         except SetupError:
+            if self._upstream_gone():
+                raise StageError(f"upstream closed the connection while waiting for {self.who} to answer the "
+                                 "stage setup; giving up") from None
             if bytes(self.peer.reader.head[:4]) == TLS_REQUIRED_NOTICE:
                 raise TlsRequired(self.who, self.me) from None
             got = self._notice_after_setup_error()
@@ -232,23 +238,10 @@ class LinkProtocol:
             raise
         self.conn.establish(agreement)
 
-    def _wait_for_ready(self, timeout: Optional[float]) -> None:
-        """Until the peer's first bytes arrive (READY: it connected its own downstream), or
-        ``timeout`` (then the read that follows times out); StageError once the
-        :attr:`upstream` connection this link is for has gone (looked at every
-        :data:`UPSTREAM_CHECK_S`): a stage's thread must not outlive its connection by a
-        downstream that accepts and never answers."""
-        if self.upstream is None:
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poller = select.poll()
-        poller.register(self.peer.sock, select.POLLIN)
-        while not poller.poll(int(UPSTREAM_CHECK_S * 1000)):
-            if peer_gone(self.upstream):
-                raise StageError(f"upstream closed the connection while waiting for {self.who} to send READY; "
-                                 "giving up")
-            if deadline is not None and time.monotonic() >= deadline:
-                return
+    def _upstream_gone(self) -> bool:
+        """Whether the :attr:`upstream` connection this downstream link is for has gone (its
+        waits on the downstream end then: a stage's thread must not outlive its connection)."""
+        return self.upstream is not None and peer_gone(self.upstream)
 
     def _notice_after_setup_error(self) -> Optional[int]:
         """After a failed handshake: did a v15/v16 peer of this package send its notice
@@ -372,7 +365,7 @@ class LinkProtocol:
                 except (socket.timeout, TimeoutError):
                     if time.monotonic() >= reader.deadline:
                         raise
-                    if self.upstream is not None and peer_gone(self.upstream):
+                    if self._upstream_gone():
                         raise StageError(f"upstream closed the connection while waiting for {self.who} to reply; "
                                          "giving up") from None
                     continue

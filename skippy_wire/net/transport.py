@@ -56,37 +56,49 @@ def connect(host: str, port: int, timeout: float, tls=None,
     return sock
 
 
+class _Abandoned(Exception):
+    """A connect given up (not an OSError: it must not move on to the host's next address)."""
+
+
 def _connect_unless(host: str, port: int, timeout: float, abandoned: Callable[[], bool]) -> socket.socket:
-    """``socket.create_connection`` (every address ``host`` names in turn, within ``timeout``
-    in all), asking ``abandoned`` between waits of :data:`UPSTREAM_CHECK_S`."""
-    deadline = time.monotonic() + timeout
-    error: OSError = OSError(f"{host} names no address")
+    """``socket.create_connection`` (every address ``host`` names in turn, each within
+    ``timeout``; the first failure raised when all fail), asking ``abandoned`` between waits
+    of :data:`UPSTREAM_CHECK_S`."""
+    errors: list[OSError] = []
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
         sock = socket.socket(family, kind, proto)
         try:
-            sock.setblocking(False)
-            code = sock.connect_ex(address)
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            while code in (errno.EINPROGRESS, errno.EAGAIN):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise socket.timeout("timed out")
-                if abandoned():
-                    raise ConnectionAbortedError("given up: the connection it was for has gone")
-                if poller.poll(int(min(left, UPSTREAM_CHECK_S) * 1000) + 1):
-                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if code:
-                raise OSError(code, os.strerror(code))
-            sock.settimeout(timeout)
+            _connect_watched(sock, address, timeout, abandoned)
             return sock
-        except (socket.timeout, ConnectionAbortedError):
+        except OSError as exc:  # refused, unreachable, timed out: the next address
+            sock.close()
+            errors.append(exc)
+        except _Abandoned:
+            sock.close()
+            raise ConnectionAbortedError("given up: the connection it was for has gone") from None
+        except BaseException:
             sock.close()
             raise
-        except OSError as exc:
-            sock.close()
-            error = exc
-    raise error
+    raise errors[0] if errors else OSError(f"{host} names no address")
+
+
+def _connect_watched(sock: socket.socket, address, timeout: float, abandoned: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout
+    sock.setblocking(False)
+    code = sock.connect_ex(address)
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while code in (errno.EINPROGRESS, errno.EAGAIN, errno.EINTR):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("timed out")
+        if abandoned():
+            raise _Abandoned()
+        if poller.poll(int(min(left, UPSTREAM_CHECK_S) * 1000) + 1):
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if code:
+        raise OSError(code, os.strerror(code))
+    sock.settimeout(timeout)
 
 
 def accept_connection(listener: socket.socket, stopped, log_error) -> tuple | None:
@@ -292,16 +304,35 @@ class SocketReader:
         record, self.last_size, self.last_time, self.last_raw = self._pending.popleft()
         return record
 
-    def read_exact(self, n: int) -> bytes:
-        """``n`` raw bytes before any record (the READY handshake), never reading past them."""
+    def read_exact(self, n: int, gone: Callable[[], bool] | None = None) -> bytes:
+        """``n`` raw bytes before any record (the READY handshake), never reading past them,
+        within the socket's timeout; ``gone`` is asked every :data:`UPSTREAM_CHECK_S` of
+        silence whether they are still wanted (True: ``ConnectionAbortedError``)."""
         if self._pending or self.decoder.buffered:
             raise RuntimeError("read_exact() after records were buffered")
+        timeout = self.sock.gettimeout()
+        deadline = None if timeout is None else time.monotonic() + timeout
         out = bytearray()
-        while len(out) < n:
-            got = self._recv(n - len(out))
-            if not got:
-                raise UnexpectedEofError()
-            out += self._view[:got]
+        try:
+            while len(out) < n:
+                if gone is not None:
+                    left = UPSTREAM_CHECK_S if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        raise socket.timeout("timed out")
+                    self.sock.settimeout(min(left, UPSTREAM_CHECK_S))
+                try:
+                    got = self._recv(n - len(out))
+                except socket.timeout:
+                    if gone is None or (deadline is not None and time.monotonic() >= deadline):
+                        raise
+                    if gone():
+                        raise ConnectionAbortedError("given up: the connection it was for has gone") from None
+                    continue
+                if not got:
+                    raise UnexpectedEofError()
+                out += self._view[:got]
+        finally:
+            self.sock.settimeout(timeout)
         return bytes(out)
 
 
