@@ -490,9 +490,11 @@ ADDRESSES = [
     ("superscript", "h:\u00b2", "endpoint: the port of 'h:\u00b2' must be ASCII digits"),
     # accepted as host names, they failed only when something connected
     ("octet over 255", "999.1.1.1:19000", "endpoint host '999.1.1.1' is not a valid IPv4 address (four numbers"),
-    ("three numbers", "10.1.2:19000", "endpoint host '10.1.2' is not a valid IPv4 address"),
+    ("five numbers", "10.1.2.3.4:19000", "endpoint host '10.1.2.3.4' is not a valid IPv4 address"),
     # refused later in the words of serve's options, naming neither the file nor the stage
     ("wildcard", "0.0.0.0:19000", "endpoint host '0.0.0.0' is every address of a machine, none to connect to"),
+    ("wildcard, dot", "0.0.0.0.:19000", "endpoint host '0.0.0.0.' is every address of a machine"),
+    ("wildcard, short", "0:19000", "endpoint host '0' is every address of a machine"),
 ]
 
 
@@ -509,7 +511,8 @@ def test_an_address_with_odd_characters_is_the_file_s_error(name, endpoint, mess
 
 def test_host_names_that_resolve_stay_valid():
     for endpoint in ("node-1.cluster.local:19000", "tcp://10.77.0.1:19000", "h\u00f4st.example:19000",
-                     "stage_0:19000", "localhost.:19000", "255.255.255.254:19000", "1a.2.3.4:19000"):
+                     "stage_0:19000", "localhost.:19000", "255.255.255.254:19000", "1a.2.3.4:19000",
+                     "10.1.2:19000", "127.1:19000", "2130706433:19000"):  # the C library's short forms
         parse_topology(_with(_set(0, "endpoint", endpoint)), name="f.json", shape=shape)
     # a stage may listen on every address, as long as its endpoint says where it is reached
     parse_topology(_with(_set(0, "bind_addr", "0.0.0.0:19000")), name="f.json", shape=shape)

@@ -40,7 +40,6 @@ that cannot be read is the model's failure, not the file's: its ``OSError``, or 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import json
 import os
 import re
@@ -225,12 +224,18 @@ def _host_problem(host: str) -> str | None:
         return "is longer than a host name may be (253 characters)"
     if not all(_HOST_LABEL.match(label) for label in name.split(".")):
         return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
-    if _NUMERIC_HOST.match(name):  # no host name is all digits (RFC 3696): meant as an address
-        try:
-            ipaddress.IPv4Address(name)
-        except ValueError:
-            return "is not a valid IPv4 address (four numbers of 0-255)"
+    if _NUMERIC_HOST.match(name) and _ipv4(name) is None:  # no host name is all digits (RFC 3696)
+        return "is not a valid IPv4 address (four numbers of 0-255, or a shorter form the C library reads)"
     return None
+
+
+def _ipv4(name: str) -> bytes | None:
+    """The address an all-numeric host stands for, as the C library reads it (``10.1.2`` is
+    10.1.0.2, ``127.1`` 127.0.0.1), or None."""
+    try:
+        return socket.inet_aton(name)
+    except OSError:
+        return None
 
 
 def _address(where: str, key: str, text) -> str:
@@ -245,7 +250,8 @@ def _address(where: str, key: str, text) -> str:
     problem = _host_problem(host)
     if problem:
         raise TopologyError(f"{where}: {key} host {_shown(host)} {problem}")
-    if key == "endpoint" and host in WILDCARD_HOSTS:
+    name = host.rstrip(".")
+    if key == "endpoint" and (host in WILDCARD_HOSTS or (_NUMERIC_HOST.match(name) and _ipv4(name) == bytes(4))):
         raise TopologyError(f"{where}: endpoint host {_shown(host)} is every address of a machine, none to connect "
                             "to: give the address the stage is reached at (its bind_addr may be 0.0.0.0)")
     return text
