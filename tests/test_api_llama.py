@@ -123,6 +123,11 @@ def test_bad_requests_get_llama_servers_error_objects():
             "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 64, "n_ctx": 64,
             "message": "request (64 tokens) exceeds the available context size (64 tokens), try increasing it"}}
         assert _post(client, {"prompt": [65] * 63, "n_predict": 4}).status_code == 200
+        mixed = _post(client, {"prompt": [65] * 62 + ["abc"]}).json()["error"]  # 63 pieces, 65 tokens
+        assert (mixed["n_prompt_tokens"], mixed["n_ctx"]) == (65, 64), mixed
+        # as many pieces as the context: refused untokenized, with no count rather than a wrong one
+        untokenized = _post(client, {"prompt": [65] * 63 + ["abc"]}).json()["error"]
+        assert untokenized["type"] == "exceed_context_size_error" and "n_prompt_tokens" not in untokenized
         openai = client.post("/v1/completions", json={"prompt": [65] * 64}).json()["error"]
         assert set(openai) == {"message", "type", "param", "code"} and openai["code"] == "context_length_exceeded"
         assert client.post("/v1/completions", json={"prompt": ""}).json()["error"]["param"] == "prompt"  # OpenAI's

@@ -271,10 +271,10 @@ class Api:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
-    def _prompts(self, body: dict, chat: bool, n: int, native: bool) -> list[list[int]]:
+    def _prompts(self, body: dict, chat: bool, n: int) -> list[list[int]]:
         """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
         batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`
-        generations with ``n`` choices each; ``native``: llama-server's route, refusing in its words."""
+        generations with ``n`` choices each."""
         if chat:
             return [self._encode(self._rendered(body), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
@@ -282,7 +282,7 @@ class Api:
         if batch and len(prompt) * n > MAX_PROMPTS:
             raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
                              "prompt")
-        return [self._prompt_tokens(p, native) for p in (prompt if batch else [prompt])]
+        return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
 
     def _encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
@@ -295,7 +295,7 @@ class Api:
             raise BadRequest(f"{what} encodes to no tokens", param)
         return tokens
 
-    def _prompt_tokens(self, prompt, native: bool) -> list[int]:
+    def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", "prompt")
@@ -306,9 +306,8 @@ class Api:
             # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
             # piece is a token at least, and the texts together must fit: a prompt of a million
             # pieces is refused before a million calls to the tokenizer.
-            if native:
-                check_llama_context(len(prompt), self.engine.ctx_size)
-            check_context(len(prompt), None, self.engine.ctx_size, "prompt")
+            if any(isinstance(piece, str) for piece in prompt):  # ids alone: the route's own check, exact
+                check_context(len(prompt), None, self.engine.ctx_size, "prompt")
             check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
                             self.engine.ctx_size, "'prompt'", "prompt")
             tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
@@ -329,7 +328,7 @@ class Api:
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
             prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
-                                                                       options.n, native)
+                                                                       options.n)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
             budget = None if native else options.max_tokens
             param = "messages" if chat else "prompt"
