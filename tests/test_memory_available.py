@@ -32,10 +32,11 @@ def test_a_cgroup_v2_limit_below_memavailable_is_what_is_left_under_it(tmp_path)
         "proc/self/cgroup": "0::/box/job\n",
         "sys/fs/cgroup/box/job/memory.max": f"{512 * MIB}\n",
         "sys/fs/cgroup/box/job/memory.current": f"{200 * MIB}\n",
-        # page cache the kernel reclaims before it refuses memory: not counted as used
-        "sys/fs/cgroup/box/job/memory.stat": f"anon 1\nfile 2\ninactive_file {50 * MIB}\nactive_file 3\n",
+        # page cache the kernel reclaims before it refuses memory (the model file's, active
+        # or not): not counted as used
+        "sys/fs/cgroup/box/job/memory.stat": f"anon 1\nfile 2\ninactive_file {50 * MIB}\nactive_file {60 * MIB}\n",
     })
-    assert backend.memory_available(root) == (512 - 200 + 50) * MIB
+    assert backend.memory_available(root) == (512 - 200 + 50 + 60) * MIB
 
 
 def test_a_limit_of_a_cgroup_above_this_one_counts_too(tmp_path):
@@ -57,10 +58,11 @@ def test_a_cgroup_v1_memory_limit_in_a_shared_hierarchy(tmp_path):
         "proc/self/cgroup": "5:cpu,cpuacct:/docker/abc\n4:cpuacct,memory:/docker/abc\n0::/\n",
         "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{1024 * MIB}\n",
         "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{300 * MIB}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.stat": f"cache 5\ninactive_file 7\ntotal_inactive_file {100 * MIB}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.stat": (f"cache 5\ninactive_file 7\ntotal_active_file {20 * MIB}\n"
+                                                        f"total_inactive_file {100 * MIB}\n"),
         "sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED + "\n",
     })
-    assert backend.memory_available(root) == (1024 - 300 + 100) * MIB
+    assert backend.memory_available(root) == (1024 - 300 + 120) * MIB
 
 
 def test_inside_a_cgroup_namespace_the_mount_root_is_the_own_cgroup(tmp_path):
@@ -122,3 +124,30 @@ def test_this_machine_answers_at_most_its_memavailable():
         available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
     got = native.memory_available()
     assert got is not None and 0 < got <= available * 1.5  # the machine's memory moves between reads
+
+
+def test_a_cgroup_v2_memory_high_counts_where_it_is_lower(tmp_path):
+    """Past memory.high the kernel throttles the cgroup and reclaims its pages (systemd's
+    MemoryHigh): a cache that large would crawl."""
+    root = tree(tmp_path, {
+        "proc/meminfo": meminfo(8192),
+        "proc/self/cgroup": "0::/svc\n",
+        "sys/fs/cgroup/svc/memory.max": "max\n",
+        "sys/fs/cgroup/svc/memory.high": f"{512 * MIB}\n",
+        "sys/fs/cgroup/svc/memory.current": f"{12 * MIB}\n",
+    })
+    assert backend.memory_available(root) == 500 * MIB
+    (tmp_path / "sys/fs/cgroup/svc/memory.max").write_text(f"{300 * MIB}\n")
+    assert backend.memory_available(root) == 288 * MIB
+
+
+def test_a_cgroup_path_longer_than_a_line_buffer_is_read_whole(tmp_path):
+    """A 4,000-character path used to be read in two pieces, the second taken for a line of
+    its own (here: a made-up limit of /x)."""
+    long = "/" + "a" * 5000
+    root = tree(tmp_path, {
+        "proc/meminfo": meminfo(8192),
+        "proc/self/cgroup": f"0::{long}/x:memory:/lim\n",
+        "sys/fs/cgroup/memory/lim/memory.limit_in_bytes": f"{1 * MIB}\n",
+    })
+    assert backend.memory_available(root) == 8192 * MIB

@@ -154,13 +154,23 @@ def test_a_context_whose_kv_cache_outgrows_the_memory_available_starts_no_stage(
     assert supervision.memory_available() > 0
     started = []
     monkeypatch.setattr(supervision, "StageProcess", lambda *a, **k: started.append(a))
-    monkeypatch.setattr(supervision, "memory_available", lambda: 1023 << 20)
+    weights = tiny_model.stat().st_size  # the stages copy the weights out of the file
+    monkeypatch.setattr(supervision, "memory_available", lambda: (1023 << 20) + weights)
     with pytest.raises(ValueError) as error:
         launch_pipeline(tiny_model, 2, threads=1, ctx_size=1 << 20)
     assert str(error.value) == (f"a context of {1 << 20} positions takes 1024 MiB of KV cache a session over "
-                                f"{tiny_model.name}'s layers, more than the 1023 MiB of memory available; "
-                                "give a smaller -c/--ctx-size") and not started
+                                f"{tiny_model.name}'s layers, more than the 1023 MiB of memory available beside "
+                                f"its {weights >> 20} MiB of weights; give a smaller -c/--ctx-size") and not started
     supervision.check_kv_cache_fits(tiny_model, 1 << 19)  # 512 MiB: fits
+    # counted with the cache: weights that leave it no room (in a container, say) start nothing
+    monkeypatch.setattr(supervision, "memory_available", lambda: (512 << 20) + weights - 1)
+    with pytest.raises(ValueError, match="more than the 511 MiB of memory available beside its"):
+        supervision.check_kv_cache_fits(tiny_model, 1 << 19)
+    monkeypatch.setattr(supervision, "memory_available", lambda: weights - 1)
+    with pytest.raises(ValueError) as error:
+        supervision.check_kv_cache_fits(tiny_model, 1)
+    assert str(error.value) == (f"{tiny_model.name}'s weights take {weights >> 20} MiB, more than the "
+                                f"{(weights - 1) >> 20} MiB of memory available")
 
 
 @pytest.mark.parametrize("kept", [3, 0])

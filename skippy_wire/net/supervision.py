@@ -379,19 +379,24 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
 
 
 def check_kv_cache_fits(model: Path, ctx_size: int) -> None:
-    """ValueError when one session's KV cache over the model's layers, all on this machine,
-    outgrows the memory available: each stage would refuse its share only once the stages
-    before it had taken theirs (zeroing gigabytes first), or not at all, the machine then
-    swapping or killing processes."""
+    """ValueError when the model's weights (its file's size: the stages copy them out of it)
+    and one session's KV cache over its layers, all on this machine, outgrow the memory
+    available: each stage would refuse its share only once the stages before it had taken
+    theirs (zeroing gigabytes first), or not at all, the machine then swapping or killing
+    processes."""
     try:
-        need = kv_cache_bytes(model, ctx_size)
+        weights, cache = model.stat().st_size, kv_cache_bytes(model, ctx_size)
     except (OSError, ValueError):  # a model that cannot be read: the stages say why in their words
         return
     available = memory_available()
-    if available is not None and need > available:
-        raise ValueError(f"a context of {ctx_size} positions takes {need >> 20} MiB of KV cache a session over "
-                         f"{model.name}'s layers, more than the {available >> 20} MiB of memory available; "
-                         "give a smaller -c/--ctx-size")
+    if available is None or weights + cache <= available:
+        return
+    if weights > available:
+        raise ValueError(f"{model.name}'s weights take {weights >> 20} MiB, more than the {available >> 20} MiB "
+                         "of memory available")
+    raise ValueError(f"a context of {ctx_size} positions takes {cache >> 20} MiB of KV cache a session over "
+                     f"{model.name}'s layers, more than the {(available - weights) >> 20} MiB of memory available "
+                     f"beside its {weights >> 20} MiB of weights; give a smaller -c/--ctx-size")
 
 
 def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",

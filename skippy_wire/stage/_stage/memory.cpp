@@ -6,7 +6,7 @@ namespace {
 
 // The first number on the line of `path` that starts with `key` (a file of "key value" lines
 // such as memory.stat), or the whole file's number when `key` is empty; "max" reads as
-// unlimited.  False when the file or the line is missing.
+// unlimited.  False (and `out` untouched) when the file or the line is missing.
 bool read_number(const std::string & path, const char * key, uint64_t * out) {
     FILE * f = fopen(path.c_str(), "r");
     if (!f) return false;
@@ -31,17 +31,23 @@ bool read_number(const std::string & path, const char * key, uint64_t * out) {
     return found;
 }
 
-// What a cgroup directory's limit still leaves: the limit less the working set (usage less
-// the page cache the kernel reclaims first, as `docker stats` counts it).  False when the
-// directory sets no limit.
+// What a cgroup directory's limit still leaves: the limit (v2: memory.max, or memory.high
+// where lower, past which the kernel throttles and reclaims) less its usage but the file
+// pages on the LRU lists, which the kernel reclaims before it refuses memory (the model
+// file's page cache, once the weights are copied out of it; tmpfs and shared memory are
+// not among them).  False when the directory sets no limit.
 bool cgroup_headroom(const std::string & dir, bool v2, uint64_t * out) {
-    uint64_t limit = 0, usage = 0, inactive = 0;
-    if (!read_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"), "", &limit)) return false;
-    if (limit >= (1ull << 62)) return false;  // "max" (v2), or v1's page-rounded LONG_MAX
-    if (!read_number(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"), "", &usage)) usage = 0;
-    if (!read_number(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file", &inactive)) inactive = 0;
-    const uint64_t working_set = usage > inactive ? usage - inactive : 0;
-    *out = limit > working_set ? limit - working_set : 0;
+    uint64_t limit = UINT64_MAX, high = UINT64_MAX, usage = 0, active = 0, inactive = 0;  // kept where unread
+    read_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"), "", &limit);
+    if (v2) read_number(dir + "/memory.high", "", &high);
+    limit = std::min(limit, high);
+    if (limit >= (1ull << 62)) return false;  // none: no file, "max" (v2), or v1's page-rounded LONG_MAX
+    read_number(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"), "", &usage);
+    read_number(dir + "/memory.stat", v2 ? "active_file" : "total_active_file", &active);
+    read_number(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file", &inactive);
+    const uint64_t reclaimable = active + inactive;
+    const uint64_t used = usage > reclaimable ? usage - reclaimable : 0;
+    *out = limit > used ? limit - used : 0;
     return true;
 }
 
@@ -61,8 +67,9 @@ bool skippy_memory_available(const char * root, uint64_t * out_bytes) {
     bool known = read_number(prefix + "/proc/meminfo", "MemAvailable", &kib);
     uint64_t available = known ? kib * 1024 : UINT64_MAX;
     if (FILE * f = fopen((prefix + "/proc/self/cgroup").c_str(), "r")) {
-        char line[4096];
-        while (fgets(line, sizeof line, f)) {
+        char * line = nullptr;  // whole lines, however long the path
+        size_t capacity = 0;
+        while (getline(&line, &capacity, f) != -1) {
             line[strcspn(line, "\n")] = '\0';
             char * controllers = strchr(line, ':');
             char * path = controllers ? strchr(controllers + 1, ':') : nullptr;
@@ -86,6 +93,7 @@ bool skippy_memory_available(const char * root, uint64_t * out_bytes) {
                 rel.resize(slash == std::string::npos ? 0 : slash);
             }
         }
+        free(line);
         fclose(f);
     }
     if (known && out_bytes) *out_bytes = available;

@@ -298,8 +298,8 @@ void skippy_stage_log_set(skippy_stage_log_callback callback, void * user_data);
 void skippy_set_interrupted(bool interrupted);
 bool skippy_interrupted(void);
 /* The bytes this process can still allocate: the lesser of Linux's MemAvailable and what the
- * memory limits of its cgroup and the cgroups above it leave (v2 memory.max, v1
- * memory.limit_in_bytes, less the working set).  False when none of them can be read.
+ * memory limits of its cgroup and the cgroups above it leave (v2 memory.max or memory.high,
+ * v1 memory.limit_in_bytes, less the usage but reclaimable file pages).  False when none of them can be read.
  * `root` prefixes every path read: "" for this machine. */
 bool skippy_memory_available(const char * root, uint64_t * out_bytes);
 
