@@ -323,6 +323,10 @@ def test_a_downstream_on_another_port_or_host_is_not_the_listener():
     assert not names_listener(("203.0.113.77", 9000), ("127.0.0.1", 9000))  # TEST-NET-3: no address here
     assert not names_listener(("203.0.113.77", 9000), ("0.0.0.0", 9000))
     assert not names_listener(("127.0.0.1", 0), ("127.0.0.1", 0))  # port 0 binds a port of its own
+    # every spelling of the wildcard listens on this machine's addresses ("0" was missed)
+    for wildcard in ("0.0.0.0", "0", "0x0", ""):
+        assert names_listener(("127.0.0.1", 9000), (wildcard, 9000)), wildcard
+        assert names_listener((wildcard or "0.0.0.0", 9000), ("127.0.0.1", 9000)), wildcard
 
 
 def test_serve_names_an_unwritable_trace_file(capsys, tmp_path, tiny_model):

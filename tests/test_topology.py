@@ -270,6 +270,13 @@ def test_each_host_binds_its_own_addresses():
     with pytest.raises(TopologyError, match="stage 1: bind_addr 127.0.0.1:19000 is already used by stage 0 "
                                             r"\(as 0.0.0.0:19000\)"):
         parse_topology(one_host, shape=shape)
+    # however the wildcard is spelled ("0" and "0x0" bind to every address too)
+    for wildcard in ("0", "0x0", "0.0"):
+        spelled = _with(lambda d: (d["stages"][0].update(endpoint="10.77.0.1:19000", bind_addr=f"{wildcard}:19000"),
+                                   d["stages"][1].update(endpoint="10.77.0.1:19001", bind_addr="127.0.0.1:19000")))
+        with pytest.raises(TopologyError, match=f"stage 1: bind_addr 127.0.0.1:19000 is already used by stage 0 "
+                                                rf"\(as {wildcard}:19000\)"):
+            parse_topology(spelled, shape=shape)
 
 def test_hosts_are_resolved_only_where_ports_meet(monkeypatch):
     """Distinct ports cost no lookup; an unresolvable host is compared as written."""
@@ -495,6 +502,7 @@ ADDRESSES = [
     ("wildcard", "0.0.0.0:19000", "endpoint host '0.0.0.0' is every address of a machine, none to connect to"),
     ("wildcard, dot", "0.0.0.0.:19000", "endpoint host '0.0.0.0.' is every address of a machine"),
     ("wildcard, short", "0:19000", "endpoint host '0' is every address of a machine"),
+    ("wildcard, hex", "0x0:19000", "endpoint host '0x0' is every address of a machine"),
 ]
 
 

@@ -54,7 +54,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .transport import WILDCARD_HOSTS, ipv4_addresses, parse_address
+from .transport import ipv4_addresses, is_wildcard, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
@@ -224,18 +224,12 @@ def _host_problem(host: str) -> str | None:
         return "is longer than a host name may be (253 characters)"
     if not all(_HOST_LABEL.match(label) for label in name.split(".")):
         return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
-    if _NUMERIC_HOST.match(name) and _ipv4(name) is None:  # no host name is all digits (RFC 3696)
-        return "is not a valid IPv4 address (four numbers of 0-255, or a shorter form the C library reads)"
+    if _NUMERIC_HOST.match(name):  # no host name is all digits (RFC 3696): meant as an address
+        try:
+            socket.inet_aton(name)  # as the C library reads it: 10.1.2 is 10.1.0.2, 127.1 127.0.0.1
+        except OSError:
+            return "is not a valid IPv4 address (four numbers of 0-255, or a shorter form the C library reads)"
     return None
-
-
-def _ipv4(name: str) -> bytes | None:
-    """The address an all-numeric host stands for, as the C library reads it (``10.1.2`` is
-    10.1.0.2, ``127.1`` 127.0.0.1), or None."""
-    try:
-        return socket.inet_aton(name)
-    except OSError:
-        return None
 
 
 def _address(where: str, key: str, text) -> str:
@@ -250,8 +244,7 @@ def _address(where: str, key: str, text) -> str:
     problem = _host_problem(host)
     if problem:
         raise TopologyError(f"{where}: {key} host {_shown(host)} {problem}")
-    name = host.rstrip(".")
-    if key == "endpoint" and (host in WILDCARD_HOSTS or (_NUMERIC_HOST.match(name) and _ipv4(name) == bytes(4))):
+    if key == "endpoint" and is_wildcard(host):
         raise TopologyError(f"{where}: endpoint host {_shown(host)} is every address of a machine, none to connect "
                             "to: give the address the stage is reached at (its bind_addr may be 0.0.0.0)")
     return text
@@ -360,7 +353,7 @@ def _check_addresses(name: str, stages: list[TopologyStage]) -> None:
                     if other_port != port or (not one_host and "bind_addr" in (key, other_key)):
                         continue
                     if hosts(host, port) & hosts(other_host, port) or (
-                            one_host and WILDCARD_HOSTS & {host, other_host}):
+                            one_host and (is_wildcard(host) or is_wildcard(other_host))):
                         same = "" if (other_host, other_port) == (host, port) else f" (as {getattr(t, other_key)})"
                         raise TopologyError(f"{name}: stage {s.index}: {key} {host}:{port} is already used by "
                                             f"stage {t.index}{same}")

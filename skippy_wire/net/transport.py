@@ -66,7 +66,11 @@ def _connect_unless(host: str, port: int, timeout: float, abandoned: Callable[[]
     of :data:`UPSTREAM_CHECK_S`."""
     errors: list[OSError] = []
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # a family this kernel lacks (IPv6 switched off): the next address
+            errors.append(exc)
+            continue
         try:
             _connect_watched(sock, address, timeout, abandoned)
             return sock
@@ -140,8 +144,17 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-#: The hosts a listener binds to every address of this machine with.
+#: The hosts a listener binds to every address of this machine with (as written most often).
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0"})
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is every address of this machine, however the C library spells
+    0.0.0.0 ("0", "0x0", "0.0.0.0.")."""
+    try:
+        return host in WILDCARD_HOSTS or socket.inet_aton(host.rstrip(".")) == bytes(4)
+    except (OSError, ValueError):  # not an address (a host name)
+        return False
 
 
 def ipv4_addresses(host: str) -> frozenset[str]:
@@ -173,9 +186,9 @@ def names_listener(target: tuple[str, int], listen: tuple[str, int]) -> bool:
     if port != listen_port or port == 0:
         return False
     targets = ipv4_addresses(host)
-    if targets & WILDCARD_HOSTS or targets & ipv4_addresses(listen_host):
+    if any(is_wildcard(t) for t in targets) or targets & ipv4_addresses(listen_host):
         return True
-    return listen_host in WILDCARD_HOSTS and any(_is_local(ip) for ip in targets)
+    return is_wildcard(listen_host) and any(_is_local(ip) for ip in targets)
 
 
 class SocketReader:
@@ -459,4 +472,4 @@ class CountingSocket:
 
 
 __all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
-           "parse_address", "SocketReader", "Peer", "CountingSocket"]
+           "parse_address", "is_wildcard", "SocketReader", "Peer", "CountingSocket"]
