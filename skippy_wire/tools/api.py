@@ -306,8 +306,11 @@ class Api:
             # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
             # piece is a token at least, and the texts together must fit: a prompt of a million
             # pieces is refused before a million calls to the tokenizer.
-            if any(isinstance(piece, str) for piece in prompt):  # ids alone: the route's own check, exact
-                check_context(len(prompt), None, self.engine.ctx_size, "prompt")
+            if all(isinstance(piece, int) for piece in prompt):  # ids alone: the route's own check counts them
+                if len(prompt) < self.engine.ctx_size:  # (ids too many for it are refused there, unread)
+                    check_token_ids(prompt, self.engine.tokenizer.n_vocab, "prompt")
+                return list(prompt)
+            check_context(len(prompt), None, self.engine.ctx_size, "prompt")
             check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
                             self.engine.ctx_size, "'prompt'", "prompt")
             tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
