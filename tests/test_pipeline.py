@@ -161,14 +161,14 @@ def test_a_context_whose_kv_cache_outgrows_the_memory_available_starts_no_stage(
     assert str(error.value) == (f"a context of {1 << 20} positions takes 1024 MiB of KV cache a session over "
                                 f"{tiny_model.name}'s layers, more than the 1023 MiB of memory available beside "
                                 f"its {weights >> 20} MiB of weights; give a smaller -c/--ctx-size") and not started
-    supervision.check_kv_cache_fits(tiny_model, 1 << 19)  # 512 MiB: fits
+    supervision.check_memory_fits(tiny_model, 1 << 19)  # 512 MiB: fits
     # counted with the cache: weights that leave it no room (in a container, say) start nothing
     monkeypatch.setattr(supervision, "memory_available", lambda: (512 << 20) + weights - 1)
     with pytest.raises(ValueError, match="more than the 511 MiB of memory available beside its"):
-        supervision.check_kv_cache_fits(tiny_model, 1 << 19)
+        supervision.check_memory_fits(tiny_model, 1 << 19)
     monkeypatch.setattr(supervision, "memory_available", lambda: weights - 1)
     with pytest.raises(ValueError) as error:
-        supervision.check_kv_cache_fits(tiny_model, 1)
+        supervision.check_memory_fits(tiny_model, 1)
     assert str(error.value) == (f"{tiny_model.name}'s weights take {weights >> 20} MiB, more than the "
                                 f"{(weights - 1) >> 20} MiB of memory available")
 

@@ -253,7 +253,7 @@ class ConnectionLimit:
                         "%d refused so far)", addr[0], addr[1], self.limit, self.refused)
 
 
-__all__ = ["StageLimits", "overdue_message", "SessionAdmission", "ConnectionLimit", "LaneGate", "DEFAULT_MAX_SESSIONS_PER_CONNECTION",
-           "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MESSAGE_TIMEOUT",
-           "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE", "sampling_block_bytes",
-           "max_message_bytes"]
+__all__ = ["StageLimits", "overdue_message", "SessionAdmission", "ConnectionLimit", "LaneGate",
+           "DEFAULT_MAX_SESSIONS_PER_CONNECTION", "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS",
+           "DEFAULT_MESSAGE_TIMEOUT", "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE",
+           "sampling_block_bytes", "max_message_bytes"]

@@ -378,7 +378,7 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
     return _LAUNCHED.get((host, int(port)))
 
 
-def check_kv_cache_fits(model: Path, ctx_size: int) -> None:
+def check_memory_fits(model: Path, ctx_size: int) -> None:
     """ValueError when the model's weights (its file's size: the stages copy them out of it)
     and one session's KV cache over its layers, all on this machine, outgrow the memory
     available: each stage would refuse its share only once the stages before it had taken
@@ -427,7 +427,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     On any failure every started process is terminated before the error propagates.
     """
     model = Path(model)
-    check_kv_cache_fits(model, ctx_size)
+    check_memory_fits(model, ctx_size)
     if layers is None:
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)

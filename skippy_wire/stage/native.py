@@ -147,5 +147,6 @@ def memory_available() -> Optional[int]:
 
 __all__ = [
     "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "memory_available", "output_frame", "raw_input",
-    "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens", "with_output_capacity",
+    "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens",
+    "with_output_capacity",
 ]
