@@ -50,10 +50,10 @@ from pathlib import Path
 
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
-from skippy_wire.stage.models import Tokenizer
+from skippy_wire.stage.models import Tokenizer, model_shape
 from skippy_wire.tools.bench_rows import cpu_model, one_of, poll_window, round_ratios, script_options
 from skippy_wire.tools.cli import guarded
-from skippy_wire.tools.options import int_list, poll_args
+from skippy_wire.tools.options import int_at_least, int_between, int_list, poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
@@ -180,7 +180,9 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
-                                                "split": lambda text: int_list(1)(text) if text else []},
+                                                "split": lambda text: int_list(1)(text) if text else [],
+                                                "concurrency": int_between(1, len(PROMPTS)),  # a prompt each
+                                                "tokens": int_at_least(2)},  # a decode rate needs two
                           rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})
     poll_ms = args.poll_ms
     layers = None
@@ -189,6 +191,11 @@ def main(argv=None) -> int:
         layers = [(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(counts))]
         args.stages = len(counts)
     model = default_model()
+    n_layer = model_shape(model)[0]
+    if layers and layers[-1][1] != n_layer:
+        print(f"serve_bench.py: error: argument --split: the counts must add up to the model's {n_layer} layers, "
+              f"not {layers[-1][1]}", file=sys.stderr)
+        return 2  # a usage error, as argparse's
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
     atexit.register(shutil.rmtree, trace_dir, True)
@@ -223,7 +230,8 @@ def main(argv=None) -> int:
                     if name not in best or r["agg_tok_s"] > best[name]["agg_tok_s"]:
                         best[name] = r
                 stream_to_run.append(this["1"]["stream_decode_tok_s"] / this["run"]["decode_tok_s"])
-                many_to_one.append(this[str(args.concurrency)]["decode_agg_tok_s"] / this["1"]["decode_agg_tok_s"])
+                if this[str(args.concurrency)]["decode_agg_tok_s"]:  # else no moment when all of them decoded
+                    many_to_one.append(this[str(args.concurrency)]["decode_agg_tok_s"] / this["1"]["decode_agg_tok_s"])
         finally:
             os.killpg(api.pid, signal.SIGINT)
             api.wait(30)
@@ -247,11 +255,15 @@ def main(argv=None) -> int:
     print(f"| {args.concurrency} concurrent requests: aggregate tok/s | {many['agg_tok_s']:.1f} | "
           f"{many['agg_tok_s'] / one['agg_tok_s']:.2f}x one request |")
     print(f"| 1 request: aggregate decode tok/s | {one['decode_agg_tok_s']:.1f} | 1.00x |")
-    print(f"| {args.concurrency} concurrent requests: aggregate decode tok/s | {many['decode_agg_tok_s']:.1f} | "
-          f"{many['decode_agg_tok_s'] / one['decode_agg_tok_s']:.2f}x one request |")
+    if many["decode_agg_tok_s"]:
+        print(f"| {args.concurrency} concurrent requests: aggregate decode tok/s | {many['decode_agg_tok_s']:.1f} | "
+              f"{many['decode_agg_tok_s'] / one['decode_agg_tok_s']:.2f}x one request |")
+    else:
+        print(f"| {args.concurrency} concurrent requests: aggregate decode tok/s | n/a: no moment when all decoded "
+              "(raise --tokens) | |")
     print(f"| 1 streaming request over HTTP / `run`, within each round | | {round_ratios(stream_to_run)} |")
     print(f"| {args.concurrency} concurrent / 1 request, aggregate decode, within each round | | "
-          f"{round_ratios(many_to_one)} |")
+          f"{round_ratios(many_to_one) if many_to_one else 'n/a'} |")
     print(f"| time to first token, 1 request | {one['ttft_s'] * 1000:.0f} ms | |")
     print(f"| time to first token, {args.concurrency} requests (mean) | {many['ttft_s'] * 1000:.0f} ms | |")
     print(f"| all stages computing at once, 1 request | {one['all_busy'] * 100:.1f}% | |")

@@ -87,6 +87,14 @@ def _one_error_line(err: str) -> str:
     (["bench-backend", "--repeat", "1001"], "argument --repeat: must be between 1 and 1000, got 1001"),
     (["cluster", "--delay-ms", "1e12"], "argument --delay-ms: must be between 0 and 1000000000, got 1e12"),
     (["bench-cluster", "--delays", "0,1e12"], "argument --delays: must be between 0 and 1000000000, got 1e12"),
+    # the rows were written, and lost, only once the whole matrix had run (minutes)
+    (["bench-cluster", "--json", "/proc/self/nonexistent-dir/rows.json"],
+     "--json /proc/self/nonexistent-dir/rows.json: no such file or directory"),
+    (["bench-cluster", "--json", ""], "--json: give a file name, or - for stdout"),
+    (["bench-cluster", "--json", "/"], "--json /: is a directory"),
+    # a two-stage comparison was asked for and a batch table printed
+    (["bench-backend", "--stages", "--batch", "2"], "--stages compares one stage with two; it does not go with --batch"),
+    (["bench-backend", "--stages", "--matmul"], "--stages compares one stage with two; it does not go with --matmul"),
     (["run", "--temp", "-1"], "argument --temp/--temperature: must be between 0 and 1e+06, got -1"),
     (["run", "--temp", "inf"], "argument --temp/--temperature: must be between 0 and 1e+06, got inf"),
     (["run", "--temp", "1e39"], "argument --temp/--temperature: must be between 0 and 1e+06, got 1e39"),  # f32 +inf

@@ -327,7 +327,16 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     ("serve_bench.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),  # a KeyError at the end
     ("serve_bench.py", ["--split", "16,x"], "argument --split: expected comma-separated integers, got '16,x'"),
     ("prefill_overlap_bench.py", ["--chunk", "0"], "argument --chunk: must be at least 1, got 0"),
-    ("wake_bench.py", ["--gaps", "-1"], "argument --gaps: each value must be at least 0, got -1"),
+    ("wake_bench.py", ["--gaps", "-1"], "argument --gaps: each value must be between 0 and 1000, got -1"),
+    # accepted before: eleven days of busy-waiting a message, a MemoryError after the header
+    ("wake_bench.py", ["--gaps", "0,1e9"], "argument --gaps: each value must be between 0 and 1000, got 1e9"),
+    ("wake_bench.py", ["--size", "99999999999"], "argument --size: must be between 1 and 67108864, got 99999999999"),
+    # eight prompts: a ninth request was counted and never sent; one token has no decode rate
+    ("serve_bench.py", ["--concurrency", "9"], "argument --concurrency: must be between 1 and 8, got 9"),
+    ("serve_bench.py", ["--tokens", "1"], "argument --tokens: must be at least 2, got 1"),
+    # failed only when a stage started, about --downstream
+    ("serve_bench.py", ["--split", "10,10"],
+     "argument --split: the counts must add up to the model's 30 layers, not 20"),
 ])
 def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script, args, message):
     """Each was a traceback (some after the stages had started and warmed up)."""

@@ -362,6 +362,8 @@ def main(argv=None):
     args = ap.parse_args(args)
     path = args.model or str(models.smollm2_path())
     n_layer = _model_layers(path)  # a bad model is reported before any table starts
+    if args.stages and (args.batch or args.matmul):  # one table a run: --stages would be dropped unsaid
+        ap.error(f"--stages compares one stage with two; it does not go with {'--batch' if args.batch else '--matmul'}")
     if args.split is not None and not (args.stages and args.split < n_layer):
         ap.error(f"--split {args.split}: needs --stages and a layer below the model's {n_layer}")
     if args.prefill + args.decode + CTX_SLACK > MAX_CTX_SIZE:  # else the backend refuses it mid-table

@@ -27,8 +27,8 @@ from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
                       local_reference, progress_printer, prompt_ids, run_cluster)
 from .bench_rows import cpu_model
-from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, describe, doc_summary,
-                      error_line, int_list, milliseconds)
+from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, check_output_file,
+                      describe, doc_summary, error_line, file_error, int_list, milliseconds)
 from .signals import exiting_on_signals
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # checked now, not after the runs: a JSON file that cannot be written would lose them
     to_stdout = args.json == "-"
-    if args.json and not to_stdout and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
-        parser.error(f"--json {args.json}: not a file in an existing directory")
+    if args.json == "":
+        parser.error("--json: give a file name, or - for stdout")
+    if args.json and not to_stdout:
+        check_output_file(parser, "--json", args.json)
     check_output_dir(parser, "--log-dir", args.log_dir)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, PROG)
@@ -176,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     if to_stdout:
         print(json.dumps(rows, indent=1))
     elif args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        except OSError as exc:  # checked at the start; a device or a full disk can still refuse
+            print(error_line(file_error(args.json, exc)), file=sys.stderr)
+            return EXIT_FAILURE
     return status
 
 

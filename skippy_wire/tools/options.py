@@ -225,6 +225,24 @@ def training_context_size(parser: argparse.ArgumentParser | None, model: Path) -
     return trained
 
 
+def check_output_file(parser: argparse.ArgumentParser, option: str, value: str) -> None:
+    """A file the command writes once its work is done must be writable now, else a usage
+    error naming the option and why, before hours of work are lost.  The check creates a
+    missing file and removes it again."""
+    path = Path(value)
+    if path.is_dir():
+        parser.error(f"{option} {value}: is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write("")
+            fh.flush()
+    except OSError as exc:
+        parser.error(f"{option} {value}: {os_reason(exc)}")
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def check_output_dir(parser: argparse.ArgumentParser, option: str, value: str | None) -> None:
     """``--capture DIR``, ``--log-dir DIR``: a directory the command makes later (parents
     included) must exist or be possible to make, else a usage error naming the option and why,
@@ -584,6 +602,6 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
            "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",
            "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address", "web_origin",
-           "add_poll_option", "poll_args", "driver_poll_s", "add_tls_options", "tls_config",
+           "add_poll_option", "poll_args", "check_output_file", "driver_poll_s", "add_tls_options", "tls_config",
            "apply_topology", "utf8",
            "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
