@@ -8,6 +8,7 @@ processes of ``verify-exhaustive`` stopped with it on SIGTERM.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.tools import backend_bench, cli, cluster, serve
+from skippy_wire.tools.options import check_output_file
 from skippy_wire.tools.options import EXIT_TERMINATED
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
@@ -55,9 +57,17 @@ def test_sizes_beyond_the_limits_are_usage_errors(capsys, args, message):
 
 
 def test_bench_cluster_json_file_is_checked_before_the_runs(capsys, tmp_path):
-    for target in (tmp_path, tmp_path / "missing" / "rows.json"):
-        assert_usage_error(capsys, ["bench-cluster", "--json", str(target)],
-                           f"--json {target}: not a file in an existing directory")
+    for target, why in ((tmp_path, "is a directory"), (tmp_path / "missing" / "rows.json", "no such file or directory")):
+        assert_usage_error(capsys, ["bench-cluster", "--json", str(target)], f"--json {target}: {why}")
+    assert_usage_error(capsys, ["bench-cluster", "--json", "/proc/self/rows.json"],  # root may not write there
+                       "--json /proc/self/rows.json: no such file or directory")
+    # a file that can be written passes, and the check leaves none behind (nor touches one there)
+    parser = argparse.ArgumentParser()
+    check_output_file(parser, "--json", str(tmp_path / "new.json"))
+    kept = tmp_path / "kept.json"
+    kept.write_text("old rows\n")
+    check_output_file(parser, "--json", str(kept))
+    assert not (tmp_path / "new.json").exists() and kept.read_text() == "old rows\n"
 
 
 def test_out_of_memory_is_one_line(capsys, monkeypatch):
