@@ -226,21 +226,16 @@ def training_context_size(parser: argparse.ArgumentParser | None, model: Path) -
 
 
 def check_output_file(parser: argparse.ArgumentParser, option: str, value: str) -> None:
-    """A file the command writes once its work is done must be writable now, else a usage
-    error naming the option and why, before hours of work are lost.  The check creates a
-    missing file and removes it again."""
-    path = Path(value)
-    if path.is_dir():
-        parser.error(f"{option} {value}: is a directory")
-    existed = path.exists()
+    """A file the command writes once its work is done must be writable now (else a usage
+    error naming the option and why, before the work is lost); a missing one is made and removed."""
+    existed = os.path.lexists(value)
     try:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write("")
-            fh.flush()
-    except OSError as exc:
+        with open(value, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:  # a directory too: "is a directory"
         parser.error(f"{option} {value}: {os_reason(exc)}")
     if not existed:
-        path.unlink(missing_ok=True)
+        os.unlink(value)
 
 
 def check_output_dir(parser: argparse.ArgumentParser, option: str, value: str | None) -> None:
@@ -253,13 +248,11 @@ def check_output_dir(parser: argparse.ArgumentParser, option: str, value: str | 
     path = Path(value)
     if path.exists() and not path.is_dir():
         parser.error(f"{option} {value}: not a directory")
-    missing = []
-    parent = path.absolute()
+    missing, parent = [], path.absolute()
     while not parent.exists() and parent != parent.parent:
         missing.append(parent)
         parent = parent.parent
-    made = []
-    why = None
+    made, why = [], None
     try:
         if not parent.is_dir():
             why = f"{parent} is not a directory"
