@@ -32,10 +32,12 @@ from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import comma_list, cpu_model, one_of, poll_window, round_ratios, script_options
 from skippy_wire.tools.cli import guarded
-from skippy_wire.tools.options import driver_poll_s, int_list, poll_args
+from skippy_wire.tools.options import driver_poll_s, int_between, int_list, poll_args
 from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
+#: The most new tokens a generation is asked for: SmolLM2's training context, less the prompt.
+MAX_NEW_TOKENS = 8000
 
 
 
@@ -73,7 +75,8 @@ def _poll_text(poll_ms: float | None) -> str:
 
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"stages": int_list(1), "ahead": comma_list(one_of("on", "off")),
-                                                "poll-ms": comma_list(poll_window)},
+                                                "poll-ms": comma_list(poll_window),
+                                                "tokens": int_between(1, MAX_NEW_TOKENS)},
                           tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
     counts = args.stages
     settings = [(poll, ahead == "on") for ahead in args.ahead for poll in args.poll_ms]

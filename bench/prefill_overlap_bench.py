@@ -18,18 +18,23 @@ from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
 from skippy_wire.tools.bench_rows import cpu_model, script_options
 from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.options import int_between
 
+#: The longest prompt measured: SmolLM2's training context.
+MAX_PROMPT_TOKENS = 8192
 
 
 def prompt_tokens(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of a story (its text doubled until long enough: tokenizing
+    it again after every sentence took quadratic time)."""
     words = ("the sea", "a small village", "an old lighthouse", "fishing boats", "the morning tide")
-    text, ids = "", []
-    i = 0
-    while len(ids) < n:
-        text += f" Once, near {words[i % len(words)]}, story {i} began."
-        ids = tokenizer.encode(text)
-        i += 1
-    return ids[:n]
+    sentences = 16
+    while True:
+        ids = tokenizer.encode("".join(f" Once, near {words[i % len(words)]}, story {i} began."
+                                       for i in range(sentences)))
+        if len(ids) >= n:
+            return ids[:n]
+        sentences *= 2
 
 
 def prefill(model, stages: int, prompt: list[int], chunk: int, overlap: bool) -> tuple[float, list[int]]:
@@ -41,7 +46,8 @@ def prefill(model, stages: int, prompt: list[int], chunk: int, overlap: bool) ->
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, stages=2, tokens=512, chunk=64, rounds=3)
+    args = script_options(__doc__, argv, types={"tokens": int_between(1, MAX_PROMPT_TOKENS)},
+                          stages=2, tokens=512, chunk=64, rounds=3)
     model = default_model()
     prompt = prompt_tokens(Tokenizer.from_gguf(model), args.tokens)
     best = {True: 0.0, False: 0.0}
