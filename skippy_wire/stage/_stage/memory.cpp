@@ -53,15 +53,15 @@ bool cgroup_headroom(const std::string & dir, bool v2, uint64_t * out) {
 
 }  // namespace
 
-extern "C" // What this process can still allocate without swapping (Linux's MemAvailable) or passing a
-// memory limit of its cgroup or of the cgroups above it (v2 memory.max, v1
+// What this process can still allocate without swapping (Linux's MemAvailable) or passing a
+// memory limit of its cgroup or of the cgroups above it (v2 memory.max or memory.high, v1
 // memory.limit_in_bytes: a container's limit, which MemAvailable does not see).  The cgroup
 // directory is this process's path (/proc/self/cgroup) under the mount, walked up to the
 // mount's root; inside a cgroup namespace the path is "/" and the mount's root is the
 // process's own cgroup.  A KV cache larger than that is refused: allocated, it would be zeroed
 // page by page until the out-of-memory killer ended the process.  (net/supervision.py checks
 // one session over all of a pipeline's layers with this before starting its stages.)
-bool skippy_memory_available(const char * root, uint64_t * out_bytes) {
+extern "C" bool skippy_memory_available(const char * root, uint64_t * out_bytes) {
     const std::string prefix = root ? root : "";
     uint64_t kib = 0;
     bool known = read_number(prefix + "/proc/meminfo", "MemAvailable", &kib);
