@@ -180,7 +180,7 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
-                                                "split": lambda text: int_list(1)(text) if text else [],
+                                                "split": lambda text: int_list(1, repeats=True)(text) if text else [],
                                                 "concurrency": int_between(1, len(PROMPTS)),  # a prompt each
                                                 "tokens": int_at_least(2)},  # a decode rate needs two
                           rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})

@@ -68,6 +68,9 @@ def test_bench_backend_describes_itself_in_full(capsys):
      "argument -t/--threads: each value must be -1 (the default) or between 1 and 512, got -2"),
     (["bench-backend", "--threads", "abc"], "argument -t/--threads: expected comma-separated integers, got 'abc'"),
     (["bench-backend", "--batch", "2,0"], "argument --batch: each value must be between 1 and 1024, got 0"),
+    (["bench-backend", "--batch", "2,1,2"], "argument --batch: lists '2' twice; each value once"),
+    (["bench-backend", "--threads", "1,1"], "argument -t/--threads: lists '1' twice; each value once"),
+    (["bench-cluster", "--hosts", "2,3,2"], "argument --hosts: lists '2' twice; each value once"),
     (["bench", "--sizes", "abc"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
                                   "(e.g. 1x4096,128x4096), got 'abc'"),
     (["bench", "--sizes", "0x8"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
@@ -204,11 +207,13 @@ def test_bench_backend_takes_threads_minus_one_as_a_stage_s_default():
 
     parser = _parser("bench-backend")
     assert parser.parse_args(["-t", "-1"]).threads == [default_threads()]
-    assert parser.parse_args(["-t", "2,-1"]).threads == [2, default_threads()]
+    assert parser.parse_args(["-t", "512,-1"]).threads == [512, default_threads()]
     # argparse before Python 3.13 took a list starting with a negative number for an option
-    assert parser.parse_args(["-t", "-1,2"]).threads == [default_threads(), 2]
-    assert parser.parse_args(["--threads=-1,2"]).threads == [default_threads(), 2]
-    assert parser.parse_args(["-t", "-1,-1"]).threads == [default_threads()] * 2
+    assert parser.parse_args(["-t", "-1,512"]).threads == [default_threads(), 512]
+    assert parser.parse_args(["--threads=-1,512"]).threads == [default_threads(), 512]
+    for repeated in ("-1,-1", f"{default_threads()},-1"):  # the same count resolved: one row twice
+        with pytest.raises(SystemExit):
+            parser.parse_args(["-t", repeated])
     assert parser.parse_args(["-t", "512"]).threads == [512]
     assert parser.parse_args([]).threads is None  # the mode's own default list
 

@@ -11,7 +11,7 @@ import timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
-from .options import MAX_POLL_MS, float_between, int_at_least
+from .options import MAX_POLL_MS, float_between, int_at_least, once_each
 
 
 @dataclass
@@ -112,12 +112,14 @@ def poll_window(text: str) -> float | None:
 
 
 def comma_list(one: Callable[[str], object]) -> Callable[[str], list]:
-    """Comma-separated values, each as ``one`` takes it (``comma_list(one_of("on", "off"))``)."""
+    """Comma-separated values, each as ``one`` takes it (``comma_list(one_of("on", "off"))``),
+    each once."""
     def convert(text: str) -> list:
         try:
-            return [one(item) for item in text.split(",")]
+            values = [one(item) for item in text.split(",")]
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"each value {exc}") from None
+        return once_each(values, text.split(","))
 
     convert.__name__ = "list"
     return convert

@@ -4,15 +4,12 @@
 * :class:`Parser`: an ``argparse.ArgumentParser`` whose usage errors read
   ``skippy-wire: error: ...`` (after argparse's usage line) and exit with status 2, with
   :class:`DefaultsFormatter` and no reStructuredText double backticks in ``--help``.
-* Range-checked argument types (:func:`int_at_least`, :func:`float_above`, ...), so that
-  every numeric option is refused before any process starts; :data:`MAX_THREADS` and
-  :data:`MAX_CTX_SIZE` bound the thread count and context of every command.
+* Range-checked argument types (:func:`int_at_least`, :func:`int_list`, ...): a bad value
+  is refused before any process starts; :data:`MAX_THREADS`, :data:`MAX_CTX_SIZE` bound all.
 * :class:`StartedStagesOption` and :func:`refuse_started_stage_options`: an option that
   configures only the stage processes a command starts is a usage error, whatever its value,
   with ``--connect`` or ``--topology``.
 * :func:`describe`: one line for an exception that reaches the user.
-* :func:`exiting_on_signals`: SIGTERM and SIGHUP unwind like Ctrl-C;
-  :func:`signals_deferred`: a cleanup they wait for.
 """
 
 from __future__ import annotations
@@ -162,12 +159,11 @@ _UNDECODED = re.compile("[\udc80-\udcff]")
 def describe(exc: BaseException) -> str:
     """One line for ``exc``: ``path: reason`` for an OSError, else its message."""
     if isinstance(exc, OSError) and exc.strerror:
-        where = exc.filename if exc.filename is not None else None
         reason = os_reason(exc)
         # socket.create_server appends "(while attempting to bind on address ('H', P))": a
         # Python tuple the caller, who names the address, does not need
         reason = reason.split(" (while attempting to bind on address ")[0]
-        return f"{where}: {reason}" if where is not None else reason
+        return f"{exc.filename}: {reason}" if exc.filename is not None else reason
     if isinstance(exc, UnicodeError):
         return "text is not valid UTF-8"
     text = " ".join(str(exc).split())
@@ -230,8 +226,7 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, value: str) 
     error naming the option and why, before the work is lost); a missing one is made and removed."""
     existed = os.path.lexists(value)
     try:
-        with open(value, "a", encoding="utf-8"):
-            pass
+        open(value, "a", encoding="utf-8").close()
     except OSError as exc:  # a directory too: "is a directory"
         parser.error(f"{option} {value}: {os_reason(exc)}")
     if not existed:
@@ -261,7 +256,7 @@ def check_output_dir(parser: argparse.ArgumentParser, option: str, value: str | 
                 directory.mkdir()
                 made.append(directory)
     except OSError as exc:  # the reason alone: the option and the path come first
-        why = exc.strerror[:1].lower() + exc.strerror[1:] if exc.strerror else describe(exc)
+        why = os_reason(exc)
     finally:
         for directory in reversed(made):
             with contextlib.suppress(OSError):
@@ -323,10 +318,20 @@ def thread_count(text: str) -> int | None:
 thread_count.__name__ = "int"
 
 
-def int_list(lo: int, hi: int | None = None, *,
-             special: tuple[int, str] | None = None) -> Callable[[str], list[int]]:
+def once_each(values: list, texts: list[str]) -> list:
+    """``values`` (parsed from ``texts``) when none repeats, else argparse's error naming it:
+    a benchmark would run a repeated setting again and print its row twice."""
+    for i, value in enumerate(values):
+        if (first := values.index(value)) < i:
+            same = "twice" if texts[first] == texts[i] else f"and {texts[i]!r}, the same value"
+            raise argparse.ArgumentTypeError(f"lists {texts[first]!r} {same}; each value once")
+    return values
+
+
+def int_list(lo: int, hi: int | None = None, *, special: tuple[int, str] | None = None,
+             repeats: bool = False) -> Callable[[str], list[int]]:
     """Comma-separated integers, each ``>= lo`` (and ``<= hi``): ``1,2,4``; ``special``: as
-    :func:`int_at_least`, for each value."""
+    :func:`int_at_least`, for each value; each value once unless ``repeats``."""
     one = int_at_least(lo, special=special) if hi is None else int_between(lo, hi, special=special)
 
     def convert(text: str) -> list[int]:
@@ -335,21 +340,20 @@ def int_list(lo: int, hi: int | None = None, *,
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
         try:
-            return [one(str(value)) for value in values]
+            values = [one(str(value)) for value in values]
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"each value {exc}") from None
+        return values if repeats else once_each(values, text.split(","))
 
     convert.__name__ = "list"
     return convert
 
 
-_THREAD_LIST = int_list(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default"))
-
-
 def thread_counts(text: str) -> list[int]:
     """``-t T,T,...`` (``bench-backend``): comma-separated :func:`thread_count` values, each
-    -1 (the default) resolved to :func:`default_threads`."""
-    return [default_threads() if value == DEFAULT_THREADS else value for value in _THREAD_LIST(text)]
+    -1 (the default) resolved to :func:`default_threads`, and then each once."""
+    given = int_list(1, MAX_THREADS, special=(DEFAULT_THREADS, "the default"), repeats=True)(text)
+    return once_each([default_threads() if value == DEFAULT_THREADS else value for value in given], text.split(","))
 
 
 thread_counts.__name__ = "list"
@@ -416,8 +420,6 @@ def web_origin(text: str) -> str:
     return text
 
 
-#: The short names ``--activation-codec`` and ``--activation-codec-policy`` take beside the
-#: wire identities (and bench-cluster's row names).
 def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
     """A choice among ``names`` or their ``short`` aliases (returned as the full name); a
     wrong one lists both."""
@@ -550,8 +552,7 @@ def tls_config(args):
     if config is not None:
         for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
             try:
-                with open(path, "rb"):
-                    pass
+                open(path, "rb").close()
             except OSError as exc:
                 raise ValueError(f"{option}: {describe(exc)}") from None
         config.check()
@@ -589,12 +590,11 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS",
-           "MAX_POLL_MS",
-           "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error", "check_output_dir",
-           "int_at_least", "int_between", "int_list", "thread_count", "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL",
-           "training_context", "training_context_size", "float_above", "float_at_least", "float_between", "seconds",
-           "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address", "web_origin",
-           "add_poll_option", "poll_args", "check_output_file", "driver_poll_s", "add_tls_options", "tls_config",
-           "apply_topology", "utf8",
-           "StartedStagesOption", "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
+           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
+           "once_each", "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error",
+           "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count", "thread_counts",
+           "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size", "float_above",
+           "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address",
+           "web_origin", "add_poll_option", "poll_args", "check_output_file", "driver_poll_s", "add_tls_options",
+           "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
+           "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
