@@ -651,6 +651,48 @@ def test_a_session_whose_peer_left_while_waiting_for_a_lane_gives_its_place_up(c
     assert not chain.backends[0].sessions[1:]  # the leavers never opened a session
 
 
+def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer_sends(chain_factory, caplog):
+    """Two sessions opened by ConfigureGeneration, kept alive by Stops of sessions never
+    opened (no lane, no compute), held every lane past the idle timeout: other users were
+    refused for as long as the peer liked."""
+    from skippy_wire.wire.messages import StageWireMessage
+
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    chain = chain_factory([(0, 3), (3, 6)])
+    server = chain.servers[0]
+    server.idle_timeout = 0.6
+    with PipelineClient(*chain.entry, timeout=10) as holder:
+        for session_id in (1, 2):
+            holder.request(StageWireMessage.configure_generation(session_id, session_id, 4, None, None))
+        assert server.admission.lanes.busy == 2
+        started = time.monotonic()
+        with pytest.raises(PipelineError):
+            while time.monotonic() - started < 5:  # every 0.1 s: the connection is never quiet
+                holder.request(StageWireMessage.stop(9, 9))
+                time.sleep(0.1)
+        assert 0.5 < time.monotonic() - started < 2
+    deadline = time.monotonic() + 5
+    while server.admission.lanes.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.admission.lanes.busy == 0
+    assert "session 1 computed nothing for more than 0.6 s (--idle-timeout); closing" in caplog.text
+    assert [b.sessions[0].freed for b in chain.backends] == [True, True]
+
+
+def test_a_session_that_keeps_computing_outlives_the_idle_timeout(chain_factory, caplog):
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    chain = chain_factory([(0, 3), (3, 6)])
+    chain.servers[0].idle_timeout = 0.6
+
+    def slowly(token: int) -> None:
+        time.sleep(0.25)
+
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        result = client.generate(PROMPT, max_tokens=8, chunk_size=4, on_token=slowly)  # about 2 s
+    assert result.tokens == fake_reference(PROMPT, 8)
+    assert "computed nothing" not in caplog.text
+
+
 def test_concurrent_connections_each_get_their_own_chain(chain_factory):
     import threading
 

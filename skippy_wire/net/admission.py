@@ -96,7 +96,8 @@ def max_message_bytes(ctx_size: int, n_embd: int) -> int:
 
 
 #: The kinds a stage computes: after the first stage, on the activation of the one before.
-_COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_EMBD)
+#: The kinds a stage computes (the others configure, trim or stop a session).
+COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_EMBD)
 
 
 def check_runnable(msg, backend) -> None:
@@ -106,11 +107,11 @@ def check_runnable(msg, backend) -> None:
     reason, here, rather than relayed to close the pipeline with none)."""
     if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
         raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
-    if not backend.is_source and msg.kind in _COMPUTED_KINDS and msg.state.source_stage_index < 0:
+    if not backend.is_source and msg.kind in COMPUTED_KINDS and msg.state.source_stage_index < 0:
         raise StageError(f"a driver's {WireMessageKind(msg.kind).name} (tokens, no activation) reached a stage "
                          f"that starts at layer {backend.layer_start}, not the first stage: a driver connects "
                          "to stage 0")
-    if backend.is_source and msg.kind in _COMPUTED_KINDS and msg.state.source_stage_index >= 0:
+    if backend.is_source and msg.kind in COMPUTED_KINDS and msg.state.source_stage_index >= 0:
         # the first stage embeds the tokens itself: it would drop the activation unread
         raise StageError(f"stage {msg.state.source_stage_index}'s {WireMessageKind(msg.kind).name} (an activation) "
                          "reached a first stage (layer 0 on), which embeds the driver's tokens: a stage's "
@@ -256,4 +257,4 @@ class ConnectionLimit:
 __all__ = ["StageLimits", "overdue_message", "SessionAdmission", "ConnectionLimit", "LaneGate",
            "DEFAULT_MAX_SESSIONS_PER_CONNECTION", "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS",
            "DEFAULT_MESSAGE_TIMEOUT", "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE",
-           "sampling_block_bytes", "max_message_bytes"]
+           "sampling_block_bytes", "max_message_bytes", "COMPUTED_KINDS", "check_runnable"]

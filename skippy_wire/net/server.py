@@ -21,12 +21,12 @@ connection frees its sessions.  Runtime calls are serialised by one lock.  Decod
 (:mod:`.decode_ahead`): a first stage computes a session's next decode step while its reply
 makes the round trip to the driver.
 
-Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO
-lanes, a whole-message deadline, a message size this stage could execute (checked from the
-prefix), an idle timeout; optional mutual TLS (:mod:`.tls`).  A peer that disconnects
-mid-message, sends bytes that do not parse, stalls or breaks a limit gets a logged error
-and its connection closed; a failing downstream closes the upstream connection too, and
-an upstream that leaves while its reply is awaited downstream closes the downstream one.
+Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO lanes,
+a whole-message deadline, a message size this stage could execute (checked from the prefix), an
+idle timeout (for sessions that stop computing too); optional mutual TLS (:mod:`.tls`).  A peer
+that disconnects mid-message, sends bytes that do not parse, stalls or breaks a limit gets a
+logged error and its connection closed; a failing downstream closes the upstream connection
+too, and an upstream that leaves while its reply is awaited downstream closes the downstream one.
 
 Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic counters
 when a session stops (``serve`` prints them as JSON lines after its "listening" event).
@@ -48,17 +48,12 @@ from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
 from ..wire.constants import ActivationCodec, CodecPolicy
-from ..wire.frame import (
-    predicted_reply_bytes,
-    send_reply_ack,
-    send_reply_predicted,
-    write_reply,
-)
+from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predicted, write_reply
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
-from .admission import (DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits, check_runnable,
-                        max_message_bytes, overdue_message)
+from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits,
+                        check_runnable, max_message_bytes, overdue_message)
 from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
@@ -84,11 +79,6 @@ def _reply_bytes(writer: Callable, *args) -> bytes:
     buf = io.BytesIO()
     writer(buf, *args)
     return buf.getvalue()
-
-
-# --------------------------------------------------------------------------------------
-# The server
-# --------------------------------------------------------------------------------------
 
 
 class StageServer:
@@ -259,7 +249,7 @@ class StageServer:
             clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
                 upstream.reader.poll_s = self._poll_window()
-                msg = self._read_message(link, clog)
+                msg = self._read_message(link, clog, sessions)
                 if msg is None:
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
@@ -277,6 +267,8 @@ class StageServer:
                     quiet(seq, upstream.sock)
                 upstream.send(reply)
                 session = sessions.get(msg.session_id)
+                if session is not None and msg.kind in COMPUTED_KINDS:
+                    session.computed = time.monotonic()
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
                 if session is not None and session.next_step is not None:
@@ -366,16 +358,25 @@ class StageServer:
             raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 
-    def _read_message(self, link: LinkProtocol, clog: ShedAwareLog):
+    def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict):
         """Read one message; None (logged) on a clean close or an idle timeout between
-        messages: both are a pooled connection's normal end, no error."""
+        messages: both are a pooled connection's normal end, no error.  A connection whose
+        sessions have computed nothing for the idle timeout is closed too, whatever else it
+        sends (an error: their lanes were held for nothing)."""
         peer = link.peer
+        idle, held = self.idle_timeout, min((s.computed for s in sessions.values()), default=None)
+        if idle is not None and held is not None:  # at least a millisecond: 0 would not block
+            idle = min(idle, max(held + idle - time.monotonic(), 0.001))
         try:
-            if not peer.reader.wait_readable(self.idle_timeout):
+            if not peer.reader.wait_readable(idle):
                 clog.info("%s: closed by peer", clog.name)
                 return None
         except (socket.timeout, TimeoutError):
-            clog.info("%s: idle for more than %g s; closing", clog.name, self.idle_timeout)
+            if held is not None:
+                clog.error("%s: session %d computed nothing for more than %g s (--idle-timeout); closing",
+                           clog.name, min(sessions, key=lambda sid: sessions[sid].computed), self.idle_timeout)
+            else:
+                clog.info("%s: idle for more than %g s; closing", clog.name, self.idle_timeout)
             return None
         peer.reader.deadline = time.monotonic() + self.limits.message_timeout
         peer.reader.stall_timeout = self.io_timeout
@@ -495,8 +496,7 @@ class StageServer:
 
     def _trace_compute(self, start_ns: int, end_ns: int, rows: int) -> None:
         """One stretch of compute, as ``START_NS END_NS ROWS`` (CLOCK_MONOTONIC, comparable
-        across the stage processes of one machine; the steps it ran) when a trace file was
-        given."""
+        across the stage processes of one machine; the steps it ran), with a trace file."""
         if self.compute_trace is not None:
             self.compute_trace.write(f"{start_ns} {end_ns} {rows}\n")
 

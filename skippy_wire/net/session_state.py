@@ -5,6 +5,7 @@ along a DecodeEmbd's path, and the decode step computed ahead for it (:mod:`.ser
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,9 @@ class ServedSession:
     #: The step to compute ahead once the reply is sent, then that step's result.
     next_step: AheadStep | None = None
     ahead: AheadStep | None = None
+    #: time.monotonic() of its opening or the reply to its last prefill or decode: a session
+    #: holds a lane only while it computes now and then (the idle timeout).
+    computed: float = field(default_factory=time.monotonic)
 
 
 __all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession"]
