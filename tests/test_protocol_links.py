@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -267,6 +268,35 @@ def test_kind_23_is_read_and_refused_as_unsupported(chains, caplog, protocol):
     assert "unexpected error" not in text
     with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
         assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+@pytest.mark.parametrize("protocol,activation", [
+    (16, struct.pack("<IiiiIIIQ", 2, 0, 0, 3, 1, 1, 1, 4 * N_EMBD)[:30]),  # a frame header cut short
+    (17, b"\x01" * 10),  # shorter than its agreement's own header
+])
+def test_a_whole_message_whose_activation_ends_early_is_malformed_not_a_disconnect(chains, caplog, protocol,
+                                                                                   activation):
+    """The stage logged "peer disconnected in the middle of a message" while the peer, still
+    connected, had sent every byte: the activation's own UnexpectedEof was taken for the
+    socket's."""
+    import dataclasses
+
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+
+    servers = chains(protocol, ((0, 6),))
+    kind = WireMessageKind.DECODE_EMBD
+    header = dataclasses.replace(StageStateHeader.new(kind), source_stage_index=0, flags=1)
+    data = bytearray(write_stage_message(StageWireMessage(kind, 0, 1, header, 1, 3, tokens=[1],
+                                                          activation=activation)))
+    struct.pack_into("<i", data, 20, protocol)  # the header's version (wire-format.md 3.1)
+    with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
+        with PipelineClient(*servers[0].address, timeout=10, protocol=protocol) as client:
+            client.send_bytes(bytes(data), "DecodeEmbd")
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.receive("DecodeEmbd")
+        text = _logged_after(caplog, "UnexpectedEof")
+    assert "malformed stage message (UnexpectedEof: " in text and "disconnected" not in text
 
 
 def test_v17_connect_and_close_is_not_an_error(chains, caplog):

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
-                      UnexpectedEofError, WireError, os_reason)
+from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired, WireError,
+                      os_reason)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
@@ -46,7 +46,7 @@ from .protocol_io import LinkProtocol
 from .supervision import launched_cluster
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
-from .transport import Peer, connect
+from .transport import Peer, PeerClosedError, connect
 
 #: What is said of a generation whose every token came but whose closing Stop got no answer.
 SESSION_END_UNANSWERED = "the session's closing Stop got no answer (its text is complete)"
@@ -216,7 +216,7 @@ class PipelineClient:
                                 + (f" ({exc.detail})" if exc.detail else "")) from None
         except (socket.timeout, TimeoutError):
             raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
-        except UnexpectedEofError:
+        except PeerClosedError:
             raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
                                " (a stage failed; the stages' logs say which and why)") from None
         except ConnectionError as exc:

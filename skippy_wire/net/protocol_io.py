@@ -33,7 +33,7 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import StageError, StateVersionMismatch, TlsRequired, UnexpectedEofError, WireError
+from ..errors import StageError, StateVersionMismatch, TlsRequired, WireError
 from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -49,7 +49,7 @@ from ..wire.frame import RecordDecoder, recv_ready, write_stage_message
 from ..wire.frame import kernels as frame_kernels
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
 from .tls import TLS_REQUIRED_NOTICE
-from .transport import UPSTREAM_CHECK_S
+from .transport import UPSTREAM_CHECK_S, PeerClosedError
 from ..wire.setup import (
     SETUP_MAGIC,
     PlanStage,
@@ -376,7 +376,7 @@ class LinkProtocol:
             return replies
         except (socket.timeout, TimeoutError):
             raise StageError(f"{self.who} sent no reply within {timeout:g} s") from None
-        except UnexpectedEofError:
+        except PeerClosedError:
             raise StageError(f"{self.who} closed the connection in the middle of a reply") from None
         except ConnectionError as exc:
             raise StageError(f"{self.who} reset the connection ({exc.strerror or exc})") from None

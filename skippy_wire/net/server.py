@@ -61,7 +61,7 @@ from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
-from .transport import Peer, accept_connection, connect
+from .transport import Peer, PeerClosedError, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -281,7 +281,7 @@ class StageServer:
             else:
                 failed = f"stage setup failed: {exc}" + (f" ({exc.detail})" if exc.detail else "")
                 clog.error("%s: %s; closing", name, self._diagnosis(upstream, failed))
-        except UnexpectedEofError:
+        except PeerClosedError:
             clog.error("%s: peer disconnected in the middle of a message; closing", name)
         except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
             clog.error("%s: peer reset the connection%s; closing", name,

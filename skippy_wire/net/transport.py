@@ -191,12 +191,17 @@ def names_listener(target: tuple[str, int], listen: tuple[str, int]) -> bool:
     return is_wildcard(listen_host) and any(_is_local(ip) for ip in targets)
 
 
+class PeerClosedError(UnexpectedEofError):
+    """The peer closed the connection before a whole record arrived: the UnexpectedEof of
+    the socket, told apart from a record whose own contents end early (a malformed one)."""
+
+
 class SocketReader:
     """Whole records off a socket through an incremental decoder.
 
     Every received byte is counted in :attr:`count` (and teed to ``capture`` when given).
     :meth:`read` returns the next record, None on a clean close between records, and raises
-    ``UnexpectedEofError`` on a close in the middle of one; a malformed record raises the
+    :class:`PeerClosedError` on a close in the middle of one; a malformed record raises the
     decoder's ``WireError`` once the records before it have been read.  :attr:`last_size` is
     the wire size of the record :meth:`read` returned last (:attr:`last_raw` its bytes, when
     it arrived within one receive); :attr:`deadline` bounds a whole
@@ -312,7 +317,10 @@ class SocketReader:
                     raise TimeoutError("message deadline passed")
                 self.sock.settimeout(left if self.stall_timeout is None else min(left, self.stall_timeout))
             if not (self._recv() if self.decoder.buffered else self._receive_first()):
-                self.decoder.close()  # raises on a partial record (or a kept error)
+                try:
+                    self.decoder.close()  # raises on a partial record
+                except UnexpectedEofError as exc:
+                    raise PeerClosedError(exc.message, needed=exc.needed) from None
                 return None
         record, self.last_size, self.last_time, self.last_raw = self._pending.popleft()
         return record
@@ -342,7 +350,7 @@ class SocketReader:
                         raise ConnectionAbortedError("given up: the connection it was for has gone") from None
                     continue
                 if not got:
-                    raise UnexpectedEofError()
+                    raise PeerClosedError()
                 out += self._view[:got]
         finally:
             self.sock.settimeout(timeout)
@@ -411,10 +419,10 @@ class Peer:
         return CountingSocket(self)
 
     def read(self):
-        """The next record; a close (clean or not) -> UnexpectedEofError."""
+        """The next record; a close (clean or not) -> :class:`PeerClosedError`."""
         record = self.reader.read()
         if record is None:
-            raise UnexpectedEofError()
+            raise PeerClosedError()
         return record
 
     def recv_ready(self) -> None:
@@ -472,4 +480,4 @@ class CountingSocket:
 
 
 __all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
-           "parse_address", "is_wildcard", "SocketReader", "Peer", "CountingSocket"]
+           "parse_address", "is_wildcard", "PeerClosedError", "SocketReader", "Peer", "CountingSocket"]
