@@ -116,3 +116,44 @@ def test_gil_check_fails_when_the_gil_is_held():
     finally:
         k._set_nogil_threshold(previous)
     assert inside == [0, 0, 0]
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
+@pytest.mark.parametrize("codec", [2, 3])  # F16, BF16
+def test_the_error_walk_of_a_large_half_precision_encode_releases_the_gil_too(codec):
+    """An F16/BF16 encode whose last value overflows converts every value (with the GIL
+    released), then walks the payload twice more to name the error: those walks kept the
+    GIL (about 50 ms a 64 MB payload during which no other thread ran).
+
+    The conversion writes ``out`` to its last value; a spinner thread stamps only once it
+    sees that value written.  With the switch interval at an hour the spinner runs inside
+    the call only where the call releases the GIL, so a stamp before the call returns was
+    taken during the error walks.  Held there, none is."""
+    k = kernel_module("codec", "cython")
+    x = np.random.default_rng(7).standard_normal((1024, 2048), dtype=np.float32)
+    x[-1, -1] = np.finfo(np.float32).max  # rounds to infinity in both formats
+    out = bytearray(b"\xab" * x.size * 2)
+    view = memoryview(out)
+    stamps: list[int] = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            if view[-2:] != b"\xab\xab":  # the conversion has reached the last value
+                stamps.append(time.perf_counter_ns())
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(3600.0)
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        t_start = time.perf_counter_ns()
+        with pytest.raises(InvalidDataError, match="infinity|range"):
+            k.encode_activation(codec, 1024, 2048, x, 0, out=out)
+        t_end = time.perf_counter_ns()
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(interval)
+    assert any(t_start < t < t_end for t in stamps), (len(stamps), t_start, t_end)

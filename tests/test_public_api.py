@@ -204,6 +204,17 @@ def test_kernel_stubs_match_the_compiled_signatures(module, stub):
         assert runtime == _stub_parameters(path, name), name
 
 
+def test_the_codec_stub_declares_every_public_constant():
+    """STATE_FLAGS_RANGE (the text of a state_flags error) was missing from _codec.pyi."""
+    if sw.IMPLEMENTATION != "cython":
+        pytest.skip("the compiled kernels are not loaded under SKIPPY_WIRE_IMPL=python")
+    mod = importlib.import_module("skippy_wire.wire._codec")
+    tree = ast.parse((REPO / "skippy_wire" / "wire" / "_codec.pyi").read_text(encoding="utf-8"))
+    declared = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    public = {n for n, v in vars(mod).items() if n.isupper() and not n.startswith("_") and isinstance(v, (int, str))}
+    assert "STATE_FLAGS_RANGE" in public and public <= declared, public - declared
+
+
 def test_the_backend_stub_declares_every_public_attribute_of_its_classes():
     from skippy_wire.stage import _backend
 

@@ -400,3 +400,14 @@ def test_message_wire_bytes_names_a_field_as_the_writer_does(edit):
     written = both(lambda i: WireProtocol(17, impl=i).write(message()))
     assert written[0] is InvalidInputError
     assert both(lambda i: WireProtocol(17, impl=i).message_wire_bytes(message())) == written
+
+
+@pytest.mark.parametrize("view", ["bf16_view", "f16_view"])
+@pytest.mark.parametrize("obj, name", [([0, 0], "list"), ("ab", "str"), (None, "NoneType")])
+def test_the_wire_views_refuse_an_object_without_a_buffer_in_the_same_words(view, obj, name):
+    """They said "memoryview: a bytes-like object is required, not 'list'"."""
+    from skippy_wire.wire import codec
+
+    with pytest.raises(TypeError) as info:
+        getattr(codec, view)(obj)
+    assert str(info.value) == f"a bytes-like object is required, not {name!r}"

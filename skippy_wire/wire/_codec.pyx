@@ -32,7 +32,7 @@ include "_wire_constants.pxi"
 #: 32 KiB bf16 encode ~1.1 us, so from here on the release costs under 5% and lets other
 #: threads run; below it the GIL is kept.  ``_set_nogil_threshold`` changes it (tests).
 NOGIL_THRESHOLD = 32768
-cdef size_t _nogil_threshold = 32768
+cdef size_t _nogil_threshold = NOGIL_THRESHOLD
 
 NON_CONTIGUOUS = _wc.NON_CONTIGUOUS_TEXT
 OBJECT_ARRAY = _wc.OBJECT_ARRAY_TEXT
@@ -349,6 +349,8 @@ cdef enum Kernel:
     K_UNIFORM_COUNT
     # the others
     K_FIND_NON_FINITE  # -> index of the first non-finite f32, or -1
+    K_FIND_BF16_OVERFLOW  # -> index of the first f32 that rounds to a BF16 infinity, or -1
+    K_FIND_F16_OVERFLOW   # -> the same for F16
     K_COPY             # n = byte count
     K_COPY_LE32
     K_ENCODE_S8        # -> failing row or -1, ``kind`` set
@@ -364,6 +366,10 @@ cdef Py_ssize_t _dispatch(int op, const uint8_t *src, uint8_t *dst, size_t n, si
         return _UNIFORM[op](src, dst, n)
     if op == K_FIND_NON_FINITE:
         return skw_find_non_finite32(src, n)
+    if op == K_FIND_BF16_OVERFLOW:
+        return skw_find_bf16_overflow(src, n)
+    if op == K_FIND_F16_OVERFLOW:
+        return skw_find_f16_overflow(src, n)
     if op == K_COPY:
         memcpy(dst, src, n)
     elif op == K_COPY_LE32:
@@ -428,12 +434,12 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
             # it reports a problem are the errors located, in upstream order (any
             # non-finite value anywhere first, then the first value that rounds to infinity).
             if _run(K_ENCODE_BF16 if codec == BF16_RNE_V1 else K_ENCODE_F16, src, dst, n, nogil_):
-                if skw_find_non_finite32(src, n) >= 0:
+                if _run(K_FIND_NON_FINITE, src, NULL, n, nogil_) >= 0:
                     raise_status(E_NOT_FINITE)
                 if codec == BF16_RNE_V1:
-                    if skw_find_bf16_overflow(src, n) >= 0:
+                    if _run(K_FIND_BF16_OVERFLOW, src, NULL, n, nogil_) >= 0:
                         raise_status(E_BF16_RANGE)
-                elif skw_find_f16_overflow(src, n) >= 0:
+                elif _run(K_FIND_F16_OVERFLOW, src, NULL, n, nogil_) >= 0:
                     raise_status(E_F16_RANGE)
         if held:
             result = _out_result(out, out_size)

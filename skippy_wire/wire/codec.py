@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError
-from .field_checks import holds_objects
+from .field_checks import bytes_like_view, holds_objects
 from .constants import (
     LOSSLESS_CODECS,
     NON_CONTIGUOUS_TEXT,
@@ -263,7 +263,7 @@ def _wire_bytes_view(wire: BufferLike) -> np.ndarray:
         if not wire.flags.c_contiguous:
             raise InvalidInputError(NON_CONTIGUOUS_TEXT)
         return wire.reshape(-1).view(np.uint8)
-    view = memoryview(wire)
+    view = bytes_like_view(wire)
     if not view.c_contiguous:
         raise InvalidInputError(NON_CONTIGUOUS_TEXT)
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Sized
 import numpy as np
 
 from ..errors import InvalidInputError
-from .constants import I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, U32_MAX, U64_MAX, ActivationCodec, CodecPolicy
+from .constants import (I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, NOT_BYTES_LIKE_TEXT, U32_MAX, U64_MAX, ActivationCodec,
+                        CodecPolicy)
 from .messages import SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage
 
 #: The state header's i32 fields, in wire order.
@@ -35,6 +36,15 @@ def holds_objects(buf: Any) -> bool:
     """Whether ``buf`` is a numpy array of Python objects, whose buffer holds their addresses
     (no payload's bytes: refused by every writer and reader of both twins)."""
     return isinstance(buf, np.ndarray) and buf.dtype.hasobject
+
+
+def bytes_like_view(buf: Any) -> memoryview:
+    """``memoryview(buf)``; an object without the buffer protocol is the TypeError every
+    entry point of both twins raises for it (``a bytes-like object is required, not 'list'``)."""
+    try:
+        return memoryview(buf)
+    except TypeError:
+        raise TypeError(NOT_BYTES_LIKE_TEXT.format(type(buf).__name__)) from None
 
 
 def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
@@ -209,5 +219,5 @@ def check_admission(expected_codec, policy) -> None:
         ActivationCodec(expected_codec)
 
 
-__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "check_admission", "wire_int", "wire_bool", "wire_f32",
+__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "bytes_like_view", "check_admission", "wire_int", "wire_bool", "wire_f32",
            "first_out_of_range", "int_list_checks", "out_of_range_error", "type_name"]

@@ -31,9 +31,9 @@ from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
-from .constants import (I32_MAX, I32_MIN, NOT_BYTES_LIKE_TEXT, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
+from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
-from .field_checks import byte_array, first_out_of_range
+from .field_checks import byte_array, bytes_like_view, first_out_of_range
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -73,11 +73,7 @@ def readable(data):
     array = byte_array(data, "data must be a C-contiguous buffer")
     if array is not None:
         return array
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(NOT_BYTES_LIKE_TEXT.format(type(data).__name__)) from None
-    if not view.c_contiguous:
+    if not bytes_like_view(data).c_contiguous:
         raise InvalidInputError("data must be a C-contiguous buffer")
     return data
 
