@@ -786,6 +786,22 @@ def test_sampling_the_terminal_would_refuse_is_refused_by_the_first_stage_with_i
     assert not chain.backends[1].sessions  # the terminal stage never saw the session
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repeat_penalty"])
+def test_a_nan_in_the_sampling_is_refused_by_the_first_stage_before_it_is_acknowledged(chain_factory, caplog, field):
+    """ConfigureGeneration with a NaN temperature was relayed and acknowledged by every stage;
+    the pipeline failed only at the first prefill, on the terminal stage."""
+    from skippy_wire.wire.messages import SamplingConfig, StageWireMessage
+
+    chain = chain_factory([(0, 3), (3, 6)])
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    configure = StageWireMessage.configure_generation(1, 1, 4, SamplingConfig(flags=1, **{field: float("nan")}))
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(configure)
+    assert f"stage runtime error: InvalidArgument: sampling {field} is NaN; closing" in caplog.text
+    assert not chain.backends[1].sessions  # the next stage never saw the session
+
+
 def test_a_stage_polls_only_while_one_session_decodes_there():
     """Polling readers (``poll_s``) would take the GIL and the cores from the batches of
     several sessions, so a stage polls only while at most one session decodes there."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import StageError
+from ..stage.native import check_sampling
 from ..stage.sampling import sampling_to_bytes
 from ..wire.messages import WireMessageKind
 from ..wire.constants import (
@@ -116,8 +117,8 @@ def check_runnable(msg, backend) -> None:
         raise StageError(f"stage {msg.state.source_stage_index}'s {WireMessageKind(msg.kind).name} (an activation) "
                          "reached a first stage (layer 0 on), which embeds the driver's tokens: a stage's "
                          "downstream is the stage after it")
-    if msg.sampling is not None:
-        sampling_to_bytes(msg.sampling)
+    if msg.sampling is not None:  # a ConfigureGeneration's too: every stage would relay and Ack it
+        check_sampling(sampling_to_bytes(msg.sampling))
 
 
 class LaneGate:

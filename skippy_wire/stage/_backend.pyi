@@ -165,5 +165,10 @@ def memory_available(root: str = "") -> Optional[int]:
     working set); None when none can be read.  ``root`` prefixes every path read."""
     ...
 
+def check_sampling(sampling: Optional[bytes]) -> None:
+    """None when the sampler runs ``sampling`` (a packed config, or None: greedy); else the
+    StageRuntimeError a prefill or decode step given it would raise."""
+    ...
+
 def set_log_callback(callback: Optional[Any]) -> None:
     """callback(level: int, text: str) receives ggml's log lines; None = drop (default)."""

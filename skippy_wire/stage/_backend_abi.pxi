@@ -121,6 +121,7 @@ cdef extern from "skippy_stage.h" nogil:
                                                   uint64_t token_count, skippy_error ** err)
     skippy_status skippy_session_sample_current(skippy_session_t * session, const skippy_sampling_config * sampling,
                                                 int32_t * out_token, skippy_error ** err)
+    skippy_status skippy_sampling_check(const skippy_sampling_config * sampling, skippy_error ** err)
 
     skippy_status skippy_session_copy_logits(skippy_session_t * session, float * out, size_t capacity,
                                              size_t * out_count, skippy_error ** err)

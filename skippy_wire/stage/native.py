@@ -145,8 +145,15 @@ def memory_available() -> Optional[int]:
     return None if BACKEND is None else BACKEND.memory_available()
 
 
+def check_sampling(raw: Optional[bytes]) -> None:
+    """The StageRuntimeError (InvalidArgument) a step given the packed sampling config ``raw``
+    would raise, raised now (a NaN temperature, say); None without a compiled backend."""
+    if BACKEND is not None:
+        BACKEND.check_sampling(raw)
+
+
 __all__ = [
-    "BACKEND", "MAX_BUFFER_RETRIES", "checked_add", "default_backend", "memory_available", "output_frame", "raw_input",
+    "BACKEND", "MAX_BUFFER_RETRIES", "check_sampling", "checked_add", "default_backend", "memory_available", "output_frame", "raw_input",
     "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens",
     "with_output_capacity",
 ]

@@ -275,6 +275,12 @@ enum skippy_status skippy_session_sample_current(skippy_session_t * s, const str
     return ok(out_error);
 }
 
+enum skippy_status skippy_sampling_check(const struct skippy_sampling_config * sampling,
+                                         struct skippy_error ** out_error) {
+    result r = validate_sampling(sampling);
+    return r.is_ok() ? ok(out_error) : finish(out_error, r);
+}
+
 enum skippy_status skippy_session_copy_logits(skippy_session_t * s, float * out, size_t capacity, size_t * out_count,
                                               struct skippy_error ** out_error) {
     if (out_count) *out_count = 0;

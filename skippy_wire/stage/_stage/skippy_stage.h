@@ -325,6 +325,10 @@ enum skippy_status skippy_retire_verify_checkpoint(skippy_session_t * session, u
 enum skippy_status skippy_session_sample_current(skippy_session_t * session,
                                                  const struct skippy_sampling_config * sampling,
                                                  int32_t * out_token, struct skippy_error ** out_error);
+/* OK when the sampler runs `sampling` (NULL or not enabled: greedy); else INVALID_ARGUMENT with
+ * the reason a prefill or decode step given it would fail with (version, counts, a NaN). */
+enum skippy_status skippy_sampling_check(const struct skippy_sampling_config * sampling,
+                                         struct skippy_error ** out_error);
 
 /* Copies the logits of the last execution (terminal only): 1 row after prefill/decode, one
  * row per token after verify.  capacity and *out_count are in floats; BUFFER_TOO_SMALL with
