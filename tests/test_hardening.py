@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError, StageError
-from skippy_wire.net.admission import LaneGate, StageLimits, max_message_bytes
+from skippy_wire.net.admission import ConnectionLimit, LaneGate, StageLimits, max_message_bytes
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import LinkProtocol
 from skippy_wire.net.server import StageServer
@@ -171,6 +171,20 @@ def test_lane_gate_is_first_come_first_served_and_times_out():
 
 
 @pytest.mark.slow
+def test_a_connection_shed_as_its_message_completes_stays_marked_shed_until_it_ends():
+    """Shed between its message's last byte and the start of its execution, a connection
+    lost its shed mark when it turned busy: its closed socket was then logged as the peer
+    leaving ("the peer left while its session waited for a lane")."""
+    limit = ConnectionLimit(1)
+    sock = object()
+    limit.quiet(7, sock)
+    assert limit.shed_quietest() is sock and limit.was_shed(7)
+    limit.busy(7)  # its thread goes on to execute the message it had read
+    assert limit.was_shed(7)
+    limit.ended(7)
+    assert not limit.was_shed(7) and limit.shed_quietest() is None
+
+
 def test_one_connection_cannot_hold_every_lane(tiny_model, tmp_path, reference):
     with _cluster(tiny_model, tmp_path, "--max-sessions-per-connection", 2) as cluster:
         pid = cluster.stages[0].popen.pid

@@ -215,7 +215,13 @@ class ConnectionLimit:
             self._quiet[seq] = (time.monotonic(), sock)
 
     def busy(self, seq: int) -> None:
-        """Connection ``seq`` executes a message (or has ended): not to be shed."""
+        """Connection ``seq`` executes a message: not to be shed (if it was shed already,
+        as its message completed, it stays marked so: its errors are the shedding's)."""
+        with self._lock:
+            self._quiet.pop(seq, None)
+
+    def ended(self, seq: int) -> None:
+        """Connection ``seq`` has ended: forgotten."""
         with self._lock:
             self._quiet.pop(seq, None)
             self._shed.discard(seq)

@@ -300,7 +300,7 @@ class StageServer:
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
             clog.unexpected("%s: unexpected error (%s); closing", name, exc)
         finally:
-            self.connection_limit.busy(seq)
+            self.connection_limit.ended(seq)
             for session_id in list(sessions):
                 self._free(sessions.pop(session_id), session_id)
             for down in opened:
