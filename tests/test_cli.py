@@ -86,7 +86,7 @@ def _one_error_line(err: str) -> str:
     (["bench", "--min-time", "1e9"], "argument --min-time: must be greater than 0 and at most 1000000, got 1e9"),
     (["bench-backend", "--repeat", "1001"], "argument --repeat: must be between 1 and 1000, got 1001"),
     (["cluster", "--delay-ms", "1e12"], "argument --delay-ms: must be between 0 and 1000000000, got 1e12"),
-    (["bench-cluster", "--delays", "0,1e12"], "argument --delays: must be between 0 and 1000000000, got 1e12"),
+    (["bench-cluster", "--delays", "0,1e12"], "argument --delays: each value must be between 0 and 1000000000, got 1e12"),
     # the rows were written, and lost, only once the whole matrix had run (minutes)
     (["bench-cluster", "--json", "/proc/self/nonexistent-dir/rows.json"],
      "--json /proc/self/nonexistent-dir/rows.json: no such file or directory"),

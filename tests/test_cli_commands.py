@@ -71,6 +71,10 @@ def test_bench_backend_describes_itself_in_full(capsys):
     (["bench-backend", "--batch", "2,1,2"], "argument --batch: lists '2' twice; each value once"),
     (["bench-backend", "--threads", "1,1"], "argument -t/--threads: lists '1' twice; each value once"),
     (["bench-cluster", "--hosts", "2,3,2"], "argument --hosts: lists '2' twice; each value once"),
+    (["bench-cluster", "--rates", "1gbit, 1gbit"], "argument --rates: lists '1gbit' twice; each value once"),
+    (["bench-cluster", "--delays", "5,5.0"], "argument --delays: lists '5' and '5.0', the same value; each value once"),
+    (["bench", "--sizes", "1x8,4x8,1x8"], "argument --sizes: lists '1x8' twice; each value once"),
+    (["bench-backend", "--threads", "1, 1"], "argument -t/--threads: lists '1' twice; each value once"),
     (["bench", "--sizes", "abc"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "
                                   "(e.g. 1x4096,128x4096), got 'abc'"),
     (["bench", "--sizes", "0x8"], "argument --sizes: expected comma-separated TOKENSxN_EMBD of positive integers "

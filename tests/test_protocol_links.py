@@ -4,6 +4,7 @@ v16/v17 captures."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,6 +32,8 @@ from skippy_wire.stage.models import write_tiny_llama_gguf
 from skippy_wire.tools.inspect import main as inspect_main
 from skippy_wire.tools.inspect_gen import detect_protocol
 from skippy_wire.tools.serve import stage_config
+from skippy_wire.wire.frame import write_stage_message
+from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from skippy_wire.wire.setup import SetupError, SetupRole, StagePeer, StageSetupConfig, client_setup
 from skippy_wire.wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
 
@@ -279,11 +282,6 @@ def test_a_whole_message_whose_activation_ends_early_is_malformed_not_a_disconne
     """The stage logged "peer disconnected in the middle of a message" while the peer, still
     connected, had sent every byte: the activation's own UnexpectedEof was taken for the
     socket's."""
-    import dataclasses
-
-    from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-
     servers = chains(protocol, ((0, 6),))
     kind = WireMessageKind.DECODE_EMBD
     header = dataclasses.replace(StageStateHeader.new(kind), source_stage_index=0, flags=1)

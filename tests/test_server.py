@@ -20,6 +20,7 @@ from skippy_wire.net.driver import PipelineClient, prefill_messages
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
 from skippy_wire.tools.serve import stage_config
+from skippy_wire.wire.messages import SamplingConfig, StageWireMessage
 
 N_EMBD = 8
 N_LAYER = 6
@@ -651,12 +652,12 @@ def test_a_session_whose_peer_left_while_waiting_for_a_lane_gives_its_place_up(c
     assert not chain.backends[0].sessions[1:]  # the leavers never opened a session
 
 
-def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer_sends(chain_factory, caplog):
+@pytest.mark.parametrize("queued", [False, True], ids=["one_at_a_time", "queued_ahead"])
+def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer_sends(chain_factory, caplog,
+                                                                                       queued):
     """Two sessions opened by ConfigureGeneration, kept alive by Stops of sessions never
     opened (no lane, no compute), held every lane past the idle timeout: other users were
-    refused for as long as the peer liked."""
-    from skippy_wire.wire.messages import StageWireMessage
-
+    refused for as long as the peer liked, and Stops queued ahead kept the check waiting."""
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     chain = chain_factory([(0, 3), (3, 6)])
     server = chain.servers[0]
@@ -665,17 +666,24 @@ def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer
         for session_id in (1, 2):
             holder.request(StageWireMessage.configure_generation(session_id, session_id, 4, None, None))
         assert server.admission.lanes.busy == 2
+        stop = holder._link.encode(StageWireMessage.stop(9, 9))
+        if queued:
+            holder.send_bytes(stop * 8, "Stop")
         started = time.monotonic()
         with pytest.raises(PipelineError):
-            while time.monotonic() - started < 5:  # every 0.1 s: the connection is never quiet
-                holder.request(StageWireMessage.stop(9, 9))
-                time.sleep(0.1)
+            while time.monotonic() - started < 5:  # the connection is never quiet
+                if queued:  # eight always on their way
+                    holder.receive("Stop")
+                    holder.send_bytes(stop, "Stop")
+                else:
+                    holder.request(StageWireMessage.stop(9, 9))
+                    time.sleep(0.1)
         assert 0.5 < time.monotonic() - started < 2
     deadline = time.monotonic() + 5
     while server.admission.lanes.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.admission.lanes.busy == 0
-    assert "session 1 computed nothing for more than 0.6 s (--idle-timeout); closing" in caplog.text
+    assert "its sessions (1, 2) computed nothing for more than 0.6 s (--idle-timeout); closing" in caplog.text
     assert [b.sessions[0].freed for b in chain.backends] == [True, True]
 
 
@@ -790,8 +798,6 @@ def test_sampling_the_terminal_would_refuse_is_refused_by_the_first_stage_with_i
 def test_a_nan_in_the_sampling_is_refused_by_the_first_stage_before_it_is_acknowledged(chain_factory, caplog, field):
     """ConfigureGeneration with a NaN temperature was relayed and acknowledged by every stage;
     the pipeline failed only at the first prefill, on the terminal stage."""
-    from skippy_wire.wire.messages import SamplingConfig, StageWireMessage
-
     chain = chain_factory([(0, 3), (3, 6)])
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     configure = StageWireMessage.configure_generation(1, 1, 4, SamplingConfig(flags=1, **{field: float("nan")}))

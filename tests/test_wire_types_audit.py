@@ -20,6 +20,7 @@ from conftest import IMPLS
 import skippy_wire as sw
 from skippy_wire._impl import kernel_module
 from skippy_wire.errors import InvalidInputError
+from skippy_wire.wire import codec
 from skippy_wire.wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from skippy_wire.wire.protocol import WireProtocol
 
@@ -406,8 +407,6 @@ def test_message_wire_bytes_names_a_field_as_the_writer_does(edit):
 @pytest.mark.parametrize("obj, name", [([0, 0], "list"), ("ab", "str"), (None, "NoneType")])
 def test_the_wire_views_refuse_an_object_without_a_buffer_in_the_same_words(view, obj, name):
     """They said "memoryview: a bytes-like object is required, not 'list'"."""
-    from skippy_wire.wire import codec
-
     with pytest.raises(TypeError) as info:
         getattr(codec, view)(obj)
     assert str(info.value) == f"a bytes-like object is required, not {name!r}"

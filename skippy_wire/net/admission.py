@@ -96,8 +96,8 @@ def max_message_bytes(ctx_size: int, n_embd: int) -> int:
             + 2 * 4 * ctx_size + rows * n_embd * 4 + FRAME_OVERHEAD_ALLOWANCE)
 
 
-#: The kinds a stage computes: after the first stage, on the activation of the one before.
-#: The kinds a stage computes (the others configure, trim or stop a session).
+#: The kinds a stage computes (the others configure, trim or stop a session): after the
+#: first stage, on the activation of the one before.
 COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EMBD, WireMessageKind.DECODE_EMBD)
 
 

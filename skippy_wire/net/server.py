@@ -34,6 +34,7 @@ when a session stops (``serve`` prints them as JSON lines after its "listening" 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import socket
@@ -193,13 +194,10 @@ class StageServer:
 
     def _shed(self, sock: socket.socket | None) -> None:
         """Close a connection shed at the limit (called under the lock)."""
-        if sock is None:
-            return
-        self._connections.discard(sock)  # counted out now, not when its thread ends
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if sock is not None:
+            self._connections.discard(sock)  # counted out now, not when its thread ends
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def start(self) -> threading.Thread:
         """Serve on a background thread (tests, in-process pipelines)."""
@@ -211,10 +209,8 @@ class StageServer:
         self._stop.set()
         with self._conn_lock:
             for sock in list(self._connections):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     # -- one connection ----------------------------------------------------------------
 
@@ -268,7 +264,7 @@ class StageServer:
                 upstream.send(reply)
                 session = sessions.get(msg.session_id)
                 if session is not None and msg.kind in COMPUTED_KINDS:
-                    session.computed = time.monotonic()
+                    session.last_compute = time.monotonic()
                 if timer is not None and session is not None:
                     timer.add_to(session.stats.decode_path_us, time.perf_counter())
                 if session is not None and session.next_step is not None:
@@ -361,23 +357,27 @@ class StageServer:
     def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict):
         """Read one message; None (logged) on a clean close or an idle timeout between
         messages: both are a pooled connection's normal end, no error.  A connection whose
-        sessions have computed nothing for the idle timeout is closed too, whatever else it
-        sends (an error: their lanes were held for nothing)."""
-        peer = link.peer
-        idle, held = self.idle_timeout, min((s.computed for s in sessions.values()), default=None)
-        if idle is not None and held is not None:  # at least a millisecond: 0 would not block
-            idle = min(idle, max(held + idle - time.monotonic(), 0.001))
-        try:
-            if not peer.reader.wait_readable(idle):
-                clog.info("%s: closed by peer", clog.name)
-                return None
-        except (socket.timeout, TimeoutError):
-            if held is not None:
-                clog.error("%s: session %d computed nothing for more than %g s (--idle-timeout); closing",
-                           clog.name, min(sessions, key=lambda sid: sessions[sid].computed), self.idle_timeout)
-            else:
-                clog.info("%s: idle for more than %g s; closing", clog.name, self.idle_timeout)
-            return None
+        sessions have all computed nothing for the idle timeout is closed too, whatever else
+        it sends or has queued (an error: their lanes were held for nothing)."""
+        peer, idle = link.peer, self.idle_timeout
+        latest = max((s.last_compute for s in sessions.values()), default=None)
+        while True:
+            wait = idle
+            if idle is not None and latest is not None:
+                wait = latest + idle - time.monotonic()
+                if wait <= 0:
+                    clog.error("%s: its sessions (%s) computed nothing for more than %g s (--idle-timeout); "
+                               "closing", clog.name, ", ".join(map(str, sessions)), idle)
+                    return None
+            try:
+                if not peer.reader.wait_readable(wait):
+                    clog.info("%s: closed by peer", clog.name)
+                    return None
+                break
+            except (socket.timeout, TimeoutError):
+                if latest is None:
+                    clog.info("%s: idle for more than %g s; closing", clog.name, idle)
+                    return None
         peer.reader.deadline = time.monotonic() + self.limits.message_timeout
         peer.reader.stall_timeout = self.io_timeout
         try:

@@ -93,7 +93,7 @@ class ServedSession:
     ahead: AheadStep | None = None
     #: time.monotonic() of its opening or the reply to its last prefill or decode: a session
     #: holds a lane only while it computes now and then (the idle timeout).
-    computed: float = field(default_factory=time.monotonic)
+    last_compute: float = field(default_factory=time.monotonic)
 
 
 __all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession"]

@@ -153,7 +153,7 @@ def check_sampling(raw: Optional[bytes]) -> None:
 
 
 __all__ = [
-    "BACKEND", "MAX_BUFFER_RETRIES", "check_sampling", "checked_add", "default_backend", "memory_available", "output_frame", "raw_input",
-    "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions", "to_tokens",
-    "with_output_capacity",
+    "BACKEND", "MAX_BUFFER_RETRIES", "check_sampling", "checked_add", "default_backend", "memory_available",
+    "output_frame", "raw_input", "retry_with_required_capacity", "to_capacity", "to_count", "to_i32", "to_positions",
+    "to_tokens", "with_output_capacity",
 ]

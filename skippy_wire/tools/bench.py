@@ -30,7 +30,7 @@ from ..wire import codec as api
 from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_model, paired_seconds, progress
-from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
+from .options import MAX_ROUNDS, Parser, doc_summary, int_between, once_each, seconds
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
 #: What ``--repeat`` and ``--min-time`` are without ``--quick``, and what ``--quick`` makes
@@ -179,7 +179,7 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
             raise argparse.ArgumentTypeError(f"{_label(size)} is {size[0] * size[1] * 4} bytes of f32, over the "
                                              f"wire's limit of {MAX_STAGE_DECODED_ACTIVATION_BYTES} per activation")
         sizes.append(size)
-    return tuple(sizes)
+    return tuple(once_each(sizes, text.split(",")))
 
 
 def _sizes_text(sizes) -> str:

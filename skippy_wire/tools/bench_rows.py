@@ -112,14 +112,17 @@ def poll_window(text: str) -> float | None:
 
 
 def comma_list(one: Callable[[str], object]) -> Callable[[str], list]:
-    """Comma-separated values, each as ``one`` takes it (``comma_list(one_of("on", "off"))``),
-    each once."""
+    """Comma-separated values (blanks around them ignored), each as ``one`` takes it
+    (``comma_list(one_of("on", "off"))``), each once."""
     def convert(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
         try:
-            values = [one(item) for item in text.split(",")]
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"each value {exc}") from None
-        return once_each(values, text.split(","))
+            values = [one(item) for item in items]
+        except argparse.ArgumentTypeError as exc:  # "each value must be ...", or the value's own words
+            raise argparse.ArgumentTypeError(f"each value {exc}" if str(exc).startswith("must") else str(exc)) from None
+        return once_each(values, items)
 
     convert.__name__ = "list"
     return convert

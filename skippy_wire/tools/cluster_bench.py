@@ -26,7 +26,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
                       local_reference, progress_printer, prompt_ids, run_cluster)
-from .bench_rows import cpu_model
+from .bench_rows import comma_list, cpu_model
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, check_output_file,
                       describe, doc_summary, error_line, file_error, int_list, milliseconds)
 from .signals import exiting_on_signals
@@ -42,23 +42,6 @@ PROG = "skippy-wire bench-cluster"
 
 COLUMNS = ("hosts", "link", "delay ms", "codec", "measured Mbit/s", "prefill tok/s", "decode tok/s",
            "bytes/token/hop", "tokens = 1 stage")
-
-
-def _list(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def comma_list(one):
-    """A ``--NAME A,B,...`` option: every item converted (and checked) by ``one``."""
-
-    def convert(text: str) -> list:
-        items = _list(text)
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
-        return [one(item) for item in items]
-
-    convert.__name__ = "list"
-    return convert
 
 
 def codec_row(name: str) -> str:

@@ -159,10 +159,9 @@ _UNDECODED = re.compile("[\udc80-\udcff]")
 def describe(exc: BaseException) -> str:
     """One line for ``exc``: ``path: reason`` for an OSError, else its message."""
     if isinstance(exc, OSError) and exc.strerror:
-        reason = os_reason(exc)
         # socket.create_server appends "(while attempting to bind on address ('H', P))": a
         # Python tuple the caller, who names the address, does not need
-        reason = reason.split(" (while attempting to bind on address ")[0]
+        reason = os_reason(exc).split(" (while attempting to bind on address ")[0]
         return f"{exc.filename}: {reason}" if exc.filename is not None else reason
     if isinstance(exc, UnicodeError):
         return "text is not valid UTF-8"
@@ -323,8 +322,9 @@ def once_each(values: list, texts: list[str]) -> list:
     a benchmark would run a repeated setting again and print its row twice."""
     for i, value in enumerate(values):
         if (first := values.index(value)) < i:
-            same = "twice" if texts[first] == texts[i] else f"and {texts[i]!r}, the same value"
-            raise argparse.ArgumentTypeError(f"lists {texts[first]!r} {same}; each value once")
+            shown, again = texts[first].strip(), texts[i].strip()
+            same = "twice" if shown == again else f"and {again!r}, the same value"
+            raise argparse.ArgumentTypeError(f"lists {shown!r} {same}; each value once")
     return values
 
 
