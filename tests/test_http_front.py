@@ -640,6 +640,40 @@ def test_a_batch_borrows_the_idle_lanes_and_gives_them_back():
     assert (api.admission.running, api.admission.borrowed, api.admission.waiting) == (0, 0, 0)
 
 
+class PerPromptEngine(FakeEngine):
+    """A FakeEngine whose generation of a prompt named in ``held`` waits for its own event."""
+
+    def __init__(self, held) -> None:
+        super().__init__()
+        self.held = {prompt: threading.Event() for prompt in held}
+
+    def generate(self, prompt, **kw) -> Generation:
+        assert self.held.get(bytes(prompt).decode(), self.gate).wait(30)
+        return super().generate(prompt, **kw)
+
+
+def test_a_batch_gives_its_borrowed_lanes_back_to_a_request_that_waits():
+    """A batch (or n choices) kept every lane it borrowed until all its generations were done:
+    one request with n=64 made the next request wait its whole length."""
+    engine = PerPromptEngine(["b0", "b1", "b2", "b3"])
+    api = _fake_api(engine, max_inflight=2)
+    with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
+        batch = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": ["b0", "b1", "b2", "b3"]},
+                            timeout=30)
+        _until(lambda: api.admission.borrowed == 1 and len(engine.held) == 4 and api.admission.running == 2,
+               "the batch borrows the idle lane")
+        lone = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "L"}, timeout=30)
+        _until(lambda: api.admission.waiting == 1, "a request waits")
+        engine.held["b0"].set()
+        engine.held["b1"].set()  # both lanes free: the borrowed one goes to L, the batch's own takes b2
+        assert lone.result().json()["choices"][0]["text"] == "ok"
+        assert "b3" not in engine.prompts and not batch.done()
+        engine.held["b2"].set()
+        engine.held["b3"].set()
+        assert [c["text"] for c in batch.result().json()["choices"]] == ["ok"] * 4
+    assert (api.admission.running, api.admission.borrowed, api.admission.waiting) == (0, 0, 0)
+
+
 def test_borrowers_take_only_idle_lanes_and_never_before_a_waiting_request():
     async def scenario():
         admission = Admission(max_inflight=3, max_queue=4)

@@ -508,8 +508,9 @@ class Admission:
 
     def borrow(self, wanted: int) -> int:
         """Up to ``wanted`` more lanes for a running request: only lanes idle now while no
-        request waits (a borrower never queues nor delays one that does).  How many were
-        granted; each goes back with :meth:`give_back`."""
+        request waits (a borrower never queues nor delays one that does: it gives a lane back
+        after its current generation once one waits).  How many were granted; each goes back
+        with :meth:`give_back`."""
         granted = 0 if self._queue else max(0, min(wanted, self.max_inflight - self.running))
         self.running += granted
         self.borrowed += granted

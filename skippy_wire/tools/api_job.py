@@ -5,7 +5,8 @@ A completion request may carry several prompts (``prompt`` as a list of them, as
 takes a batch), and any request ``n`` choices of each, each a choice of its own ``index``
 (prompt by prompt, ``n`` for each).  The generations run side by side on the lanes that are
 idle when the request starts (its own, and those it borrows while no other request waits:
-:meth:`.Admission.borrow`), each lane taking the next generation when it is done.
+:meth:`.Admission.borrow`), each lane taking the next generation when it is done; a borrowed
+lane goes back instead once another request waits, so a large batch cannot keep them.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class GenerationJob:
         results: list = [None] * count
         indices, take, failed = iter(range(count)), threading.Lock(), threading.Event()
 
-        def generate_some() -> None:
+        def generate_some(borrowed: bool) -> None:
             while True:
+                if borrowed and self.api.admission.waiting:  # the lane goes back to a request in line
+                    return
                 with take:  # the next generation not yet taken, none after a failure
                     index = None if failed.is_set() else next(indices, None)
                 if index is None:
@@ -71,7 +74,7 @@ class GenerationJob:
 
         loop = asyncio.get_running_loop()
         borrowed = self.api.admission.borrow(count - 1)
-        lanes = [loop.run_in_executor(self.api.workers, generate_some) for _ in range(1 + borrowed)]
+        lanes = [loop.run_in_executor(self.api.workers, generate_some, lane > 0) for lane in range(1 + borrowed)]
         for lane, give_back in zip(lanes, [self.api.admission.release] + [self.api.admission.give_back] * borrowed):
             lane.add_done_callback(lambda future, give_back=give_back: self._lane_done(future, give_back))
 
