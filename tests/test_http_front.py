@@ -34,7 +34,7 @@ from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api
 from skippy_wire.tools.options import web_origin
-from skippy_wire.tools.api_params import MAX_PROMPTS
+from skippy_wire.tools.api_params import MAX_PROMPTS, MAX_TOKENIZE_BYTES
 
 LIMIT = 6
 
@@ -638,6 +638,34 @@ def test_a_batch_borrows_the_idle_lanes_and_gives_them_back():
         assert [c["text"] for c in batch.result().json()["choices"]] == ["ok"] * 3
     assert sorted(engine.prompts) == ["A", "b0", "b1", "b2"]
     assert (api.admission.running, api.admission.borrowed, api.admission.waiting) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/completion"])
+def test_a_batch_is_refused_at_its_first_prompt_too_long_before_the_rest_is_tokenized(route, monkeypatch):
+    """All 48 prompts of a batch were tokenized (one thread for every request: about 10 s of
+    SmolLM2's tokenizer, everyone's completions waiting) before the first was found too long."""
+    engine = FakeEngine(ctx_size=64)
+    encoded = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, add_bos=None: encoded.append(text) or
+                        list(text.encode("utf-8")))
+    with TestClient(_fake_api(engine).app()) as client:
+        r = client.post(route, json={"prompt": ["a", "x" * 100, "b", "c"], "max_tokens": 1})
+    assert r.status_code == 400 and "context" in r.text, r.text
+    assert encoded == ["a", "x" * 100] and not engine.prompts
+
+
+def test_a_tokenize_text_over_the_limit_is_refused_without_queueing_for_the_tokenizer():
+    """It waited behind whatever held the one tokenizing thread (a long batch) before its
+    size was looked at, its parsed body kept meanwhile."""
+    engine = FakeEngine()
+    engine.tokenizer.hold.clear()  # the tokenizer busy with another request
+    with serving(_fake_api(engine).app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert engine.tokenizer.encoding.wait(10)
+        r = httpx.post(url + "/tokenize", json={"content": "x" * (MAX_TOKENIZE_BYTES + 1)}, timeout=5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+        engine.tokenizer.hold.set()
+        assert busy.result().json()["choices"][0]["text"] == "ok"
 
 
 class PerPromptEngine(FakeEngine):

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -213,7 +213,9 @@ class Api:
     # -- llama-server's tokenizer and template routes (no generation, no lane)
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._answer_body(request, self._tokenized)
+        # the size refused before the request queues for the tokenizer (behind a long prompt, say)
+        return await self._answer_body(request, self._tokenized,
+                                       check=lambda body: check_tokenize_size(parse_tokenize(body)[0]))
 
     async def detokenize(self, request: Request) -> Response:
         return await self._answer_body(request, lambda body: {
@@ -223,21 +225,22 @@ class Api:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
         return await self._answer_body(request, lambda body: {"prompt": self._rendered(body)})
 
-    async def _answer_body(self, request: Request, answer) -> Response:
+    async def _answer_body(self, request: Request, answer, check=None) -> Response:
         """``answer(body)`` of the request's JSON body, computed off the event loop (a long
-        text takes a while to tokenize); a BadRequest as a 400."""
+        text takes a while to tokenize) after ``check(body)`` on it; a BadRequest as a 400."""
         body = await json_body(request)
         if isinstance(body, Response):
             return body
         try:
             check_text(body)
+            if check is not None:
+                check(body)
             return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._tokenizing, answer, body))
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
 
     def _tokenized(self, body: dict) -> dict:
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
-        check_tokenize_size(content)
         tokenizer = self.engine.tokenizer
         # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
         tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
@@ -271,18 +274,20 @@ class Api:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
-    def _prompts(self, body: dict, chat: bool, n: int) -> list[list[int]]:
-        """The request's prompts as tokens: one for chat; a completion's ``prompt`` may be a
-        batch (a list of strings or of token-id lists), up to :data:`.api_params.MAX_PROMPTS`
-        generations with ``n`` choices each."""
+    def _prompts(self, body: dict, chat: bool, n: int, fits: Callable[[list[int]], int]) -> list[tuple]:
+        """The request's prompts as tokens, each with ``fits(tokens)`` (its token budget, or
+        BadRequest at the first prompt too long, before the rest of a batch is tokenized): one
+        for chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
+        lists), up to :data:`.api_params.MAX_PROMPTS` generations with ``n`` choices each."""
         if chat:
-            return [self._encode(self._rendered(body), "the rendered 'messages'", "messages")]
+            tokens = self._encode(self._rendered(body), "the rendered 'messages'", "messages")
+            return [(tokens, fits(tokens))]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
         if batch and len(prompt) * n > MAX_PROMPTS:
             raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
                              "prompt")
-        return [self._prompt_tokens(p) for p in (prompt if batch else [prompt])]
+        return [(tokens, fits(tokens)) for tokens in map(self._prompt_tokens, prompt if batch else [prompt])]
 
     def _encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
@@ -329,19 +334,20 @@ class Api:
             options = parse_options(body, chat=chat, native=native)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
-            # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            prompts = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
-                                                                       options.n)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
-            budget = None if native else options.max_tokens
-            param = "messages" if chat else "prompt"
-            for prompt in prompts if native else ():
-                check_llama_context(len(prompt), self.engine.ctx_size)
-            max_tokens = [min(check_context(len(prompt), budget, self.engine.ctx_size, param),
-                              self.engine.ctx_size if options.max_tokens is None else options.max_tokens)
-                          for prompt in prompts]
-            prompts = [prompt for prompt in prompts for _ in range(options.n)]  # each choice in turn
-            max_tokens = [limit for limit in max_tokens for _ in range(options.n)]
+            budget, ctx = None if native else options.max_tokens, self.engine.ctx_size
+
+            def fits(prompt: list[int]) -> int:
+                if native:
+                    check_llama_context(len(prompt), ctx)
+                return min(check_context(len(prompt), budget, ctx, "messages" if chat else "prompt"),
+                           ctx if options.max_tokens is None else options.max_tokens)
+
+            # Rendering and tokenizing a long prompt takes a while: not on the event loop.
+            checked = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
+                                                                       options.n, fits)
+            prompts = [prompt for prompt, _ in checked for _ in range(options.n)]  # each choice in turn
+            max_tokens = [limit for _, limit in checked for _ in range(options.n)]
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
         try:
