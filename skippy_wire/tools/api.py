@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -46,8 +46,9 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, llama_error, llama_piece
-from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text, check_text_fits, check_token_ids,
-                         check_tokenize_size, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
+from .api_prompts import PromptReader
+from .api_params import (BadRequest, check_context, check_text, check_token_ids, check_tokenize_size, parse_detokenize,
+                         parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
@@ -88,6 +89,7 @@ class Api:
                  cors_origins: tuple[str, ...] = ()) -> None:
         self.engine, self.api_key, self.cors_origins = engine, api_key, cors_origins
         self.model_id, self.chat_template = model_id, chat_template
+        self.prompt_reader = PromptReader(engine, chat_template, model_id)
         self.max_inflight, self.max_queue = max_inflight, max_queue
         self.created = int(time.time())
         self.fingerprint = _fingerprint()
@@ -97,6 +99,7 @@ class Api:
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="health")
         # Prompts are rendered and tokenized one at a time (each holds the interpreter, ~200 B per byte of text).
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizer_waiting = 0  # requests at the tokenizer (event loop only)
         self._probe: Optional[asyncio.Future] = None
 
     @property
@@ -223,7 +226,7 @@ class Api:
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
-        return await self._answer_body(request, lambda body: {"prompt": self._rendered(body)})
+        return await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)})
 
     async def _answer_body(self, request: Request, answer, check=None) -> Response:
         """``answer(body)`` of the request's JSON body, computed off the event loop (a long
@@ -235,9 +238,27 @@ class Api:
             check_text(body)
             if check is not None:
                 check(body)
-            return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._tokenizing, answer, body))
+            return JSONResponse(await self._tokenize(answer, body))
         except BadRequest as exc:
             return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
+        except QueueFullError as exc:
+            return self._refused(exc)
+
+    async def _tokenize(self, fn, *args):
+        """``fn(*args)`` on the one tokenizing thread; QueueFullError when as many requests
+        as the lanes and the queue hold wait for it already (each keeps its body meanwhile)."""
+        if self._tokenizer_waiting >= self.max_inflight + self.max_queue:
+            raise QueueFullError(f"{self._tokenizer_waiting} requests wait for the tokenizer; retry later")
+        self._tokenizer_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+        finally:
+            self._tokenizer_waiting -= 1
+
+    def _refused(self, exc: QueueFullError) -> Response:
+        self.engine.counters["rejected"] += 1
+        return error_response(503, str(exc), type_="server_error", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _tokenized(self, body: dict) -> dict:
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
@@ -265,66 +286,6 @@ class Api:
         except (asyncio.CancelledError, ServerStopping):  # the server stops (queued, or its graceful period over)
             return shutting_down_response()
 
-    def _rendered(self, body: dict) -> str:
-        """A chat request's ``messages`` through the model's chat template."""
-        if self.chat_template is None:
-            raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
-        try:
-            return self.chat_template.render(body.get("messages"), continue_final_message=True)
-        except ChatTemplateError as exc:
-            raise BadRequest(str(exc), "messages") from None
-
-    def _prompts(self, body: dict, chat: bool, n: int, fits: Callable[[list[int]], int]) -> list[tuple]:
-        """The request's prompts as tokens, each with ``fits(tokens)`` (its token budget, or
-        BadRequest at the first prompt too long, before the rest of a batch is tokenized): one
-        for chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
-        lists), up to :data:`.api_params.MAX_PROMPTS` generations with ``n`` choices each."""
-        if chat:
-            tokens = self._encode(self._rendered(body), "the rendered 'messages'", "messages")
-            return [(tokens, fits(tokens))]
-        prompt = body.get("prompt")
-        batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-        if batch and len(prompt) * n > MAX_PROMPTS:
-            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
-                             "prompt")
-        return [(tokens, fits(tokens)) for tokens in map(self._prompt_tokens, prompt if batch else [prompt])]
-
-    def _encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
-        """``text``'s tokens, refused unread when it is too long for the context.  A text may
-        encode to no token at all (bytes the vocabulary lacks are dropped), and the pipeline
-        needs one to start from: a 400, not the driver's ValueError (a 500)."""
-        tokenizer = self.engine.tokenizer
-        check_text_fits(text, tokenizer.max_token_bytes, self.engine.ctx_size, what, param)
-        tokens = tokenizer.encode(text, add_bos=add_bos)
-        if not tokens:
-            raise BadRequest(f"{what} encodes to no tokens", param)
-        return tokens
-
-    def _prompt_tokens(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequest("'prompt' must not be empty", "prompt")
-            return self._encode(prompt, "'prompt'", "prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
-                                                       for t in prompt):
-            # token ids, or llama-server's mixed prompt: the texts among them tokenized in place
-            # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
-            # piece is a token at least, and the texts together must fit: a prompt of a million
-            # pieces is refused before a million calls to the tokenizer.
-            if all(isinstance(piece, int) for piece in prompt):  # ids alone: the route's own check counts them
-                if len(prompt) < self.engine.ctx_size:  # (ids too many for it are refused there, unread)
-                    check_token_ids(prompt, self.engine.tokenizer.n_vocab, "prompt")
-                return list(prompt)
-            check_context(len(prompt), None, self.engine.ctx_size, "prompt")
-            check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
-                            self.engine.ctx_size, "'prompt'", "prompt")
-            tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
-                      self._encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False))]
-            check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
-            return tokens
-        raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
-                         "list of such prompts", "prompt")
-
     async def _generate(self, request: Request, *, chat: bool, native: bool) -> Response:
         body = await json_body(request)
         if isinstance(body, Response):
@@ -344,20 +305,16 @@ class Api:
                            ctx if options.max_tokens is None else options.max_tokens)
 
             # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            checked = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompts, body, chat,
-                                                                       options.n, fits)
+            checked = await self._tokenize(self.prompt_reader.prompts, body, chat, options.n, fits)
             prompts = [prompt for prompt, _ in checked for _ in range(options.n)]  # each choice in turn
             max_tokens = [limit for _, limit in checked for _ in range(options.n)]
-        except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
-        try:
             if not await self._admit(request):
                 self.engine.counters.update(requests=1, cancelled=1)  # its client left the queue
                 return Response(status_code=499)
-        except QueueFullError as exc:
-            self.engine.counters["rejected"] += 1
-            return error_response(503, str(exc), type_="server_error", code="queue_full",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        except BadRequest as exc:
+            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
+        except QueueFullError as exc:  # the tokenizer's queue or the lanes'
+            return self._refused(exc)
         job = LlamaCompletionJob(self, prompts, max_tokens, options, body) if native \
             else GenerationJob(self, prompts, max_tokens, options, chat)
         if options.stream:

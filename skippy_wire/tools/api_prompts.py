@@ -1,0 +1,80 @@
+"""A request's prompts as tokens, for ``skippy-wire api``: a chat's ``messages`` through the
+model's chat template, a completion's ``prompt`` (a text, token ids, llama-server's mix of
+both, or a batch of them), each refused unread when it cannot fit the context."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..stage.chat import ChatTemplate, ChatTemplateError
+from .api_params import MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids
+
+
+class PromptReader:
+    """Reads the prompts of requests to ``engine`` (a GenerationEngine: its tokenizer and
+    context) and its model's ``chat_template`` (None: chat refused)."""
+
+    def __init__(self, engine, chat_template: Optional[ChatTemplate], model_id: str) -> None:
+        self.engine, self.chat_template, self.model_id = engine, chat_template, model_id
+
+    def rendered(self, body: dict) -> str:
+        """A chat request's ``messages`` through the model's chat template."""
+        if self.chat_template is None:
+            raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
+        try:
+            return self.chat_template.render(body.get("messages"), continue_final_message=True)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), "messages") from None
+
+    def prompts(self, body: dict, chat: bool, n: int, fits: Callable[[list[int]], int]) -> list[tuple]:
+        """The request's prompts as tokens, each with ``fits(tokens)`` (its token budget, or
+        BadRequest at the first prompt too long, before the rest of a batch is tokenized): one
+        for chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
+        lists), up to :data:`.api_params.MAX_PROMPTS` generations with ``n`` choices each."""
+        if chat:
+            tokens = self.encode(self.rendered(body), "the rendered 'messages'", "messages")
+            return [(tokens, fits(tokens))]
+        prompt = body.get("prompt")
+        batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        if batch and len(prompt) * n > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
+                             "prompt")
+        return [(tokens, fits(tokens)) for tokens in map(self.prompt_tokens, prompt if batch else [prompt])]
+
+    def encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
+        """``text``'s tokens, refused unread when it is too long for the context.  A text may
+        encode to no token at all (bytes the vocabulary lacks are dropped), and the pipeline
+        needs one to start from: a 400, not the driver's ValueError (a 500)."""
+        check_text_fits(text, self.engine.tokenizer.max_token_bytes, self.engine.ctx_size, what, param)
+        tokens = self.engine.tokenizer.encode(text, add_bos=add_bos)
+        if not tokens:
+            raise BadRequest(f"{what} encodes to no tokens", param)
+        return tokens
+
+    def prompt_tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest("'prompt' must not be empty", "prompt")
+            return self.encode(prompt, "'prompt'", "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
+                                                       for t in prompt):
+            # token ids, or llama-server's mixed prompt: the texts among them tokenized in place
+            # (a BOS, where the model adds one, only before a text that opens the prompt).  Each
+            # piece is a token at least, and the texts together must fit: a prompt of a million
+            # pieces is refused before a million calls to the tokenizer.
+            if all(isinstance(piece, int) for piece in prompt):  # ids alone: the route's own check counts them
+                if len(prompt) < self.engine.ctx_size:  # (ids too many for it are refused there, unread)
+                    check_token_ids(prompt, self.engine.tokenizer.n_vocab, "prompt")
+                return list(prompt)
+            check_context(len(prompt), None, self.engine.ctx_size, "prompt")
+            check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
+                            self.engine.ctx_size, "'prompt'", "prompt")
+            tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
+                      self.encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False))]
+            check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
+            return tokens
+        raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
+                         "list of such prompts", "prompt")
+
+
+__all__ = ["PromptReader"]
