@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -934,3 +935,59 @@ def test_a_session_is_never_shed_and_a_shed_downstream_link_is_reopened(chain_fa
             for sock in idle:
                 sock.close()
     assert "downstream had closed the idle link; reconnected" in caplog.text
+
+
+@pytest.mark.parametrize("mistake", ["max_tokens", "token", "chunk_size"])
+def test_a_generation_refused_for_a_bad_argument_leaves_the_client_usable(chain_factory, mistake):
+    """max_tokens="4" failed after the prefill, a token out of range after ConfigureGeneration:
+    the stages kept the session, and the next generation of that session id was refused."""
+    chain = chain_factory([(0, 3), (3, 6)])
+    bad = {"max_tokens": {"max_tokens": "4"}, "token": {"prompt": [5, 2**40]}, "chunk_size": {"chunk_size": 0}}
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises((TypeError, ValueError)):
+            client.generate(**{"prompt": PROMPT, "max_tokens": 4, "chunk_size": 4, **bad[mistake]})
+        assert client.generate(PROMPT, max_tokens=4, chunk_size=4).tokens == fake_reference(PROMPT, 4)
+    assert all(s.freed for b in chain.backends for s in b.sessions)
+
+
+def test_an_interrupted_generation_closes_the_client_and_its_calls_say_so(chain_factory):
+    """Ctrl-C in a generation left the client open with a reply unread: the next request read
+    it as its own ("expected Ack, got reply kind 2").  A closed client raised a bare OSError."""
+    chain = chain_factory([(0, 3), (3, 6)])
+
+    def interrupt(token: int) -> None:
+        raise KeyboardInterrupt
+
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(KeyboardInterrupt):
+            client.generate(PROMPT, max_tokens=6, chunk_size=4, on_token=interrupt)
+        assert not client.alive()
+        with pytest.raises(PipelineError, match=r"this client is closed; ConfigureGeneration not sent$"):
+            client.generate(PROMPT, max_tokens=4, chunk_size=4)
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        assert client.generate(PROMPT, max_tokens=4, chunk_size=4).tokens == fake_reference(PROMPT, 4)
+
+
+def test_a_client_refuses_a_second_thread_while_one_request_runs(chain_factory):
+    """Two threads on one client had their replies crossed ("expected Ack, got reply kind 2")."""
+    chain = chain_factory([(0, 3), (3, 6)])
+    inside, go_on = threading.Event(), threading.Event()
+
+    def wait_once(token: int) -> None:
+        inside.set()
+        assert go_on.wait(10)
+
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        first = threading.Thread(target=lambda: results.append(
+            client.generate(PROMPT, max_tokens=3, chunk_size=4, on_token=wait_once)))
+        results: list = []
+        first.start()
+        assert inside.wait(10)
+        with pytest.raises(PipelineError, match="this client is carrying another thread's request"):
+            client.generate(PROMPT, max_tokens=3, chunk_size=4, session_id=2)
+        with pytest.raises(PipelineError, match="another thread's request"):
+            client.request(StageWireMessage.stop(9, 9))
+        go_on.set()
+        first.join(10)
+        assert results[0].tokens == fake_reference(PROMPT, 3)
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4, session_id=2).tokens == fake_reference(PROMPT, 3)

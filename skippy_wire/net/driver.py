@@ -25,6 +25,7 @@ import contextlib
 import os
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,12 @@ class PipelineClient:
     ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
     ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
 
+    One request at a time: a call from a second thread while one runs is a PipelineError
+    (their replies would cross).  A :meth:`generate` left by an exception (a callback's, a
+    bad argument's, Ctrl-C) stops its session on every stage, so the connection carries the
+    next request, or closes the connection when a reply is still owed; a closed client's
+    calls are PipelineErrors.
+
     The wire has no error reply: a stage that fails closes its connections, so the driver
     sees stage 0 close (or stay silent).  When this process started the stages
     (:func:`~skippy_wire.net.supervision.launch_pipeline`), the error names the stage that
@@ -148,6 +155,9 @@ class PipelineClient:
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
+        self._owed = 0  # replies to messages sent not yet read
+        self._closed = False
+        self._busy = threading.Lock()  # held by the thread whose request runs
         self._stages = launched_cluster(host, port)  # the stages behind it, when this process started them
         self._topology = driven_topology(host, port)  # or when a topology file describes them
         self._marks = self._log_marks()
@@ -176,12 +186,23 @@ class PipelineClient:
         return self._peer.received
 
     def close(self) -> None:
+        self._closed = True
         self._peer.close()
 
     def alive(self) -> bool:
         """Whether the connection is still open between requests (a stage closes an idle
         one after its idle timeout: the socket then turns readable with EOF)."""
-        return self._peer.open_between_messages()
+        return not self._closed and self._peer.open_between_messages()
+
+    @contextlib.contextmanager
+    def _one_request(self):
+        if not self._busy.acquire(blocking=False):
+            raise PipelineError(f"stage 0 at {self.address}: this client is carrying another thread's request "
+                                "(a PipelineClient serves one request at a time)")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def __enter__(self) -> "PipelineClient":
         return self
@@ -229,7 +250,13 @@ class PipelineClient:
         when its write began (perf_counter): a write that waits while stage 0 already runs
         counts in the round trip, so the round trip holds every stage's compute."""
         self._marks = self._log_marks()
-        return self._request(msg, what)
+        with self._one_request():
+            try:
+                return self._request(msg, what)
+            except BaseException:
+                if self._owed:  # its reply would be read as the next request's
+                    self.close()
+                raise
 
     def _request(self, msg, what: str | None = None):
         what = self.send(msg, what)
@@ -247,7 +274,10 @@ class PipelineClient:
             self.sent_at = time.perf_counter()
             self._peer.send(data)
 
+        if self._closed:
+            raise PipelineError(f"stage 0 at {self.address}: this client is closed; {what} not sent")
         self._guard(write, what)
+        self._owed += 1
         return what
 
     def receive(self, what: str):
@@ -256,9 +286,11 @@ class PipelineClient:
         reader = self._peer.reader
         reader.deadline = time.monotonic() + self.timeout
         try:
-            return self._guard(self._peer.read, what)
+            reply = self._guard(self._peer.read, what)
         finally:
             reader.deadline = None
+        self._owed -= 1
+        return reply
 
     def generate(self, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling=None,
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
@@ -270,86 +302,107 @@ class PipelineClient:
         ``sampling`` (a ``messages.SamplingConfig``; None = greedy) travels once, in
         ConfigureGeneration, which every stage keeps for the session; prefill and decode
         messages carry no sampling block.  ``on_token`` runs while the stages compute the
-        next token; if it raises, that step's reply is read back before the exception
-        leaves (the connection stays usable).  ``before_step`` runs before each prefill chunk
-        after the first and each decode step is sent: what it raises (a cancellation) leaves
-        with no message in flight.
+        next token; if it raises, that step's reply is read back and the session stopped
+        before the exception leaves (the connection stays usable).  ``before_step`` runs
+        before each prefill chunk after the first and each decode step is sent: what it
+        raises (a cancellation) leaves once the session is stopped.
         """
         if not prompt:
             raise ValueError(EMPTY_PROMPT)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise TypeError(f"max_tokens must be an int, not {type(max_tokens).__name__}")
+        chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))  # checked before sending
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
         self._marks = self._log_marks()
-        try:
-            self._expect(self._request(StageWireMessage.configure_generation(
-                request_id, session_id, len(prompt), sampling, None), "ConfigureGeneration"), ack=True)
-            started = time.perf_counter()
-            token = None
-            for msg in prefill_messages(prompt, chunk_size, request_id, session_id):
-                if before_step and result.prefill_messages:  # a long prompt: a client gone stops it
-                    before_step()
-                reply = self._request(msg)
-                result.prefill_messages += 1
-                result.reply_stats.append(reply.stats)
-                token = self._expect(reply, ack=msg.kind == WireMessageKind.PREFILL_EMBD)
-            result.prefill_s = time.perf_counter() - started
-            if max_tokens < 1:
-                token = None  # the first token the prefill sampled is not asked for
-            started = replied = time.perf_counter()
-            pos = len(prompt)
-            steps = None  # the DecodeEmbd bytes, from the first one's encoding
-            what = f"{WireMessageKind.DECODE_EMBD.name} (session {session_id})"
-            while token is not None:
-                result.tokens.append(token)
-                eog = is_eog is not None and is_eog(token)
-                last = eog or len(result.tokens) >= max_tokens
-                if not last:
-                    if before_step:
-                        before_step()
-                    # The stages compute the next token while on_token runs (printing, an
-                    # HTTP stream's event loop taking the GIL), not after it.
-                    step = len(result.tokens) - 1
-                    if steps is None:
-                        steps = DecodeStepWriter(self._link.encode(decode_message(
-                            token, pos, step, len(prompt), request_id, session_id)))
-                    self.send_bytes(steps.message(token, pos, step), what)
-                if on_token:
-                    try:
-                        on_token(token)
-                    except BaseException:
-                        if not last:
-                            self._drain(what)
-                        raise
-                if eog:
-                    result.stop_reason = "eog"
-                if last:
-                    break
-                reply = self.receive(what)
-                now = time.perf_counter()
-                result.driver_gap_s += self.sent_at - replied
-                result.decode_round_trip_s += now - self.sent_at
-                replied = now
-                result.decode_messages += 1
-                token = self._expect(reply, ack=False)
-                pos += 1
-            result.decode_s = time.perf_counter() - started
+        with self._one_request():
+            opened = False
             try:
-                self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
-            except PipelineError as exc:
-                result.session_end_error = str(exc)
-                self.close()
-        finally:
-            result.sent_bytes = self.sent_bytes - sent0
-            result.received_bytes = self.received_bytes - recv0
+                self._expect(self._request(StageWireMessage.configure_generation(
+                    request_id, session_id, len(prompt), sampling, None), "ConfigureGeneration"), ack=True)
+                opened = True
+                self._run(result, chunks, max_tokens, is_eog, on_token, before_step, request_id, session_id)
+                opened = False
+                try:
+                    self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+                except PipelineError as exc:
+                    result.session_end_error = str(exc)
+                    self.close()
+            except BaseException as exc:
+                self._abandon(exc, request_id, session_id, opened)
+                raise
+            finally:
+                result.sent_bytes = self.sent_bytes - sent0
+                result.received_bytes = self.received_bytes - recv0
         return result
 
-    def _drain(self, what: str) -> None:
-        """Read the reply of a step in flight that nobody wants any more (on_token raised),
-        so the connection can carry the next message; a connection that cannot is closed."""
-        try:
-            self.receive(what)
-        except PipelineError:
+    def _run(self, result: GenerationResult, chunks: list, max_tokens: int, is_eog, on_token, before_step,
+             request_id: int, session_id: int) -> None:
+        """The prefill chunks and the decode steps of :meth:`generate`, into ``result``."""
+        started = time.perf_counter()
+        token = None
+        for msg in chunks:
+            if before_step and result.prefill_messages:  # a long prompt: a client gone stops it
+                before_step()
+            reply = self._request(msg)
+            result.prefill_messages += 1
+            result.reply_stats.append(reply.stats)
+            token = self._expect(reply, ack=msg.kind == WireMessageKind.PREFILL_EMBD)
+        result.prefill_s = time.perf_counter() - started
+        if max_tokens < 1:
+            token = None  # the first token the prefill sampled is not asked for
+        started = replied = time.perf_counter()
+        prompt, pos = result.prompt_tokens, len(result.prompt_tokens)
+        steps = None  # the DecodeEmbd bytes, from the first one's encoding
+        what = f"{WireMessageKind.DECODE_EMBD.name} (session {session_id})"
+        while token is not None:
+            result.tokens.append(token)
+            eog = is_eog is not None and is_eog(token)
+            last = eog or len(result.tokens) >= max_tokens
+            if not last:
+                if before_step:
+                    before_step()
+                # The stages compute the next token while on_token runs (printing, an
+                # HTTP stream's event loop taking the GIL), not after it.
+                step = len(result.tokens) - 1
+                if steps is None:
+                    steps = DecodeStepWriter(self._link.encode(decode_message(
+                        token, pos, step, len(prompt), request_id, session_id)))
+                self.send_bytes(steps.message(token, pos, step), what)
+            if on_token:
+                on_token(token)  # if it raises, generate() reads the step in flight back (_abandon)
+            if eog:
+                result.stop_reason = "eog"
+            if last:
+                break
+            reply = self.receive(what)
+            now = time.perf_counter()
+            result.driver_gap_s += self.sent_at - replied
+            result.decode_round_trip_s += now - self.sent_at
+            replied = now
+            result.decode_messages += 1
+            token = self._expect(reply, ack=False)
+            pos += 1
+        result.decode_s = time.perf_counter() - started
+
+    def _abandon(self, exc: BaseException, request_id: int, session_id: int, opened: bool) -> None:
+        """After :meth:`generate` left by ``exc``: the replies still owed read back and the
+        session stopped on every stage, so the connection carries the next request; closed
+        instead where that fails, or after Ctrl-C (a message may be half written)."""
+        if self._closed:
+            return
+        if not isinstance(exc, Exception):
             self.close()
+            return
+        try:
+            while self._owed:
+                self.receive("a step nobody wants any more")
+            if opened:
+                self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+        except BaseException as failed:
+            self.close()
+            if not isinstance(failed, Exception):
+                raise
 
     def _expect(self, reply, *, ack: bool):
         kind = int(reply.kind)

@@ -386,10 +386,10 @@ class GenerationEngine:
                                              f"{result.session_end_error}"))
         except Cancelled:
             out.finish_reason = "stop"
-            unstopped = self._stop_session(client, session)
-            healthy = unstopped is None
-            if unstopped is not None:
-                self._answered(unstopped)
+            healthy = client.alive()  # generate() stopped the session, or closed a connection it could not
+            if not healthy:
+                self._answered(PipelineError(f"stage 0 at {client.address}: the cancelled session {session} "
+                                             "could not be stopped"))
             if cancelled.is_set():
                 with self._lock:
                     self.counters["cancelled"] += 1
@@ -436,15 +436,6 @@ class GenerationEngine:
             raise PipelineUnavailable(f"{exc} (the pipeline has not answered since a request failed; "
                                       "retry later)") from None
 
-    @staticmethod
-    def _stop_session(client: PipelineClient, session: int) -> Optional[PipelineError]:
-        """Free a cancelled session on every stage; the failure that leaves the connection
-        unusable, if any."""
-        try:
-            client.request(StageWireMessage.stop(session, session), "Stop")
-            return None
-        except PipelineError as exc:
-            return exc
 
 
 class Admission:
