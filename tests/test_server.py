@@ -7,6 +7,7 @@ is :class:`skippy_wire.net.driver.PipelineClient`.  Every wait is bounded.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 import threading
@@ -17,9 +18,10 @@ import pytest
 
 from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
 from skippy_wire.errors import PipelineError, StageRuntimeError, Status
-from skippy_wire.net.driver import PipelineClient, prefill_messages
+from skippy_wire.net.driver import PipelineClient, generate_local, prefill_messages
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
+from skippy_wire.stage.threads import MAX_THREADS, resolved_threads
 from skippy_wire.tools.serve import stage_config
 from skippy_wire.wire.messages import SamplingConfig, StageWireMessage
 
@@ -991,3 +993,27 @@ def test_a_client_refuses_a_second_thread_while_one_request_runs(chain_factory):
         first.join(10)
         assert results[0].tokens == fake_reference(PROMPT, 3)
         assert client.generate(PROMPT, max_tokens=3, chunk_size=4, session_id=2).tokens == fake_reference(PROMPT, 3)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"max_tokens": -1}, "max_tokens must be at least 0, got -1"),  # the CLI's -1 ("until full") is no count here
+    ({"max_tokens": 2.0}, "max_tokens must be an int, not float"),
+    ({"chunk_size": 0}, "chunk_size must be at least 1, got 0"),
+    ({"prompt": []}, "the prompt must have at least one token"),
+])
+def test_both_generators_refuse_the_same_arguments_before_running(chain_factory, kwargs, error):
+    """generate(max_tokens=-5) returned no tokens, generate_local's empty prompt was a TypeError."""
+    chain = chain_factory([(0, 6)])
+    args = {"prompt": PROMPT, "max_tokens": 2, "chunk_size": 4, **kwargs}
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises((TypeError, ValueError), match=f"^{re.escape(error)}$"):
+            client.generate(**args)
+    with pytest.raises((TypeError, ValueError), match=f"^{re.escape(error)}$"):
+        generate_local("no-such-model.gguf", **args)  # refused before the model is opened
+
+
+@pytest.mark.parametrize("threads", [0, -3, 513, 1.5])
+def test_a_thread_count_an_embedder_gives_is_checked(threads):
+    with pytest.raises(ValueError, match=f"threads must be between 1 and {MAX_THREADS}"):
+        resolved_threads(threads)
+    assert resolved_threads(None) >= 1 and resolved_threads(3) == 3

@@ -36,7 +36,7 @@ from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersion
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
-from ..stage.threads import default_threads
+from ..stage.threads import resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
@@ -307,11 +307,8 @@ class PipelineClient:
         before each prefill chunk after the first and each decode step is sent: what it
         raises (a cancellation) leaves once the session is stopped.
         """
-        if not prompt:
-            raise ValueError(EMPTY_PROMPT)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, not {type(max_tokens).__name__}")
-        chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))  # checked before sending
+        check_generation(prompt, max_tokens, chunk_size)
+        chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
         self._marks = self._log_marks()
@@ -415,6 +412,17 @@ class PipelineClient:
         return int(reply.predicted)
 
 
+def check_generation(prompt: list[int], max_tokens: int, chunk_size: int) -> None:
+    """The arguments of a generation, checked before anything is sent or computed."""
+    if not prompt:
+        raise ValueError(EMPTY_PROMPT)
+    for name, value, least in (("max_tokens", max_tokens, 0), ("chunk_size", chunk_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+
+
 def prefill_messages(prompt: list[int], chunk_size: int, request_id: int, session_id: int, sampling=None):
     """PrefillEmbd for every chunk but the last, PrefillFinalEmbd for the last."""
     if chunk_size < 1:
@@ -451,11 +459,12 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
                    ctx_size: int = DEFAULT_CTX_SIZE, layers: tuple[int, int] | None = None) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
+    check_generation(prompt, max_tokens, chunk_size)
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
         if layers is None:
             layers = (0, model_shape(model)[0])
         stage = StageModel.open(model, layers[0], layers[1], stage_index=0, ctx_size=ctx_size,
-                                n_threads=threads or default_threads())
+                                n_threads=resolved_threads(threads))
         session = stage.create_session()
         result = GenerationResult(list(prompt))
         started = time.perf_counter()
@@ -481,5 +490,5 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
 
 
 __all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT",
-           "GenerationResult", "PipelineClient", "prefill_messages", "decode_message", "generate_local",
+           "GenerationResult", "PipelineClient", "check_generation", "prefill_messages", "decode_message", "generate_local",
            "yielding_to_stages"]

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 from ..errors import PipelineError
 from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
-from ..stage.threads import default_threads, oversubscription
+from ..stage.threads import oversubscription, resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V17
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
@@ -431,7 +431,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     if layers is None:
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)
-    threads = threads or default_threads()
+    threads = resolved_threads(threads)
     if on_progress is not None and oversubscription(threads):
         on_progress(f"warning: -t {threads}: {oversubscription(threads)}")
     log_dir = Path(log_dir) if log_dir else None

@@ -23,6 +23,16 @@ def default_threads() -> int:
     return 1
 
 
+def resolved_threads(threads: int | None) -> int:
+    """``threads`` for a stage an embedder starts: None is :func:`default_threads`; anything
+    else must be 1 to :data:`MAX_THREADS` (0 is no default: ValueError, as ``-t 0``)."""
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be between 1 and {MAX_THREADS} (None: the default), got {threads!r}")
+    return threads
+
+
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity mask: containers, taskset)."""
     try:
