@@ -55,24 +55,25 @@ def test_concurrent_calls_match_serial_results(codec_impl, impl):
             assert parallel == serial * 2
 
 
-def _spinner_stamps_inside_calls(k, tries: int = 5) -> list[int]:
-    """How many stamps a spinner thread takes strictly inside each of ``tries`` compiled
-    S8 encodes of a 1024 x 2048 frame (the largest payload of these tests).
+def _spinner_stamps_inside_calls(call, tries: int = 5, *, ready=lambda: True, before=lambda: None) -> list[int]:
+    """How many stamps a spinner thread takes strictly inside each of up to ``tries`` calls
+    of ``call`` (``before()`` ahead of each), stopping at the first with any; the spinner
+    stamps only while ``ready()``.
 
     The spinner records ``time.perf_counter_ns()`` and yields the GIL with ``sleep(0)``
-    after every stamp; this thread takes t_start and t_end right around the call.  The
+    after every look; this thread takes t_start and t_end right around the call.  The
     switch interval is raised to an hour for the duration, so the interpreter never forces
     a GIL hand-over: the spinner can only run while this thread waits, which is inside the
     call if and only if the call releases the GIL (a forced switch at the eval breaker
     right after the call returns, which would put stamps in the window without any
     release, cannot happen)."""
-    x = np.random.default_rng(5).standard_normal((1024, 2048), dtype=np.float32)
     stamps: list[int] = []
     stop = threading.Event()
 
     def spin():
         while not stop.is_set():
-            stamps.append(time.perf_counter_ns())
+            if ready():
+                stamps.append(time.perf_counter_ns())
             time.sleep(0)
 
     interval = sys.getswitchinterval()
@@ -82,8 +83,9 @@ def _spinner_stamps_inside_calls(k, tries: int = 5) -> list[int]:
     inside = []
     try:
         for _ in range(tries):
+            before()
             t_start = time.perf_counter_ns()
-            k.encode_activation(4, 1024, 2048, x, 0)
+            call()
             t_end = time.perf_counter_ns()
             inside.append(sum(1 for t in list(stamps) if t_start < t < t_end))
             if inside[-1]:
@@ -95,13 +97,18 @@ def _spinner_stamps_inside_calls(k, tries: int = 5) -> list[int]:
     return inside
 
 
+#: The largest payload of these tests: an S8 encode of a 1024 x 2048 frame.
+_LARGE = np.random.default_rng(5).standard_normal((1024, 2048), dtype=np.float32)
+
+
 @pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
 def test_compiled_kernels_release_the_gil_on_large_payloads():
     """Another Python thread runs while this one is inside a large compiled call.
 
     The check fails when the GIL is held: ``test_gil_check_fails_when_the_gil_is_held``
     runs it with the release threshold raised beyond the payload and sees no stamp."""
-    inside = _spinner_stamps_inside_calls(kernel_module("codec", "cython"))
+    k = kernel_module("codec", "cython")
+    inside = _spinner_stamps_inside_calls(lambda: k.encode_activation(4, 1024, 2048, _LARGE, 0))
     assert any(inside), inside
 
 
@@ -112,7 +119,7 @@ def test_gil_check_fails_when_the_gil_is_held():
     k = kernel_module("codec", "cython")
     previous = k._set_nogil_threshold(1 << 62)
     try:
-        inside = _spinner_stamps_inside_calls(k, tries=3)
+        inside = _spinner_stamps_inside_calls(lambda: k.encode_activation(4, 1024, 2048, _LARGE, 0), tries=3)
     finally:
         k._set_nogil_threshold(previous)
     assert inside == [0, 0, 0]
@@ -134,32 +141,13 @@ def test_the_error_walk_of_a_large_half_precision_encode_releases_the_gil_too(co
     x[-1, -1] = np.finfo(np.float32).max  # rounds to infinity in both formats
     out = bytearray(x.size * 2)
     view = memoryview(out)
-    stamps: list[int] = []
-    stop = threading.Event()
 
-    def spin():
-        while not stop.is_set():
-            if view[-2:] != b"\xab\xab":  # the conversion has reached the last value
-                stamps.append(time.perf_counter_ns())
-            time.sleep(0)
+    def unwritten() -> None:
+        view[-2:] = b"\xab\xab"
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(3600.0)
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    inside = []
-    try:
-        for _ in range(5):  # a busy machine may leave the spinner unscheduled through one call
-            view[-2:] = b"\xab\xab"
-            t_start = time.perf_counter_ns()
-            with pytest.raises(InvalidDataError, match="infinity|range"):
-                k.encode_activation(codec, 4096, 2048, x, 0, out=out)
-            t_end = time.perf_counter_ns()
-            inside.append(sum(1 for t in list(stamps) if t_start < t < t_end))
-            if inside[-1]:
-                break
-    finally:
-        stop.set()
-        spinner.join()
-        sys.setswitchinterval(interval)
+    def encode() -> None:
+        with pytest.raises(InvalidDataError, match="infinity|range"):
+            k.encode_activation(codec, 4096, 2048, x, 0, out=out)
+
+    inside = _spinner_stamps_inside_calls(encode, ready=lambda: view[-2:] != b"\xab\xab", before=unwritten)
     assert any(inside), inside
