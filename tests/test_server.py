@@ -1012,6 +1012,14 @@ def test_both_generators_refuse_the_same_arguments_before_running(chain_factory,
         generate_local("no-such-model.gguf", **args)  # refused before the model is opened
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5"])
+def test_a_client_timeout_must_be_seconds_above_zero(chain_factory, timeout):
+    """0 said "operation now in progress", -1 a bare "Timeout value out of range"."""
+    chain = chain_factory([(0, 6)])
+    with pytest.raises(ValueError, match="^timeout must be a number of seconds above 0, got "):
+        PipelineClient(*chain.entry, timeout=timeout)
+
+
 @pytest.mark.parametrize("threads", [0, -3, 513, 1.5])
 def test_a_thread_count_an_embedder_gives_is_checked(threads):
     with pytest.raises(ValueError, match=f"threads must be between 1 and {MAX_THREADS}"):

@@ -152,6 +152,8 @@ class PipelineClient:
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
                  identity=None, tls=None, poll_s: float = 0.0) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
