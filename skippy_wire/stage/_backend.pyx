@@ -179,15 +179,6 @@ cdef class _Blob:
         return b
 
 
-def check_sampling(sampling):
-    """None when the sampler runs ``sampling`` (a packed config, or None: greedy); else the
-    StageRuntimeError a prefill or decode step given it would raise (``skippy_sampling_check``)."""
-    cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
-    cdef skippy_error * e = NULL
-    cdef skippy_status st = skippy_sampling_check(<const skippy_sampling_config *> samp.ptr, &e)
-    _check(st, _take_message(e))
-
-
 cdef class _Payload:
     cdef const unsigned char[::1] view
     cdef const void * ptr

@@ -1,6 +1,7 @@
 # Process-wide switches and facts of the native backend (included by _backend.pyx): where
 # ggml's and the stage's log lines go, the interrupt flag a long computation checks at every
-# node, and the memory a session's KV cache is checked against.
+# node, the memory a session's KV cache is checked against, and the sampler's own check of
+# a sampling config.
 
 cdef object _log_callback = None
 
@@ -34,3 +35,12 @@ def set_log_callback(callback):
         skippy_stage_log_set(NULL, NULL)
     else:
         skippy_stage_log_set(_log_trampoline, NULL)
+
+
+def check_sampling(sampling):
+    """None when the sampler runs ``sampling`` (a packed config, or None: greedy); else the
+    StageRuntimeError a prefill or decode step given it would raise (``skippy_sampling_check``)."""
+    cdef _Blob samp = _Blob.of(sampling, sizeof(skippy_sampling_config), "sampling")
+    cdef skippy_error * e = NULL
+    cdef skippy_status st = skippy_sampling_check(<const skippy_sampling_config *> samp.ptr, &e)
+    _check(st, _take_message(e))
