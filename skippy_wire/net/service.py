@@ -437,7 +437,6 @@ class GenerationEngine:
                                       "retry later)") from None
 
 
-
 class Admission:
     """Up to ``max_inflight`` lanes run, ``max_queue`` requests wait (FIFO), the rest are
     refused.  A request holds one lane, and may :meth:`borrow` idle ones for its other
