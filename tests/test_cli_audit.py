@@ -337,11 +337,11 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     # eight prompts: a ninth request was counted and never sent; one token has no decode rate
     ("serve_bench.py", ["--concurrency", "9"], "argument --concurrency: must be between 1 and 8, got 9"),
     ("serve_bench.py", ["--tokens", "1"], "argument --tokens: must be at least 2, got 1"),
-    # failed only when a stage started, about --downstream
     # a repeated setting ran again and printed its row twice
     ("hop_bench.py", ["--stages", "1,2,1"], "argument --stages: lists '1' twice; each value once"),
     ("hop_bench.py", ["--poll-ms", "1,auto,1.0"], "argument --poll-ms: lists '1' and '1.0', the same value; each value once"),
     ("wake_bench.py", ["--gaps", "0,0"], "argument --gaps: lists '0' twice; each value once"),
+    # failed only when a stage started, about --downstream
     ("serve_bench.py", ["--split", "10,10"],
      "argument --split: the counts must add up to the model's 30 layers, not 20"),
 ])
