@@ -94,6 +94,13 @@ class FakeBackend:
         return self._run(session, [token], activation)
 
 
+def _wait_freed(chain, seconds: float = 5.0) -> None:
+    """Until every stage has freed every session it opened (stages free on their own threads)."""
+    deadline = time.monotonic() + seconds
+    while not all(s.freed for b in chain.backends for s in b.sessions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def fake_reference(prompt, max_tokens, chunk=4):
     """The fake model as one stage owning every layer."""
     backend = FakeBackend(0, N_LAYER)
@@ -200,9 +207,7 @@ def test_no_new_tokens_evaluates_the_prompt_and_ends_the_session(chain_factory):
         after = client.generate(PROMPT, max_tokens=5, chunk_size=4, session_id=2, request_id=2)
     assert evaluated.tokens == [] and evaluated.prefill_messages == 2 and evaluated.decode_messages == 0
     assert after.tokens == fake_reference(PROMPT, 5)
-    deadline = time.monotonic() + 5
-    while not all(b.sessions[0].freed for b in chain.backends) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_freed(chain)
     assert [(len(b.sessions), b.sessions[0].freed) for b in chain.backends] == [(2, True), (2, True)]
 
 
@@ -313,9 +318,7 @@ def test_a_message_other_than_the_step_computed_ahead_finds_the_session_as_witho
             more = next(prefill_messages([4, 4], 4, 1, 1))  # the next turn's prompt
             more.pos_start = n + 3
             out.append(int(client.request(more).predicted))
-        deadline = time.monotonic() + 5  # the connections close after any step computed ahead
-        while not all(s.freed for b in chain.backends for s in b.sessions) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_freed(chain)  # the connections close after any step computed ahead
         return out, [list(b.sessions[0].history) for b in chain.backends]
 
     (tokens_on, held_on), (tokens_off, held_off) = drive(True), drive(False)
@@ -687,6 +690,7 @@ def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer
         time.sleep(0.01)
     assert server.admission.lanes.busy == 0
     assert "its sessions (1, 2) computed nothing for more than 0.6 s (--idle-timeout); closing" in caplog.text
+    _wait_freed(chain)  # the next stage frees its sessions when it reads the link's close
     assert [b.sessions[0].freed for b in chain.backends] == [True, True]
 
 
