@@ -540,6 +540,16 @@ def test_server_rejects_inconsistent_configuration():
         StageServer(FakeBackend(0, 6), stage_config(0, 0, 6, "f16-rne-v1", "auto-lossless-v1"))
 
 
+def test_shutdown_closes_the_listener_of_a_server_never_started():
+    """An embedder that builds a StageServer and gives up before serving: the port was kept
+    listening (connections queued into its backlog) until garbage collection."""
+    server = StageServer(FakeBackend(0, 6), stage_config(0, 0, 6, "raw-f32-v1", "fixed"))
+    server.shutdown()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(server.address, timeout=2).close()
+    server.serve_forever()  # after shutdown(): returns at once
+
+
 def test_stage_config_maps_identities():
     config = stage_config(1, 4, 8, "bf16-rne-v1", "fixed")
     assert config.activation_codec == ActivationCodec.BF16_RNE_V1

@@ -28,8 +28,8 @@ that disconnects mid-message, sends bytes that do not parse, stalls or breaks a 
 logged error and its connection closed; a failing downstream closes the upstream connection
 too, and an upstream that leaves while its reply is awaited downstream closes the downstream one.
 
-Events: ``events`` receives ``{"event": "session", ...}`` with per-session traffic counters
-when a session stops (``serve`` prints them as JSON lines after its "listening" event).
+Events: ``events`` receives ``{"event": "session", ...}`` with a session's traffic counters when it
+stops (``serve`` prints them as JSON lines after its "listening" event).
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import (StageError, StageRuntimeError, StateVersionMismatch, UnexpectedEofError, WireError,
-                      os_reason)
+from ..errors import StageError, StageRuntimeError, StateVersionMismatch, WireError, os_reason
 from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
@@ -146,6 +145,7 @@ class StageServer:
         self._connections: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
         self._conn_seq = 0
+        self._serving = False  # shutdown() closes the listener of a server never started
         self.limits = limits = limits or StageLimits()
         self.max_message_bytes = limits.max_message_bytes or max_message_bytes(config.ctx_size, backend.n_embd)
         self.connection_limit = ConnectionLimit(limits.max_connections)
@@ -160,6 +160,10 @@ class StageServer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def serve_forever(self) -> None:
+        with self._conn_lock:
+            if self._stop.is_set():  # shut down before it served: shutdown() closed the listener
+                return
+            self._serving = True
         self._listener.settimeout(0.2)
         try:
             while not self._stop.is_set():
@@ -193,8 +197,7 @@ class StageServer:
             self._listener.close()
 
     def _shed(self, sock: socket.socket | None) -> None:
-        """Close a connection shed at the limit (called under the lock)."""
-        if sock is not None:
+        if sock is not None:  # a connection shed at the limit (called under the lock)
             self._connections.discard(sock)  # counted out now, not when its thread ends
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -208,6 +211,8 @@ class StageServer:
     def shutdown(self) -> None:
         self._stop.set()
         with self._conn_lock:
+            if not self._serving:  # else serve_forever closes it, not under its accept
+                self._listener.close()
             for sock in list(self._connections):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
@@ -350,15 +355,14 @@ class StageServer:
                              + (f" ({exc.detail})" if exc.detail else "")) from exc
         except (WireError, OSError) as exc:
             peer.close()
-            why = "it closed the connection (its log says why)" if isinstance(exc, UnexpectedEofError) else link_error(exc)
+            why = "it closed the connection (its log says why)" if isinstance(exc, PeerClosedError) else link_error(exc)
             raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 
     def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict):
-        """Read one message; None (logged) on a clean close or an idle timeout between
-        messages: both are a pooled connection's normal end, no error.  A connection whose
-        sessions have all computed nothing for the idle timeout is closed too, whatever else
-        it sends or has queued (an error: their lanes were held for nothing)."""
+        """Read one message; None (logged) on a clean close or an idle timeout between messages (a
+        pooled connection's normal end), or, an error, when all its sessions have computed nothing
+        for the idle timeout, whatever else it sends or has queued (their lanes were held for nothing)."""
         peer, idle = link.peer, self.idle_timeout
         latest = max((s.last_compute for s in sessions.values()), default=None)
         while True:
@@ -489,9 +493,8 @@ class StageServer:
         return self.backend.iteration_batch(steps)
 
     def _poll_window(self) -> float:
-        """``poll_s`` while at most one session decodes here, else 0 (sleep): with several,
-        the stage has other work while a message is out, and polling readers would take
-        the GIL and the cores from the batches (docs/benchmarks.md, "Eleventh session")."""
+        """``poll_s`` while at most one session decodes here, else 0 (sleep): with several, the stage has other
+        work while a message is out, and polling would take the GIL and cores from the batches (docs/benchmarks.md)."""
         return self.poll_s if self.batcher.decoding <= 1 else 0.0
 
     def _trace_compute(self, start_ns: int, end_ns: int, rows: int) -> None:
@@ -501,12 +504,9 @@ class StageServer:
             self.compute_trace.write(f"{start_ns} {end_ns} {rows}\n")
 
     def _check_position(self, msg, session: ServedSession) -> None:
-        """``pos_start`` against the session's token count.
-
-        A decode position is authoritative (wire-format.md 12): one behind the session
-        (e.g. after a rejected draft) trims the session back to it.  A prefill chunk must
-        start exactly where the session ends.  Anything else is a driver error.
-        """
+        """``pos_start`` against the session's token count.  A decode position is authoritative
+        (wire-format.md 12): one behind the session (a rejected draft) trims the session back to it.
+        A prefill chunk must start exactly where the session ends.  Anything else is a driver error."""
         have = getattr(session.runtime, "token_count", None)
         if have is None or msg.pos_start == have:
             return
