@@ -43,6 +43,19 @@ def test_tiny_tokenizer_round_trips_bytes(tmp_path):
     assert tk.is_eog(2) and not tk.is_eog(1) and not tk.is_eog(50)
     with pytest.raises(ValueError):
         tk.decode([256])
+    assert tk.decode(np.array(ids)) == "hi"  # numpy integers are ids
+
+
+@pytest.mark.parametrize("call", [lambda tk: tk.encode(None), lambda tk: tk.encode(b"hi"),
+                                  lambda tk: tk.decode([3 + ord("h"), 107.9]), lambda tk: tk.decode("hi"),
+                                  lambda tk: tk.token_bytes("7")],
+                         ids=["encode_none", "encode_bytes", "decode_float", "decode_str", "token_bytes_str"])
+def test_the_tokenizer_refuses_arguments_of_the_wrong_type(tmp_path, call):
+    """encode(None) failed as an AttributeError of str's internals, decode([107.9]) gave
+    token 107's text and decode("hi") the characters' code points as ids."""
+    tk = models.Tokenizer.from_gguf(models.write_tiny_llama_gguf(tmp_path / "t.gguf"))
+    with pytest.raises(TypeError, match="must be (a str|an integer|a sequence of integers), not"):
+        call(tk)
 
 
 def test_smollm2_path_points_at_the_wheel_file():

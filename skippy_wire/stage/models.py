@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import mmap
+import numbers
 import os
 import re
 import stat
@@ -438,6 +439,8 @@ class Tokenizer:
         byte-token SPM vocabulary of the tiny model never matches them).
         Raises ValueError for a lone surrogate, which is not text any UTF-8 encoder accepts.
         """
+        if not isinstance(text, str):
+            raise TypeError(f"text to tokenize must be a str, not {type(text).__name__}")
         bos = self.add_bos if add_bos is None else add_bos
         lone = None if text.isascii() else SURROGATE.search(text)
         if lone:
@@ -455,9 +458,14 @@ class Tokenizer:
         return ids
 
     def _check(self, ids: Iterable[int]) -> list[int]:
-        out = [int(i) for i in ids]
-        for i in out:
-            if not 0 <= i < self.n_vocab:
+        if isinstance(ids, (str, bytes)):  # their items would read as ids
+            raise TypeError(f"token ids must be a sequence of integers, not {type(ids).__name__}")
+        out = []
+        for i in ids:
+            if not isinstance(i, numbers.Integral):  # int(2.7) would be token 2
+                raise TypeError(f"a token id must be an integer, not {type(i).__name__}")
+            out.append(int(i))
+            if not 0 <= out[-1] < self.n_vocab:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_vocab})")
         return out
 
