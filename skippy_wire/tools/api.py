@@ -240,7 +240,7 @@ class Api:
                 check(body)
             return JSONResponse(await self._tokenize(answer, body))
         except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
+            return _bad_request(exc)
         except QueueFullError as exc:
             return self._refused(exc)
 
@@ -312,7 +312,7 @@ class Api:
                 self.engine.counters.update(requests=1, cancelled=1)  # its client left the queue
                 return Response(status_code=499)
         except BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
+            return _bad_request(exc)
         except QueueFullError as exc:  # the tokenizer's queue or the lanes'
             return self._refused(exc)
         job = LlamaCompletionJob(self, prompts, max_tokens, options, body) if native \
@@ -346,6 +346,10 @@ class Api:
             raise
         self.admission.withdraw(ticket)
         return False
+
+
+def _bad_request(exc: BadRequest) -> Response:
+    return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
 
 
 def _fingerprint() -> str:
