@@ -5,7 +5,7 @@ DIR`` (``DIR/hopK-messages.bin``: what the upstream side sent; ``DIR/hopK-replie
 READY then the replies) or by any other recorder (e.g. a tcpdump payload export).  It is
 read as a stream (:class:`CaptureInput`), only as far as the record being parsed needs,
 and each record is printed once whole: memory follows the largest record, not the
-capture, and a live or endless input (a FIFO, ``tail -f``, a device) is shown as it comes.
+capture, and a live or endless input (a FIFO, ``tail -c +1 -f``, a device) is shown as it comes.
 
 Direction: a stream that starts with the READY magic (``59 44 52 53``) or with a v17 Offer
 is the reply direction; otherwise a file whose name contains "replies" is; otherwise it is read as
@@ -310,7 +310,7 @@ class CaptureInput:
     only as far as the record it parses needs, or from bytes already in memory.  ``window``
     holds the bytes from the stream offset ``base`` on; the bytes before the record being
     read may be dropped, so memory follows the largest record (a wire reader bounds every
-    length field), not the stream: an endless or live input (``tail -f``, a device) is
+    length field), not the stream: an endless or live input (``tail -c +1 -f``, a device) is
     dissected as it arrives.  ``size``: the input's whole size when known (a regular file)."""
 
     def __init__(self, stream=None, *, data=None, size: int | None = None) -> None:
