@@ -654,6 +654,32 @@ def test_a_batch_is_refused_at_its_first_prompt_too_long_before_the_rest_is_toke
     assert encoded == ["a", "x" * 100] and not engine.prompts
 
 
+def test_a_request_waits_for_one_prompt_of_a_batch_at_the_tokenizer_not_all_of_them(monkeypatch):
+    """The one tokenizing thread read a whole batch as one task: 48 long prompts that each fit
+    held every other request's tokenizing for about 10 s."""
+    engine = FakeEngine()
+    first, release, encoded = threading.Event(), threading.Event(), []
+
+    def encode(text, add_bos=None):
+        encoded.append(text)
+        if text == "b0":  # the batch's first prompt holds the tokenizer until "L" queues behind it
+            first.set()
+            assert release.wait(30)
+        return list(text.encode("utf-8"))
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    api = _fake_api(engine, max_inflight=2)
+    with serving(api.app(), limit_concurrency=LIMIT) as url, ThreadPoolExecutor(2) as pool:
+        batch = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": ["b0", "b1", "b2"], "max_tokens": 1},
+                            timeout=30)
+        assert first.wait(10)
+        lone = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "L", "max_tokens": 1}, timeout=30)
+        _until(lambda: api._tokenizer_waiting == 2, "the lone request waits for the tokenizer")
+        release.set()
+        assert lone.result().status_code == batch.result().status_code == 200
+    assert encoded == ["b0", "L", "b1", "b2"]
+
+
 def test_a_tokenize_text_over_the_limit_is_refused_without_queueing_for_the_tokenizer():
     """It waited behind whatever held the one tokenizing thread (a long batch) before its
     size was looked at, its parsed body kept meanwhile."""

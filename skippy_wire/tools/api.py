@@ -304,8 +304,12 @@ class Api:
                 return min(check_context(len(prompt), budget, ctx, "messages" if chat else "prompt"),
                            ctx if options.max_tokens is None else options.max_tokens)
 
-            # Rendering and tokenizing a long prompt takes a while: not on the event loop.
-            checked = await self._tokenize(self.prompt_reader.prompts, body, chat, options.n, fits)
+            # Rendering and tokenizing a long prompt takes a while: not on the event loop, and a
+            # batch one prompt at a time (the first too long refuses it before the rest is read).
+            checked = []
+            for read in self.prompt_reader.readers(body, chat, options.n):
+                tokens = await self._tokenize(read)
+                checked.append((tokens, fits(tokens)))
             prompts = [prompt for prompt, _ in checked for _ in range(options.n)]  # each choice in turn
             max_tokens = [limit for _, limit in checked for _ in range(options.n)]
             if not await self._admit(request):

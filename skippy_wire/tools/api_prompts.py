@@ -4,6 +4,7 @@ both, or a batch of them), each refused unread when it cannot fit the context.""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 from ..stage.chat import ChatTemplate, ChatTemplateError
@@ -26,20 +27,20 @@ class PromptReader:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
-    def prompts(self, body: dict, chat: bool, n: int, fits: Callable[[list[int]], int]) -> list[tuple]:
-        """The request's prompts as tokens, each with ``fits(tokens)`` (its token budget, or
-        BadRequest at the first prompt too long, before the rest of a batch is tokenized): one
-        for chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
+    def readers(self, body: dict, chat: bool, n: int) -> list[Callable[[], list[int]]]:
+        """One call per prompt of the request that gives its tokens (each is a tokenizer's
+        task of its own, so that other requests' prompts are read between a batch's; this
+        looks at the body's shape alone, as cheap as the walk that checked its text): one for
+        chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
         lists), up to :data:`.api_params.MAX_PROMPTS` generations with ``n`` choices each."""
         if chat:
-            tokens = self.encode(self.rendered(body), "the rendered 'messages'", "messages")
-            return [(tokens, fits(tokens))]
+            return [lambda: self.encode(self.rendered(body), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
         if batch and len(prompt) * n > MAX_PROMPTS:
             raise BadRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts ({MAX_PROMPTS} generations with 'n')",
                              "prompt")
-        return [(tokens, fits(tokens)) for tokens in map(self.prompt_tokens, prompt if batch else [prompt])]
+        return [functools.partial(self.prompt_tokens, p) for p in (prompt if batch else [prompt])]
 
     def encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
