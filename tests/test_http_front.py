@@ -14,6 +14,8 @@ import http.client
 import json
 import re
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
@@ -921,6 +923,27 @@ def test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_fin
     assert answers["running"].status_code == 200
     assert said == ["stopping: 1 request(s) in flight get up to 30 s to finish (Ctrl-C again: stop now); "
                     "1 queued refused"]
+
+
+def test_a_signal_ignored_when_the_server_starts_stays_ignored():
+    """uvicorn handles Ctrl-C whatever its handler was: `skippy-wire api &` in a script (its
+    SIGINT ignored, as a shell starts background jobs) stopped at a Ctrl-C meant for another
+    program, unlike every other command."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = http_front.StoppingServer(uvicorn.Config(_fake_api().app(), log_level="warning", lifespan="off"),
+                                           lambda line: None)
+        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        stop = threading.Timer(1.0, setattr, (server, "should_exit", True))
+        ctrl_c.start()
+        stop.start()
+        server.run(sockets=[listener])  # in the main thread: uvicorn installs its handlers only there
+        ctrl_c.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        listener.close()
+    assert server.stopped_by is None and not server.force_exit
 
 
 def test_a_stop_says_what_it_waits_for_and_what_it_cut_off(caplog):

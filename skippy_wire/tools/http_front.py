@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import re
+import signal
 import sys
 import time
 import uuid
@@ -376,7 +377,8 @@ class StoppingServer(uvicorn.Server):
     """uvicorn's server, saying through ``say`` what a stop waits for: the requests in flight
     and their grace period (a second Ctrl-C ends it), then how many it cut off.  uvicorn's own
     ERROR line for those is dropped: stopping is no error.  ``refuse_waiting()`` answers the
-    requests still queued at once and says how many."""
+    requests still queued at once and says how many.  A signal ignored when it is made (Ctrl-C
+    in a background job of a script, ``nohup``) stays ignored, as by every other command."""
 
     def __init__(self, config: uvicorn.Config, say: Callable[[str], None],
                  refuse_waiting: Callable[[], int] = lambda: 0) -> None:
@@ -384,8 +386,11 @@ class StoppingServer(uvicorn.Server):
         self.say, self.refuse_waiting = say, refuse_waiting
         self.stopped_by: Optional[int] = None  # the first signal it stopped for
         self.ended: Optional[str] = None  # why nothing could be served any more (stop_when)
+        self.ignored = {sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is signal.SIG_IGN}
 
     def handle_exit(self, sig: int, frame) -> None:
+        if sig in self.ignored:  # uvicorn handles it whatever it was before
+            return
         if self.stopped_by is None:
             self.stopped_by = sig
         super().handle_exit(sig, frame)
