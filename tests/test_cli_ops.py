@@ -20,7 +20,7 @@ import pytest
 
 from skippy_wire.tools import backend_bench, cli, cluster, serve
 from skippy_wire.tools.options import check_output_file
-from skippy_wire.tools.options import EXIT_TERMINATED
+from process_helpers import default_sigint
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,17 +137,20 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_verify_exhaustive_stops_its_workers_on_sigterm():
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_verify_exhaustive_stops_its_workers_on_sigterm(signum, status):
     """SIGTERM to the command alone (``kill PID``): it killed the parent and left the workers
-    checking for up to 40 minutes; now they stop and the command exits 143."""
+    checking for up to 40 minutes; now they stop and the command exits 143 (Ctrl-C 130,
+    SIGHUP 129), the signal seen between the pool's waits, not raised inside them."""
     proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "verify-exhaustive", "--workers", "2"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     workers: list[int] = []
     try:
         assert proc.stderr.readline().startswith("[")  # the first progress line: the workers are at it
         workers = _children(proc.pid)
         assert workers
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         try:  # a worker left running holds the pipes open
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -161,7 +164,7 @@ def test_verify_exhaustive_stops_its_workers_on_sigterm():
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not left, f"workers still running: {left}"
-    assert proc.wait() == EXIT_TERMINATED, err
+    assert proc.wait() == status, err
     assert "Traceback" not in err and "leaked" not in err and out == ""
 
 

@@ -27,14 +27,16 @@ def handling_signals(signals, handler) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish) but are
-    remembered; on leaving, the first one is delivered again to the handler it would have met
-    (Ctrl-C raises KeyboardInterrupt there), unless a KeyboardInterrupt or SystemExit is already
-    unwinding (the command is stopping anyway).  A signal ignored on entry stays ignored."""
+def signals_deferred() -> Iterator[list[int]]:
+    """Inside: Ctrl-C, SIGTERM and SIGHUP do not interrupt (a cleanup that must finish, or code
+    whose locks an exception raised anywhere could leave held) but are remembered, in the list
+    it yields (a loop may look at it to stop early); on leaving, the first one is delivered
+    again to the handler it would have met (Ctrl-C raises KeyboardInterrupt there), unless a
+    KeyboardInterrupt or SystemExit is already unwinding (the command is stopping anyway).  A
+    signal ignored on entry stays ignored."""
     pending: list[int] = []
     with handling_signals(STOP_SIGNALS, lambda signum, _frame: pending.append(signum)):
-        yield
+        yield pending
     if pending and not isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)):
         signal.raise_signal(pending[0])
 

@@ -4,51 +4,45 @@ All 2^32 f32 bit patterns are split into chunks (2^22 patterns by default) and s
 worker processes (one per core by default).  For each chunk, with ``x`` the patterns:
 
 Raw conversions (``f32_bits_to_bf16_bits`` / ``f32_bits_to_f16_bits``), every element:
-  * bf16: bit-identical to ``ml_dtypes.bfloat16`` for every finite ``x`` (values that
-    round past the largest bf16 become +-inf in both), and bit-identical to the spec's
-    own formula ``((x + 0x7fff + lsb) mod 2^32) >> 16`` for every non-NaN ``x``
-    (wire-format.md 6.6).  NaN is compared by class (a NaN of the same sign): the
-    oracle gives 0x7fc0 for every NaN, the project keeps the top bits quietened, and
-    encode never reaches it (non-finite input is rejected first).
+  * bf16: bit-identical to ``ml_dtypes.bfloat16`` for every finite ``x`` (values that round past
+    the largest bf16 become +-inf in both), and to the spec's own formula ``((x + 0x7fff + lsb)
+    mod 2^32) >> 16`` for every non-NaN ``x`` (wire-format.md 6.6).  NaN is compared by class (a
+    NaN of the same sign): the oracle gives 0x7fc0 for every NaN, the project keeps the top bits
+    quietened, and encode never reaches it (non-finite input is rejected first).
   * f16: bit-identical to numpy's ``float16`` cast for every non-NaN ``x`` (infinities and
     overflow included); NaN -> ``0x7c01 | sign`` (wire-format.md 6.5).
 
 Checked encoder (``encode_activation``) and decoder (``decode_activation``):
-  * the upstream error rule is computed independently (BF16: finite and
-    ``|bits| >= 0x7f7f8000``; F16: finite and ``|x| >= 65520``; non-finite ->
-    "activation values must be finite") and cross-checked against the oracles (the rule
-    holds exactly where the oracle overflows to infinity);
-  * the finite in-range subset of the chunk is encoded in ONE call: it must succeed and
-    be bit-identical to the oracle, element by element; a wrong error is located by
-    bisection and reported with its value; the result is decoded back and compared with
-    the oracle's widening;
-  * error elements: every boundary of the error set inside the chunk (both sides), the
-    first and last error element and a seeded random sample are encoded alone and must
-    raise ``InvalidDataError`` with the exact text; the whole chunk must raise the text
-    of the first rule that applies (finiteness is checked over the whole array first).
+  * the upstream error rule is computed independently (BF16: finite and ``|bits| >= 0x7f7f8000``;
+    F16: finite and ``|x| >= 65520``; non-finite -> "activation values must be finite") and
+    cross-checked against the oracles (the rule holds exactly where they overflow to infinity);
+  * the finite in-range subset of the chunk is encoded in ONE call: it must succeed and be
+    bit-identical to the oracle, element by element; a wrong error is located by bisection and
+    reported with its value; the result is decoded back and compared with the oracle's widening;
+  * error elements: every boundary of the error set inside the chunk (both sides), the first and
+    last error element and a seeded random sample are encoded alone and must raise
+    ``InvalidDataError`` with the exact text; the whole chunk must raise the text of the first
+    rule that applies (finiteness is checked over the whole array first).
 
 Exactness predicates (``is_bf16_exact`` / ``is_f16_exact``) against their definition,
-``decode(encode(x)) == x`` bit for bit, computed with the oracles:
-  * the exact subset of the chunk in one call must be True; the whole chunk must equal
-    ``all(exact)``;
-  * non-exact elements at every boundary, the first/last and a random sample, each
-    alone and appended to the exact subset, must be False.
+``decode(encode(x)) == x`` bit for bit, computed with the oracles: the exact subset of the chunk
+in one call must be True, the whole chunk ``all(exact)``; non-exact elements at every boundary,
+the first/last and a random sample, each alone and appended to the exact subset, must be False.
 
-(A per-element call for each of the ~4e9 error and non-exact patterns would take hours
-of call overhead; the raw conversions, which the checked kernels share, are compared on
-every element, and the checked entry points on every element of the success path.)
+(A call per error or non-exact pattern, ~4e9, would take hours; the raw conversions, which the
+checked kernels share, are compared on every element, the checked calls on every success.)
 
 Once per run: all 65,536 patterns of each 16-bit format through the raw widening
 (``bf16_bits_to_f32_bits`` / ``f16_bits_to_f32_bits``) and ``decode_activation``.
 
-Prints the mismatch count and the first mismatches in hex; exits 1 on any.
+Prints the mismatch count and the first mismatches in hex; exits 1 on any.  A stop signal
+ends the workers first (130, 143, 129).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import math
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -63,13 +57,16 @@ from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
 from .options import MAX_THREADS, Parser, doc_summary, int_at_least, int_between
-from .signals import exiting_on_signals
+from .signals import exiting_on_signals, signals_deferred
+
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
 #: Mismatches kept per chunk (the count is always exact).
 KEEP = 16
 #: Error / non-exact elements checked one by one per chunk, on top of the boundaries.
 SAMPLES = 8
+#: Seconds between looks at a stop signal while chunks are out (the workers are ended first).
+STOP_CHECK_S = 0.2
 
 CODEC_F16 = int(ActivationCodec.F16_RNE_V1)
 CODEC_BF16 = int(ActivationCodec.BF16_RNE_V1)
@@ -456,12 +453,10 @@ class Progress:
         if not self.tty and done < self.total and now - self.last_line < 10.0:
             return
         self.last_line = now
-        elapsed = now - self.t0
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        rate = done / (now - self.t0) if now > self.t0 else 0.0
         filled = int(self.width * frac)
         bar = "#" * filled + "." * (self.width - filled)
-        eta_s = "--" if math.isinf(eta) else f"{eta:5.0f}s"
+        eta_s = f"{(self.total - done) / rate:5.0f}s" if rate > 0 else "--"
         line = f"[{bar}] {100 * frac:5.1f}% {done:>10}/{self.total} {rate / 1e6:6.1f} M/s eta {eta_s} mismatches {mismatches}"
         self.stream.write(("\r" + line) if self.tty else (line + "\n"))
         self.stream.flush()
@@ -486,38 +481,43 @@ def _stopping(pool: ProcessPoolExecutor) -> None:
 
 
 def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
-    """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks."""
+    """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks.  A stop signal is
+    seen between waits (:data:`STOP_CHECK_S`), not raised inside the pool's code, whose locks it could leave held."""
     failures: list[str] = []
     done, mismatches = 0, sum(r.mismatches for r in results)
     # spawn: no fork of a (possibly threaded) parent; each worker imports its own kernels.
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
-    try:
-        pending, todo = {}, iter(chunks)
-        for start, n in todo:
-            pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
-            if len(pending) >= 2 * workers:
-                break
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                start, n = pending.pop(fut)
-                try:
-                    r = fut.result()
-                except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
-                    failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
-                    r = ChunkResult(start, n)
-                results.append(r)
-                done += n
-                mismatches += r.mismatches
-                if progress:
-                    progress.update(done, mismatches)
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
-    except BaseException:
-        _stopping(pool)
-        raise
-    pool.shutdown()
+    with signals_deferred() as stop:
+        try:
+            pending, todo = {}, iter(chunks)
+            for start, n in todo:
+                pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
+                if len(pending) >= 2 * workers:
+                    break
+            while pending and not stop:
+                finished, _ = wait(pending, timeout=STOP_CHECK_S, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    start, n = pending.pop(fut)
+                    try:
+                        r = fut.result()
+                    except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
+                        failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
+                        r = ChunkResult(start, n)
+                    results.append(r)
+                    done += n
+                    mismatches += r.mismatches
+                    if progress:
+                        progress.update(done, mismatches)
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
+        except BaseException:
+            _stopping(pool)
+            raise
+        if stop:  # leaving signals_deferred() delivers it: the command exits 130, 143 or 129
+            _stopping(pool)
+        else:
+            pool.shutdown()
     return failures
 
 
