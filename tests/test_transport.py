@@ -15,7 +15,7 @@ import pytest
 
 from skippy_wire.errors import InvalidDataError, UnexpectedEofError
 from skippy_wire.net.tls import TlsConfig, starts_tls_handshake
-from skippy_wire.net.transport import HEAD_BYTES, Peer, SocketReader, parse_address
+from skippy_wire.net.transport import HEAD_BYTES, Peer, PeerClosedError, SocketReader, parse_address
 from skippy_wire.wire import frame
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -67,12 +67,15 @@ def test_a_record_split_across_segments(pair):
 
 
 def test_close_in_the_middle_of_a_record_is_eof(pair):
+    """The peer's close, also when read again: the reader kept the decoder's plain EOF, which
+    a second read raised as a malformed record."""
     a, b = pair
     reader = SocketReader(b, frame.StageReplyDecoder())
     a.sendall(frame.write_reply(_replies()[0])[:-1])
     a.shutdown(socket.SHUT_WR)
-    with pytest.raises(UnexpectedEofError):
-        reader.read()
+    for _ in range(2):
+        with pytest.raises(PeerClosedError):
+            reader.read()
 
 
 def test_good_records_before_garbage_are_read_first(pair):

@@ -319,8 +319,9 @@ class SocketReader:
             if not (self._recv() if self.decoder.buffered else self._receive_first()):
                 try:
                     self.decoder.close()  # raises on a partial record
-                except UnexpectedEofError as exc:
-                    raise PeerClosedError(exc.message, needed=exc.needed) from None
+                except UnexpectedEofError as exc:  # kept as the socket's close, for a read again
+                    self.decoder.error = PeerClosedError(exc.message, needed=exc.needed)
+                    raise self.decoder.error from None
                 return None
         record, self.last_size, self.last_time, self.last_raw = self._pending.popleft()
         return record
