@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 from test_http_front import FakeEngine, FakeTokenizer, _fake_api
 
 from skippy_wire.net.service import Generation
+from skippy_wire.tools.api_params import MAX_NATIVE_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 class ByteTokenizer(FakeTokenizer):
@@ -154,6 +155,23 @@ def test_llama_servers_defaults_and_limits_on_its_own_route():
     assert cold.temperature == 0.0 and hot.temperature == 3
     assert [r["max_tokens"] for r in engine.requests] == [58, 58, 58, 58, 0]  # the rest of the 64-token context
     assert (openai_default.temperature, openai_default.top_k, openai_default.top_p) == (1.0, 0, 1.0)
+
+
+def test_a_front_end_s_dozen_stop_strings_pass_on_its_own_route_only():
+    """llama-server's /completion sets no limit on ``stop`` and its front-ends send a chat's
+    turn markers (a dozen or more): it answered 400 "at most 4 strings" as OpenAI's routes do."""
+    engine = ScriptedEngine()
+    markers = [f"\n{who}:" for who in ("User", "Assistant", "System", "Human", "AI", "Bot")] * 2 + ["</s>"]
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": "Say hi", "stop": markers}).status_code == 200
+        assert engine.requests[-1]["stop"] == markers
+        for body, message in (({"stop": ["x"] * (MAX_NATIVE_STOP_STRINGS + 1)},
+                               f"at most {MAX_NATIVE_STOP_STRINGS} strings"),
+                              ({"stop": ["x" * MAX_STOP_CHARS] * (MAX_STOP_STRINGS + 1)}, "characters together")):
+            error = _post(client, {"prompt": "Say hi", **body}).json()["error"]
+            assert error["code"] == 400 and message in error["message"], error
+        openai = client.post("/v1/completions", json={"prompt": "Say hi", "stop": markers}).json()["error"]
+        assert openai["param"] == "stop" and f"at most {MAX_STOP_STRINGS} strings" in openai["message"]
 
 
 def test_response_fields_pick_what_the_client_reads_and_every_event_names_its_tokens():

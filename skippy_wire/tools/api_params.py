@@ -21,7 +21,11 @@ from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
 from .options import UNTIL_FULL
 
+#: Stop strings a request may give: OpenAI's 4 on the /v1 routes; llama-server's /completion
+#: sets no limit and its front-ends send a dozen or more (a chat's turn markers), so up to 64
+#: there, their characters together no more than 4 of the longest.
 MAX_STOP_STRINGS = 4
+MAX_NATIVE_STOP_STRINGS = 64
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
 #: byte of text: a whole 8 MiB body would take 1.6 GiB).
 MAX_TOKENIZE_BYTES = 1 << 20
@@ -283,15 +287,18 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     if max_tokens == UNTIL_FULL:
         max_tokens = None
     ignore_eos = _flag(body, "ignore_eos", False)
-    stop = body.get("stop")
+    stop, most_stops = body.get("stop"), MAX_NATIVE_STOP_STRINGS if native else MAX_STOP_STRINGS
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > most_stops:
+        raise BadRequest(f"'stop' must be a string or a list of at most {most_stops} strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"'stop' strings may be at most {MAX_STOP_CHARS} characters long", "stop")
+    if sum(map(len, stop)) > MAX_STOP_STRINGS * MAX_STOP_CHARS:
+        raise BadRequest(f"'stop' strings may hold at most {MAX_STOP_STRINGS * MAX_STOP_CHARS} characters together",
+                         "stop")
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
     if seed is not None:
         seed %= SEED_RANGE
@@ -339,4 +346,4 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
 
 __all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
-           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]
+           "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]
