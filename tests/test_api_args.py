@@ -11,9 +11,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from skippy_wire.errors import PipelineError
-from skippy_wire.stage.models import write_tiny_llama_gguf
+from skippy_wire.net import supervision
+from skippy_wire.stage.models import kv_cache_bytes, write_tiny_llama_gguf
 from skippy_wire.tools import api as api_module
-from skippy_wire.tools.api import STARTED_CTX_SIZE, Api, _check_args, build_parser
+from skippy_wire.tools.api import STARTED_CTX_SIZE, Api, _check_args, build_parser, lanes_that_fit
 from skippy_wire.wire.forwarding import DEFAULT_CTX_SIZE
 
 
@@ -91,6 +92,20 @@ def test_c_over_a_topology_default_ctx_size_is_a_usage_error(tmp_path, tiny_mode
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"--ctx-size 1024 is more than the {DEFAULT_CTX_SIZE} tokens of {tmp_path / 't.json'}'s stages")
+
+
+def test_the_api_starts_no_more_lanes_than_sessions_fit_in_memory(tiny_model, monkeypatch):
+    """Four lanes of sessions whose KV caches together outgrow the memory available: each
+    request past those that fit failed (502) on the stage that ran out; now they queue."""
+    weights, cache = tiny_model.stat().st_size, kv_cache_bytes(tiny_model, 1024)
+    monkeypatch.setattr(supervision, "memory_available", lambda: weights + 2 * cache + cache // 2)
+    said: list[str] = []
+    assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 2
+    assert said == ["warning: --max-inflight 4: the memory available holds the KV caches of 2 session(s) of -c 1024 "
+                    "beside the model's weights; 2 generate at once, the others queue"]
+    assert lanes_that_fit(tiny_model, 1024, 2, said.append) == 2 and len(said) == 1  # they fit: nothing said
+    monkeypatch.setattr(supervision, "memory_available", lambda: None)  # not known: as asked
+    assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 4 and len(said) == 1
 
 
 def test_help_names_each_ctx_size_default():

@@ -378,19 +378,37 @@ def launched_cluster(host: str, port: int) -> StageCluster | None:
     return _LAUNCHED.get((host, int(port)))
 
 
-def check_memory_fits(model: Path, ctx_size: int) -> None:
-    """ValueError when the model's weights (its file's size: the stages copy them out of it)
-    and one session's KV cache over its layers, all on this machine, outgrow the memory
-    available: each stage would refuse its share only once the stages before it had taken
-    theirs (zeroing gigabytes first), or not at all, the machine then swapping or killing
-    processes."""
+def _memory_budget(model: Path, ctx_size: int) -> tuple[int, int, int] | None:
+    """The model's weights (its file's size: the stages copy them out of it), one session's KV
+    cache over its layers, and the memory available on this machine; None where one is not
+    known (a model that cannot be read: the stages say why in their words)."""
     try:
         weights, cache = model.stat().st_size, kv_cache_bytes(model, ctx_size)
-    except (OSError, ValueError):  # a model that cannot be read: the stages say why in their words
-        return
+    except (OSError, ValueError):
+        return None
     available = memory_available()
-    if available is None or weights + cache <= available:
+    return None if available is None else (weights, cache, available)
+
+
+def sessions_fitting(model: Path, ctx_size: int) -> int | None:
+    """How many sessions' KV caches fit beside the model's weights in the memory available now
+    (None: not known).  Sessions past it are refused by the stages that run out."""
+    budget = _memory_budget(model, ctx_size)
+    if budget is None:
+        return None
+    weights, cache, available = budget
+    return max(0, available - weights) // max(cache, 1)
+
+
+def check_memory_fits(model: Path, ctx_size: int) -> None:
+    """ValueError when the model's weights and one session's KV cache over its layers, all on
+    this machine, outgrow the memory available: each stage would refuse its share only once
+    the stages before it had taken theirs (zeroing gigabytes first), or not at all, the machine
+    then swapping or killing processes."""
+    budget = _memory_budget(model, ctx_size)
+    if budget is None or budget[0] + budget[1] <= budget[2]:
         return
+    weights, cache, available = budget
     if weights > available:
         raise ValueError(f"{model.name}'s weights take {weights >> 20} MiB, more than the {available >> 20} MiB "
                          "of memory available")
@@ -484,4 +502,5 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
 
 
 __all__ = ["STARTUP_TIMEOUT", "REPLY_TIMEOUT_STEP_S", "LOG_TAIL_LINES", "stage_reply_timeouts", "launched_cluster",
-           "split_layers", "stage_env", "default_model", "StageProcess", "StageCluster", "launch_pipeline"]
+           "split_layers", "stage_env", "default_model", "StageProcess", "StageCluster", "launch_pipeline",
+           "check_memory_fits", "sessions_fitting"]

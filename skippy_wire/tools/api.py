@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from ..errors import PipelineError, PipelineMismatch, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
-from ..net.supervision import default_model, launch_pipeline
+from ..net.supervision import default_model, launch_pipeline, sessions_fitting
 from ..net.backend import DEFAULT_LANES
 from ..net.connlog import RateLimitedRecords
 from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError,
@@ -352,6 +352,18 @@ class Api:
         return False
 
 
+def lanes_that_fit(model: Path, ctx_size: int, lanes: int, say: Callable[[str], None]) -> int:
+    """``lanes`` (--max-inflight), or as many sessions as the memory available holds the KV
+    caches of beside the model's weights, when fewer (said): the requests past them would each
+    fail on the stage that ran out, where now they wait in the queue."""
+    fitting = sessions_fitting(model, ctx_size)
+    if fitting is None or not 0 < fitting < lanes:  # none at all: the start-up check says so
+        return lanes
+    say(f"warning: --max-inflight {lanes}: the memory available holds the KV caches of {fitting} session(s) of "
+        f"-c {ctx_size} beside the model's weights; {fitting} generate at once, the others queue")
+    return fitting
+
+
 def _bad_request(exc: BadRequest) -> Response:
     return error_response(400, str(exc), param=exc.param, code=exc.code, fields=exc.fields)
 
@@ -494,9 +506,11 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         print(error_line("cannot listen on %s:%d: %s" % (*args.listen_address, describe(exc))), file=sys.stderr)
         return 1
     try:
+        lanes = args.max_inflight
         if args.connect_address:
             cluster, entry = contextlib.nullcontext(), args.connect_address
         else:
+            lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
@@ -521,7 +535,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
             api = Api(engine, model_id=model.stem, chat_template=chat_template,
-                      max_inflight=args.max_inflight, max_queue=args.max_queue, api_key=args.api_key,
+                      max_inflight=lanes, max_queue=args.max_queue, api_key=args.api_key,
                       cors_origins=tuple(args.cors_origin))
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
@@ -533,7 +547,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             with handling_signals((signal.SIGHUP,), server.stop_for):
                 host, port = listener.getsockname()[:2]
                 progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
-                         f"{args.max_inflight} in flight, Ctrl-C to stop)")
+                         f"{lanes} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_key):
                     progress(warning)
                 if not args.connect_address:
