@@ -97,15 +97,20 @@ def test_c_over_a_topology_default_ctx_size_is_a_usage_error(tmp_path, tiny_mode
 def test_the_api_starts_no_more_lanes_than_sessions_fit_in_memory(tiny_model, monkeypatch):
     """Four lanes of sessions whose KV caches together outgrow the memory available: each
     request past those that fit failed (502) on the stage that ran out; now they queue."""
-    weights, cache = tiny_model.stat().st_size, kv_cache_bytes(tiny_model, 1024)
-    monkeypatch.setattr(supervision, "memory_available", lambda: weights + 2 * cache + cache // 2)
+    cache = kv_cache_bytes(tiny_model, 1024)
+    left = [2 * cache + cache // 2]  # what the started stages left (their weights taken)
+    monkeypatch.setattr(supervision, "memory_available", lambda: left[0])
     said: list[str] = []
     assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 2
-    assert said == ["warning: --max-inflight 4: the memory available holds the KV caches of 2 session(s) of -c 1024 "
-                    "beside the model's weights; 2 generate at once, the others queue"]
+    assert said == ["warning: --max-inflight 4: the memory left holds the KV caches of 2 session(s) of -c 1024; "
+                    "2 generate at once, the others queue"]
     assert lanes_that_fit(tiny_model, 1024, 2, said.append) == 2 and len(said) == 1  # they fit: nothing said
+    left[0] = cache // 2  # less than one: one lane, its stage refusing what does not fit
+    assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 1
+    assert said[-1] == ("warning: --max-inflight 4: the memory left holds the KV caches of 0 session(s) of -c 1024; "
+                        "1 generate at once, the others queue")
     monkeypatch.setattr(supervision, "memory_available", lambda: None)  # not known: as asked
-    assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 4 and len(said) == 1
+    assert lanes_that_fit(tiny_model, 1024, 4, said.append) == 4 and len(said) == 2
 
 
 def test_help_names_each_ctx_size_default():

@@ -390,14 +390,15 @@ def _memory_budget(model: Path, ctx_size: int) -> tuple[int, int, int] | None:
     return None if available is None else (weights, cache, available)
 
 
-def sessions_fitting(model: Path, ctx_size: int) -> int | None:
-    """How many sessions' KV caches fit beside the model's weights in the memory available now
-    (None: not known).  Sessions past it are refused by the stages that run out."""
+def sessions_fitting(model: Path, ctx_size: int, *, started: bool = False) -> int | None:
+    """How many sessions' KV caches over the model's layers fit in the memory available now:
+    beside its weights, or, once its stages have ``started``, in what they left (their weights
+    and interpreters taken already); None where not known."""
     budget = _memory_budget(model, ctx_size)
     if budget is None:
         return None
     weights, cache, available = budget
-    return max(0, available - weights) // max(cache, 1)
+    return max(0, available - (0 if started else weights)) // max(cache, 1)
 
 
 def check_memory_fits(model: Path, ctx_size: int) -> None:

@@ -353,15 +353,16 @@ class Api:
 
 
 def lanes_that_fit(model: Path, ctx_size: int, lanes: int, say: Callable[[str], None]) -> int:
-    """``lanes`` (--max-inflight), or as many sessions as the memory available holds the KV
-    caches of beside the model's weights, when fewer (said): the requests past them would each
-    fail on the stage that ran out, where now they wait in the queue."""
-    fitting = sessions_fitting(model, ctx_size)
-    if fitting is None or not 0 < fitting < lanes:  # none at all: the start-up check says so
+    """``lanes`` (--max-inflight), or, when fewer, as many as the memory its started stages
+    left holds sessions' KV caches of (said; at least one): the requests past them would each
+    fail on the stage that ran out of memory, or see it killed, where now they queue."""
+    fitting = sessions_fitting(model, ctx_size, started=True)
+    if fitting is None or fitting >= lanes:
         return lanes
-    say(f"warning: --max-inflight {lanes}: the memory available holds the KV caches of {fitting} session(s) of "
-        f"-c {ctx_size} beside the model's weights; {fitting} generate at once, the others queue")
-    return fitting
+    taken = max(fitting, 1)  # (the stage that cannot hold it refuses even that one's session)
+    say(f"warning: --max-inflight {lanes}: the memory left holds the KV caches of {fitting} session(s) of "
+        f"-c {ctx_size}; {taken} generate at once, the others queue")
+    return taken
 
 
 def _bad_request(exc: BadRequest) -> Response:
@@ -510,13 +511,13 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         if args.connect_address:
             cluster, entry = contextlib.nullcontext(), args.connect_address
         else:
-            lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
             cluster = launch_pipeline(model, args.stages, codec=args.activation_codec,
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
                                       extra_args=poll_args(args.poll_ms, args.stages), session_events_kept=0)
             entry = cluster.entry
+            lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
         # each request that fails in the pipeline, and its recovery, as a progress line
         engine_log = logging.StreamHandler(sys.stderr)
         engine_log.setFormatter(logging.Formatter("[skippy-wire] %(message)s"))
