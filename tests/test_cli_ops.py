@@ -138,19 +138,25 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
-def test_verify_exhaustive_stops_its_workers_on_sigterm(signum, status):
+@pytest.mark.parametrize("group", [False, True], ids=["command", "group"])
+def test_verify_exhaustive_stops_its_workers_on_sigterm(signum, status, group):
     """SIGTERM to the command alone (``kill PID``): it killed the parent and left the workers
     checking for up to 40 minutes; now they stop and the command exits 143 (Ctrl-C 130,
-    SIGHUP 129), the signal seen between the pool's waits, not raised inside them."""
+    SIGHUP 129), the signal seen between the pool's waits, not raised inside them.  Sent to
+    the whole group (a terminal's Ctrl-C or hang-up, ``kill -- -PGID``), it killed the workers
+    too, broke the pool and ended the command with a BrokenProcessPool traceback."""
     proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "verify-exhaustive", "--workers", "2"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+                            preexec_fn=default_sigint, start_new_session=True)
     workers: list[int] = []
     try:
         assert proc.stderr.readline().startswith("[")  # the first progress line: the workers are at it
         workers = _children(proc.pid)
         assert workers
-        proc.send_signal(signum)
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
         try:  # a worker left running holds the pipes open
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:

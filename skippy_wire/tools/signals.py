@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Iterator
 
 from ..stage.interrupt import STOP_SIGNALS
@@ -55,4 +56,40 @@ def exiting_on_signals() -> Iterator[None]:
         yield
 
 
-__all__ = ["STOP_SIGNALS", "handling_signals", "signals_deferred", "exiting_on_signals"]
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Inside: a stop signal waits, blocked in this thread, and the processes started meanwhile
+    begin with them blocked (multiprocessing's resource tracker then keeps SIGHUP so: it ignores
+    only SIGINT and SIGTERM, and a group's hang-up killed it); one that came is delivered on
+    leaving."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """A worker process's initializer: the stop signals are its parent's to act on (a terminal's
+    Ctrl-C or hang-up, or ``kill -- -PGID``, reaches every process of the group), which ends
+    the workers (:func:`end_workers`)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers(pool: ProcessPoolExecutor) -> None:
+    """On a stop: end the workers of ``pool`` (started with :func:`ignore_stop_signals`) now,
+    not after the tasks in flight, and wait for them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before 3.14
+    for proc in procs:
+        proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.join(5)
+    # (its manager thread closes a wake-up pipe Python 3.11 writes to unlocked at exit: EBADF)
+    if getattr(pool, "_executor_manager_thread", None) is not None:
+        pool._executor_manager_thread.join(5)
+
+
+__all__ = ["STOP_SIGNALS", "handling_signals", "signals_deferred", "exiting_on_signals", "ignore_stop_signals",
+           "end_workers", "stop_signals_blocked"]

@@ -57,7 +57,7 @@ from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
 from .options import MAX_THREADS, Parser, doc_summary, int_at_least, int_between
-from .signals import exiting_on_signals, signals_deferred
+from .signals import end_workers, exiting_on_signals, ignore_stop_signals, signals_deferred, stop_signals_blocked
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
@@ -467,35 +467,28 @@ class Progress:
             self.stream.flush()
 
 
-def _stopping(pool: ProcessPoolExecutor) -> None:
-    """Ctrl-C, SIGTERM, SIGHUP: end the workers now (else they finish their chunks in flight)."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before 3.14
-    for proc in procs:
-        proc.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in procs:
-        proc.join(5)
-    # (its manager thread closes a wake-up pipe Python 3.11 writes to unlocked at exit: EBADF)
-    if getattr(pool, "_executor_manager_thread", None) is not None:
-        pool._executor_manager_thread.join(5)
-
-
 def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
     """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks.  A stop signal is
     seen between waits (:data:`STOP_CHECK_S`), not raised inside the pool's code, whose locks it could leave held."""
     failures: list[str] = []
     done, mismatches = 0, sum(r.mismatches for r in results)
-    # spawn: no fork of a (possibly threaded) parent; each worker imports its own kernels.
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    pool = None
     with signals_deferred() as stop:
         try:
-            pending, todo = {}, iter(chunks)
-            for start, n in todo:
-                pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
-                if len(pending) >= 2 * workers:
-                    break
+            # The workers and multiprocessing's resource tracker start deaf to a stop (this
+            # process ends them); spawn: no fork of a (possibly threaded) parent.
+            with stop_signals_blocked():
+                pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                                           initializer=ignore_stop_signals)
+                pending, todo = {}, iter(chunks)
+                for start, n in todo:
+                    pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
+                    if len(pending) >= 2 * workers:
+                        break
             while pending and not stop:
                 finished, _ = wait(pending, timeout=STOP_CHECK_S, return_when=FIRST_COMPLETED)
+                if stop:
+                    break
                 for fut in finished:
                     start, n = pending.pop(fut)
                     try:
@@ -512,10 +505,12 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list
                     if nxt is not None:
                         pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
         except BaseException:
-            _stopping(pool)
-            raise
+            if pool is not None:
+                end_workers(pool)
+            if not stop:  # else what a stop broke: the stop is delivered, as below
+                raise
         if stop:  # leaving signals_deferred() delivers it: the command exits 130, 143 or 129
-            _stopping(pool)
+            end_workers(pool)
         else:
             pool.shutdown()
     return failures
