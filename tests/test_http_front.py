@@ -934,10 +934,17 @@ def test_a_signal_ignored_when_the_server_starts_stays_ignored():
     try:
         server = http_front.StoppingServer(uvicorn.Config(_fake_api().app(), log_level="warning", lifespan="off"),
                                            lambda line: None)
-        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        stop = threading.Timer(1.0, setattr, (server, "should_exit", True))
+
+        def ctrl_c_once_serving() -> None:  # uvicorn's handlers are in place once it has started
+            deadline = time.monotonic() + 10
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+            server.should_exit = True
+
+        ctrl_c = threading.Thread(target=ctrl_c_once_serving, daemon=True)
         ctrl_c.start()
-        stop.start()
         server.run(sockets=[listener])  # in the main thread: uvicorn installs its handlers only there
         ctrl_c.join()
     finally:

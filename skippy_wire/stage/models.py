@@ -462,7 +462,7 @@ class Tokenizer:
             raise TypeError(f"token ids must be a sequence of integers, not {type(ids).__name__}")
         out = []
         for i in ids:
-            if not isinstance(i, numbers.Integral):  # int(2.7) would be token 2
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):  # int(2.7) would be token 2
                 raise TypeError(f"a token id must be an integer, not {type(i).__name__}")
             out.append(int(i))
             if not 0 <= out[-1] < self.n_vocab:
