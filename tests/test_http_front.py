@@ -682,6 +682,26 @@ def test_a_request_waits_for_one_prompt_of_a_batch_at_the_tokenizer_not_all_of_t
     assert encoded == ["b0", "L", "b1", "b2"]
 
 
+def test_a_batch_whose_client_left_is_read_no_further(monkeypatch):
+    """Its prompts were all tokenized for nobody (about 10 s for 48 long ones, everyone's
+    completions waiting) before the queue found the client gone."""
+    engine = FakeEngine()
+    release, encoded = threading.Event(), []
+
+    def encode(text, add_bos=None):
+        encoded.append(text)
+        assert text != "b0" or release.wait(30)  # the first prompt holds the tokenizer
+        return list(text.encode("utf-8"))
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    with serving(_fake_api(engine).app(), limit_concurrency=LIMIT) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(url + "/v1/completions", json={"prompt": ["b0", "b1", "b2"], "max_tokens": 1}, timeout=0.5)
+        release.set()
+        _until(lambda: engine.counters["cancelled"] == 1, "the request is counted as cancelled")
+    assert encoded == ["b0"] and not engine.prompts
+
+
 def test_a_tokenize_text_over_the_limit_is_refused_without_queueing_for_the_tokenizer():
     """It waited behind whatever held the one tokenizing thread (a long batch) before its
     size was looked at, its parsed body kept meanwhile."""

@@ -308,6 +308,8 @@ class Api:
             # batch one prompt at a time (the first too long refuses it before the rest is read).
             checked = []
             for read in self.prompt_reader.readers(body, chat, options.n):
+                if checked and await request.is_disconnected():  # the rest of its batch is read for nobody
+                    break
                 tokens = await self._tokenize(read)
                 checked.append((tokens, fits(tokens)))
             prompts = [prompt for prompt, _ in checked for _ in range(options.n)]  # each choice in turn
