@@ -323,7 +323,7 @@ class PipelineClient:
                 self._run(result, chunks, max_tokens, is_eog, on_token, before_step, request_id, session_id)
                 opened = False
                 try:
-                    self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+                    self._stop_session(request_id, session_id)
                 except PipelineError as exc:
                     result.session_end_error = str(exc)
                     self.close()
@@ -397,11 +397,15 @@ class PipelineClient:
             while self._owed:
                 self.receive("a step nobody wants any more")
             if opened:
-                self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
+                self._stop_session(request_id, session_id)
         except BaseException as failed:
             self.close()
             if not isinstance(failed, Exception):
                 raise
+
+    def _stop_session(self, request_id: int, session_id: int) -> None:
+        """Stop, which frees the session on every stage, and its Ack."""
+        self._expect(self._request(StageWireMessage.stop(request_id, session_id), "Stop"), ack=True)
 
     def _expect(self, reply, *, ack: bool):
         kind = int(reply.kind)
