@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import struct
+import traceback
 
 import pytest
 
@@ -118,11 +119,16 @@ def test_fatal_error_is_kept_and_earlier_messages_are_delivered(impl):
     got = decoder.feed(data + garbage + data)
     assert [message_to_case(m) for m in got] == want  # messages before the error come first
     assert isinstance(decoder.error, InvalidDataError)
-    for _ in range(2):
-        with pytest.raises(InvalidDataError, match="^unknown stage message kind$"):
+    depths = []
+    for _ in range(3):
+        with pytest.raises(InvalidDataError, match="^unknown stage message kind$") as caught:
             decoder.feed(data)  # the error is raised by the next feed, and every later one
-    with pytest.raises(InvalidDataError):
-        decoder.close()
+        depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+    for _ in range(2):
+        with pytest.raises(InvalidDataError) as caught:
+            decoder.close()
+        depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+    assert depths[1] == depths[2] and depths[3] == depths[4]  # a raise again does not lengthen its traceback
 
 
 def test_ends_give_the_stream_offset_after_each_message(impl):

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -73,9 +74,12 @@ def test_close_in_the_middle_of_a_record_is_eof(pair):
     reader = SocketReader(b, frame.StageReplyDecoder())
     a.sendall(frame.write_reply(_replies()[0])[:-1])
     a.shutdown(socket.SHUT_WR)
-    for _ in range(2):
-        with pytest.raises(PeerClosedError):
+    depths = []
+    for _ in range(3):
+        with pytest.raises(PeerClosedError) as caught:
             reader.read()
+        depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+    assert depths[1] == depths[2]  # each raise starts its own traceback (it grew by a frame a read)
 
 
 def test_good_records_before_garbage_are_read_first(pair):

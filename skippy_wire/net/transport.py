@@ -310,7 +310,7 @@ class SocketReader:
         until it (and at most :attr:`stall_timeout`), then ``TimeoutError``."""
         while not self._pending:
             if self.decoder.error is not None:  # kept after the records before it were queued
-                raise self.decoder.error
+                raise self.decoder.error.with_traceback(None)  # a fresh traceback each time, not a longer one
             if self.deadline is not None:
                 left = self.deadline - time.monotonic()
                 if left <= 0:

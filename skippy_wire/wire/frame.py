@@ -248,7 +248,7 @@ class _IncrementalDecoder(Generic[_Record]):
     def feed(self, chunk) -> list[_Record]:
         """Take the next bytes of the stream; return the records they complete."""
         if self.error is not None:
-            raise self.error
+            raise self.error.with_traceback(None)  # a fresh traceback each time, not a longer one
         out: list[_Record] = []
         self.ends = []
         if not isinstance(chunk, (bytes, bytearray)):
@@ -321,7 +321,7 @@ class _IncrementalDecoder(Generic[_Record]):
         """Declare the end of input: raises the kept error, or UnexpectedEofError when a
         partial record is buffered."""
         if self.error is not None:
-            raise self.error
+            raise self.error.with_traceback(None)
         if self.buffered:
             self.error = UnexpectedEofError()
             raise self.error
