@@ -779,6 +779,30 @@ def test_a_decode_step_of_several_tokens_is_refused_before_it_is_computed(chain_
     assert "a DecodeEmbd carries one token, this one 2" in caplog.text
 
 
+def test_explicit_positions_other_than_the_tokens_own_are_refused(chain_factory, caplog):
+    """A positions list the runtime would not follow (it places tokens at pos_start on) is
+    refused before any cache changes; the tokens' own positions are accepted as if absent."""
+    from skippy_wire.net.driver import prefill_messages
+
+    chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        plain = client.request(next(prefill_messages(PROMPT[:3], 16, 1, 1))).predicted
+    for positions in ([0, 1, 2], [0, 1000000, 2], [0, 1], [2, 1, 0]):
+        msg = next(prefill_messages(PROMPT[:3], 16, 1, 1))
+        msg.positions = positions
+        created = [len(b.sessions) for b in chain.backends]
+        with PipelineClient(*chain.entry, timeout=10) as client:
+            if positions == [0, 1, 2]:
+                assert client.request(msg).predicted == plain
+                continue
+            with pytest.raises(PipelineError, match="closed the connection"):
+                client.request(msg)
+        assert f"carries {len(positions)} explicit positions that are not its 3 tokens' own (0 on" in caplog.text
+        assert [len(b.sessions) for b in chain.backends] == created  # refused before a session was opened
+        caplog.clear()
+
+
 def test_a_message_whose_token_ids_miss_its_count_is_refused_by_every_stage(chain_factory, caplog):
     from skippy_wire.net.driver import prefill_messages
 

@@ -104,7 +104,8 @@ COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EM
 def check_runnable(msg, backend) -> None:
     """Refuse, before any cache changes, a DecodeEmbd of more than one token (the runtime
     decodes one a step), a driver's message (tokens, no activation) at a stage that is not
-    the first, another stage's message (an activation) at the first, and sampling the terminal stage's native sampler would refuse (with its
+    the first, another stage's message (an activation) at the first, explicit positions
+    other than the tokens' own, and sampling the terminal stage's native sampler would refuse (with its
     reason, here, rather than relayed to close the pipeline with none)."""
     if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
         raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
@@ -117,8 +118,19 @@ def check_runnable(msg, backend) -> None:
         raise StageError(f"stage {msg.state.source_stage_index}'s {WireMessageKind(msg.kind).name} (an activation) "
                          "reached a first stage (layer 0 on), which embeds the driver's tokens: a stage's "
                          "downstream is the stage after it")
+    if msg.kind in COMPUTED_KINDS and msg.positions and not _own_positions(msg):
+        # the runtime places a message's tokens at pos_start on; other places were computed wrongly, silently
+        raise StageError(f"{WireMessageKind(msg.kind).name} at position {msg.pos_start} carries "
+                         f"{len(msg.positions)} explicit positions that are not its {msg.token_count} tokens' own "
+                         f"({msg.pos_start} on, one each): this stage computes no other positions")
     if msg.sampling is not None:  # a ConfigureGeneration's too: every stage would relay and Ack it
         check_sampling(sampling_to_bytes(msg.sampling))
+
+
+def _own_positions(msg) -> bool:
+    """Whether ``msg``'s explicit positions are the ones its tokens take anyway."""
+    return len(msg.positions) == msg.token_count and all(
+        position == msg.pos_start + i for i, position in enumerate(msg.positions))
 
 
 class LaneGate:
