@@ -58,19 +58,46 @@ def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path)
     assert special == [engine.tokenizer.bos_id] + plain
 
 
-def test_tokenize_and_detokenize_refuse_bad_fields_with_openai_errors(client):
-    for path, body, param in (("/tokenize", {}, "content"), ("/tokenize", {"content": 5}, "content"),
+def test_tokenize_and_detokenize_refuse_bad_fields_with_llama_server_errors(client):
+    """These are llama-server's routes: its error object (code = the status), as /completion's."""
+    for path, body, param in (("/tokenize", {"content": 5}, "content"),
                               ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
                               ("/detokenize", {"tokens": "1 2"}, "tokens"),
                               ("/detokenize", {"tokens": [1, True]}, "tokens"),
-                              ("/detokenize", {"tokens": [client.tokenizer.n_vocab]}, "tokens")):
+                              ("/detokenize", {"tokens": [client.tokenizer.n_vocab]}, "tokens"),
+                              ("/apply-template", {"messages": [{"role": "robot", "content": "x"}]}, "")):
         r = client.post(path, json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
-    assert client.post("/tokenize", content=b"[1]").status_code == 400  # not a JSON object
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == 400 and error["type"] == "invalid_request_error", r.text
+        assert "param" not in error and param in error["message"], (path, body, r.text)
+    not_object = client.post("/tokenize", content=b"[1]")
+    assert not_object.status_code == 400 and not_object.json()["error"]["code"] == 400
     big = client.post("/tokenize", json={"content": "x" * (MAX_TOKENIZE_BYTES + 1)})  # its memory: bounded
-    assert big.status_code == 400 and big.json()["error"]["param"] == "content", big.text
+    assert big.status_code == 400 and "/tokenize takes at most" in big.json()["error"]["message"], big.text
     lone = client.post("/tokenize", content=b'{"content": "Hi \\ud800"}')  # an unpaired surrogate
-    assert lone.status_code == 400 and lone.json()["error"]["param"] == "content", lone.text
+    assert lone.status_code == 400 and "content" in lone.json()["error"]["message"], lone.text
+
+
+def test_tokenize_without_content_and_detokenize_without_tokens_answer_empty(client):
+    # as llama-server: an absent field is no text / no tokens
+    assert client.post("/tokenize", json={}).json() == {"tokens": []}
+    assert client.post("/detokenize", json={}).json() == {"content": ""}
+
+
+def test_detokenize_gives_at_most_as_much_text_as_tokenize_takes(client):
+    """Its answer is bounded by the text its tokens stand for, not by their count: 8 MiB of
+    ids of a 64-byte token stood for an 85 MiB answer, held until its client read it."""
+    tokenizer = client.tokenizer
+    longest = max(range(tokenizer.n_vocab), key=lambda i: len(tokenizer.token_bytes(i)))
+    size = len(tokenizer.token_bytes(longest))
+    fits = MAX_TOKENIZE_BYTES // size
+    r = client.post("/detokenize", json={"tokens": [longest] * fits})
+    assert r.status_code == 200 and len(r.json()["content"].encode()) == fits * size
+    over = client.post("/detokenize", json={"tokens": [longest] * (fits + 1)})
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["message"] == (f"'tokens' stand for {(fits + 1) * size} bytes of text; /detokenize "
+                                               f"gives at most {MAX_TOKENIZE_BYTES} (detokenize a long list in parts)")
+    assert tokenizer.text_bytes([longest, 0]) == size + len(tokenizer.token_bytes(0))
 
 
 def test_apply_template_renders_as_the_chat_route_does(client):
@@ -80,4 +107,4 @@ def test_apply_template_renders_as_the_chat_route_does(client):
     assert r.json() == {"prompt": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                                   "<|im_start|>assistant\n"}
     bad = client.post("/apply-template", json={"messages": [{"role": "robot", "content": "x"}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]

@@ -317,6 +317,7 @@ class Tokenizer:
         self._hf = None
         self._hf_literal = None
         self._placeholders = False
+        self._piece_sizes: Optional[list[int]] = None  # len(token_bytes(i)) per id, made when first asked
         self._byte_ids: dict[int, int] = {}
         self._id_bytes: dict[int, bytes] = {}
         eog = {t for t in (eos_id, eot_id, eom_id) if t is not None and t >= 0}
@@ -496,6 +497,14 @@ class Tokenizer:
         if self.token_types[token_id] != _NORMAL:
             return text.encode("utf-8")
         return bytes(_BYTE_OF_CHAR[c] for c in text)
+
+    def text_bytes(self, ids: Iterable[int]) -> int:
+        """How many bytes of text ``ids`` stand for (their :meth:`token_bytes` together),
+        known without decoding them."""
+        if self._piece_sizes is None:
+            self._piece_sizes = [len(self.token_bytes(i)) for i in range(self.n_vocab)]
+        sizes = self._piece_sizes
+        return sum(sizes[i] for i in self._check(ids))
 
     def is_eog(self, token_id: int) -> bool:
         """True for end-of-generation tokens (EOS/EOT/EOM and known end-of-turn controls)."""

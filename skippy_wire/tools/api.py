@@ -47,7 +47,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, llama_error, llama_piece
 from .api_prompts import PromptReader
-from .api_params import (BadRequest, check_context, check_text, check_token_ids, check_tokenize_size, parse_detokenize,
+from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids, check_tokenize_size, parse_detokenize,
                          parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
@@ -217,16 +217,21 @@ class Api:
 
     async def tokenize(self, request: Request) -> Response:
         # the size refused before the request queues for the tokenizer (behind a long prompt, say)
-        return await self._answer_body(request, self._tokenized,
-                                       check=lambda body: check_tokenize_size(parse_tokenize(body)[0]))
+        return llama_error(await self._answer_body(request, self._tokenized,
+                                                   check=lambda body: check_tokenize_size(parse_tokenize(body)[0])))
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._answer_body(request, lambda body: {
-            "content": self.engine.tokenizer.decode(parse_detokenize(body, self.engine.tokenizer.n_vocab))})
+        return llama_error(await self._answer_body(request, self._detokenized))
+
+    def _detokenized(self, body: dict) -> dict:
+        tokenizer = self.engine.tokenizer
+        tokens = parse_detokenize(body, tokenizer.n_vocab)
+        check_detokenize_size(tokenizer.text_bytes(tokens))  # before the text is made
+        return {"content": tokenizer.decode(tokens)}
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
-        return await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)})
+        return llama_error(await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)}))
 
     async def _answer_body(self, request: Request, answer, check=None) -> Response:
         """``answer(body)`` of the request's JSON body, computed off the event loop (a long

@@ -120,12 +120,13 @@ def check_llama_context(prompt_tokens: int, ctx: int) -> None:
 def llama_error(response: Response) -> Response:
     """An error answer in llama-server's words: ``{"error": {"code": STATUS, "message",
     "type"}}`` (OpenAI's ``code`` is a name, llama-server's the HTTP status; a prompt too
-    long for the context is its ``exceed_context_size_error``), with the members the error
-    carries beside OpenAI's four."""
+    long for the context is its ``exceed_context_size_error``, a 503 its ``unavailable_error``),
+    with the members the error carries beside OpenAI's four."""
     if response.status_code < 400 or response.media_type != "application/json":
         return response
     error = json.loads(response.body).get("error") or {}
-    kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else error.get("type")
+    kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
+        "unavailable_error" if response.status_code == 503 else error.get("type")
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
     return JSONResponse({"error": {"code": response.status_code, "message": error.get("message"), "type": kind,

@@ -27,7 +27,8 @@ from .options import UNTIL_FULL
 MAX_STOP_STRINGS = 4
 MAX_NATIVE_STOP_STRINGS = 64
 #: Bytes of text ``/tokenize`` takes at once (tokenizing holds about 200 bytes of memory per
-#: byte of text: a whole 8 MiB body would take 1.6 GiB).
+#: byte of text: a whole 8 MiB body would take 1.6 GiB), and ``/detokenize`` gives (an 8 MiB
+#: body of long tokens would stand for 85 MiB, held until a slow client has read it).
 MAX_TOKENIZE_BYTES = 1 << 20
 #: Generations in one request: its prompts (a completion's ``prompt`` as a batch) times
 #: ``n``, the choices of each; they run side by side on the lanes idle when it starts.
@@ -183,6 +184,13 @@ def check_tokenize_size(text: str) -> None:
                          "text in parts)", "content")
 
 
+def check_detokenize_size(size: int) -> None:
+    """``/detokenize`` gives at most :data:`MAX_TOKENIZE_BYTES` of text (``size``: what its tokens stand for)."""
+    if size > MAX_TOKENIZE_BYTES:
+        raise BadRequest(f"'tokens' stand for {size} bytes of text; /detokenize gives at most {MAX_TOKENIZE_BYTES} "
+                         "(detokenize a long list in parts)", "tokens")
+
+
 def suppress_end_of_generation(sampling: SamplingParams, eog_ids: tuple[int, ...]) -> None:
     """``ignore_eos`` as llama-server applies it (:meth:`.SamplingParams.ban_end_of_generation`),
     within the wire's logit-bias entries."""
@@ -326,9 +334,10 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
 
 
 def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
-    """llama-server's ``/tokenize`` body: ``content``, then ``add_special`` (default false),
-    ``parse_special`` (default true) and ``with_pieces`` (default false)."""
-    content = body.get("content")
+    """llama-server's ``/tokenize`` body: ``content`` (absent: no text, as llama-server takes
+    it), then ``add_special`` (default false), ``parse_special`` (default true) and
+    ``with_pieces`` (default false)."""
+    content = _given(body, "content", "")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", "content")
     return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
@@ -344,6 +353,6 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     return tokens
 
 
-__all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_context",
+__all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_detokenize_size", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]
