@@ -191,10 +191,12 @@ def test_health_reports_the_probe_s_own_reason_when_it_fails_at_its_timeout(monk
     waited exactly that timeout, so it said only "did not answer" instead of the reason."""
     reason = "stage 1 at 127.0.0.1:19001 did not reply within 0.2 s"
     engine = _SlowProbe(0.2 + 0.05, reason)  # past READY_TIMEOUT_S, well inside the margin
-    assert _health(engine, monkeypatch, 0.2) == {"status": "unavailable", "error": reason}
+    assert _health(engine, monkeypatch, 0.2) == {"status": "unavailable", "error": {
+        "code": 503, "message": reason, "type": "unavailable_error"}}  # llama-server's error object
 
 
 def test_health_still_answers_when_the_probe_outlasts_its_margin(monkeypatch):
     engine = _SlowProbe(0, None)  # never answers until released
     assert _health(engine, monkeypatch, 0.1, HEALTH_MARGIN_S=0.1) == {
-        "status": "unavailable", "error": "the pipeline did not answer within 0.2 s"}
+        "status": "unavailable", "error": {"code": 503, "message": "the pipeline did not answer within 0.2 s",
+                                           "type": "unavailable_error"}}

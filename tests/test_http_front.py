@@ -590,7 +590,7 @@ def test_health_asks_every_stage():
             assert client.get("/health").json() == {"status": "ok"}  # a pooled connection reused
             chain.servers[2].shutdown()  # the last stage goes
             r = client.get("/health")
-            assert r.status_code == 503 and r.json()["status"] == "unavailable" and r.json()["error"], r.json()
+            assert r.status_code == 503 and r.json()["status"] == "unavailable" and r.json()["error"]["message"], r.json()
     finally:
         api.close()
         chain.close()

@@ -189,7 +189,9 @@ class Api:
             error = str(exc)
         else:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "error": error}, status_code=503)
+        # llama-server's error object (clients read error.message), beside a status word
+        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": error,
+                                                                "type": "unavailable_error"}}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         c, a = self.engine.counters, self.admission
