@@ -257,6 +257,8 @@ class FakeTokenizer:
 
     n_vocab = 256
     eog_ids = (0,)
+    bos_id, eos_id = None, 0
+    tokens = [f"<b{i}>" for i in range(n_vocab)]
     max_token_bytes = 4  # an upper bound, as the real one's is (one byte each here)
 
     def __init__(self) -> None:
@@ -831,8 +833,17 @@ def test_llama_server_routes_without_v1_and_its_props():
         r = client.post("/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
         props = client.get("/props").json()
-        assert props["default_generation_settings"] == {"n_ctx": 64} and props["total_slots"] == 1
-        assert props["chat_template"] == ROLE_TEMPLATE.source
+        settings = props["default_generation_settings"]
+        assert settings["n_ctx"] == 64 and props["total_slots"] == 1
+        # /completion's defaults, as the llama.cpp web UI reads them
+        assert {k: settings["params"][k] for k in ("temperature", "top_k", "top_p", "min_p", "n_predict")} == {
+            "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "n_predict": -1}
+        assert props["model_path"] == "m" and props["chat_template"] == ROLE_TEMPLATE.source
+        assert props["bos_token"] == "" and props["eos_token"] == "<b0>"  # the model has no BOS, its EOS
+        # no slots to list or save: llama-server's answer where its slots endpoint is off
+        for r in (client.get("/slots"), client.post("/slots/0?action=save", json={"filename": "x"})):
+            assert r.status_code == 501 and r.json() == {"error": {
+                "code": 501, "message": "This server does not support slots endpoint.", "type": "not_supported_error"}}
 
 
 def test_llama_server_request_conventions():

@@ -45,7 +45,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_llama import LlamaCompletionJob, check_llama_context, llama_error, llama_piece
+from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_error, llama_piece
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids, check_tokenize_size, parse_detokenize,
                          parse_options, parse_tokenize, suppress_end_of_generation)
@@ -120,6 +120,8 @@ class Api:
                 Route(prefix + "/health", self.health, methods=["GET"]))),
             Route("/completion", self.llama_completion, methods=["POST"]),
             Route("/props", self.props, methods=["GET"]),
+            Route("/slots", self.slots, methods=["GET"]),
+            Route("/slots/{id_slot}", self.slots, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
@@ -167,12 +169,24 @@ class Api:
         return JSONResponse(self._model_object())
 
     async def props(self, request: Request) -> Response:
-        """llama-server's ``GET /props``: what its clients read of it (the context size, the
-        slots, the chat template, the build)."""
-        return JSONResponse({"default_generation_settings": {"n_ctx": self.engine.ctx_size},
-                             "total_slots": self.max_inflight,
+        """llama-server's ``GET /props``: what its clients read of it (the context size and
+        ``/completion``'s defaults, the slots, the model, the chat template and special tokens,
+        the build)."""
+        tokenizer = self.engine.tokenizer
+        special = {f"{name}_token": "" if i is None else tokenizer.tokens[i]
+                   for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
+        return JSONResponse({"default_generation_settings": {
+                                 "n_ctx": self.engine.ctx_size,
+                                 "params": generation_settings(parse_options({}, native=True))},
+                             "total_slots": self.max_inflight, "model_path": self.model_id,
                              "chat_template": self.chat_template.source if self.chat_template else "",
+                             **special,
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
+
+    async def slots(self, request: Request) -> Response:
+        """llama-server's answer where its slots endpoint is off: the stages keep no slots to list or save."""
+        return llama_error(error_response(501, "This server does not support slots endpoint.",
+                                          type_="not_supported_error"))
 
     async def health(self, request: Request) -> Response:
         """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else

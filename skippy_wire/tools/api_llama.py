@@ -19,7 +19,7 @@ import json
 from starlette.responses import JSONResponse, Response
 
 from .api_job import GenerationJob
-from .api_params import BadRequest
+from .api_params import BadRequest, Options
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
 from .http_front import sse
@@ -60,7 +60,6 @@ class LlamaCompletionJob(GenerationJob):
         return picked
 
     def _final(self, index: int, result, *, streamed: bool) -> dict:
-        sampling = self.options.sampling
         return {
             "index": index,
             "content": "" if streamed else result.text,
@@ -70,15 +69,7 @@ class LlamaCompletionJob(GenerationJob):
             "model": self.api.model_id,
             "tokens_predicted": result.completion_tokens,
             "tokens_evaluated": result.prompt_tokens,
-            "generation_settings": {
-                "n_predict": UNTIL_FULL if self.options.max_tokens is None else self.options.max_tokens,
-                "seed": LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed,
-                "temperature": sampling.temperature,
-                "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-                "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
-                "frequency_penalty": sampling.frequency_penalty, "repeat_last_n": sampling.repeat_last_n,
-                "ignore_eos": sampling.ignore_eos,
-                "stop": self.options.stop, "stream": self.options.stream},
+            "generation_settings": generation_settings(self.options),
             "prompt": self.api.engine.tokenizer.decode(self.prompts[index]),
             "has_new_line": "\n" in result.text,
             "truncated": False,
@@ -105,6 +96,19 @@ class LlamaCompletionJob(GenerationJob):
 
 
 _MISSING = object()
+
+
+def generation_settings(options: Options) -> dict:
+    """A request's settings as llama-server reports them (its ``generation_settings``; a
+    body's defaults are /props' ``default_generation_settings.params``)."""
+    sampling = options.sampling
+    return {"n_predict": UNTIL_FULL if options.max_tokens is None else options.max_tokens,
+            "seed": LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
+            "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty, "repeat_last_n": sampling.repeat_last_n,
+            "ignore_eos": sampling.ignore_eos, "stop": options.stop, "stream": options.stream}
 
 
 def check_llama_context(prompt_tokens: int, ctx: int) -> None:
@@ -162,4 +166,4 @@ def _timings(result) -> dict:
             "predicted_per_second": predicted_per_second}
 
 
-__all__ = ["LlamaCompletionJob", "check_llama_context", "llama_error", "llama_piece"]
+__all__ = ["LlamaCompletionJob", "check_llama_context", "generation_settings", "llama_error", "llama_piece"]
