@@ -84,6 +84,23 @@ def test_the_penalties_window_is_llama_servers_repeat_last_n():
             parse_options({"repeat_last_n": bad})
         assert err.value.param == "repeat_last_n"
 
+def test_a_whole_float_is_taken_for_an_integer_field_on_llama_server_s_route():
+    # clients that build every number as a float send 40.0; OpenAI's routes refuse it, as
+    # OpenAI does (below), and 1.5 stays refused everywhere
+    body = {"max_tokens": 2.0, "seed": 7.0, "top_k": 40.0, "n": 2.0, "repeat_last_n": 16.0}
+    options = parse_options(body, native=True)
+    assert (options.max_tokens, options.sampling.seed, options.sampling.top_k, options.n) == (2, 7, 40, 2)
+    assert type(options.max_tokens) is int and type(options.sampling.seed) is int
+    assert options.sampling.repeat_last_n == 16
+    for name in body:
+        with pytest.raises(BadRequest) as err:
+            parse_options({name: body[name]})
+        assert err.value.param == name
+    for bad in ({"max_tokens": float("inf")}, {"seed": 2.0 ** 80}, {"n": 2.5}):
+        with pytest.raises(BadRequest):
+            parse_options(bad, native=True)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"n": 0}, "n"),
     ({"n": 65}, "n"),
