@@ -47,7 +47,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_error, llama_piece
 from .api_prompts import PromptReader
-from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids, check_tokenize_size, parse_detokenize,
+from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids, parse_detokenize,
                          parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
@@ -232,9 +232,7 @@ class Api:
     # -- llama-server's tokenizer and template routes (no generation, no lane)
 
     async def tokenize(self, request: Request) -> Response:
-        # the size refused before the request queues for the tokenizer (behind a long prompt, say)
-        return llama_error(await self._answer_body(request, self._tokenized,
-                                                   check=lambda body: check_tokenize_size(parse_tokenize(body)[0])))
+        return llama_error(await self._answer_body(request, self._tokenized, read=parse_tokenize))
 
     async def detokenize(self, request: Request) -> Response:
         return llama_error(await self._answer_body(request, self._detokenized))
@@ -249,17 +247,16 @@ class Api:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
         return llama_error(await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)}))
 
-    async def _answer_body(self, request: Request, answer, check=None) -> Response:
-        """``answer(body)`` of the request's JSON body, computed off the event loop (a long
-        text takes a while to tokenize) after ``check(body)`` on it; a BadRequest as a 400."""
+    async def _answer_body(self, request: Request, answer, read=None) -> Response:
+        """``answer(body)`` of the request's JSON body, or ``answer(read(body))``, computed off
+        the event loop (a long text takes a while to tokenize); ``read`` runs before, on the
+        loop; a BadRequest as a 400."""
         body = await json_body(request)
         if isinstance(body, Response):
             return body
         try:
             check_text(body)
-            if check is not None:
-                check(body)
-            return JSONResponse(await self._tokenize(answer, body))
+            return JSONResponse(await self._tokenize(answer, body if read is None else read(body)))
         except BadRequest as exc:
             return _bad_request(exc)
         except QueueFullError as exc:
@@ -281,8 +278,8 @@ class Api:
         return error_response(503, str(exc), type_="server_error", code="queue_full",
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _tokenized(self, body: dict) -> dict:
-        content, add_special, parse_special, with_pieces = parse_tokenize(body)
+    def _tokenized(self, fields: tuple) -> dict:
+        content, add_special, parse_special, with_pieces = fields
         tokenizer = self.engine.tokenizer
         # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
         tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)

@@ -340,10 +340,12 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
 def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
     """llama-server's ``/tokenize`` body: ``content`` (absent: no text, as llama-server takes
     it), then ``add_special`` (default false), ``parse_special`` (default true) and
-    ``with_pieces`` (default false)."""
+    ``with_pieces`` (default false); a text over :data:`MAX_TOKENIZE_BYTES` is refused here,
+    before the request queues for the tokenizer (behind a long prompt, say)."""
     content = _given(body, "content", "")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", "content")
+    check_tokenize_size(content)
     return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
             _flag(body, "with_pieces", False))
 
