@@ -236,7 +236,8 @@ class _IncrementalDecoder(Generic[_Record]):
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not part of a returned record."""
+        """Bytes received but not part of a returned record (a count of the stream: a failed
+        decoder counts the bytes from the bad record on, and holds none of them)."""
         return self.received - self.consumed
 
     @property
