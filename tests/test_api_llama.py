@@ -63,6 +63,23 @@ def test_a_completion_in_llama_servers_shape():
     assert abs(timings["predicted_per_second"] - 110.0) < 1e-6
 
 
+def test_the_openai_routes_carry_llama_server_s_timings_for_one_generation():
+    """llama-server's extension on /v1 (its web UI shows tokens/s from it): on the answer and
+    on a stream's chunk that ends the generation; none for several generations."""
+    with TestClient(_fake_api(ScriptedEngine()).app()) as client:
+        chat = {"messages": [{"role": "user", "content": "Say hi"}]}
+        timings = client.post("/v1/chat/completions", json=chat).json()["timings"]
+        assert timings["predicted_n"] == 11 and abs(timings["predicted_per_second"] - 110.0) < 1e-6
+        completion = client.post("/v1/completions", json={"prompt": "Say hi"}).json()
+        assert completion["timings"]["prompt_n"] == 6 and completion["timings"]["prompt_ms"] == 10.0
+        events = [json.loads(line[6:]) for line in client.post(
+            "/v1/chat/completions", json={**chat, "stream": True}).text.splitlines()
+            if line.startswith("data: {")]
+        assert [("timings" in e, e["choices"][0]["finish_reason"]) for e in events][-2:] == [
+            (False, None), (True, "stop")]
+        assert "timings" not in client.post("/v1/completions", json={"prompt": ["a", "b"]}).json()
+
+
 def test_return_tokens_gives_the_generated_ids():
     with TestClient(_fake_api(ScriptedEngine(stop_type="eos", stopping_word="")).app()) as client:
         body = _post(client, {"prompt": "Say hi", "return_tokens": True}).json()

@@ -138,9 +138,13 @@ class GenerationJob:
         else:
             choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
                        for i, r in enumerate(results)]
-        return {**self._envelope(choices, chunk=False), "usage": self._usage(results)}
+        answer = {**self._envelope(choices, chunk=False), "usage": self._usage(results)}
+        if len(results) == 1:  # llama-server's extension, which its web UI reads tokens/s from
+            answer["timings"] = llama_timings(results[0])
+        return answer
 
-    def _chunk(self, index: int, text: Optional[str], finish_reason: Optional[str], *, first: bool = False) -> str:
+    def _chunk(self, index: int, text: Optional[str], finish_reason: Optional[str], *, first: bool = False,
+               timings: Optional[dict] = None) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "refusal": None} if first else {}
             if text is not None:
@@ -148,7 +152,8 @@ class GenerationJob:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return sse(self._envelope([choice], chunk=True))
+        envelope = self._envelope([choice], chunk=True)
+        return sse(envelope if timings is None else {**envelope, "timings": timings})
 
     # -- the events of a stream, in order: the opening ones, one per piece of text and one
     # -- as each generation ends, the closing ones
@@ -160,7 +165,8 @@ class GenerationJob:
         return self._chunk(index, text, None)
 
     def _end_event(self, index: int, result) -> str:
-        return self._chunk(index, None if self.chat else "", result.finish_reason)
+        return self._chunk(index, None if self.chat else "", result.finish_reason,
+                           timings=llama_timings(result) if len(self.prompts) == 1 else None)
 
     def _closing_events(self, results: list) -> list[str]:
         usage = [sse({**self._envelope([], chunk=True), "usage": self._usage(results)})] \
@@ -198,4 +204,23 @@ class GenerationJob:
             self.api.admission.release()
 
 
-__all__ = ["DISCONNECT_POLL_S", "GenerationJob"]
+def llama_timings(result) -> dict:
+    """llama-server's ``timings`` of one generation: the prompt until the first token, the
+    rest after it (all of it without a token: ``n_predict: 0``)."""
+    prompt_ms = (result.elapsed_s if result.first_token_s is None else result.first_token_s) * 1000.0
+    predicted_ms = max(0.0, result.elapsed_s * 1000.0 - prompt_ms)
+    predicted_n = result.completion_tokens
+
+    def per(n: int, ms: float) -> tuple[float, float]:
+        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
+
+    prompt_per_token, prompt_per_second = per(result.prompt_tokens, prompt_ms)
+    predicted_per_token, predicted_per_second = per(predicted_n, predicted_ms)
+    return {"cache_n": 0,
+            "prompt_n": result.prompt_tokens, "prompt_ms": prompt_ms, "prompt_per_token_ms": prompt_per_token,
+            "prompt_per_second": prompt_per_second,
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms, "predicted_per_token_ms": predicted_per_token,
+            "predicted_per_second": predicted_per_second}
+
+
+__all__ = ["DISCONNECT_POLL_S", "GenerationJob", "llama_timings"]

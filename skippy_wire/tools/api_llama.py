@@ -18,7 +18,7 @@ import json
 
 from starlette.responses import JSONResponse, Response
 
-from .api_job import GenerationJob
+from .api_job import GenerationJob, llama_timings
 from .api_params import BadRequest, Options
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
@@ -76,7 +76,7 @@ class LlamaCompletionJob(GenerationJob):
             "stop_type": result.stop_type,
             "stopping_word": result.stopping_word,
             "tokens_cached": 0,
-            "timings": _timings(result),
+            "timings": llama_timings(result),
         }
 
     def _opening_events(self) -> list[str]:
@@ -145,25 +145,6 @@ def llama_piece(data: bytes) -> str | list[int]:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return list(data)
-
-
-def _timings(result) -> dict:
-    """llama-server's ``timings``: the prompt until the first token, the rest after it (all
-    of it without a token: ``n_predict: 0``)."""
-    prompt_ms = (result.elapsed_s if result.first_token_s is None else result.first_token_s) * 1000.0
-    predicted_ms = max(0.0, result.elapsed_s * 1000.0 - prompt_ms)
-    predicted_n = result.completion_tokens
-
-    def per(n: int, ms: float) -> tuple[float, float]:
-        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
-
-    prompt_per_token, prompt_per_second = per(result.prompt_tokens, prompt_ms)
-    predicted_per_token, predicted_per_second = per(predicted_n, predicted_ms)
-    return {"cache_n": 0,
-            "prompt_n": result.prompt_tokens, "prompt_ms": prompt_ms, "prompt_per_token_ms": prompt_per_token,
-            "prompt_per_second": prompt_per_second,
-            "predicted_n": predicted_n, "predicted_ms": predicted_ms, "predicted_per_token_ms": predicted_per_token,
-            "predicted_per_second": predicted_per_second}
 
 
 __all__ = ["LlamaCompletionJob", "check_llama_context", "generation_settings", "llama_error", "llama_piece"]
