@@ -30,8 +30,8 @@ import time
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import comma_list, cpu_model, one_of, poll_window, round_ratios, script_options
-from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, poll_window, progress, round_ratios, script_main,
+                                          script_options, within_layers)
 from skippy_wire.tools.options import driver_poll_s, int_between, int_list, poll_args
 from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
@@ -74,7 +74,7 @@ def _poll_text(poll_ms: float | None) -> str:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, types={"stages": int_list(1), "ahead": comma_list(one_of("on", "off")),
+    args = script_options(__doc__, argv, types={"stages": within_layers(int_list(1)), "ahead": comma_list(one_of("on", "off")),
                                                 "poll-ms": comma_list(poll_window),
                                                 "tokens": int_between(1, MAX_NEW_TOKENS)},
                           tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
@@ -90,15 +90,18 @@ def main(argv=None) -> int:
         stack.enter_context(yielding_to_stages())  # as the drivers of `run` and `api` do
         for (setting, _), cluster in clusters.items():
             one_run(cluster, prompt, 8, setting[0])  # warm-up: page in the weights, first-call paths
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for setting in settings:
                 for n in counts:
+                    progress(f"round {round_index + 1}/{args.rounds}: {n} stage(s), poll {_poll_text(setting[0])}, "
+                             f"decode ahead {'on' if setting[1] else 'off'}")
                     run = one_run(clusters[setting, n], prompt, args.tokens, setting[0])
                     if (setting, n) not in best or run[0].decode_tok_s > best[setting, n][0].decode_tok_s:
                         best[setting, n] = run
                     if n == counts[0]:
                         base = run[0].decode_tok_s
                     ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
+        progress()
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
           f"tokens, best of {args.rounds} alternating rounds on running stages; CPU: {cpu_model()}, {os.cpu_count()} cores")
     print(f"| poll | ahead | stages | decode tok/s | ratio to {counts[0]} stage(s) | ratio within a round | "
@@ -126,4 +129,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(script_main(main))

@@ -16,9 +16,8 @@ import sys
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, script_options
-from skippy_wire.tools.cli import guarded
-from skippy_wire.tools.options import int_between
+from skippy_wire.tools.bench_rows import cpu_model, script_main, script_options, within_layers
+from skippy_wire.tools.options import int_at_least, int_between
 
 #: The longest prompt measured: SmolLM2's training context.
 MAX_PROMPT_TOKENS = 8192
@@ -46,7 +45,8 @@ def prefill(model, stages: int, prompt: list[int], chunk: int, overlap: bool) ->
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, types={"tokens": int_between(1, MAX_PROMPT_TOKENS)},
+    args = script_options(__doc__, argv, types={"tokens": int_between(1, MAX_PROMPT_TOKENS),
+                                                "stages": within_layers(int_at_least(1))},
                           stages=2, tokens=512, chunk=64, rounds=3)
     model = default_model()
     prompt = prompt_tokens(Tokenizer.from_gguf(model), args.tokens)
@@ -67,4 +67,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(script_main(main))

@@ -51,8 +51,7 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer, model_shape
-from skippy_wire.tools.bench_rows import cpu_model, one_of, poll_window, round_ratios, script_options
-from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.bench_rows import cpu_model, one_of, poll_window, round_ratios, script_main, script_options, within_layers
 from skippy_wire.tools.options import int_at_least, int_between, int_list, poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
@@ -182,7 +181,8 @@ def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
                                                 "split": lambda text: int_list(1, repeats=True)(text) if text else [],
                                                 "concurrency": int_between(1, len(PROMPTS)),  # a prompt each
-                                                "tokens": int_at_least(2)},  # a decode rate needs two
+                                                "tokens": int_at_least(2),  # a decode rate needs two
+                                                "stages": within_layers(int_at_least(1))},
                           rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})
     poll_ms = args.poll_ms
     layers = None
@@ -283,4 +283,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(script_main(main))

@@ -37,8 +37,7 @@ import numpy as np
 from skippy_wire import ActivationCodec, encode_activation
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.supervision import default_model
-from skippy_wire.tools.bench_rows import comma_list, cpu_model
-from skippy_wire.tools.cli import guarded
+from skippy_wire.tools.bench_rows import comma_list, cpu_model, script_main
 from skippy_wire.tools.options import float_between, int_at_least, int_between
 
 ANSWER_BYTES = 64
@@ -187,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    sys.exit(script_main(main))

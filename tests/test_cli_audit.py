@@ -341,6 +341,9 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     ("hop_bench.py", ["--stages", "1,2,1"], "argument --stages: lists '1' twice; each value once"),
     ("hop_bench.py", ["--poll-ms", "1,auto,1.0"], "argument --poll-ms: lists '1' and '1.0', the same value; each value once"),
     ("wake_bench.py", ["--gaps", "0,0"], "argument --gaps: lists '0' twice; each value once"),
+    # a one-line error of the package, after the stages list, with exit status 1
+    *((script, ["--stages", stages], "argument --stages: the model's 30 layers make at most 30 stages, got 31")
+      for script, stages in (("hop_bench.py", "1,31"), ("serve_bench.py", "31"), ("prefill_overlap_bench.py", "31"))),
     # failed only when a stage started, about --downstream
     ("serve_bench.py", ["--split", "10,10"],
      "argument --split: the counts must add up to the model's 30 layers, not 20"),
@@ -350,6 +353,22 @@ def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script,
     done = subprocess.run([sys.executable, str(BENCH_DIR / script), *args], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == f"{script}: error: {message}", done.stderr
+
+
+def test_a_bench_script_stopped_by_sigterm_cleans_up_before_it_exits_143():
+    """serve_bench.py's API process (its own session) outlived a SIGTERM, and its temporary
+    directory stayed: the scripts' finally blocks did not run."""
+    code = ("import os, signal, sys, time\n"
+            "from skippy_wire.tools.bench_rows import script_main\n"
+            "def main():\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(30)\n"
+            "    finally:\n"
+            "        print('cleaned up', flush=True)\n"
+            "sys.exit(script_main(main))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and done.stdout == "cleaned up\n" and done.stderr == "", done
 
 
 def test_the_bench_scripts_end_as_the_commands_do():

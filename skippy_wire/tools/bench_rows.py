@@ -11,7 +11,10 @@ import timeit
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
+from ..stage.models import model_shape, smollm2_path
+from .cli import guarded
 from .options import MAX_POLL_MS, float_between, int_at_least, once_each
+from .signals import exiting_on_signals
 
 
 @dataclass
@@ -89,6 +92,33 @@ def script_options(doc: str, argv, types: dict[str, Callable[[str], object]] | N
         kind = (types or {}).get(name) or (int_at_least(1) if type(default) is int else type(default))
         p.add_argument(f"--{name}", type=kind, default=default, help=f"default: {default or 'none'}")
     return p.parse_args(argv)
+
+
+def script_main(main: Callable[[], int]) -> int:
+    """A ``bench/`` script's exit status, as a command's (:func:`.cli.guarded`); SIGTERM and
+    SIGHUP unwind like Ctrl-C, so that the stage and API processes it started are stopped
+    and its temporary files removed before it exits 143 or 129."""
+    def run() -> int:
+        with exiting_on_signals():
+            return main()
+
+    return guarded(run)
+
+
+def within_layers(convert: Callable[[str], object]) -> Callable[[str], object]:
+    """A script's stage count (or list of them) read by ``convert``, each at most the layers
+    of the model the scripts run (one layer a stage), refused before any stage starts."""
+    def checked(text: str):
+        value = convert(text)
+        n_layer = model_shape(smollm2_path())[0]
+        for count in value if isinstance(value, list) else [value]:
+            if count > n_layer:
+                raise argparse.ArgumentTypeError(f"the model's {n_layer} layers make at most {n_layer} stages, "
+                                                 f"got {count}")
+        return value
+
+    checked.__name__ = "stage count"
+    return checked
 
 
 def one_of(*choices: str) -> Callable[[str], str]:
