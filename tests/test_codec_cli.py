@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from skippy_wire.tools import bench, demo
 
 
@@ -33,6 +35,22 @@ def test_bench_runs_and_prints_ratio_rows(capsys, monkeypatch):
     assert bench.main(["--sizes", "2x64", "--repeat", "1", "--min-time", "0.001", "--no-threads"]) == 0
     out = capsys.readouterr().out  # the judged size left out: said, not silently "all met"
     assert "vs ml_dtypes" not in out and "judged at 1x64, which --sizes left out: not measured" in out
+    # the thread goal skipped: said too ("8/8 goals met" read as all of them)
+    assert "the 2-thread scaling goal was skipped (--no-threads): not measured" in out
+
+
+def test_bench_v15_row_is_the_reference_its_v16_goal_was_judged_against(monkeypatch):
+    """The v15 row was the faster of its two timings, the goal's ratio used the first: the
+    table could not reproduce the verdict (8.9 us / 9.9 us read 0.90x, the goal 0.91x)."""
+    from skippy_wire.tools import bench_gen
+
+    timings = iter([(10.0e-6, 9.0e-6), (12.0e-6, 8.5e-6)])  # (ours, v15) per pairing
+    monkeypatch.setattr(bench_gen, "paired_seconds", lambda *args: next(timings))
+    out = list(bench_gen.frame_gen_rows(argparse.Namespace(repeat=1, min_time=0.001)))
+    (goal,) = [r for r in out if isinstance(r, bench.Ratio)]
+    (v15,) = [r for r in out if isinstance(r, bench.Row) and "v15" in r.op]
+    (v16,) = [r for r in out if isinstance(r, bench.Row) and "1 part" in r.op]
+    assert v15.seconds == 9.0e-6 and goal.ratio == v15.seconds / v16.seconds
 
 
 def test_bench_ratio_marks_goals():

@@ -254,4 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
     if JUDGED not in opts.sizes:
         print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
+    if not opts.threads:
+        print(f"(the 2-thread scaling goal was skipped ({'--quick' if opts.quick else '--no-threads'}): not measured)")
     return 0
