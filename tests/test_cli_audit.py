@@ -21,7 +21,7 @@ import pytest
 from skippy_wire.errors import NetnsError
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, serve
-from skippy_wire.tools.options import EXIT_INTERRUPTED, Parser, check_output_dir, describe
+from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
 from test_cli import _main, _one_error_line, assert_usage_error, fake_client, tiny_model  # noqa: F401  (fixtures)
 
 
@@ -353,6 +353,16 @@ def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script,
     done = subprocess.run([sys.executable, str(BENCH_DIR / script), *args], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == f"{script}: error: {message}", done.stderr
+
+
+@pytest.mark.parametrize("command", [["-m", "skippy_wire", "demo"],
+                                     [str(BENCH_DIR / "wake_bench.py"), "--count", "3", "--compute-steps", "0"]])
+def test_output_to_a_closed_stdout_is_the_quiet_exit_141_not_lost_silently(command):
+    """Started with stdout closed (``>&-``), Python has no sys.stdout: every line vanished and
+    the command exited 0 as if its results had been shown."""
+    done = subprocess.run([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", done
 
 
 def test_a_bench_script_stopped_by_sigterm_cleans_up_before_it_exits_143():

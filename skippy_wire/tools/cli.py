@@ -20,7 +20,9 @@ Importing this module loads only the standard library's basics (and the package'
 
 from __future__ import annotations
 
+import errno
 import importlib
+import io
 import os
 import sys
 from typing import Callable
@@ -92,6 +94,18 @@ def mistyped_command(word: str) -> str | None:
     return close[0] if close else None
 
 
+class ClosedStdout(io.TextIOBase):
+    """``sys.stdout`` of a command started with its stdout closed (``>&-``; Python then has
+    none, and every print vanished): a write fails as on a closed pipe, so that no output is
+    lost silently (a command exits 141; ``serve`` serves on without its events)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "stdout is closed")
+
+
 def quiet_stdout() -> None:
     """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent."""
     try:
@@ -145,6 +159,8 @@ def guarded(run: Callable[[], int | None]) -> int:
     stdout 141, an error one line (the scripts in bench/ end the same way).  Every import
     but the standard library's basics happens in ``run`` (the commands', numpy's, the
     kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback."""
+    if sys.stdout is None:
+        sys.stdout = ClosedStdout()
     try:
         return int(run() or 0)
     except BrokenPipeError:
