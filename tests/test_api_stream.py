@@ -45,7 +45,8 @@ def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_lane_back(s
     send waits for a client that is not reading, and Starlette cancels it; 2.4: the send
     raises OSError): the response ended before its body iterator ever ran, so the job's own
     cleanup never ran and the lane stayed taken for good (a few such clients, and every
-    request after them queued forever)."""
+    request after them queued forever).  The head now waits for the generation's first
+    piece, so the generation has run by then."""
     engine = FakeEngine()
     api = _fake_api(engine)
     body = json.dumps({"prompt": "A", "stream": True}).encode()
@@ -77,7 +78,7 @@ def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_lane_back(s
 
     try:
         assert asyncio.run(main()) == 0
-        assert engine.prompts == []  # the path described above
+        assert engine.prompts == ["A"]  # it ran before the head was written
     finally:
         api.close()
 
@@ -149,6 +150,31 @@ def test_a_pipeline_known_to_be_down_is_a_503_with_retry_after():
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER_S)
         assert r.json()["error"]["type"] == "server_error" and "SIGKILL" in r.json()["error"]["message"]
+
+
+class FailsAtOnceEngine(FakeEngine):
+    """The pipeline fails before the first piece of text."""
+
+    def generate(self, prompt, **kwargs):
+        raise PipelineError("stage 1 closed the connection")
+
+
+def test_a_stream_that_fails_before_its_first_piece_gets_an_error_status_not_a_200():
+    """As OpenAI and llama-server answer it: the head waits for the first piece, so a client
+    that judges a request by its status sees the failure (it got 200 and an error event)."""
+    with TestClient(_fake_api(DownEngine()).app()) as client:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = client.post(path, json={**body, "stream": True})
+            assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
+            assert "SIGKILL" in r.json()["error"]["message"]
+        native = client.post("/completion", json={"prompt": "hi", "stream": True})
+        assert native.status_code == 503 and native.json()["error"]["type"] == "unavailable_error", native.text
+    with TestClient(_fake_api(FailsAtOnceEngine()).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        assert r.status_code == 502 and "stage 1 closed the connection" in r.json()["error"]["message"], r.text
+        with pytest.raises(openai.InternalServerError, match="stage 1 closed the connection"):
+            _openai(client).completions.create(model="m", prompt="hi", stream=True)
 
 
 def test_requests_cut_off_by_the_shutdown_get_an_answer_and_log_no_traceback(caplog):

@@ -341,9 +341,9 @@ class Api:
             return self._refused(exc)
         job = LlamaCompletionJob(self, prompts, max_tokens, options, body) if native \
             else GenerationJob(self, prompts, max_tokens, options, chat)
-        if options.stream:
-            return EventStream(job)
         try:
+            if options.stream:  # its head once the first piece came: a failure before then has its status
+                return EventStream(job, await job.opened(request))
             results = await job.run(request)
         except Cancelled:
             return Response(status_code=499)

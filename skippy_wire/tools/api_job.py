@@ -39,7 +39,6 @@ class GenerationJob:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.cancel = threading.Event()
-        self.started = False
 
     def _start(self, on_text: Callable[[int, str, list[int]], None],
                on_done: Callable[[int, Any], None]) -> asyncio.Future:
@@ -48,7 +47,6 @@ class GenerationJob:
         it could borrow; each lane is given back when its worker is done (after a cancelled
         session was stopped on every stage), whatever the client does.  The future gives
         every result in order, or the first failure."""
-        self.started = True
         engine, o = self.api.engine, self.options
         count = len(self.prompts)
         results: list = [None] * count
@@ -173,20 +171,39 @@ class GenerationJob:
             if self.options.include_usage else []
         return usage + ["data: [DONE]\n\n"]
 
-    async def stream(self):
+    async def opened(self, request: Request):
+        """The stream's events, once its generations have given their first piece: a request
+        that fails before then (the pipeline down, say) is answered with an error status, as
+        OpenAI and llama-server answer it, not a 200 whose body is an error.  Raises that
+        failure, or Cancelled when the client left meanwhile."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()  # (index, text, tokens) or (index, result), then None
         future = self._start(lambda *piece: loop.call_soon_threadsafe(pieces.put_nowait, piece),
                              lambda *ended: loop.call_soon_threadsafe(pieces.put_nowait, ended))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+        first = asyncio.ensure_future(pieces.get())
+        try:
+            while not (await asyncio.wait({first}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    self.cancel.set()  # the generation ends, Cancelled
+            if first.result() is None:
+                future.result()  # its failure, raised before any event
+        except BaseException:
+            first.cancel()  # (the server stopping while it waited)
+            self.cancel.set()
+            raise
+        return self._events(first.result(), pieces, future)
+
+    async def _events(self, piece, pieces: asyncio.Queue, future: asyncio.Future):
         try:
             for event in self._opening_events():
                 yield event
-            while (piece := await pieces.get()) is not None:
+            while piece is not None:
                 yield self._text_event(*piece) if len(piece) == 3 else self._end_event(*piece)
+                piece = await pieces.get()
             try:
                 results = future.result()
-            except PipelineError as exc:
+            except PipelineError as exc:  # after the first piece: the stream says so as its last event
                 yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
                 return
             for event in self._closing_events(results):
@@ -196,12 +213,9 @@ class GenerationJob:
             self.cancel.set()
 
     def abandon(self) -> None:
-        """The response has ended: a generation still running stops at its next token, and
-        the lane of one that never started is given back here."""
+        """The response has ended: a generation still running stops at its next token (its
+        lane goes back from its worker)."""
         self.cancel.set()
-        if not self.started:
-            self.started = True
-            self.api.admission.release()
 
 
 def llama_timings(result) -> dict:
