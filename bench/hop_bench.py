@@ -30,8 +30,8 @@ import time
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, poll_window, progress, round_ratios, script_main,
-                                          script_options, within_layers)
+from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, poll_window, progress, round_ratios,
+                                          script_main, script_options, within_layers)
 from skippy_wire.tools.options import driver_poll_s, int_between, int_list, poll_args
 from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
@@ -74,7 +74,8 @@ def _poll_text(poll_ms: float | None) -> str:
 
 
 def main(argv=None) -> int:
-    args = script_options(__doc__, argv, types={"stages": within_layers(int_list(1)), "ahead": comma_list(one_of("on", "off")),
+    args = script_options(__doc__, argv, types={"stages": within_layers(int_list(1)),
+                                                "ahead": comma_list(one_of("on", "off")),
                                                 "poll-ms": comma_list(poll_window),
                                                 "tokens": int_between(1, MAX_NEW_TOKENS)},
                           tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})

@@ -51,7 +51,8 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer, model_shape
-from skippy_wire.tools.bench_rows import cpu_model, one_of, poll_window, round_ratios, script_main, script_options, within_layers
+from skippy_wire.tools.bench_rows import (cpu_model, one_of, poll_window, round_ratios, script_main, script_options,
+                                          within_layers)
 from skippy_wire.tools.options import int_at_least, int_between, int_list, poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"

@@ -47,8 +47,8 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_error, llama_piece
 from .api_prompts import PromptReader
-from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids, parse_detokenize,
-                         parse_options, parse_tokenize, suppress_end_of_generation)
+from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
+                         parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
