@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from skippy_wire.errors import PipelineError
 from skippy_wire.tools import backend_bench, cli, cluster, serve
 from skippy_wire.tools.options import check_output_file
 from process_helpers import default_sigint
@@ -255,3 +256,36 @@ def test_serve_whose_stdout_closed_serves_on_without_its_events(tiny_model):
         _, err = stage.communicate(timeout=30)
     assert err.count("stdout is closed: session events are no longer printed") == 1
     assert "reset" not in err and "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_serve_started_with_stdout_closed_serves_and_says_so_once(tiny_model):
+    """`serve >&-` (a daemon): Python has no stdout; the first event's write fails as on a
+    closed pipe (said once, in the log), and the stage serves every session."""
+    import socket
+
+    from skippy_wire.net.driver import PipelineClient
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model), "--layer-start",
+                              "0", "--layer-end", "4", "--listen", f"127.0.0.1:{port}"], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: os.close(1))
+    try:
+        outputs = []
+        for session in (1, 2, 3):
+            for _ in range(300):  # until it listens (bounded: 30 s)
+                try:
+                    with PipelineClient("127.0.0.1", port, timeout=30) as client:
+                        outputs.append(client.generate([1, 2, 3], max_tokens=3, chunk_size=4,
+                                                       session_id=session).tokens)
+                    break
+                except PipelineError:
+                    time.sleep(0.1)
+        assert len(outputs) == 3 and outputs[0] == outputs[1] == outputs[2] and stage.poll() is None
+    finally:
+        stage.terminate()
+        _, err = stage.communicate(timeout=30)
+    assert err.count("stdout is closed: session events are no longer printed") == 1, err
+    assert "Traceback" not in err and "Exception ignored" not in err

@@ -107,7 +107,11 @@ class ClosedStdout(io.TextIOBase):
 
 
 def quiet_stdout() -> None:
-    """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent."""
+    """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent (and
+    later writes, as ``serve``'s events, vanish without another error)."""
+    if isinstance(sys.stdout, ClosedStdout):  # no descriptor to point elsewhere
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+        return
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
