@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from skippy_wire.net.admission import StageLimits
+from skippy_wire.net.admission import MAX_DOWNSTREAM_SETUPS, StageLimits
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import UPSTREAM_CHECK_S, connect
 from skippy_wire.tools.serve import stage_config
@@ -186,3 +186,30 @@ def test_a_watched_connect_tries_each_address_of_the_host_in_turn(monkeypatch):
         addresses[1] = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 1))
         with pytest.raises(TimeoutError):
             connect("two.example", 1, timeout=0.5, abandoned=lambda: False)
+
+
+def test_downstreams_that_lead_back_set_up_a_bounded_number_of_connections_and_say_why(caplog):
+    """A -> B -> A (an operator's two --downstream addresses naming each other): each stage
+    accepted, opened its downstream, which accepted and connected back, without end: over
+    10,000 connections in 8 s, both cores busy, long after the driver had gone.  Now each
+    stage sets up at most MAX_DOWNSTREAM_SETUPS at once and refuses one more, and the chain
+    comes apart."""
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    servers = [StageServer(FakeBackend(0, 3, 0), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
+                           downstream=("127.0.0.1", 1), reply_timeout=60.0) for _ in range(2)]
+    servers[0].downstream, servers[1].downstream = servers[1].address, servers[0].address
+    for server in servers:
+        server.start()
+    try:
+        driver = socket.create_connection(servers[0].address)
+        time.sleep(1.0)  # the storm's time to grow
+        accepted = [server._conn_seq for server in servers]
+        assert sum(accepted) <= 2 * (MAX_DOWNSTREAM_SETUPS + 2), accepted
+        driver.close()
+        assert _wait_for(lambda: not any(server._connections for server in servers), 5.0), \
+            [len(server._connections) for server in servers]
+        assert sum(server._conn_seq for server in servers) == sum(accepted)  # none since
+        assert "downstreams that lead back to this stage, A -> B -> A" in caplog.text, caplog.text
+    finally:
+        for server in servers:
+            server.shutdown()

@@ -14,11 +14,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import StageError
 from ..stage.native import check_sampling
@@ -138,10 +139,12 @@ class LaneGate:
 
     :meth:`acquire` takes a lane or waits (FIFO) up to ``wait`` seconds, then raises
     ``StageError("all N lanes are busy; gave up after S s")``; :meth:`release` returns one.
-    ``lanes=None`` grants every request at once (a backend that reports no lane count)."""
+    ``lanes=None`` grants every request at once (a backend that reports no lane count).
+    ``busy`` and ``waiter`` word the errors of a gate of something else than lanes."""
 
-    def __init__(self, lanes: int | None, wait: float) -> None:
-        self.lanes, self.wait = lanes, wait
+    def __init__(self, lanes: int | None, wait: float, busy: str = "lanes are busy",
+                 waiter: str = "its session waited for a lane") -> None:
+        self.lanes, self.wait, self.busy_text, self.waiter = lanes, wait, busy, waiter
         self.busy = 0
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
@@ -161,9 +164,10 @@ class LaneGate:
                 while self._queue[0] is not ticket or self.busy >= self.lanes:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise StageError(f"all {self.lanes} lanes are busy; gave up after {self.wait:g} s")
+                        raise StageError(f"all {self.lanes} {self.busy_text}"
+                                         + (f"; gave up after {self.wait:g} s" if self.wait > 0 else ""))
                     if gone is not None and gone():
-                        raise StageError("the peer left while its session waited for a lane")
+                        raise StageError(f"the peer left while {self.waiter}")
                     self._cond.wait(left if gone is None else min(left, PEER_CHECK_INTERVAL))
                 self.busy += 1
             finally:
@@ -174,6 +178,28 @@ class LaneGate:
         with self._cond:
             self.busy -= 1
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self, gone: Callable[[], bool] | None = None) -> Iterator[None]:
+        """Inside: a lane taken (:meth:`acquire`), given back on leaving."""
+        self.acquire(gone)
+        try:
+            yield
+        finally:
+            self.release()
+
+
+#: Connections a stage sets up at once (each connecting to its downstream and waiting for its
+#: READY; a setup takes milliseconds): one more is refused at once.  Downstreams that lead
+#: back to the stage (A -> B -> A) set up connections without end, each the last one's
+#: downstream: the refusal ends the chain, which then comes apart link by link (waiting
+#: instead, each place freed went to the next link, and the chain lived on), and its error
+#: names the loop.
+MAX_DOWNSTREAM_SETUPS = 32
+#: How a full setup gate words its errors (:class:`LaneGate`).
+DOWNSTREAM_SETUP_WORDS = ("connections are waiting for their downstream's READY (downstreams that lead back to "
+                          "this stage, A -> B -> A, make them without end)",
+                          "its connection waited to set up its downstream")
 
 
 class SessionAdmission:
@@ -274,6 +300,7 @@ class ConnectionLimit:
 
 
 __all__ = ["StageLimits", "overdue_message", "SessionAdmission", "ConnectionLimit", "LaneGate",
+           "MAX_DOWNSTREAM_SETUPS", "DOWNSTREAM_SETUP_WORDS",
            "DEFAULT_MAX_SESSIONS_PER_CONNECTION", "DEFAULT_LANE_WAIT", "PEER_CHECK_INTERVAL", "DEFAULT_MAX_CONNECTIONS",
            "DEFAULT_MESSAGE_TIMEOUT", "DEFAULT_IDLE_TIMEOUT", "CHAT_METADATA_ALLOWANCE", "FRAME_OVERHEAD_ALLOWANCE",
            "sampling_block_bytes", "max_message_bytes", "COMPUTED_KINDS", "check_runnable"]

@@ -52,8 +52,9 @@ from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predi
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
-from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, ConnectionLimit, SessionAdmission, StageLimits,
-                        check_runnable, max_message_bytes, overdue_message)
+from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, DOWNSTREAM_SETUP_WORDS, MAX_DOWNSTREAM_SETUPS,
+                        ConnectionLimit, LaneGate, SessionAdmission, StageLimits, check_runnable, max_message_bytes,
+                        overdue_message)
 from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
@@ -112,14 +113,9 @@ class StageServer:
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
                  limits: StageLimits | None = None, tls=None, poll_s: float = 0.0,
                  decode_ahead: bool = True) -> None:
-        self.backend = backend
-        self.poll_s = poll_s
-        self.compute_trace = compute_trace
-        self.protocol = protocol
+        self.backend, self.poll_s, self.compute_trace, self.protocol = backend, poll_s, compute_trace, protocol
         self.identity = identity or link_identity(config, downstream is not None)
-        self.plan = plan
-        self.config = config
-        self.downstream = downstream
+        self.plan, self.config, self.downstream = plan, config, downstream
         self.io_timeout, self.idle_timeout, self.reply_timeout = io_timeout, idle_timeout, reply_timeout
         self.capture, self.link_delay, self.prefill_overlap = capture, link_delay, prefill_overlap
         self.events = events or (lambda event: None)
@@ -127,15 +123,13 @@ class StageServer:
         self.codec = ActivationCodec(config.activation_codec)
         self.policy = CodecPolicy(config.activation_codec_policy)
         if not self.policy.compatible(self.codec):
-            raise ValueError(
-                f"activation codec policy {self.policy.rust_name} is incompatible with "
-                f"configured codec {self.codec.rust_name}")
+            raise ValueError(f"activation codec policy {self.policy.rust_name} is incompatible with "
+                             f"configured codec {self.codec.rust_name}")
         if backend.is_terminal and downstream is not None:
             raise ValueError("the terminal stage (owning the last layer) cannot have a downstream")
         if not backend.is_terminal and downstream is None:
-            raise ValueError(
-                f"stage {config.stage_index} ends at layer {backend.layer_end}, not the last "
-                "layer, so it needs --downstream")
+            raise ValueError(f"stage {config.stage_index} ends at layer {backend.layer_end}, not the last "
+                             "layer, so it needs --downstream")
         self._runtime_lock = threading.Lock()
         self.batcher = DecodeBatcher(self._run_batch, self._run_step, self._runtime_lock,
                                      on_compute=self._trace_compute)
@@ -149,6 +143,7 @@ class StageServer:
         self.limits = limits = limits or StageLimits()
         self.max_message_bytes = limits.max_message_bytes or max_message_bytes(config.ctx_size, backend.n_embd)
         self.connection_limit = ConnectionLimit(limits.max_connections)
+        self.setups = LaneGate(MAX_DOWNSTREAM_SETUPS, 0.0, *DOWNSTREAM_SETUP_WORDS)  # no wait: see its doc
         self.admission = SessionAdmission(getattr(backend, "lane_count", None), limits.lane_wait,
                                           limits.max_sessions_per_connection)
         self._tls_server, self._tls_client = (tls.server_context(), tls.client_context()) if tls else (None, None)
@@ -332,6 +327,10 @@ class StageServer:
                                         max_tokens=self.config.ctx_size)
 
     def _open_downstream(self, seq: int, upstream: socket.socket) -> LinkProtocol:
+        with self.setups.held(lambda: peer_gone(upstream)):  # a bounded number at once (a loop of downstreams)
+            return self._set_up_downstream(seq, upstream)
+
+    def _set_up_downstream(self, seq: int, upstream: socket.socket) -> LinkProtocol:
         host, port = self.downstream
         try:
             sock = connect(host, port, timeout=min(self.reply_timeout, DOWNSTREAM_CONNECT_TIMEOUT),
