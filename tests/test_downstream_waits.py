@@ -95,6 +95,9 @@ def test_a_stage_stops_waiting_on_its_downstream_when_its_driver_leaves(answers_
             assert _wait_for(lambda: not _stage_threads(), ENDS_WITHIN_S), _stage_threads()
             assert time.monotonic() - left < ENDS_WITHIN_S
             assert _wait_for(lambda: said.format(port=downstream[1]) in caplog.text, 2.0), caplog.text
+            # the driver's leaving, not a failure of this stage's downstream: no ERROR line naming it
+            assert [r.levelname for r in caplog.records if said.format(port=downstream[1]) in r.getMessage()] \
+                == ["INFO"], caplog.text
         finally:
             server.shutdown()
 

@@ -288,9 +288,10 @@ class StageServer:
         except WireError as exc:
             malformed = f"malformed stage message ({exc.kind}: {exc})"
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
-        except (StageError, ConnectionError, OSError) as exc:
+        except (StageError, ConnectionError, OSError) as exc:  # a peer that sent nothing and left: its choice
             if not self._stop.is_set():
-                clog.error("%s: %s; closing", name, exc)
+                (clog.info if upstream.received == 0 and peer_gone(upstream.sock) else clog.error)(
+                    "%s: %s; closing", name, exc)
         except StageRuntimeError as exc:  # e.g. context full
             clog.error("%s: stage runtime error: %s; closing", name, exc)
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
