@@ -51,8 +51,8 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer, model_shape
-from skippy_wire.tools.bench_rows import (cpu_model, one_of, poll_window, round_ratios, script_main, script_options,
-                                          within_layers)
+from skippy_wire.tools.bench_rows import (cpu_model, one_of, poll_window, progress, round_ratios, script_main,
+                                          script_options, within_layers)
 from skippy_wire.tools.options import int_at_least, int_between, int_list, poll_args
 
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
@@ -221,18 +221,21 @@ def main(argv=None) -> int:
             stream(url, PROMPTS[0], 8)  # warm-up
             best: dict[str, dict] = {}
             stream_to_run, many_to_one = [], []  # each round's own ratios
-            for _ in range(args.rounds):
+            for round_index in range(args.rounds):
                 this: dict[str, dict] = {}
                 for name, fn in (("run", lambda: run_round(cluster.entry, tokenizer, args.tokens)),
                                  ("1", lambda: concurrent_round(url, 1, args.tokens, traces, pids)),
                                  (str(args.concurrency),
                                   lambda: concurrent_round(url, args.concurrency, args.tokens, traces, pids))):
+                    progress(f"round {round_index + 1}/{args.rounds}: "
+                             + ("run" if name == "run" else f"{name} request(s) over HTTP"))
                     r = this[name] = fn()
                     if name not in best or r["agg_tok_s"] > best[name]["agg_tok_s"]:
                         best[name] = r
                 stream_to_run.append(this["1"]["stream_decode_tok_s"] / this["run"]["decode_tok_s"])
                 if this[str(args.concurrency)]["decode_agg_tok_s"]:  # else no moment when all of them decoded
                     many_to_one.append(this[str(args.concurrency)]["decode_agg_tok_s"] / this["1"]["decode_agg_tok_s"])
+            progress()
         finally:
             os.killpg(api.pid, signal.SIGINT)
             api.wait(30)
