@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import threading
 
 import pytest
 
 from skippy_wire.errors import TopologyError
 from skippy_wire.net.netns import format_rate, parse_rate, tbf_args
 from skippy_wire.net import transport
-from skippy_wire.net.topology import build_topology, load_topology, parse_topology
+from skippy_wire.net.topology import PROBE_SETTLE_S, build_topology, load_topology, parse_topology
 from skippy_wire.stage.models import model_shape, smollm2_path
 from skippy_wire.tools import serve
 
@@ -346,6 +347,18 @@ def test_a_failed_request_names_the_first_stage_that_takes_no_connection():
     finally:
         for s in listening:
             s.close()
+
+
+def test_a_stage_whose_listener_closes_just_after_the_failure_is_still_named():
+    """A killed stage's connections close before its listener: the driver's first probe,
+    right after the failure it saw, could still connect, and it named no stage (one run in
+    six)."""
+    dying = socket.create_server(("127.0.0.1", 0))
+    port = dying.getsockname()[1]
+    threading.Timer(PROBE_SETTLE_S / 3, dying.close).start()  # after the first probe, before the second
+    topology = build_topology("/models/m.gguf", [(0, 30)], [f"127.0.0.1:{port}"], shape=shape)
+    assert topology.unreachable_stage() == (f"stage 0 at 127.0.0.1:{port} (layers 0..30) refuses connections (it "
+                                            "is not running)")
 
 
 def test_a_stage_on_a_network_the_driver_has_no_route_to_is_not_blamed(monkeypatch):

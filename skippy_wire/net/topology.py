@@ -45,6 +45,7 @@ import os
 import re
 import socket
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -62,6 +63,9 @@ DEFAULT_CODEC = "raw-f32-v1"
 DEFAULT_POLICY = "fixed"
 #: Seconds a failed request's probe waits for each stage to take a connection.
 PROBE_TIMEOUT_S = 1.0
+#: When every stage takes a connection, the probes run once more after this long: a killed
+#: stage's connections close (the failure the driver saw) before its listener does.
+PROBE_SETTLE_S = 0.25
 #: The largest topology file read (a real one is a few KiB): a device such as /dev/zero, or a
 #: file of that size, is refused instead of filling memory.
 MAX_TOPOLOGY_BYTES = 1 << 20
@@ -159,21 +163,23 @@ class Topology:
         account of a failed request: the wire has no error reply, so a stage that ended shows
         only as a close.  A stage on a network this host has no route to (a back-end network
         only its neighbours reach) is passed over: that says nothing of the stage."""
-        for stage in self.stages:
-            host, port = stage.address
-            try:
-                socket.create_connection((host, port), timeout).close()
-            except ConnectionRefusedError:
-                why = "refuses connections (it is not running)"
-            except (socket.timeout, TimeoutError):
-                why = f"accepted no connection from this host within {timeout:g} s"
-            except OSError as exc:
-                if exc.errno == errno.ENETUNREACH:
+        for settle in (0.0, PROBE_SETTLE_S):
+            time.sleep(settle)
+            for stage in self.stages:
+                host, port = stage.address
+                try:
+                    socket.create_connection((host, port), timeout).close()
+                except ConnectionRefusedError:
+                    why = "refuses connections (it is not running)"
+                except (socket.timeout, TimeoutError):
+                    why = f"accepted no connection from this host within {timeout:g} s"
+                except OSError as exc:
+                    if exc.errno == errno.ENETUNREACH:
+                        continue
+                    why = f"cannot be reached from this host ({os_reason(exc)})"
+                else:
                     continue
-                why = f"cannot be reached from this host ({os_reason(exc)})"
-            else:
-                continue
-            return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
+                return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
         return None
 
 
@@ -504,5 +510,5 @@ def build_topology(model_path: str | Path, layers: list[tuple[int, int]], endpoi
                            "stages": stages}, name=topology_id, shape=shape)
 
 
-__all__ = ["PACKAGED_MODELS", "PROBE_TIMEOUT_S", "TopologyStage", "Topology", "parse_topology", "load_topology",
+__all__ = ["PACKAGED_MODELS", "PROBE_TIMEOUT_S", "PROBE_SETTLE_S", "TopologyStage", "Topology", "parse_topology", "load_topology",
            "build_topology", "drive_topology", "driven_topology"]
