@@ -293,7 +293,11 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     defaults = LLAMA_SAMPLING if native else OPENAI_SAMPLING
     hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
     name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
-    max_tokens = _number(body, name, None, UNTIL_FULL, 2**31 - 1, integer=True, whole_floats=native)
+
+    def count(field: str, default, lo: int, hi: int):  # an integer field, as this route reads one
+        return _number(body, field, default, lo, hi, integer=True, whole_floats=native)
+
+    max_tokens = count(name, None, UNTIL_FULL, 2**31 - 1)
     if max_tokens == 0 and not native:  # llama-server's 0 evaluates the prompt and generates nothing
         raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name)
     if max_tokens == UNTIL_FULL:
@@ -311,7 +315,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     if sum(map(len, stop)) > MAX_STOP_STRINGS * MAX_STOP_CHARS:
         raise BadRequest(f"'stop' strings may hold at most {MAX_STOP_STRINGS * MAX_STOP_CHARS} characters together",
                          "stop")
-    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True, whole_floats=native)
+    seed = count("seed", None, -(2**63), 2**64 - 1)
     if seed is not None:
         seed %= SEED_RANGE
         if seed == LLAMA_DEFAULT_SEED:
@@ -320,7 +324,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         temperature=max(0.0, _number(body, "temperature", defaults["temperature"], -hottest if native else 0.0,
                                      hottest)),
         top_p=_number(body, "top_p", defaults["top_p"], 0.0, 1.0),
-        top_k=_number(body, "top_k", defaults["top_k"], -(2**31), 2**31 - 1, integer=True, whole_floats=native),
+        top_k=count("top_k", defaults["top_k"], -(2**31), 2**31 - 1),
         min_p=_number(body, "min_p", defaults["min_p"], 0.0, 1.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -328,12 +332,11 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
-        repeat_last_n=_number(body, "repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1, integer=True, whole_floats=native),
+        repeat_last_n=count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
-    n = _number(body, "n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS,
-                integer=True, whole_floats=native)
+    n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
     return Options(max_tokens, sampling, stop, stream, include_usage, n)
 
 
