@@ -166,7 +166,7 @@ def test_killed_stage_ends_the_driver_with_one_line(netns):
     errors = [line for line in err.splitlines() if line.startswith("skippy-wire: error:")]
     assert len(errors) == 1, err
     assert re.search(r"stage 1 at 10\.77\.\d+\.\d+:19000 \(layers \d+\.\.\d+\) was killed by SIGKILL; "
-                     r"stage 0 at 10\.77\.0\.1:19000 closed the connection", errors[0]), errors[0]
+                     r"stage 0 at 10\.77\.0\.1:19000 closed the connection during DECODE_EMBD \(session \d+\)$", errors[0]), errors[0]
     _assert_nothing_left(_run_id(seen), pids)
 
 

@@ -44,7 +44,7 @@ from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
-from .supervision import launched_cluster
+from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
 from .transport import Peer, PeerClosedError, connect
@@ -142,7 +142,7 @@ class PipelineClient:
 
     The wire has no error reply: a stage that fails closes its connections, so the driver
     sees stage 0 close (or stay silent).  When this process started the stages
-    (:func:`~skippy_wire.net.supervision.launch_pipeline`), the error names the stage that
+    (:func:`~skippy_wire.net.supervision.launch_pipeline`, or ``stages`` given), the error names the stage that
     failed and why (:meth:`~skippy_wire.net.supervision.StageCluster.explain`) before what
     the driver saw; when a topology file describes them (``--topology``:
     :func:`~skippy_wire.net.topology.drive_topology`), the first stage that no longer takes
@@ -151,7 +151,7 @@ class PipelineClient:
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
-                 identity=None, tls=None, poll_s: float = 0.0) -> None:
+                 identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         self.address = f"{host}:{port}"
@@ -160,7 +160,8 @@ class PipelineClient:
         self._owed = 0  # replies to messages sent not yet read
         self._closed = False
         self._busy = threading.Lock()  # held by the thread whose request runs
-        self._stages = launched_cluster(host, port)  # the stages behind it, when this process started them
+        # the stages behind it: given, or the ones this process launched there
+        self._stages = stages if stages is not None else launched_cluster(host, port)
         self._topology = driven_topology(host, port)  # or when a topology file describes them
         self._marks = self._log_marks()
         try:

@@ -211,7 +211,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         stages = StageCluster(procs, model, opts.codec, opts.policy, threads)
         marks = stages.log_marks()
         with in_netns(chain.name(0)):
-            client = PipelineClient(*topology.entry, timeout=opts.timeout)
+            client = PipelineClient(*topology.entry, timeout=opts.timeout, stages=stages)
         progress(f"generating: prompt {len(prompt)} tokens, up to {opts.max_tokens} new tokens")
         streamer = TextStreamer(tokenizer, sys.stdout) if opts.stream else None
         if streamer:
@@ -219,13 +219,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         try:
             result = client.generate(prompt, max_tokens=opts.max_tokens, chunk_size=opts.chunk_size,
                                      is_eog=tokenizer.is_eog, on_token=streamer.push if streamer else None)
-        except BaseException as exc:
+        except BaseException:
             if streamer:  # the partial text ends its line before any error or interruption line
                 streamer.end_line()
-            if not isinstance(exc, PipelineError):
-                raise
-            cause = stages.explain(marks)  # the stage that ended, is stopped, or logged the first error
-            raise PipelineError(f"{cause}; {exc}" if cause else str(exc)) from None
+            raise
         if streamer:
             streamer.finish()
         if result.session_end_error is not None:  # the text is whole: said, not a failure (as run)
