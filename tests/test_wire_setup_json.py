@@ -165,3 +165,25 @@ def test_other_part_identities_still_match_by_identity():
     offered = _profile([_part(OTHER), _part()])
     required = _profile([_part(), ActivationPartProfile(OTHER, 0, 2, 1, True, (Fixed(4), TOKENS, Fixed(1), Fixed(1)))])
     check_input_compatibility(offered, required)
+
+
+def test_an_ignored_value_may_nest_deeper_than_pythons_parser_recurses():
+    # serde_json skips an ignored value however deep it nests; the body's 64 KiB bound them
+    deep = "[" * 5000 + '{"a":[1,2.5e3,"x\\u00e9",true,null,{}]}' + "]" * 5000
+    text = _hello().replace('"max_tokens"', f'"zz":{deep},"max_tokens"')
+    assert _parse_hello(text).output == _profile([_part()])
+    # skipped, but still JSON: every fault inside it is refused
+    for fault in ("[1,]", "[1 2]", '{"a" 1}', "{1:2}", "[01]", "[tru]", '["\x01"]', "[1}", "{,}", "[\"a\\x\"]"):
+        with pytest.raises(JsonShapeError):
+            _parse_hello(text.replace('{"a":[1,2.5e3,"x\\u00e9",true,null,{}]}', fault))
+    with pytest.raises(JsonShapeError):  # unbalanced
+        _parse_hello(_hello().replace('"max_tokens"', f'"zz":{deep[:-1]},"max_tokens"'))
+    with pytest.raises(JsonShapeError):  # as deep where a field is read
+        _parse_hello(_hello().replace('"target":["s1",1]', f'"target":{deep}'))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_deep_ignored_value_passes_the_handshake(impl):
+    deep = "[" * 3000 + "]" * 3000
+    role, agreement = _serve(_hello().replace('"max_tokens"', f'"zz":{deep},"max_tokens"'), impl)
+    assert role is SetupRole.ACTIVATION and len(agreement.profiles) == 1

@@ -13,6 +13,7 @@ order).  Any violation raises :class:`JsonShapeError`, which the setup turns int
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
@@ -191,19 +192,73 @@ def _int_literal(text: str):
     return -0.0 if text == "-0" else int(text)
 
 
+#: Arrays and objects nested deeper than this are checked, then read as null: no field
+#: that a setup type reads nests nearly as deep, and serde_json skips an ignored value
+#: however deep it nests, where Python's parser recurses (and stops near 1,000 levels).
+_READ_DEPTH = 128
+
+# One JSON token after optional whitespace (RFC 8259): a string, a number, a literal or a
+# structural character.
+_TOKEN = re.compile(r'[ \t\n\r]*(?:(?P<value>"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+                    r'|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)|(?P<mark>[][{},:]))')
+
+
 def parse_json(body: bytes) -> Any:
     """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, no lone surrogates,
     nothing but whitespace after the value); repeated keys are kept aside for the fields
     that read them to refuse (:class:`_Object`)."""
     try:
         text = bytes(body).decode("utf-8")
-        value = json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_int=_int_literal)
+        try:
+            value = _loads(text)
+        except RecursionError:
+            value = _loads(_shallow(text))
     except JsonShapeError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise JsonShapeError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     _check_strings(value)
     return value
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant, parse_int=_int_literal)
+
+
+def _shallow(text: str) -> str:
+    """``text`` with each array or object nested deeper than :data:`_READ_DEPTH` replaced by
+    null, once the whole text is checked to be JSON (iteratively); JsonShapeError if not."""
+    pieces, copied, open_at, stack = [], 0, 0, []
+    expect, pos = "value", 0  # value, first (a value or "]"), key, first_key (a key or "}"), colon, next, end
+    while True:
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            if expect != "end" or text[pos:].strip(" \t\n\r"):
+                raise JsonShapeError(f"invalid JSON at character {pos}")
+            return "".join(pieces) + text[copied:]
+        pos, token = m.end(), m.group("value") or m.group("mark")
+        if m.group("value") is not None and expect in ("value", "first"):
+            expect = "next" if stack else "end"
+        elif m.group("value") is not None and token[0] == '"' and expect in ("key", "first_key"):
+            expect = "colon"
+        elif token in "[{" and expect in ("value", "first"):
+            stack.append(token)
+            if len(stack) == _READ_DEPTH + 1:
+                open_at = m.start("mark")
+            expect = "first" if token == "[" else "first_key"
+        elif token in "]}" and stack and stack[-1] == "[{"["]}".index(token)] \
+                and expect in ("next", "first" if token == "]" else "first_key"):
+            if len(stack) == _READ_DEPTH + 1:
+                pieces += [text[copied:open_at], "null"]
+                copied = pos
+            stack.pop()
+            expect = "next" if stack else "end"
+        elif token == "," and expect == "next":
+            expect = "value" if stack[-1] == "[" else "key"
+        elif token == ":" and expect == "colon":
+            expect = "value"
+        else:
+            raise JsonShapeError(f"unexpected {token!r} at character {m.start()}")
 
 
 def _check_strings(value: Any) -> None:
