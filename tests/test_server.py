@@ -393,6 +393,15 @@ def test_peer_disconnecting_mid_message_is_logged_and_closed(chain_factory, capl
     _still_serves(chain)
 
 
+def test_the_log_names_each_links_role(chain_factory, caplog):
+    # before state version 17 no role is asked: stage 0 serves the driver's tokens and control
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 3), (3, 6)])
+    sock.close()
+    _still_serves(chain)
+    ready = [line for line in caplog.text.splitlines() if ": ready (state version 15" in line]
+    assert any("TokensAndControl" in line for line in ready) and any("Activation" in line for line in ready), ready
+
+
 def test_garbage_is_logged_and_closed(chain_factory, caplog):
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
     sock.sendall(struct.pack("<i", 12) + b"\xab" * 200)  # kind 12 is unknown

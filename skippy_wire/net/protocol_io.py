@@ -255,14 +255,15 @@ class LinkProtocol:
                timeout: Optional[float] = None, serves: Optional[SetupRole] = None):
         """The listening side: ``prepare()`` (e.g. open the downstream link), then READY
         (15, 16) or the setup handshake (17, ``prepare`` runs before ready is sent).
-        Returns the role the peer asked for (15, 16: ACTIVATION).  ``serves``: the one role
-        this side takes (17); a peer that set up another one (a driver's TokensAndControl
-        on a later stage) -> StageError, once the handshake is over (only it tells)."""
+        Returns the role the peer asked for (15, 16: none is asked; ``serves``, else
+        ACTIVATION).  ``serves``: the one role this side takes; a v17 peer that set up
+        another one (a driver's TokensAndControl on a later stage) -> StageError, once the
+        handshake is over (only it tells)."""
         if self.version != STAGE_STATE_VERSION_V17:
             if prepare is not None:
                 prepare()
             self.peer.send(READY_BYTES)
-            return SetupRole.ACTIVATION
+            return serves or SetupRole.ACTIVATION
         if not _readable(self.peer.sock, HELLO_GRACE_SECONDS):
             self.refuse()
             raise self.mismatch(None, "no setup handshake (it waits for READY, so state version 15 or 16)")
