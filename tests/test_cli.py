@@ -706,16 +706,19 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
-    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+    reference = SimpleNamespace(prefill_tok_s=4.0, decode_tok_s=8.0, tokens=[1, 2])  # one in-process stage
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: reference)
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
                            "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet")
     assert code == status, err
     assert ("interrupted after 1 rows" if status == EXIT_INTERRUPTED else "error: gone") in err
-    assert "| 2 | unlimited | 0 | raw-f32 |" in out and "5mbit" not in out
+    # the rates, then their ratios to the same run's one in-process stage
+    assert "| 2 | unlimited | 0 | raw-f32 | - | 1 | 2 | 0.25 | 0.25 | 0 | yes |" in out and "5mbit" not in out
+    assert "prefill 4.0 tok/s, decode 8.0 tok/s" in out
     # --json -: the rows as JSON on stdout, nothing else there (it wrote a file named "-")
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
                            "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet", "--json", "-")
-    assert code == status and [row["link"] for row in json.loads(out)] == ["unlimited"]
+    assert code == status and [(row["link"], row["decode / 1 stage"]) for row in json.loads(out)] == [("unlimited", 0.25)]
     assert "| 2 | unlimited | 0 | raw-f32 |" in err and not Path("-").exists()
 
 

@@ -5,7 +5,8 @@ For every combination of ``--hosts`` x ``--rates`` x ``--delays`` x ``--codecs``
 :mod:`skippy_wire.tools.cluster`) on a ``--prompt-tokens`` prompt prefilled in
 ``--chunk-size`` chunks and reports prefill tokens/s, decode tokens/s, forwarded bytes per
 token per hop, the measured bulk throughput of the link, and whether the tokens equal one
-in-process stage's (computed once).  The matrix is large; take subsets.
+in-process stage's, whose prefill and decode rates (measured once, in the same run) are the
+reference of each row's ratios.  The matrix is large; take subsets.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ DEFAULT_HOSTS = "2,3"
 PROG = "skippy-wire bench-cluster"
 
 COLUMNS = ("hosts", "link", "delay ms", "codec", "measured Mbit/s", "prefill tok/s", "decode tok/s",
-           "bytes/token/hop", "tokens = 1 stage")
+           "prefill / 1 stage", "decode / 1 stage", "bytes/token/hop", "tokens = 1 stage")
 
 
 def codec_row(name: str) -> str:
@@ -50,12 +51,20 @@ def codec_row(name: str) -> str:
     return name
 
 
-def row_of(res, ok: bool) -> dict:
-    o = res.options
+def _ratio(rate: float, reference: float) -> float | None:
+    return round(rate / reference, 2) if reference > 0 else None
+
+
+def row_of(res, reference) -> dict:
+    """One row: ``res``, a cluster run, against ``reference``, one in-process stage's run."""
+    o, result = res.options, res.result
+    ok = check_tokens(res, reference)["ok"]
     return {"hosts": o.hosts, "link": format_rate(parse_rate(o.rate)), "delay ms": o.delay_ms,
             "codec": next(k for k, v in CODECS.items() if v == (o.codec, o.policy)),
             "measured Mbit/s": round(res.link_bits / 1e6, 1) if res.link_bits else None,
-            "prefill tok/s": round(res.result.prefill_tok_s, 1), "decode tok/s": round(res.result.decode_tok_s, 1),
+            "prefill tok/s": round(result.prefill_tok_s, 1), "decode tok/s": round(result.decode_tok_s, 1),
+            "prefill / 1 stage": _ratio(result.prefill_tok_s, reference.prefill_tok_s),
+            "decode / 1 stage": _ratio(result.decode_tok_s, reference.decode_tok_s),
             "bytes/token/hop": round(res.bytes_per_token_per_hop), "tokens = 1 stage": "yes" if ok else "no",
             "prompt tokens": len(res.prompt), "new tokens": len(res.result.tokens)}
 
@@ -145,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                             res = run_cluster(opts, tokenizer=tokenizer)
                             if reference is None:
                                 reference = local_reference(res, tokenizer)
-                            ok = check_tokens(res, reference)["ok"]
-                            rows.append(row_of(res, ok))
+                            rows.append(row_of(res, reference))
                             progress(json.dumps(rows[-1]))
     except KeyboardInterrupt:  # the rows measured so far are still printed (and written)
         print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             return status
     print(markdown(rows), file=table)
+    if reference is not None:
+        print(f"\n1 in-process stage (the ratios' reference, measured once after the first row): prefill "
+              f"{reference.prefill_tok_s:.1f} tok/s, decode {reference.decode_tok_s:.1f} tok/s", file=table)
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s", file=table)
     if to_stdout:
         print(json.dumps(rows, indent=1))
