@@ -114,6 +114,17 @@ def test_idle_connections_at_the_limit_do_not_lock_clients_out(gated):
             s.close()
 
 
+def test_a_request_asking_to_upgrade_is_answered_over_http_1_1_and_logs_nothing(gated, caplog):
+    # curl --http2 asks for h2c; uvicorn warned twice per request, advising a WebSocket library
+    url, _ = gated
+    caplog.set_level(logging.WARNING, logger="uvicorn.error")
+    for upgrade in ("h2c", "websocket"):
+        reply = httpx.get(url + "/ok", timeout=10, headers={"Connection": "Upgrade, HTTP2-Settings",
+                                                            "Upgrade": upgrade, "HTTP2-Settings": "AAMAAABkAAQAAP__"})
+        assert reply.status_code == 200 and reply.text == "ok" and reply.http_version == "HTTP/1.1"
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn")], caplog.text
+
+
 def test_requests_being_served_are_never_shed(gated):
     url, gate = gated
     busy = LIMIT - 1  # uvicorn answers 503 once the open connections reach its limit

@@ -335,6 +335,11 @@ class IdleSheddingProtocol(H11Protocol):
         if self.lingering is not None:  # a server stopping waits for no body
             self.transport.close_now()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """Nothing logged for a request asking to upgrade (``curl --http2``'s h2c, a WebSocket):
+        it is answered over HTTP/1.1, as RFC 9110 7.8 lets a server do, where uvicorn warned
+        twice per request, advising a WebSocket library this API has no use for."""
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
         error object where uvicorn sends ``text/plain``; the connection then closes."""
