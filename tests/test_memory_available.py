@@ -4,11 +4,8 @@ directory laid out as Linux lays out /proc and /sys/fs/cgroup."""
 
 from __future__ import annotations
 
-import pytest
-
+from skippy_wire.stage import _backend as backend
 from skippy_wire.stage import native
-
-backend = pytest.importorskip("skippy_wire.stage._backend")
 
 MIB = 1 << 20
 V1_UNLIMITED = "9223372036854771712"  # what cgroup v1 reports for no limit

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from skippy_wire.stage import _backend as backend
+from skippy_wire.stage import batch
 from skippy_wire.stage import native
 from skippy_wire.stage import runtime as rt
 from skippy_wire.stage.runtime import (ACTIVATION_BOUNDARY_DESC_VERSION, ACTIVATION_FRAME_VERSION,
@@ -87,12 +88,34 @@ def test_serial_decode_rejects_invalid_decode_shapes(session_tokens, token_ids, 
         validate_serial_decode_request(request)
 
 
+class _RecordingSession:
+    """Stands in for a session on the one-at-a-time path: which of its steps ran, and how."""
+
+    terminal_stage = True
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getattr__(self, name):
+        def step(*args):
+            self.calls.append((name, args))
+            return "frame"
+        return step
+
+
 def test_one_token_prefill_tail_is_explicitly_not_decode():
+    # One token samples nothing here, which a decode step refuses: its phase makes it a
+    # prefill chunk at its own position.
+    session = _RecordingSession()
     request = IterationBatchRequest(
-        session=stage_session(4, True, True), token_ids=[7], positions=[4], sampling=None,
+        session=session, token_ids=[7], positions=[4], sampling=None,
         input=None, sample_last=False, phase=IterationBatchPhase.PREFILL,
     )
-    assert request.phase == IterationBatchPhase.PREFILL
+    assert batch._execute_one_iteration_request(request) == (-1, "frame")
+    assert session.calls == [("prefill_chunk_frame_with_positions", ([7], [4], None, 0))]
+    with pytest.raises(StageRuntimeError):
+        validate_serial_decode_request(dataclasses.replace(request, session=stage_session(4, True, True),
+                                                           positions=[], phase=IterationBatchPhase.DECODE))
 
 
 def test_serial_iteration_omits_samples_for_intermediate_stages():
@@ -254,7 +277,8 @@ def test_payload_size_hint_defers_dynamic_non_token_dimensions():
 
 
 def test_sampling_raw_accepts_exact_native_dry_breaker_payload():
-    RuntimeSamplingConfig(dry_sequence_breakers=["123456789012345"]).to_bytes()
+    raw = RuntimeSamplingConfig(dry_sequence_breakers=["123456789012345"]).to_bytes()
+    assert raw[176:192] == b"123456789012345\0"  # 15 bytes and the NUL the native struct keeps
 
 
 @pytest.mark.parametrize("breaker", ["1234567890123456", "\U0001F40D" * 4])
@@ -273,4 +297,7 @@ def test_dataclass_copy_of_descriptor_keeps_parts_independent():
     desc = activation_desc(1)
     copy = dataclasses.replace(desc, parts=[dataclasses.replace(p) for p in desc.parts])
     copy.parts[0].flags = ACTIVATION_PART_OPTIONAL
-    assert not desc.parts[0].is_optional()
+    assert copy.parts[0].is_optional() and not desc.parts[0].is_optional()
+    # the flag reaches the native layout: the copy packs as optional, the original not
+    assert ActivationDesc.from_bytes(copy.to_bytes()).parts[0].is_optional()
+    assert not ActivationDesc.from_bytes(desc.to_bytes()).parts[0].is_optional()

@@ -144,8 +144,16 @@ def test_sampling_validation_errors(config, text):
 
 
 def test_sampling_limits_are_inclusive():
-    RuntimeSamplingConfig(logit_bias=[(1, 0.5)] * 256, samplers=["top_k"] * 16,
-                          dry_sequence_breakers=["x" * 15] * 8).to_bytes()
+    # every list at its limit, each entry whole in the struct (a breaker of 15 bytes and its NUL)
+    raw = RuntimeSamplingConfig(logit_bias=[(1, 0.5)] * 255 + [(9, -2.0)], samplers=["top_k"] * 15 + ["temp"],
+                                dry_sequence_breakers=["x" * 14 + str(i) for i in range(8)]).to_bytes()
+    assert len(raw) == SAMPLING_CONFIG_BYTES
+    assert struct.unpack_from("<I", raw, 40) == (256,) and struct.unpack_from("<I", raw, 100) == (16,)
+    assert struct.unpack_from("<16I", raw, 104) == (4,) * 15 + (9,)
+    assert struct.unpack_from("<I", raw, 172) == (8,)
+    assert [raw[176 + 16 * i:192 + 16 * i] for i in range(8)] == [b"x" * 14 + str(i).encode() + b"\0"
+                                                                  for i in range(8)]
+    assert struct.unpack_from("<if", raw, 304) == (1, 0.5) and struct.unpack_from("<if", raw, 304 + 8 * 255) == (9, -2.0)
 
 
 def test_sampling_from_wire_config():

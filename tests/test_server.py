@@ -703,7 +703,7 @@ def test_sessions_that_compute_nothing_lose_their_lanes_whatever_else_their_peer
                 else:
                     holder.request(StageWireMessage.stop(9, 9))
                     time.sleep(0.1)
-        assert 0.5 < time.monotonic() - started < 2
+        assert 0.5 < time.monotonic() - started < 4  # the idle timeout, not the loop's end
     deadline = time.monotonic() + 5
     while server.admission.lanes.busy and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -534,9 +534,11 @@ def test_host_names_that_resolve_stay_valid():
     for endpoint in ("node-1.cluster.local:19000", "tcp://10.77.0.1:19000", "h\u00f4st.example:19000",
                      "stage_0:19000", "localhost.:19000", "255.255.255.254:19000", "1a.2.3.4:19000",
                      "10.1.2:19000", "127.1:19000", "2130706433:19000"):  # the C library's short forms
-        parse_topology(_with(_set(0, "endpoint", endpoint)), name="f.json", shape=shape)
+        stage = parse_topology(_with(_set(0, "endpoint", endpoint)), name="f.json", shape=shape).stages[0]
+        assert stage.address == (endpoint.removeprefix("tcp://").rsplit(":", 1)[0], 19000) == stage.listen
     # a stage may listen on every address, as long as its endpoint says where it is reached
-    parse_topology(_with(_set(0, "bind_addr", "0.0.0.0:19000")), name="f.json", shape=shape)
+    stage = parse_topology(_with(_set(0, "bind_addr", "0.0.0.0:19000")), name="f.json", shape=shape).stages[0]
+    assert stage.listen == ("0.0.0.0", 19000) and stage.address[0] != "0.0.0.0"
 
 
 def test_a_quoted_value_is_clipped_to_keep_the_line_short():

@@ -164,7 +164,9 @@ def test_repeated_offered_identity_is_an_invalid_profile(impl):
 def test_other_part_identities_still_match_by_identity():
     offered = _profile([_part(OTHER), _part()])
     required = _profile([_part(), ActivationPartProfile(OTHER, 0, 2, 1, True, (Fixed(4), TOKENS, Fixed(1), Fixed(1)))])
-    check_input_compatibility(offered, required)
+    check_input_compatibility(offered, required)  # admitted: each required part found by its identity
+    with pytest.raises(SetupError, match="^input binding type, rank, token axis or presence mismatch$"):
+        check_input_compatibility(_profile([_part(OTHER, ggml_type=1), _part()]), required)  # it is OTHER's read
 
 
 def test_an_ignored_value_may_nest_deeper_than_pythons_parser_recurses():
