@@ -189,3 +189,21 @@ def test_a_deep_ignored_value_passes_the_handshake(impl):
     deep = "[" * 3000 + "]" * 3000
     role, agreement = _serve(_hello().replace('"max_tokens"', f'"zz":{deep},"max_tokens"'), impl)
     assert role is SetupRole.ACTIVATION and len(agreement.profiles) == 1
+
+
+def test_a_lone_surrogate_fails_only_where_a_struct_reads_it():
+    # serde_json skips an ignored value's escapes unchecked, and refuses a lone surrogate in
+    # a string it reads: a field's value or a key of a struct's object
+    ignored = '"zz":["\\ud800",{"\\udc00":"x"}],"max_tokens"'
+    assert _parse_hello(_hello().replace('"max_tokens"', ignored)).output == _profile([_part()])
+    for read in (_hello().replace('"run":"r"', '"run":"r\\ud800"'),  # a field's value
+                 _hello().replace('"max_tokens"', '"\\ud800":1,"max_tokens"'),  # an unknown key of a profile
+                 _hello().replace('"target":["s1",1]', '"target":["\\udfff",1]')):
+        with pytest.raises(JsonShapeError, match="lone surrogate"):
+            _parse_hello(read)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_lone_surrogate_in_an_ignored_value_passes_the_handshake(impl):
+    role, agreement = _serve(_hello().replace('"max_tokens"', '"zz":"\\ud800","max_tokens"'), impl)
+    assert role is SetupRole.ACTIVATION and len(agreement.profiles) == 1

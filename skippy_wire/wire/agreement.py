@@ -204,9 +204,10 @@ _TOKEN = re.compile(r'[ \t\n\r]*(?:(?P<value>"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\
 
 
 def parse_json(body: bytes) -> Any:
-    """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, no lone surrogates,
-    nothing but whitespace after the value); repeated keys are kept aside for the fields
-    that read them to refuse (:class:`_Object`)."""
+    """Parse a packet body as strict JSON (UTF-8, no NaN/Infinity, nothing but whitespace
+    after the value); repeated keys are kept aside for the fields that read them to refuse
+    (:class:`_Object`), and a lone surrogate escape for the strings read to refuse
+    (:func:`_text`): serde_json skips an ignored value without looking at either."""
     try:
         text = bytes(body).decode("utf-8")
         try:
@@ -217,7 +218,6 @@ def parse_json(body: bytes) -> Any:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise JsonShapeError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-    _check_strings(value)
     return value
 
 
@@ -261,20 +261,14 @@ def _shallow(text: str) -> str:
             raise JsonShapeError(f"unexpected {token!r} at character {m.start()}")
 
 
-def _check_strings(value: Any) -> None:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise JsonShapeError("lone surrogate in a JSON string") from None
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
+def _text(value: str) -> str:
+    """``value``, a string that a struct reads (a field's value, or any key of the struct's
+    object): serde_json refuses a lone surrogate escape there."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise JsonShapeError("lone surrogate in a JSON string") from None
+    return value
 
 
 def dumps(value: Any) -> bytes:
@@ -291,6 +285,8 @@ def _struct(obj: Any, names: tuple, *, strict: bool, optional: tuple = ()) -> di
         return dict(zip(names, obj))
     if not isinstance(obj, dict):
         raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected a struct")
+    for key in obj:
+        _text(key)
     if strict:
         for key in obj:
             if key not in names:
@@ -346,7 +342,7 @@ def _bool(obj: Any) -> bool:
 def _string(obj: Any) -> str:
     if type(obj) is not str:
         raise JsonShapeError(f"invalid type: {_type_name(obj)}, expected a string")
-    return obj
+    return _text(obj)
 
 
 def _byte_array(obj: Any, length: int) -> bytes:
