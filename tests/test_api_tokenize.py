@@ -58,6 +58,21 @@ def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path)
     assert special == [engine.tokenizer.bos_id] + plain
 
 
+def test_an_empty_prompt_is_the_bos_alone_where_the_model_adds_one(client, tmp_path):
+    # llama.cpp's rule: a model that adds a BOS starts from it (OpenAI's "a new document");
+    # SmolLM2 adds none, and nothing is no prompt to start from
+    for route in ("/v1/completions", "/completion"):
+        empty = client.post(route, json={"prompt": ""})
+        assert empty.status_code == 400 and "encodes to no tokens" in empty.json()["error"]["message"], empty.text
+    engine = FakeEngine()
+    engine.tokenizer = Tokenizer.from_gguf(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    api = Api(engine, model_id="m", chat_template=None, max_inflight=1)
+    with TestClient(api.app()) as tiny:
+        answers = [tiny.post(route, json={"prompt": "", "max_tokens": 2}) for route in ("/v1/completions", "/completion")]
+    api.close()
+    assert [a.status_code for a in answers] == [200, 200] and engine.prompts == [chr(engine.tokenizer.bos_id)] * 2
+
+
 def test_tokenize_and_detokenize_refuse_bad_fields_with_llama_server_errors(client):
     """These are llama-server's routes: its error object (code = the status), as /completion's."""
     for path, body, param in (("/tokenize", {"content": 5}, "content"),

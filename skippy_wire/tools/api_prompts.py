@@ -53,9 +53,7 @@ class PromptReader:
         return tokens
 
     def prompt_tokens(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequest("'prompt' must not be empty", "prompt")
+        if isinstance(prompt, str):  # "" is the model's BOS alone where it adds one (llama.cpp's rule)
             return self.encode(prompt, "'prompt'", "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, (int, str)) and not isinstance(t, bool)
                                                        for t in prompt):
