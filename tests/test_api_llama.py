@@ -237,3 +237,12 @@ def test_a_mixed_prompt_has_a_bos_only_before_a_text_that_opens_it():
         assert _post(client, {"prompt": ["S", 97, "y"]}).status_code == 200
         assert _post(client, {"prompt": [83, "ay"]}).status_code == 200
     assert [list(r) for r in map(str.encode, engine.prompts)] == [[2, 83, 97, 121], [83, 97, 121]]
+
+
+def test_an_empty_text_in_a_mixed_prompt_adds_nothing():
+    # as llama-server tokenizes it: the ids beside it are the prompt (alone, "" is refused)
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": [83, "", 97]}).status_code == 200
+        assert _post(client, {"prompt": ""}).status_code == 400
+    assert engine.prompts == ["Sa"]

@@ -42,13 +42,15 @@ class PromptReader:
                              "prompt")
         return [functools.partial(self.prompt_tokens, p) for p in (prompt if batch else [prompt])]
 
-    def encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None) -> list[int]:
+    def encode(self, text: str, what: str, param: str, add_bos: Optional[bool] = None, *,
+               alone: bool = True) -> list[int]:
         """``text``'s tokens, refused unread when it is too long for the context.  A text may
         encode to no token at all (bytes the vocabulary lacks are dropped), and the pipeline
-        needs one to start from: a 400, not the driver's ValueError (a 500)."""
+        needs one to start from: a 400, not the driver's ValueError (a 500), unless the text
+        is not ``alone`` (a piece of a prompt that has token ids too)."""
         check_text_fits(text, self.engine.tokenizer.max_token_bytes, self.engine.ctx_size, what, param)
         tokens = self.engine.tokenizer.encode(text, add_bos=add_bos)
-        if not tokens:
+        if not tokens and alone:
             raise BadRequest(f"{what} encodes to no tokens", param)
         return tokens
 
@@ -69,7 +71,7 @@ class PromptReader:
             check_text_fits("".join(p for p in prompt if isinstance(p, str)), self.engine.tokenizer.max_token_bytes,
                             self.engine.ctx_size, "'prompt'", "prompt")
             tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
-                      self.encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False))]
+                      self.encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False, alone=False))]
             check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
             return tokens
         raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
