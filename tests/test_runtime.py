@@ -85,6 +85,17 @@ def test_open_rejects_bad_layer_ranges():
     assert info.value.status is Status.IO_ERROR
 
 
+def test_open_checks_its_options_in_upstreams_order():
+    # RuntimeConfig::validate: the layer range, then n_batch, then n_threads; each before native
+    cases = [((2, 2), {"n_batch": 0, "n_threads": 0}, "layer_start must be less than layer_end"),
+             ((0, 2), {"n_batch": 0, "n_threads": 0}, "n_batch must be greater than zero when provided"),
+             ((0, 2), {"n_threads": 0}, "n_threads must be greater than zero when provided")]
+    for (start, end), options, text in cases:
+        with pytest.raises(StageRuntimeError) as info:
+            StageModel.open("/nonexistent/model.gguf", start, end, backend=fake_native, **options)
+        assert str(info.value) == text and info.value.status is None
+
+
 def test_direct_construction_is_refused():
     with pytest.raises(TypeError):
         StageModel()

@@ -293,6 +293,15 @@ def test_sampling_raw_rejects_unknown_sampler_names():
     assert str(info.value) == 'sampling sampler order contains "unknown"'
 
 
+@pytest.mark.parametrize("name, shown", [("a\x01b", '"a\\u{1}b"'), ("a\x00b", '"a\\0b"'), ("x\x7f", '"x\\u{7f}"'),
+                                         ("\u200b", '"\\u{200b}"'), ('q"\\\n\t\r', '"q\\"\\\\\\n\\t\\r"'),
+                                         ("é 🐍", '"é 🐍"')])
+def test_an_unknown_sampler_name_is_shown_as_rusts_debug_shows_it(name, shown):
+    with pytest.raises(StageRuntimeError) as info:
+        RuntimeSamplingConfig(samplers=[name]).to_bytes()
+    assert str(info.value) == "sampling sampler order contains " + shown
+
+
 def test_dataclass_copy_of_descriptor_keeps_parts_independent():
     desc = activation_desc(1)
     copy = dataclasses.replace(desc, parts=[dataclasses.replace(p) for p in desc.parts])

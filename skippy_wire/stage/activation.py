@@ -374,7 +374,9 @@ class PackedFrame(NamedTuple):
     step's input takes this form (one required F32 part, as
     :func:`skippy_wire.stage.bridge.packed_frame_from_wire` packs it), so its descriptor is
     packed once per shape rather than built and packed for every token; so does the output
-    of ``decode_step_frame_raw``, whose descriptor is not parsed."""
+    of ``decode_step_frame_raw``, whose descriptor is not parsed.  Its maker vouches for
+    that one required part (:meth:`has_optional_parts` does not look); the backend still
+    checks its sizes."""
 
     desc: bytes
     payload: bytes

@@ -125,10 +125,10 @@ class StageModel(_NativeHandle):
             raise StageRuntimeError("layer_start must be less than layer_end")
         if layer_start < 0:
             raise StageRuntimeError("layer_start must not be negative")
+        if n_batch <= 0:  # upstream's RuntimeConfig::validate order: the range, n_batch, n_threads
+            raise StageRuntimeError("n_batch must be greater than zero when provided")
         if n_threads is not None and n_threads <= 0:
             raise StageRuntimeError("n_threads must be greater than zero when provided")
-        if n_batch <= 0:
-            raise StageRuntimeError("n_batch must be greater than zero when provided")
         lib = backend or default_backend()
         native = lib.Model(
             os.fspath(path),

@@ -169,9 +169,15 @@ def _wire_bias(entry: Any) -> tuple:
     return int(token), _wire_f32(bias)
 
 
+_RUST_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"'}
+
+
 def _rust_debug_str(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
-    return f'"{escaped}"'
+    """``value`` as Rust's ``{:?}`` writes a ``&str``: quoted, its own escapes, and any other
+    character Unicode calls Other or Separator (bar the space; what Rust's ``is_printable``
+    and Python's ``isprintable`` both leave out) as ``\\u{hex}``."""
+    return '"' + "".join(_RUST_ESCAPES.get(c) or (c if c.isprintable() else f"\\u{{{ord(c):x}}}")
+                         for c in value) + '"'
 
 
 def sampling_to_bytes(sampling: Any) -> Optional[bytes]:
