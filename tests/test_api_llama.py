@@ -245,4 +245,5 @@ def test_an_empty_text_in_a_mixed_prompt_adds_nothing():
     with TestClient(_fake_api(engine).app()) as client:
         assert _post(client, {"prompt": [83, "", 97]}).status_code == 200
         assert _post(client, {"prompt": ""}).status_code == 400
+        assert _post(client, {"prompt": [["", ""]]}).status_code == 400  # a batch's prompt of empty texts
     assert engine.prompts == ["Sa"]

@@ -72,6 +72,8 @@ class PromptReader:
                             self.engine.ctx_size, "'prompt'", "prompt")
             tokens = [t for i, piece in enumerate(prompt) for t in ([piece] if isinstance(piece, int) else
                       self.encode(piece, "'prompt'", "prompt", add_bos=None if i == 0 else False, alone=False))]
+            if not tokens:  # texts alone (a batch's list of them), each empty
+                raise BadRequest("'prompt' encodes to no tokens", "prompt")
             check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
             return tokens
         raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
