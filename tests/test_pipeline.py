@@ -173,6 +173,40 @@ def test_a_context_whose_kv_cache_outgrows_the_memory_available_starts_no_stage(
                                 f"{(weights - 1) >> 20} MiB of memory available")
 
 
+def test_a_prompt_is_any_sequence_of_token_ids_and_nothing_else(tiny_model):
+    import numpy as np
+
+    prompt = [1, 5, 9]
+    tokens = generate_local(tiny_model, prompt, max_tokens=3, threads=1).tokens
+    assert generate_local(tiny_model, np.array(prompt), max_tokens=3, threads=1).tokens == tokens
+    assert generate_local(tiny_model, tuple(prompt), max_tokens=3, threads=1).tokens == tokens
+    # checked before any model is read: one line naming the item (they failed deep inside)
+    for bad, error, text in (("hello", TypeError, "prompt must be a sequence of token ids, not str"),
+                             (iter(prompt), TypeError, "prompt must be a sequence of token ids, not list_iterator"),
+                             ([1.5, 2.0], TypeError, "prompt item 0 must be a token id (an int), not 1.5"),
+                             ([1, True], TypeError, "prompt item 1 must be a token id (an int), not True"),
+                             ([1, 2**31], ValueError, "prompt item 1 is no token id: 2147483648"),
+                             ([-1], ValueError, "prompt item 0 is no token id: -1"),
+                             (np.array([]), ValueError, "the prompt must have at least one token")):
+        with pytest.raises(error) as caught:
+            generate_local("/nonexistent.gguf", bad, max_tokens=1)
+        assert str(caught.value) == text
+
+
+@pytest.mark.parametrize("layers, problem", [
+    ([(0, 2), (3, 4)], "stage 1: layers 3..4 leaves a gap after stage 0's 0..2"),
+    ([(0, 3), (2, 4)], "stage 1: layers 2..4 overlaps stage 0's 0..3"),
+    ([(1, 4)], "stage 0 starts at layer 1, not 0"),
+    ([(0, 0), (0, 4)], "stage 0: layers 0..0 hold no layer"),
+    ([(0, 2), (2, 3)], "the last stage ends at layer 3, but tiny.gguf has 4 layers")])
+def test_layers_that_would_not_compute_the_model_once_in_order_are_refused_before_any_start(tiny_model, layers,
+                                                                                          problem):
+    # they launched, and a gap or an overlap generated wrong tokens without a word
+    with pytest.raises(ValueError) as caught:
+        launch_pipeline(tiny_model, len(layers), layers=layers, threads=1)
+    assert str(caught.value).startswith("layers: " + problem), caught.value
+
+
 @pytest.mark.parametrize("kept", [3, 0])
 def test_a_long_running_supervisor_keeps_a_bounded_number_of_session_events(tiny_model, kept):
     """Every session a stage freed left its event twice in the supervisor, for ever: some 6 KB

@@ -514,6 +514,34 @@ def test_driver_times_out_on_a_silent_stage():
         close()
 
 
+@pytest.mark.parametrize("delay", [0.05, 0.3])
+def test_a_client_closed_by_another_thread_ends_its_request_with_a_pipeline_error(delay):
+    # an OSError (a bad file descriptor) escaped from the socket the other thread closed
+    import threading
+
+    address, close = _fake_stage(lambda conn: time.sleep(5))
+    outcome = []
+    try:
+        client = PipelineClient(*address, timeout=4)
+
+        def generate():
+            try:
+                client.generate(PROMPT, max_tokens=2)
+            except BaseException as exc:  # noqa: BLE001 -- the test inspects it
+                outcome.append(exc)
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        time.sleep(delay)
+        client.close()
+        worker.join(10)
+    finally:
+        close()
+    assert len(outcome) == 1 and isinstance(outcome[0], PipelineError), outcome
+    # (a thread started late finds it closed before it sends: said as such)
+    assert re.search(r"this client (was closed during ConfigureGeneration|is closed; \S+ not sent)", str(outcome[0]))
+
+
 @pytest.mark.parametrize("behaviour,match", [
     (lambda conn: (conn.recv(1 << 16), conn.close()), "closed the connection during ConfigureGeneration"),
     (lambda conn: (conn.recv(1 << 16), conn.sendall(b"\x09" * 300), time.sleep(1)),
@@ -527,6 +555,12 @@ def test_driver_reports_a_broken_stage(behaviour, match):
                 client.generate(PROMPT, max_tokens=2)
     finally:
         close()
+
+
+@pytest.mark.parametrize("port", [70000, -1, 0, None, True, "9000", 9000.0])
+def test_a_client_refuses_a_port_that_is_none(port):
+    with pytest.raises(ValueError, match=r"^port must be a TCP port from 1 to 65535, got "):
+        PipelineClient("127.0.0.1", port, timeout=1)
 
 
 def test_driver_reports_a_refused_connection():

@@ -22,6 +22,7 @@ DecodeEmbd(pos_start = position, tokens = [previous token], current_token, decod
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import socket
 import ssl
@@ -38,6 +39,7 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
+from ..wire.constants import I32_MAX
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
@@ -154,6 +156,8 @@ class PipelineClient:
                  identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"port must be a TCP port from 1 to 65535, got {port!r}")  # 70000 reached 4464
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
@@ -243,7 +247,11 @@ class PipelineClient:
         except PeerClosedError:
             raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
                                " (a stage failed; the stages' logs say which and why)") from None
-        except ConnectionError as exc:
+        except OSError as exc:
+            if self._closed:  # close() from another thread took the socket away
+                raise PipelineError(f"stage 0 at {self.address}: this client was closed during {what}") from None
+            if not isinstance(exc, ConnectionError):
+                raise
             raise self._failed(f"stage 0 at {self.address}: connection lost during {what}: {os_reason(exc)}") from None
         except WireError as exc:
             raise self._failed(f"stage 0 at {self.address}: malformed reply to {what}: {exc}") from None
@@ -310,7 +318,7 @@ class PipelineClient:
         before each prefill chunk after the first and each decode step is sent: what it
         raises (a cancellation) leaves once the session is stopped.
         """
-        check_generation(prompt, max_tokens, chunk_size)
+        prompt = check_generation(prompt, max_tokens, chunk_size)
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
@@ -419,15 +427,29 @@ class PipelineClient:
         return int(reply.predicted)
 
 
-def check_generation(prompt: list[int], max_tokens: int, chunk_size: int) -> None:
-    """The arguments of a generation, checked before anything is sent or computed."""
-    if not prompt:
+def check_generation(prompt, max_tokens: int, chunk_size: int) -> list[int]:
+    """The arguments of a generation, checked before anything is sent or computed; the
+    prompt's token ids as a list (any sequence of ints: a tuple, numpy's)."""
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)) or not hasattr(prompt, "__len__"):
+        raise TypeError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}")
+    ids = []
+    for index, token in enumerate(prompt):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            ids.append(operator.index(token))
+        except TypeError:
+            raise TypeError(f"prompt item {index} must be a token id (an int), not {token!r}") from None
+        if not 0 <= ids[-1] <= I32_MAX:  # the wire's i32, and no id is negative
+            raise ValueError(f"prompt item {index} is no token id: {ids[-1]}")
+    if not ids:
         raise ValueError(EMPTY_PROMPT)
     for name, value, least in (("max_tokens", max_tokens, 0), ("chunk_size", chunk_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
+    return ids
 
 
 def prefill_messages(prompt: list[int], chunk_size: int, request_id: int, session_id: int, sampling=None):
@@ -466,7 +488,7 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
                    ctx_size: int = DEFAULT_CTX_SIZE, layers: tuple[int, int] | None = None) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
-    check_generation(prompt, max_tokens, chunk_size)
+    prompt = check_generation(prompt, max_tokens, chunk_size)
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
         if layers is None:
             layers = (0, model_shape(model)[0])

@@ -89,6 +89,27 @@ def split_layers(n_layer: int, stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def layer_chain_problem(ranges: list[tuple[int, int]], n_layer: int | None = None, model_name: str = "") -> str | None:
+    """Why stages over ``ranges`` (in order, half-open) would not compute the model's
+    ``n_layer`` layers (None: not known, the end unchecked) once each, in order; None when
+    they would."""
+    if not ranges:
+        return "no stages"
+    if ranges[0][0] != 0:
+        return f"stage 0 starts at layer {ranges[0][0]}, not 0"
+    for index, (start, end) in enumerate(ranges):
+        if start >= end:
+            return f"stage {index}: layers {start}..{end} hold no layer"
+    for index, ((prev_start, prev_end), (start, end)) in enumerate(zip(ranges, ranges[1:]), 1):
+        if start != prev_end:
+            what = "overlaps" if start < prev_end else "leaves a gap after"
+            return (f"stage {index}: layers {start}..{end} {what} stage {index - 1}'s {prev_start}..{prev_end} "
+                    "(ranges are half-open and must be contiguous)")
+    if n_layer is not None and ranges[-1][1] != n_layer:
+        return f"the last stage ends at layer {ranges[-1][1]}, but {model_name} has {n_layer} layers"
+    return None
+
+
 def default_model() -> Path:
     return Path(smollm2_path())
 
@@ -450,6 +471,14 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     if layers is None:
         n_layer, _ = model_shape(model)
         layers = split_layers(n_layer, stages)
+    else:
+        try:
+            n_layer, _ = model_shape(model)
+        except (OSError, ValueError):  # a model that cannot be read: its stages say why in their words
+            n_layer = None
+    problem = layer_chain_problem([tuple(r) for r in layers], n_layer, model.name)
+    if problem:  # a gap or an overlap would generate wrong tokens without a word
+        raise ValueError(f"layers: {problem}")
     threads = resolved_threads(threads)
     if on_progress is not None and oversubscription(threads):
         on_progress(f"warning: -t {threads}: {oversubscription(threads)}")

@@ -55,6 +55,7 @@ from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE
+from .supervision import layer_chain_problem
 from .transport import ipv4_addresses, is_wildcard, parse_address
 
 #: Model identities a file may name without a ``model_path``.
@@ -384,14 +385,9 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
             raise TopologyError(f"{name}: stage {s.index}: stage_id {s.stage_id!r} is already used by "
                                 f"stage {ids[s.stage_id]}")
         ids[s.stage_id] = s.index
-    if stages[0].layer_start != 0:
-        raise TopologyError(f"{name}: stage 0 starts at layer {stages[0].layer_start}, not 0")
-    for prev, s in zip(stages, stages[1:]):
-        if s.layer_start != prev.layer_end:
-            what = "overlaps" if s.layer_start < prev.layer_end else "leaves a gap after"
-            raise TopologyError(f"{name}: stage {s.index}: layers {s.layer_start}..{s.layer_end} {what} "
-                                f"stage {prev.index}'s {prev.layer_start}..{prev.layer_end} "
-                                f"(ranges are half-open and must be contiguous)")
+    problem = layer_chain_problem([(s.layer_start, s.layer_end) for s in stages])  # before the model is read
+    if problem:
+        raise TopologyError(f"{name}: {problem}")
     first = stages[0]
     for s in stages[1:]:
         if (s.activation_codec, s.activation_codec_policy) != (first.activation_codec,
@@ -412,9 +408,9 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
         text = " ".join(str(exc).split())
         raise ValueError(text if str(model_path) in text else f"{model_path}: {text}") from None
     # an OSError (a missing model) goes on as it is: the model's path and the reason
-    if stages[-1].layer_end != n_layer:
-        raise TopologyError(f"{name}: the last stage ends at layer {stages[-1].layer_end}, but "
-                            f"{model_path.name} has {n_layer} layers")
+    problem = layer_chain_problem([(s.layer_start, s.layer_end) for s in stages], n_layer, model_path.name)
+    if problem:
+        raise TopologyError(f"{name}: {problem}")
     return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size, name)
 
 
