@@ -468,14 +468,14 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     """
     model = Path(model)
     check_memory_fits(model, ctx_size)
-    if layers is None:
+    try:
         n_layer, _ = model_shape(model)
+    except (OSError, ValueError):
+        if layers is None:  # nothing to split
+            raise
+        n_layer = None  # given layers: the stages say why the model cannot be read, in their words
+    if layers is None:
         layers = split_layers(n_layer, stages)
-    else:
-        try:
-            n_layer, _ = model_shape(model)
-        except (OSError, ValueError):  # a model that cannot be read: its stages say why in their words
-            n_layer = None
     problem = layer_chain_problem([tuple(r) for r in layers], n_layer, model.name)
     if problem:  # a gap or an overlap would generate wrong tokens without a word
         raise ValueError(f"layers: {problem}")
