@@ -167,21 +167,25 @@ class Topology:
         for settle in (0.0, PROBE_SETTLE_S):
             time.sleep(settle)
             for stage in self.stages:
-                host, port = stage.address
-                try:
-                    socket.create_connection((host, port), timeout).close()
-                except ConnectionRefusedError:
-                    why = "refuses connections (it is not running)"
-                except (socket.timeout, TimeoutError):
-                    why = f"accepted no connection from this host within {timeout:g} s"
-                except OSError as exc:
-                    if exc.errno == errno.ENETUNREACH:
-                        continue
-                    why = f"cannot be reached from this host ({os_reason(exc)})"
-                else:
-                    continue
-                return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
+                why = _refusal(stage.address, timeout)
+                if why is not None:
+                    host, port = stage.address
+                    return f"stage {stage.index} at {host}:{port} (layers {stage.layer_start}..{stage.layer_end}) {why}"
         return None
+
+
+def _refusal(address: tuple[str, int], timeout: float) -> str | None:
+    """How ``address`` refused a TCP connection from this host, in words; None when it took
+    one, or when this host has no route to its network (which says nothing of the stage)."""
+    try:
+        socket.create_connection(address, timeout).close()
+    except ConnectionRefusedError:
+        return "refuses connections (it is not running)"
+    except (socket.timeout, TimeoutError):
+        return f"accepted no connection from this host within {timeout:g} s"
+    except OSError as exc:
+        return None if exc.errno == errno.ENETUNREACH else f"cannot be reached from this host ({os_reason(exc)})"
+    return None
 
 
 #: The topologies whose stages this process drives, by stage 0's address.
@@ -385,7 +389,8 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
             raise TopologyError(f"{name}: stage {s.index}: stage_id {s.stage_id!r} is already used by "
                                 f"stage {ids[s.stage_id]}")
         ids[s.stage_id] = s.index
-    problem = layer_chain_problem([(s.layer_start, s.layer_end) for s in stages])  # before the model is read
+    ranges = [(s.layer_start, s.layer_end) for s in stages]
+    problem = layer_chain_problem(ranges)  # before the model is read; its end once it is
     if problem:
         raise TopologyError(f"{name}: {problem}")
     first = stages[0]
@@ -408,7 +413,7 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
         text = " ".join(str(exc).split())
         raise ValueError(text if str(model_path) in text else f"{model_path}: {text}") from None
     # an OSError (a missing model) goes on as it is: the model's path and the reason
-    problem = layer_chain_problem([(s.layer_start, s.layer_end) for s in stages], n_layer, model_path.name)
+    problem = layer_chain_problem(ranges, n_layer, model_path.name)
     if problem:
         raise TopologyError(f"{name}: {problem}")
     return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size, name)
