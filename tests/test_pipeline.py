@@ -180,6 +180,8 @@ def test_a_prompt_is_any_sequence_of_token_ids_and_nothing_else(tiny_model):
     tokens = generate_local(tiny_model, prompt, max_tokens=3, threads=1).tokens
     assert generate_local(tiny_model, np.array(prompt), max_tokens=3, threads=1).tokens == tokens
     assert generate_local(tiny_model, tuple(prompt), max_tokens=3, threads=1).tokens == tokens
+    with pytest.raises(TypeError, match="^is_eog must be callable or None, not str$"):
+        generate_local("/nonexistent.gguf", prompt, max_tokens=1, is_eog="eos")
     # checked before any model is read: one line naming the item (they failed deep inside)
     for bad, error, text in (("hello", TypeError, "prompt must be a sequence of token ids, not str"),
                              (iter(prompt), TypeError, "prompt must be a sequence of token ids, not list_iterator"),
@@ -205,6 +207,36 @@ def test_layers_that_would_not_compute_the_model_once_in_order_are_refused_befor
     with pytest.raises(ValueError) as caught:
         launch_pipeline(tiny_model, len(layers), layers=layers, threads=1)
     assert str(caught.value).startswith("layers: " + problem), caught.value
+
+
+@pytest.mark.parametrize("arguments, error, text", [
+    ({"stages": True}, TypeError, "stages must be an int, not bool"),  # True launched one stage
+    ({"stages": "2"}, TypeError, "stages must be an int, not str"),
+    ({"ctx_size": "512"}, TypeError, "ctx_size must be an int, not str"),
+    ({"ctx_size": -1}, ValueError, "ctx_size must be from 0 to 16777216, got -1"),
+    ({"codec": "nope"}, ValueError, "unknown activation codec 'nope'"),
+    ({"codec": "bf16", "policy": "auto-lossless"}, ValueError,
+     "policy auto-lossless-v1 requires codec raw-f32-v1, not bf16-rne-v1"),
+    ({"protocol": 18}, ValueError, "protocol must be one of 15, 16, 17, got 18"),
+    ({"protocol": "17"}, ValueError, "protocol must be one of 15, 16, 17, got '17'"),  # v17 without its run id
+    ({"protocols": [15]}, ValueError, "protocols names 1 versions for 2 stages"),
+    ({"extra_args": "--no-decode-ahead"}, TypeError,  # a stage got "- - n o ..." as its arguments
+     "extra_args must be a list of serve arguments (strings), got '--no-decode-ahead'"),
+    ({"stage_args": {2: ["--ctx-size", "16"]}}, ValueError, "stage_args names stages [2], but there are 2 (0..1)"),
+    ({"tls": 5}, TypeError, "tls must be a TlsConfig, not int"),
+    ({"startup_timeout": 0}, ValueError, "startup_timeout must be a number of seconds above 0, got 0"),
+    ({"reply_timeout": "5"}, ValueError, "reply_timeout must be a number of seconds above 0, got '5'"),
+    ({"session_events_kept": -1}, ValueError, "session_events_kept must be at least 0, got -1")])
+def test_launch_arguments_are_checked_in_the_callers_words_before_any_stage_starts(tiny_model, monkeypatch,
+                                                                                   arguments, error, text):
+    # A stage refused them only once started, in a PipelineError quoting its command line,
+    # or took them: stages=True ran one stage, a string of extra_args ran its characters.
+    def no_start(*_args, **_kwargs):
+        raise AssertionError("a stage started")
+    monkeypatch.setattr("skippy_wire.net.supervision.StageProcess", no_start)
+    with pytest.raises(error) as caught:
+        launch_pipeline(tiny_model, **{"stages": 2, "threads": 1, **arguments})
+    assert str(caught.value) == text
 
 
 @pytest.mark.parametrize("kept", [3, 0])
@@ -278,6 +310,11 @@ def test_next_step_is_sent_before_on_token_and_a_raising_on_token_leaves_the_lin
                 client.generate(PROMPT, max_tokens=6, chunk_size=4, before_step=cancel_before_second_step,
                                 request_id=3, session_id=3)
             again = client.generate(PROMPT, max_tokens=4, chunk_size=4, request_id=4, session_id=3)
+            sent = client.sent_bytes  # a callback that is no function: refused before anything goes out
+            for name in ("on_token", "is_eog", "before_step"):
+                with pytest.raises(TypeError, match=f"^{name} must be callable or None, not int$"):
+                    client.generate(PROMPT, max_tokens=4, chunk_size=4, request_id=5, session_id=5, **{name: 5})
+            assert client.sent_bytes == sent
     assert again.tokens == full.tokens and seen == full.tokens[:1]
 
 

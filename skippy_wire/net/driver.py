@@ -46,7 +46,7 @@ from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
-from .supervision import StageCluster, launched_cluster
+from .supervision import StageCluster, int_argument, launched_cluster, seconds_argument
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
 from .transport import Peer, PeerClosedError, connect
@@ -154,8 +154,7 @@ class PipelineClient:
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
                  identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None) -> None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
+        seconds_argument("timeout", timeout)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"port must be a TCP port from 1 to 65535, got {port!r}")  # 70000 reached 4464
         self.address = f"{host}:{port}"
@@ -318,7 +317,8 @@ class PipelineClient:
         before each prefill chunk after the first and each decode step is sent: what it
         raises (a cancellation) leaves once the session is stopped.
         """
-        prompt = check_generation(prompt, max_tokens, chunk_size)
+        prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog, on_token=on_token,
+                                  before_step=before_step)
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         sent0, recv0 = self.sent_bytes, self.received_bytes
@@ -427,9 +427,13 @@ class PipelineClient:
         return int(reply.predicted)
 
 
-def check_generation(prompt, max_tokens: int, chunk_size: int) -> list[int]:
-    """The arguments of a generation, checked before anything is sent or computed; the
-    prompt's token ids as a list (any sequence of ints: a tuple, numpy's)."""
+def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> list[int]:
+    """The arguments of a generation, checked before anything is sent or computed (each of
+    ``callbacks`` by name: None or callable); the prompt's token ids as a list (any sequence
+    of ints: a tuple, numpy's)."""
+    for name, callback in callbacks.items():
+        if callback is not None and not callable(callback):  # it failed once the first step was out
+            raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
     if isinstance(prompt, (str, bytes, bytearray, memoryview)) or not hasattr(prompt, "__len__"):
         raise TypeError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}")
     ids = []
@@ -444,11 +448,8 @@ def check_generation(prompt, max_tokens: int, chunk_size: int) -> list[int]:
             raise ValueError(f"prompt item {index} is no token id: {ids[-1]}")
     if not ids:
         raise ValueError(EMPTY_PROMPT)
-    for name, value, least in (("max_tokens", max_tokens, 0), ("chunk_size", chunk_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if value < least:
-            raise ValueError(f"{name} must be at least {least}, got {value}")
+    int_argument("max_tokens", max_tokens, 0)
+    int_argument("chunk_size", chunk_size, 1)
     return ids
 
 
@@ -486,13 +487,11 @@ def decode_message(token: int, pos: int, step: int, prompt_len: int, request_id:
 
 def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
-                   ctx_size: int = DEFAULT_CTX_SIZE, layers: tuple[int, int] | None = None) -> GenerationResult:
+                   ctx_size: int = DEFAULT_CTX_SIZE) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
-    prompt = check_generation(prompt, max_tokens, chunk_size)
+    prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
-        if layers is None:
-            layers = (0, model_shape(model)[0])
-        stage = StageModel.open(model, layers[0], layers[1], stage_index=0, ctx_size=ctx_size,
+        stage = StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
                                 n_threads=resolved_threads(threads))
         session = stage.create_session()
         result = GenerationResult(list(prompt))

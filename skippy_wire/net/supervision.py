@@ -37,9 +37,11 @@ from ..errors import PipelineError
 from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
 from ..stage.threads import oversubscription, resolved_threads
-from ..wire.activation_frame import STAGE_STATE_VERSION_V17
+from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
+from ..wire.constants import MAX_CTX_SIZE, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
+from .tls import TlsConfig
 
 STARTUP_TIMEOUT = 120.0
 #: A stage ``launch_pipeline`` starts waits for its downstream's reply this much less than
@@ -439,6 +441,47 @@ def check_memory_fits(model: Path, ctx_size: int) -> None:
                      f"beside its {weights >> 20} MiB of weights; give a smaller -c/--ctx-size")
 
 
+def int_argument(name: str, value, least: int, most: int | None = None) -> int:
+    """``value`` of the argument ``name``: an int (a bool is none) from ``least`` (to ``most``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < least or (most is not None and value > most):
+        bound = f"at least {least}" if most is None else f"from {least} to {most}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def seconds_argument(name: str, value) -> float:
+    """``value`` of the argument ``name``: a number of seconds above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+    return value
+
+
+def _check_launch(stages, ctx_size, codec, policy, protocols, extra_args, stage_args, tls, timeouts,
+                  session_events_kept) -> None:
+    """``launch_pipeline``'s arguments, checked in the caller's words before a stage starts (a
+    stage would refuse most of them only when started, quoting its command line)."""
+    int_argument("stages", stages, 1)
+    int_argument("ctx_size", ctx_size, 0, MAX_CTX_SIZE)  # 0: the model's training context, as -c 0
+    int_argument("session_events_kept", session_events_kept, 0)
+    for name, value in (("codec", codec), ("policy", policy)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a name string, not {type(value).__name__}")
+    named_codec_setting(codec, policy)
+    for version in protocols:
+        if isinstance(version, bool) or version not in PROTOCOL_VERSIONS:
+            raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {version!r}")
+    for name, args in (("extra_args", extra_args), *((f"stage_args[{i}]", a) for i, a in (stage_args or {}).items())):
+        if isinstance(args, (str, bytes)) or not all(isinstance(arg, str) for arg in args):
+            raise TypeError(f"{name} must be a list of serve arguments (strings), got {args!r}")
+    if tls is not None and not isinstance(tls, TlsConfig):
+        raise TypeError(f"tls must be a TlsConfig, not {type(tls).__name__}")
+    for name, value in timeouts.items():
+        if value is not None:
+            seconds_argument(name, value)
+
+
 def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",
                     threads: int | None = None, ctx_size: int = DEFAULT_CTX_SIZE,
                     layers: list[tuple[int, int]] | None = None, startup_timeout: float = STARTUP_TIMEOUT,
@@ -466,6 +509,10 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     caller that never reads them; :meth:`StageCluster.session_events` then has none to give).
     On any failure every started process is terminated before the error propagates.
     """
+    extra_args = list(extra_args) if not isinstance(extra_args, (str, bytes)) else extra_args
+    _check_launch(stages, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args,
+                  stage_args, tls, {"startup_timeout": startup_timeout, "io_timeout": io_timeout,
+                                    "reply_timeout": reply_timeout}, session_events_kept)
     model = Path(model)
     check_memory_fits(model, ctx_size)
     try:
@@ -479,6 +526,10 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     problem = layer_chain_problem([tuple(r) for r in layers], n_layer, model.name)
     if problem:  # a gap or an overlap would generate wrong tokens without a word
         raise ValueError(f"layers: {problem}")
+    if protocols and len(protocols) != len(layers):
+        raise ValueError(f"protocols names {len(protocols)} versions for {len(layers)} stages")
+    if set(stage_args or ()) - set(range(len(layers))):
+        raise ValueError(f"stage_args names stages {sorted(stage_args)}, but there are {len(layers)} (0..{len(layers) - 1})")
     threads = resolved_threads(threads)
     if on_progress is not None and oversubscription(threads):
         on_progress(f"warning: -t {threads}: {oversubscription(threads)}")

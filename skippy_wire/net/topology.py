@@ -53,7 +53,7 @@ from typing import Any, Callable
 from ..errors import TopologyError, not_a_regular_file, os_reason
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
-from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
+from ..wire.constants import MAX_CTX_SIZE, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .supervision import layer_chain_problem
 from .transport import ipv4_addresses, is_wildcard, parse_address
@@ -305,15 +305,10 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
     for key, value in (("activation_codec", codec), ("activation_codec_policy", policy)):
         if not isinstance(value, str):
             raise TopologyError(f"{where}: {key} must be a name string, not {_shown(value)}")
-    codec, policy = CODEC_SHORT_NAMES.get(codec, codec), POLICY_SHORT_NAMES.get(policy, policy)
     try:
-        codec_enum = ActivationCodec.from_identity(codec)
-        policy_enum = CodecPolicy.from_serde_name(policy)
-    except (ValueError, TypeError, KeyError) as exc:
+        codec, policy = named_codec_setting(codec, policy, ("activation_codec", "activation_codec_policy"))
+    except ValueError as exc:
         raise TopologyError(f"{where}: {exc}") from None
-    if not policy_enum.compatible(codec_enum):
-        raise TopologyError(f"{where}: activation_codec_policy {policy} requires activation_codec "
-                            f"{ActivationCodec.RAW_F32_V1.identity()}, not {codec}")
     threads = None
     if "threads" in raw:
         threads = _int(where, raw, "threads", minimum=-(2**63))
@@ -325,7 +320,8 @@ def _stage(name: str, index: int, raw) -> TopologyStage:
     stage_id = raw.get("stage_id", f"stage-{index}")
     if not isinstance(stage_id, str) or not stage_id:
         raise TopologyError(f"{where}: stage_id must be a non-empty string")
-    return TopologyStage(index, stage_id, endpoint, bind_addr, start, end, codec, policy, threads)
+    return TopologyStage(index, stage_id, endpoint, bind_addr, start, end, codec.identity(), policy.serde_name,
+                         threads)
 
 
 def _resolve(host: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:

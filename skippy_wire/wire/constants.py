@@ -190,6 +190,18 @@ CODEC_SHORT_NAMES = {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16
 POLICY_SHORT_NAMES = {"auto-lossless": "auto-lossless-v1"}
 
 
+def named_codec_setting(codec: str, policy: str,
+                        keys: tuple[str, str] = ("codec", "policy")) -> tuple[ActivationCodec, CodecPolicy]:
+    """A codec and a policy as a user names them (identities or short names), checked
+    together; ``keys`` are what the caller calls the two in its errors."""
+    codec_enum = ActivationCodec.from_identity(CODEC_SHORT_NAMES.get(codec, codec))
+    policy_enum = CodecPolicy.from_serde_name(POLICY_SHORT_NAMES.get(policy, policy))
+    if not policy_enum.compatible(codec_enum):
+        raise ValueError(f"{keys[1]} {policy_enum.serde_name} requires {keys[0]} "
+                         f"{ActivationCodec.RAW_F32_V1.identity()}, not {codec_enum.identity()}")
+    return codec_enum, policy_enum
+
+
 class StateFlags(enum.IntFlag):
     """Bits of the header ``flags`` word (section 2.4).  Unknown bits are carried untouched,
     so messages store the flag word as a plain int; these are the named bits."""
