@@ -152,6 +152,16 @@ def test_bad_requests_get_llama_servers_error_objects():
         assert client.get("/completion").status_code == 405
 
 
+def test_truncated_says_whether_a_generation_ran_out_of_context_before_n_predict():
+    # llama-server sets it with stop_type "limit" when the context is full; it was always false
+    with TestClient(_fake_api(ScriptedEngine(stop_type="limit")).app()) as client:
+        for n_predict, truncated in ((10, True), (-1, True), (None, True), (4, False), (3, False)):
+            body = {"prompt": [65] * 60, **({} if n_predict is None else {"n_predict": n_predict})}
+            assert _post(client, body).json()["truncated"] is truncated, n_predict  # 4 tokens of room
+    with TestClient(_fake_api(ScriptedEngine(stop_type="eos")).app()) as client:
+        assert _post(client, {"prompt": [65] * 60, "n_predict": 10}).json()["truncated"] is False
+
+
 def test_llama_servers_defaults_and_limits_on_its_own_route():
     # its sampling defaults (llama-cli's), any temperature (a negative one greedy), and an
     # n_predict past the context's end that runs to it: OpenAI's routes keep OpenAI's rules

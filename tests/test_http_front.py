@@ -371,6 +371,17 @@ def test_deeply_nested_json_is_a_400():
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(literal):
+    # Python's reader takes them; RFC 8259 and OpenAI's API do not (an unknown field carried one in)
+    engine = FakeEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        r = client.post("/v1/completions", content='{"prompt": "Hi", "x": %s}' % literal,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+    assert engine.prompts == []
+
+
 def test_an_integer_too_long_to_read_is_named_as_such_not_as_invalid_json():
     with TestClient(_fake_api().app()) as client:
         for digits in ("9" * 5000, "-" + "9" * 5000):
@@ -493,6 +504,25 @@ def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
                         {"Authorization": "Bearer s3cret2"}, {"X-Api-Key": "Bearer s3cret"}):
             r = client.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+
+
+def test_llama_servers_routes_refuse_in_its_error_shape_whoever_refuses():
+    """A missing key, a foreign origin and a wrong method on llama-server's own routes got
+    OpenAI's error object (``code`` a name or null); its clients read the HTTP status there."""
+    with TestClient(_fake_api(api_key="k", cors_origins=("http://page.example",)).app()) as client:
+        for method, path, headers, status, kind in (
+                ("POST", "/completion", {}, 401, "authentication_error"),
+                ("POST", "/tokenize", {"Origin": "http://evil.example", "Authorization": "Bearer k"}, 403,
+                 "invalid_request_error"),
+                ("GET", "/tokenize", {"Authorization": "Bearer k"}, 405, "invalid_request_error"),
+                ("GET", "/slots", {"Authorization": "Bearer k"}, 501, "not_supported_error")):
+            r = client.request(method, path, json={"content": "x"} if method == "POST" else None, headers=headers)
+            error = r.json()["error"]
+            assert r.status_code == status and set(error) == {"code", "message", "type"}, r.text
+            assert error["code"] == status and error["type"] == kind and error["message"], r.text
+        assert client.get("/tokenize", headers={"Authorization": "Bearer k"}).headers["allow"] == "POST"
+        r = client.get("/v1/models")  # OpenAI's routes keep OpenAI's object
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_health_is_open_under_either_of_its_paths():
@@ -919,6 +949,9 @@ def test_cross_origin_calls_only_from_the_origins_given():
         assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page}).status_code == 401
         other = client.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        # an error object like every other refusal (the CORS library's was plain text)
+        assert other.json() == {"error": {"message": "Disallowed CORS origin", "type": "invalid_request_error",
+                                          "param": None, "code": None}}
         r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://evil.example", **key})
         assert r.status_code == 403
 

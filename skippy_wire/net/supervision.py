@@ -529,7 +529,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     if protocols and len(protocols) != len(layers):
         raise ValueError(f"protocols names {len(protocols)} versions for {len(layers)} stages")
     if set(stage_args or ()) - set(range(len(layers))):
-        raise ValueError(f"stage_args names stages {sorted(stage_args)}, but there are {len(layers)} (0..{len(layers) - 1})")
+        raise ValueError(f"stage_args names stages {sorted(stage_args)}, "
+                         f"but there are {len(layers)} (0..{len(layers) - 1})")
     threads = resolved_threads(threads)
     if on_progress is not None and oversubscription(threads):
         on_progress(f"warning: -t {threads}: {oversubscription(threads)}")

@@ -45,12 +45,12 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
-from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_error, llama_piece
+from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, ErrorObjects, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
@@ -129,7 +129,7 @@ class Api:
         ]
         # The request id outermost, on the other middleware's refusals too; CORS before the
         # key: a browser's preflight carries none.
-        middleware = [Middleware(RequestIds), Middleware(RefuseAmbiguousLength)]
+        middleware = [Middleware(RequestIds), Middleware(ErrorObjects), Middleware(RefuseAmbiguousLength)]
         if self.cors_origins:
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.cors_origins),
                                          allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
@@ -185,8 +185,7 @@ class Api:
 
     async def slots(self, request: Request) -> Response:
         """llama-server's answer where its slots endpoint is off: the stages keep no slots to list or save."""
-        return llama_error(error_response(501, "This server does not support slots endpoint.",
-                                          type_="not_supported_error"))
+        return error_response(501, "This server does not support slots endpoint.", type_="not_supported_error")
 
     async def health(self, request: Request) -> Response:
         """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else
@@ -232,10 +231,10 @@ class Api:
     # -- llama-server's tokenizer and template routes (no generation, no lane)
 
     async def tokenize(self, request: Request) -> Response:
-        return llama_error(await self._answer_body(request, self._tokenized, read=parse_tokenize))
+        return await self._answer_body(request, self._tokenized, read=parse_tokenize)
 
     async def detokenize(self, request: Request) -> Response:
-        return llama_error(await self._answer_body(request, self._detokenized))
+        return await self._answer_body(request, self._detokenized)
 
     def _detokenized(self, body: dict) -> dict:
         tokenizer = self.engine.tokenizer
@@ -245,7 +244,7 @@ class Api:
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
-        return llama_error(await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)}))
+        return await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)})
 
     async def _answer_body(self, request: Request, answer, read=None) -> Response:
         """``answer(body)`` of the request's JSON body, or ``answer(read(body))``, computed off
@@ -296,7 +295,7 @@ class Api:
         return await self._answer(request, chat=True)
 
     async def llama_completion(self, request: Request) -> Response:
-        return llama_error(await self._answer(request, chat=False, native=True))
+        return await self._answer(request, chat=False, native=True)
 
     async def _answer(self, request: Request, *, chat: bool, native: bool = False) -> Response:
         try:

@@ -14,10 +14,6 @@ true`` gives the final object the token ids too.  The stages keep no prompt cach
 
 from __future__ import annotations
 
-import json
-
-from starlette.responses import JSONResponse, Response
-
 from .api_job import GenerationJob, llama_timings
 from .api_params import BadRequest, Options
 from .llama_sampling import LLAMA_DEFAULT_SEED
@@ -72,12 +68,18 @@ class LlamaCompletionJob(GenerationJob):
             "generation_settings": generation_settings(self.options),
             "prompt": self.api.engine.tokenizer.decode(self.prompts[index]),
             "has_new_line": "\n" in result.text,
-            "truncated": False,
+            "truncated": self._ran_out_of_context(index, result),
             "stop_type": result.stop_type,
             "stopping_word": result.stopping_word,
             "tokens_cached": 0,
             "timings": llama_timings(result),
         }
+
+    def _ran_out_of_context(self, index: int, result) -> bool:
+        """llama-server's ``truncated``: the generation stopped at the context's end, before
+        ``n_predict`` (its limit was the context's room, not the one asked for)."""
+        asked = self.options.max_tokens
+        return result.stop_type == "limit" and (asked is None or asked > self.max_tokens[index])
 
     def _opening_events(self) -> list[str]:
         return []
@@ -121,23 +123,6 @@ def check_llama_context(prompt_tokens: int, ctx: int) -> None:
                          fields={"n_prompt_tokens": prompt_tokens, "n_ctx": ctx})
 
 
-def llama_error(response: Response) -> Response:
-    """An error answer in llama-server's words: ``{"error": {"code": STATUS, "message",
-    "type"}}`` (OpenAI's ``code`` is a name, llama-server's the HTTP status; a prompt too
-    long for the context is its ``exceed_context_size_error``, a 503 its ``unavailable_error``),
-    with the members the error carries beside OpenAI's four."""
-    if response.status_code < 400 or response.media_type != "application/json":
-        return response
-    error = json.loads(response.body).get("error") or {}
-    kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
-        "unavailable_error" if response.status_code == 503 else error.get("type")
-    extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse({"error": {"code": response.status_code, "message": error.get("message"), "type": kind,
-                                   **extra}},
-                        status_code=response.status_code, headers=headers)
-
-
 def llama_piece(data: bytes) -> str | list[int]:
     """A token's piece as llama-server's ``/tokenize`` gives it: its text, or the byte values
     of one that is part of a character."""
@@ -147,4 +132,4 @@ def llama_piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-__all__ = ["LlamaCompletionJob", "check_llama_context", "generation_settings", "llama_error", "llama_piece"]
+__all__ = ["LlamaCompletionJob", "check_llama_context", "generation_settings", "llama_piece"]
