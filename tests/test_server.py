@@ -434,6 +434,25 @@ def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_fact
     assert stage0["messages"] == 3 and stage0["received_bytes"] == len(data)
 
 
+@pytest.mark.parametrize("tokens, positions, what", [(513, None, "513 token ids"), (1, 100_000, "100000 positions")])
+def test_more_token_ids_than_the_context_are_refused_from_the_prefix(chain_factory, caplog, tokens, positions, what):
+    """A first stage read and decoded a message of up to its byte limit in token ids (600,000
+    in 2.4 MB, a ~20 MB list) that no context of 512 could run; now the 80-byte prefix says so."""
+    from skippy_wire.wire.frame import write_stage_message
+    from skippy_wire.net.driver import prefill_messages
+
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)], io_timeout=30.0)
+    message = next(prefill_messages([7] * tokens, tokens, 1, 1))
+    if positions:
+        message.positions = list(range(positions))
+    sock.sendall(write_stage_message(message)[:80])
+    assert _wait_closed(sock)  # without waiting for the body the prefix announces
+    sock.close()
+    assert (f"malformed stage message (InvalidData: stage message carries {what}, more than the 512 of this "
+            "stage's context (--ctx-size))") in caplog.text
+    _still_serves(chain)
+
+
 def test_stalled_peer_times_out(chain_factory, caplog):
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)], io_timeout=0.3)
     sock.sendall(_prefill_bytes()[:30])

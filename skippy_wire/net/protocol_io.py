@@ -33,7 +33,7 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import StageError, StateVersionMismatch, TlsRequired, WireError
+from ..errors import InvalidDataError, StageError, StateVersionMismatch, TlsRequired, WireError
 from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -45,7 +45,7 @@ from ..wire.forwarding import (
     forwarded_frame_message_timed,
     forwarded_stage_message_timed,
 )
-from ..wire.frame import RecordDecoder, recv_ready, write_stage_message
+from ..wire.frame import MESSAGE_SIDEBAND_COUNTS_OFFSET, RecordDecoder, recv_ready, write_stage_message
 from ..wire.frame import kernels as frame_kernels
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
 from .tls import TLS_REQUIRED_NOTICE
@@ -85,6 +85,8 @@ def peer_gone(sock) -> bool:
 
 
 _PEEK_BYTES = VERSION_WORD_OFFSET + 4
+_I32 = struct.Struct("<i")
+_SIDEBAND_COUNTS = struct.Struct("<ii")  # a message's token id count, then its position count
 
 
 def version_notice(version: int) -> bytes:
@@ -164,13 +166,15 @@ class LinkProtocol:
     ``reads`` is what arrives on it ("messages" on a stage's upstream link, "replies"
     elsewhere); ``codec`` / ``policy`` are the reader's admission; ``n_embd`` sizes v15
     activations; ``max_message_bytes`` caps a message from its fixed prefix (before its
-    payload is read).  ``who`` names the peer in mismatch errors, ``me`` this side.
+    payload is read), and ``max_tokens`` its token ids and positions (a stage's context:
+    no more could run, and a message of small ids is decoded to a list ~9x its bytes).  ``who`` names the peer in mismatch errors, ``me`` this side.
     ``upstream``: on a stage's downstream link, the socket of the upstream connection it
     serves, watched while a reply is awaited (:meth:`read_owed_replies`)."""
 
     def __init__(self, version: int, peer, *, reads: str = "replies", n_embd: int = 0, codec=None, policy=None,
                  who: str = "peer", me: str = "this stage", impl: Optional[str] = None,
-                 max_message_bytes: Optional[int] = None, upstream: Optional[socket.socket] = None) -> None:
+                 max_message_bytes: Optional[int] = None, max_tokens: Optional[int] = None,
+                 upstream: Optional[socket.socket] = None) -> None:
         if version not in PROTOCOL_VERSIONS:
             raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
         self.version = version
@@ -181,7 +185,7 @@ class LinkProtocol:
         self.codec, self.policy, self.n_embd = codec, policy, n_embd
         #: Replies the peer still owes for messages sent without waiting (overlapped prefill).
         self.unread_replies = 0
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.max_tokens = max_message_bytes, max_tokens
         self.upstream = upstream
         peer.reader.decoder = self.message_decoder() if reads == "messages" else self.reply_decoder()
 
@@ -309,6 +313,8 @@ class LinkProtocol:
         def checked(data, offset):
             if bytes(data[offset:offset + 4]) == VERSION_NOTICE_MAGIC and len(data) - offset >= VERSION_NOTICE_BYTES:
                 raise self.mismatch(parse_version_notice(bytes(data[offset:offset + VERSION_NOTICE_BYTES])))
+            if self.max_tokens is not None:
+                self._check_sidebands(data, offset)
             try:
                 return parse(data, offset)
             except WireError:
@@ -319,6 +325,17 @@ class LinkProtocol:
                 raise
 
         return checked
+
+    def _check_sidebands(self, data, offset: int) -> None:
+        """A message of this version counting more token ids or positions than ``max_tokens``
+        is refused from its prefix, before its body is read."""
+        if len(data) - offset < _PEEK_BYTES or _I32.unpack_from(data, offset + VERSION_WORD_OFFSET)[0] != self.version:
+            return  # not (yet) a message of ours: the parser says what it is
+        tokens, positions = _SIDEBAND_COUNTS.unpack_from(data, offset + MESSAGE_SIDEBAND_COUNTS_OFFSET)
+        for count, what in ((tokens, "token ids"), (positions, "positions")):
+            if count > self.max_tokens:
+                raise InvalidDataError(f"stage message carries {count} {what}, more than the {self.max_tokens} "
+                                       "of this stage's context (--ctx-size)")
 
     def message_decoder(self):
         """The incremental decoder of the stage messages this side receives."""

@@ -229,10 +229,10 @@ class StageServer:
                     self._connections.discard(sock)
                     self._connections.add(upstream.sock)
                 quiet(seq, upstream.sock)
-            if self.config.stage_index > 0:
-                upstream.send_delay = self.link_delay
+            upstream.send_delay = self.link_delay if self.config.stage_index > 0 else 0.0
             link = LinkProtocol(self.protocol, upstream, reads="messages", n_embd=self.backend.n_embd,
-                                codec=self.codec, policy=self.policy, max_message_bytes=self.max_message_bytes)
+                                codec=self.codec, policy=self.policy, max_message_bytes=self.max_message_bytes,
+                                max_tokens=self.config.ctx_size)
 
             def prepare() -> None:
                 if self.downstream is not None:
