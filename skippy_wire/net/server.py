@@ -62,7 +62,7 @@ from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
-from .transport import Peer, PeerClosedError, accept_connection, connect
+from .transport import Peer, PeerClosedError, SendStalled, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -284,7 +284,7 @@ class StageServer:
                             " in the middle of a message" if upstream.reader.buffered else "")
         except (socket.timeout, TimeoutError) as exc:  # a TLS handshake's deadline says so itself
             stalled = f"peer stalled for more than {self.io_timeout:.1f} s"
-            clog.error("%s: %s; closing", name, exc if isinstance(exc, HandshakeTimeout) else stalled)
+            clog.error("%s: %s; closing", name, exc if isinstance(exc, (HandshakeTimeout, SendStalled)) else stalled)
         except WireError as exc:
             malformed = f"malformed stage message ({exc.kind}: {exc})"
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))

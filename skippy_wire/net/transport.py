@@ -358,6 +358,11 @@ class SocketReader:
         return bytes(out)
 
 
+class SendStalled(TimeoutError):
+    """A send that waited out its socket's timeout: the other end read nothing meanwhile (a
+    peer that stops reading, told apart from one that stops sending)."""
+
+
 class Peer:
     """One end of a TCP connection: one write per message, a :class:`SocketReader` to read.
 
@@ -385,7 +390,11 @@ class Peer:
     def send(self, data: bytes) -> None:
         if self.send_delay:
             time.sleep(self.send_delay)
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except (socket.timeout, TimeoutError):
+            raise SendStalled(f"peer read nothing of what was sent to it for more than {self.sock.gettimeout():.1f} s"
+                              ) from None
         self.sent += len(data)
         if self._cap_out is not None:
             self._cap_out.write(data)
@@ -481,4 +490,4 @@ class CountingSocket:
 
 
 __all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
-           "parse_address", "is_wildcard", "PeerClosedError", "SocketReader", "Peer", "CountingSocket"]
+           "parse_address", "is_wildcard", "PeerClosedError", "SendStalled", "SocketReader", "Peer", "CountingSocket"]
