@@ -454,11 +454,15 @@ def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed()
     assert answer.count(b"HTTP/1.1 ") == 1  # the request behind it was not served
 
 
-@pytest.mark.parametrize("request_head", [b"GARBAGE\r\n\r\n", b"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\n\r\n",
-                                          b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n"])
-def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head):
-    """uvicorn answered it ``text/plain`` "Invalid HTTP request received."."""
-    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+@pytest.mark.parametrize("request_head, status, reason", [
+    (b"GARBAGE\r\n\r\n", 400, "illegal request line: bytearray(b'GARBAGE')"),
+    (b"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\n\r\n", 400, "illegal request line: bytearray(b'GET /v1/models/"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400, "bad Content-Length"),
+    (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000, 431, "Receive buffer too long")])
+def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head, status, reason):
+    """uvicorn answered it ``text/plain`` "Invalid HTTP request received.", logged alone (no
+    peer, no reason), and a head over h11's limit 400 rather than 431."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn() as records:
         s = _connect(url)
         s.sendall(request_head)
         answer = b""
@@ -466,7 +470,10 @@ def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head):
             answer += chunk
         s.close()
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"content-type: application/json" in head.lower()
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 1 and re.fullmatch(r"invalid HTTP request from 127\.0\.0\.1:\d+ \(.*\); closing", lines[0])
+    assert reason in lines[0] and lines[0].isprintable(), lines
     assert re.search(rb"\r\nx-request-id: req_[0-9a-f]{32}\r\n", head + b"\r\n", re.IGNORECASE)  # as every answer
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import uuid
+from http import HTTPStatus
 from typing import Callable, Optional
 
 import h11
@@ -22,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..net.connlog import peer_text
 from ..net.tls import is_loopback
 
 #: Routes open without the API key (as llama-server keeps its health check open, with and
@@ -188,78 +190,6 @@ class RequestIds:
         await self.app(scope, receive, sending)
 
 
-#: llama-server's own routes (and ``/slots/ID``): their errors in its shape (:class:`ErrorObjects`).
-LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots", "/metrics"})
-
-
-def _llama_route(path: str) -> bool:
-    return path in LLAMA_PATHS or path.startswith("/slots/")
-
-
-def _error_object_bytes(status: int, body: bytes, llama: bool) -> Optional[bytes]:
-    """An error answer's body with an error object in it: OpenAI's, or llama-server's
-    ``{"error": {"code": STATUS, "message", "type"}}`` (its ``code`` is the HTTP status; a
-    prompt too long for the context is its ``exceed_context_size_error``, a 503 its
-    ``unavailable_error``), with the members the error carries beside OpenAI's four; None
-    where the body is one already.  A body that holds no error object (a library's
-    plain-text refusal) becomes the message of one."""
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        answer = None
-    if not (isinstance(answer, dict) and isinstance(answer.get("error"), dict)):
-        answer = error_object(body.decode("utf-8", "replace").strip() or f"HTTP {status}")
-    elif not llama:
-        return None
-    if llama:
-        error = answer["error"]
-        kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
-            "unavailable_error" if status == 503 else error.get("type")
-        extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-        answer["error"] = {"code": status, "message": error.get("message"), "type": kind, **extra}
-    return JSONResponse(answer).body
-
-
-class ErrorObjects:
-    """ASGI middleware: every error answer is an error object in the shape of its route's API,
-    whoever answered it (the route, a middleware such as the API key's or CORS', the router's
-    405): llama-server's on :data:`LLAMA_PATHS`, OpenAI's elsewhere."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "HEAD":  # (an answer to HEAD has no body)
-            await self.app(scope, receive, send)
-            return
-        held: Optional[dict] = None  # an error's response start, until its body is whole
-        body = bytearray()
-
-        async def sending(message) -> None:
-            nonlocal held
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held = message
-                return
-            if held is None or message["type"] != "http.response.body":
-                await send(message)
-                return
-            body.extend(message.get("body", b""))
-            if message.get("more_body", False):
-                return
-            shaped = _error_object_bytes(held["status"], bytes(body), _llama_route(scope["path"]))
-            if shaped is None:
-                await send(held)
-                await send({"type": "http.response.body", "body": bytes(body)})
-                return
-            headers = [(k, v) for k, v in held.get("headers", [])
-                       if k.lower() not in (b"content-length", b"content-type")]
-            await send({**held, "headers": [*headers, (b"content-type", b"application/json"),
-                                            (b"content-length", str(len(shaped)).encode())]})
-            await send({"type": "http.response.body", "body": shaped})
-
-        await self.app(scope, receive, sending)
-
-
 class BodyTooLarge(Exception):
     """A request body over :data:`MAX_BODY_BYTES`."""
 
@@ -311,6 +241,22 @@ async def too_many_connections(scope, receive, send) -> None:
 _REFUSED_CONNECTION = RequestIds(too_many_connections)  # outside the application's middleware
 
 
+#: What uvicorn logs, alone, for a request that does not parse (replaced by a line with the peer and the reason).
+_INVALID_REQUEST = "Invalid HTTP request received."
+
+
+class _ProtocolLog(logging.LoggerAdapter):
+    """uvicorn's logger for one connection, less its own line for a request that does not parse."""
+
+    @property
+    def level(self) -> int:  # uvicorn reads it
+        return self.logger.level
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        if msg != _INVALID_REQUEST:
+            super().warning(msg, *args, **kwargs)
+
+
 class IdleSheddingProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, except that a new connection at the connection limit
     closes the one that has been quiet longest instead of leaving every request 503, and
@@ -332,6 +278,18 @@ class IdleSheddingProtocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+        self.logger = _ProtocolLog(self.logger)
+        self.protocol_error: Optional[h11.RemoteProtocolError] = None  # why the last request did not parse
+        next_event = self.conn.next_event
+
+        def remembering_next_event():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self.protocol_error = exc
+                raise
+
+        self.conn.next_event = remembering_next_event
         self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
         self.linger_end: Optional[asyncio.TimerHandle] = None
         self.stalled: Optional[asyncio.TimerHandle] = None  # set while the client reads nothing
@@ -414,12 +372,18 @@ class IdleSheddingProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
-        error object where uvicorn sends ``text/plain``; the connection then closes."""
+        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit;
+        logged with the peer and h11's reason (uvicorn's line gives neither); the connection
+        then closes."""
+        error, self.protocol_error = self.protocol_error, None
+        status = getattr(error, "error_status_hint", 400)
+        peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
+        self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
         body = json.dumps(error_object(msg)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), (b"x-request-id", new_request_id())]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
+        for event in (h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase.encode()),
+                      h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 

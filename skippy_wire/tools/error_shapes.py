@@ -1,0 +1,85 @@
+"""Every error answer of the API as an error object in the shape of its route's API, whoever
+answered it: :class:`ErrorObjects`."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from starlette.responses import JSONResponse
+
+from .http_front import error_object
+
+#: llama-server's own routes (and ``/slots/ID``): their errors in its shape (:class:`ErrorObjects`).
+LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots", "/metrics"})
+
+
+def _llama_route(path: str) -> bool:
+    return path in LLAMA_PATHS or path.startswith("/slots/")
+
+
+def _error_object_bytes(status: int, body: bytes, llama: bool) -> Optional[bytes]:
+    """An error answer's body with an error object in it: OpenAI's, or llama-server's
+    ``{"error": {"code": STATUS, "message", "type"}}`` (its ``code`` is the HTTP status; a
+    prompt too long for the context is its ``exceed_context_size_error``, a 503 its
+    ``unavailable_error``), with the members the error carries beside OpenAI's four; None
+    where the body is one already.  A body that holds no error object (a library's
+    plain-text refusal) becomes the message of one."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not (isinstance(answer, dict) and isinstance(answer.get("error"), dict)):
+        answer = error_object(body.decode("utf-8", "replace").strip() or f"HTTP {status}")
+    elif not llama:
+        return None
+    if llama:
+        error = answer["error"]
+        kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
+            "unavailable_error" if status == 503 else error.get("type")
+        extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
+        answer["error"] = {"code": status, "message": error.get("message"), "type": kind, **extra}
+    return JSONResponse(answer).body
+
+
+class ErrorObjects:
+    """ASGI middleware: every error answer is an error object in the shape of its route's API,
+    whoever answered it (the route, a middleware such as the API key's or CORS', the router's
+    405): llama-server's on :data:`LLAMA_PATHS`, OpenAI's elsewhere."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "HEAD":  # (an answer to HEAD has no body)
+            await self.app(scope, receive, send)
+            return
+        held: Optional[dict] = None  # an error's response start, until its body is whole
+        body = bytearray()
+
+        async def sending(message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held = message
+                return
+            if held is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            shaped = _error_object_bytes(held["status"], bytes(body), _llama_route(scope["path"]))
+            if shaped is None:
+                await send(held)
+                await send({"type": "http.response.body", "body": bytes(body)})
+                return
+            headers = [(k, v) for k, v in held.get("headers", [])
+                       if k.lower() not in (b"content-length", b"content-type")]
+            await send({**held, "headers": [*headers, (b"content-type", b"application/json"),
+                                            (b"content-length", str(len(shaped)).encode())]})
+            await send({"type": "http.response.body", "body": shaped})
+
+        await self.app(scope, receive, sending)
+
+
+__all__ = ["LLAMA_PATHS", "ErrorObjects"]
