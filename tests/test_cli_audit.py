@@ -344,6 +344,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     # a one-line error of the package, after the stages list, with exit status 1
     *((script, ["--stages", stages], "argument --stages: the model's 30 layers make at most 30 stages, got 31")
       for script, stages in (("hop_bench.py", "1,31"), ("serve_bench.py", "31"), ("prefill_overlap_bench.py", "31"))),
+    ("chain_floor.py", ["--stages", "65"], "argument --stages: each value must be between 1 and 64, got 65"),
     # failed only when a stage started, about --downstream
     ("serve_bench.py", ["--split", "10,10"],
      "argument --split: the counts must add up to the model's 30 layers, not 20"),
