@@ -151,3 +151,38 @@ def test_the_error_walk_of_a_large_half_precision_encode_releases_the_gil_too(co
 
     inside = _spinner_stamps_inside_calls(encode, ready=lambda: view[-2:] != b"\xab\xab", before=unwritten)
     assert any(inside), inside
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "cython", reason="the pure-Python twin never releases the GIL")
+@pytest.mark.parametrize("codec, code", [(2, 0x7C00), (3, 0x7F80)])  # F16, BF16: +infinity
+def test_an_input_changed_during_a_half_precision_encode_never_returns_an_infinity(codec, code):
+    """The conversion pass saw a value out of range and wrote its infinity; another thread
+    then wrote a finite value there before the error walks, which re-read the input, found
+    nothing and returned the infinity on the wire (a frame every reader refuses).
+
+    The spinner writes the value back to finite once the conversion has written the last
+    word (the GIL is released through the walks that follow); with the switch interval at
+    an hour it runs only while the encode has released the GIL."""
+    k = kernel_module("codec", "cython")
+    x = np.random.default_rng(7).standard_normal((4096, 2048), dtype=np.float32)
+    x[-1, -1] = np.finfo(np.float32).max  # rounds to infinity in both formats
+    out = bytearray(x.size * 2)
+    view = memoryview(out)
+    view[-2:] = b"\xab\xab"
+
+    def unwrite_once_converted() -> None:
+        while view[-2:] == b"\xab\xab":
+            time.sleep(0)
+        x[-1, -1] = 1.0
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(3600.0)
+    writer = threading.Thread(target=unwrite_once_converted)
+    writer.start()
+    try:
+        with pytest.raises(InvalidDataError, match="out of range"):
+            k.encode_activation(codec, 4096, 2048, x, 0, out=out)
+    finally:
+        sys.setswitchinterval(interval)
+        writer.join()
+    assert x[-1, -1] == 1.0 and int.from_bytes(view[-2:], "little") == code  # the race happened as meant

@@ -441,6 +441,9 @@ cdef object _encode_checked(int codec, const Shape *s, const uint8_t *src, Py_ss
                         raise_status(E_BF16_RANGE)
                 elif _run(K_FIND_F16_OVERFLOW, src, NULL, n, nogil_) >= 0:
                     raise_status(E_F16_RANGE)
+                # Neither walk finds it: another thread changed the input after the first pass
+                # saw a value out of range, whose non-finite half is in the output; refuse it.
+                raise_status(E_BF16_RANGE if codec == BF16_RNE_V1 else E_F16_RANGE)
         if held:
             result = _out_result(out, out_size)
     finally:
