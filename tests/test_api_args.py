@@ -59,10 +59,18 @@ def _parsed(argv: list[str]):
     (["--listen", "0.0.0.0:8080"], ("0.0.0.0", 8080)),
     (["--port", "8080"], ("127.0.0.1", 8080)),  # llama-server's names, each replacing its half
     (["--host", "0.0.0.0"], ("0.0.0.0", 9337)),
-    (["--host", "::1", "--port", "0"], ("::1", 0)),
+    (["--host", "localhost", "--port", "0"], ("localhost", 0)),
+    # an empty HOST (an unset "$HOST") as in --listen :PORT: this machine only, not every interface
+    (["--host", "", "--port", "8080"], ("127.0.0.1", 8080)),
 ])
 def test_the_address_as_listen_or_as_llama_server_s_host_and_port(argv, expected):
     assert _parsed(argv).listen_address == expected
+
+
+def test_host_is_read_as_listen_reads_it(capsys):
+    with pytest.raises(SystemExit) as exit_:  # it failed only when bound, after the stages started
+        _parsed(["--host", "::1"])
+    assert exit_.value.code == 2 and "argument --host: IPv6 addresses are not supported" in capsys.readouterr().err
 
 
 def test_listen_with_host_or_port_is_a_usage_error(capsys):

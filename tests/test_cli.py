@@ -112,7 +112,8 @@ def _one_error_line(err: str) -> str:
     (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
     (["serve", "--poll-ms", "1001"], "argument --poll-ms: must be between 0 and 1000, got 1001"),
     (["api", "--api-key", ""], "the API key is empty"),
-    (["api", "--api-key-file", "/nonexistent/key"], "--api-key-file: /nonexistent/key: no such file or directory"),
+    (["api", "--api-key-file", "/nonexistent/key"],
+     "argument --api-key-file: /nonexistent/key: no such file or directory"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
     (["run", "--connect", "nonsense"], "argument --connect: address must be HOST:PORT, not 'nonsense'"),
     (["run", ""], "the prompt is empty"),
@@ -731,3 +732,37 @@ def test_the_capture_hint_names_a_file_that_was_written(tmp_path):
     assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop0-messages.bin`)")
     (tmp_path / "hop1-messages.bin").write_bytes(b"")
     assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop1-messages.bin`)")
+
+
+def test_serve_started_with_stdin_closed_exits_as_at_stdin_eof(tiny_model):
+    """``--exit-on-stdin-eof`` with stdin closed (``<&-``): Python has no sys.stdin, and the
+    stage died with an AttributeError traceback; a closed stdin is one at its end."""
+    done = subprocess.run([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model), "--layer-start", "0",
+                           "--layer-end", "4", "--stage-index", "0", "--listen", "127.0.0.1:0", "--exit-on-stdin-eof"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(0))
+    assert done.returncode == 0 and "stdin closed: the parent is gone, exiting" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (b"\xff\xfe\n", "text is not valid UTF-8"),
+                                              (b"\n  \nkey\n", "its first line holds no key"),
+                                              (b"k" * 5000, "its first line is over 4096 characters")])
+def test_an_api_key_file_that_holds_no_key_is_named(capsys, tmp_path, content, problem):
+    # the file went unnamed ("--api-key-file: text is not valid UTF-8", "the API key is empty"),
+    # and it was read whole (a key file named /dev/zero filled the memory)
+    key = tmp_path / "key"
+    key.write_bytes(content)
+    assert_usage_error(capsys, ["api", "--api-key-file", str(key)], f"argument --api-key-file: {key}: {problem}")
+
+
+def test_an_api_key_file_gives_its_first_line_whole(tmp_path):
+    from skippy_wire.tools.api import _check_args, build_parser
+
+    key = tmp_path / "key"
+    for content in ("s3cret\nnext line\n", "  s3cret  \r\n", "k" * 4096):
+        key.write_text(content)
+        parser = build_parser()
+        args = parser.parse_args(["--api-key-file", str(key)])
+        _check_args(parser, args)
+        assert args.api_key == content.splitlines()[0].strip()

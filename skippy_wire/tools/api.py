@@ -57,8 +57,9 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream,
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
                       add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
-                      driver_poll_s, error_line, int_at_least, int_between, poll_args, refuse_started_stage_options,
-                      seconds, thread_count, tls_config, training_context_size, web_origin)
+                      driver_poll_s, error_line, int_at_least, key_file, int_between, listen_host, poll_args,
+                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size,
+                      web_origin)
 from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -409,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsFormatter)
     p.add_argument("--listen", default=None, type=address,
                    help=f"HOST:PORT of the HTTP endpoint (port 0: any free port; default: {DEFAULT_LISTEN})")
-    p.add_argument("--host", default=None, help="the HOST of --listen alone, as llama-server takes it (default: none)")
+    p.add_argument("--host", default=None, type=listen_host,
+                   help="the HOST of --listen alone, as llama-server takes it (default: none)")
     p.add_argument("--port", default=None, type=int_between(0, MAX_PORT),
                    help="the PORT of --listen alone, as llama-server takes it (default: none)")
     where = p.add_mutually_exclusive_group()
@@ -437,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--api-key", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every route but /health "
                           "(default: open)")
-    key.add_argument("--api-key-file", default=None, metavar="FILE",
+    key.add_argument("--api-key-file", dest="api_key", type=key_file, metavar="FILE",
                      help="the same, the key read from FILE's first line (kept out of the process list; default: none)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=web_origin,
                    help="let web pages from ORIGIN (e.g. http://localhost:8080; '*': any) call the API from a "
@@ -477,11 +479,6 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     args.connect_address = apply_topology(p, args) or args.connect
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
-    if args.api_key_file:
-        try:
-            args.api_key = (Path(args.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0].strip()
-        except (OSError, UnicodeError) as exc:
-            p.error(f"--api-key-file: {describe(exc)}")
     if args.api_key is not None and not args.api_key:
         p.error("the API key is empty")
     try:

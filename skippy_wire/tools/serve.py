@@ -128,11 +128,11 @@ def _exit_on_stdin_eof() -> None:
     # os.read on the descriptor, not sys.stdin.buffer: a daemon thread blocked inside the
     # buffered reader holds its lock, and the interpreter then aborts at shutdown ("Fatal
     # Python error: _enter_buffered_busy"), turning a clean exit into status -6.
-    fd = sys.stdin.fileno()
+    fd = None if sys.stdin is None else sys.stdin.fileno()  # None: closed before the start (<&-), at its end
 
     def watch() -> None:
         try:
-            while os.read(fd, 4096):
+            while fd is not None and os.read(fd, 4096):
                 pass
         finally:
             log.info("stdin closed: the parent is gone, exiting")
