@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import re
 import os
 import signal
 import subprocess
@@ -766,3 +767,15 @@ def test_an_api_key_file_gives_its_first_line_whole(tmp_path):
         args = parser.parse_args(["--api-key-file", str(key)])
         _check_args(parser, args)
         assert args.api_key == content.splitlines()[0].strip()
+
+
+def test_bench_backend_refuses_a_kv_cache_outgrowing_the_memory_before_any_table(capsys, monkeypatch, tiny_model):
+    # it started, then failed with the backend's "RuntimeError: cannot allocate the KV cache", naming no option
+    from skippy_wire.net import supervision
+
+    monkeypatch.setattr(supervision, "memory_available", lambda: 1 << 20)
+    code, out, err = _main(capsys, "bench-backend", "-m", str(tiny_model), "-t", "1", "--prefill", "8",
+                           "--decode", "100000", "--repeat", "1")
+    assert code == 2 and out == ""
+    assert re.fullmatch(r"skippy-wire: error: .* MiB of memory available.*; give a smaller --prefill or --decode",
+                        _one_error_line(err)), err

@@ -424,11 +424,11 @@ def sessions_fitting(model: Path, ctx_size: int, *, started: bool = False) -> in
     return max(0, available - (0 if started else weights)) // max(cache, 1)
 
 
-def check_memory_fits(model: Path, ctx_size: int) -> None:
-    """ValueError when the model's weights and one session's KV cache over its layers, all on
-    this machine, outgrow the memory available: each stage would refuse its share only once
-    the stages before it had taken theirs (zeroing gigabytes first), or not at all, the machine
-    then swapping or killing processes."""
+def check_memory_fits(model: Path, ctx_size: int, advice: str = "give a smaller -c/--ctx-size") -> None:
+    """ValueError (ending with ``advice``) when the model's weights and one session's KV cache
+    over its layers, all on this machine, outgrow the memory available: each stage would
+    refuse its share only once the stages before it had taken theirs (zeroing gigabytes
+    first), or not at all, the machine then swapping or killing processes."""
     budget = _memory_budget(model, ctx_size)
     if budget is None or budget[0] + budget[1] <= budget[2]:
         return
@@ -438,7 +438,7 @@ def check_memory_fits(model: Path, ctx_size: int) -> None:
                          "of memory available")
     raise ValueError(f"a context of {ctx_size} positions takes {cache >> 20} MiB of KV cache a session over "
                      f"{model.name}'s layers, more than the {(available - weights) >> 20} MiB of memory available "
-                     f"beside its {weights >> 20} MiB of weights; give a smaller -c/--ctx-size")
+                     f"beside its {weights >> 20} MiB of weights; {advice}")
 
 
 def int_argument(name: str, value, least: int, most: int | None = None) -> int:

@@ -37,10 +37,12 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from skippy_wire.errors import ToolError
+from skippy_wire.net.supervision import check_memory_fits
 from skippy_wire.stage import _ggml, models, runtime
 from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
@@ -369,6 +371,10 @@ def main(argv=None):
     if args.prefill + args.decode + CTX_SLACK > MAX_CTX_SIZE:  # else the backend refuses it mid-table
         ap.error(f"--prefill {args.prefill} + --decode {args.decode} exceed the backend's context of {MAX_CTX_SIZE} "
                  "tokens")
+    try:  # else the backend refuses its KV cache mid-table, naming neither option
+        check_memory_fits(Path(path), args.prefill + args.decode + CTX_SLACK, "give a smaller --prefill or --decode")
+    except ValueError as exc:
+        ap.error(str(exc))
     sizes = args.batch or [2, 4]
     warning = oversubscription(max(args.threads or [default_threads()]))
     if warning:

@@ -22,12 +22,12 @@ from pathlib import Path
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
 from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
-from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, default_model, split_layers, stage_env,
-                               stage_reply_timeouts)
+from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, check_memory_fits, default_model,
+                               split_layers, stage_env, stage_reply_timeouts)
 from ..net.topology import build_topology
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import named_codec_setting
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, describe, error_line, file_error, int_at_least,
                       int_between, milliseconds, seconds, thread_count, training_context_size)
@@ -142,8 +142,10 @@ def context_size(parser: argparse.ArgumentParser | None, ctx_size: int | None, m
 
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
     """Make the hosts, run one generation across them, clean everything up; see the module doc."""
-    if not CodecPolicy.from_serde_name(opts.policy).compatible(ActivationCodec.from_identity(opts.codec)):
-        raise TopologyError(f"activation codec policy {opts.policy} requires activation codec raw-f32-v1")
+    try:
+        named_codec_setting(opts.codec, opts.policy, ("activation codec", "activation codec policy"))
+    except ValueError as exc:
+        raise TopologyError(str(exc)) from None
     rate_bits = parse_rate(opts.rate)
     model = Path(opts.model) if opts.model else default_model()
     n_layer, _ = _read_model(model, model_shape)
@@ -161,6 +163,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         check_fit(opts.prompt_tokens)  # before the repeated prompt is made: 2^24 tokens take gigabytes
     prompt = prompt_ids(tokenizer, opts.prompt, opts.prompt_tokens)
     check_fit(len(prompt))
+    try:  # every stage's KV cache is on this machine (as launch_pipeline checks for run and api)
+        check_memory_fits(model, opts.ctx_size or len(prompt) + opts.max_tokens)
+    except ValueError as exc:  # a runtime failure (status 1), as run's
+        raise ToolError(str(exc)) from None
     reason = netns_unavailable()  # after the usage errors: they hold on any machine
     if reason:
         raise NetnsError(f"cannot make namespace hosts: {reason}")
