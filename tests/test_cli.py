@@ -494,6 +494,9 @@ def test_version_and_help(capsys):
     # A flag says what its absence means in its own words, not "(default: True)".
     assert "(default: True)" not in out and "(default: False)" not in out
     assert "--no-decode-ahead first stage: compute each decode step only when its message arrives" in out
+    # git's `help COMMAND` (it printed the list of commands); `help` alone still does
+    assert _main(capsys, "help", "serve")[1] == _main(capsys, "serve", "--help")[1]
+    assert _main(capsys, "help")[1] == cli.usage() + "\n"
 
 
 # -- real processes ----------------------------------------------------------------------------

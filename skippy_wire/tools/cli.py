@@ -76,7 +76,8 @@ def usage() -> str:
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines.append("\nWith no command, `run` is used: `skippy-wire \"What is the capital of France?\"`.")
     lines.append("--version: the package and the live ggml build.")
-    lines.append("`skippy-wire COMMAND --help` describes a command's options and their defaults.")
+    lines.append("`skippy-wire COMMAND --help` (or `skippy-wire help COMMAND`) describes a command's options and "
+                 "their defaults.")
     return "\n".join(lines)
 
 
@@ -122,7 +123,9 @@ def quiet_stdout() -> None:
 
 def dispatch(args: list[str], own_process: bool = False) -> int:
     from .options import EXIT_USAGE, error_line
-    if args and args[0] in ("-h", "--help", "help"):
+    if args[:1] == ["help"] and args[1:2] and args[1] in COMMANDS:  # git's `help COMMAND`
+        args = [args[1], "--help"]
+    elif args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     if args and args[0] in ("-V", "--version"):
