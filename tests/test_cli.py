@@ -782,3 +782,23 @@ def test_bench_backend_refuses_a_kv_cache_outgrowing_the_memory_before_any_table
     assert code == 2 and out == ""
     assert re.fullmatch(r"skippy-wire: error: .* MiB of memory available.*; give a smaller --prefill or --decode",
                         _one_error_line(err)), err
+
+
+def test_cluster_refuses_a_context_outgrowing_the_memory_before_any_namespace(tmp_path, monkeypatch):
+    """As run and api refuse it (launch_pipeline): the stages failed one by one after the
+    namespaces were made, with a RuntimeError's words and no advice."""
+    from skippy_wire.errors import ToolError
+    from skippy_wire.net import supervision
+    from skippy_wire.tools import cluster
+
+    def no_namespaces(*_args):
+        raise AssertionError("namespaces were made")
+
+    monkeypatch.setattr(cluster, "NetnsChain", no_namespaces)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(supervision, "memory_available", lambda: 64 << 20)
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    opts = cluster.ClusterOptions(model=str(model), ctx_size=1 << 24, measure_seconds=0)
+    with pytest.raises(ToolError, match=r"^a context of 16777216 positions takes \d+ MiB of KV cache a session over "
+                                        r"tiny\.gguf's layers, .*; give a smaller -c/--ctx-size$"):
+        cluster.run_cluster(opts)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.errors import NetnsError, ToolError
+from skippy_wire.errors import NetnsError
 from skippy_wire.net.netns import NETNS_PREFIX, NO_NETNS_ENV, NetnsChain, list_netns, netns_unavailable, parse_rate
 from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
 from skippy_wire.net.topology import build_topology
@@ -265,21 +265,3 @@ def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path,
         signal.signal(signal.SIGINT, previous)
     assert steps == ["removing", "removed"]
     assert not isinstance(caught.value, SystemExit) or caught.value.code == 128 + signum
-
-
-def test_a_context_that_outgrows_the_memory_is_refused_before_any_namespace(tmp_path, monkeypatch):
-    """As run and api refuse it (launch_pipeline): the stages failed one by one after the
-    namespaces were made, with a RuntimeError's words and no advice."""
-    from skippy_wire.net import supervision
-
-    def no_namespaces(*_args):
-        raise AssertionError("namespaces were made")
-
-    monkeypatch.setattr(cluster, "NetnsChain", no_namespaces)
-    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
-    monkeypatch.setattr(supervision, "memory_available", lambda: 64 << 20)
-    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
-    opts = cluster.ClusterOptions(model=str(model), ctx_size=1 << 24, measure_seconds=0)
-    with pytest.raises(ToolError, match=r"^a context of 16777216 positions takes \d+ MiB of KV cache a session over "
-                                        r"tiny\.gguf's layers, .*; give a smaller -c/--ctx-size$"):
-        cluster.run_cluster(opts)

@@ -167,9 +167,10 @@ class LinkProtocol:
     elsewhere); ``codec`` / ``policy`` are the reader's admission; ``n_embd`` sizes v15
     activations; ``max_message_bytes`` caps a message from its fixed prefix (before its
     payload is read), and ``max_tokens`` its token ids and positions (a stage's context:
-    no more could run, and a message of small ids is decoded to a list ~9x its bytes).  ``who`` names the peer in mismatch errors, ``me`` this side.
-    ``upstream``: on a stage's downstream link, the socket of the upstream connection it
-    serves, watched while a reply is awaited (:meth:`read_owed_replies`)."""
+    no more could run, and a message of small ids is decoded to a list ~9x its bytes).
+    ``who`` names the peer in mismatch errors, ``me`` this side.  ``upstream``: on a stage's
+    downstream link, the socket of the upstream connection it serves, watched while a reply
+    is awaited (:meth:`read_owed_replies`)."""
 
     def __init__(self, version: int, peer, *, reads: str = "replies", n_embd: int = 0, codec=None, policy=None,
                  who: str = "peer", me: str = "this stage", impl: Optional[str] = None,

@@ -473,7 +473,7 @@ def _check_launch(stages, ctx_size, codec, policy, protocols, extra_args, stage_
         if isinstance(version, bool) or version not in PROTOCOL_VERSIONS:
             raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {version!r}")
     for name, args in (("extra_args", extra_args), *((f"stage_args[{i}]", a) for i, a in (stage_args or {}).items())):
-        if isinstance(args, (str, bytes)) or not all(isinstance(arg, str) for arg in args):
+        if not isinstance(args, (list, tuple)) or not all(isinstance(arg, str) for arg in args):
             raise TypeError(f"{name} must be a list of serve arguments (strings), got {args!r}")
     if tls is not None and not isinstance(tls, TlsConfig):
         raise TypeError(f"tls must be a TlsConfig, not {type(tls).__name__}")
@@ -509,7 +509,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     caller that never reads them; :meth:`StageCluster.session_events` then has none to give).
     On any failure every started process is terminated before the error propagates.
     """
-    extra_args = list(extra_args) if not isinstance(extra_args, (str, bytes)) else extra_args
+    if isinstance(extra_args, Iterable) and not isinstance(extra_args, (str, bytes)):
+        extra_args = list(extra_args)  # (a generator is read once)
     _check_launch(stages, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args,
                   stage_args, tls, {"startup_timeout": startup_timeout, "io_timeout": io_timeout,
                                     "reply_timeout": reply_timeout}, session_events_kept)
