@@ -35,7 +35,7 @@ from skippy_wire.net.service import Admission, Cancelled, Generation, Generation
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api
-from skippy_wire.tools.options import web_origin
+from skippy_wire.tools.api_options import web_origin
 from skippy_wire.tools.api_params import MAX_PROMPTS, MAX_TOKENIZE_BYTES
 
 LIMIT = 6

@@ -54,12 +54,12 @@ from .error_shapes import ErrorObjects
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
+from .api_options import key_file, listen_host, web_origin
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
                       add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
-                      driver_poll_s, error_line, int_at_least, key_file, int_between, listen_host, poll_args,
-                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size,
-                      web_origin)
+                      driver_poll_s, error_line, int_at_least, int_between, poll_args, refuse_started_stage_options,
+                      seconds, thread_count, tls_config, training_context_size)
 from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"

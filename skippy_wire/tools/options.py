@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import sys
-import urllib.parse
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -406,45 +405,6 @@ def address(text: str) -> tuple[str, int]:
     return host, port
 
 
-#: The most characters of a key file's first line read (a key; not a whole /dev/zero).
-MAX_KEY_LINE = 4096
-
-
-def key_file(path: str) -> str:
-    """The key on the first line of the file ``path`` (``--api-key-file``)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            line = fh.readline(MAX_KEY_LINE + 1).rstrip("\r\n")
-            empty = not line and not fh.tell()
-    except (OSError, UnicodeError) as exc:
-        raise argparse.ArgumentTypeError(file_error(path, exc)) from None
-    if len(line) > MAX_KEY_LINE:
-        raise argparse.ArgumentTypeError(f"{path}: its first line is over {MAX_KEY_LINE} characters")
-    if not line.strip():
-        raise argparse.ArgumentTypeError(f"{path}: {'the file is empty' if empty else 'its first line holds no key'}")
-    return line.strip()
-
-
-def listen_host(text: str) -> str:
-    """The HOST of ``HOST:PORT`` alone, read as :func:`address` reads it (an empty one is
-    127.0.0.1, not every interface)."""
-    return address(f"{text}:0")[0]
-
-
-def web_origin(text: str) -> str:
-    """A browser's Origin header as it is sent (matched exactly), or ``*``."""
-    try:
-        parts = urllib.parse.urlsplit(text)
-        parts.port  # raises on a port out of range
-        ok = text == "*" or (parts.scheme in ("http", "https") and bool(parts.hostname)
-                             and text == f"{parts.scheme}://{parts.netloc}")
-    except ValueError:  # a broken IPv6 literal, a port out of range
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"an origin is SCHEME://HOST[:PORT] (no path) or '*', not {text!r}")
-    return text
-
-
 def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
     """A choice among ``names`` or their ``short`` aliases (returned as the full name); a
     wrong one lists both."""
@@ -620,6 +580,6 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count", "thread_counts",
            "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size", "float_above",
            "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address",
-           "key_file", "listen_host", "web_origin", "add_poll_option", "poll_args", "check_output_file",
+           "add_poll_option", "poll_args", "check_output_file",
            "driver_poll_s", "add_tls_options", "tls_config", "apply_topology", "utf8", "StartedStagesOption",
-           "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES", "MAX_KEY_LINE"]
+           "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
