@@ -46,6 +46,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
+from .api_options import key_file, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
@@ -54,7 +55,6 @@ from .error_shapes import ErrorObjects
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
-from .api_options import key_file, listen_host, web_origin
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
                       add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
