@@ -281,8 +281,8 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
     (["--verison"], "unrecognized arguments: --verison; did you mean '--version'?"),  # every command takes it
     (["api", "--verison"], "unrecognized arguments: --verison; did you mean '--version'?"),
     # llama.cpp options this CLI lacks are refused, never split into a short option and a
-    # value (`-ngl 99` was `-n gl`; `-hf` was `-h -f`: help and exit 0)
-    (["run", "-ngl"], "unrecognized arguments: -ngl"),
+    # value (`-ngl 99` was `-n gl`, `-nkvo` would be `-n kvo`; `-hf` was `-h -f`: help and exit 0)
+    (["run", "-nkvo"], "unrecognized arguments: -nkvo"),
     (["run", "-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
     (["-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
     (["api", "-cb"], "unrecognized arguments: -cb"),

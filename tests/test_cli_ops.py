@@ -19,12 +19,32 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError
-from skippy_wire.tools import backend_bench, cli, cluster, serve
+from skippy_wire.tools import api, backend_bench, cli, cluster, run, serve
 from skippy_wire.tools.options import check_output_file
 from process_helpers import default_sigint
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+GPU_LAYERS_WARNING = ("[skippy-wire] warning: no usable GPU found, --gpu-layers option will be ignored "
+                      "(skippy-wire computes on the CPU)\n")
+
+
+@pytest.mark.parametrize("module, words", [(run, ["-ngl", "99", "hello"]), (api, ["--gpu-layers", "all"]),
+                                           (serve, ["--n-gpu-layers", "-1"])])
+def test_gpu_layers_are_taken_and_ignored_with_llama_cpps_warning(capsys, module, words):
+    """llama.cpp's ``-ngl 99`` on a build without a GPU: its warning, and the rest of the line
+    read as without it (``run -ngl 99 hello`` refused ``-ngl hello``, 99 taken as the prompt)."""
+    plain = vars(module.build_parser().parse_args(words[2:]))
+    with_it = vars(module.build_parser().parse_args(words))
+    assert with_it == plain
+    assert capsys.readouterr().err == GPU_LAYERS_WARNING
+
+
+def test_gpu_layers_take_llama_cpps_values_only(capsys):
+    assert_usage_error(capsys, ["run", "-ngl", "many"], "argument -ngl/--gpu-layers/--n-gpu-layers: expected an "
+                                                        "integer from -1, auto or all, got 'many'")
 
 
 @pytest.mark.parametrize("command", ["run", "serve", "inspect", "bench-backend"])

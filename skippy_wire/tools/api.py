@@ -56,10 +56,10 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_poll_option,
-                      add_tls_options, address, apply_topology, check_codec_options, check_output_dir, describe,
-                      driver_poll_s, error_line, int_at_least, int_between, poll_args, refuse_started_stage_options,
-                      seconds, thread_count, tls_config, training_context_size)
+                      DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
+                      add_poll_option, add_tls_options, address, apply_topology, check_codec_options, check_output_dir,
+                      describe, driver_poll_s, error_line, int_at_least, int_between, poll_args,
+                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size)
 from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -431,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_codec_options(p, started_stages=True)
     p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
                    help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
+    add_gpu_layers_option(p)
     p.add_argument("--max-inflight", "-np", "--parallel", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
                    help="requests generating at once (each holds one lane on every stage; llama-server's names too)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,

@@ -316,6 +316,21 @@ def thread_count(text: str) -> int | None:
 thread_count.__name__ = "int"
 
 
+class IgnoredGpuLayers(argparse.Action):
+    """llama.cpp's ``-ngl N``: taken (its command lines run here), ignored with its CPU build's warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values not in ("auto", "all") and not re.fullmatch("-1|[0-9]+", values):
+            raise argparse.ArgumentError(self, f"expected an integer from -1, auto or all, got {values!r}")
+        print("[skippy-wire] warning: no usable GPU found, --gpu-layers option will be ignored "
+              "(skippy-wire computes on the CPU)", file=sys.stderr, flush=True)
+
+
+def add_gpu_layers_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", action=IgnoredGpuLayers, metavar="N", default=argparse.SUPPRESS,
+                   help="ignored with a warning, as by llama.cpp without a GPU (default: none)")
+
+
 def once_each(values: list, texts: list[str]) -> list:
     """``values`` (parsed from ``texts``) when none repeats, else argparse's error naming it:
     a benchmark would run a repeated setting again and print its row twice."""
@@ -576,10 +591,10 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
            "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
-           "once_each", "DefaultsFormatter", "Parser", "doc_summary", "error_line", "describe", "file_error",
-           "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count", "thread_counts",
-           "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size", "float_above",
-           "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds", "address",
-           "add_poll_option", "poll_args", "check_output_file",
-           "driver_poll_s", "add_tls_options", "tls_config", "apply_topology", "utf8", "StartedStagesOption",
-           "refuse_started_stage_options", "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]
+           "once_each", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
+           "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size",
+           "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
+           "address", "add_poll_option", "poll_args", "check_output_file", "driver_poll_s", "add_tls_options",
+           "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
+           "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

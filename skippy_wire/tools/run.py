@@ -31,8 +31,8 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_poll_option, add_tls_options,
-                      address, apply_topology,
+                      UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
+                      add_poll_option, add_tls_options, address, apply_topology,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
                       float_above, float_between, int_at_least, int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compute threads per stage, at most {MAX_THREADS} (default: {default_threads()}; -1: the "
                         "default; ggml threads spin, see docs/pipeline.md); only for the stages this command starts "
                         "and --check's in-process stage: with --connect/--topology only with --check")
+    add_gpu_layers_option(p)
     p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
                    help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
                         "context)")

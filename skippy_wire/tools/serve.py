@@ -33,9 +33,9 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
-                      add_poll_option, add_tls_options, address, check_codec_options, describe, error_line,
-                      int_at_least, int_between, milliseconds, seconds, thread_count, tls_config,
-                      training_context_size)
+                      add_gpu_layers_option, add_poll_option, add_tls_options, address, check_codec_options,
+                      describe, error_line, int_at_least, int_between, milliseconds, seconds, thread_count,
+                      tls_config, training_context_size)
 from .signals import exiting_on_signals
 
 log = logging.getLogger("skippy_wire.tools.serve")
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help=f"compute threads (default: {default_threads()}; -1: the default; ggml threads spin, "
                         "see docs/pipeline.md)")
+    add_gpu_layers_option(p)
     p.add_argument("--io-timeout", type=seconds(), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message or in reading a reply")
     p.add_argument("--idle-timeout", type=seconds(), default=DEFAULT_IDLE_TIMEOUT,
