@@ -327,8 +327,8 @@ class IgnoredGpuLayers(argparse.Action):
 
 
 def add_gpu_layers_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", action=IgnoredGpuLayers, metavar="N", default=argparse.SUPPRESS,
-                   help="ignored with a warning, as by llama.cpp without a GPU (default: none)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", action=IgnoredGpuLayers, metavar="N",
+                   default=argparse.SUPPRESS, help="ignored with a warning, as by llama.cpp with no GPU (default: none)")
 
 
 def once_each(values: list, texts: list[str]) -> list:
