@@ -328,7 +328,7 @@ class IgnoredGpuLayers(argparse.Action):
 
 def add_gpu_layers_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", action=IgnoredGpuLayers, metavar="N",
-                   default=argparse.SUPPRESS, help="ignored with a warning, as by llama.cpp with no GPU (default: none)")
+                   default=argparse.SUPPRESS, help="ignored with llama.cpp's no-GPU warning (default: off)")
 
 
 def once_each(values: list, texts: list[str]) -> list:
