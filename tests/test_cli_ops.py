@@ -9,6 +9,7 @@ processes of ``verify-exhaustive`` stopped with it on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import subprocess
@@ -89,6 +90,28 @@ def test_bench_cluster_json_file_is_checked_before_the_runs(capsys, tmp_path):
     kept.write_text("old rows\n")
     check_output_file(parser, "--json", str(kept))
     assert not (tmp_path / "new.json").exists() and kept.read_text() == "old rows\n"
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("words", [["--version"], ["demo"]])
+def test_a_stdout_that_cannot_be_written_is_named_in_one_line(words, unbuffered):
+    """``> /dev/full``: "no space left on device" named no file (buffered, the exit's flush
+    then failed again: Python's "Exception ignored" lines and status 120)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"}
+                                                                               if unbuffered else {})
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "skippy_wire", *words], stdout=full, stderr=subprocess.PIPE,
+                              env=env, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == "skippy-wire: error: cannot write to stdout: no space left on device\n"
+
+
+def test_an_error_elsewhere_is_not_put_on_stdout(capsys):
+    def run():
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    assert cli.guarded(run) == 1
+    assert capsys.readouterr().err == "skippy-wire: error: connection reset by peer\n"
 
 
 def test_out_of_memory_is_one_line(capsys, monkeypatch):

@@ -169,7 +169,9 @@ def guarded(run: Callable[[], int | None]) -> int:
     if sys.stdout is None:
         sys.stdout = ClosedStdout()
     try:
-        return int(run() or 0)
+        status = int(run() or 0)
+        sys.stdout.flush()  # a full disk behind stdout is this command's error, not the exit's traceback
+        return status
     except BrokenPipeError:
         quiet_stdout()
         return _status("EXIT_BROKEN_PIPE")
@@ -183,11 +185,31 @@ def guarded(run: Callable[[], int | None]) -> int:
             raise
         try:
             text = describe(exc)
+            if isinstance(exc, OSError) and exc.filename is None and not _stdout_writes():
+                text = f"cannot write to stdout: {text}"
+                quiet_stdout()  # what it still holds would fail again at the exit's flush
             print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
                   flush=True)
         except BrokenPipeError:
             pass
         return _status("EXIT_FAILURE")
+
+
+def _stdout_writes() -> bool:
+    """Whether stdout takes what it holds: after an OSError that names no file, a stdout that
+    still cannot flush (the bytes it could not write wait in its buffer; unbuffered, as with
+    PYTHONUNBUFFERED, an empty write tells on /dev/full) is what failed."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return False
+    try:
+        os.write(sys.stdout.fileno(), b"")
+    except ValueError:  # no descriptor to ask (io.UnsupportedOperation is a ValueError too)
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _status(name: str) -> int:
