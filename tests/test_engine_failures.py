@@ -106,6 +106,23 @@ def test_a_generation_cut_off_by_the_engine_s_close_is_no_pipeline_failure_in_th
         silent.close()
 
 
+def test_a_generation_that_ends_after_the_engine_s_close_leaves_no_connection_open():
+    """A connection given back after close() was pooled where nothing would close it again."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    clients = []
+    real_take = engine._take
+    engine._take = lambda timeout=None: clients.append(real_take(timeout)) or clients[-1]
+    try:
+        out = engine.generate([1, 2, 3], max_tokens=3, sampling=SamplingParams(temperature=0.0), stop=[],
+                              on_text=lambda text, tokens: engine.close(), cancelled=threading.Event())
+        assert out.completion_tokens >= 1 and engine.closed
+        assert engine._idle == [] and not clients[0].alive()
+    finally:
+        engine.close()
+        chain.close()
+
+
 def test_a_stage_0_that_trickles_its_reply_is_bounded_by_the_timeout():
     # READY, then an Ack one byte every 0.2 s: every receive got something within the
     # timeout, so the driver waited for ever; the whole reply now has the timeout

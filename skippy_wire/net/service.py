@@ -301,7 +301,10 @@ class GenerationEngine:
     def _give_back(self, client: PipelineClient) -> None:
         client.timeout = self.timeout
         with self._lock:
-            self._idle.append(client)
+            if not self.closed:
+                self._idle.append(client)
+                return
+        client.close()  # a generation that close() did not cut off ends after it: nothing pools it again
 
     def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Raise PipelineError unless every stage answers now, each wait bounded by
