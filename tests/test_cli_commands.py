@@ -243,14 +243,17 @@ def test_a_driver_s_context_may_be_less_than_its_topology_s_not_more(capsys, tmp
     topology.write_text(json.dumps({"model_path": str(tiny_model), "ctx_size": 1024, "stages": [
         {"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4}]}))
     parser = _parser(command)
-    for given, expected in (([], 1024), (["-c", "256"], 256)):
+    for given, expected in (([], 1024), (["-c", "256"], 256), (["-c", "512"], 512)):  # run's default, given
         args = parser.parse_args(["--topology", str(topology), *given])
         assert apply_topology(parser, args) == ("127.0.0.1", 19000) and args.ctx_size == expected
-    with pytest.raises(SystemExit) as stopped:
-        apply_topology(parser, parser.parse_args(["--topology", str(topology), "-c", "4096"]))
-    assert stopped.value.code == 2
-    assert _one_error_line(capsys.readouterr().err) == \
-        f"skippy-wire: error: --ctx-size 4096 is more than the 1024 tokens of {topology}'s stages"
+    small = tmp_path / "small.json"  # -c 512 given is more than its stages hold, whatever run's default
+    small.write_text(topology.read_text().replace("1024", "256"))
+    for path, asked, held in ((topology, 4096, 1024), (small, 512, 256)):
+        with pytest.raises(SystemExit) as stopped:
+            apply_topology(parser, parser.parse_args(["--topology", str(path), "-c", str(asked)]))
+        assert stopped.value.code == 2
+        assert _one_error_line(capsys.readouterr().err) == \
+            f"skippy-wire: error: --ctx-size {asked} is more than the {held} tokens of {path}'s stages"
 
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED),

@@ -581,7 +581,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
         topology = load_topology(args.topology, model=args.model)
     except TopologyError as exc:
         parser.error(str(exc))
-    given = args.ctx_size if args.ctx_size != parser.get_default("ctx_size") else None
+    given = args.ctx_size  # None unless -c was given
     if given is not None and given > topology.ctx_size:
         parser.error(f"--ctx-size {given} is more than the {topology.ctx_size} tokens of {args.topology}'s stages")
     args.model, args.ctx_size = str(topology.model_path), given or topology.ctx_size

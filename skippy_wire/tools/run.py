@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default; ggml threads spin, see docs/pipeline.md); only for the stages this command starts "
                         "and --check's in-process stage: with --connect/--topology only with --check")
     add_gpu_layers_option(p)
-    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=DEFAULT_CTX_SIZE,
+    p.add_argument("-c", "--ctx-size", type=int_between(TRAINING_CONTEXT, MAX_CTX_SIZE), default=None,
                    help=f"context per stage (prompt + generated tokens; {TRAINING_CONTEXT}: the model's training "
-                        "context)")
+                        f"context; with --topology: the file's ctx_size unless -c asks for less) "
+                        f"(default: {DEFAULT_CTX_SIZE})")
     p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--check", action="store_true",
                    help="also run one in-process stage with the same sampling and require identical tokens "
@@ -294,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(parser: argparse.ArgumentParser, args) -> int:
     args.connect = apply_topology(parser, args) or args.connect
+    if args.ctx_size is None:
+        args.ctx_size = DEFAULT_CTX_SIZE
 
     def progress(text: str) -> None:
         if not args.quiet:
