@@ -224,9 +224,20 @@ def test_layers_that_would_not_compute_the_model_once_in_order_are_refused_befor
      "extra_args must be a list of serve arguments (strings), got '--no-decode-ahead'"),
     ({"stage_args": {2: ["--ctx-size", "16"]}}, ValueError, "stage_args names stages [2], but there are 2 (0..1)"),
     ({"tls": 5}, TypeError, "tls must be a TlsConfig, not int"),
-    ({"startup_timeout": 0}, ValueError, "startup_timeout must be a number of seconds above 0, got 0"),
-    ({"reply_timeout": "5"}, ValueError, "reply_timeout must be a number of seconds above 0, got '5'"),
-    ({"session_events_kept": -1}, ValueError, "session_events_kept must be at least 0, got -1")])
+    ({"startup_timeout": 0}, ValueError, "startup_timeout must be a number of seconds above 0 and at most 1000000, "
+                                         "got 0"),
+    ({"reply_timeout": "5"}, ValueError, "reply_timeout must be a number of seconds above 0 and at most 1000000, "
+                                         "got '5'"),
+    ({"io_timeout": float("inf")}, ValueError,  # the stage refused it once started, in its command line's words
+     "io_timeout must be a number of seconds above 0 and at most 1000000, got inf"),
+    ({"session_events_kept": -1}, ValueError, "session_events_kept must be at least 0, got -1"),
+    # a float bound reached a stage's command line ("--layer-start 15.0"), strings failed as "starts at layer 0,
+    # not 0", a count of stages other than the ranges' was dropped, on_progress failed after a stage started
+    ({"layers": [(0, 2.0), (2.0, 4)]}, TypeError, "layers[0] must be an int, not float"),
+    ({"layers": [("0", "2"), ("2", "4")]}, TypeError, "layers[0] must be an int, not str"),
+    ({"layers": [(0, 2, 4)]}, TypeError, "layers[0] must be a (start, end) pair of layer indices, got (0, 2, 4)"),
+    ({"stages": 3, "layers": [(0, 2), (2, 4)]}, ValueError, "stages is 3, but layers gives 2 ranges"),
+    ({"on_progress": 5}, TypeError, "on_progress must be callable or None, not int")])
 def test_launch_arguments_are_checked_in_the_callers_words_before_any_stage_starts(tiny_model, monkeypatch,
                                                                                    arguments, error, text):
     # A stage refused them only once started, in a PipelineError quoting its command line,
@@ -510,3 +521,9 @@ def test_the_time_outside_compute_is_never_shown_negative():
         "    outside compute: not separable over 1 decode step (stage 0 computed ahead of the driver's messages)"
     assert _path_lines(7400, [3000, 4000], tokens=96)[-1] == \
         "    outside compute: 400 per token over 2 hops = 200 per hop"
+
+
+def test_a_short_startup_timeout_is_named_as_given(tiny_model):
+    """0.01 s read "did not start listening within 0 s"."""
+    with pytest.raises(PipelineError, match=r"^stage \d did not start listening within 0\.01 s"):
+        launch_pipeline(tiny_model, stages=1, threads=1, startup_timeout=0.01)

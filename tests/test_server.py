@@ -1113,11 +1113,12 @@ def test_both_generators_refuse_the_same_arguments_before_running(chain_factory,
         generate_local("no-such-model.gguf", **args)  # refused before the model is opened
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5"])
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5", float("inf"), 1e12])
 def test_a_client_timeout_must_be_seconds_above_zero(chain_factory, timeout):
-    """0 said "operation now in progress", -1 a bare "Timeout value out of range"."""
+    """0 said "operation now in progress", -1 a bare "Timeout value out of range"; inf and
+    1e12 an OverflowError ("timestamp out of range for platform time_t") from the connect."""
     chain = chain_factory([(0, 6)])
-    with pytest.raises(ValueError, match="^timeout must be a number of seconds above 0, got "):
+    with pytest.raises(ValueError, match="^timeout must be a number of seconds above 0 and at most 1000000, got "):
         PipelineClient(*chain.entry, timeout=timeout)
 
 

@@ -169,6 +169,15 @@ def test_build_topology_validates():
     assert t.downstream(0) == ("10.77.0.2", 19000) and t.stages[1].activation_codec == "s8-row-f32-rne-v1"
     with pytest.raises(TopologyError, match="overlaps"):
         build_topology("/m.gguf", [(0, 16), (15, 30)], ["a:1", "b:1"], shape=shape)
+    # a third endpoint was dropped without a word, a missing bind address an IndexError
+    with pytest.raises(TopologyError, match="^topology: 2 layer ranges but 3 endpoints$"):
+        build_topology("/m.gguf", [(0, 15), (15, 30)], ["a:1", "b:1", "c:1"], shape=shape)
+    with pytest.raises(TopologyError, match="^topology: 2 layer ranges but 1 bind_addrs$"):
+        build_topology("/m.gguf", [(0, 15), (15, 30)], ["a:1", "b:1"], bind_addrs=["0.0.0.0:1"], shape=shape)
+    # stage -1 was stage 0's downstream, stage 5 of 2 the last's
+    for index in (-1, 2, 5):
+        with pytest.raises(TopologyError, match=f"no stage {index} \\(it has 2\\)"):
+            t.downstream(index)
 
 
 def _serve_usage_error(capsys, args) -> str:

@@ -38,8 +38,8 @@ from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
-from ..wire.activation_frame import STAGE_STATE_VERSION_V15
-from ..wire.constants import I32_MAX
+from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15
+from ..wire.constants import I32_MAX, MAX_CTX_SIZE, MAX_WAIT_S
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
@@ -137,7 +137,8 @@ class PipelineClient:
     ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
 
     One request at a time: a call from a second thread while one runs is a PipelineError
-    (their replies would cross).  A :meth:`generate` left by an exception (a callback's, a
+    (their replies would cross).  A connection stage 0 closed while idle (its
+    ``--idle-timeout``) is opened again by the next request, unless ``capture`` is given.  A :meth:`generate` left by an exception (a callback's, a
     bad argument's, Ctrl-C) stops its session on every stage, so the connection carries the
     next request, or closes the connection when a reply is still owed; a closed client's
     calls are PipelineErrors.
@@ -155,33 +156,67 @@ class PipelineClient:
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
                  identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None) -> None:
         seconds_argument("timeout", timeout)
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"host must be a host name or address (a str), not {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"port must be a TCP port from 1 to 65535, got {port!r}")  # 70000 reached 4464
+        if isinstance(protocol, bool) or protocol not in PROTOCOL_VERSIONS:  # it failed once connected
+            raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {protocol!r}")
+        if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 <= poll_s <= MAX_WAIT_S:
+            raise ValueError(f"poll_s must be a number of seconds from 0 to {MAX_WAIT_S}, got {poll_s!r}")
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
         self._owed = 0  # replies to messages sent not yet read
         self._closed = False
         self._busy = threading.Lock()  # held by the thread whose request runs
+        self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s)
         # the stages behind it: given, or the ones this process launched there
         self._stages = stages if stages is not None else launched_cluster(host, port)
         self._topology = driven_topology(host, port)  # or when a topology file describes them
         self._marks = self._log_marks()
+        self._connect()
+
+    def _connect(self) -> None:
+        """The connection to stage 0 and its READY handshake (v17: the stage setup)."""
+        (host, port), (capture, protocol, identity, tls, poll_s) = self._endpoint, self._setup
         try:
-            sock = connect(host, port, timeout, tls=tls.client_context() if tls is not None else None)
+            sock = connect(host, port, self.timeout, tls=tls.client_context() if tls is not None else None)
         except ssl.SSLError as exc:
             raise PipelineError(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
             raise self._failed(f"cannot connect to stage 0 at {self.address}: {os_reason(exc)}") from exc
-        self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
+        try:
+            peer = sock.getpeername()[:2]  # "localhost" reaches the stages launched on 127.0.0.1 too
+            if self._stages is None:
+                self._stages = launched_cluster(*peer)
+            if self._topology is None:
+                self._topology = driven_topology(*peer)
+            self._peer = Peer(sock, capture_prefix=str(capture) if capture else None)
+        except BaseException:
+            sock.close()
+            raise
         self._peer.reader.poll_s = poll_s
         self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")
         try:
-            self._guard(lambda: self._link.connect(SetupRole.TOKENS_AND_CONTROL, identity, None, timeout=timeout),
+            self._guard(lambda: self._link.connect(SetupRole.TOKENS_AND_CONTROL, identity, None,
+                                                   timeout=self.timeout),
                         "READY handshake" if protocol != 17 else "stage setup")
         except BaseException:
             self._peer.close()
             raise
+
+    def _reopen_if_dropped(self) -> None:
+        """Between requests: a connection stage 0 closed while it was idle (its
+        ``--idle-timeout``) is opened again, its byte counts carried on; not while capturing
+        (a new connection would start the capture files over)."""
+        if self._closed or self._setup[0] or self._peer.open_between_messages():
+            return
+        old = self._peer
+        old.close()
+        self._connect()
+        self._peer.sent += old.sent
+        self._peer.reader.count += old.reader.count
 
     @property
     def sent_bytes(self) -> int:
@@ -197,8 +232,16 @@ class PipelineClient:
 
     def alive(self) -> bool:
         """Whether the connection is still open between requests (a stage closes an idle
-        one after its idle timeout: the socket then turns readable with EOF)."""
-        return not self._closed and self._peer.open_between_messages()
+        one after its idle timeout: the socket then turns readable with EOF); True while a
+        request runs on it (its bytes are that request's to read)."""
+        if self._closed:
+            return False
+        if not self._busy.acquire(blocking=False):
+            return True
+        try:
+            return self._peer.open_between_messages()
+        finally:
+            self._busy.release()
 
     @contextlib.contextmanager
     def _one_request(self):
@@ -261,6 +304,7 @@ class PipelineClient:
         counts in the round trip, so the round trip holds every stage's compute."""
         self._marks = self._log_marks()
         with self._one_request():
+            self._reopen_if_dropped()
             try:
                 return self._request(msg, what)
             except BaseException:
@@ -309,7 +353,8 @@ class PipelineClient:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids); 0 evaluates the
         prompt and generates none (llama-server's ``n_predict: 0``).
 
-        ``sampling`` (a ``messages.SamplingConfig``; None = greedy) travels once, in
+        ``sampling`` (a ``messages.SamplingConfig``; None = greedy, and so is one whose flags
+        lack ``SamplingFlags.ENABLED``, as the backend reads the wire block) travels once, in
         ConfigureGeneration, which every stage keeps for the session; prefill and decode
         messages carry no sampling block.  ``on_token`` runs while the stages compute the
         next token; if it raises, that step's reply is read back and the session stopped
@@ -321,9 +366,10 @@ class PipelineClient:
                                   before_step=before_step)
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
-        sent0, recv0 = self.sent_bytes, self.received_bytes
         self._marks = self._log_marks()
         with self._one_request():
+            self._reopen_if_dropped()
+            sent0, recv0 = self.sent_bytes, self.received_bytes
             opened = False
             try:
                 self._expect(self._request(StageWireMessage.configure_generation(
@@ -399,7 +445,9 @@ class PipelineClient:
         instead where that fails, or after Ctrl-C (a message may be half written)."""
         if self._closed:
             return
-        if not isinstance(exc, Exception):
+        if not isinstance(exc, Exception) or (isinstance(exc, PipelineError) and self._owed):
+            # Ctrl-C; or a wait for a reply failed (a timeout, a close, a malformed reply):
+            # reading it again would wait as long once more, for a stage already given up on
             self.close()
             return
         try:
@@ -490,6 +538,7 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
                    ctx_size: int = DEFAULT_CTX_SIZE) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets)."""
     prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
+    int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)  # the runtime's own words named arguments not given
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
         stage = StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
                                 n_threads=resolved_threads(threads))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -38,7 +39,7 @@ from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
 from ..stage.threads import oversubscription, resolved_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
-from ..wire.constants import MAX_CTX_SIZE, named_codec_setting
+from ..wire.constants import DEFAULT_STAGES, MAX_CTX_SIZE, MAX_WAIT_S, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .protocol_io import driver_identity
 from .tls import TlsConfig
@@ -83,12 +84,8 @@ def split_layers(n_layer: int, stages: int) -> list[tuple[int, int]]:
     if stages > n_layer:
         raise ValueError(f"cannot split {n_layer} layers into {stages} stages")
     base, extra = divmod(n_layer, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+    ends = list(itertools.accumulate(base + (i < extra) for i in range(stages)))
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def layer_chain_problem(ranges: list[tuple[int, int]], n_layer: int | None = None, model_name: str = "") -> str | None:
@@ -244,7 +241,7 @@ class StageProcess:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PipelineError(f"stage {self.index} did not start listening within {timeout:.0f} s"
+                raise PipelineError(f"stage {self.index} did not start listening within {timeout:g} s"
                                     f"{self._log_hint()}")
             try:
                 event = self.events.get(timeout=left)
@@ -452,17 +449,27 @@ def int_argument(name: str, value, least: int, most: int | None = None) -> int:
 
 
 def seconds_argument(name: str, value) -> float:
-    """``value`` of the argument ``name``: a number of seconds above 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+    """``value`` of the argument ``name``: a number of seconds above 0, at most :data:`MAX_WAIT_S`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
+        raise ValueError(f"{name} must be a number of seconds above 0 and at most {MAX_WAIT_S}, got {value!r}")
     return value
 
 
-def _check_launch(stages, ctx_size, codec, policy, protocols, extra_args, stage_args, tls, timeouts,
-                  session_events_kept) -> None:
+def _check_launch(stages, layers, ctx_size, codec, policy, protocols, extra_args, stage_args, tls, timeouts,
+                  session_events_kept, on_progress) -> None:
     """``launch_pipeline``'s arguments, checked in the caller's words before a stage starts (a
     stage would refuse most of them only when started, quoting its command line)."""
-    int_argument("stages", stages, 1)
+    if stages is not None:
+        int_argument("stages", stages, 1)
+    for index, pair in enumerate(layers or ()):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"layers[{index}] must be a (start, end) pair of layer indices, got {pair!r}")
+        for bound in pair:  # a float reached a stage's command line as "15.0"
+            int_argument(f"layers[{index}]", bound, 0)
+    if stages is not None and layers is not None and stages != len(layers):
+        raise ValueError(f"stages is {stages}, but layers gives {len(layers)} ranges")
+    if on_progress is not None and not callable(on_progress):
+        raise TypeError(f"on_progress must be callable or None, not {type(on_progress).__name__}")
     int_argument("ctx_size", ctx_size, 0, MAX_CTX_SIZE)  # 0: the model's training context, as -c 0
     int_argument("session_events_kept", session_events_kept, 0)
     for name, value in (("codec", codec), ("policy", policy)):
@@ -482,7 +489,7 @@ def _check_launch(stages, ctx_size, codec, policy, protocols, extra_args, stage_
             seconds_argument(name, value)
 
 
-def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32-v1", policy: str = "fixed",
+def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str = "raw-f32-v1", policy: str = "fixed",
                     threads: int | None = None, ctx_size: int = DEFAULT_CTX_SIZE,
                     layers: list[tuple[int, int]] | None = None, startup_timeout: float = STARTUP_TIMEOUT,
                     io_timeout: float | None = None,
@@ -492,7 +499,8 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
                     on_progress: Callable[[str], None] | None = None, protocol: int = 15,
                     protocols: list[int] | None = None, tls=None,
                     session_events_kept: int = SESSION_EVENTS_KEPT) -> StageCluster:
-    """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly.
+    """Start ``stages`` stage processes on 127.0.0.1 splitting the model's layers evenly
+    (default: 2), or one per range of ``layers`` (``stages``, if given too, must count them).
 
     ``capture_dir``: each stage with a downstream records that hop to
     ``capture_dir/hopK-messages.bin`` and ``hopK-replies.bin`` (K = its index + 1).
@@ -511,9 +519,10 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
     """
     if isinstance(extra_args, Iterable) and not isinstance(extra_args, (str, bytes)):
         extra_args = list(extra_args)  # (a generator is read once)
-    _check_launch(stages, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args,
+    layers = list(layers) if layers is not None else None
+    _check_launch(stages, layers, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args,
                   stage_args, tls, {"startup_timeout": startup_timeout, "io_timeout": io_timeout,
-                                    "reply_timeout": reply_timeout}, session_events_kept)
+                                    "reply_timeout": reply_timeout}, session_events_kept, on_progress)
     model = Path(model)
     check_memory_fits(model, ctx_size)
     try:
@@ -523,7 +532,7 @@ def launch_pipeline(model: str | Path, stages: int = 2, *, codec: str = "raw-f32
             raise
         n_layer = None  # given layers: the stages say why the model cannot be read, in their words
     if layers is None:
-        layers = split_layers(n_layer, stages)
+        layers = split_layers(n_layer, stages or DEFAULT_STAGES)
     problem = layer_chain_problem([tuple(r) for r in layers], n_layer, model.name)
     if problem:  # a gap or an overlap would generate wrong tokens without a word
         raise ValueError(f"layers: {problem}")

@@ -144,6 +144,7 @@ class Topology:
 
     def downstream(self, index: int) -> tuple[str, int] | None:
         """Where stage ``index`` forwards to (None on the last stage)."""
+        self.stage(index)  # -1 gave stage 0's address, 5 of 2 stages None
         return self.stages[index + 1].address if index + 1 < len(self.stages) else None
 
     def to_json(self) -> dict:
@@ -493,7 +494,11 @@ def build_topology(model_path: str | Path, layers: list[tuple[int, int]], endpoi
                    ctx_size: int = DEFAULT_CTX_SIZE, topology_id: str = "topology",
                    bind_addrs: list[str] | None = None,
                    shape: Callable[[Path], tuple[int, int]] = model_shape) -> Topology:
-    """A validated topology from parts (what ``skippy-wire cluster`` writes)."""
+    """A validated topology from parts (what ``skippy-wire cluster`` writes): one endpoint
+    (and one bind address, if any) per range of ``layers``."""
+    for name, given in (("endpoints", endpoints), ("bind_addrs", bind_addrs)):
+        if given is not None and len(given) != len(layers):  # zip() dropped the extra ones
+            raise TopologyError(f"{topology_id}: {len(layers)} layer ranges but {len(given)} {name}")
     stages = []
     for i, ((start, end), endpoint) in enumerate(zip(layers, endpoints)):
         raw = {"stage_id": f"stage-{i}", "endpoint": endpoint, "layer_start": start, "layer_end": end,

@@ -27,7 +27,8 @@ from typing import Callable, NoReturn
 from ..errors import TopologyError, os_reason
 from ..net.tls import TlsConfig
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, available_cpus, default_threads
-from ..wire.constants import CODEC_SHORT_NAMES, MAX_CTX_SIZE, POLICY_SHORT_NAMES, ActivationCodec, CodecPolicy
+from ..wire.constants import (CODEC_SHORT_NAMES, DEFAULT_STAGES, MAX_CTX_SIZE, MAX_WAIT_S, POLICY_SHORT_NAMES,
+                              ActivationCodec, CodecPolicy)
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
@@ -383,9 +384,6 @@ def float_above(lo: float, hi: float) -> Callable[[str], float]:
 
 #: The most timing rounds a benchmark option may ask for (a billion hung after the header).
 MAX_ROUNDS = 1000
-#: The longest wait an option may set (about 11.6 days): socket waits become poll(2)'s int
-#: milliseconds and timer deadlines time_t values, and 1e10 s failed every connection.
-MAX_WAIT_S = 1_000_000
 
 
 def seconds(*, zero: bool = False) -> Callable[[str], float]:
@@ -436,8 +434,6 @@ def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], st
     return convert
 
 
-#: ``--stages`` of ``run`` and ``api`` when neither ``--connect`` nor ``--topology`` is given.
-DEFAULT_STAGES = 2
 #: The namespace attribute where :class:`StartedStagesOption` notes the options given.
 _GIVEN_STAGE_OPTIONS = "_given_stage_options"
 #: How the ``--help`` of a :class:`StartedStagesOption` says so.

@@ -265,3 +265,9 @@ def activation_payload_multiplier_from_state_flags(state_flags: int) -> int:
 #: The largest context (tokens per session) a stage takes: the backend refuses more
 #: (``skippy_stage_init``, stage/_stage/abi.cpp).
 MAX_CTX_SIZE = 1 << 24
+#: The longest wait an option or argument may set (about 11.6 days): socket waits become
+#: poll(2)'s int milliseconds and timer deadlines time_t values, and 1e10 s failed every connection.
+MAX_WAIT_S = 1_000_000
+#: The stages a pipeline is split into when nobody says (``launch_pipeline``; ``run`` and
+#: ``api`` without ``--stages``, ``--connect`` or ``--topology``).
+DEFAULT_STAGES = 2

@@ -1,0 +1,159 @@
+"""PipelineClient as a library user drives it: ``alive()`` beside a running request, a reply
+wait that times out, a connection stage 0 closed while idle, arguments refused before the
+connection is made, and stages launched on 127.0.0.1 reached as "localhost".  In-process
+fake stages (test_server's Chain) and hand-made stage 0s, no model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+from test_server import PROMPT, Chain, fake_reference
+
+from skippy_wire.errors import PipelineError
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.wire.constants import READY_BYTES
+from skippy_wire.wire.frame import write_reply
+from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
+
+ACK = write_reply(StageReply(WireReplyKind.ACK, 0, [], StageReplyWindow(), None, StageReplyStats()))
+
+
+@pytest.fixture
+def chain():
+    made = Chain([(0, 3), (3, 6)])
+    yield made
+    made.close()
+
+
+def test_alive_while_a_request_runs_is_true_and_leaves_the_request_alone(chain):
+    """``alive()`` read a byte of the reply in flight: False on a healthy connection, and the
+    request failed with "unknown stage reply kind"."""
+    answers = []
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        arrived = threading.Event()
+
+        def on_token(token: int) -> None:  # runs while the next step is in flight
+            arrived.wait(0.05)  # its reply has arrived by now
+            answers.append(client.alive())
+
+        result = client.generate(PROMPT, max_tokens=6, chunk_size=4, on_token=on_token)
+        assert result.tokens == fake_reference(PROMPT, 6)
+        assert answers == [True] * 6 and client.alive()
+
+
+def test_a_reply_that_does_not_come_is_waited_for_once():
+    """After the timeout the driver read the missing reply again, for a whole timeout more
+    (an error after 2 minutes with the default 60 s)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def ready_ack_then_silence() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            conn.recv(1 << 16)  # ConfigureGeneration
+            conn.sendall(ACK)
+            done.wait(10)
+
+    threading.Thread(target=ready_ack_then_silence, daemon=True).start()
+    try:
+        with PipelineClient(*listener.getsockname()[:2], timeout=0.3) as client:
+            waits = []
+            receive = client.receive
+            client.receive = lambda what: waits.append(what) or receive(what)
+            with pytest.raises(PipelineError, match="no answer to PREFILL_FINAL_EMBD .* within 0.3 s"):
+                client.generate([1, 2, 3], max_tokens=2)
+            assert waits == ["ConfigureGeneration", "PREFILL_FINAL_EMBD (session 1)"]
+            assert not client.alive()
+    finally:
+        done.set()
+        listener.close()
+
+
+def test_a_connection_closed_while_idle_is_opened_again(chain):
+    """A stage's --idle-timeout closed it, and the next request failed as if a stage had failed."""
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        first = client.generate(PROMPT, max_tokens=3, chunk_size=4)
+        client._peer.sock.shutdown(socket.SHUT_RDWR)  # as when stage 0 closes it: the next read sees EOF
+        sent = client.sent_bytes
+        again = client.generate(PROMPT, max_tokens=3, chunk_size=4)
+        assert again.tokens == first.tokens == fake_reference(PROMPT, 3)
+        assert client.sent_bytes >= sent + again.sent_bytes  # the counts go on from the old connection's
+
+
+def test_a_connection_closed_while_capturing_is_not_opened_again(chain, tmp_path):
+    """A new connection would start the capture files over."""
+    with PipelineClient(*chain.entry, timeout=10, capture=tmp_path / "hop0") as client:
+        client.generate(PROMPT, max_tokens=2, chunk_size=4)
+        client._peer.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(PipelineError):
+            client.generate(PROMPT, max_tokens=2, chunk_size=4)
+    assert (tmp_path / "hop0-replies.bin").read_bytes().startswith(READY_BYTES)
+
+
+@pytest.mark.parametrize("arguments, error, text", [
+    ({"host": None}, TypeError, "host must be a host name or address (a str), not None"),
+    ({"protocol": 99}, ValueError, "protocol must be one of 15, 16, 17, got 99"),
+    ({"protocol": "15"}, ValueError, "protocol must be one of 15, 16, 17, got '15'"),
+    ({"poll_s": "x"}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got 'x'"),
+    ({"poll_s": -1}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got -1")])
+def test_arguments_are_refused_before_the_connection_is_made(arguments, error, text):
+    """They failed once connected (leaving the socket open), mid-request, or not at all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(error) as caught:
+            PipelineClient(**{"host": "127.0.0.1", "port": listener.getsockname()[1], **arguments})
+        assert str(caught.value) == text
+        listener.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            listener.accept()  # no connection was made
+    finally:
+        listener.close()
+
+
+def _open_sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return count
+
+
+def test_a_capture_file_that_cannot_be_made_leaves_no_socket_open(tmp_path):
+    """The connection was made first and left open when the capture file failed."""
+    listener = socket.create_server(("127.0.0.1", 0))  # the kernel completes the connect; nobody accepts
+    try:
+        before = _open_sockets()
+        with pytest.raises(FileNotFoundError):
+            PipelineClient(*listener.getsockname()[:2], capture=tmp_path / "missing" / "hop0")
+        assert _open_sockets() == before
+    finally:
+        listener.close()
+
+
+def test_stages_launched_on_127_0_0_1_are_known_when_reached_as_localhost(chain, monkeypatch):
+    """Which stage failed and why was looked up by the host as spelled: through "localhost"
+    an error said only "a stage failed; the stages' logs say which and why"."""
+    from skippy_wire.net import supervision
+
+    launched = object()  # what launch_pipeline notes for its stage 0's address
+    monkeypatch.setitem(supervision._LAUNCHED, chain.entry, launched)
+    with PipelineClient("localhost", chain.entry[1], timeout=10) as client:
+        assert client._stages is launched
+
+
+@pytest.mark.parametrize("ctx_size, error, text", [(0, ValueError, "ctx_size must be from 1 to 16777216, got 0"),
+                                                   (1.5, TypeError, "ctx_size must be an int, not float")])
+def test_generate_local_refuses_a_context_in_its_own_words(ctx_size, error, text):
+    """The runtime's words named arguments the caller never gave ("ctx_size, lane_count and
+    n_batch must be positive (0, 1, 512)"); refused before the model is opened."""
+    from skippy_wire.net.driver import generate_local
+
+    with pytest.raises(error) as caught:
+        generate_local("no-such-model.gguf", [1, 2], ctx_size=ctx_size)
+    assert str(caught.value) == text
