@@ -138,7 +138,9 @@ class PipelineClient:
 
     One request at a time: a call from a second thread while one runs is a PipelineError
     (their replies would cross).  A connection stage 0 closed while idle (its
-    ``--idle-timeout``) is opened again by the next request, unless ``capture`` is given.  A :meth:`generate` left by an exception (a callback's, a
+    ``--idle-timeout``) is opened again by the next :meth:`generate` (which opens and stops
+    its own session), unless ``capture`` is given; :meth:`request` raises instead, since the
+    sessions opened on the old connection are gone.  A :meth:`generate` left by an exception (a callback's, a
     bad argument's, Ctrl-C) stops its session on every stage, so the connection carries the
     next request, or closes the connection when a reply is still owed; a closed client's
     calls are PipelineErrors.
@@ -207,7 +209,7 @@ class PipelineClient:
             raise
 
     def _reopen_if_dropped(self) -> None:
-        """Between requests: a connection stage 0 closed while it was idle (its
+        """Before a generation: a connection stage 0 closed while it was idle (its
         ``--idle-timeout``) is opened again, its byte counts carried on; not while capturing
         (a new connection would start the capture files over)."""
         if self._closed or self._setup[0] or self._peer.open_between_messages():
@@ -304,7 +306,6 @@ class PipelineClient:
         counts in the round trip, so the round trip holds every stage's compute."""
         self._marks = self._log_marks()
         with self._one_request():
-            self._reopen_if_dropped()
             try:
                 return self._request(msg, what)
             except BaseException:
