@@ -527,3 +527,19 @@ def test_a_short_startup_timeout_is_named_as_given(tiny_model):
     """0.01 s read "did not start listening within 0 s"."""
     with pytest.raises(PipelineError, match=r"^stage \d did not start listening within 0\.01 s"):
         launch_pipeline(tiny_model, stages=1, threads=1, startup_timeout=0.01)
+
+
+def test_a_generation_ends_where_the_launched_stages_context_does(tiny_model):
+    """The stages' "context full" failed the request (and closed the client) at the context's
+    end; a prompt longer than it failed only after it was sent."""
+    with launch_pipeline(tiny_model, stages=2, threads=1, ctx_size=16) as cluster:
+        with PipelineClient(*cluster.entry, timeout=60) as client:
+            assert client.ctx_size == 16
+            result = client.generate(PROMPT, max_tokens=40, chunk_size=4)
+            room = 16 - len(PROMPT) + 1  # the last token is not fed back
+            assert (result.stop_reason, len(result.tokens)) == ("context_full", room)
+            assert result.tokens == generate_local(tiny_model, PROMPT, max_tokens=room, chunk_size=4, threads=1,
+                                                   ctx_size=16).tokens
+            with pytest.raises(ValueError, match="^the prompt's 17 tokens do not fit the stages' context of 16 "):
+                client.generate(list(range(1, 18)), max_tokens=1)
+            assert client.alive() and client.generate(PROMPT, max_tokens=2).stop_reason == "max_tokens"

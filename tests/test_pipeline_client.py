@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 from test_server import PROMPT, Chain, fake_reference
@@ -141,10 +142,10 @@ def test_stages_launched_on_127_0_0_1_are_known_when_reached_as_localhost(chain,
     an error said only "a stage failed; the stages' logs say which and why"."""
     from skippy_wire.net import supervision
 
-    launched = object()  # what launch_pipeline notes for its stage 0's address
+    launched = SimpleNamespace(ctx_size=12)  # what launch_pipeline notes for its stage 0's address
     monkeypatch.setitem(supervision._LAUNCHED, chain.entry, launched)
     with PipelineClient("localhost", chain.entry[1], timeout=10) as client:
-        assert client._stages is launched
+        assert client._stages is launched and client.ctx_size == 12
 
 
 @pytest.mark.parametrize("ctx_size, error, text", [(0, ValueError, "ctx_size must be from 1 to 16777216, got 0"),
@@ -157,3 +158,12 @@ def test_generate_local_refuses_a_context_in_its_own_words(ctx_size, error, text
     with pytest.raises(error) as caught:
         generate_local("no-such-model.gguf", [1, 2], ctx_size=ctx_size)
     assert str(caught.value) == text
+
+
+def test_a_context_given_bounds_the_generation(chain):
+    with PipelineClient(*chain.entry, timeout=10, ctx_size=10) as client:
+        result = client.generate(PROMPT, max_tokens=8, chunk_size=4)  # 7 prompt tokens: room for 4
+        assert (result.stop_reason, result.tokens) == ("context_full", fake_reference(PROMPT, 4))
+        assert client.generate(PROMPT, max_tokens=4, chunk_size=4).stop_reason == "max_tokens"
+    with pytest.raises(ValueError, match="^ctx_size must be from 1 to 16777216, got 0$"):
+        PipelineClient(*chain.entry, ctx_size=0)

@@ -58,6 +58,8 @@ DEFAULT_CHUNK = 128
 DEFAULT_TIMEOUT = 60.0
 #: A generation needs a prompt of at least one token (what it says to an empty one).
 EMPTY_PROMPT = "the prompt must have at least one token"
+#: A generation's stop reason where the stages' context ended it, as llama.cpp's tools say.
+STOP_CONTEXT_FULL = "context_full"
 
 
 @contextlib.contextmanager
@@ -91,7 +93,7 @@ class GenerationResult:
 
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
-    stop_reason: str = "max_tokens"
+    stop_reason: str = "max_tokens"  # or "eog", or STOP_CONTEXT_FULL
     prefill_s: float = 0.0
     decode_s: float = 0.0
     prefill_messages: int = 0
@@ -156,7 +158,8 @@ class PipelineClient:
 
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
-                 identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None) -> None:
+                 identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None,
+                 ctx_size: int | None = None) -> None:
         seconds_argument("timeout", timeout)
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a host name or address (a str), not {host!r}")
@@ -166,6 +169,8 @@ class PipelineClient:
             raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {protocol!r}")
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 <= poll_s <= MAX_WAIT_S:
             raise ValueError(f"poll_s must be a number of seconds from 0 to {MAX_WAIT_S}, got {poll_s!r}")
+        if ctx_size is not None:
+            int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
@@ -178,6 +183,10 @@ class PipelineClient:
         self._topology = driven_topology(host, port)  # or when a topology file describes them
         self._marks = self._log_marks()
         self._connect()
+        #: The context every stage holds, where known (given, or the stages' this process
+        #: launched, or the topology's it drives); None: not known here.
+        self.ctx_size = ctx_size or next((known.ctx_size for known in (self._stages, self._topology)
+                                          if known is not None and known.ctx_size), None)
 
     def _connect(self) -> None:
         """The connection to stage 0 and its READY handshake (v17: the stage setup)."""
@@ -365,6 +374,12 @@ class PipelineClient:
         """
         prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog, on_token=on_token,
                                   before_step=before_step)
+        room = max_tokens
+        if self.ctx_size is not None:  # the stages would fail the request at the context's end
+            if len(prompt) > self.ctx_size:
+                raise ValueError(f"the prompt's {len(prompt)} tokens do not fit the stages' context of "
+                                 f"{self.ctx_size} tokens")
+            room = min(max_tokens, self.ctx_size - len(prompt) + 1)  # the last token is not fed back
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         self._marks = self._log_marks()
@@ -376,7 +391,9 @@ class PipelineClient:
                 self._expect(self._request(StageWireMessage.configure_generation(
                     request_id, session_id, len(prompt), sampling, None), "ConfigureGeneration"), ack=True)
                 opened = True
-                self._run(result, chunks, max_tokens, is_eog, on_token, before_step, request_id, session_id)
+                self._run(result, chunks, room, is_eog, on_token, before_step, request_id, session_id)
+                if room < max_tokens and result.stop_reason == "max_tokens" and len(result.tokens) == room:
+                    result.stop_reason = STOP_CONTEXT_FULL
                 opened = False
                 try:
                     self._stop_session(request_id, session_id)
@@ -568,5 +585,5 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
 
 
 __all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT",
-           "GenerationResult", "PipelineClient", "check_generation", "prefill_messages", "decode_message", "generate_local",
-           "yielding_to_stages"]
+           "STOP_CONTEXT_FULL", "GenerationResult", "PipelineClient", "check_generation", "prefill_messages",
+           "decode_message", "generate_local", "yielding_to_stages"]

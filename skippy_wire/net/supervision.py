@@ -314,6 +314,7 @@ class StageCluster:
     log_dir: Path | None = None
     protocol: int = 15
     identity: object = None  # the driver's v17 identity (protocol_io.driver_identity)
+    ctx_size: int | None = None  # every stage's context (None: not known here, e.g. -c 0's training context)
 
     @property
     def entry(self) -> tuple[str, int]:
@@ -588,7 +589,7 @@ def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str 
         for proc in procs:
             proc.terminate()
         raise
-    cluster = StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity)
+    cluster = StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity, ctx_size or None)
     _LAUNCHED[cluster.entry] = cluster
     return cluster
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import PipelineError, ToolError
-from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, PipelineClient,
+from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, STOP_CONTEXT_FULL, PipelineClient,
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
@@ -56,9 +56,6 @@ RANDOM_SEED = -1
 MAX_SEED = SEED_RANGE - 1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
-#: The stop reason of a ``-n -1`` generation that filled the context (the driver says
-#: "max_tokens": it was given the room left as its limit).
-STOP_CONTEXT_FULL = "context_full"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,7 +349,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         if log_dir is not None and not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     threads = args.threads or default_threads()
-    if args.until_full and result.stop_reason == "max_tokens":
+    if args.until_full and result.stop_reason == "max_tokens":  # it was given the room left as its limit
         result.stop_reason = STOP_CONTEXT_FULL
     check = None
     if args.check:
