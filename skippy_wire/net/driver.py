@@ -142,10 +142,13 @@ class PipelineClient:
     (their replies would cross).  A connection stage 0 closed while idle (its
     ``--idle-timeout``) is opened again by the next :meth:`generate` (which opens and stops
     its own session), unless ``capture`` is given; :meth:`request` raises instead, since the
-    sessions opened on the old connection are gone.  A :meth:`generate` left by an exception (a callback's, a
-    bad argument's, Ctrl-C) stops its session on every stage, so the connection carries the
-    next request, or closes the connection when a reply is still owed; a closed client's
-    calls are PipelineErrors.
+    sessions opened on the old connection are gone.  A :meth:`generate` left by an exception
+    (a callback's, a bad argument's, Ctrl-C) stops its session on every stage, so the
+    connection carries the next request, or closes the connection when a reply is still
+    owed; a closed client's calls are PipelineErrors.  ``ctx_size``: the stages' context
+    (default: the launched stages' or the driven topology's, where known): a longer prompt
+    is refused before anything is sent, and a generation ends at the context's end
+    (:data:`STOP_CONTEXT_FULL`).
 
     The wire has no error reply: a stage that fails closes its connections, so the driver
     sees stage 0 close (or stay silent).  When this process started the stages
