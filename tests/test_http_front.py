@@ -74,10 +74,8 @@ class Gate:
         self.open, self.entered = threading.Event(), 0
 
 
-@pytest.fixture
-def gated():
+def gated_app(gate: Gate) -> Starlette:
     """An app whose /wait answers once the test opens the gate (a request being served)."""
-    gate = Gate()
 
     async def wait(request):
         gate.entered += 1
@@ -88,8 +86,13 @@ def gated():
     async def ok(request):
         return PlainTextResponse("ok")
 
-    app = Starlette(routes=[Route("/wait", wait), Route("/ok", ok)])
-    with serving(app, limit_concurrency=LIMIT) as url:
+    return Starlette(routes=[Route("/wait", wait), Route("/ok", ok)])
+
+
+@pytest.fixture
+def gated():
+    gate = Gate()
+    with serving(gated_app(gate), limit_concurrency=LIMIT) as url:
         try:
             yield url, gate
         finally:
@@ -114,6 +117,25 @@ def test_idle_connections_at_the_limit_do_not_lock_clients_out(gated):
             s.close()
 
 
+@pytest.mark.parametrize("limit", [1, 3])
+def test_the_connection_limit_counts_the_connections_it_serves(limit):
+    """--max-connections N served N - 1 connections (uvicorn's test counts the newcomer
+    against its own limit): at 1 every request got 503."""
+    gate = Gate()
+    with serving(gated_app(gate), limit_concurrency=limit) as url, \
+            httpx.Client(timeout=20, limits=httpx.Limits(max_connections=limit)) as client, \
+            ThreadPoolExecutor(limit) as pool:
+        waiting = [pool.submit(client.get, url + "/wait") for _ in range(limit - 1)]
+        deadline = time.monotonic() + 10
+        while gate.entered < limit - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            assert client.get(url + "/ok").text == "ok"  # the limit's last connection is served
+        finally:
+            gate.open.set()
+        assert [f.result().text for f in waiting] == ["done"] * (limit - 1)
+
+
 def test_a_request_asking_to_upgrade_is_answered_over_http_1_1_and_logs_nothing(gated, caplog):
     # curl --http2 asks for h2c; uvicorn warned twice per request, advising a WebSocket library
     url, _ = gated
@@ -127,7 +149,7 @@ def test_a_request_asking_to_upgrade_is_answered_over_http_1_1_and_logs_nothing(
 
 def test_requests_being_served_are_never_shed(gated):
     url, gate = gated
-    busy = LIMIT - 1  # uvicorn answers 503 once the open connections reach its limit
+    busy = LIMIT  # every connection the limit allows serves a request
     with httpx.Client(timeout=20, limits=httpx.Limits(max_connections=busy)) as client, \
             ThreadPoolExecutor(busy) as pool:
         waiting = [pool.submit(client.get, url + "/wait") for _ in range(busy)]
@@ -246,9 +268,7 @@ def test_a_client_that_leaves_mid_body_is_no_error(api_url):
 
 
 def test_a_body_dribbled_at_the_limit_is_shed_for_a_newcomer(api_url):
-    # (A request head arriving at the limit gets 503 and a closed connection, so a peer holds
-    # at most one fewer than the limit this way.)
-    stalled = [_post_head(api_url, 100, b"{") for _ in range(LIMIT - 1)]
+    stalled = [_post_head(api_url, 100, b"{") for _ in range(LIMIT)]
     try:
         time.sleep(0.2)
         assert httpx.get(api_url + "/v1/models", timeout=10).status_code == 200

@@ -297,7 +297,9 @@ class IdleSheddingProtocol(H11Protocol):
     @property
     def app(self):
         limit = self.max_connections
-        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+        # uvicorn's own test (>=, counting this connection) served one connection fewer than
+        # the limit, and none at --max-connections 1; this request's task is not counted yet
+        if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
             return _REFUSED_CONNECTION
         return self._app
@@ -310,7 +312,7 @@ class IdleSheddingProtocol(H11Protocol):
         self.quiet_since = self.loop.time()
         super().connection_made(transport)
         self.transport = LingeringClose(transport, self)  # what each request's cycle closes
-        if self.max_connections is not None and len(self.connections) >= self.max_connections:
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
             quiet = [c for c in self.connections if c is not self and c.is_quiet()]
             if quiet:
                 min(quiet, key=lambda c: c.quiet_since).shed()
