@@ -199,6 +199,19 @@ def api_url(caplog):
     assert not _errors(caplog.records) and not _errors(records), (caplog.text, _errors(records))
 
 
+@pytest.mark.parametrize("target", [b"http://backend.local/v1/models", b"HTTP://127.0.0.1:1/v1/models?x=1",
+                                    b"https://h/v1/%6dodels"])
+def test_a_request_target_in_absolute_form_is_routed_on_its_path(api_url, target):
+    """``GET http://host/v1/models``, as a client set to use this server as its proxy sends it
+    (RFC 9112 3.2.2: a server must accept it), was "404 Invalid URL (GET /http://...)"."""
+    with _connect(api_url) as s:
+        s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(10)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == "m"
+
+
 def _post_head(url: str, length: int, part: bytes) -> socket.socket:
     s = _connect(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

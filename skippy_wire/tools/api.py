@@ -52,7 +52,7 @@ from .api_params import (BadRequest, check_context, check_detokenize_size, check
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .error_shapes import ErrorObjects
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol,
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol, OriginForm,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
@@ -129,9 +129,10 @@ class Api:
             Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        # The request id outermost, on the other middleware's refusals too; CORS before the
-        # key: a browser's preflight carries none.
-        middleware = [Middleware(RequestIds), Middleware(ErrorObjects), Middleware(RefuseAmbiguousLength)]
+        # The request id outermost (after the path is read from a proxy-style target), on the
+        # other middleware's refusals too; CORS before the key: a browser's preflight carries none.
+        middleware = [Middleware(OriginForm), Middleware(RequestIds), Middleware(ErrorObjects),
+                      Middleware(RefuseAmbiguousLength)]
         if self.cors_origins:
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.cors_origins),
                                          allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,

@@ -16,6 +16,7 @@ import time
 import uuid
 from http import HTTPStatus
 from typing import Callable, Optional
+from urllib.parse import unquote
 
 import h11
 import uvicorn
@@ -160,6 +161,26 @@ class RefuseForeignOrigins:
                                           "(--cors-origin ORIGIN allows one)", code="origin_not_allowed")
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+#: The scheme and authority of an absolute-form request target (``POST http://host/v1/...``).
+_ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/]*")
+
+
+class OriginForm:
+    """ASGI middleware: a request whose target is in absolute form, as a client sends it to
+    a proxy, is routed on its path (RFC 9112 3.2.2: a server must accept that form; uvicorn
+    passes the whole URL on as the path, which no route matched)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        absolute = scope["type"] == "http" and _ABSOLUTE_FORM.match(scope["raw_path"])
+        if absolute:
+            raw_path = scope["raw_path"][absolute.end():] or b"/"
+            scope = {**scope, "raw_path": raw_path, "path": unquote(raw_path.decode("ascii"))}
         await self.app(scope, receive, send)
 
 
