@@ -212,6 +212,28 @@ def test_a_request_target_in_absolute_form_is_routed_on_its_path(api_url, target
         assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == "m"
 
 
+def test_an_answer_before_the_body_ended_says_the_connection_closes(api_url):
+    """The 404 to a body still to come closed the connection without ``Connection: close``;
+    one whose body had arrived keeps the connection (and says nothing)."""
+    head = b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n"
+    with _connect(api_url) as s:
+        s.settimeout(10)
+        s.sendall(head + b"Expect: 100-continue\r\n\r\n")  # the body waits for a 100 that never comes
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert (response.status, response.getheader("connection")) == (404, "close")
+        response.read()
+        assert s.recv(1) == b""  # closed, as said
+    with _connect(api_url) as s:
+        s.settimeout(10)
+        for _ in range(2):  # the same connection serves the next request
+            s.sendall(head + b'\r\n{"a":1}')
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            assert (response.status, response.getheader("connection")) == (404, None)
+            response.read()
+
+
 def _post_head(url: str, length: int, part: bytes) -> socket.socket:
     s = _connect(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

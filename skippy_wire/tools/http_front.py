@@ -323,7 +323,19 @@ class IdleSheddingProtocol(H11Protocol):
         if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
             return _REFUSED_CONNECTION
-        return self._app
+        return self._announcing_close
+
+    async def _announcing_close(self, scope, receive, send) -> None:
+        """The application, with ``Connection: close`` on an answer given before the request's
+        body ended (:meth:`on_response_complete` then closes: RFC 9112 9.6 asks to say so)."""
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start" and self.conn.their_state is h11.SEND_BODY:
+                if (b"connection", b"close") not in (headers := list(message.get("headers", []))):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self._app(scope, receive, sending)
 
     @app.setter
     def app(self, app) -> None:
