@@ -234,6 +234,15 @@ def test_an_answer_before_the_body_ended_says_the_connection_closes(api_url):
             response.read()
 
 
+def test_head_answers_with_the_headers_of_get(api_url):
+    """HEAD skipped the error objects' reshaping: its Content-Length was not GET's (RFC 9110
+    9.3.2), on llama-server's routes (the router's own refusals name the method in words)."""
+    get, head = httpx.get(api_url + "/slots", timeout=10), httpx.head(api_url + "/slots", timeout=10)
+    assert head.status_code == get.status_code >= 400 and head.content == b""
+    assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
 def _post_head(url: str, length: int, part: bytes) -> socket.socket:
     s = _connect(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

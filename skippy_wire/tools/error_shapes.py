@@ -51,7 +51,7 @@ class ErrorObjects:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "HEAD":  # (an answer to HEAD has no body)
+        if scope["type"] != "http":  # (HEAD too: its Content-Length is GET's, the server drops the body)
             await self.app(scope, receive, send)
             return
         held: Optional[dict] = None  # an error's response start, until its body is whole
