@@ -575,6 +575,7 @@ def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
                         {"Authorization": "Bearer s3cret2"}, {"X-Api-Key": "Bearer s3cret"}):
             r = client.get("/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+            assert r.headers["www-authenticate"] == "Bearer"  # RFC 9110 11.6.1: the scheme to use
 
 
 def test_llama_servers_routes_refuse_in_its_error_shape_whoever_refuses():

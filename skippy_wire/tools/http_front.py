@@ -117,7 +117,8 @@ class RequireApiKey:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._admits(dict(scope["headers"])):
             response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY, or X-Api-Key: KEY)",
-                                      type_="authentication_error", code="invalid_api_key")
+                                      type_="authentication_error", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})  # RFC 9110 11.6.1: a 401 names its scheme
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
