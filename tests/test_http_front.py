@@ -243,6 +243,18 @@ def test_head_answers_with_the_headers_of_get(api_url):
     assert head.headers["content-type"] == get.headers["content-type"]
 
 
+def test_a_head_refused_while_it_still_arrives_is_answered_without_a_reset(api_url):
+    """A 300 KB header: the 431 was followed by a TCP reset (the rest of the head unread at
+    the close), which can destroy the answer before the client reads it."""
+    with _connect(api_url) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n")
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert response.status == 431 and json.loads(response.read())["error"]["message"]
+        assert s.recv(1) == b""  # a FIN, not a reset
+
+
 def _post_head(url: str, length: int, part: bytes) -> socket.socket:
     s = _connect(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

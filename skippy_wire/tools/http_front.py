@@ -327,8 +327,7 @@ class IdleSheddingProtocol(H11Protocol):
         return self._announcing_close
 
     async def _announcing_close(self, scope, receive, send) -> None:
-        """The application, with ``Connection: close`` on an answer given before the request's
-        body ended (:meth:`on_response_complete` then closes: RFC 9112 9.6 asks to say so)."""
+        """The application; an answer before the request's body ended says it closes (RFC 9112 9.6)."""
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start" and self.conn.their_state is h11.SEND_BODY:
@@ -425,10 +424,10 @@ class IdleSheddingProtocol(H11Protocol):
 
 
 class LingeringClose:
-    """A connection's transport whose ``close()``, while the peer's request body is still
-    arriving, sends the answer and a FIN at once but closes only after :data:`LINGER_S`
-    or :data:`LINGER_BYTES` more of that body (the protocol drops them), or when the peer
-    closes (Apache's and nginx's lingering close).  Everything else is the transport's."""
+    """A connection's transport whose ``close()``, while a request's body (or the rest of a
+    head that does not parse) still arrives, sends the answer and a FIN at once but closes
+    after :data:`LINGER_S` or :data:`LINGER_BYTES` more bytes (the protocol drops them), or when
+    the peer closes (Apache's and nginx's lingering close).  Everything else is the transport's."""
 
     def __init__(self, transport, protocol: IdleSheddingProtocol) -> None:
         self._transport, self._protocol = transport, protocol
@@ -441,7 +440,8 @@ class LingeringClose:
 
     def close(self) -> None:
         protocol, transport = self._protocol, self._transport
-        if protocol.lingering is not None or transport.is_closing() or protocol.conn.their_state is not h11.SEND_BODY:
+        unread = protocol.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+        if protocol.lingering is not None or transport.is_closing() or not unread:
             transport.close()
             return
         protocol.lingering = 0
