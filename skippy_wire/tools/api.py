@@ -52,7 +52,8 @@ from .api_params import (BadRequest, check_context, check_detokenize_size, check
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import DISTRIBUTION
 from .error_shapes import ErrorObjects
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, EventStream, IdleSheddingProtocol, OriginForm,
+from .http_events import EventStream
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, IdleSheddingProtocol, OriginForm,
                          RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
                          error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,

@@ -18,7 +18,7 @@ from .api_job import GenerationJob, llama_timings
 from .api_params import BadRequest, Options
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
-from .http_front import sse
+from .http_events import sse
 
 #: The ``id_slot`` of every answer: the stages hold sessions, not llama-server's slots, and
 #: -1 is what a request gives for "any slot".
