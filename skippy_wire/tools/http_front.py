@@ -21,7 +21,7 @@ from urllib.parse import unquote
 import h11
 import uvicorn
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..net.connlog import peer_text
@@ -315,6 +315,7 @@ class IdleSheddingProtocol(H11Protocol):
         self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
         self.linger_end: Optional[asyncio.TimerHandle] = None
         self.stalled: Optional[asyncio.TimerHandle] = None  # set while the client reads nothing
+        self.serving: Optional[asyncio.Task] = None  # the task that runs its request
 
     @property
     def app(self):
@@ -328,6 +329,7 @@ class IdleSheddingProtocol(H11Protocol):
 
     async def _announcing_close(self, scope, receive, send) -> None:
         """The application; an answer before the request's body ended says it closes (RFC 9112 9.6)."""
+        self.serving = asyncio.current_task()
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start" and self.conn.their_state is h11.SEND_BODY:
@@ -392,7 +394,8 @@ class IdleSheddingProtocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete or self.conn.their_state is h11.SEND_BODY
 
     def shed(self) -> None:
-        self.connections.discard(self)  # counted out now, not when the loop gets to it
+        self.connections.discard(self)  # counted out now, not when the loop gets to it (its task too)
+        self.tasks.discard(self.serving)
         self.transport.close_now()
 
     def shutdown(self) -> None:
@@ -560,41 +563,3 @@ async def json_body(request: Request) -> dict | Response:
     if not isinstance(body, dict):
         return error_response(400, "the request body must be a JSON object")
     return body
-
-
-def sse(obj: dict) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """A job's server-sent ``events`` (an async iterator of them; ``job.abandon()`` stops
-    the job and gives back what it holds).  Starlette can end the
-    response before its body iterator first runs (the client gone while the head waited to
-    be written, or its send raising), and then the iterator's own cleanup never runs: the job
-    is abandoned here whatever happened."""
-
-    def __init__(self, job, events) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send) -> None:
-        started = False
-
-        async def sending(message) -> None:
-            nonlocal started
-            await send(message)
-            started = started or message["type"] == "http.response.start"
-
-        try:
-            await super().__call__(scope, receive, sending)
-        except asyncio.CancelledError:  # the server stops, its graceful period over: say so
-            if not started:
-                await shutting_down_response()(scope, receive, send)
-            else:  # mid-stream: an error event, as for a pipeline failure, and the end of the body
-                event = sse(shutting_down_error()).encode()
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await self.body_iterator.aclose()  # one left at a yield: its generation is cancelled now
-            self.job.abandon()
