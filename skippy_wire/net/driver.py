@@ -38,15 +38,16 @@ from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
-from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15
-from ..wire.constants import I32_MAX, MAX_CTX_SIZE, MAX_WAIT_S
+from ..wire.activation_frame import STAGE_STATE_VERSION_V15
+from ..wire.constants import I32_MAX, MAX_CTX_SIZE
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
 from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
-from .supervision import StageCluster, int_argument, launched_cluster, seconds_argument
+from .arguments import int_argument, protocol_argument, seconds_argument
+from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
 from .tls import handshake_failure, tls_failure
 from .transport import Peer, PeerClosedError, connect
@@ -168,10 +169,8 @@ class PipelineClient:
             raise TypeError(f"host must be a host name or address (a str), not {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"port must be a TCP port from 1 to 65535, got {port!r}")  # 70000 reached 4464
-        if isinstance(protocol, bool) or protocol not in PROTOCOL_VERSIONS:  # it failed once connected
-            raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {protocol!r}")
-        if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 <= poll_s <= MAX_WAIT_S:
-            raise ValueError(f"poll_s must be a number of seconds from 0 to {MAX_WAIT_S}, got {poll_s!r}")
+        protocol_argument("protocol", protocol)  # these two failed once connected
+        seconds_argument("poll_s", poll_s, zero=True)
         if ctx_size is not None:
             int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)
         self.address = f"{host}:{port}"
@@ -224,7 +223,8 @@ class PipelineClient:
         """Before a generation: a connection stage 0 closed while it was idle (its
         ``--idle-timeout``) is opened again, its byte counts carried on; not while capturing
         (a new connection would start the capture files over)."""
-        if self._closed or self._setup[0] or self._peer.open_between_messages():
+        capture = self._setup[0]
+        if self._closed or capture or self._peer.open_between_messages():
             return
         old = self._peer
         old.close()

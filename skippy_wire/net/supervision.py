@@ -38,9 +38,10 @@ from ..errors import PipelineError
 from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
 from ..stage.threads import oversubscription, resolved_threads
-from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
-from ..wire.constants import DEFAULT_STAGES, MAX_CTX_SIZE, MAX_WAIT_S, named_codec_setting
+from ..wire.activation_frame import STAGE_STATE_VERSION_V17
+from ..wire.constants import DEFAULT_STAGES, MAX_CTX_SIZE, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
+from .arguments import int_argument, protocol_argument, seconds_argument
 from .protocol_io import driver_identity
 from .tls import TlsConfig
 
@@ -439,23 +440,6 @@ def check_memory_fits(model: Path, ctx_size: int, advice: str = "give a smaller 
                      f"beside its {weights >> 20} MiB of weights; {advice}")
 
 
-def int_argument(name: str, value, least: int, most: int | None = None) -> int:
-    """``value`` of the argument ``name``: an int (a bool is none) from ``least`` (to ``most``)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < least or (most is not None and value > most):
-        bound = f"at least {least}" if most is None else f"from {least} to {most}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
-def seconds_argument(name: str, value) -> float:
-    """``value`` of the argument ``name``: a number of seconds above 0, at most :data:`MAX_WAIT_S`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
-        raise ValueError(f"{name} must be a number of seconds above 0 and at most {MAX_WAIT_S}, got {value!r}")
-    return value
-
-
 def _check_launch(stages, layers, ctx_size, codec, policy, protocols, extra_args, stage_args, tls, timeouts,
                   session_events_kept, on_progress) -> None:
     """``launch_pipeline``'s arguments, checked in the caller's words before a stage starts (a
@@ -478,8 +462,7 @@ def _check_launch(stages, layers, ctx_size, codec, policy, protocols, extra_args
             raise TypeError(f"{name} must be a name string, not {type(value).__name__}")
     named_codec_setting(codec, policy)
     for version in protocols:
-        if isinstance(version, bool) or version not in PROTOCOL_VERSIONS:
-            raise ValueError(f"protocol must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {version!r}")
+        protocol_argument("protocol", version)
     for name, args in (("extra_args", extra_args), *((f"stage_args[{i}]", a) for i, a in (stage_args or {}).items())):
         if not isinstance(args, (list, tuple)) or not all(isinstance(arg, str) for arg in args):
             raise TypeError(f"{name} must be a list of serve arguments (strings), got {args!r}")

@@ -1,0 +1,38 @@
+"""The arguments a library caller gives the pipeline's functions (``launch_pipeline``,
+``PipelineClient``), checked in the caller's words before anything starts: a TypeError for
+the wrong type, a ValueError for a value out of range, naming the argument."""
+
+from __future__ import annotations
+
+from ..wire.activation_frame import PROTOCOL_VERSIONS
+from ..wire.constants import MAX_WAIT_S
+
+
+def int_argument(name: str, value, least: int, most: int | None = None) -> int:
+    """``value`` of the argument ``name``: an int (a bool is none) from ``least`` (to ``most``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < least or (most is not None and value > most):
+        bound = f"at least {least}" if most is None else f"from {least} to {most}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def seconds_argument(name: str, value, *, zero: bool = False) -> float:
+    """``value`` of the argument ``name``: a number of seconds above 0 (``zero``: from 0), at
+    most :data:`MAX_WAIT_S`."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not (number and (0 <= value if zero else 0 < value) and value <= MAX_WAIT_S):  # NaN fails every test
+        bound = f"from 0 to {MAX_WAIT_S}" if zero else f"above 0 and at most {MAX_WAIT_S}"
+        raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")
+    return value
+
+
+def protocol_argument(name: str, value) -> int:
+    """``value`` of the argument ``name``: a state version this package speaks."""
+    if isinstance(value, bool) or value not in PROTOCOL_VERSIONS:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {value!r}")
+    return value
+
+
+__all__ = ["int_argument", "seconds_argument", "protocol_argument"]
