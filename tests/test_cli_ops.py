@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import pytest
 from skippy_wire.errors import PipelineError
 from skippy_wire.tools import api, backend_bench, cli, cluster, run, serve
 from skippy_wire.tools.options import check_output_file
+from skippy_wire.tools.signals import end_workers
 from process_helpers import default_sigint
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
@@ -332,3 +335,19 @@ def test_serve_started_with_stdout_closed_serves_and_says_so_once(tiny_model):
         _, err = stage.communicate(timeout=30)
     assert err.count("stdout is closed: session events are no longer printed") == 1, err
     assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def _sleep_a_while() -> None:
+    time.sleep(30)
+
+
+def test_ending_a_pools_workers_joins_its_manager_thread():
+    """The join meant to keep Python 3.11's exit from writing to the pool's closed wake-up
+    pipe (an "Exception ignored ... Bad file descriptor" traceback after a Ctrl-C to
+    verify-exhaustive's group) read the thread after shutdown() had forgotten it: it never ran."""
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=get_context("fork"))
+    pool.submit(_sleep_a_while)
+    manager = pool._executor_manager_thread
+    assert manager is not None and manager.is_alive()
+    end_workers(pool)
+    assert not manager.is_alive()

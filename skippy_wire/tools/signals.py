@@ -81,14 +81,16 @@ def end_workers(pool: ProcessPoolExecutor) -> None:
     """On a stop: end the workers of ``pool`` (started with :func:`ignore_stop_signals`) now,
     not after the tasks in flight, and wait for them."""
     procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before 3.14
+    # Its manager thread closes a wake-up pipe that Python 3.11 writes to unlocked at exit
+    # (EBADF): joined below, taken now since shutdown() forgets it (it was never joined).
+    manager = getattr(pool, "_executor_manager_thread", None)
     for proc in procs:
         proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.join(5)
-    # (its manager thread closes a wake-up pipe Python 3.11 writes to unlocked at exit: EBADF)
-    if getattr(pool, "_executor_manager_thread", None) is not None:
-        pool._executor_manager_thread.join(5)
+    if manager is not None:
+        manager.join(5)
 
 
 __all__ = ["STOP_SIGNALS", "handling_signals", "signals_deferred", "exiting_on_signals", "ignore_stop_signals",
