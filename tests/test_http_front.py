@@ -471,12 +471,14 @@ def test_an_integer_too_long_to_read_is_named_as_such_not_as_invalid_json():
 
 
 def test_a_compressed_body_is_a_415_naming_its_encoding():
-    """A gzip body read as "not valid JSON"; the encoding named is what to change."""
+    """A gzip body read as "not valid JSON"; the encoding named is what to change, and
+    Accept-Encoding says what is taken (RFC 9110 12.5.3)."""
     body = gzip.compress(json.dumps({"prompt": "Hi"}).encode())
     with TestClient(_fake_api().app()) as client:
         r = client.post("/v1/completions", content=body,
                         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
         assert r.status_code == 415 and r.json()["error"]["message"].startswith("unsupported Content-Encoding 'gzip'")
+        assert r.headers["accept-encoding"] == "identity"
         r = client.post("/v1/completions", json={"prompt": "Hi"}, headers={"Content-Encoding": "identity"})
         assert r.status_code == 200
 
@@ -576,6 +578,11 @@ def test_routing_errors_are_openai_errors():
         wrong = client.get("/v1/chat/completions")
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
         assert wrong.json()["error"]["type"] == "invalid_request_error"
+        assert client.request("PATCH", "/v1/models").status_code == 405  # defined by HTTP, not on this path
+        for path in ("/v1/models", "/nowhere"):  # a method HTTP does not define, on any path (RFC 9110 9.1)
+            unknown = client.request("BREW", path)
+            assert unknown.status_code == 501
+            assert unknown.json()["error"]["message"] == f"Method not implemented (BREW {path})"
 
 
 def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():

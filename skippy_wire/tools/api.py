@@ -53,9 +53,9 @@ from .api_params import (BadRequest, check_context, check_detokenize_size, check
 from .cli import DISTRIBUTION
 from .error_shapes import ErrorObjects
 from .http_events import EventStream
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, RETRY_AFTER_S, IdleSheddingProtocol, OriginForm,
-                         RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey, StoppingServer,
-                         error_response, json_body, open_api_warning, shutting_down_response)
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S, IdleSheddingProtocol,
+                         OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
+                         StoppingServer, error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
                       add_poll_option, add_tls_options, address, apply_topology, check_codec_options, check_output_dir,
@@ -146,8 +146,11 @@ class Api:
         return app
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        # Routing's errors: 404 for an unknown route (in OpenAI's words), 405 with Allow.
+        # Routing's errors: 404 for an unknown route (in OpenAI's words), 405 with Allow, and
+        # 501 for a method HTTP does not define, on any path (RFC 9110 9.1).
         where = f"{request.method} {request.url.path}"
+        if exc.status_code in (404, 405) and request.method not in HTTP_METHODS:
+            return error_response(501, f"Method not implemented ({where})")
         message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}.get(exc.status_code,
                                                                                           str(exc.detail))
         return error_response(exc.status_code, message, headers=exc.headers)

@@ -57,6 +57,9 @@ RETRY_AFTER_S = 1
 CORS_HEADERS = ["*"]
 #: Response headers such a page may read beyond the safelisted ones.
 CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
+#: The methods HTTP defines (RFC 9110 9.3, and PATCH, RFC 5789): one on a path without it
+#: is 405 with Allow; any other method is 501 (RFC 9110 9.1).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 #: A client's own ``X-Request-Id`` that is echoed: visible ASCII, not too long.
 _CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
@@ -544,7 +547,7 @@ async def json_body(request: Request) -> dict | Response:
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":  # a compressed body would read as "not valid JSON"
         return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the JSON body uncompressed",
-                              headers=CLOSE)
+                              headers={"Accept-Encoding": "identity", **CLOSE})  # what it takes (RFC 9110 12.5.3)
     try:
         body = _parsed(await read_body(request))
     except LongNumber as exc:
