@@ -185,6 +185,8 @@ def test_a_prompt_is_any_sequence_of_token_ids_and_nothing_else(tiny_model):
     # checked before any model is read: one line naming the item (they failed deep inside)
     for bad, error, text in (("hello", TypeError, "prompt must be a sequence of token ids, not str"),
                              (iter(prompt), TypeError, "prompt must be a sequence of token ids, not list_iterator"),
+                             ({9, 1}, TypeError, "prompt must be a sequence of token ids, not set"),
+                             ({1: 2}, TypeError, "prompt must be a sequence of token ids, not dict"),
                              ([1.5, 2.0], TypeError, "prompt item 0 must be a token id (an int), not 1.5"),
                              ([1, True], TypeError, "prompt item 1 must be a token id (an int), not True"),
                              ([1, 2**31], ValueError, "prompt item 1 is no token id: 2147483648"),

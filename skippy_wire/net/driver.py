@@ -28,6 +28,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -503,7 +504,8 @@ def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> l
     for name, callback in callbacks.items():
         if callback is not None and not callable(callback):  # it failed once the first step was out
             raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
-    if isinstance(prompt, (str, bytes, bytearray, memoryview)) or not hasattr(prompt, "__len__"):
+    # a set or a mapping has a length but no order a prompt could be read in
+    if isinstance(prompt, (str, bytes, bytearray, memoryview, AbstractSet, Mapping)) or not hasattr(prompt, "__len__"):
         raise TypeError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}")
     ids = []
     for index, token in enumerate(prompt):
