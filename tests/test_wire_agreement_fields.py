@@ -283,3 +283,14 @@ def test_a_numpy_integer_dimension_is_its_value():
         part.dimensions = (Fixed(value),) + tuple(part.dimensions[1:])
         outcomes += [_outcome(lambda: kernels(impl).agreed_decode(agreement, case["codec_id"], wire)) for impl in IMPLS]
     assert outcomes == [(InvalidDataError, "activation layout overflow")] * 4
+
+
+@pytest.mark.parametrize("path", ["profiles.0.id", "profiles.0.parts.0.ggml_type"])
+@pytest.mark.parametrize("kind", [np.int64, np.array])
+def test_a_numpy_integer_id_or_type_is_its_value(path, kind):
+    # an index, as the field check takes it: a 0-d array was put in a set as it was
+    # ("unhashable type: 'numpy.ndarray'", from one twin or both)
+    agreement = copy.deepcopy(AGREEMENT)
+    _set(path, lambda value: kind(value))(agreement)
+    want = _every_entry("python", copy.deepcopy(AGREEMENT))
+    assert [_every_entry(impl, agreement) for impl in IMPLS] == [want, want]

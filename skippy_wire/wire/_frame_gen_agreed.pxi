@@ -117,15 +117,17 @@ def validate_agreement(agreement):
         _raise(E_AGREEMENT)
     ids = set()
     for profile in agreement.profiles:
-        if profile.id == 0 or profile.id in ids:
+        profile_id = PyNumber_Index(profile.id)  # a 0-d array is an index but no set member
+        if profile_id == 0 or profile_id in ids:
             _raise(E_PROFILE_ID)
-        ids.add(profile.id)
+        ids.add(profile_id)
         if (profile.producer_stage_index < 0 or profile.layer_start < 0 or profile.layer_end < profile.layer_start
                 or profile.max_tokens == 0 or profile.max_sequences == 0 or not 1 <= len(profile.parts) <= MAX_PARTS):
             _raise(E_PROFILE)
         identities = set()
         for part in profile.parts:
-            if not (0 <= part.ggml_type <= 0xFFFFFFFF) or _element_bytes(part.ggml_type) == 0:
+            ggml_type = PyNumber_Index(part.ggml_type)
+            if not (0 <= ggml_type <= 0xFFFFFFFF) or _element_bytes(ggml_type) == 0:
                 _raise(E_GGML_TYPE)
             identity = bytes(part.identity)
             if not 1 <= part.rank <= 4 or part.token_axis >= part.rank or identity in identities:

@@ -114,15 +114,16 @@ def validate_agreement(agreement: ActivationAgreement) -> None:
         raise _err("invalid activation agreement")
     ids = set()
     for p in agreement.profiles:
-        if p.id == 0 or p.id in ids:
+        profile_id = operator.index(p.id)  # a 0-d array is an index but no set member
+        if profile_id == 0 or profile_id in ids:
             raise _err("duplicate or zero activation profile ID")
-        ids.add(p.id)
+        ids.add(profile_id)
         if (p.producer_stage_index < 0 or p.layer_start < 0 or p.layer_end < p.layer_start or p.max_tokens == 0
                 or p.max_sequences == 0 or not 1 <= len(p.parts) <= _v16.MAX_PARTS):
             raise _err("invalid activation profile")
         seen = []
         for part in p.parts:
-            if part.ggml_type not in _v16.ELEMENT_BYTES:
+            if operator.index(part.ggml_type) not in _v16.ELEMENT_BYTES:
                 raise _err("activation part has unsupported ggml type")
             if not 1 <= part.rank <= 4 or part.token_axis >= part.rank or bytes(part.identity) in seen:
                 raise _err("invalid activation part profile")
@@ -248,7 +249,7 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
             if not pp.optional:
                 raise _err("required activation part absent")
             continue
-        dims, strides, stride = [], [], _v16.ELEMENT_BYTES[pp.ggml_type]
+        dims, strides, stride = [], [], _v16.ELEMENT_BYTES[operator.index(pp.ggml_type)]
         for d in pp.dimensions:  # each axis's stride is checked before the next value is read
             if d is TOKENS:
                 v = tokens
