@@ -265,6 +265,26 @@ def test_arguments_of_the_wrong_kind_fail_alike_in_both_twins():
         assert cy is not None and cy == py, (type(data), cy, py)
 
 
+@pytest.mark.parametrize("version", [15, 16, 17])
+@pytest.mark.parametrize("field", ["samplers", "dry_sequence_breakers"])
+def test_a_kernel_writes_a_string_list_given_as_an_iterator_as_its_twin_does(version, field):
+    """The compiled writer measured the list before writing it: an iterator was used up by
+    the measure, and its strings silently written as none (the public writers refuse one
+    before any kernel runs; a kernel's own caller has only the twins' agreement)."""
+    def write(impl, values):
+        sampling = SamplingConfig()
+        setattr(sampling, field, values)
+        msg = StageWireMessage(WireMessageKind.STOP, sampling=sampling, state=StageStateHeader(version=version))
+        if version == 15:
+            return kernel_module("frame", impl).write_stage_message(msg)
+        return kernel_module("frame_gen", impl).write_stage_message(version, msg, None)
+
+    for impl in ("cython", "python"):
+        assert write(impl, iter(["top_k", "min_p"])) == write(impl, ["top_k", "min_p"]), impl
+        with pytest.raises(InvalidInputError, match=f"^sampling.{field} must be a list of strings, not list_iterator$"):
+            write(impl, iter([1]))
+
+
 def test_unknown_admission_arguments_fail_alike_in_both_twins():
     """A kernel reader's expected codec and policy are checked, alike, before any byte: the
     compiled readers took an unknown policy for AutoLosslessV1 (admitting a message the

@@ -154,6 +154,8 @@ cdef int _write_i32_seq(_Out out, object seq, Py_ssize_t n) except -1:
 
 cdef Py_ssize_t _strings_size(object values, Py_ssize_t maximum) except -1:
     cdef Py_ssize_t size = 4, i = 0, n
+    if not isinstance(values, (list, tuple)):  # measuring an iterator would use it up before its write
+        raise TypeError("not a list")
     for s in values:
         if i >= maximum:
             break
