@@ -208,6 +208,18 @@ def test_json_nested_too_deeply_fails_as_a_line(tmp_path, capsys):
     assert out.rstrip().endswith("conformance: 0 passed, 1 failed")
 
 
+def test_a_number_too_long_to_read_fails_as_a_line_and_the_run_goes_on(vectors_dir, tmp_path, capsys):
+    """A 5000-digit number is past Python's int_max_str_digits: its ValueError ended the
+    whole run with no summary, the good cases before and after it unreported."""
+    good = (vectors_dir / "frame.jsonl").read_text().splitlines()[0]
+    path = tmp_path / "long.jsonl"
+    path.write_text(f"{good}\n{{\"group\": \"frame\", \"x\": {'1' * 5000}}}\n{good}\n")
+    assert conformance.main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {path}:2: a JSON number too long to read (over 4300 digits)\n" in out
+    assert out.rstrip().endswith("conformance: 2 passed, 1 failed")
+
+
 def test_a_case_without_a_field_it_needs_names_the_field(vectors_dir, tmp_path, capsys):
     case = _read(vectors_dir / "frame.jsonl")[0]
     del case["write"]

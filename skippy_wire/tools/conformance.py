@@ -219,6 +219,9 @@ def _cases(path: Path):
                 except RecursionError:  # Python's decoder recurses per level of nesting
                     yield lineno, None, "JSON nested too deeply to decode"
                     continue
+                except ValueError:  # an integer past Python's int_max_str_digits
+                    yield lineno, None, f"a JSON number too long to read (over {sys.get_int_max_str_digits()} digits)"
+                    continue
                 if not isinstance(case, dict):
                     yield lineno, None, f"a case is a JSON object, not {_json_kind(case)}"
                     continue
