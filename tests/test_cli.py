@@ -155,6 +155,10 @@ def _one_error_line(err: str) -> str:
     (["conformance", "/nonexistent"], "/nonexistent: no such file or directory"),
     (["servr"], "unknown command 'servr'; did you mean 'serve'?"),
     (["inpsect", "x.bin"], "unknown command 'inpsect'; did you mean 'inspect'?"),
+    # `help X` for no command X was the general usage and status 0
+    (["help", "conformanc"], "unknown command 'conformanc'; did you mean 'conformance'?"),
+    (["help", "nosuch"], "unknown command 'nosuch'; the commands: run, serve, cluster, bench-cluster, api, "
+                         "inspect, conformance, bench, bench-backend, verify-exhaustive, demo"),
 ])
 def test_usage_errors_are_one_line_with_status_2(capsys, args, message):
     assert_usage_error(capsys, args, message)

@@ -123,7 +123,12 @@ def quiet_stdout() -> None:
 
 def dispatch(args: list[str], own_process: bool = False) -> int:
     from .options import EXIT_USAGE, error_line
-    if args[:1] == ["help"] and args[1:2] and args[1] in COMMANDS:  # git's `help COMMAND`
+    if args[:1] == ["help"] and args[1:2]:  # git's `help COMMAND`
+        if args[1] not in COMMANDS:
+            guess = mistyped_command(args[1])
+            hint = f"; did you mean {guess!r}?" if guess is not None else f"; the commands: {', '.join(COMMANDS)}"
+            print(f"{USAGE_LINE}\n{error_line(f'unknown command {args[1]!r}{hint}')}", file=sys.stderr)
+            return EXIT_USAGE
         args = [args[1], "--help"]
     elif args and args[0] in ("-h", "--help", "help"):
         print(usage())
