@@ -96,10 +96,11 @@ def test_bench_cluster_json_file_is_checked_before_the_runs(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("unbuffered", [False, True])
-@pytest.mark.parametrize("words", [["--version"], ["demo"]])
+@pytest.mark.parametrize("words", [["--version"], ["demo"], ["demo", "--help"], ["help", "inspect"]])
 def test_a_stdout_that_cannot_be_written_is_named_in_one_line(words, unbuffered):
     """``> /dev/full``: "no space left on device" named no file (buffered, the exit's flush
-    then failed again: Python's "Exception ignored" lines and status 120)."""
+    then failed again: Python's "Exception ignored" lines and status 120).  A command's help
+    exited 0 with nothing written (argparse drops its write's error)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"}
                                                                                if unbuffered else {})
     with open("/dev/full", "w") as full:

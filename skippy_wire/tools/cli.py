@@ -182,39 +182,53 @@ def guarded(run: Callable[[], int | None]) -> int:
         return _status("EXIT_BROKEN_PIPE")
     except KeyboardInterrupt:
         return _status("EXIT_INTERRUPTED")
+    except SystemExit as end:  # a command's --help: argparse drops the error of its write
+        failed = _stdout_error() if end.code in (None, 0) else None
+        if failed is None:
+            raise
+        if isinstance(failed, BrokenPipeError):
+            quiet_stdout()
+            return _status("EXIT_BROKEN_PIPE")
+        return _failed(failed)
     except Exception as exc:
         from ..errors import SkippyError
-        from .options import describe, error_line
 
         if not isinstance(exc, (SkippyError, OSError, ValueError, ImportError, MemoryError)):
             raise
-        try:
-            text = describe(exc)
-            if isinstance(exc, OSError) and exc.filename is None and not _stdout_writes():
-                text = f"cannot write to stdout: {text}"
-                quiet_stdout()  # what it still holds would fail again at the exit's flush
-            print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
-                  flush=True)
-        except BrokenPipeError:
-            pass
-        return _status("EXIT_FAILURE")
+        return _failed(exc)
 
 
-def _stdout_writes() -> bool:
-    """Whether stdout takes what it holds: after an OSError that names no file, a stdout that
-    still cannot flush (the bytes it could not write wait in its buffer; unbuffered, as with
-    PYTHONUNBUFFERED, an empty write tells on /dev/full) is what failed."""
+def _failed(exc: Exception) -> int:
+    """Say what ``exc`` was, in one line on stderr; the status of a failed command."""
+    from .options import describe, error_line
+
+    try:
+        text = describe(exc)
+        if isinstance(exc, OSError) and exc.filename is None and _stdout_error() is not None:
+            text = f"cannot write to stdout: {text}"
+            quiet_stdout()  # what it still holds would fail again at the exit's flush
+        print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
+              flush=True)
+    except BrokenPipeError:
+        pass
+    return _status("EXIT_FAILURE")
+
+
+def _stdout_error() -> OSError | None:
+    """Why stdout does not take what it holds, or None: after an OSError that names no file,
+    a stdout that still cannot flush (the bytes it could not write wait in its buffer;
+    unbuffered, as with PYTHONUNBUFFERED, an empty write tells on /dev/full) is what failed."""
     try:
         sys.stdout.flush()
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc
     try:
         os.write(sys.stdout.fileno(), b"")
-    except ValueError:  # no descriptor to ask (io.UnsupportedOperation is a ValueError too)
-        return True
-    except OSError:
-        return False
-    return True
+    except ValueError:  # no descriptor to ask (io.UnsupportedOperation, an OSError too)
+        return None
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _status(name: str) -> int:
