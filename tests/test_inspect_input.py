@@ -6,11 +6,14 @@ and a large activation summarised without a Python object per value."""
 from __future__ import annotations
 
 import io
+import os
 import struct
+import subprocess
 import sys
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from skippy_wire.tools.inspect import main
 from skippy_wire.wire.constants import ActivationCodec
@@ -162,6 +165,20 @@ def test_a_closed_stdout_is_the_quiet_exit_141(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", ClosedStdout())
     assert cli_main(["inspect", str(path)]) == 141
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+def test_a_full_stdout_is_named_not_taken_for_the_input(tmp_path, unbuffered):
+    """``inspect --values FILE > /dev/full`` said "no space left on device" as if reading
+    the capture had failed (its handler for the input's errors caught stdout's)."""
+    path = tmp_path / "hop1-messages.bin"
+    path.write_bytes(_stream(_messages()))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"}
+                                                                               if unbuffered else {})
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "skippy_wire", "inspect", "--values", str(path)], stdout=full,
+                              stderr=subprocess.PIPE, env=env, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (1, "skippy-wire: error: cannot write to stdout: no space left on device\n")
 
 
 def test_a_file_name_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):

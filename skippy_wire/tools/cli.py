@@ -183,7 +183,7 @@ def guarded(run: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         return _status("EXIT_INTERRUPTED")
     except SystemExit as end:  # a command's --help: argparse drops the error of its write
-        failed = _stdout_error() if end.code in (None, 0) else None
+        failed = stdout_error() if end.code in (None, 0) else None
         if failed is None:
             raise
         if isinstance(failed, BrokenPipeError):
@@ -204,7 +204,7 @@ def _failed(exc: Exception) -> int:
 
     try:
         text = describe(exc)
-        if isinstance(exc, OSError) and exc.filename is None and _stdout_error() is not None:
+        if isinstance(exc, OSError) and exc.filename is None and stdout_error() is not None:
             text = f"cannot write to stdout: {text}"
             quiet_stdout()  # what it still holds would fail again at the exit's flush
         print(error_line(f"out of memory: {text}" if isinstance(exc, MemoryError) else text), file=sys.stderr,
@@ -214,7 +214,7 @@ def _failed(exc: Exception) -> int:
     return _status("EXIT_FAILURE")
 
 
-def _stdout_error() -> OSError | None:
+def stdout_error() -> OSError | None:
     """Why stdout does not take what it holds, or None: after an OSError that names no file,
     a stdout that still cannot flush (the bytes it could not write wait in its buffer;
     unbuffered, as with PYTHONUNBUFFERED, an empty write tells on /dev/full) is what failed."""

@@ -72,6 +72,7 @@ from .inspect_gen import (
     setup_label,
     starts_with_offer,
 )
+from .cli import stdout_error
 from .options import Parser, describe, error_line, int_between
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
@@ -445,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(stream, args.file, replies, args)
     except BrokenPipeError:  # stdout closed (| head): the command's quiet exit 141
         raise
-    except OSError as exc:  # reading the input
+    except OSError as exc:  # reading the input, unless stdout is what failed (named as such by cli)
+        if exc.filename is None and stdout_error() is not None:
+            raise
         sys.stdout.flush()
         what = "stdin" if args.file == "-" and exc.filename is None else None
         print(error_line(f"{what}: {describe(exc)}" if what else describe(exc)), file=sys.stderr)
