@@ -61,6 +61,9 @@ from .signals import end_workers, exiting_on_signals, ignore_stop_signals, signa
 
 TOTAL = 1 << 32
 DEFAULT_CHUNK = 1 << 22
+#: The most patterns a chunk holds: each worker's chunk takes 8 bytes a pattern or more at
+#: once (512 MiB here), and a larger one saves nothing but memory a machine may not have.
+MAX_CHUNK = 1 << 26
 #: Mismatches kept per chunk (the count is always exact).
 KEEP = 16
 #: Error / non-exact elements checked one by one per chunk, on top of the boundaries.
@@ -522,8 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first f32 pattern (0x prefixes allowed)")
     p.add_argument("--limit", type=int_between(1, TOTAL, base=0), default=None,
                    help="number of patterns (default: all up to 2^32)")
-    p.add_argument("--chunk", type=int_at_least(1, base=0), default=DEFAULT_CHUNK,
-                   help="patterns per chunk (default: 2^22)")
+    p.add_argument("--chunk", type=int_between(1, MAX_CHUNK, base=0), default=DEFAULT_CHUNK,
+                   help="patterns per chunk, at most 2^26 (default: 2^22)")
     p.add_argument("--workers", type=int_between(1, MAX_THREADS), default=None,
                    help="worker processes (default: one per core; 1: in this process)")
     p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test")
