@@ -192,3 +192,21 @@ def test_a_whole_text_whose_closing_stop_goes_unanswered_is_kept(caplog):
     finally:
         release.set()
         chain.close()
+
+
+def test_a_caller_s_bad_prompt_is_refused_without_counting_a_failure_or_closing_a_connection():
+    """An empty prompt failed in the client's generate: counted as a failed request, its
+    pooled connection closed, and the next request probed the pipeline as after a failure."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        _generate(engine)
+        pooled = list(engine._idle)
+        with pytest.raises(ValueError, match="^the prompt must have at least one token$"):
+            engine.generate([], max_tokens=2, sampling=SamplingParams(temperature=0.0), stop=[],
+                            on_text=lambda text, tokens: None, cancelled=threading.Event())
+        assert engine.counters["failed"] == 0 and not engine.failing
+        assert engine._idle == pooled and pooled[0].alive()
+    finally:
+        engine.close()
+        chain.close()

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
-from .driver import SESSION_END_UNANSWERED, PipelineClient
+from .driver import SESSION_END_UNANSWERED, PipelineClient, check_generation
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -341,6 +341,8 @@ class GenerationEngine:
         """Generate after ``prompt``; ``on_text(text, tokens)`` receives each new piece of
         text and the tokens generated since the last piece."""
         started = time.perf_counter()
+        # a caller's mistake is refused here, not as a failed request on a connection then closed
+        prompt = check_generation(prompt, max_tokens, self.chunk_size, on_text=on_text)
         out = Generation(prompt_tokens=len(prompt))
         assembler = TextAssembler(self.tokenizer, stop)
         session = next(self._ids)
