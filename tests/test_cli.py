@@ -152,6 +152,11 @@ def _one_error_line(err: str) -> str:
      "--layer-end 2 must be greater than --layer-start 3"),
     (["serve", "--model", "m.gguf", "--layer-start", "2", "--layer-end", "4"],
      "--stage-index is required when --layer-start > 0"),
+    # accepted, then every v17 link failed its setup on "admitted upstream relationship mismatch"
+    (["serve", "--model", "m.gguf", "--layer-start", "15", "--layer-end", "30", "--stage-index", "0"],
+     "--stage-index 0 with --layer-start 15: stage 0, and only stage 0, starts at layer 0"),
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "15", "--stage-index", "1"],
+     "--stage-index 1 with --layer-start 0: stage 0, and only stage 0, starts at layer 0"),
     (["api", "--max-inflight", "0"], "argument --max-inflight/-np/--parallel: must be between 1 and 4, got 0"),
     (["api", "--listen", "127.0.0.1:70000"], "argument --listen: port 70000 is out of range (0-65535)"),
     (["conformance", "/nonexistent"], "/nonexistent: no such file or directory"),

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sleep this long before every send over a stage-to-stage link (emulated one-way "
                         "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,
-                   help="default: 0 for --layer-start 0, else required")
+                   help="0 for --layer-start 0 (the default), 1 or more after it (required)")
     p.add_argument("--listen", default="127.0.0.1:0", type=address,
                    help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, type=address,
@@ -212,6 +212,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         if args.layer_start != 0:
             parser.error("--stage-index is required when --layer-start > 0")
         args.stage_index = 0
+    elif (args.stage_index == 0) != (args.layer_start == 0):  # v17's setup then refused every link
+        parser.error(f"--stage-index {args.stage_index} with --layer-start {args.layer_start}: stage 0, "
+                     "and only stage 0, starts at layer 0")
     if args.plan:
         _check_plan(parser, args)
     if args.capture:
