@@ -172,6 +172,16 @@ def test_non_contiguous_layers(impl):
     assert error.detail == "upstream layer_end 3, here 4"  # the operator's clue; the text is upstream's
 
 
+def test_another_model_id_is_named_as_the_model_id(impl):
+    # "model 'm'" sent an operator whose hosts name the model's file differently to the
+    # model files; the id is what --model-id sets
+    hello = _hello().replace(b'"model":"m"', b'"model":"smol-copy"')
+    hello = hello[:8] + struct.pack("<I", len(hello) - 12) + hello[12:]
+    error = _server_error(hello, impl)
+    assert str(error) == "admitted upstream relationship mismatch"
+    assert error.detail == "model id 'smol-copy', here 'm'"
+
+
 def test_wrong_sender_index(impl):
     error = _server_error(_hello(sender={"stage_index": 1}, producer=1), impl)
     assert str(error) == "admitted upstream relationship mismatch"

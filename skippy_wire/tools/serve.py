@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: --topology's ranges, else none)")
     p.set_defaults(topology_id=None)  # v17: a --topology file's id, else --plan's text
     p.add_argument("--model-id", default=None,
-                   help="v17: the model id (default: --topology's model_id, else the model file's stem)")
+                   help="v17: the model id, the same on every stage (default: --topology's model_id, else the "
+                        "model file's stem: give it where hosts name the model's file differently)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (the driver holds it open, so stages die with it; default: off)")
     p.add_argument("--no-prefill-overlap", dest="prefill_overlap", action="store_false",

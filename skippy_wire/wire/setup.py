@@ -340,7 +340,7 @@ def _client(t: _Transport, role: SetupRole, config, output, impl) -> ActivationA
             raise SetupError("downstream identity absent")
         _check_relationship("admitted downstream relationship mismatch", [
             ("run", receiver.run, config.run_id), ("topology", receiver.topology, config.topology_id),
-            ("model", receiver.model, config.model_id), ("downstream stage", receiver.stage, downstream.stage_id),
+            ("model id", receiver.model, config.model_id), ("downstream stage", receiver.stage, downstream.stage_id),
             ("downstream stage index", receiver.index, downstream.stage_index),
             ("downstream layer_start", receiver.layer_start, config.layer_end)])
     t.write(encode_packet(list(agreement.generation)))
@@ -383,7 +383,7 @@ def _activation_output(hello: Hello, config, input_profile, topology, recording)
         raise SetupError("activation output contract missing")
     _check_relationship("admitted upstream relationship mismatch", [
         ("run", sender.run, config.run_id), ("topology", sender.topology, config.topology_id),
-        ("model", sender.model, config.model_id), ("target", hello.target, (config.stage_id, config.stage_index)),
+        ("model id", sender.model, config.model_id), ("target", hello.target, (config.stage_id, config.stage_index)),
         ("upstream stage index", sender.index, config.stage_index - 1),
         ("upstream layer_end", sender.layer_end, config.layer_start),
         # the sender's u32s compared as i32, as upstream casts them (2^31 and above wrap)
