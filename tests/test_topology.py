@@ -246,13 +246,17 @@ NULLS = [
     ("bind_addr", _set(0, "bind_addr", "null"), 'stage 0: bind_addr must be a "HOST:PORT" string, not null'),
     ("codec", _set(0, "activation_codec", "null"), "stage 0: activation_codec must be a name string, not null"),
     ("model_id", lambda d: d.update(model_id=None), "f.json: model_id must be a non-empty string, not null"),
+    # JSON's spelling of a boolean too, not Python's (False)
+    ("false", _set(0, "threads", "false"), "stage 0: threads must be an integer, not false"),
+    ("true", _set(0, "activation_codec", "true"), "stage 0: activation_codec must be a name string, not true"),
 ]
 
 
 @pytest.mark.parametrize("name,mutate,message", NULLS, ids=[c[0] for c in NULLS])
 def test_null_is_not_missing(name, mutate, message):
     """``"key": null`` names the key's type; "missing" is only for a key that is absent."""
-    data = json.loads(json.dumps(_with(mutate)).replace('"null"', "null"))
+    data = json.loads(json.dumps(_with(mutate)).replace('"null"', "null").replace('"false"', "false")
+                      .replace('"true"', "true"))
     with pytest.raises(TopologyError) as info:
         parse_topology(data, name="f.json", shape=shape)
     assert message in str(info.value) and "missing" not in str(info.value)

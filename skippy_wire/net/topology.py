@@ -205,9 +205,9 @@ def driven_topology(host: str, port: int) -> Topology | None:
 
 
 def _shown(value) -> str:
-    """A JSON value in an error: ``null`` as the file spells it, else its repr (clipped: the
-    error stays one short line whatever the file holds)."""
-    text = "null" if value is None else repr(value)
+    """A JSON value in an error: ``null``, ``true`` and ``false`` as the file spells them, else
+    its repr (clipped: the error stays one short line whatever the file holds)."""
+    text = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
     return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
 
 
