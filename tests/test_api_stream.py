@@ -136,6 +136,14 @@ def test_a_pipeline_failure_mid_stream_reaches_the_openai_client_as_an_error():
         # without a stream: 502
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+        # llama-server's /completion: its error shape in the stream too (it was OpenAI's: a
+        # llama.cpp client reads error.code as the status, and found null)
+        raw = client.post("/completion", json={"prompt": "hi", "stream": True})
+        events = _events(raw.text)
+        assert events[0]["content"] == "partial"
+        assert events[-1] == {"error": {"code": 502, "message": "the pipeline failed: stage 1 closed the connection",
+                                        "type": "server_error"}}
+        assert client.post("/completion", json={"prompt": "hi"}).json() == events[-1]
 
 
 class DownEngine(FakeEngine):
@@ -177,26 +185,38 @@ def test_a_stream_that_fails_before_its_first_piece_gets_an_error_status_not_a_2
             _openai(client).completions.create(model="m", prompt="hi", stream=True)
 
 
+class PartialEngine(FakeEngine):
+    """Sends a first piece of text, then waits for ``gate`` as FakeEngine does."""
+
+    def generate(self, prompt, *, on_text, **kwargs):
+        on_text("partial", [1])
+        return super().generate(prompt, on_text=on_text, **kwargs)
+
+
 def test_requests_cut_off_by_the_shutdown_get_an_answer_and_log_no_traceback(caplog):
     """uvicorn cancels what outlives its graceful stop; the cancelled request used to log
     "Exception in ASGI application" with a traceback and send a text/plain 500 (a stream:
     a body cut mid-chunk)."""
-    engine, servers = FakeEngine(), []
+    engine, servers = PartialEngine(), []
     engine.gate.clear()  # both generations run until the server stops
-    api = _fake_api(engine, max_inflight=2)
+    api = _fake_api(engine, max_inflight=3)
     try:
-        with serving(api.app(), servers, timeout_graceful_shutdown=0.5) as url, ThreadPoolExecutor(2) as pool:
+        with serving(api.app(), servers, timeout_graceful_shutdown=0.5) as url, ThreadPoolExecutor(3) as pool:
             plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "A"}, timeout=30)
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             chunks = pool.submit(lambda: list(client.chat.completions.create(
                 model="m", stream=True, messages=[{"role": "user", "content": "B"}])))
-            _until(lambda: len(engine.prompts) == 2, "both requests generate")
+            native = pool.submit(httpx.post, url + "/completion", json={"prompt": "C", "stream": True}, timeout=30)
+            _until(lambda: len(engine.prompts) == 3, "the three requests generate")
             servers[0].should_exit = True
             r = plain.result(30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
             with pytest.raises(openai.APIError, match="shutting down"):
                 chunks.result(30)
             client.close()
+            # llama-server's route: its error shape in the stream (code: the status)
+            assert _events(native.result(30).text)[-1] == {"error": {
+                "code": 503, "message": "the server is shutting down; retry later", "type": "unavailable_error"}}
     finally:
         engine.gate.set()
         api.close()

@@ -205,13 +205,17 @@ class GenerationJob:
             try:
                 results = future.result()
             except PipelineError as exc:  # after the first piece: the stream says so as its last event
-                yield sse(error_object(f"the pipeline failed: {exc}", type_="server_error"))
+                yield self.error_event(502, error_object(f"the pipeline failed: {exc}", type_="server_error"))
                 return
             for event in self._closing_events(results):
                 yield event
         finally:
             # A client that went away cancels the generation between two tokens.
             self.cancel.set()
+
+    def error_event(self, status: int, answer: dict) -> str:
+        """An error in the stream, as the error object of an answer with ``status`` (its route's shape)."""
+        return sse(answer)
 
     def abandon(self) -> None:
         """The response has ended: a generation still running stops at its next token (its

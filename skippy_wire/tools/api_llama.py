@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .api_job import GenerationJob, llama_timings
 from .api_params import BadRequest, Options
+from .error_shapes import llama_error
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
 from .http_events import sse
@@ -36,6 +37,9 @@ class LlamaCompletionJob(GenerationJob):
         self.response_fields = fields if isinstance(fields, list) and all(isinstance(f, str) for f in fields) \
             else None
         self.predicted = [0] * len(prompts)  # tokens streamed so far, per generation
+
+    def error_event(self, status: int, answer: dict) -> str:
+        return sse(llama_error(status, answer))  # llama-server's shape, as its answers' errors
 
     def final_object(self, results: list):
         finals = [self._picked(self._final(index, result, streamed=False)) for index, result in enumerate(results)]

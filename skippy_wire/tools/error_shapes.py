@@ -18,12 +18,21 @@ def _llama_route(path: str) -> bool:
     return path in LLAMA_PATHS or path.startswith("/slots/")
 
 
+def llama_error(status: int, answer: dict) -> dict:
+    """OpenAI's error object ``answer`` in llama-server's shape, ``{"error": {"code": STATUS,
+    "message", "type"}}`` (its ``code`` is the HTTP status; a prompt too long for the context
+    is its ``exceed_context_size_error``, a 503 its ``unavailable_error``), with the members
+    the error carries beside OpenAI's four; a stream's error event has it too."""
+    error = answer["error"]
+    kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
+        "unavailable_error" if status == 503 else error.get("type")
+    extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
+    return {**answer, "error": {"code": status, "message": error.get("message"), "type": kind, **extra}}
+
+
 def _error_object_bytes(status: int, body: bytes, llama: bool) -> Optional[bytes]:
-    """An error answer's body with an error object in it: OpenAI's, or llama-server's
-    ``{"error": {"code": STATUS, "message", "type"}}`` (its ``code`` is the HTTP status; a
-    prompt too long for the context is its ``exceed_context_size_error``, a 503 its
-    ``unavailable_error``), with the members the error carries beside OpenAI's four; None
-    where the body is one already.  A body that holds no error object (a library's
+    """An error answer's body with an error object in it, OpenAI's or :func:`llama_error`'s;
+    None where the body is one already.  A body that holds no error object (a library's
     plain-text refusal) becomes the message of one."""
     try:
         answer = json.loads(body)
@@ -33,13 +42,7 @@ def _error_object_bytes(status: int, body: bytes, llama: bool) -> Optional[bytes
         answer = error_object(body.decode("utf-8", "replace").strip() or f"HTTP {status}")
     elif not llama:
         return None
-    if llama:
-        error = answer["error"]
-        kind = "exceed_context_size_error" if error.get("code") == "context_length_exceeded" else \
-            "unavailable_error" if status == 503 else error.get("type")
-        extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-        answer["error"] = {"code": status, "message": error.get("message"), "type": kind, **extra}
-    return JSONResponse(answer).body
+    return JSONResponse(llama_error(status, answer) if llama else answer).body
 
 
 class ErrorObjects:

@@ -17,7 +17,7 @@ def sse(obj: dict) -> str:
 
 class EventStream(StreamingResponse):
     """A job's server-sent ``events`` (an async iterator of them; ``job.abandon()`` stops
-    the job and gives back what it holds).  Starlette can end the
+    the job and gives back what it holds; ``job.error_event()`` shapes an error in them).  Starlette can end the
     response before its body iterator first runs (the client gone while the head waited to
     be written, or its send raising), and then the iterator's own cleanup never runs: the job
     is abandoned here whatever happened."""
@@ -40,7 +40,7 @@ class EventStream(StreamingResponse):
             if not started:
                 await shutting_down_response()(scope, receive, send)
             else:  # mid-stream: an error event, as for a pipeline failure, and the end of the body
-                event = sse(shutting_down_error()).encode()
+                event = self.job.error_event(503, shutting_down_error()).encode()
                 await send({"type": "http.response.body", "body": event, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
