@@ -421,7 +421,8 @@ class IdleSheddingProtocol(H11Protocol):
         peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
         self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
         body = json.dumps(error_object(msg)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        headers = [*self.server_state.default_headers,  # Date and Server, as every other answer
+                   (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), (b"x-request-id", new_request_id())]
         for event in (h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase.encode()),
                       h11.Data(data=body), h11.EndOfMessage()):
