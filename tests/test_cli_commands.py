@@ -273,7 +273,7 @@ def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, t
         if not done.wait(5):
             os.kill(os.getpid(), signal.SIGINT)
 
-    def event(record):
+    def event(record, sessions=None):
         print(json.dumps(record))
         if record["event"] == "listening":
             threading.Thread(target=signal_then_interrupt, daemon=True).start()

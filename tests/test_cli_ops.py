@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -22,9 +23,12 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError
+from skippy_wire.net.connlog import LOG_BURST, LOG_RATE
+from skippy_wire.net.driver import PipelineClient
 from skippy_wire.tools import api, backend_bench, cli, cluster, run, serve
 from skippy_wire.tools.options import check_output_file
 from skippy_wire.tools.signals import end_workers
+from skippy_wire.wire.messages import StageWireMessage
 from process_helpers import default_sigint
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
@@ -304,6 +308,35 @@ def test_serve_whose_stdout_closed_serves_on_without_its_events(tiny_model):
         _, err = stage.communicate(timeout=30)
     assert err.count("stdout is closed: session events are no longer printed") == 1
     assert "reset" not in err and "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_serve_prints_session_events_within_the_log_budget(tiny_model):
+    """A peer opening and stopping sessions in a loop made every stage of the chain print a
+    "session" event for each (some 1,800 lines a second): they keep the log lines' budget,
+    LOG_BURST at once, then LOG_RATE a second, the next one printed counting those not."""
+    stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model), "--layer-start",
+                              "0", "--layer-end", "4", "--listen", "127.0.0.1:0"], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        listening = json.loads(stage.stdout.readline())
+        opened = 2 * LOG_BURST
+        started = time.monotonic()
+        with PipelineClient(listening["host"], listening["port"], timeout=30) as client:
+            for session in range(1, opened + 1):
+                client.request(StageWireMessage.configure_generation(session, session, 3, None, None))
+                client.request(StageWireMessage.stop(session, session))
+        elapsed = time.monotonic() - started
+        time.sleep(1.5 / LOG_RATE)  # room for one more, which says how many were not printed
+        with PipelineClient(listening["host"], listening["port"], timeout=30) as client:
+            client.generate([1, 2, 3], max_tokens=2, chunk_size=4, session_id=opened + 1)
+    finally:
+        stage.terminate()
+        out, err = stage.communicate(timeout=30)
+    sessions = [json.loads(line) for line in out.splitlines() if '"session"' in line]
+    assert LOG_BURST <= len(sessions) <= LOG_BURST + LOG_RATE * elapsed + 2, (len(sessions), elapsed)
+    assert sessions[-1]["session_id"] == opened + 1 and sessions[-1]["decode_tokens"] >= 1
+    assert sessions[-1]["session_events_dropped"] == opened - (len(sessions) - 1)
+    assert "Traceback" not in err
 
 
 def test_serve_started_with_stdout_closed_serves_and_says_so_once(tiny_model):

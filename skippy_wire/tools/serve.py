@@ -22,6 +22,7 @@ from ..errors import StageRuntimeError, TopologyError, WireError
 from ..net.admission import (DEFAULT_IDLE_TIMEOUT, DEFAULT_LANE_WAIT, DEFAULT_MAX_CONNECTIONS,
                              DEFAULT_MAX_SESSIONS_PER_CONNECTION, DEFAULT_MESSAGE_TIMEOUT, StageLimits)
 from ..net.backend import RuntimeBackend
+from ..net.connlog import LogBudget
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
@@ -172,7 +173,16 @@ def _apply_topology(parser: argparse.ArgumentParser, args) -> None:
     args.plan = args.plan or ",".join(f"{s.layer_start}-{s.layer_end}" for s in topology.stages)
 
 
-def _print_event(event: dict) -> None:
+def _print_event(event: dict, sessions: LogBudget | None = None) -> None:
+    """``event`` as a line of stdout; a "session" one within ``sessions``' budget, as log
+    lines: a peer opening and stopping sessions in a loop printed some 1,800 a second on
+    every stage of the chain.  The first one printed after some were not says how many."""
+    if sessions is not None and event.get("event") == "session":
+        held = sessions.admit(logging.INFO)
+        if held is None:
+            return
+        if held:
+            event = {**event, "session_events_dropped": held}
     try:
         sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
         sys.stdout.flush()
@@ -340,9 +350,14 @@ def _serve(args, stage_index: int) -> int:
         identity = link_identity(config, downstream is not None, run_id=args.run_id,
                                  topology_id=args.topology_id or args.plan or DEFAULT_RUN_ID,
                                  model_id=args.model_id or Path(args.model).stem)
+        session_events = LogBudget()
+
+        def events(event: dict) -> None:
+            _print_event(event, session_events)
+
         server = StageServer(backend, config, downstream=downstream, host=host, port=port,
                              io_timeout=args.io_timeout, idle_timeout=args.idle_timeout,
-                             reply_timeout=args.reply_timeout, capture=args.capture, events=_print_event,
+                             reply_timeout=args.reply_timeout, capture=args.capture, events=events,
                              compute_trace=trace, protocol=args.protocol, identity=identity, plan=plan,
                              link_delay=args.link_delay_ms / 1000.0, prefill_overlap=args.prefill_overlap,
                              decode_ahead=args.decode_ahead,
