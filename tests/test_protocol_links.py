@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import PipelineError
+from skippy_wire.net import protocol_io
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import (
     VERSION_NOTICE_MAGIC,
@@ -319,6 +320,34 @@ def test_bytes_that_are_no_setup_are_a_failed_setup_not_a_made_up_version(chains
         text = _logged_after(caplog, "incompatible stage setup protocol")
     assert text.count("stage setup failed: incompatible stage setup protocol") == 2
     assert "peer speaks state version" not in text
+
+
+def test_the_look_for_a_version_after_a_failed_setup_is_bounded_as_a_whole(chains, monkeypatch):
+    # After a header that is no setup, the stage reads on for a stage message's version
+    # word; a peer trickling those bytes had NOTICE_WAIT_SECONDS for each of them
+    monkeypatch.setattr(protocol_io, "NOTICE_WAIT_SECONDS", 0.3)
+    servers = chains(17)
+    with socket.create_connection(servers[0].address, timeout=5) as s:
+        s.sendall(struct.pack("<III", 0xDEADBEEF, 12, 100))
+        closed_at = None
+        for sent in range(1, 13):  # a byte every 0.2 s: 2.4 s in all, the stage's wait 0.3 s in all
+            time.sleep(0.2)
+            try:
+                s.sendall(b"x")
+            except OSError:  # reset: the stage had closed
+                closed_at = sent
+                break
+            s.settimeout(0.0)
+            try:
+                if s.recv(1024) == b"":
+                    closed_at = sent
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_at = sent
+                break
+        assert closed_at is not None and closed_at < 12, closed_at
 
 
 def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(chains):

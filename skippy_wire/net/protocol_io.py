@@ -293,9 +293,10 @@ class LinkProtocol:
         if error.message != "incompatible stage setup protocol":
             return None
         head = bytearray(self.peer.reader.head)
+        deadline = time.monotonic() + NOTICE_WAIT_SECONDS  # for them all: a peer trickling bytes had 2 s each
         try:
-            self.peer.sock.settimeout(NOTICE_WAIT_SECONDS)
-            while len(head) < _PEEK_BYTES:
+            while len(head) < _PEEK_BYTES and (left := deadline - time.monotonic()) > 0:
+                self.peer.sock.settimeout(left)
                 chunk = self.peer.sock.recv(_PEEK_BYTES - len(head))
                 if not chunk:
                     break
