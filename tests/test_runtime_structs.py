@@ -134,6 +134,10 @@ def test_default_sampling_is_disabled_with_upstream_defaults():
         (RuntimeSamplingConfig(dry_sequence_breakers="abc"), "sampling dry_sequence_breakers must be a list, not str"),
         (RuntimeSamplingConfig(samplers=None), "sampling samplers must be a list, not NoneType"),
         (RuntimeSamplingConfig(dry_sequence_breakers=["\n", 5]), "sampling dry_sequence_breakers must be a list of strings"),
+        # a token id that is no integer: int() made 7.9 and "7" token 7, True token 1
+        (RuntimeSamplingConfig(logit_bias=[(7.9, 1.0)]), "sampling logit_bias token id 7.9 is not an integer"),
+        (RuntimeSamplingConfig(logit_bias=[("7", 1.0)]), "sampling logit_bias token id '7' is not an integer"),
+        (RuntimeSamplingConfig(logit_bias=[(True, 1.0)]), "sampling logit_bias token id True is not an integer"),
     ],
 )
 def test_sampling_validation_errors(config, text):

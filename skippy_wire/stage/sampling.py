@@ -8,6 +8,7 @@ into ``enabled`` and ``ignore_eos``.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Sequence as AbcSequence
 from dataclasses import make_dataclass
@@ -114,7 +115,9 @@ class _RuntimeSamplingMethods:
                 self.mirostat_mode, self.mirostat_entropy, self.mirostat_learning_rate,
                 len(self.samplers),
             )
-            biases = b"".join(_LOGIT_BIAS.pack(int(token), bias) for token, bias in self.logit_bias)
+            biases = b"".join(_LOGIT_BIAS.pack(_token_id(token), bias) for token, bias in self.logit_bias)
+        except SamplingConfigError:
+            raise
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             raise SamplingConfigError(f"sampling value cannot be encoded: {exc}") from None
         biases += bytes(_LOGIT_BIAS.size * (MAX_LOGIT_BIAS - len(self.logit_bias)))
@@ -166,7 +169,17 @@ def _wire_bias(entry: Any) -> tuple:
         token, bias = entry
     else:
         token, bias = entry.token_id, entry.bias
-    return int(token), _wire_f32(bias)
+    return _token_id(token), _wire_f32(bias)
+
+
+def _token_id(token: Any) -> int:
+    """A logit bias's token id: an integer (``int()`` made 7.9 and "7" token 7, True token 1)."""
+    try:
+        if not isinstance(token, bool):
+            return operator.index(token)
+    except TypeError:
+        pass
+    raise SamplingConfigError(f"sampling logit_bias token id {token!r} is not an integer")
 
 
 _RUST_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"'}
