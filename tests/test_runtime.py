@@ -533,6 +533,15 @@ def test_arguments_that_are_not_integers_are_argument_errors():
     assert FAKE.calls == [] and session.token_count == 0
 
 
+@pytest.mark.parametrize("ids", [b"\x01\x0a\x14", bytearray(b"\x01"), "abc"])
+def test_bytes_or_text_are_no_token_ids(ids):
+    # bytes were read one by one as ids (text bytes passed by mistake: a wrong prefill, no error)
+    session = open_stage().create_session()
+    with pytest.raises(rt.StageArgumentError, match=f"^token ids must be a sequence of ints, not {type(ids).__name__}$"):
+        session.prefill_chunk_frame(ids)
+    assert FAKE.calls == [] and session.token_count == 0
+
+
 def decode_step_frame_batch_sampled_request(session, token_id, **kwargs):
     return rt.decode_step_frame_batch_sampled([DecodeFrameBatchRequest(session, token_id, **kwargs)])
 

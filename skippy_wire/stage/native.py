@@ -80,6 +80,8 @@ def to_capacity(value: Any) -> int:
 
 
 def to_tokens(token_ids: Sequence[int]) -> List[int]:
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):  # their items would read as ids
+        raise StageArgumentError(f"token ids must be a sequence of ints, not {type(token_ids).__name__}")
     return [to_i32(token, "token id") for token in token_ids]
 
 
