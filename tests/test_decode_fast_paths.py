@@ -284,3 +284,15 @@ def test_packed_wire_input_refuses_what_the_frame_refuses():
             frame_from_wire(*args)
         with pytest.raises(ActivationFrameError, match=re.escape(str(want.value))):
             packed_frame_from_wire(*args)
+
+
+@pytest.mark.parametrize("origin, text", [
+    ((2**40, 0, 15), "activation producer_stage_index 1099511627776 exceeds 2147483647"),
+    ((1, -2**31 - 1, 15), "activation layer_start -2147483649 is below -2147483648"),
+    ((1, 0, 1.5), "activation layer_end must be an integer, not float"),
+])
+def test_a_wire_frame_s_origin_beyond_i32_is_refused_by_name_when_built(origin, text):
+    # frame_from_wire built it, and its first use failed in struct's words
+    for build in (frame_from_wire, packed_frame_from_wire):
+        with pytest.raises(ActivationFrameError, match=f"^{re.escape(text)}$"):
+            build(bytes(32), 1, 8, *origin)

@@ -18,7 +18,7 @@ from ..errors import ActivationFrameError
 from ..wire import forwarding
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
-from ..wire.constants import I64_MAX
+from ..wire.constants import I32_MAX, I32_MIN, I64_MAX
 from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32,
                          U32_MAX, ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc,
                          PackedFrame, ggml_type_bytes)
@@ -35,7 +35,8 @@ def _wire_count(value, what: str, low: int, high: int) -> int:
     except TypeError:
         raise ActivationFrameError(f"activation {what} must be an integer, not {type(value).__name__}") from None
     if number < low:
-        raise ActivationFrameError(f"activation {what} {number} is {'negative' if low == 0 else 'not positive'}")
+        below = "negative" if low == 0 else "not positive" if low == 1 else f"below {low}"
+        raise ActivationFrameError(f"activation {what} {number} is {below}")
     if number > high:
         raise ActivationFrameError(f"activation {what} {number} exceeds {high}")
     return number
@@ -59,6 +60,13 @@ def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) ->
     return data, token_count, n_embd
 
 
+def _checked_origin(producer_stage_index, layer_start, layer_end) -> tuple:
+    """The descriptor's i32 origin fields as ints, refused by name when the frame is built
+    (one beyond i32 failed at its first use, in struct's words)."""
+    return tuple(_wire_count(value, name, I32_MIN, I32_MAX) for name, value in (
+        ("producer_stage_index", producer_stage_index), ("layer_start", layer_start), ("layer_end", layer_end)))
+
+
 def _identities(boundary: Optional[ActivationBoundaryDesc]) -> tuple:
     if boundary is None:
         return None, None
@@ -76,6 +84,7 @@ def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stag
     frontier identities; without it they are the backend's llama residual identities.
     """
     data, token_count, n_embd = _checked_wire_payload(payload, token_count, n_embd, flags)
+    producer_stage_index, layer_start, layer_end = _checked_origin(producer_stage_index, layer_start, layer_end)
     identity, frontier = _identities(boundary)
     desc = ActivationDesc.f32_rows(
         n_embd, token_count, producer_stage_index=producer_stage_index, layer_start=layer_start,
@@ -87,6 +96,7 @@ def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stag
 @functools.lru_cache(maxsize=256)
 def _packed_rows_desc(n_embd: int, token_count: int, producer_stage_index: int, layer_start: int, layer_end: int,
                       identity: Optional[bytes], frontier: Optional[bytes]) -> bytes:
+    producer_stage_index, layer_start, layer_end = _checked_origin(producer_stage_index, layer_start, layer_end)
     return ActivationDesc.f32_rows(n_embd, token_count, producer_stage_index=producer_stage_index,
                                    layer_start=layer_start, layer_end=layer_end, identity=identity,
                                    frontier_identity=frontier).to_bytes()
