@@ -84,7 +84,8 @@ def _one_error_line(err: str) -> str:
     # accepted before: 100000 worker processes, a billion rounds, a delay past any timeout
     (["verify-exhaustive", "--workers", "100000"], "argument --workers: must be between 1 and 512, got 100000"),
     # a chunk of 2^30 patterns asked 8 GiB of each worker at once
-    (["verify-exhaustive", "--chunk", "0x40000000"], "argument --chunk: must be between 1 and 67108864, got 0x40000000"),
+    (["verify-exhaustive", "--chunk", "0x40000000"],
+     "argument --chunk: must be between 1 and 67108864, got 0x40000000"),
     (["bench", "--repeat", "100000000000"], "argument --repeat: must be between 1 and 1000, got 100000000000"),
     (["bench", "--min-time", "1e9"], "argument --min-time: must be greater than 0 and at most 1000000, got 1e9"),
     (["bench-backend", "--repeat", "1001"], "argument --repeat: must be between 1 and 1000, got 1001"),

@@ -280,7 +280,8 @@ def test_cluster_usage_errors_come_after_the_usage_block(capsys, monkeypatch, ti
 def test_serve_of_a_range_the_model_does_not_fit_is_a_usage_error(capsys, tiny_model, layers, downstream, message):
     # (found from the GGUF header, before the layers load; the runtime said it with status 1)
     index = "0" if layers[0] == "0" else "1"
-    argv = ["serve", "-m", str(tiny_model), "--layer-start", layers[0], "--layer-end", layers[1], "--stage-index", index]
+    argv = ["serve", "-m", str(tiny_model), "--layer-start", layers[0], "--layer-end", layers[1],
+            "--stage-index", index]
     assert_usage_error(capsys, argv + (["--downstream", downstream] if downstream else []), message)
 
 

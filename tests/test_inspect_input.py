@@ -178,7 +178,8 @@ def test_a_full_stdout_is_named_not_taken_for_the_input(tmp_path, unbuffered):
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "skippy_wire", "inspect", "--values", str(path)], stdout=full,
                               stderr=subprocess.PIPE, env=env, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (1, "skippy-wire: error: cannot write to stdout: no space left on device\n")
+    assert done.returncode == 1
+    assert done.stderr == "skippy-wire: error: cannot write to stdout: no space left on device\n"
 
 
 def test_a_file_name_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):

@@ -537,7 +537,8 @@ def test_arguments_that_are_not_integers_are_argument_errors():
 def test_bytes_or_text_are_no_token_ids(ids):
     # bytes were read one by one as ids (text bytes passed by mistake: a wrong prefill, no error)
     session = open_stage().create_session()
-    with pytest.raises(rt.StageArgumentError, match=f"^token ids must be a sequence of ints, not {type(ids).__name__}$"):
+    refused = f"^token ids must be a sequence of ints, not {type(ids).__name__}$"
+    with pytest.raises(rt.StageArgumentError, match=refused):
         session.prefill_chunk_frame(ids)
     assert FAKE.calls == [] and session.token_count == 0
 
