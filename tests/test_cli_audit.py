@@ -577,3 +577,28 @@ def test_bytes_of_a_name_that_are_not_utf8_are_shown_as_given(capsys, tmp_path):
     assert (code, out) == (1, "")
     assert _one_error_line(err) == f"skippy-wire: error: {tmp_path}/\\xff.gguf: no such file or directory"
     assert_usage_error(capsys, ["run", "--chec\udcff"], "unrecognized arguments: --chec\\xff; did you mean '--check'?")
+
+
+@pytest.mark.parametrize("stdin, prompt, said", [("pipe", [], True), ("pipe", ["hello"], False),
+                                                 ("/dev/null", [], False)])
+def test_a_run_without_a_prompt_says_it_leaves_piped_stdin_unread(capsys, tiny_model, fake_client, stdin, prompt,
+                                                                    said):
+    # `echo question | skippy-wire run` answered the default prompt without a word
+    fake_client(" w")
+    if stdin == "pipe":
+        source, sink = os.pipe()
+        os.write(sink, b"What is 2+2?\n")
+        os.close(sink)
+    else:
+        source = os.open(stdin, os.O_RDONLY)
+    saved = os.dup(0)
+    os.dup2(source, 0)
+    try:
+        code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "-n", "2", *prompt)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(source)
+    assert code == 0, err
+    note = "[skippy-wire] stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it\n"
+    assert (note in err) is said, err

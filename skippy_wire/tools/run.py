@@ -13,8 +13,10 @@ import contextlib
 import io
 import json
 import logging
+import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -175,6 +177,15 @@ def _read_prompt(parser: argparse.ArgumentParser, path: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def _stdin_has_input() -> bool:
+    """Whether stdin is a pipe or a file with bytes in it (not a terminal, not /dev/null)."""
+    try:
+        info = os.fstat(0)
+    except OSError:
+        return False
+    return stat.S_ISFIFO(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_size > 0)
+
+
 def process_escapes(text: str) -> str:
     """llama-cli's escapes (its ``-e``, on by default): ``\\n \\r \\t \\' \\" \\\\`` and ``\\xHH``;
     any other backslash stays as typed; UnicodeDecodeError for bytes that make no UTF-8."""
@@ -192,7 +203,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.prompt_file is not None:
         args.prompt = _read_prompt(parser, args.prompt_file)
     args.prompt = args.prompt if args.prompt is not None else args.prompt_option
-    if args.prompt is None:
+    args.default_prompt = args.prompt is None
+    if args.default_prompt:
         args.prompt = DEFAULT_PROMPT
     if args.escape:
         try:
@@ -299,6 +311,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         if not args.quiet:
             print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
 
+    if args.default_prompt and _stdin_has_input():  # `echo question | skippy-wire run` answered another
+        progress("stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it")
     model = Path(args.model) if args.model else default_model()
     n_layer, n_embd = _model_shape(model)
     if not args.connect and args.stages > n_layer:
