@@ -602,3 +602,14 @@ def test_a_run_without_a_prompt_says_it_leaves_piped_stdin_unread(capsys, tiny_m
     assert code == 0, err
     note = "[skippy-wire] stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it\n"
     assert (note in err) is said, err
+
+
+@pytest.mark.parametrize("ctx, said", [("1000", True), ("256", False)])
+def test_a_context_beyond_the_training_one_is_warned_about_as_llama_cpp_does(capsys, tiny_model, fake_client, ctx,
+                                                                              said):
+    # -c 9000 on SmolLM2 (trained at 8192) ran without a word
+    fake_client(" w")
+    code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "-c", ctx, "-n", "2", "hi")
+    assert code == 0, err
+    warning = f"[skippy-wire] n_ctx ({ctx}) > n_ctx_train (256) -- possible training context overflow\n"
+    assert (warning in err) is said, err

@@ -37,7 +37,8 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, S
                       add_poll_option, add_tls_options, address, apply_topology,
                       check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
                       float_above, float_between, int_at_least, int_between, poll_args,
-                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size, utf8)
+                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context,
+                      training_context_size, utf8)
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
 
@@ -328,6 +329,9 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     if not prompt:
         parser.error("the prompt has no tokens")
     _fit_context(parser, args, model, len(prompt))
+    trained = training_context(model)
+    if trained is not None and args.ctx_size > trained:  # llama.cpp's warning, in its words
+        progress(f"n_ctx ({args.ctx_size}) > n_ctx_train ({trained}) -- possible training context overflow")
     sampling = sampling_params(args, tokenizer.eog_ids).wire()
     is_eog = None if args.ignore_eos else tokenizer.is_eog
     connected = "%s:%d" % args.connect if args.connect else None
