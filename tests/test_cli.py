@@ -353,6 +353,11 @@ def test_llama_cli_special_values_fill_the_training_context(capsys, tiny_model, 
                          "-c", "0", "-n", "-1", "hello")
     assert code == 0, err
     assert _FakeClient.max_tokens == [256 - 6]  # "hello": BOS + 5 byte tokens
+    # llama-cli's -n -2, "until the context is filled", was refused
+    code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--json", "--quiet",
+                         "-c", "0", "-n", "-2", "hello")
+    assert code == 0, err
+    assert _FakeClient.max_tokens == [256 - 6] * 2
     code, _, err = _main(capsys, "run", "-m", str(tiny_model), "-c", "6", "-n", "-1", "hello")
     assert code == 2
     assert _one_error_line(err) == "skippy-wire: error: 6 prompt tokens leave no room for new tokens in --ctx-size 6"

@@ -59,6 +59,18 @@ RANDOM_SEED = -1
 MAX_SEED = SEED_RANGE - 1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
+#: llama-cli's ``-n -2``, "until the context is filled": what -1 does here (llama-cli's -1
+#: would shift the context and go on, which the stages do not).
+UNTIL_FILLED = -2
+_MAX_TOKENS = int_at_least(1, special=(UNTIL_FULL, "until the context is full"))
+
+
+def max_tokens(text: str) -> int:
+    """``-n``: at least 1, or -1 (or llama-cli's -2) until the context is full."""
+    return UNTIL_FULL if text.strip() == str(UNTIL_FILLED) else _MAX_TOKENS(text)
+
+
+max_tokens.__name__ = "int"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a system message for the chat template, so not with --raw (default: the template's own, "
                         "if any)")
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
-                   type=int_at_least(1, special=(UNTIL_FULL, "until the context is full")),
-                   default=DEFAULT_MAX_TOKENS, help="tokens to generate at most (-1: until the context is full)")
+                   type=max_tokens, default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate at most (-1 or -2: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
                    help="sampling seed (-1 or 4294967295, llama.cpp's LLAMA_DEFAULT_SEED: random)")
     p.add_argument("--temp", "--temperature", dest="temperature", type=float_between(0, MAX_NATIVE_TEMPERATURE),
