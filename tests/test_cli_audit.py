@@ -288,6 +288,9 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
     (["api", "-cb"], "unrecognized arguments: -cb"),
     (["run", "-t2", "hi"], "unrecognized arguments: -t2"),
     (["run", "-sy"], "unrecognized arguments: -sy; did you mean '-sys'?"),
+    # the word after an unknown option went to PROMPT: "-b hi" named the prompt as -b's value
+    (["run", "-b", "512", "--raw", "hi"], "unrecognized arguments: -b"),
+    (["run", "--batch-size", "512", "hi"], "unrecognized arguments: --batch-size; did you mean '--chunk-size'?"),
     (["servr"], "unknown command 'servr'; did you mean 'serve'?"),
     (["verify"], "unknown command 'verify'; did you mean 'verify-exhaustive'?"),
 ])

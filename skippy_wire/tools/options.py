@@ -1,9 +1,7 @@
 """Command-line plumbing shared by the ``skippy-wire`` subcommands.
 
-* :class:`DefaultsFormatter`: ``--help`` shows every default.
-* :class:`Parser`: an ``argparse.ArgumentParser`` whose usage errors read
-  ``skippy-wire: error: ...`` (after argparse's usage line) and exit with status 2, with
-  :class:`DefaultsFormatter` and no reStructuredText double backticks in ``--help``.
+* :class:`Parser`: usage errors ``skippy-wire: error: ...`` (after argparse's usage line),
+  status 2; ``--help`` shows every default (:class:`DefaultsFormatter`).
 * Range-checked argument types (:func:`int_at_least`, :func:`int_list`, ...): a bad value
   is refused before any process starts; :data:`MAX_THREADS`, :data:`MAX_CTX_SIZE` bound all.
 * :class:`StartedStagesOption` and :func:`refuse_started_stage_options`: an option that
@@ -81,6 +79,12 @@ class Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         return super().format_help().replace("``", "")
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:  # only the unknown options where there are any: `-b 512 hi` gave 512 to a PROMPT, "-b hi"
+            self.error("unrecognized arguments: " + " ".join([w for w in extras if w.startswith("-")] or extras))
+        return namespace
 
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(self._values_taken_whole(sys.argv[1:] if args is None else list(args)),
