@@ -616,3 +616,16 @@ def test_a_context_beyond_the_training_one_is_warned_about_as_llama_cpp_does(cap
     assert code == 0, err
     warning = f"[skippy-wire] n_ctx ({ctx}) > n_ctx_train (256) -- possible training context overflow\n"
     assert (warning in err) is said, err
+
+
+def test_llama_cli_s_display_and_log_flags_are_taken(capsys, tiny_model, fake_client):
+    # --no-display-prompt, --log-disable, --no-warmup and --simple-io broke llama-cli command lines
+    fake_client(" w")
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "-n", "2", "--raw",
+                           "hello")
+    assert code == 0 and out.startswith("hello") and "[skippy-wire]" in err, (out, err)
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "-n", "2", "--raw",
+                           "--no-display-prompt", "--log-disable", "--no-warmup", "--simple-io", "hello")
+    assert code == 0, err
+    assert not out.startswith("hello") and " w" in out  # the continuation alone
+    assert "[skippy-wire]" not in err  # --log-disable: --quiet

@@ -161,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--topology", default=None, metavar="FILE",
                        help="drive the running stages a topology file describes (like --connect to its stage 0, "
                             "the same options refused; its model and ctx_size apply; default: none)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
+    p.add_argument("--quiet", "--log-disable", action="store_true",
+                   help="no progress lines (llama-cli's --log-disable too) (default: off)")
+    p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="with --raw, print only the continuation, not the prompt before it (default: the prompt too)")
+    p.add_argument("--no-warmup", "--simple-io", action="store_true",
+                   help="taken as llama-cli takes them: there is no warm-up run to skip, and the output is plain "
+                        "text already (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
     return p
@@ -433,7 +439,7 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
                      + (" (chat template)" if chat else "") + f", up to {args.max_tokens} new tokens")
-            if not chat:  # a raw prompt is continued: show it, then the continuation
+            if not chat and args.display_prompt:  # a raw prompt is continued: show it, then the continuation
                 streamer.show(args.prompt)
             result = client.generate(prompt, max_tokens=args.max_tokens, sampling=sampling,
                                      chunk_size=args.chunk_size, is_eog=is_eog, on_token=streamer.push)
