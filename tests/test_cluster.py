@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import NetnsError
+from skippy_wire.net import netns as netns_module
 from skippy_wire.net.netns import NETNS_PREFIX, NO_NETNS_ENV, NetnsChain, list_netns, netns_unavailable, parse_rate
 from skippy_wire.net.supervision import StageProcess, split_layers, stage_env
 from skippy_wire.net.topology import build_topology
@@ -265,3 +266,98 @@ def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path,
         signal.signal(signal.SIGINT, previous)
     assert steps == ["removing", "removed"]
     assert not isinstance(caught.value, SystemExit) or caught.value.code == 128 + signum
+
+
+def test_an_ip_command_runs_in_its_own_session():
+    # in the command's process group, a terminal's Ctrl-C killed the `ip netns del` of a
+    # cleanup that had deferred the signal: the namespace stayed
+    done = netns_module._run([sys.executable, "-c", "import os; print(os.getsid(0))"])
+    assert int(done.stdout) != os.getsid(0)
+
+
+def test_a_ctrl_c_between_the_probe_s_add_and_del_leaves_no_probe(tmp_path, monkeypatch):
+    made = []
+
+    def fake_run(argv, *, check=True):
+        name = tmp_path / argv[-1]
+        if argv[2] == "add":
+            name.touch()
+            made.append(argv[-1])
+            raise KeyboardInterrupt  # after the namespace was made, before the del
+        name.unlink()
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(netns_module, "_run", fake_run)
+    monkeypatch.setattr(netns_module, "NETNS_DIR", str(tmp_path))
+    monkeypatch.setattr(netns_module.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns_module.shutil, "which", lambda tool: "/sbin/" + tool)
+    with pytest.raises(KeyboardInterrupt):
+        netns_unavailable()
+    assert made and not list(tmp_path.iterdir())
+
+
+def test_a_cleanup_that_leaves_a_namespace_does_not_say_it_removed_them(tmp_path, monkeypatch, capsys):
+    class Chain:  # namespaces that fail to come up; one cannot be removed, and a Ctrl-C came meanwhile
+        run_id = "0"
+
+        def __init__(self, hosts, rate_bits):
+            pass
+
+        def create(self):
+            raise NetnsError("no namespaces here")
+
+        def close(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return ["ip netns del skw-0-h0: Device or resource busy"]
+
+    monkeypatch.setattr(cluster, "NetnsChain", Chain)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = cluster.main(["-m", str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), "--measure-seconds", "0"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "cleanup problems (`ip netns del NAME` removes a namespace left): ip netns del skw-0-h0: " in err
+    assert err.splitlines()[-1] == "[skippy-wire] interrupted; stage processes stopped, not all namespaces removed " \
+                                   "(above)"
+
+
+@pytest.mark.parametrize("rate, measured", [("8kbit", False), ("1mbit", True)])
+def test_a_link_too_slow_to_drain_its_queue_is_not_measured(tmp_path, monkeypatch, rate, measured):
+    # at 8kbit the bulk transfer left minutes of backlog in the queue: the stages then could
+    # not connect over the link ("cannot connect to downstream ...: timed out")
+    calls = []
+
+    class Chain:
+        run_id = "0"
+
+        def __init__(self, hosts, rate_bits):
+            pass
+
+        def create(self):
+            pass
+
+        def name(self, host):
+            return f"h{host}"
+
+        def measure(self, link, seconds):
+            calls.append(link)
+            return 1e6
+
+        def host_address(self, host):
+            raise NetnsError("no further")
+
+        def close(self):
+            return []
+
+    monkeypatch.setattr(cluster, "NetnsChain", Chain)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    said = []
+    opts = cluster.ClusterOptions(model=str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), rate=rate)
+    with pytest.raises(NetnsError, match="no further"):
+        cluster.run_cluster(opts, progress=said.append)
+    assert bool(calls) is measured
+    assert any(line.startswith("link 0 not measured: at 8kbit its queue takes 262 s to drain") for line in said) \
+        is not measured

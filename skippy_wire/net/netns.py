@@ -39,6 +39,9 @@ LINK_DOWN = "swdn"  # a host's veth toward host K+1
 LINK_UP = "swup"  # a host's veth toward host K-1
 CLONE_NEWNET = 0x40000000
 MEASURE_CHUNK = 1 << 16
+#: Seconds a bulk transfer waits, past its own, for the link's queue to drain: a slower
+#: link (:func:`queue_drain_s`) is not measured, its backlog would hold the stages' links.
+MEASURE_DRAIN_S = 30
 COMMAND_TIMEOUT = 20.0
 #: The opt-out that lets namespace tests skip where namespaces cannot be made.
 NO_NETNS_ENV = "SKIPPY_WIRE_NO_NETNS"
@@ -77,16 +80,27 @@ def tbf_args(rate_bits: int) -> list[str]:
     rather than dropped and a timer tick never starves the link) and the queue 100 ms (at
     least 256 KiB): TCP then fills the link instead of collapsing on tail drops.
     """
+    burst, limit = _tbf_sizes(rate_bits)
+    return ["rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def _tbf_sizes(rate_bits: int) -> tuple[int, int]:
     rate_bytes = rate_bits / 8
     burst = max(int(rate_bytes * 0.004), 16 * 1024)
-    limit = max(int(rate_bytes * 0.1), 256 * 1024, 4 * burst)
-    return ["rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
+    return burst, max(int(rate_bytes * 0.1), 256 * 1024, 4 * burst)
+
+
+def queue_drain_s(rate_bits: int | None) -> float:
+    """Seconds a link's full ``tbf`` queue takes to drain (0 for an unlimited link)."""
+    return 0.0 if rate_bits is None else _tbf_sizes(rate_bits)[1] * 8 / rate_bits
 
 
 def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
     try:
+        # its own session: a terminal's Ctrl-C, sent to the whole foreground group, killed an
+        # `ip netns del` of the cleanup that the command had deferred the signal for
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, timeout=COMMAND_TIMEOUT)
+                              text=True, timeout=COMMAND_TIMEOUT, start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise NetnsError(f"`{' '.join(argv)}` failed: {exc}") from None
     if check and done.returncode != 0:
@@ -103,11 +117,14 @@ def netns_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN and CAP_SYS_ADMIN); run as root"
     name = f"{NETNS_PREFIX}-probe-{secrets.token_hex(4)}"
-    done = _run(["ip", "netns", "add", name], check=False)
-    if done.returncode != 0:
-        return f"cannot create a network namespace: {done.stderr.strip() or done.returncode}"
-    _run(["ip", "netns", "del", name], check=False)
-    return None
+    try:
+        done = _run(["ip", "netns", "add", name], check=False)
+        if done.returncode != 0:
+            return f"cannot create a network namespace: {done.stderr.strip() or done.returncode}"
+        return None
+    finally:  # also after a Ctrl-C between the two, which left the probe behind
+        if os.path.exists(os.path.join(NETNS_DIR, name)):
+            _run(["ip", "netns", "del", name], check=False)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -155,7 +172,7 @@ def measure_link(src_ns: str, dst_ns: str, dst_host: str, seconds: float = 1.5) 
 
     def receive() -> None:
         conn, _ = listener.accept()
-        conn.settimeout(seconds + 30)
+        conn.settimeout(seconds + MEASURE_DRAIN_S)
         with conn:
             buf = bytearray(MEASURE_CHUNK)
             while True:
@@ -173,14 +190,14 @@ def measure_link(src_ns: str, dst_ns: str, dst_host: str, seconds: float = 1.5) 
     thread.start()
     try:
         listener.settimeout(10)
-        sender.settimeout(seconds + 30)
+        sender.settimeout(seconds + MEASURE_DRAIN_S)
         sender.connect((dst_host, port))
         block = b"\0" * MEASURE_CHUNK
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             sender.sendall(block)
         sender.shutdown(socket.SHUT_WR)
-        thread.join(seconds + 30)
+        thread.join(seconds + MEASURE_DRAIN_S)
     except OSError as exc:
         raise NetnsError(f"bulk transfer {src_ns} -> {dst_host} failed: {exc}") from None
     finally:
@@ -275,5 +292,5 @@ def list_netns(prefix: str = NETNS_PREFIX) -> list[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(prefix)]
 
 
-__all__ = ["NETNS_PREFIX", "NO_NETNS_ENV", "SUBNET_PREFIX", "parse_rate", "format_rate", "tbf_args",
-           "netns_unavailable", "in_netns", "netns_socket", "measure_link", "NetnsChain", "list_netns"]
+__all__ = ["NETNS_PREFIX", "NO_NETNS_ENV", "SUBNET_PREFIX", "MEASURE_DRAIN_S", "parse_rate", "format_rate", "tbf_args",
+           "queue_drain_s", "netns_unavailable", "in_netns", "netns_socket", "measure_link", "NetnsChain", "list_netns"]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
 from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
-from ..net.netns import NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate
+from ..net.netns import (MEASURE_DRAIN_S, NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate,
+                         queue_drain_s)
 from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, check_memory_fits, default_model,
                                split_layers, stage_env, stage_reply_timeouts)
 from ..net.topology import build_topology
@@ -140,8 +141,11 @@ def context_size(parser: argparse.ArgumentParser | None, ctx_size: int | None, m
     return ctx_size, False
 
 
-def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None) -> ClusterResult:
-    """Make the hosts, run one generation across them, clean everything up; see the module doc."""
+def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None,
+                left_behind: list | None = None) -> ClusterResult:
+    """Make the hosts, run one generation across them, clean everything up; see the module doc.
+    What the cleanup could not remove is said, and added to ``left_behind``."""
+    left_behind = [] if left_behind is None else left_behind
     try:
         named_codec_setting(opts.codec, opts.policy, ("activation codec", "activation codec policy"))
     except ValueError as exc:
@@ -187,7 +191,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         progress(f"hosts: {', '.join(chain.name(h) for h in range(opts.hosts))}; links "
                  f"{format_rate(rate_bits)}, delay {opts.delay_ms:g} ms one-way")
         link_bits = None
-        if opts.hosts > 1 and opts.measure_seconds > 0:
+        if opts.hosts > 1 and opts.measure_seconds > 0 and queue_drain_s(rate_bits) > MEASURE_DRAIN_S:
+            progress(f"link 0 not measured: at {format_rate(rate_bits)} its queue takes "
+                     f"{queue_drain_s(rate_bits):.0f} s to drain, and the stages' links would wait for it")
+        elif opts.hosts > 1 and opts.measure_seconds > 0:
             link_bits = chain.measure(0, opts.measure_seconds)
             progress(f"link 0 bulk transfer: {link_bits / 1e6:.1f} Mbit/s")
         topology = build_topology(
@@ -246,7 +253,8 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
             if not opts.log_dir and work is not None:
                 shutil.rmtree(work, ignore_errors=True)
             if problems:
-                progress("cleanup problems: " + "; ".join(problems))
+                progress("cleanup problems (`ip netns del NAME` removes a namespace left): " + "; ".join(problems))
+                left_behind.extend(problems)
     hop_bytes = [sum(merge_session_events(ev).get("forwarded_bytes", {}).values()) for ev in events[:-1]]
     return ClusterResult(opts, chain.run_id, model, prompt, result, events, link_bits, threads, hop_bytes)
 
@@ -347,14 +355,16 @@ def main(argv: list[str] | None = None) -> int:
                           chunk_size=args.chunk_size, prompt=args.prompt, prompt_tokens=args.prompt_tokens,
                           ctx_size=args.ctx_size, threads=args.threads, model=args.model, timeout=args.timeout,
                           measure_seconds=args.measure_seconds, log_dir=args.log_dir, stream=True)
-    tokenizer = None
+    tokenizer, left_behind = None, []
     try:
         with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
             model = Path(opts.model) if opts.model else default_model()
             tokenizer = _read_model(model, Tokenizer.from_gguf)
-            res = run_cluster(opts, tokenizer=tokenizer, progress=progress)
+            res = run_cluster(opts, tokenizer=tokenizer, progress=progress, left_behind=left_behind)
     except KeyboardInterrupt:
-        print("[skippy-wire] interrupted; namespaces and stage processes removed", file=sys.stderr)
+        removed = "stage processes stopped, not all namespaces removed (above)" if left_behind else \
+            "namespaces and stage processes removed"
+        print(f"[skippy-wire] interrupted; {removed}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (TopologyError, ValueError) as exc:  # a usage error: exit 2 after the usage block, as run's
         parser.error(describe(exc))
