@@ -727,6 +727,7 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
+    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
     reference = SimpleNamespace(prefill_tok_s=4.0, decode_tok_s=8.0, tokens=[1, 2])  # one in-process stage
     monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: reference)

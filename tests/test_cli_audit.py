@@ -20,7 +20,7 @@ import pytest
 
 from skippy_wire.errors import NetnsError
 from skippy_wire.net.driver import GenerationResult
-from skippy_wire.tools import api, cluster, serve
+from skippy_wire.tools import api, cluster, cluster_bench, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
 from test_cli import _main, _one_error_line, assert_usage_error, fake_client, tiny_model  # noqa: F401  (fixtures)
 
@@ -227,6 +227,7 @@ def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tin
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
+    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
     monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
@@ -629,3 +630,12 @@ def test_llama_cli_s_display_and_log_flags_are_taken(capsys, tiny_model, fake_cl
     assert code == 0, err
     assert not out.startswith("hello") and " w" in out  # the continuation alone
     assert "[skippy-wire]" not in err  # --log-disable: --quiet
+
+
+def test_bench_cluster_without_namespaces_says_so_before_its_header(capsys, monkeypatch, tiny_model):
+    # (its header and the first row's line came first, then the error of the first run)
+    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: "network namespaces need root")
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
+                           "--codecs", "raw-f32", "-m", str(tiny_model))
+    assert (code, out) == (1, "")
+    assert err == "skippy-wire: error: cannot make namespace hosts: network namespaces need root\n"

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.netns import format_rate, parse_rate
+from ..net.netns import format_rate, netns_unavailable, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids(tokenizer, args.prompt, args.prompt_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    reason = netns_unavailable()  # before the header and the first row's line, not as the first run fails
+    if reason:
+        print(error_line(f"cannot make namespace hosts: {reason}"), file=sys.stderr)
+        return EXIT_FAILURE
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
