@@ -218,7 +218,6 @@ def test_cluster_takes_c_0_as_the_training_context(capsys, monkeypatch, tiny_mod
 
 def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tiny_model):
     from types import SimpleNamespace
-    from skippy_wire.tools import cluster_bench
 
     seen = []
 
