@@ -232,13 +232,9 @@ def test_topology_file_of_a_cluster_is_valid(model):
     assert json.loads(json.dumps(topo.to_json()))["stages"][2]["layer_end"] == n_layer
 
 
-@pytest.mark.parametrize("signum,stops", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
-def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path, monkeypatch, signum, stops):
-    """Ctrl-C (SIGTERM) while a run's namespaces are removed: the removal finishes, then the
-    command stops (it was: Ctrl-C ignored, so bench-cluster went on; SIGTERM cut the removal short)."""
-    steps = []
-
-    class Chain:  # namespaces that fail to come up; their removal is signalled halfway through
+def _namespaces_that_fail_to_come_up(monkeypatch, close) -> None:
+    """``cluster``'s NetnsChain: hosts that fail to come up, whose removal runs ``close()``."""
+    class Chain:
         run_id = "0"
 
         def __init__(self, hosts, rate_bits):
@@ -248,14 +244,26 @@ def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path,
             raise NetnsError("no namespaces here")
 
         def close(self):
-            steps.append("removing")
-            os.kill(os.getpid(), signum)
-            time.sleep(0.2)
-            steps.append("removed")
-            return []
+            return close()
 
     monkeypatch.setattr(cluster, "NetnsChain", Chain)
     monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+
+
+@pytest.mark.parametrize("signum,stops", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_signal_during_the_cleanup_waits_for_it_and_is_then_acted_on(tmp_path, monkeypatch, signum, stops):
+    """Ctrl-C (SIGTERM) while a run's namespaces are removed: the removal finishes, then the
+    command stops (it was: Ctrl-C ignored, so bench-cluster went on; SIGTERM cut the removal short)."""
+    steps = []
+
+    def close():  # the removal is signalled halfway through
+        steps.append("removing")
+        os.kill(os.getpid(), signum)
+        time.sleep(0.2)
+        steps.append("removed")
+        return []
+
+    _namespaces_that_fail_to_come_up(monkeypatch, close)
     opts = cluster.ClusterOptions(model=str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), measure_seconds=0)
     # Ctrl-C as a terminal delivers it, whatever this runner inherited (in the background: ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -297,21 +305,11 @@ def test_a_ctrl_c_between_the_probe_s_add_and_del_leaves_no_probe(tmp_path, monk
 
 
 def test_a_cleanup_that_leaves_a_namespace_does_not_say_it_removed_them(tmp_path, monkeypatch, capsys):
-    class Chain:  # namespaces that fail to come up; one cannot be removed, and a Ctrl-C came meanwhile
-        run_id = "0"
+    def close():  # one cannot be removed, and a Ctrl-C came meanwhile
+        os.kill(os.getpid(), signal.SIGINT)
+        return ["ip netns del skw-0-h0: Device or resource busy"]
 
-        def __init__(self, hosts, rate_bits):
-            pass
-
-        def create(self):
-            raise NetnsError("no namespaces here")
-
-        def close(self):
-            os.kill(os.getpid(), signal.SIGINT)
-            return ["ip netns del skw-0-h0: Device or resource busy"]
-
-    monkeypatch.setattr(cluster, "NetnsChain", Chain)
-    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    _namespaces_that_fail_to_come_up(monkeypatch, close)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = cluster.main(["-m", str(write_tiny_llama_gguf(tmp_path / "tiny.gguf")), "--measure-seconds", "0"])
