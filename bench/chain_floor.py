@@ -15,8 +15,10 @@ one CPU instead of waking a halted one).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -108,17 +110,20 @@ def python_chain(stages: int, tokens: int, work_s: float, size: int) -> float:
             os._exit(0)
         children.append(pid)
     buf, entry = bytearray(size), links[0][0]
-    started = time.perf_counter()
-    for _ in range(tokens):
-        entry.sendall(buf)
-        _recv_all(entry, buf)
-    elapsed = (time.perf_counter() - started) / tokens
-    for pid in children:
-        os.waitpid(pid, 0)
-    for pair in links:
-        for sock in pair:
-            sock.close()
-    return elapsed
+    try:
+        started = time.perf_counter()
+        for _ in range(tokens):
+            entry.sendall(buf)
+            _recv_all(entry, buf)
+        return (time.perf_counter() - started) / tokens
+    finally:  # a stop (SIGTERM, Ctrl-C to this process alone) left the children waiting in recv for good
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for pair in links:
+            for sock in pair:
+                sock.close()
 
 
 def c_chain(binary: str, stages: int, tokens: int, work_s: float, size: int) -> float:

@@ -55,6 +55,8 @@ from skippy_wire.tools.bench_rows import (cpu_model, one_of, poll_window, progre
                                           script_options, within_layers)
 from skippy_wire.tools.options import int_at_least, int_between, int_list, poll_args
 
+CTX_SIZE = 1024  # every stage's context
+MAX_TOKENS = CTX_SIZE - 64  # new tokens a request may ask for: each prompt is under 64 tokens
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
                              ("Eve", "pilot"), ("Finn", "teacher"), ("Gus", "farmer"), ("Hana", "singer"))]
@@ -181,8 +183,9 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
                                                 "split": lambda text: int_list(1, repeats=True)(text) if text else [],
-                                                "concurrency": int_between(1, len(PROMPTS)),  # a prompt each
-                                                "tokens": int_at_least(2),  # a decode rate needs two
+                                                # a prompt each; with one, "concurrent" was the one request again
+                                                "concurrency": int_between(2, len(PROMPTS)),
+                                                "tokens": int_between(2, MAX_TOKENS),  # a decode rate needs two
                                                 "stages": within_layers(int_at_least(1))},
                           rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})
     poll_ms = args.poll_ms
@@ -200,12 +203,12 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
     atexit.register(shutil.rmtree, trace_dir, True)
-    with launch_pipeline(model, args.stages, threads=1, ctx_size=1024, layers=layers,
+    with launch_pipeline(model, args.stages, threads=1, ctx_size=CTX_SIZE, layers=layers,
                          extra_args=["--trace-compute", str(trace_dir)] + poll_args(poll_ms, args.stages)
                          + ([] if args.ahead == "on" else ["--no-decode-ahead"])) as cluster:
         host, port = cluster.entry
         api = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--connect", f"{host}:{port}",
-                                "--listen", "127.0.0.1:0", "--ctx-size", "1024"],
+                                "--listen", "127.0.0.1:0", "--ctx-size", str(CTX_SIZE)],
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             url = None

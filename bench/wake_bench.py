@@ -44,6 +44,7 @@ ANSWER_BYTES = 64
 MAX_SIZE = 64 << 20  # a message (a prefill chunk's activation is a few MB)
 MAX_GAP_MS = 1000.0  # idle before each message (a decode step's wait is tens of ms)
 N_EMBD = 576  # SmolLM2-135M's activation width
+MAX_COMPUTE_STEPS = 8000  # decode steps in one session: within SmolLM2's 8192-token training context
 
 
 def _recv_exactly(sock: socket.socket, buf: bytearray) -> None:
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", type=comma_list(float_between(0, MAX_GAP_MS)), default="0,0.2,1,5,12",
                    help="comma list of idle ms before each message (0, back to back, is always measured first)")
     p.add_argument("--count", type=int_at_least(1), default=400, help="round trips per row")
-    p.add_argument("--compute-steps", type=int_at_least(0), default=80,
+    p.add_argument("--compute-steps", type=int_between(0, MAX_COMPUTE_STEPS), default=80,
                    help="decode steps per row of the compute table (0: skip)")
     args = p.parse_args(argv)
     gaps = [0.0] + [g for g in args.gaps if g]  # the reference row first

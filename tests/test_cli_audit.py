@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -338,8 +340,14 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     ("wake_bench.py", ["--gaps", "0,1e9"], "argument --gaps: each value must be between 0 and 1000, got 1e9"),
     ("wake_bench.py", ["--size", "99999999999"], "argument --size: must be between 1 and 67108864, got 99999999999"),
     # eight prompts: a ninth request was counted and never sent; one token has no decode rate
-    ("serve_bench.py", ["--concurrency", "9"], "argument --concurrency: must be between 1 and 8, got 9"),
-    ("serve_bench.py", ["--tokens", "1"], "argument --tokens: must be at least 2, got 1"),
+    ("serve_bench.py", ["--concurrency", "9"], "argument --concurrency: must be between 2 and 8, got 9"),
+    ("serve_bench.py", ["--tokens", "1"], "argument --tokens: must be between 2 and 960, got 1"),
+    # one "concurrent" request was the one request again (1.00x), and --tokens past the
+    # stages' context failed after the first round (HTTP 400, status 1)
+    ("serve_bench.py", ["--concurrency", "1"], "argument --concurrency: must be between 2 and 8, got 1"),
+    ("serve_bench.py", ["--tokens", "2000"], "argument --tokens: must be between 2 and 960, got 2000"),
+    ("wake_bench.py", ["--compute-steps", "100000000"],
+     "argument --compute-steps: must be between 0 and 8000, got 100000000"),
     # a repeated setting ran again and printed its row twice
     ("hop_bench.py", ["--stages", "1,2,1"], "argument --stages: lists '1' twice; each value once"),
     ("hop_bench.py", ["--poll-ms", "1,auto,1.0"], "argument --poll-ms: lists '1' and '1.0', the same value; each value once"),
@@ -638,3 +646,32 @@ def test_bench_cluster_without_namespaces_says_so_before_its_header(capsys, monk
                            "--codecs", "raw-f32", "-m", str(tiny_model))
     assert (code, out) == (1, "")
     assert err == "skippy-wire: error: cannot make namespace hosts: network namespaces need root\n"
+
+
+def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
+    # SIGTERM (or a Ctrl-C to the script alone) left its forked stages waiting in recv for good
+    script = subprocess.Popen([sys.executable, str(BENCH_DIR / "chain_floor.py"), "--stages", "2", "--tokens",
+                               "100000", "--work-ms", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children_file = Path(f"/proc/{script.pid}/task/{script.pid}/children")
+    children: list[int] = []
+    try:
+        for _ in range(300):  # until its two stages run (bounded: 30 s)
+            children = [int(pid) for pid in children_file.read_text().split()]
+            if len(children) == 2:
+                break
+            time.sleep(0.1)
+        assert len(children) == 2, children
+        script.terminate()
+        assert script.wait(30) == 143
+    finally:
+        script.kill()
+        script.wait(30)
+    for _ in range(100):  # the orphans' reaping (bounded: 10 s)
+        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive

@@ -194,7 +194,9 @@ def _machine() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="skippy-wire bench", description=doc_summary(__doc__))
+    parser = Parser(prog="skippy-wire bench", description=doc_summary(__doc__),
+                    epilog="Exit status 0 once every row is measured, whatever goals were met (the last line "
+                           "counts them: a goal is a ratio this machine may not reach, not a failed run).")
     parser.add_argument("--sizes", type=parse_sizes, default=None, metavar="TxN,...",
                         help=f"comma-separated TOKENSxN_EMBD of the codec rows (default: {_sizes_text(SIZES)}; "
                              f"--quick: {_sizes_text(QUICK['sizes'])}); the framing rows time the 1x4096 message "
