@@ -114,6 +114,20 @@ def test_a_stdout_that_cannot_be_written_is_named_in_one_line(words, unbuffered)
     assert done.stderr == "skippy-wire: error: cannot write to stdout: no space left on device\n"
 
 
+def test_a_ctrl_c_while_a_class_is_made_is_the_quiet_exit_130(capsys):
+    """A Ctrl-C while an import made a dataclass reached the command as Python 3.11's
+    "RuntimeError: Error calling __set_name__": a traceback and status 1."""
+    class Interrupted:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def run():
+        type("Made", (), {"field": Interrupted()})  # what a class statement does
+
+    assert cli.guarded(run) == 130
+    assert capsys.readouterr() == ("", "")
+
+
 def test_an_error_elsewhere_is_not_put_on_stdout(capsys):
     def run():
         raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")

@@ -193,6 +193,8 @@ def guarded(run: Callable[[], int | None]) -> int:
     except Exception as exc:
         from ..errors import SkippyError
 
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C in a class body being made (a dataclass
+            return _status("EXIT_INTERRUPTED")  # import): Python 3.11 re-raises it as RuntimeError
         if not isinstance(exc, (SkippyError, OSError, ValueError, ImportError, MemoryError)):
             raise
         return _failed(exc)
