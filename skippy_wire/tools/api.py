@@ -4,8 +4,8 @@ Routes (as llama.cpp's ``llama-server`` and the OpenAI API name them): ``GET /v1
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as server-sent
 events ending in ``data: [DONE]``), llama-server's native ``POST /completion``
 (:mod:`.api_llama`, with llama-server's error objects), ``GET /health`` and ``GET /metrics``
-(Prometheus text).  Errors are OpenAI error objects: ``{"error": {"message", "type", "param",
-"code"}}``.
+(Prometheus text); while the stages start, llama-server's 503 "Loading model"
+(:mod:`.http_loading`).  Errors are OpenAI error objects.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from .api_params import (BadRequest, check_context, check_detokenize_size, check
 from .cli import DISTRIBUTION
 from .error_shapes import ErrorObjects
 from .http_events import EventStream
+from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S, IdleSheddingProtocol,
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
                          StoppingServer, error_response, json_body, open_api_warning, shutting_down_response)
@@ -79,9 +80,6 @@ STAGE_WATCH_S = 0.5
 #: On Ctrl-C, SIGTERM or SIGHUP, the seconds responses in flight get to finish before they
 #: are cut off (a long stream would otherwise hold the shutdown for as long as it runs).
 GRACEFUL_STOP_S = 10
-
-
-# --- the application ----------------------------------------------------------------------
 
 
 class Api:
@@ -404,9 +402,6 @@ def _fingerprint() -> str:
         return "skippy-wire"
 
 
-# --- the command ------------------------------------------------------------------------------
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="skippy-wire api",
@@ -529,6 +524,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     except OSError as exc:
         print(error_line("cannot listen on %s:%d: %s" % (*args.listen_address, describe(exc))), file=sys.stderr)
         return 1
+    loading = LoadingAnswers(listener)  # until uvicorn serves the socket
     try:
         lanes = args.max_inflight
         if args.connect_address:
@@ -570,6 +566,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             # unwinding from inside whatever runs (a thread's start, a lock)
             with handling_signals((signal.SIGHUP,), server.stop_for):
                 host, port = listener.getsockname()[:2]
+                loading.stop()  # requests from now on wait in the socket's backlog for uvicorn
                 progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
                          f"{lanes} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_key):
@@ -596,5 +593,6 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         print(error_line(describe(exc)), file=sys.stderr)
         return 1
     finally:
+        loading.stop()
         listener.close()
     return 0

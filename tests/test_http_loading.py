@@ -1,0 +1,48 @@
+"""The API's port while its pipeline starts: llama-server's 503 "Loading model" at once (a
+health check waited on a connection nobody accepted until the stages were up), then the
+socket is the HTTP server's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+from skippy_wire.tools.http_loading import LOADING_ERROR, LoadingAnswers
+
+
+def test_every_request_while_loading_is_a_503_and_the_socket_is_handed_over_after():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    loading = LoadingAnswers(listener)
+    try:
+        for method, path in (("GET", "/health"), ("POST", "/v1/completions"), ("HEAD", "/")):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request(method, path, body=b"{}" if method == "POST" else None)
+            answer = conn.getresponse()
+            assert (answer.status, answer.getheader("retry-after"), answer.getheader("connection")) == \
+                (503, "1", "close")
+            assert json.loads(answer.read() or b"null") == (LOADING_ERROR if method != "HEAD" else None)
+            assert answer.getheader("date", "").endswith(" GMT")
+            conn.close()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # HEAD: the head alone
+            raw.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := raw.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"\r\n\r\n")
+    finally:
+        loading.stop()
+    # stopped: a new connection waits for the server that takes the socket over
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        listener.settimeout(10)
+        accepted, _ = listener.accept()
+        accepted.close()
+    listener.close()
+
+
+def test_stopping_after_the_listener_closed_ends_at_once():
+    listener = socket.create_server(("127.0.0.1", 0))
+    loading = LoadingAnswers(listener)
+    listener.close()
+    loading.stop()  # (joins the thread: this test hangs if it does not end)
