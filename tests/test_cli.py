@@ -719,7 +719,7 @@ def test_ipv6_and_tls_files_that_do_not_load_are_usage_errors(capsys, tmp_path, 
 def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsys, monkeypatch, tiny_model, status):
     from types import SimpleNamespace
     from skippy_wire.errors import PipelineError
-    from skippy_wire.tools import cluster_bench
+    from skippy_wire.tools import cluster, cluster_bench
 
     def run_cluster(opts, tokenizer):  # Ctrl-C in, or a failure of, the second run (it was: exit status 0)
         if opts.rate != "unlimited":
@@ -727,7 +727,7 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
-    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
     reference = SimpleNamespace(prefill_tok_s=4.0, decode_tok_s=8.0, tokens=[1, 2])  # one in-process stage
     monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: reference)

@@ -228,7 +228,7 @@ def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tin
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
-    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
     monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
@@ -641,7 +641,7 @@ def test_llama_cli_s_display_and_log_flags_are_taken(capsys, tiny_model, fake_cl
 
 def test_bench_cluster_without_namespaces_says_so_before_its_header(capsys, monkeypatch, tiny_model):
     # (its header and the first row's line came first, then the error of the first run)
-    monkeypatch.setattr(cluster_bench, "netns_unavailable", lambda: "network namespaces need root")
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: "network namespaces need root")
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
                            "--codecs", "raw-f32", "-m", str(tiny_model))
     assert (code, out) == (1, "")

@@ -8,7 +8,10 @@ import http.client
 import json
 import socket
 
-from skippy_wire.tools.http_loading import LOADING_ERROR, LoadingAnswers
+from skippy_wire.tools.http_loading import LoadingAnswers
+
+#: llama-server's answer while it loads its model.
+LOADING_ERROR = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 def test_every_request_while_loading_is_a_503_and_the_socket_is_handed_over_after():

@@ -141,6 +141,13 @@ def context_size(parser: argparse.ArgumentParser | None, ctx_size: int | None, m
     return ctx_size, False
 
 
+def require_namespace_hosts() -> None:
+    """NetnsError unless network namespaces can be made here (``cluster``, ``bench-cluster``)."""
+    reason = netns_unavailable()
+    if reason:
+        raise NetnsError(f"cannot make namespace hosts: {reason}")
+
+
 def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: None,
                 left_behind: list | None = None) -> ClusterResult:
     """Make the hosts, run one generation across them, clean everything up; see the module doc.
@@ -171,9 +178,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         check_memory_fits(model, opts.ctx_size or len(prompt) + opts.max_tokens)
     except ValueError as exc:  # a runtime failure (status 1), as run's
         raise ToolError(str(exc)) from None
-    reason = netns_unavailable()  # after the usage errors: they hold on any machine
-    if reason:
-        raise NetnsError(f"cannot make namespace hosts: {reason}")
+    require_namespace_hosts()  # after the usage errors: they hold on any machine
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
     threads = opts.threads or default_threads()
     chain = NetnsChain(opts.hosts, rate_bits)

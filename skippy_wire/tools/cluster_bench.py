@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.netns import format_rate, netns_unavailable, parse_rate
+from ..net.netns import format_rate, parse_rate
 from ..net.supervision import default_model
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
-                      local_reference, progress_printer, prompt_ids, run_cluster)
+                      local_reference, progress_printer, prompt_ids, require_namespace_hosts, run_cluster)
 from .bench_rows import comma_list, cpu_model
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, check_output_file,
                       describe, doc_summary, error_line, file_error, int_list, milliseconds)
@@ -129,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids(tokenizer, args.prompt, args.prompt_tokens)
     except ValueError as exc:
         parser.error(str(exc))
-    reason = netns_unavailable()  # before the header and the first row's line, not as the first run fails
-    if reason:
-        print(error_line(f"cannot make namespace hosts: {reason}"), file=sys.stderr)
+    try:  # before the header and the first row's line, not as the first run fails
+        require_namespace_hosts()
+    except NetnsError as exc:
+        print(error_line(describe(exc)), file=sys.stderr)
         return EXIT_FAILURE
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
     print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "

@@ -17,10 +17,10 @@ def sse(obj: dict) -> str:
 
 class EventStream(StreamingResponse):
     """A job's server-sent ``events`` (an async iterator of them; ``job.abandon()`` stops
-    the job and gives back what it holds; ``job.error_event()`` shapes an error in them).  Starlette can end the
-    response before its body iterator first runs (the client gone while the head waited to
-    be written, or its send raising), and then the iterator's own cleanup never runs: the job
-    is abandoned here whatever happened."""
+    the job and gives back what it holds; ``job.error_event()`` shapes an error in them).
+    Starlette can end the response before its body iterator first runs (the client gone while
+    the head waited to be written, or its send raising), and then the iterator's own cleanup
+    never runs: the job is abandoned here whatever happened."""
 
     def __init__(self, job, events) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

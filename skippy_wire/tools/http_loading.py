@@ -12,10 +12,11 @@ import threading
 import time
 from email.utils import formatdate
 
-from .http_front import RETRY_AFTER_S
+from .error_shapes import llama_error
+from .http_front import RETRY_AFTER_S, error_object
 
 #: llama-server's answer while it loads its model.
-LOADING_ERROR = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+LOADING_ERROR = llama_error(503, error_object("Loading model"))
 #: Seconds a request's head may take to arrive, and its answer to be taken.
 _IO_S = 1.0
 #: Seconds between looks at whether loading has ended.
