@@ -95,6 +95,20 @@ def test_models_lists_the_model(api):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
 
 
+def test_a_llama_server_command_line_names_the_model_by_its_alias():
+    """`-a NAME` and the flags for what the API does anyway (`--jinja --metrics ...`) were
+    unknown options; the alias is the model id every answer carries."""
+    server = ApiServer("--stages", "1", "-a", "smol", "--jinja", "--metrics", "--slots", "--no-webui", "-cb")
+    try:
+        ids = [m.id for m in server.client.models.list().data]
+        answer = server.client.completions.create(model="smol", prompt=PROMPT, max_tokens=2)
+        named = httpx.get(server.url + "/v1/models/smol", timeout=10).status_code
+    finally:
+        log = server.close()
+    assert ids == ["smol"] and answer.model == "smol" and named == 200, log
+    assert "(model smol, " in log, log
+
+
 def _stat_fields(path: str) -> list[str]:
     """The fields of a /proc stat file after the command name (field 3 first)."""
     with open(path, encoding="ascii") as fh:
@@ -498,6 +512,7 @@ def test_sigterm_and_sighup_stop_the_stages_and_exit_like_run(signum, status):
     finally:
         log = server.close()
     assert code == status and not alive and "Traceback" not in log, (code, alive, log)
+    assert log.endswith("[skippy-wire] stopped\n"), log  # as Ctrl-C says it (SIGTERM and SIGHUP said nothing)
 
 
 def test_a_sigint_ignored_when_the_api_starts_stays_ignored():

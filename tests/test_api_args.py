@@ -70,7 +70,23 @@ def test_the_address_as_listen_or_as_llama_server_s_host_and_port(argv, expected
 def test_host_is_read_as_listen_reads_it(capsys):
     with pytest.raises(SystemExit) as exit_:  # it failed only when bound, after the stages started
         _parsed(["--host", "::1"])
-    assert exit_.value.code == 2 and "argument --host: IPv6 addresses are not supported" in capsys.readouterr().err
+    # quoted as given (it said '::1:0', the HOST:PORT it was read from)
+    assert exit_.value.code == 2 and "argument --host: IPv6 addresses are not supported: '::1' (use" \
+        in capsys.readouterr().err
+
+
+def test_llama_server_s_flags_for_what_the_api_does_anyway_start_it():
+    """A llama-server command line (`--jinja --metrics ...`) was refused as unknown options."""
+    args = _parsed(["--jinja", "--metrics", "--slots", "--no-webui", "-cb", "--cont-batching", "-a", "smol"])
+    assert args.llama_server_defaults and args.alias == "smol"
+    assert _parsed(["--alias", "my model"]).alias == "my model" and _parsed([]).alias is None
+
+
+@pytest.mark.parametrize("alias", ["", "  ", "a\nb"])
+def test_a_blank_or_unprintable_alias_is_a_usage_error(capsys, alias):
+    with pytest.raises(SystemExit) as exit_:
+        _parsed(["--alias", alias])
+    assert exit_.value.code == 2 and "argument -a/--alias: a model alias is printable text" in capsys.readouterr().err
 
 
 def test_listen_with_host_or_port_is_a_usage_error(capsys):

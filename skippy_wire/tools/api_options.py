@@ -1,11 +1,13 @@
-"""The option types of ``api``'s HTTP front only: the host it listens on, the file its key
-is read from, the web origins it lets call it."""
+"""The options of ``api``'s HTTP front only: the host it listens on, the file its key is
+read from, the web origins it lets call it, and llama-server's names for the model and for
+what this front does anyway."""
 
 from __future__ import annotations
 
 import argparse
 import urllib.parse
 
+from ..net.transport import ipv6_refused
 from .options import address, file_error
 
 #: The most characters of a key file's first line read (a key; not a whole /dev/zero).
@@ -29,8 +31,29 @@ def key_file(path: str) -> str:
 
 def listen_host(text: str) -> str:
     """The HOST of ``HOST:PORT`` alone, read as :func:`address` reads it (an empty one is
-    127.0.0.1, not every interface)."""
+    127.0.0.1, not every interface); its errors quote the host as given."""
+    if ":" in text:  # quoted as given, not as the HOST:PORT it would be read from
+        raise argparse.ArgumentTypeError(ipv6_refused(text))
     return address(f"{text}:0")[0]
+
+
+def model_alias(text: str) -> str:
+    """``--alias``: the model id the API reports and requests may name."""
+    if not text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"a model alias is printable text that is not blank, not {text!r}")
+    return text
+
+
+def add_llama_server_options(p: argparse.ArgumentParser) -> None:
+    """llama-server's options for the model's name and for what this front does anyway, so
+    that its command lines start it."""
+    p.add_argument("-a", "--alias", type=model_alias, default=None, metavar="NAME",
+                   help="the model id /v1/models reports and responses carry, as llama-server's --alias "
+                        "(default: the GGUF file's name without .gguf)")
+    p.add_argument("--jinja", "--metrics", "--slots", "--no-webui", "-cb", "--cont-batching", action="store_true",
+                   dest="llama_server_defaults",
+                   help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics and "
+                        "/slots are always served, batching is continuous, and there is no web UI (default: off)")
 
 
 def web_origin(text: str) -> str:
@@ -47,4 +70,4 @@ def web_origin(text: str) -> str:
     return text
 
 
-__all__ = ["MAX_KEY_LINE", "key_file", "listen_host", "web_origin"]
+__all__ = ["MAX_KEY_LINE", "add_llama_server_options", "key_file", "listen_host", "model_alias", "web_origin"]

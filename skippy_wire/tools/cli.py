@@ -51,14 +51,19 @@ TYPO_CUTOFF = 0.75
 DISTRIBUTION = "skippy_wire"
 
 
-def version_text() -> str:
-    """What ``skippy-wire --version`` prints (one function, so more build facts can join it)."""
+def package_version() -> str | None:
+    """The version of the installed package (None: not installed, run from a source tree)."""
     import importlib.metadata
 
     try:
-        version = importlib.metadata.version(DISTRIBUTION)
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        version = "unknown (not installed)"
+        return None
+
+
+def version_text() -> str:
+    """What ``skippy-wire --version`` prints (one function, so more build facts can join it)."""
+    version = package_version() or "unknown (not installed)"
     ggml = importlib.import_module("skippy_wire.stage._ggml")
     try:
         build = ggml.describe(ggml.load_backend())
