@@ -96,16 +96,19 @@ def test_models_lists_the_model(api):
 
 
 def test_a_llama_server_command_line_names_the_model_by_its_alias():
-    """`-a NAME` and the flags for what the API does anyway (`--jinja --metrics ...`) were
-    unknown options; the alias is the model id every answer carries."""
-    server = ApiServer("--stages", "1", "-a", "smol", "--jinja", "--metrics", "--slots", "--no-webui", "-cb")
+    """`-a NAME`, `-n N` and the flags for what the API does anyway (`--jinja --metrics ...`)
+    were unknown options; the alias is the model id every answer carries."""
+    server = ApiServer("--stages", "1", "-a", "smol", "-n", "3", "--jinja", "--metrics", "--slots", "--no-webui",
+                       "-cb")
     try:
         ids = [m.id for m in server.client.models.list().data]
-        answer = server.client.completions.create(model="smol", prompt=PROMPT, max_tokens=2)
+        # no max_tokens asked: -n's 3
+        answer = server.client.completions.create(model="smol", prompt=PROMPT, extra_body={"ignore_eos": True})
         named = httpx.get(server.url + "/v1/models/smol", timeout=10).status_code
     finally:
         log = server.close()
     assert ids == ["smol"] and answer.model == "smol" and named == 200, log
+    assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length", answer
     assert "(model smol, " in log, log
 
 

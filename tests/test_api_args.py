@@ -82,6 +82,12 @@ def test_llama_server_s_flags_for_what_the_api_does_anyway_start_it():
     assert _parsed(["--alias", "my model"]).alias == "my model" and _parsed([]).alias is None
 
 
+@pytest.mark.parametrize("argv, expected", [([], -1), (["-n", "16"], 16), (["--n-predict", "-2"], -1),
+                                             (["--predict", "-1"], -1)])
+def test_llama_server_s_n_is_the_most_tokens_a_request_generates(argv, expected):
+    assert _parsed(argv).max_tokens == expected
+
+
 @pytest.mark.parametrize("alias", ["", "  ", "a\nb"])
 def test_a_blank_or_unprintable_alias_is_a_usage_error(capsys, alias):
     with pytest.raises(SystemExit) as exit_:

@@ -87,3 +87,21 @@ def test_a_prompt_of_no_tokens_is_a_400_not_a_500(stream):
                                                       "stream": stream})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert engine.prompts == []
+
+
+@pytest.mark.parametrize("cap, path, body, expected", [
+    (8, "/v1/completions", {"prompt": "hi"}, 8),  # none asked: the server's -n
+    (8, "/v1/completions", {"prompt": "hi", "max_tokens": 4}, 4),
+    (8, "/v1/completions", {"prompt": "hi", "max_tokens": 20}, 8),
+    (100, "/v1/completions", {"prompt": "hi"}, 62),  # past the context's room: the room (no 400)
+    (None, "/v1/completions", {"prompt": "hi"}, 62),
+    (None, "/v1/completions", {"prompt": "hi", "max_tokens": 20}, 20),
+])
+def test_n_caps_every_request_s_token_budget_as_llama_server_s_does(cap, path, body, expected):
+    """`api -n N` was an unknown option; llama-server caps each request's n_predict by it."""
+    engine = FakeEngine(ctx_size=64)
+    with TestClient(_fake_api(engine, max_tokens=cap).app(), raise_server_exceptions=False) as client:
+        r = client.post(path, json=body)
+        props = client.get("/props").json()["default_generation_settings"]["params"]
+    assert r.status_code == 200 and engine.requests[-1]["max_tokens"] == expected, r.text
+    assert props["n_predict"] == (-1 if cap is None else cap)

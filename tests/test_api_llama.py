@@ -63,6 +63,18 @@ def test_a_completion_in_llama_servers_shape():
     assert abs(timings["predicted_per_second"] - 110.0) < 1e-6
 
 
+def test_the_server_s_n_caps_n_predict_and_is_reported_so():
+    """As llama-server reports a request's n_predict capped by its -n; a capped generation that
+    stops at its limit is not `truncated` (the context had room)."""
+    engine = ScriptedEngine(stop_type="limit")
+    with TestClient(_fake_api(engine, max_tokens=8).app()) as client:
+        unasked, more = _post(client, {"prompt": "hi", "n_predict": -1}), _post(client, {"prompt": "hi", "n_predict": 9})
+    for reply in (unasked, more):
+        body = reply.json()
+        assert body["generation_settings"]["n_predict"] == 8 and body["truncated"] is False, body
+    assert [r["max_tokens"] for r in engine.requests] == [8, 8]
+
+
 def test_the_openai_routes_carry_llama_server_s_timings_for_one_generation():
     """llama-server's extension on /v1 (its web UI shows tokens/s from it): on the answer and
     on a stream's chunk that ends the generation; none for several generations."""

@@ -44,6 +44,7 @@ from ..stage.models import Tokenizer, model_shape
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
+from .api_metrics import PROMETHEUS_TEXT, prometheus_text
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
 from .api_options import add_llama_server_options, key_file, listen_host, web_origin
 from .api_prompts import PromptReader
@@ -57,9 +58,10 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
                          StoppingServer, error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      DefaultsFormatter, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
-                      add_poll_option, add_tls_options, address, apply_topology, check_codec_options, check_output_dir,
-                      describe, driver_poll_s, error_line, int_at_least, int_between, poll_args,
+                      UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
+                      add_gpu_layers_option, add_poll_option, add_tls_options, address, apply_topology,
+                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, int_at_least,
+                      int_between, poll_args,
                       refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size)
 from .signals import exiting_on_signals, handling_signals
 
@@ -86,8 +88,9 @@ class Api:
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
                  max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None,
-                 cors_origins: tuple[str, ...] = ()) -> None:
+                 cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None) -> None:
         self.engine, self.api_key, self.cors_origins = engine, api_key, cors_origins
+        self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
         self.model_id, self.chat_template = model_id, chat_template
         self.prompt_reader = PromptReader(engine, chat_template, model_id)
         self.max_inflight, self.max_queue = max_inflight, max_queue
@@ -179,9 +182,10 @@ class Api:
         tokenizer = self.engine.tokenizer
         special = {f"{name}_token": "" if i is None else tokenizer.tokens[i]
                    for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
+        defaults = parse_options({}, native=True)
+        defaults.max_tokens = self._capped(None)
         return JSONResponse({"default_generation_settings": {
-                                 "n_ctx": self.engine.ctx_size,
-                                 "params": generation_settings(parse_options({}, native=True))},
+                                 "n_ctx": self.engine.ctx_size, "params": generation_settings(defaults)},
                              "total_slots": self.max_inflight, "model_path": self.model_id,
                              "chat_template": self.chat_template.source if self.chat_template else "",
                              **special,
@@ -211,26 +215,7 @@ class Api:
                                                                 "type": "unavailable_error"}}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
-        c, a = self.engine.counters, self.admission
-        rows = [
-            ("skippy_requests_total", "counter", "Generations ended (each choice of each prompt; completed, failed or "
-             "cancelled), and requests whose client left while queued", c["requests"]),
-            ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c["failed"]),
-            ("skippy_requests_cancelled_total", "counter", "Of those, cancelled by their client", c["cancelled"]),
-            ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
-            ("skippy_prompt_tokens_total", "counter", "Prompt tokens, once per generation", c["prompt_tokens"]),
-            ("skippy_completion_tokens_total", "counter", "Tokens generated", c["completion_tokens"]),
-            ("skippy_requests_running", "gauge", "Requests holding a lane", a.running - a.borrowed),
-            ("skippy_lanes_busy", "gauge", "Lanes generating (a request may borrow idle ones)", a.running),
-            ("skippy_queue_depth", "gauge", "Requests waiting for a lane", a.waiting),
-        ]
-        lines = [line for name, kind, help_, value in rows
-                 for line in (f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}")]
-        lines += ["# HELP skippy_hop_bytes_total Bytes on the driver's hop to stage 0",
-                  "# TYPE skippy_hop_bytes_total counter",
-                  f'skippy_hop_bytes_total{{hop="0",direction="sent"}} {c["sent_bytes"]}',
-                  f'skippy_hop_bytes_total{{hop="0",direction="received"}} {c["received_bytes"]}']
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(self.engine.counters, self.admission), media_type=PROMETHEUS_TEXT)
 
     # -- llama-server's tokenizer and template routes (no generation, no lane)
 
@@ -318,6 +303,7 @@ class Api:
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
             budget, ctx = None if native else options.max_tokens, self.engine.ctx_size
+            options.max_tokens = self._capped(options.max_tokens)
 
             def fits(prompt: list[int]) -> int:
                 if native:
@@ -356,6 +342,13 @@ class Api:
         except PipelineError as exc:
             return error_response(502, f"the pipeline failed: {exc}", type_="server_error")
         return JSONResponse(job.final_object(results))
+
+    def _capped(self, asked: Optional[int]) -> Optional[int]:
+        """The token budget a request that asks for ``asked`` (None: any) gets under ``-n``
+        (as llama-server caps a request's ``n_predict`` by its own and reports it so)."""
+        if self.max_tokens is None:
+            return asked
+        return self.max_tokens if asked is None else min(asked, self.max_tokens)
 
     async def _admit(self, request: Request) -> bool:
         """Wait for a lane (QueueFullError when the queue is full); False, with the lane or
@@ -554,7 +547,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
             api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template,
                       max_inflight=lanes, max_queue=args.max_queue, api_key=args.api_key,
-                      cors_origins=tuple(args.cors_origin))
+                      cors_origins=tuple(args.cors_origin),
+                      max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)

@@ -8,7 +8,8 @@ import argparse
 import urllib.parse
 
 from ..net.transport import ipv6_refused
-from .options import address, file_error
+from .llama_sampling import max_tokens
+from .options import UNTIL_FULL, address, file_error
 
 #: The most characters of a key file's first line read (a key; not a whole /dev/zero).
 MAX_KEY_LINE = 4096
@@ -50,6 +51,9 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-a", "--alias", type=model_alias, default=None, metavar="NAME",
                    help="the model id /v1/models reports and responses carry, as llama-server's --alias "
                         "(default: the GGUF file's name without .gguf)")
+    p.add_argument("-n", "--n-predict", "--predict", dest="max_tokens", type=max_tokens, default=UNTIL_FULL,
+                   metavar="N", help="the most tokens any request generates, whatever it asks for, as llama-server's "
+                                     "-n (-1: until the context is full)")
     p.add_argument("--jinja", "--metrics", "--slots", "--no-webui", "-cb", "--cont-batching", action="store_true",
                    dest="llama_server_defaults",
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics and "

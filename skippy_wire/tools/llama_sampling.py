@@ -1,6 +1,8 @@
 """llama.cpp's sampling conventions, shared by ``run`` (llama-cli's options) and ``api``
 (llama-server's fields): the defaults, the seed that asks for a random one, and the largest
-values taken."""
+values taken, and ``-n``."""
+
+from .options import UNTIL_FULL, int_at_least
 
 #: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
 SEED_RANGE = 2**32
@@ -15,5 +17,18 @@ MAX_REPEAT_PENALTY = 10.0
 #: llama.cpp's sampling defaults (llama-cli's and llama-server's): ``run``'s, and those of the
 #: API's llama-server route ``/completion``.
 LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64}
+#: llama.cpp's ``-n -2``, "until the context is filled": what -1 does here (llama-cli's -1
+#: would shift the context and go on, which the stages do not).
+UNTIL_FILLED = -2
+_MAX_TOKENS = int_at_least(1, special=(UNTIL_FULL, "until the context is full"))
 
-__all__ = ["SEED_RANGE", "LLAMA_DEFAULT_SEED", "MAX_NATIVE_TEMPERATURE", "MAX_REPEAT_PENALTY", "LLAMA_SAMPLING"]
+
+def max_tokens(text: str) -> int:
+    """``-n``: at least 1, or -1 (or llama.cpp's -2) until the context is full."""
+    return UNTIL_FULL if text.strip() == str(UNTIL_FILLED) else _MAX_TOKENS(text)
+
+
+max_tokens.__name__ = "int"
+
+__all__ = ["UNTIL_FILLED", "max_tokens", "SEED_RANGE", "LLAMA_DEFAULT_SEED", "MAX_NATIVE_TEMPERATURE",
+           "MAX_REPEAT_PENALTY", "LLAMA_SAMPLING"]

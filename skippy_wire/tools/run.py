@@ -31,7 +31,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
+from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
+                             max_tokens)
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
                       add_poll_option, add_tls_options, address, apply_topology,
@@ -59,19 +60,6 @@ RANDOM_SEED = -1
 MAX_SEED = SEED_RANGE - 1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
-#: llama-cli's ``-n -2``, "until the context is filled": what -1 does here (llama-cli's -1
-#: would shift the context and go on, which the stages do not).
-UNTIL_FILLED = -2
-_MAX_TOKENS = int_at_least(1, special=(UNTIL_FULL, "until the context is full"))
-
-
-def max_tokens(text: str) -> int:
-    """``-n``: at least 1, or -1 (or llama-cli's -2) until the context is full."""
-    return UNTIL_FULL if text.strip() == str(UNTIL_FILLED) else _MAX_TOKENS(text)
-
-
-max_tokens.__name__ = "int"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
