@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from skippy_wire.errors import ActivationFrameError, InvalidInputError, WireError
-from skippy_wire.net.driver import decode_message
+from skippy_wire.net.schedule import decode_message
 from skippy_wire.net.protocol_io import LinkProtocol, rows_boundary
 from skippy_wire.net.transport import Peer
 from skippy_wire.stage.activation import ActivationDesc, ActivationFrame

@@ -210,3 +210,18 @@ def test_a_caller_s_bad_prompt_is_refused_without_counting_a_failure_or_closing_
     finally:
         engine.close()
         chain.close()
+
+
+def test_the_engine_s_context_bounds_its_clients_as_the_stages_would():
+    """`ctx_size` was not given to the engine's PipelineClients: a generation past it ran on
+    (stages holding less failed it, and the engine counted a pipeline failure)."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=6, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        out = engine.generate([1, 2, 3], max_tokens=20, sampling=SamplingParams(temperature=0.0), stop="",
+                              on_text=lambda text, tokens: None, cancelled=threading.Event())
+        assert out.finish_reason == "length" and len(out.tokens) <= 4  # 6 - 3 + 1 (the last is not fed back)
+        assert engine.counters["failed"] == 0
+    finally:
+        engine.close()
+        chain.close()

@@ -26,7 +26,8 @@ from skippy_wire.errors import PipelineError
 from skippy_wire.net import connlog
 from skippy_wire.net.admission import StageLimits
 from skippy_wire.net.connlog import LOG_BURST, LOG_RATE, MAX_PEER_TEXT, ConnectionLog, peer_text
-from skippy_wire.net.driver import PipelineClient, decode_message, prefill_messages
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.schedule import decode_message, prefill_messages
 from skippy_wire.net.protocol_io import LinkProtocol
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.supervision import StageProcess, stage_env

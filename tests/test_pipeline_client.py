@@ -167,3 +167,57 @@ def test_a_context_given_bounds_the_generation(chain):
         assert client.generate(PROMPT, max_tokens=4, chunk_size=4).stop_reason == "max_tokens"
     with pytest.raises(ValueError, match="^ctx_size must be from 1 to 16777216, got 0$"):
         PipelineClient(*chain.entry, ctx_size=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from skippy_wire.stage.models import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("local") / "tiny.gguf")
+
+
+def test_generate_local_is_bounded_by_its_context_as_a_client_is(tiny_model):
+    """The reference of `run --check` failed at the context's end (StageRuntimeError "context
+    full") and computed a prompt too long for it, where a PipelineClient with the same
+    ctx_size stops with context_full and refuses the prompt before sending it."""
+    from skippy_wire.net.driver import generate_local
+
+    full = generate_local(tiny_model, [1, 2], ctx_size=8, max_tokens=20)
+    assert full.stop_reason == "context_full" and len(full.tokens) == 8 - 2 + 1  # the last is not fed back
+    assert generate_local(tiny_model, [1, 2], ctx_size=8, max_tokens=3).stop_reason == "max_tokens"
+    with pytest.raises(ValueError, match="^the prompt's 9 tokens do not fit the stages' context of 8 tokens$"):
+        generate_local(tiny_model, list(range(1, 10)), ctx_size=8)
+
+
+def test_a_callback_s_own_pipeline_error_leaves_the_client_usable(chain):
+    """Only a failed send or wait closes the client: a PipelineError raised by on_token (a
+    callback that drives another pipeline) closed it as if this link had failed."""
+    def fails(token: int) -> None:
+        raise PipelineError("another pipeline failed")
+
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError, match="^another pipeline failed$"):
+            client.generate(PROMPT, max_tokens=3, chunk_size=4, on_token=fails)
+        assert client.alive()
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+def test_a_request_from_inside_its_own_callback_is_named_so(chain):
+    """It said "carrying another thread's request", on the one thread there was."""
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        def nested(token: int) -> None:
+            client.generate(PROMPT, max_tokens=1)
+
+        with pytest.raises(PipelineError, match=r"carrying its own request \(called from that request's callback\)"):
+            client.generate(PROMPT, max_tokens=3, chunk_size=4, on_token=nested)
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+
+
+def test_numpy_integers_are_taken_where_ints_are(chain):
+    """np.int64 counts and ports were refused ("must be an int, not int64"; the port "must be a
+    TCP port from 1 to 65535, got np.int64(...)"), where a prompt of numpy ids is taken."""
+    import numpy as np
+
+    with PipelineClient(chain.entry[0], np.int64(chain.entry[1]), timeout=10, ctx_size=np.int32(64)) as client:
+        assert client.generate(PROMPT, max_tokens=np.int64(3), chunk_size=np.int16(4)).tokens \
+            == fake_reference(PROMPT, 3)

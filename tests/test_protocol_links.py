@@ -243,7 +243,7 @@ def _logged_after(caplog, text: str) -> str:
 @pytest.mark.parametrize("protocol", [15, 16, 17])
 def test_a_message_at_a_wrong_position_is_one_line_in_every_version(chains, caplog, protocol):
     # The v16/v17 readers give the kind as a plain int: naming it must not need the enum.
-    from skippy_wire.net.driver import decode_message
+    from skippy_wire.net.schedule import decode_message
 
     servers = chains(protocol)
     with caplog.at_level(logging.INFO, logger="skippy_wire.net.server"):
@@ -353,7 +353,7 @@ def test_the_look_for_a_version_after_a_failed_setup_is_bounded_as_a_whole(chain
 def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(chains):
     # The stage answers with a notice naming its own version, which is the driver's too:
     # "speaks state version 17, this driver speaks state version 17" named no difference.
-    from skippy_wire.net.driver import decode_message
+    from skippy_wire.net.schedule import decode_message
     from skippy_wire.wire.protocol import WireProtocol
 
     servers = chains(17)

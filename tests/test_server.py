@@ -18,7 +18,8 @@ import pytest
 
 from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
 from skippy_wire.errors import PipelineError, StageRuntimeError, Status
-from skippy_wire.net.driver import PipelineClient, generate_local, prefill_messages
+from skippy_wire.net.driver import PipelineClient, generate_local
+from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
 from skippy_wire.stage.threads import MAX_THREADS, resolved_threads
@@ -296,7 +297,7 @@ def test_a_message_other_than_the_step_computed_ahead_finds_the_session_as_witho
     # Another token, a rewound position, a repeated step, a prompt continuing the session:
     # stage 0 trims the step it computed ahead and every stage answers and holds what it
     # would have without decoding ahead.
-    from skippy_wire.net.driver import decode_message, prefill_messages
+    from skippy_wire.net.schedule import decode_message, prefill_messages
 
     def drive(ahead: bool):
         chain = chain_factory([(0, 3), (3, 6)], decode_ahead=ahead)
@@ -365,7 +366,7 @@ def _wait_closed(sock, timeout=5.0) -> bool:
 
 def _prefill_bytes():
     from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.net.driver import prefill_messages
+    from skippy_wire.net.schedule import prefill_messages
 
     return write_stage_message(next(prefill_messages(PROMPT, 16, 1, 1)))
 
@@ -439,7 +440,7 @@ def test_more_token_ids_than_the_context_are_refused_from_the_prefix(chain_facto
     """A first stage read and decoded a message of up to its byte limit in token ids (600,000
     in 2.4 MB, a ~20 MB list) that no context of 512 could run; now the 80-byte prefix says so."""
     from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.net.driver import prefill_messages
+    from skippy_wire.net.schedule import prefill_messages
 
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)], io_timeout=30.0)
     message = next(prefill_messages([7] * tokens, tokens, 1, 1))
@@ -576,10 +577,19 @@ def test_driver_reports_a_broken_stage(behaviour, match):
         close()
 
 
-@pytest.mark.parametrize("port", [70000, -1, 0, None, True, "9000", 9000.0])
-def test_a_client_refuses_a_port_that_is_none(port):
-    with pytest.raises(ValueError, match=r"^port must be a TCP port from 1 to 65535, got "):
+@pytest.mark.parametrize("port, error, message", [
+    (70000, ValueError, "port must be from 1 to 65535, got 70000"),  # it reached port 4464
+    (-1, ValueError, "port must be from 1 to 65535, got -1"),
+    (0, ValueError, "port must be from 1 to 65535, got 0"),
+    (None, TypeError, "port must be an int, not NoneType"),
+    (True, TypeError, "port must be an int, not bool"),
+    ("9000", TypeError, "port must be an int, not str"),
+    (9000.0, TypeError, "port must be an int, not float"),
+])
+def test_a_client_refuses_a_port_that_is_none(port, error, message):
+    with pytest.raises(error) as refused:
         PipelineClient("127.0.0.1", port, timeout=1)
+    assert str(refused.value) == message
 
 
 def test_driver_reports_a_refused_connection():
@@ -653,7 +663,7 @@ def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, capl
 
 def test_trim_session_reaches_every_stage(chain_factory):
     from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-    from skippy_wire.net.driver import prefill_messages
+    from skippy_wire.net.schedule import prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)])
     kind = WireMessageKind.TRIM_SESSION
@@ -805,7 +815,7 @@ def test_concurrent_connections_each_get_their_own_chain(chain_factory):
 
 
 def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_factory, caplog):
-    from skippy_wire.net.driver import decode_message, prefill_messages
+    from skippy_wire.net.schedule import decode_message, prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)  # (decode ahead: the test below)
     with PipelineClient(*chain.entry, timeout=10) as client:
@@ -826,7 +836,7 @@ def test_decode_position_is_authoritative_and_prefill_must_be_contiguous(chain_f
 
 
 def test_a_decode_step_of_several_tokens_is_refused_before_it_is_computed(chain_factory, caplog):
-    from skippy_wire.net.driver import decode_message, prefill_messages
+    from skippy_wire.net.schedule import decode_message, prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
@@ -844,7 +854,7 @@ def test_a_decode_step_of_several_tokens_is_refused_before_it_is_computed(chain_
 def test_explicit_positions_other_than_the_tokens_own_are_refused(chain_factory, caplog):
     """A positions list the runtime would not follow (it places tokens at pos_start on) is
     refused before any cache changes; the tokens' own positions are accepted as if absent."""
-    from skippy_wire.net.driver import prefill_messages
+    from skippy_wire.net.schedule import prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)], decode_ahead=False)
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
@@ -866,7 +876,7 @@ def test_explicit_positions_other_than_the_tokens_own_are_refused(chain_factory,
 
 
 def test_a_message_whose_token_ids_miss_its_count_is_refused_by_every_stage(chain_factory, caplog):
-    from skippy_wire.net.driver import prefill_messages
+    from skippy_wire.net.schedule import prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)])
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
@@ -1019,7 +1029,7 @@ def test_idle_connections_at_the_limit_make_room_for_a_user(chain_factory, caplo
 
 def test_a_session_is_never_shed_and_a_shed_downstream_link_is_reopened(chain_factory, caplog):
     from skippy_wire.net.admission import StageLimits
-    from skippy_wire.net.driver import decode_message, prefill_messages
+    from skippy_wire.net.schedule import decode_message, prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)], limits=StageLimits(max_connections=3))
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")

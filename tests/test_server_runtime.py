@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from skippy_wire.net.batching import DecodeBatcher, DecodeStep
-from skippy_wire.net.driver import PipelineClient, prefill_messages
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.stage import models
 from skippy_wire.stage.runtime import ActivationDesc, StageModel
 from skippy_wire.net.backend import RuntimeBackend
@@ -80,7 +81,7 @@ def test_decoding_ahead_changes_no_answer_of_the_runtime(tiny, splits):
     # native caches are trimmed back when the message asks for something else (another
     # token, a rewound position, the next turn's prompt), so every answer is the one a
     # stage gives that waits for its messages.
-    from skippy_wire.net.driver import decode_message
+    from skippy_wire.net.schedule import decode_message
 
     def drive(ahead: bool) -> tuple[list, int]:
         servers, events = [], []

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from skippy_wire.errors import PipelineError
-from skippy_wire.net.driver import PipelineClient, decode_message, generate_local
+from skippy_wire.net.driver import PipelineClient, generate_local
+from skippy_wire.net.schedule import decode_message
 from skippy_wire.net.supervision import (REPLY_TIMEOUT_STEP_S, StageCluster, StageProcess, launch_pipeline,
                                          stage_env, stage_reply_timeouts)
 from skippy_wire.wire.messages import StageWireMessage

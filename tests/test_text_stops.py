@@ -122,3 +122,10 @@ def test_a_60000_character_stop_string_over_thousands_of_tokens():
     shown = "".join(late.push(0) for _ in range(70_000))
     assert shown == "a" * (70_000 - 59_999)
     assert late.push(1) == "" and late.stopped and late.text == "a" * (70_001 - 60_000)
+
+
+def test_one_stop_string_given_as_a_str_is_one_stop_string():
+    """A str was read as its characters, each a stop string: "xyz" cut the text at its first x, y or z."""
+    assembler = TextAssembler(FakeTokenizer([b"a y b ", b"xyz", b" c"]), stop="xyz")
+    shown = "".join(assembler.push(t) for t in (0, 1, 2)) + assembler.finish()
+    assert assembler.stopped and assembler.stopping_word == "xyz" and shown == assembler.text == "a y b "

@@ -4,14 +4,21 @@ the wrong type, a ValueError for a value out of range, naming the argument."""
 
 from __future__ import annotations
 
+import operator
+
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import MAX_WAIT_S
 
 
 def int_argument(name: str, value, least: int, most: int | None = None) -> int:
-    """``value`` of the argument ``name``: an int (a bool is none) from ``least`` (to ``most``)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    """``value`` of the argument ``name``: an integer (a bool is none; numpy's are) from ``least``
+    (to ``most``), as an int."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if value < least or (most is not None and value > most):
         bound = f"at least {least}" if most is None else f"from {least} to {most}"
         raise ValueError(f"{name} must be {bound}, got {value}")

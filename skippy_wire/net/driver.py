@@ -8,8 +8,8 @@
 * :func:`generate_local` runs the same schedule on one in-process stage owning every
   layer: the reference the multi-process result must match (``run --check``).
 
-Stage processes are started by :mod:`skippy_wire.net.supervision`; the ``run`` command
-is :mod:`skippy_wire.tools.run`.
+Stage processes are started by :mod:`skippy_wire.net.supervision`; a generation's messages
+are built by :mod:`skippy_wire.net.schedule`; the ``run`` command is :mod:`skippy_wire.tools.run`.
 
 Message schedule (mirrors skippy-server's driver side, wire-format.md 2.1 and 12):
 ConfigureGeneration(request, session, prompt_token_count, sampling) -> Ack;
@@ -22,13 +22,11 @@ DecodeEmbd(pos_start = position, tokens = [previous token], current_token, decod
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -40,13 +38,14 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
-from ..wire.constants import I32_MAX, MAX_CTX_SIZE
+from ..wire.constants import MAX_CTX_SIZE
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
-from ..wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+from ..wire.messages import StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .protocol_io import LinkProtocol
+from .schedule import check_generation, context_room, decode_message, prefill_messages
 from .arguments import int_argument, protocol_argument, seconds_argument
 from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
@@ -58,8 +57,6 @@ SESSION_END_UNANSWERED = "the session's closing Stop got no answer (its text is 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_CHUNK = 128
 DEFAULT_TIMEOUT = 60.0
-#: A generation needs a prompt of at least one token (what it says to an empty one).
-EMPTY_PROMPT = "the prompt must have at least one token"
 #: A generation's stop reason where the stages' context ended it, as llama.cpp's tools say.
 STOP_CONTEXT_FULL = "context_full"
 
@@ -168,8 +165,7 @@ class PipelineClient:
         seconds_argument("timeout", timeout)
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a host name or address (a str), not {host!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"port must be a TCP port from 1 to 65535, got {port!r}")  # 70000 reached 4464
+        port = int_argument("port", port, 1, 65535)  # 70000 reached 4464
         protocol_argument("protocol", protocol)  # these two failed once connected
         seconds_argument("poll_s", poll_s, zero=True)
         if ctx_size is not None:
@@ -180,6 +176,8 @@ class PipelineClient:
         self._owed = 0  # replies to messages sent not yet read
         self._closed = False
         self._busy = threading.Lock()  # held by the thread whose request runs
+        self._carrier: int | None = None  # that thread's ident
+        self._link_failed = False  # a send or a wait of the request failed: what is in flight is unknown
         self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s)
         # the stages behind it: given, or the ones this process launched there
         self._stages = stages if stages is not None else launched_cluster(host, port)
@@ -261,11 +259,15 @@ class PipelineClient:
     @contextlib.contextmanager
     def _one_request(self):
         if not self._busy.acquire(blocking=False):
-            raise PipelineError(f"stage 0 at {self.address}: this client is carrying another thread's request "
+            whose = "its own request (called from that request's callback)" \
+                if self._carrier == threading.get_ident() else "another thread's request"
+            raise PipelineError(f"stage 0 at {self.address}: this client is carrying {whose} "
                                 "(a PipelineClient serves one request at a time)")
+        self._carrier, self._link_failed = threading.get_ident(), False
         try:
             yield
         finally:
+            self._carrier = None
             self._busy.release()
 
     def __enter__(self) -> "PipelineClient":
@@ -287,6 +289,14 @@ class PipelineClient:
         return PipelineError(f"{cause}; {seen}" if cause else seen + unexplained)
 
     def _guard(self, fn, what: str):
+        """``fn()``, a send or a wait on the link, its failure as the error that names it."""
+        try:
+            return self._named_failure(fn, what)
+        except BaseException:
+            self._link_failed = True
+            raise
+
+    def _named_failure(self, fn, what: str):
         try:
             return fn()
         except (StateVersionMismatch, TlsRequired) as exc:
@@ -365,7 +375,9 @@ class PipelineClient:
                  on_token: Callable[[int], None] | None = None, request_id: int = 1,
                  session_id: int = 1, before_step: Callable[[], None] | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (token ids); 0 evaluates the
-        prompt and generates none (llama-server's ``n_predict: 0``).
+        prompt and generates none (llama-server's ``n_predict: 0``).  ``is_eog(token)`` (e.g.
+        a ``Tokenizer``'s ``is_eog``) ends it at an end-of-generation token, which it keeps;
+        without it only ``max_tokens`` (or ``ctx_size``) does.
 
         ``sampling`` (a ``messages.SamplingConfig``; None = greedy, and so is one whose flags
         lack ``SamplingFlags.ENABLED``, as the backend reads the wire block) travels once, in
@@ -378,12 +390,7 @@ class PipelineClient:
         """
         prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog, on_token=on_token,
                                   before_step=before_step)
-        room = max_tokens
-        if self.ctx_size is not None:  # the stages would fail the request at the context's end
-            if len(prompt) > self.ctx_size:
-                raise ValueError(f"the prompt's {len(prompt)} tokens do not fit the stages' context of "
-                                 f"{self.ctx_size} tokens")
-            room = min(max_tokens, self.ctx_size - len(prompt) + 1)  # the last token is not fed back
+        room = max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         self._marks = self._log_marks()
@@ -467,9 +474,10 @@ class PipelineClient:
         instead where that fails, or after Ctrl-C (a message may be half written)."""
         if self._closed:
             return
-        if not isinstance(exc, Exception) or (isinstance(exc, PipelineError) and self._owed):
+        if not isinstance(exc, Exception) or (self._link_failed and self._owed):
             # Ctrl-C; or a wait for a reply failed (a timeout, a close, a malformed reply):
-            # reading it again would wait as long once more, for a stage already given up on
+            # reading it again would wait as long once more, for a stage already given up on.
+            # (What a callback raises, a PipelineError of its own included, leaves the link whole.)
             self.close()
             return
         try:
@@ -497,60 +505,6 @@ class PipelineClient:
         return int(reply.predicted)
 
 
-def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> list[int]:
-    """The arguments of a generation, checked before anything is sent or computed (each of
-    ``callbacks`` by name: None or callable); the prompt's token ids as a list (any sequence
-    of ints: a tuple, numpy's)."""
-    for name, callback in callbacks.items():
-        if callback is not None and not callable(callback):  # it failed once the first step was out
-            raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
-    # a set or a mapping has a length but no order a prompt could be read in
-    if isinstance(prompt, (str, bytes, bytearray, memoryview, AbstractSet, Mapping)) or not hasattr(prompt, "__len__"):
-        raise TypeError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}")
-    ids = []
-    for index, token in enumerate(prompt):
-        try:
-            if isinstance(token, bool):
-                raise TypeError
-            ids.append(operator.index(token))
-        except TypeError:
-            raise TypeError(f"prompt item {index} must be a token id (an int), not {token!r}") from None
-        if not 0 <= ids[-1] <= I32_MAX:  # the wire's i32, and no id is negative
-            raise ValueError(f"prompt item {index} is no token id: {ids[-1]}")
-    if not ids:
-        raise ValueError(EMPTY_PROMPT)
-    int_argument("max_tokens", max_tokens, 0)
-    int_argument("chunk_size", chunk_size, 1)
-    return ids
-
-
-def prefill_messages(prompt: list[int], chunk_size: int, request_id: int, session_id: int, sampling=None):
-    """PrefillEmbd for every chunk but the last, PrefillFinalEmbd for the last."""
-    if chunk_size < 1:
-        raise ValueError("chunk size must be positive")
-    starts = list(range(0, len(prompt), chunk_size))
-    for start in starts:
-        chunk = prompt[start:start + chunk_size]
-        kind = WireMessageKind.PREFILL_FINAL_EMBD if start == starts[-1] else WireMessageKind.PREFILL_EMBD
-        state = StageStateHeader.new(kind)
-        state.prompt_token_count = len(prompt)
-        state.current_token = chunk[-1]
-        yield StageWireMessage(kind=kind, pos_start=start, token_count=len(chunk), state=state,
-                               request_id=request_id, session_id=session_id, sampling=sampling,
-                               tokens=list(chunk))
-
-
-def decode_message(token: int, pos: int, step: int, prompt_len: int, request_id: int, session_id: int,
-                   sampling=None):
-    """The DecodeEmbd of generation step ``step``: ``token`` at position ``pos``."""
-    state = StageStateHeader.new(WireMessageKind.DECODE_EMBD)
-    state.prompt_token_count = prompt_len
-    state.decode_step = step
-    state.current_token = token
-    return StageWireMessage(kind=WireMessageKind.DECODE_EMBD, pos_start=pos, token_count=1, state=state,
-                            request_id=request_id, session_id=session_id, sampling=sampling, tokens=[token])
-
-
 # --------------------------------------------------------------------------------------
 # In-process reference
 # --------------------------------------------------------------------------------------
@@ -559,9 +513,11 @@ def decode_message(token: int, pos: int, step: int, prompt_len: int, request_id:
 def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
                    ctx_size: int = DEFAULT_CTX_SIZE) -> GenerationResult:
-    """The same schedule on one in-process stage owning every layer (no sockets)."""
+    """The same schedule on one in-process stage owning every layer (no sockets), its context
+    of ``ctx_size`` bounding it as :class:`PipelineClient`'s ``ctx_size`` bounds a pipeline's."""
     prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
     int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)  # the runtime's own words named arguments not given
+    room = context_room(len(prompt), max_tokens, ctx_size)
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
         stage = StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
                                 n_threads=resolved_threads(threads))
@@ -582,13 +538,14 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
             if is_eog is not None and is_eog(token):
                 result.stop_reason = "eog"
                 break
-            if len(result.tokens) >= max_tokens:
+            if len(result.tokens) >= room:
+                if room < max_tokens:
+                    result.stop_reason = STOP_CONTEXT_FULL
                 break
             token, _ = session.decode_step_frame_sampled(token, sampling)
         result.decode_s = time.perf_counter() - started
     return result
 
 
-__all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "EMPTY_PROMPT",
-           "STOP_CONTEXT_FULL", "GenerationResult", "PipelineClient", "check_generation", "prefill_messages",
-           "decode_message", "generate_local", "yielding_to_stages"]
+__all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "STOP_CONTEXT_FULL",
+           "GenerationResult", "PipelineClient", "generate_local", "yielding_to_stages"]

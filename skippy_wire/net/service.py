@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Optional, Sequence
 from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
-from .driver import SESSION_END_UNANSWERED, PipelineClient, check_generation
+from .driver import SESSION_END_UNANSWERED, PipelineClient
+from .schedule import check_generation
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -136,9 +137,9 @@ class TextAssembler:
     not the text's length or the stop strings' squared.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: str | Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string: one stop string
         self.tokens: list[int] = []
         self.text = ""
         self.shown = 0
@@ -296,7 +297,8 @@ class GenerationEngine:
                     return client
                 client.close()  # closed by the stage meanwhile (e.g. its idle timeout)
         return PipelineClient(*self.entry, timeout=self.timeout if timeout is None else timeout,
-                              protocol=self.protocol, identity=self.identity, tls=self.tls, poll_s=self.poll_s)
+                              protocol=self.protocol, identity=self.identity, tls=self.tls, poll_s=self.poll_s,
+                              ctx_size=self.ctx_size)
 
     def _give_back(self, client: PipelineClient) -> None:
         client.timeout = self.timeout

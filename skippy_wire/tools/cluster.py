@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import NetnsError, PipelineError, ToolError, TopologyError
-from ..net.driver import DEFAULT_TIMEOUT, EMPTY_PROMPT, GenerationResult, PipelineClient, generate_local
+from ..net.driver import DEFAULT_TIMEOUT, GenerationResult, PipelineClient, generate_local
+from ..net.schedule import EMPTY_PROMPT
 from ..net.netns import (MEASURE_DRAIN_S, NetnsChain, format_rate, in_netns, netns_unavailable, parse_rate,
                          queue_drain_s)
 from ..net.supervision import (STARTUP_TIMEOUT, StageCluster, StageProcess, check_memory_fits, default_model,
