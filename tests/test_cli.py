@@ -688,7 +688,7 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
 
 
 def test_started_stages_poll_by_default_only_with_a_cpu_each():
-    from skippy_wire.tools.options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
+    from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
 
     cpus = len(os.sched_getaffinity(0))
     assert poll_args(None, cpus) == ["--poll-ms", repr(AUTO_STAGE_POLL_MS)]
@@ -713,6 +713,14 @@ def test_ipv6_and_tls_files_that_do_not_load_are_usage_errors(capsys, tmp_path, 
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
     assert_usage_error(capsys, [str(bad) if a == "BAD" else a for a in args], message.replace("BAD", str(bad)))
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["api"]])
+def test_connect_to_port_0_is_a_usage_error(capsys, command):
+    """Port 0 names no running stage: it was status 1 after the model had loaded ("port must
+    be a TCP port from 1 to 65535, got 0"), where `serve --downstream` refuses it at once."""
+    assert_usage_error(capsys, [command[0], "--connect", "127.0.0.1:0", *command[1:]],
+                       "argument --connect: port 0 names no stage (give the port the stage listens on)")
 
 
 @pytest.mark.parametrize("status", [EXIT_INTERRUPTED, 1])

@@ -287,7 +287,7 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
     (["run", "-nkvo"], "unrecognized arguments: -nkvo"),
     (["run", "-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
     (["-hf", "x", "-p", "hi"], "unrecognized arguments: -hf"),
-    (["api", "-cb"], "unrecognized arguments: -cb"),
+    (["api", "-cx"], "unrecognized arguments: -cx"),  # not -c x
     (["run", "-t2", "hi"], "unrecognized arguments: -t2"),
     (["run", "-sy"], "unrecognized arguments: -sy; did you mean '-sys'?"),
     # the word after an unknown option went to PROMPT: "-b hi" named the prompt as -b's value

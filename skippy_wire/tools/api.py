@@ -59,10 +59,11 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S
                          StoppingServer, error_response, json_body, open_api_warning, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
-                      add_gpu_layers_option, add_poll_option, add_tls_options, address, apply_topology,
-                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, int_at_least,
-                      int_between, poll_args,
-                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context_size)
+                      add_gpu_layers_option, add_tls_options, address, apply_topology, check_codec_options,
+                      check_output_dir, describe, error_line, int_at_least, int_between,
+                      refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
+                      training_context_size)
+from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -409,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     # a value that is not the default object (`--stages 2 --connect ...` passed)
     where.add_argument("--stages", type=int_at_least(1), default=None,
                        help=f"stage processes to start on 127.0.0.1 (default: {DEFAULT_STAGES})")
-    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
+    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=stage_address,
                        help="drive stage processes already running (`skippy-wire serve`) instead; the options for "
                             "the stages it would start (--stages, the codec options, -t/--threads, --log-dir) are "
                             "then usage errors (default: start them)")

@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Union
 
 from ..stage.models import model_shape, smollm2_path
 from .cli import guarded
-from .options import MAX_POLL_MS, float_between, int_at_least, once_each
+from .options import float_between, int_at_least, once_each
+from .poll_options import MAX_POLL_MS
 from .signals import exiting_on_signals
 
 

@@ -24,7 +24,7 @@ from typing import Callable, NoReturn
 
 from ..errors import TopologyError, os_reason
 from ..net.tls import TlsConfig
-from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, available_cpus, default_threads
+from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, default_threads
 from ..wire.constants import (CODEC_SHORT_NAMES, DEFAULT_STAGES, MAX_CTX_SIZE, MAX_WAIT_S, POLICY_SHORT_NAMES,
                               ActivationCodec, CodecPolicy)
 
@@ -422,6 +422,14 @@ def address(text: str) -> tuple[str, int]:
     return host, port
 
 
+def stage_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a running stage (``--connect``): as :func:`address`, but not port 0."""
+    host, port = address(text)
+    if port == 0:
+        raise argparse.ArgumentTypeError("port 0 names no stage (give the port the stage listens on)")
+    return host, port
+
+
 def _named_choice(names: list[str], short: dict[str, str]) -> Callable[[str], str]:
     """A choice among ``names`` or their ``short`` aliases (returned as the full name); a
     wrong one lists both."""
@@ -495,43 +503,6 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
 
 
-#: ``run`` and ``api`` without ``--poll-ms``: the stages they start poll with this window,
-#: wide enough to cover a decode step's whole wait, while a lone session decodes there, when
-#: no more stages than CPUs share the machine; the driver sleeps (docs/pipeline.md, "Polling").
-AUTO_STAGE_POLL_MS = 50.0
-#: The widest ``--poll-ms``: a reader sleeps through waits over a second (they are no decode
-#: steps), and a wider window would keep an idle stage's CPU busy that long after a request.
-MAX_POLL_MS = 1000.0
-
-
-def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) -> None:
-    """``--poll-ms``: the busy-poll window of every socket read of a pipeline
-    (:attr:`skippy_wire.net.transport.SocketReader.poll_s`); ``starts_stages``: the command
-    starts stage processes, and without the option they poll as :func:`poll_args` says."""
-    text = ("busy-poll the socket from MS before (or from the start of a wait shorter than MS) to MS after "
-            "a message's or reply's expected arrival (the previous wait) instead of sleeping through the "
-            "wait (a stage: while at most one session decodes there): saves waking an idle CPU on every hop, "
-            "costs CPU time (0: sleep)")
-    if starts_stages:
-        text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
-                 "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
-    p.add_argument("--poll-ms", type=float_between(0, MAX_POLL_MS), default=None if starts_stages else 0.0, metavar="MS",
-                   help=text)
-
-
-def poll_args(poll_ms: float | None, stages: int) -> list[str]:
-    """The ``serve`` arguments that give each of ``stages`` started stages ``--poll-ms``:
-    as given, or for None :data:`AUTO_STAGE_POLL_MS` when every stage has a CPU."""
-    if poll_ms is None:
-        poll_ms = AUTO_STAGE_POLL_MS if stages <= available_cpus() else 0.0
-    return ["--poll-ms", repr(poll_ms)] if poll_ms else []
-
-
-def driver_poll_s(poll_ms: float | None) -> float:
-    """The driver's poll window in seconds: ``--poll-ms`` as given, else sleep."""
-    return (poll_ms or 0.0) / 1000.0
-
-
 def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
     """``--tls-cert/--tls-key/--tls-ca`` (docs/security.md): mutual TLS on ``what``."""
     p.add_argument("--tls-cert", default=None, metavar="PEM",
@@ -590,11 +561,11 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE", "AUTO_STAGE_POLL_MS", "MAX_POLL_MS",
+           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
            "once_each", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
            "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size",
            "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
-           "address", "add_poll_option", "poll_args", "check_output_file", "driver_poll_s", "add_tls_options",
+           "address", "stage_address", "check_output_file", "add_tls_options",
            "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
            "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

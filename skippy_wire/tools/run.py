@@ -35,11 +35,11 @@ from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMP
                              max_tokens)
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
-                      add_poll_option, add_tls_options, address, apply_topology,
-                      check_codec_options, check_output_dir, describe, driver_poll_s, error_line, file_error,
-                      float_above, float_between, int_at_least, int_between, poll_args,
-                      refuse_started_stage_options, seconds, thread_count, tls_config, training_context,
-                      training_context_size, utf8)
+                      add_tls_options, apply_topology, check_codec_options, check_output_dir, describe, error_line,
+                      file_error, float_above, float_between, int_at_least, int_between,
+                      refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
+                      training_context, training_context_size, utf8)
+from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; "
                         "default: a temporary directory, removed)")
-    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=address,
+    where.add_argument("--connect", default=None, metavar="HOST:PORT", type=stage_address,
                        help="drive stage processes already running (`skippy-wire serve`) instead of starting "
                             "them; the options for the stages it would start (--stages, the codec options, "
                             "--log-dir, -t/--threads without --check) are then usage errors and per-hop stage "

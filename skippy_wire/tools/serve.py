@@ -34,9 +34,10 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
-                      add_gpu_layers_option, add_poll_option, add_tls_options, address, check_codec_options,
-                      describe, error_line, int_at_least, int_between, milliseconds, seconds, thread_count,
-                      tls_config, training_context_size)
+                      add_gpu_layers_option, add_tls_options, address, check_codec_options, describe, error_line,
+                      int_at_least, int_between, milliseconds, seconds, thread_count, tls_config,
+                      training_context_size)
+from .poll_options import add_poll_option
 from .signals import exiting_on_signals
 
 log = logging.getLogger("skippy_wire.tools.serve")
