@@ -225,3 +225,15 @@ def test_the_engine_s_context_bounds_its_clients_as_the_stages_would():
     finally:
         engine.close()
         chain.close()
+
+
+def test_an_engine_generation_without_sampling_or_cancel_event_is_greedy():
+    """sampling=None and cancelled=None were AttributeErrors, counted as pipeline failures."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        out = engine.generate([1, 2, 3], max_tokens=3, sampling=None, stop=[], on_text=lambda text, tokens: None)
+        assert out.tokens == fake_reference([1, 2, 3], 3) and engine.counters["failed"] == 0
+    finally:
+        engine.close()
+        chain.close()

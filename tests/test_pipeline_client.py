@@ -100,7 +100,11 @@ def test_a_connection_closed_while_capturing_is_not_opened_again(chain, tmp_path
     ({"protocol": 99}, ValueError, "protocol must be one of 15, 16, 17, got 99"),
     ({"protocol": "15"}, ValueError, "protocol must be one of 15, 16, 17, got '15'"),
     ({"poll_s": "x"}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got 'x'"),
-    ({"poll_s": -1}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got -1")])
+    ({"poll_s": -1}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got -1"),
+    # raw AttributeErrors once used ('str' object has no attribute 'client_context')
+    ({"tls": "x"}, TypeError, "tls must be a TlsConfig or None, not str"),
+    ({"identity": "x"}, TypeError, "identity must be a StageSetupConfig or None, not str"),
+    ({"stages": "x"}, TypeError, "stages must be a StageCluster or None, not str")])
 def test_arguments_are_refused_before_the_connection_is_made(arguments, error, text):
     """They failed once connected (leaving the socket open), mid-request, or not at all."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -218,6 +222,8 @@ def test_numpy_integers_are_taken_where_ints_are(chain):
     TCP port from 1 to 65535, got np.int64(...)"), where a prompt of numpy ids is taken."""
     import numpy as np
 
-    with PipelineClient(chain.entry[0], np.int64(chain.entry[1]), timeout=10, ctx_size=np.int32(64)) as client:
+    with PipelineClient(chain.entry[0], np.int64(chain.entry[1]), timeout=np.float32(10), ctx_size=np.int32(64),
+                        poll_s=np.float32(0)) as client:
+        assert type(client.timeout) is float and type(client.ctx_size) is int
         assert client.generate(PROMPT, max_tokens=np.int64(3), chunk_size=np.int16(4)).tokens \
             == fake_reference(PROMPT, 3)

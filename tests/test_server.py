@@ -1111,6 +1111,7 @@ def test_a_client_refuses_a_second_thread_while_one_request_runs(chain_factory):
     ({"max_tokens": 2.0}, "max_tokens must be an int, not float"),
     ({"chunk_size": 0}, "chunk_size must be at least 1, got 0"),
     ({"prompt": []}, "the prompt must have at least one token"),
+    ({"prompt": np.array(5)}, "prompt must be a sequence of token ids, not ndarray"),  # "iteration over a 0-d array"
 ])
 def test_both_generators_refuse_the_same_arguments_before_running(chain_factory, kwargs, error):
     """generate(max_tokens=-5) returned no tokens, generate_local's empty prompt was a TypeError."""
@@ -1121,6 +1122,21 @@ def test_both_generators_refuse_the_same_arguments_before_running(chain_factory,
             client.generate(**args)
     with pytest.raises((TypeError, ValueError), match=f"^{re.escape(error)}$"):
         generate_local("no-such-model.gguf", **args)  # refused before the model is opened
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"session_id": "1"}, TypeError, "session_id must be an int, not str"),  # the wire encoder's ValueError
+    ({"request_id": -1}, ValueError, "request_id must be from 0 to 18446744073709551615, got -1"),
+    ({"sampling": "greedy"}, TypeError, "sampling must be a SamplingConfig or None, not str"),
+])
+def test_a_generation_s_ids_and_sampling_are_checked_in_the_callers_words(chain_factory, kwargs, error, message):
+    chain = chain_factory([(0, 6)])
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(error) as refused:
+            client.generate(PROMPT, max_tokens=2, **kwargs)
+        assert str(refused.value) == message
+        assert client.generate(PROMPT, max_tokens=2, session_id=np.uint64(7)).tokens \
+            == client.generate(PROMPT, max_tokens=2, session_id=7).tokens
 
 
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5", float("inf"), 1e12])

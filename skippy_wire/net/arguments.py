@@ -4,6 +4,7 @@ the wrong type, a ValueError for a value out of range, naming the argument."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 from ..wire.activation_frame import PROTOCOL_VERSIONS
@@ -27,12 +28,19 @@ def int_argument(name: str, value, least: int, most: int | None = None) -> int:
 
 def seconds_argument(name: str, value, *, zero: bool = False) -> float:
     """``value`` of the argument ``name``: a number of seconds above 0 (``zero``: from 0), at
-    most :data:`MAX_WAIT_S`."""
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    most :data:`MAX_WAIT_S`, as a float (numpy's numbers are numbers)."""
+    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
     if not (number and (0 <= value if zero else 0 < value) and value <= MAX_WAIT_S):  # NaN fails every test
         bound = f"from 0 to {MAX_WAIT_S}" if zero else f"above 0 and at most {MAX_WAIT_S}"
         raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")
-    return value
+    return float(value)
+
+
+def instance_argument(name: str, value, kind: type) -> None:
+    """``value`` of the argument ``name``: None or a ``kind`` (a TypeError, not an
+    AttributeError once it is used)."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__} or None, not {type(value).__name__}")
 
 
 def protocol_argument(name: str, value) -> int:
@@ -42,4 +50,4 @@ def protocol_argument(name: str, value) -> int:
     return value
 
 
-__all__ = ["int_argument", "seconds_argument", "protocol_argument"]
+__all__ = ["int_argument", "seconds_argument", "instance_argument", "protocol_argument"]

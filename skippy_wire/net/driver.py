@@ -38,18 +38,18 @@ from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V15
-from ..wire.constants import MAX_CTX_SIZE
+from ..wire.constants import MAX_CTX_SIZE, U64_MAX
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
-from ..wire.messages import StageWireMessage, WireMessageKind
+from ..wire.messages import SamplingConfig, StageWireMessage, WireMessageKind
 from ..wire.replies import WireReplyKind
-from ..wire.setup import SetupError, SetupRole
+from ..wire.setup import SetupError, SetupRole, StageSetupConfig
 from .protocol_io import LinkProtocol
 from .schedule import check_generation, context_room, decode_message, prefill_messages
-from .arguments import int_argument, protocol_argument, seconds_argument
+from .arguments import instance_argument, int_argument, protocol_argument, seconds_argument
 from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
-from .tls import handshake_failure, tls_failure
+from .tls import TlsConfig, handshake_failure, tls_failure
 from .transport import Peer, PeerClosedError, connect
 
 #: What is said of a generation whose every token came but whose closing Stop got no answer.
@@ -162,14 +162,17 @@ class PipelineClient:
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
                  identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None,
                  ctx_size: int | None = None) -> None:
-        seconds_argument("timeout", timeout)
+        timeout = seconds_argument("timeout", timeout)
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a host name or address (a str), not {host!r}")
         port = int_argument("port", port, 1, 65535)  # 70000 reached 4464
         protocol_argument("protocol", protocol)  # these two failed once connected
-        seconds_argument("poll_s", poll_s, zero=True)
+        poll_s = seconds_argument("poll_s", poll_s, zero=True)
         if ctx_size is not None:
-            int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)
+            ctx_size = int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)
+        for name, value, kind in (("identity", identity, StageSetupConfig), ("tls", tls, TlsConfig),
+                                  ("stages", stages, StageCluster)):
+            instance_argument(name, value, kind)
         self.address = f"{host}:{port}"
         self.timeout = timeout
         self.sent_at = 0.0  # perf_counter() when the last message started going out
@@ -390,6 +393,9 @@ class PipelineClient:
         """
         prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog, on_token=on_token,
                                   before_step=before_step)
+        request_id, session_id = int_argument("request_id", request_id, 0, U64_MAX), \
+            int_argument("session_id", session_id, 0, U64_MAX)
+        instance_argument("sampling", sampling, SamplingConfig)
         room = max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))

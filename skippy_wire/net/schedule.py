@@ -23,7 +23,12 @@ def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> l
         if callback is not None and not callable(callback):  # it failed once the first step was out
             raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
     # a set or a mapping has a length but no order a prompt could be read in
-    if isinstance(prompt, (str, bytes, bytearray, memoryview, AbstractSet, Mapping)) or not hasattr(prompt, "__len__"):
+    try:
+        len(prompt)  # (a 0-d numpy array has a __len__ that raises)
+        sequence = not isinstance(prompt, (str, bytes, bytearray, memoryview, AbstractSet, Mapping))
+    except TypeError:
+        sequence = False
+    if not sequence:
         raise TypeError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}")
     ids = []
     for index, token in enumerate(prompt):

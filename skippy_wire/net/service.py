@@ -338,11 +338,15 @@ class GenerationEngine:
         for client in idle:
             client.close()
 
-    def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
-                 on_text: Callable[[str, list[int]], None], cancelled: threading.Event) -> Generation:
+    def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams | None,
+                 stop: str | Sequence[str], on_text: Callable[[str, list[int]], None],
+                 cancelled: threading.Event | None = None) -> Generation:
         """Generate after ``prompt``; ``on_text(text, tokens)`` receives each new piece of
-        text and the tokens generated since the last piece."""
+        text and the tokens generated since the last piece.  ``sampling`` None is greedy (as
+        a PipelineClient's); ``cancelled``, once set, stops it between two tokens."""
         started = time.perf_counter()
+        sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
+        cancelled = threading.Event() if cancelled is None else cancelled
         # a caller's mistake is refused here, not as a failed request on a connection then closed
         prompt = check_generation(prompt, max_tokens, self.chunk_size, on_text=on_text)
         out = Generation(prompt_tokens=len(prompt))
