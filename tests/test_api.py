@@ -98,7 +98,7 @@ def test_models_lists_the_model(api):
 def test_a_llama_server_command_line_names_the_model_by_its_alias():
     """`-a NAME`, `-n N` and the flags for what the API does anyway (`--jinja --metrics ...`)
     were unknown options; the alias is the model id every answer carries."""
-    server = ApiServer("--stages", "1", "-a", "smol", "-n", "3", "--jinja", "--metrics", "--slots", "--no-webui",
+    server = ApiServer("--stages", "1", "-a", "smol", "-n", "3", "--jinja", "--metrics", "--no-webui",
                        "-cb")
     try:
         ids = [m.id for m in server.client.models.list().data]

@@ -77,7 +77,7 @@ def test_host_is_read_as_listen_reads_it(capsys):
 
 def test_llama_server_s_flags_for_what_the_api_does_anyway_start_it():
     """A llama-server command line (`--jinja --metrics ...`) was refused as unknown options."""
-    args = _parsed(["--jinja", "--metrics", "--slots", "--no-webui", "-cb", "--cont-batching", "-a", "smol"])
+    args = _parsed(["--jinja", "--metrics", "--no-webui", "-cb", "--cont-batching", "-a", "smol"])
     assert args.llama_server_defaults and args.alias == "smol"
     assert _parsed(["--alias", "my model"]).alias == "my model" and _parsed([]).alias is None
 

@@ -93,6 +93,7 @@ def test_a_prompt_of_no_tokens_is_a_400_not_a_500(stream):
     (8, "/v1/completions", {"prompt": "hi"}, 8),  # none asked: the server's -n
     (8, "/v1/completions", {"prompt": "hi", "max_tokens": 4}, 4),
     (8, "/v1/completions", {"prompt": "hi", "max_tokens": 20}, 8),
+    (8, "/v1/completions", {"prompt": "hi", "max_tokens": 100}, 8),  # past the context, but -n caps it first
     (100, "/v1/completions", {"prompt": "hi"}, 62),  # past the context's room: the room (no 400)
     (None, "/v1/completions", {"prompt": "hi"}, 62),
     (None, "/v1/completions", {"prompt": "hi", "max_tokens": 20}, 20),

@@ -237,3 +237,18 @@ def test_an_engine_generation_without_sampling_or_cancel_event_is_greedy():
     finally:
         engine.close()
         chain.close()
+
+
+def test_a_prompt_too_long_for_the_context_is_the_caller_s_mistake_not_a_failure():
+    """Checked once a pooled connection was taken: a ValueError counted as a pipeline failure,
+    and the connection closed."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=4, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        _generate(engine)  # a pooled connection
+        with pytest.raises(ValueError, match="^the prompt's 5 tokens do not fit the stages' context of 4 tokens$"):
+            engine.generate([1, 2, 3, 4, 5], max_tokens=1, sampling=None, stop=[], on_text=lambda text, tokens: None)
+        assert engine.counters["failed"] == 0 and len(engine._idle) == 1
+    finally:
+        engine.close()
+        chain.close()

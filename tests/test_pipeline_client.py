@@ -15,6 +15,7 @@ from test_server import PROMPT, Chain, fake_reference
 
 from skippy_wire.errors import PipelineError
 from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.frame import write_reply
 from skippy_wire.wire.replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
@@ -227,3 +228,41 @@ def test_numpy_integers_are_taken_where_ints_are(chain):
         assert type(client.timeout) is float and type(client.ctx_size) is int
         assert client.generate(PROMPT, max_tokens=np.int64(3), chunk_size=np.int16(4)).tokens \
             == fake_reference(PROMPT, 3)
+
+
+def test_a_send_that_stalls_closes_the_client():
+    """A request whose message stalled half written (a stage that stops reading) left the
+    client open: the next message would follow the half-written one on the link."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the send stalls soon
+    done = threading.Event()
+
+    def ready_then_read_nothing() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            done.wait(10)
+
+    threading.Thread(target=ready_then_read_nothing, daemon=True).start()
+    try:
+        with PipelineClient(*listener.getsockname()[:2], timeout=0.3) as client:
+            client._peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            big = next(prefill_messages(list(range(1, 1 << 18)), 1 << 18, 1, 1))  # one 1 MiB chunk
+            with pytest.raises(PipelineError, match="within 0.3 s"):
+                client.request(big)
+            assert not client.alive()
+    finally:
+        done.set()
+        listener.close()
+
+
+def test_numpy_counts_are_computed_with_as_python_ints(chain):
+    """`chunk_size=np.int8(100)` overflowed at the second chunk (200 is no int8), and an int16
+    chunk dropped prompt tokens silently: the counts are Python ints once checked."""
+    import numpy as np
+
+    prompt = [1 + i % 90 for i in range(250)]
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        narrow = client.generate(prompt, max_tokens=np.int8(3), chunk_size=np.int8(100))
+        assert narrow.tokens == client.generate(prompt, max_tokens=3, chunk_size=100).tokens
+        assert narrow.prefill_messages == 3

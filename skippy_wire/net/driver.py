@@ -335,8 +335,8 @@ class PipelineClient:
             try:
                 return self._request(msg, what)
             except BaseException:
-                if self._owed:  # its reply would be read as the next request's
-                    self.close()
+                if self._owed or self._link_failed:  # its reply would be read as the next request's
+                    self.close()  # (or the next message written after half of this one)
                 raise
 
     def _request(self, msg, what: str | None = None):
@@ -391,8 +391,8 @@ class PipelineClient:
         before each prefill chunk after the first and each decode step is sent: what it
         raises (a cancellation) leaves once the session is stopped.
         """
-        prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog, on_token=on_token,
-                                  before_step=before_step)
+        prompt, max_tokens, chunk_size = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog,
+                                                          on_token=on_token, before_step=before_step)
         request_id, session_id = int_argument("request_id", request_id, 0, U64_MAX), \
             int_argument("session_id", session_id, 0, U64_MAX)
         instance_argument("sampling", sampling, SamplingConfig)
@@ -480,10 +480,11 @@ class PipelineClient:
         instead where that fails, or after Ctrl-C (a message may be half written)."""
         if self._closed:
             return
-        if not isinstance(exc, Exception) or (self._link_failed and self._owed):
+        if not isinstance(exc, Exception) or self._link_failed:
             # Ctrl-C; or a wait for a reply failed (a timeout, a close, a malformed reply):
-            # reading it again would wait as long once more, for a stage already given up on.
-            # (What a callback raises, a PipelineError of its own included, leaves the link whole.)
+            # reading it again would wait as long once more, for a stage already given up on;
+            # or a send did (a message may be half written).  (What a callback raises, a
+            # PipelineError of its own included, leaves the link whole.)
             self.close()
             return
         try:
@@ -521,7 +522,7 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
                    ctx_size: int = DEFAULT_CTX_SIZE) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets), its context
     of ``ctx_size`` bounding it as :class:`PipelineClient`'s ``ctx_size`` bounds a pipeline's."""
-    prompt = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
+    prompt, max_tokens, chunk_size = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
     int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)  # the runtime's own words named arguments not given
     room = context_room(len(prompt), max_tokens, ctx_size)
     with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once

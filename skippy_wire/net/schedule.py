@@ -15,10 +15,10 @@ from .arguments import int_argument
 EMPTY_PROMPT = "the prompt must have at least one token"
 
 
-def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> list[int]:
+def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> tuple[list[int], int, int]:
     """The arguments of a generation, checked before anything is sent or computed (each of
-    ``callbacks`` by name: None or callable); the prompt's token ids as a list (any sequence
-    of ints: a tuple, numpy's)."""
+    ``callbacks`` by name: None or callable): the prompt's token ids as a list (any sequence
+    of ints: a tuple, numpy's), ``max_tokens`` and ``chunk_size`` as ints."""
     for name, callback in callbacks.items():
         if callback is not None and not callable(callback):  # it failed once the first step was out
             raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
@@ -42,9 +42,7 @@ def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> l
             raise ValueError(f"prompt item {index} is no token id: {ids[-1]}")
     if not ids:
         raise ValueError(EMPTY_PROMPT)
-    int_argument("max_tokens", max_tokens, 0)
-    int_argument("chunk_size", chunk_size, 1)
-    return ids
+    return ids, int_argument("max_tokens", max_tokens, 0), int_argument("chunk_size", chunk_size, 1)
 
 
 def context_room(prompt_tokens: int, max_tokens: int, ctx_size: int) -> int:

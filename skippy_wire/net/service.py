@@ -37,7 +37,7 @@ from ..errors import PipelineError, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient
-from .schedule import check_generation
+from .schedule import check_generation, context_room
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -348,7 +348,8 @@ class GenerationEngine:
         sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
         cancelled = threading.Event() if cancelled is None else cancelled
         # a caller's mistake is refused here, not as a failed request on a connection then closed
-        prompt = check_generation(prompt, max_tokens, self.chunk_size, on_text=on_text)
+        prompt, max_tokens, _ = check_generation(prompt, max_tokens, self.chunk_size, on_text=on_text)
+        context_room(len(prompt), max_tokens, self.ctx_size)  # a prompt too long: before a connection is taken
         out = Generation(prompt_tokens=len(prompt))
         assembler = TextAssembler(self.tokenizer, stop)
         session = next(self._ids)

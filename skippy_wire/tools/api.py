@@ -302,9 +302,9 @@ class Api:
             options = parse_options(body, chat=chat, native=native)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
-            # llama-server's n_predict runs to the end of the context at most; OpenAI's must fit
-            budget, ctx = None if native else options.max_tokens, self.engine.ctx_size
-            options.max_tokens = self._capped(options.max_tokens)
+            # llama-server's n_predict runs to the end of the context at most; OpenAI's (under -n) must fit
+            options.max_tokens, asked = self._capped(options.max_tokens), options.max_tokens
+            budget, ctx = None if native or asked is None else options.max_tokens, self.engine.ctx_size
 
             def fits(prompt: list[int]) -> int:
                 if native:

@@ -54,10 +54,10 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", "--predict", dest="max_tokens", type=max_tokens, default=UNTIL_FULL,
                    metavar="N", help="the most tokens any request generates, whatever it asks for, as llama-server's "
                                      "-n (-1: until the context is full)")
-    p.add_argument("--jinja", "--metrics", "--slots", "--no-webui", "-cb", "--cont-batching", action="store_true",
+    p.add_argument("--jinja", "--metrics", "--no-webui", "-cb", "--cont-batching", action="store_true",
                    dest="llama_server_defaults",
-                   help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics and "
-                        "/slots are always served, batching is continuous, and there is no web UI (default: off)")
+                   help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "
+                        "always served, batching is continuous, and there is no web UI (default: off)")
 
 
 def web_origin(text: str) -> str:
