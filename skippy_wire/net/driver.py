@@ -50,7 +50,7 @@ from .arguments import instance_argument, int_argument, protocol_argument, secon
 from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
 from .tls import TlsConfig, handshake_failure, tls_failure
-from .transport import Peer, PeerClosedError, connect
+from .transport import Peer, PeerClosedError, SendStalled, connect
 
 #: What is said of a generation whose every token came but whose closing Stop got no answer.
 SESSION_END_UNANSWERED = "the session's closing Stop got no answer (its text is complete)"
@@ -312,6 +312,8 @@ class PipelineClient:
         except SetupError as exc:
             raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
                                 + (f" ({exc.detail})" if exc.detail else "")) from None
+        except SendStalled:
+            raise self._failed(f"stage 0 at {self.address} read nothing of {what} for {self.timeout:g} s") from None
         except (socket.timeout, TimeoutError):
             raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
         except PeerClosedError:
