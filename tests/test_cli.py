@@ -158,7 +158,7 @@ def _one_error_line(err: str) -> str:
      "--stage-index 0 with --layer-start 15: stage 0, and only stage 0, starts at layer 0"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "15", "--stage-index", "1"],
      "--stage-index 1 with --layer-start 0: stage 0, and only stage 0, starts at layer 0"),
-    (["api", "--max-inflight", "0"], "argument --max-inflight/-np/--parallel: must be between 1 and 4, got 0"),
+    (["api", "--max-inflight", "0"], "argument --max-inflight/-np/--parallel: must be between 1 and 64, got 0"),
     (["api", "--listen", "127.0.0.1:70000"], "argument --listen: port 70000 is out of range (0-65535)"),
     (["conformance", "/nonexistent"], "/nonexistent: no such file or directory"),
     (["servr"], "unknown command 'servr'; did you mean 'serve'?"),

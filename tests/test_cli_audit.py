@@ -675,3 +675,30 @@ def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+def test_np_gives_a_stage_its_lanes_and_the_stages_api_starts_as_many(capsys, monkeypatch, tiny_model):
+    """llama-server's -np: every stage kept 4 lanes, and `api -np` refused more than 4."""
+    from skippy_wire.errors import PipelineError
+    from skippy_wire.net.backend import RuntimeBackend
+    from skippy_wire.tools import api
+
+    lanes, started = [], []
+
+    def opened(*args, lane_count, **kwargs):
+        lanes.append(lane_count)
+        raise ValueError("not opened in this test")
+
+    def launched(*args, extra_args, **kwargs):
+        started.append(extra_args)
+        raise PipelineError("not launched in this test")
+
+    monkeypatch.setattr(RuntimeBackend, "open", opened)
+    monkeypatch.setattr(api, "launch_pipeline", launched)
+    for given in ([], ["-np", "8"], ["--parallel", "1"]):
+        code, _, _ = _main(capsys, "serve", "-m", str(tiny_model), "--layer-start", "0", "--layer-end", "4", *given)
+        assert code == 1
+    code, _, err = _main(capsys, "api", "-m", str(tiny_model), "--port", "0", "-np", "8", "--poll-ms", "0")
+    assert lanes == [4, 8, 1] and started == [["-np", "8"]] and code == 1, err
+    code, _, err = _main(capsys, "api", "-np", "65")
+    assert code == 2 and "argument --max-inflight/-np/--parallel: must be between 1 and 64, got 65" in err

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from ..errors import PipelineError, PipelineMismatch, SkippyError
 from ..net.driver import DEFAULT_CHUNK, DEFAULT_TIMEOUT, yielding_to_stages
 from ..net.supervision import default_model, launch_pipeline, sessions_fitting
+from ..net.admission import DEFAULT_MAX_CONNECTIONS as STAGE_MAX_CONNECTIONS
 from ..net.backend import DEFAULT_LANES
 from ..net.connlog import RateLimitedRecords
 from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError,
@@ -75,6 +76,8 @@ DEFAULT_MAX_CONNECTIONS = 512
 STARTED_CTX_SIZE = 2048
 #: The smallest ``-c`` (but 0, the model's training context): room for a prompt and an answer.
 MIN_CTX_SIZE = 16
+#: The most requests generating at once: each holds a connection on every stage (serve's --max-connections).
+MAX_INFLIGHT = STAGE_MAX_CONNECTIONS
 #: Seconds /health waits past the probe's own READY_TIMEOUT_S, so a probe's own reason shows.
 HEALTH_MARGIN_S = 1.0
 #: Seconds between checks that the stage processes this command started still run.
@@ -424,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=thread_count, default=None, action=StartedStagesOption,
                    help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
     add_gpu_layers_option(p)
-    p.add_argument("--max-inflight", "-np", "--parallel", type=int_between(1, DEFAULT_LANES), default=DEFAULT_LANES,
-                   help="requests generating at once (each holds one lane on every stage; llama-server's names too)")
+    p.add_argument("--max-inflight", "-np", "--parallel", type=int_between(1, MAX_INFLIGHT), default=DEFAULT_LANES,
+                   help="requests generating at once (llama-server's names too): each holds a lane and a connection "
+                        "on every stage; the stages it starts get as many lanes, running ones need them (serve -np)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
     key = p.add_mutually_exclusive_group()
@@ -526,7 +530,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       policy=args.activation_codec_policy, threads=args.threads,
                                       ctx_size=args.ctx_size, log_dir=args.log_dir, reply_timeout=args.timeout,
                                       on_progress=progress, protocol=args.protocol, tls=args.tls,
-                                      extra_args=poll_args(args.poll_ms, args.stages), session_events_kept=0)
+                                      extra_args=[*poll_args(args.poll_ms, args.stages), "-np", str(lanes)],
+                                      session_events_kept=0)
             entry = cluster.entry
             lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
         # each request that fails in the pipeline, and its recovery, as a progress line

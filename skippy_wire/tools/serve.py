@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import StageRuntimeError, TopologyError, WireError
 from ..net.admission import (DEFAULT_IDLE_TIMEOUT, DEFAULT_LANE_WAIT, DEFAULT_MAX_CONNECTIONS,
                              DEFAULT_MAX_SESSIONS_PER_CONNECTION, DEFAULT_MESSAGE_TIMEOUT, StageLimits)
-from ..net.backend import RuntimeBackend
+from ..net.backend import DEFAULT_LANES, RuntimeBackend
 from ..net.connlog import LogBudget
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
@@ -29,6 +29,7 @@ from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.models import model_shape
+from ..stage.runtime import MAX_LANES
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
@@ -120,6 +121,9 @@ def add_admission_options(p: argparse.ArgumentParser) -> None:
                         "(no session, no message being executed), else it is refused")
     p.add_argument("--max-sessions-per-connection", type=int_at_least(1),
                    default=DEFAULT_MAX_SESSIONS_PER_CONNECTION, help="sessions one connection may hold at once")
+    p.add_argument("-np", "--parallel", dest="lanes", type=int_between(1, MAX_LANES), default=DEFAULT_LANES,
+                   help="lanes: sessions computed at once, each with its own KV cache (made when it opens), as "
+                        "llama-server's -np")
     p.add_argument("--lane-wait", type=seconds(zero=True), default=DEFAULT_LANE_WAIT,
                    help="seconds a new session waits (first come, first served) when all lanes are busy")
     p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
@@ -337,7 +341,7 @@ def _serve(args, stage_index: int) -> int:
                           args.activation_codec, args.activation_codec_policy)
     try:
         backend = RuntimeBackend.open(args.model, args.layer_start, args.layer_end, stage_index=stage_index,
-                                      ctx_size=args.ctx_size, n_threads=threads)
+                                      ctx_size=args.ctx_size, n_threads=threads, lane_count=args.lanes)
     except (OSError, ValueError, OverflowError, WireError, ImportError, StageRuntimeError) as exc:
         return _cannot_start(stage_index, describe(exc))
     trace_path = os.path.join(args.trace_compute, f"stage{stage_index}.trace") if args.trace_compute else None
@@ -373,8 +377,8 @@ def _serve(args, stage_index: int) -> int:
              args.activation_codec, args.activation_codec_policy, threads, "" if threads == 1 else "s",
              bound_host, bound_port,
              f", downstream {downstream[0]}:{downstream[1]}" if downstream else " (terminal)")
-    log.info("stage %d: at most %d connections, %d sessions each, lane wait %g s, messages up to %d bytes "
-             "within %g s, idle timeout %g s, %s", stage_index, limits.max_connections,
+    log.info("stage %d: %d lanes, at most %d connections, %d sessions each, lane wait %g s, messages up to %d "
+             "bytes within %g s, idle timeout %g s, %s", stage_index, args.lanes, limits.max_connections,
              limits.max_sessions_per_connection, limits.lane_wait, server.max_message_bytes, limits.message_timeout,
              args.idle_timeout, "mutual TLS" if tls else "plain TCP")
     _print_event({"event": "listening", "host": bound_host, "port": bound_port, "stage": stage_index,
