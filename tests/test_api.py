@@ -95,6 +95,30 @@ def test_models_lists_the_model(api):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
 
 
+@pytest.mark.parametrize("host, reached", [("::1", ["::1"]), ("::", ["::1", "127.0.0.1"])])
+def test_the_api_serves_on_ipv6_and_says_where_as_a_url(host, reached):
+    """`--host ::1` was refused ("IPv6 addresses are not supported"); `::` takes IPv4 too."""
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--host", host, "--port", "0",
+                             "--stages", "1", "--ctx-size", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if m := re.search(r"API on http://\[([0-9a-f:]+)\]:(\d+)/v1", line):
+                break
+        assert m and m.group(1) == host, "".join(lines)
+        for address in reached:
+            url = f"http://{'[' + address + ']' if ':' in address else address}:{m.group(2)}/health"
+            assert httpx.get(url, timeout=30).status_code == 200, url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        lines.append(proc.stderr.read())
+        proc.stderr.close()
+    assert ("warning: listening on [::]:" in "".join(lines)) == (host == "::")  # beyond loopback, without a key
+
+
 def test_a_llama_server_command_line_names_the_model_by_its_alias():
     """`-a NAME`, `-n N` and the flags for what the API does anyway (`--jinja --metrics ...`)
     were unknown options; the alias is the model id every answer carries."""

@@ -67,12 +67,27 @@ def test_the_address_as_listen_or_as_llama_server_s_host_and_port(argv, expected
     assert _parsed(argv).listen_address == expected
 
 
-def test_host_is_read_as_listen_reads_it(capsys):
+@pytest.mark.parametrize("argv, expected", [
+    (["--host", "::1"], ("::1", 9337)),  # refused: "IPv6 addresses are not supported: '::1:0'"
+    (["--host", "::", "--port", "8080"], ("::", 8080)),
+    (["--host", "[::1]"], ("::1", 9337)),
+    (["--listen", "[::1]:8080"], ("::1", 8080)),  # as a URL writes it
+    (["--listen", "[0:0::1]:0"], ("::1", 0)),
+])
+def test_the_api_listens_on_ipv6_as_llama_server_does(argv, expected):
+    assert _parsed(argv).listen_address == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--listen", "::1:8080"], "argument --listen: address must be HOST:PORT, an IPv6 HOST in brackets "
+                               "([::1]:8080), not '::1:8080'"),
+    (["--listen", "[::1]:70000"], "argument --listen: port 70000 is out of range (0-65535)"),
+    (["--host", "a:b"], "argument --host: not a host name or an IPv4 or IPv6 address: 'a:b'"),
+])
+def test_an_ipv6_listen_address_that_does_not_read_is_a_usage_error(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:  # it failed only when bound, after the stages started
-        _parsed(["--host", "::1"])
-    # quoted as given (it said '::1:0', the HOST:PORT it was read from)
-    assert exit_.value.code == 2 and "argument --host: IPv6 addresses are not supported: '::1' (use" \
-        in capsys.readouterr().err
+        _parsed(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_llama_server_s_flags_for_what_the_api_does_anyway_start_it():

@@ -140,13 +140,8 @@ def parse_address(text: str) -> tuple[str, int]:
         raise ValueError(f"the port of {text!r} must be ASCII digits")
     host = host.strip("[]")
     if ":" in host:
-        raise ValueError(ipv6_refused(text))
+        raise ValueError(f"IPv6 addresses are not supported: {text!r} (use an IPv4 address or a host name)")
     return host or "127.0.0.1", int(port)
-
-
-def ipv6_refused(text: str) -> str:
-    """Why the address ``text``, an IPv6 one, is refused."""
-    return f"IPv6 addresses are not supported: {text!r} (use an IPv4 address or a host name)"
 
 
 #: The hosts a listener binds to every address of this machine with (as written most often).
@@ -495,5 +490,4 @@ class CountingSocket:
 
 
 __all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
-           "ipv6_refused", "parse_address", "is_wildcard", "PeerClosedError", "SendStalled", "SocketReader", "Peer",
-           "CountingSocket"]
+           "parse_address", "is_wildcard", "PeerClosedError", "SendStalled", "SocketReader", "Peer", "CountingSocket"]

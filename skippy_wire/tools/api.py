@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
-from .api_options import add_llama_server_options, key_file, listen_host, web_origin
+from .api_options import add_llama_server_options, key_file, listen_address, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
@@ -57,7 +56,8 @@ from .http_events import EventStream
 from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S, IdleSheddingProtocol,
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
-                         StoppingServer, error_response, json_body, open_api_warning, shutting_down_response)
+                         StoppingServer, error_response, json_body, listening_socket, netloc, open_api_warning,
+                         shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, add_tls_options, address, apply_topology, check_codec_options,
@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) "
                     "from a pipeline of stage processes.",
         formatter_class=DefaultsFormatter)
-    p.add_argument("--listen", default=None, type=address,
+    p.add_argument("--listen", default=None, type=listen_address,
                    help=f"HOST:PORT of the HTTP endpoint (port 0: any free port; default: {DEFAULT_LISTEN})")
     p.add_argument("--host", default=None, type=listen_host,
                    help="the HOST of --listen alone, as llama-server takes it (default: none)")
@@ -516,9 +516,9 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         progress(f"{exc}: /v1/chat/completions will refuse requests")
         chat_template = None
     try:
-        listener = socket.create_server(args.listen_address)
+        listener = listening_socket(*args.listen_address)
     except OSError as exc:
-        print(error_line("cannot listen on %s:%d: %s" % (*args.listen_address, describe(exc))), file=sys.stderr)
+        print(error_line(f"cannot listen on {netloc(*args.listen_address)}: {describe(exc)}"), file=sys.stderr)
         return 1
     loading = LoadingAnswers(listener)  # until uvicorn serves the socket
     try:
@@ -565,7 +565,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             with handling_signals((signal.SIGHUP,), server.stop_for):
                 host, port = listener.getsockname()[:2]
                 loading.stop()  # requests from now on wait in the socket's backlog for uvicorn
-                progress(f"OpenAI-compatible API on http://{host}:{port}/v1 (model {api.model_id}, "
+                progress(f"OpenAI-compatible API on http://{netloc(host, port)}/v1 (model {api.model_id}, "
                          f"{lanes} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_key):
                     progress(warning)

@@ -5,11 +5,11 @@ what this front does anyway."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import urllib.parse
 
-from ..net.transport import ipv6_refused
 from .llama_sampling import max_tokens
-from .options import UNTIL_FULL, address, file_error
+from .options import MAX_PORT, UNTIL_FULL, address, file_error
 
 #: The most characters of a key file's first line read (a key; not a whole /dev/zero).
 MAX_KEY_LINE = 4096
@@ -30,12 +30,37 @@ def key_file(path: str) -> str:
     return line.strip()
 
 
+def _ipv6(text: str) -> str | None:
+    """``text`` as an IPv6 address (``::1``, ``[::1]``), else None."""
+    try:
+        return str(ipaddress.IPv6Address(text[1:-1] if text[:1] == "[" and text[-1:] == "]" else text))
+    except ValueError:
+        return None
+
+
 def listen_host(text: str) -> str:
-    """The HOST of ``HOST:PORT`` alone, read as :func:`address` reads it (an empty one is
-    127.0.0.1, not every interface); its errors quote the host as given."""
-    if ":" in text:  # quoted as given, not as the HOST:PORT it would be read from
-        raise argparse.ArgumentTypeError(ipv6_refused(text))
+    """The HOST of ``--listen`` alone (``--host``): an IPv6 address (``::1``; ``::`` is every
+    address, IPv4 too), else read as :func:`address` reads a host (an empty one is 127.0.0.1,
+    not every interface)."""
+    if ":" in text:
+        if _ipv6(text) is None:
+            raise argparse.ArgumentTypeError(f"not a host name or an IPv4 or IPv6 address: {text!r}")
+        return _ipv6(text)
     return address(f"{text}:0")[0]
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """``--listen HOST:PORT``, read as :func:`address` reads it, or ``[IPv6]:PORT`` as a URL
+    writes one (``[::1]:8080``)."""
+    host, sep, port = text.rpartition(":")
+    if ":" not in host:
+        return address(text)
+    if not (sep and host[:1] == "[" and host[-1:] == "]" and _ipv6(host) and port.isascii() and port.isdigit()):
+        raise argparse.ArgumentTypeError(f"address must be HOST:PORT, an IPv6 HOST in brackets ([::1]:8080), "
+                                         f"not {text!r}")
+    if int(port) > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"port {int(port)} is out of range (0-{MAX_PORT})")
+    return _ipv6(host), int(port)
 
 
 def model_alias(text: str) -> str:
@@ -74,4 +99,5 @@ def web_origin(text: str) -> str:
     return text
 
 
-__all__ = ["MAX_KEY_LINE", "add_llama_server_options", "key_file", "listen_host", "model_alias", "web_origin"]
+__all__ = ["MAX_KEY_LINE", "add_llama_server_options", "key_file", "listen_address", "listen_host", "model_alias",
+           "web_origin"]

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -64,12 +65,23 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OP
 _CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The API's listening socket (an IPv6 host: IPv6, ``::`` taking IPv4 too, as llama-server's does)."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                dualstack_ipv6=host == "::")
+
+
+def netloc(host: str, port: int) -> str:
+    """``HOST:PORT`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def open_api_warning(host: str, port: int, api_key: Optional[str]) -> Optional[str]:
     """What to say at start-up of an API that listens beyond loopback without a key."""
     if is_loopback(host) or api_key:
         return None
-    return (f"warning: listening on {host}:{port}, beyond loopback, without --api-key: anyone who can reach this "
-            "port can generate (docs/security.md)")
+    return (f"warning: listening on {netloc(host, port)}, beyond loopback, without --api-key: anyone who can reach "
+            "this port can generate (docs/security.md)")
 
 
 def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
