@@ -1057,6 +1057,26 @@ def test_a_cors_origin_is_checked_as_browsers_send_it(text):
     assert web_origin("https://page.example") == "https://page.example" and web_origin("*") == "*"
 
 
+@pytest.mark.parametrize("text, sent", [
+    ("http://[0:0::1]:3000", "http://[::1]:3000"), ("http://localhost:80", "http://localhost"),
+    ("HTTP://[::1]:4000", "http://[::1]:4000"), ("http://[::1]:0443", "http://[::1]:443"),
+    ("https://Page.Example:443", "https://page.example")])
+def test_a_cors_origin_is_kept_as_a_browser_sends_it(text, sent):
+    """Taken as written, such an origin matched no browser's Origin header (or was refused:
+    the scheme's case)."""
+    assert web_origin(text) == sent
+    with TestClient(_fake_api(cors_origins=(web_origin(text),)).app()) as client:
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": sent})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == sent
+
+
+def test_props_names_the_model_file_and_the_alias_apart():
+    """`model_path` said the model id (the alias with -a), where llama-server gives the GGUF path."""
+    with TestClient(_fake_api(model_path="/models/m.gguf").app()) as client:
+        assert client.get("/props").json()["model_path"] == "/models/m.gguf"
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m"]
+
+
 def test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_finish():
     engine = FakeEngine()
     engine.gate.clear()  # the running request holds its lane until the gate opens

@@ -92,10 +92,10 @@ class Api:
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
                  max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None,
-                 cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None) -> None:
+                 cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "") -> None:
         self.engine, self.api_key, self.cors_origins = engine, api_key, cors_origins
         self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
-        self.model_id, self.chat_template = model_id, chat_template
+        self.model_id, self.model_path, self.chat_template = model_id, model_path or model_id, chat_template
         self.prompt_reader = PromptReader(engine, chat_template, model_id)
         self.max_inflight, self.max_queue = max_inflight, max_queue
         self.created = int(time.time())
@@ -190,7 +190,7 @@ class Api:
         defaults.max_tokens = self._capped(None)
         return JSONResponse({"default_generation_settings": {
                                  "n_ctx": self.engine.ctx_size, "params": generation_settings(defaults)},
-                             "total_slots": self.max_inflight, "model_path": self.model_id,
+                             "total_slots": self.max_inflight, "model_path": self.model_path,
                              "chat_template": self.chat_template.source if self.chat_template else "",
                              **special,
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
@@ -403,9 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "from a pipeline of stage processes.",
         formatter_class=DefaultsFormatter)
     p.add_argument("--listen", default=None, type=listen_address,
-                   help=f"HOST:PORT of the HTTP endpoint (port 0: any free port; default: {DEFAULT_LISTEN})")
-    p.add_argument("--host", default=None, type=listen_host,
-                   help="the HOST of --listen alone, as llama-server takes it (default: none)")
+                   help=f"HOST:PORT ([IPv6]:PORT) of the HTTP endpoint (port 0: any free port; default: "
+                        f"{DEFAULT_LISTEN})")
+    p.add_argument("--host", default=None, type=listen_host, help="the HOST of --listen alone, as llama-server "
+                   "takes it (an IPv6 address too; '::' every address, IPv4 too; '' 127.0.0.1; default: none)")
     p.add_argument("--port", default=None, type=int_between(0, MAX_PORT),
                    help="the PORT of --listen alone, as llama-server takes it (default: none)")
     where = p.add_mutually_exclusive_group()
@@ -428,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compute threads per stage ({STARTED_STAGES_ONLY}; default: 1; -1: the default)")
     add_gpu_layers_option(p)
     p.add_argument("--max-inflight", "-np", "--parallel", type=int_between(1, MAX_INFLIGHT), default=DEFAULT_LANES,
-                   help="requests generating at once (llama-server's names too): each holds a lane and a connection "
-                        "on every stage; the stages it starts get as many lanes, running ones need them (serve -np)")
+                   help=f"requests generating at once, 1-{MAX_INFLIGHT}, each holding a lane and a connection on every "
+                        "stage: the stages it starts get as many lanes, running ones need them (serve -np)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
     key = p.add_mutually_exclusive_group()
@@ -551,7 +552,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                     raise
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
-            api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template,
+            api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template, model_path=str(model),
                       max_inflight=lanes, max_queue=args.max_queue, api_key=args.api_key,
                       cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)

@@ -78,25 +78,35 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
                         "(default: the GGUF file's name without .gguf)")
     p.add_argument("-n", "--n-predict", "--predict", dest="max_tokens", type=max_tokens, default=UNTIL_FULL,
                    metavar="N", help="the most tokens any request generates, whatever it asks for, as llama-server's "
-                                     "-n (-1: until the context is full)")
+                                     "-n (-1, or llama.cpp's -2: until the context is full)")
     p.add_argument("--jinja", "--metrics", "--no-webui", "-cb", "--cont-batching", action="store_true",
                    dest="llama_server_defaults",
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "
                         "always served, batching is continuous, and there is no web UI (default: off)")
 
 
+#: The port a browser leaves out of an Origin header, by scheme.
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def web_origin(text: str) -> str:
-    """A browser's Origin header as it is sent (matched exactly), or ``*``."""
+    """A browser's Origin header (matched exactly), or ``*``: written as a browser sends it
+    (the scheme and host in lower case, an IPv6 host compressed, no default port), as
+    ``http://[0::1]:080`` would otherwise match no request."""
+    if text == "*":
+        return text
     try:
         parts = urllib.parse.urlsplit(text)
-        parts.port  # raises on a port out of range
-        ok = text == "*" or (parts.scheme in ("http", "https") and bool(parts.hostname)
-                             and text == f"{parts.scheme}://{parts.netloc}")
+        host, port = parts.hostname, parts.port  # raises on a port out of range
+        ok = parts.scheme in _DEFAULT_PORTS and bool(host) and not (parts.path or parts.query or parts.fragment
+                                                                     or parts.username is not None or "#" in text)
+        if ok and ":" in host:
+            host = f"[{ipaddress.IPv6Address(host).compressed}]"
     except ValueError:  # a broken IPv6 literal, a port out of range
         ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"an origin is SCHEME://HOST[:PORT] (no path) or '*', not {text!r}")
-    return text
+    return f"{parts.scheme}://{host}" + ("" if port in (None, _DEFAULT_PORTS[parts.scheme]) else f":{port}")
 
 
 __all__ = ["MAX_KEY_LINE", "add_llama_server_options", "key_file", "listen_address", "listen_host", "model_alias",

@@ -66,9 +66,12 @@ _CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """The API's listening socket (an IPv6 host: IPv6, ``::`` taking IPv4 too, as llama-server's does)."""
-    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                dualstack_ipv6=host == "::")
+    """The API's listening socket (an IPv6 host: IPv6, ``::`` taking IPv4 too, as llama-server's does; a
+    link-local one with its zone, ``fe80::1%eth0``, as the resolver gives its scope)."""
+    if ":" not in host:
+        return socket.create_server((host, port))
+    address = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)[0][4]
+    return socket.create_server(address, family=socket.AF_INET6, dualstack_ipv6=host == "::")
 
 
 def netloc(host: str, port: int) -> str:

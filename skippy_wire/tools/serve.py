@@ -122,8 +122,8 @@ def add_admission_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions-per-connection", type=int_at_least(1),
                    default=DEFAULT_MAX_SESSIONS_PER_CONNECTION, help="sessions one connection may hold at once")
     p.add_argument("-np", "--parallel", dest="lanes", type=int_between(1, MAX_LANES), default=DEFAULT_LANES,
-                   help="lanes: sessions computed at once, each with its own KV cache (made when it opens), as "
-                        "llama-server's -np")
+                   help=f"lanes: sessions computed at once, 1 to {MAX_LANES}, each with its own KV cache (made "
+                        "when it opens), as llama-server's -np")
     p.add_argument("--lane-wait", type=seconds(zero=True), default=DEFAULT_LANE_WAIT,
                    help="seconds a new session waits (first come, first served) when all lanes are busy")
     p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
