@@ -38,11 +38,11 @@ def _ignore_sigint() -> None:
 
 
 class ApiServer:
-    def __init__(self, *args: str, sigint: bool = True) -> None:
+    def __init__(self, *args: str, sigint: bool = True, listen: str = "127.0.0.1:0") -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.stop_signal = signal.SIGINT if sigint else signal.SIGTERM
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--ctx-size", "512", *args],
+            [sys.executable, "-m", "skippy_wire", "api", "--listen", listen, "--ctx-size", "512", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
             preexec_fn=default_sigint if sigint else _ignore_sigint)
         self.log: list[str] = []
@@ -52,9 +52,9 @@ class ApiServer:
             if not line:
                 break
             self.log.append(line)
-            m = re.search(r"API on (http://[\d.]+:\d+)/v1", line)
+            m = re.search(r"API on (http://(?:[\d.]+|\[[0-9a-f:]+\]):(\d+))/v1", line)
             if m:
-                self.url = m.group(1)
+                self.url, self.port = m.group(1), int(m.group(2))
                 break
         if not hasattr(self, "url"):
             self.close()
@@ -95,28 +95,17 @@ def test_models_lists_the_model(api):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
 
 
-@pytest.mark.parametrize("host, reached", [("::1", ["::1"]), ("::", ["::1", "127.0.0.1"])])
+@pytest.mark.parametrize("host, reached", [("::1", ["[::1]"]), ("::", ["[::1]", "127.0.0.1"])])
 def test_the_api_serves_on_ipv6_and_says_where_as_a_url(host, reached):
     """`--host ::1` was refused ("IPv6 addresses are not supported"); `::` takes IPv4 too."""
-    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--host", host, "--port", "0",
-                             "--stages", "1", "--ctx-size", "256"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server = ApiServer("--stages", "1", listen=f"[{host}]:0")
     try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if m := re.search(r"API on http://\[([0-9a-f:]+)\]:(\d+)/v1", line):
-                break
-        assert m and m.group(1) == host, "".join(lines)
+        assert server.url == f"http://[{host}]:{server.port}"
         for address in reached:
-            url = f"http://{'[' + address + ']' if ':' in address else address}:{m.group(2)}/health"
-            assert httpx.get(url, timeout=30).status_code == 200, url
+            assert httpx.get(f"http://{address}:{server.port}/health", timeout=30).status_code == 200, address
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
-        lines.append(proc.stderr.read())
-        proc.stderr.close()
-    assert ("warning: listening on [::]:" in "".join(lines)) == (host == "::")  # beyond loopback, without a key
+        log = server.close()
+    assert ("warning: listening on [::]:" in log) == (host == "::"), log  # beyond loopback, without a key
 
 
 def test_a_llama_server_command_line_names_the_model_by_its_alias():
