@@ -68,7 +68,8 @@ def test_the_server_s_n_caps_n_predict_and_is_reported_so():
     stops at its limit is not `truncated` (the context had room)."""
     engine = ScriptedEngine(stop_type="limit")
     with TestClient(_fake_api(engine, max_tokens=8).app()) as client:
-        unasked, more = _post(client, {"prompt": "hi", "n_predict": -1}), _post(client, {"prompt": "hi", "n_predict": 9})
+        unasked = _post(client, {"prompt": "hi", "n_predict": -1})
+        more = _post(client, {"prompt": "hi", "n_predict": 9})
     for reply in (unasked, more):
         body = reply.json()
         assert body["generation_settings"]["n_predict"] == 8 and body["truncated"] is False, body

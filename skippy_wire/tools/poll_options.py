@@ -28,8 +28,8 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
     if starts_stages:
         text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
                  "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
-    p.add_argument("--poll-ms", type=float_between(0, MAX_POLL_MS), default=None if starts_stages else 0.0, metavar="MS",
-                   help=text)
+    p.add_argument("--poll-ms", type=float_between(0, MAX_POLL_MS), default=None if starts_stages else 0.0,
+                   metavar="MS", help=text)
 
 
 def poll_args(poll_ms: float | None, stages: int) -> list[str]:
