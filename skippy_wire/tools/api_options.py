@@ -42,11 +42,12 @@ def listen_host(text: str) -> str:
     """The HOST of ``--listen`` alone (``--host``): an IPv6 address (``::1``; ``::`` is every
     address, IPv4 too), else read as :func:`address` reads a host (an empty one is 127.0.0.1,
     not every interface)."""
-    if ":" in text:
-        if _ipv6(text) is None:
-            raise argparse.ArgumentTypeError(f"not a host name or an IPv4 or IPv6 address: {text!r}")
-        return _ipv6(text)
-    return address(f"{text}:0")[0]
+    if ":" not in text:
+        return address(f"{text}:0")[0]
+    host = _ipv6(text)
+    if host is None:
+        raise argparse.ArgumentTypeError(f"not a host name or an IPv4 or IPv6 address: {text!r}")
+    return host
 
 
 def listen_address(text: str) -> tuple[str, int]:
@@ -55,12 +56,13 @@ def listen_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if ":" not in host:
         return address(text)
-    if not (sep and host[:1] == "[" and host[-1:] == "]" and _ipv6(host) and port.isascii() and port.isdigit()):
+    literal = _ipv6(host) if host[:1] == "[" and host[-1:] == "]" else None
+    if not (sep and literal and port.isascii() and port.isdigit()):
         raise argparse.ArgumentTypeError(f"address must be HOST:PORT, an IPv6 HOST in brackets ([::1]:8080), "
                                          f"not {text!r}")
     if int(port) > MAX_PORT:
         raise argparse.ArgumentTypeError(f"port {int(port)} is out of range (0-{MAX_PORT})")
-    return _ipv6(host), int(port)
+    return literal, int(port)
 
 
 def model_alias(text: str) -> str:

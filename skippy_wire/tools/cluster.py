@@ -196,10 +196,10 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         chain.create()
         progress(f"hosts: {', '.join(chain.name(h) for h in range(opts.hosts))}; links "
                  f"{format_rate(rate_bits)}, delay {opts.delay_ms:g} ms one-way")
-        link_bits = None
-        if opts.hosts > 1 and opts.measure_seconds > 0 and queue_drain_s(rate_bits) > MEASURE_DRAIN_S:
-            progress(f"link 0 not measured: at {format_rate(rate_bits)} its queue takes "
-                     f"{queue_drain_s(rate_bits):.0f} s to drain, and the stages' links would wait for it")
+        link_bits, drain_s = None, queue_drain_s(rate_bits)
+        if opts.hosts > 1 and opts.measure_seconds > 0 and drain_s > MEASURE_DRAIN_S:
+            progress(f"link 0 not measured: at {format_rate(rate_bits)} its queue takes {drain_s:.0f} s to drain, "
+                     "and the stages' links would wait for it")
         elif opts.hosts > 1 and opts.measure_seconds > 0:
             link_bits = chain.measure(0, opts.measure_seconds)
             progress(f"link 0 bulk transfer: {link_bits / 1e6:.1f} Mbit/s")

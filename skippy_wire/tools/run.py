@@ -61,6 +61,7 @@ MAX_SEED = SEED_RANGE - 1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="skippy-wire run",
