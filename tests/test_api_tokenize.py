@@ -123,3 +123,34 @@ def test_apply_template_renders_as_the_chat_route_does(client):
                                   "<|im_start|>assistant\n"}
     bad = client.post("/apply-template", json={"messages": [{"role": "robot", "content": "x"}]})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+
+
+def test_apply_template_and_chat_take_llama_server_s_rendering_fields(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.post("/apply-template", json={"messages": messages, "add_generation_prompt": False})
+    assert r.status_code == 200 and r.json() == {"prompt": "<|im_start|>system\nYou are a helpful AI assistant "
+                                                           "named SmolLM, trained by Hugging Face<|im_end|>\n"
+                                                           "<|im_start|>user\nHi<|im_end|>\n"}
+    # chat_template_kwargs: more names the template sees, on /apply-template and the chat route alike
+    engine = FakeEngine(ctx_size=256)
+    template = ChatTemplate("{{ greeting | default('none') }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if add_generation_prompt %}>{% endif %}")
+    api = Api(engine, model_id="m", chat_template=template, max_inflight=1)
+    with TestClient(api.app()) as own:
+        body = {"messages": messages, "chat_template_kwargs": {"greeting": "hello"}}
+        assert own.post("/apply-template", json=body).json() == {"prompt": "hello|Hi>"}
+        assert own.post("/v1/chat/completions", json={**body, "add_generation_prompt": False}).status_code == 200
+        assert engine.prompts == ["hello|Hi"]
+        assert own.post("/apply-template", json={"messages": messages, "chat_template_kwargs": None}).json() == \
+            {"prompt": "none|Hi>"}
+        for kwargs, says in (([1], "'chat_template_kwargs' must be an object"),
+                             ({"messages": []}, "'chat_template_kwargs' may not set 'messages'"),
+                             ({"bos_token": "x", "eos_token": "y"}, "'chat_template_kwargs' may not set 'bos_token'")):
+            for path in ("/apply-template", "/v1/chat/completions"):
+                bad = own.post(path, json={"messages": messages, "chat_template_kwargs": kwargs})
+                assert bad.status_code == 400 and bad.json()["error"]["message"] == says, bad.text
+        bad = own.post("/apply-template", json={"messages": messages, "add_generation_prompt": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == "'add_generation_prompt' must be a boolean"
+    api.close()
+    with pytest.raises(ValueError, match="may not replace the renderer's 'eos_token'"):
+        template.render(messages, eos_token="x")

@@ -28,10 +28,17 @@ ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _TEMPLATE_ROLE = {"developer": "system", "function": "tool"}
 #: Roles whose messages must carry content (an assistant's may be null beside tool calls).
 CONTENT_ROLES = ("system", "user", "tool", "developer")
+#: The names :meth:`ChatTemplate.render` gives a template itself; a caller's extra names may not replace them.
+RENDER_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 class ChatTemplateError(StageRuntimeError, ValueError):
     """A model has no chat template, the template failed, or the messages are malformed."""
+
+
+def replaced_names(extra: Mapping[str, Any]) -> list[str]:
+    """The names of :data:`RENDER_NAMES` among a template's extra names (sorted)."""
+    return sorted(extra.keys() & RENDER_NAMES)
 
 
 class NoChatTemplate(ChatTemplateError):
@@ -192,7 +199,11 @@ class ChatTemplate:
         """The prompt text of ``messages`` (OpenAI chat form).  ``continue_final_message``:
         a conversation that ends with an assistant message is continued from its text, as
         llama-server does (the rest rendered with the generation prompt, that text after it;
-        a lone assistant message too, after the generation prompt of no messages)."""
+        a lone assistant message too, after the generation prompt of no messages).  ``extra``:
+        more names the template sees (llama-server's ``chat_template_kwargs``), none of
+        :data:`RENDER_NAMES`."""
+        if taken := replaced_names(extra):
+            raise ChatTemplateError(f"an extra name may not replace the renderer's {taken[0]!r}")
         checked = check_messages(messages)
         prefill = None
         if continue_final_message and checked[-1]["role"] == "assistant":

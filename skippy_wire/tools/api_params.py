@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..net.service import WHOLE_HISTORY, SamplingParams
+from ..stage.chat import replaced_names
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
@@ -340,6 +341,18 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     return Options(max_tokens, sampling, stop, stream, include_usage, n)
 
 
+def parse_template_options(body: dict) -> tuple[bool, dict]:
+    """llama-server's chat rendering fields: ``add_generation_prompt`` (default true: the
+    prompt ends where the assistant's answer starts) and ``chat_template_kwargs``, an object
+    of more names the template sees (e.g. ``enable_thinking``)."""
+    extra = _given(body, "chat_template_kwargs", {})
+    if not isinstance(extra, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if taken := replaced_names(extra):
+        raise BadRequest(f"'chat_template_kwargs' may not set {taken[0]!r}", "chat_template_kwargs")
+    return _flag(body, "add_generation_prompt", True), extra
+
+
 def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
     """llama-server's ``/tokenize`` body: ``content`` (absent: no text, as llama-server takes
     it), then ``add_special`` (default false), ``parse_special`` (default true) and
@@ -362,6 +375,7 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     return tokens
 
 
-__all__ = ["BadRequest", "Options", "parse_options", "parse_tokenize", "parse_detokenize", "check_text", "check_token_ids", "check_detokenize_size", "check_context",
+__all__ = ["BadRequest", "Options", "parse_options", "parse_template_options", "parse_tokenize", "parse_detokenize",
+           "check_text", "check_token_ids", "check_detokenize_size", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]

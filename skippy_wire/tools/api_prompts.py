@@ -8,7 +8,8 @@ import functools
 from typing import Callable, Optional
 
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from .api_params import MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids
+from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids,
+                         parse_template_options)
 
 
 class PromptReader:
@@ -19,11 +20,14 @@ class PromptReader:
         self.engine, self.chat_template, self.model_id = engine, chat_template, model_id
 
     def rendered(self, body: dict) -> str:
-        """A chat request's ``messages`` through the model's chat template."""
+        """A chat request's ``messages`` through the model's chat template (with its
+        ``add_generation_prompt`` and ``chat_template_kwargs``, as llama-server renders them)."""
         if self.chat_template is None:
             raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
+        add_generation_prompt, extra = parse_template_options(body)
         try:
-            return self.chat_template.render(body.get("messages"), continue_final_message=True)
+            return self.chat_template.render(body.get("messages"), add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=True, **extra)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
