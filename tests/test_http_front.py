@@ -978,6 +978,17 @@ def test_llama_server_routes_without_v1_and_its_props():
         for r in (client.get("/slots"), client.post("/slots/0?action=save", json={"filename": "x"})):
             assert r.status_code == 501 and r.json() == {"error": {
                 "code": 501, "message": "This server does not support slots endpoint.", "type": "not_supported_error"}}
+        # nor embeddings, reranking or infill: 501 as llama-server started without them (a 404 reads as a
+        # wrong base URL to its clients), in its shape on its routes and in OpenAI's under /v1
+        for path, what in (("/embedding", "embeddings"), ("/embeddings", "embeddings"), ("/rerank", "reranking"),
+                           ("/reranking", "reranking"), ("/infill", "infill")):
+            r = client.post(path, json={"content": "hi"})
+            assert r.status_code == 501 and r.json() == {"error": {
+                "code": 501, "message": f"This server does not support {what}.", "type": "not_supported_error"}}
+        for path, what in (("/v1/embeddings", "embeddings"), ("/v1/rerank", "reranking")):
+            r = client.post(path, json={"input": "hi"})
+            assert r.status_code == 501 and r.json()["error"]["message"] == f"This server does not support {what}."
+            assert r.json()["error"]["type"] == "not_supported_error"
 
 
 def test_llama_server_request_conventions():

@@ -45,7 +45,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
-from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
+from .api_llama import NOT_SERVED, LlamaCompletionJob, check_llama_context, generation_settings, llama_piece, not_served
 from .api_options import add_llama_server_options, key_file, listen_address, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
@@ -127,8 +127,7 @@ class Api:
                 Route(prefix + "/health", self.health, methods=["GET"]))),
             Route("/completion", self.llama_completion, methods=["POST"]),
             Route("/props", self.props, methods=["GET"]),
-            Route("/slots", self.slots, methods=["GET"]),
-            Route("/slots/{id_slot}", self.slots, methods=["POST"]),
+            *(Route(path, not_served(what), methods=methods) for path, (methods, what) in NOT_SERVED.items()),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
@@ -194,10 +193,6 @@ class Api:
                              "chat_template": self.chat_template.source if self.chat_template else "",
                              **special,
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
-
-    async def slots(self, request: Request) -> Response:
-        """llama-server's answer where its slots endpoint is off: the stages keep no slots to list or save."""
-        return error_response(501, "This server does not support slots endpoint.", type_="not_supported_error")
 
     async def health(self, request: Request) -> Response:
         """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else

@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse
 from .http_front import error_object
 
 #: llama-server's own routes (and ``/slots/ID``): their errors in its shape (:class:`ErrorObjects`).
-LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots", "/metrics"})
+LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots", "/metrics",
+                         "/embedding", "/embeddings", "/rerank", "/reranking", "/infill"})
 
 
 def _llama_route(path: str) -> bool:
