@@ -318,6 +318,11 @@ def test_disconnect_mid_stream_frees_the_sessions(api):
     assert len(set(texts)) == 1 and texts[0]
     metrics = httpx.get(api.url + "/metrics").text
     assert re.search(r"^skippy_requests_cancelled_total [1-9]", metrics, re.M), metrics
+    # llama-server's names for the token counters, the same figures as ours
+    for ours, theirs in (("skippy_prompt_tokens_total", "llamacpp:prompt_tokens_total"),
+                         ("skippy_completion_tokens_total", "llamacpp:tokens_predicted_total")):
+        counts = [re.search(rf"^{re.escape(name)} (\d+)$", metrics, re.M) for name in (ours, theirs)]
+        assert counts[0] and counts[1] and int(counts[0][1]) == int(counts[1][1]) > 0, metrics
 
 
 def _post(api, path, body, **kw):

@@ -657,7 +657,8 @@ def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
         assert (engine.counters["requests"], engine.counters["cancelled"]) == (1, 1)
         third = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "C"}, timeout=30)
         _until(lambda: api.admission.waiting == 1, "the third request queues in its place")
-        assert httpx.get(url + "/metrics", timeout=10).text.count("\nskippy_queue_depth 1\n") == 1
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert metrics.count("\nskippy_queue_depth 1\n") == metrics.count("\nllamacpp:requests_deferred 1\n") == 1
         engine.gate.set()
         # ... and never runs: the lane goes to the next in line.
         assert [f.result().json()["choices"][0]["text"] for f in (first, third)] == ["ok", "ok"]
@@ -769,6 +770,7 @@ def test_a_batch_borrows_the_idle_lanes_and_gives_them_back():
         _until(lambda: sorted(engine.prompts) == ["A", "b0", "b1"], "the batch borrows the idle lane")
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert "\nskippy_requests_running 2\n" in metrics and "\nskippy_lanes_busy 3\n" in metrics, metrics
+        assert "\n# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n" in metrics, metrics
         time.sleep(0.2)
         assert len(engine.prompts) == 3  # ... and the third prompt waits for one of them
         engine.gate.set()

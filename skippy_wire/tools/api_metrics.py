@@ -1,5 +1,5 @@
 """``GET /metrics`` of ``api``: its request counters and lane gauges in Prometheus's text
-format (version 0.0.4)."""
+format (version 0.0.4), those llama-server also counts under its names too."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def prometheus_text(counters, admission) -> str:
         ("skippy_requests_running", "gauge", "Requests holding a lane", a.running - a.borrowed),
         ("skippy_lanes_busy", "gauge", "Lanes generating (a request may borrow idle ones)", a.running),
         ("skippy_queue_depth", "gauge", "Requests waiting for a lane", a.waiting),
+        # the same figures under llama-server's names, for the dashboards and scrapers written for it
+        ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", c["prompt_tokens"]),
+        ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.",
+         c["completion_tokens"]),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", a.running - a.borrowed),
+        ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", a.waiting),
     ]
     lines = [line for name, kind, help_, value in rows
              for line in (f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}")]
