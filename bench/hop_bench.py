@@ -30,10 +30,10 @@ import time
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, poll_window, progress, round_ratios,
-                                          script_main, script_options, within_layers)
+from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, progress, round_ratios, script_main,
+                                          script_options, within_layers)
 from skippy_wire.tools.options import int_between, int_list
-from skippy_wire.tools.poll_options import driver_poll_s, poll_args
+from skippy_wire.tools.poll_options import driver_poll_s, poll_args, poll_window
 from skippy_wire.tools.run_report import decode_path_lines, merge_session_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

@@ -51,10 +51,10 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer, model_shape
-from skippy_wire.tools.bench_rows import (cpu_model, one_of, poll_window, progress, round_ratios, script_main,
+from skippy_wire.tools.bench_rows import (cpu_model, one_of, progress, round_ratios, script_main,
                                           script_options, within_layers)
 from skippy_wire.tools.options import int_at_least, int_between, int_list
-from skippy_wire.tools.poll_options import poll_args
+from skippy_wire.tools.poll_options import poll_args, poll_window
 
 CTX_SIZE = 1024  # every stage's context
 MAX_TOKENS = CTX_SIZE - 64  # new tokens a request may ask for: each prompt is under 64 tokens

@@ -23,8 +23,9 @@ import pytest
 
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.stage.chat import ChatTemplate
-from skippy_wire.tools import cli
+from skippy_wire.tools import api, cli, run, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_HANGUP, EXIT_INTERRUPTED, describe
+from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
 from process_helpers import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,6 +113,8 @@ def _one_error_line(err: str) -> str:
     (["run", "--repeat-last-n", "-2"], "argument --repeat-last-n: must be between -1 and 2147483647, got -2"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
     (["api", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
+    (["run", "--poll-ms", "often"], "argument --poll-ms: expected auto or a number, got 'often'"),
+    (["serve", "--poll-ms", "auto"], "argument --poll-ms: expected a number, got 'auto'"),
     # a wider window kept an idle stage's CPU busy for as long after a request
     (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
     (["serve", "--poll-ms", "1001"], "argument --poll-ms: must be between 0 and 1000, got 1001"),
@@ -187,8 +190,6 @@ def assert_usage_error(capsys, args, message: str) -> None:
 
 
 def test_codec_options_take_the_short_names():
-    from skippy_wire.tools import run
-
     for short, identity in {"raw-f32": "raw-f32-v1", "f16": "f16-rne-v1", "bf16": "bf16-rne-v1",
                             "s8": "s8-row-f32-rne-v1"}.items():
         args = run.build_parser().parse_args(["--activation-codec", short])
@@ -199,8 +200,6 @@ def test_codec_options_take_the_short_names():
 
 
 def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
-    from skippy_wire.tools import run
-
     for value in ("-1", "0"):
         assert run.sampling_params(run.build_parser().parse_args(["--top-k", value])).top_k == 0
     assert run.sampling_params(run.build_parser().parse_args(["--top-k", "7"])).top_k == 7
@@ -208,8 +207,6 @@ def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
 
 def test_seed_4294967295_is_random_as_in_llama_cli():
     # llama.cpp's LLAMA_DEFAULT_SEED (and the API's seed of that value): it ran as seed 0 did.
-    from skippy_wire.tools import run
-
     def seed(value):
         return run.sampling_params(run.build_parser().parse_args(["-s", value])).seed
 
@@ -218,8 +215,6 @@ def test_seed_4294967295_is_random_as_in_llama_cli():
 
 
 def test_the_penalties_look_back_64_tokens_as_in_llama_cli():
-    from skippy_wire.tools import run
-
     def wire(*args):
         return run.sampling_params(run.build_parser().parse_args(list(args))).wire()
 
@@ -688,13 +683,18 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
 
 
 def test_started_stages_poll_by_default_only_with_a_cpu_each():
-    from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
-
     cpus = len(os.sched_getaffinity(0))
     assert poll_args(None, cpus) == ["--poll-ms", repr(AUTO_STAGE_POLL_MS)]
     assert poll_args(None, cpus + 1) == []
     assert poll_args(0.0, 1) == [] and poll_args(2.0, cpus + 1) == ["--poll-ms", "2.0"]
     assert driver_poll_s(None) == 0.0 and driver_poll_s(3.0) == 0.003
+    # "auto", the documented default, may be written out where stages are started; serve has none
+    for command in (run, api):
+        parser = command.build_parser()
+        assert parser.parse_args(["--poll-ms", "auto"]).poll_ms is None
+        assert parser.parse_args(["--poll-ms", "2.5"]).poll_ms == 2.5
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--poll-ms", "auto"])
 
 
 @pytest.mark.parametrize("args,message", [

@@ -13,8 +13,7 @@ from typing import Callable, Iterable, Union
 
 from ..stage.models import model_shape, smollm2_path
 from .cli import guarded
-from .options import float_between, int_at_least, once_each
-from .poll_options import MAX_POLL_MS
+from .options import int_at_least, once_each
 from .signals import exiting_on_signals
 
 
@@ -131,15 +130,6 @@ def one_of(*choices: str) -> Callable[[str], str]:
 
     convert.__name__ = "choice"
     return convert
-
-
-def poll_window(text: str) -> float | None:
-    """A script's ``--poll-ms``: ``auto`` (None) or ms in 0..MAX_POLL_MS."""
-    try:
-        return None if text == "auto" else float_between(0, MAX_POLL_MS)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be auto or a number of ms from 0 to {MAX_POLL_MS:g}, "
-                                         f"got {text!r}") from None
 
 
 def comma_list(one: Callable[[str], object]) -> Callable[[str], list]:

@@ -17,6 +17,18 @@ AUTO_STAGE_POLL_MS = 50.0
 MAX_POLL_MS = 1000.0
 
 
+def poll_window(text: str) -> float | None:
+    """``--poll-ms`` where it may be ``auto`` (None: as :func:`poll_args` decides) or ms in
+    0..:data:`MAX_POLL_MS`."""
+    if text == "auto":
+        return None
+    try:
+        float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
+    return float_between(0, MAX_POLL_MS)(text)
+
+
 def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) -> None:
     """``--poll-ms``: the busy-poll window of every socket read of a pipeline
     (:attr:`skippy_wire.net.transport.SocketReader.poll_s`); ``starts_stages``: the command
@@ -26,10 +38,10 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
             "wait (a stage: while at most one session decodes there): saves waking an idle CPU on every hop, "
             "costs CPU time (0: sleep)")
     if starts_stages:
-        text += (f"; default: the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
+        text += (f"; default (auto): the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
                  "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
-    p.add_argument("--poll-ms", type=float_between(0, MAX_POLL_MS), default=None if starts_stages else 0.0,
-                   metavar="MS", help=text)
+    p.add_argument("--poll-ms", type=poll_window if starts_stages else float_between(0, MAX_POLL_MS),
+                   default=None if starts_stages else 0.0, metavar="MS", help=text)
 
 
 def poll_args(poll_ms: float | None, stages: int) -> list[str]:
@@ -45,4 +57,4 @@ def driver_poll_s(poll_ms: float | None) -> float:
     return (poll_ms or 0.0) / 1000.0
 
 
-__all__ = ["AUTO_STAGE_POLL_MS", "MAX_POLL_MS", "add_poll_option", "poll_args", "driver_poll_s"]
+__all__ = ["AUTO_STAGE_POLL_MS", "MAX_POLL_MS", "poll_window", "add_poll_option", "poll_args", "driver_poll_s"]
