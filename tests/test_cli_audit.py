@@ -218,6 +218,22 @@ def test_cluster_takes_c_0_as_the_training_context(capsys, monkeypatch, tiny_mod
                                                         "got -1")
 
 
+def test_cluster_warns_of_a_context_beyond_the_training_one_as_run_does(capsys, monkeypatch, tiny_model):
+    # without -c the context is prompt + new tokens: --prompt-tokens 100000 on SmolLM2 went 12x past its 8192
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+
+    def no_namespaces(*args, **kwargs):
+        raise NetnsError("no namespaces in this test")
+
+    monkeypatch.setattr(cluster, "NetnsChain", no_namespaces)
+    warning = "[skippy-wire] n_ctx ({}) > n_ctx_train (256) -- possible training context overflow\n"
+    for args, ctx, said in ((["--prompt-tokens", "300"], 304, True), (["-c", "257"], 257, True),
+                            (["--prompt-tokens", "252"], 256, False)):
+        code, _, err = _main(capsys, "cluster", "-m", str(tiny_model), "-n", "4", *args, "hello")
+        assert code == 1 and err.endswith("skippy-wire: error: no namespaces in this test\n"), err
+        assert (warning.format(ctx) in err) is said, err
+
+
 def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tiny_model):
     from types import SimpleNamespace
 

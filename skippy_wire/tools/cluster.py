@@ -31,8 +31,8 @@ from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.constants import named_codec_setting
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
-                      add_codec_options, check_output_dir, describe, error_line, file_error, int_at_least,
-                      int_between, milliseconds, seconds, thread_count, training_context_size)
+                      add_codec_options, check_output_dir, context_overflow, describe, error_line, file_error,
+                      int_at_least, int_between, milliseconds, seconds, thread_count, training_context_size)
 from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events, warn_if_unended
@@ -181,6 +181,8 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
         raise ToolError(str(exc)) from None
     require_namespace_hosts()  # after the usage errors: they hold on any machine
     ctx_size = opts.ctx_size or len(prompt) + opts.max_tokens
+    if warning := context_overflow(ctx_size, model):
+        progress(warning)
     threads = opts.threads or default_threads()
     chain = NetnsChain(opts.hosts, rate_bits)
     # The topology file and the stage logs: in --log-dir (kept), else a temporary directory

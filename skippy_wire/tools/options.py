@@ -205,6 +205,15 @@ def training_context(model: Path) -> int | None:
     return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
 
 
+def context_overflow(ctx_size: int, model: Path) -> str | None:
+    """llama.cpp's warning, in its words, for a context longer than the model was trained
+    with (it runs, its later positions beyond what the model learned), or None."""
+    trained = training_context(model)
+    if trained is not None and ctx_size > trained:
+        return f"n_ctx ({ctx_size}) > n_ctx_train ({trained}) -- possible training context overflow"
+    return None
+
+
 def training_context_size(parser: argparse.ArgumentParser | None, model: Path) -> int:
     """``-c 0`` (``run``, ``serve``, ``api``, ``cluster``, ``bench-cluster``): the model's
     training context; a model that does not record one, or one over the stages' limit, is a
@@ -564,7 +573,7 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
            "once_each", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
-           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size", "context_overflow",
            "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
            "address", "stage_address", "check_output_file", "add_tls_options",
            "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",

@@ -36,9 +36,9 @@ from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMP
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
                       add_tls_options, apply_topology, check_codec_options, check_output_dir, describe, error_line,
-                      file_error, float_above, float_between, int_at_least, int_between,
+                      context_overflow, file_error, float_above, float_between, int_at_least, int_between,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
-                      training_context, training_context_size, utf8)
+                      training_context_size, utf8)
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
@@ -336,9 +336,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     if not prompt:
         parser.error("the prompt has no tokens")
     _fit_context(parser, args, model, len(prompt))
-    trained = training_context(model)
-    if trained is not None and args.ctx_size > trained:  # llama.cpp's warning, in its words
-        progress(f"n_ctx ({args.ctx_size}) > n_ctx_train ({trained}) -- possible training context overflow")
+    if warning := context_overflow(args.ctx_size, model):
+        progress(warning)
     sampling = sampling_params(args, tokenizer.eog_ids).wire()
     is_eog = None if args.ignore_eos else tokenizer.is_eog
     connected = "%s:%d" % args.connect if args.connect else None
