@@ -97,6 +97,18 @@ def test_llama_server_s_flags_for_what_the_api_does_anyway_start_it():
     assert _parsed(["--alias", "my model"]).alias == "my model" and _parsed([]).alias is None
 
 
+@pytest.mark.parametrize("option, says", [
+    ("--slots", "--slots is not supported: the stages keep no slots to list, save or restore (/slots answers 501)"),
+    ("--embeddings", "--embeddings is not supported: the stages compute next tokens only (/v1/embeddings answers "
+                     "501)"),
+    ("--rerank", "--rerank is not supported: the stages compute next tokens only (/v1/rerank answers 501)")])
+def test_llama_server_s_flags_for_what_the_api_does_not_serve_say_so(capsys, option, says):
+    # --slots was "unrecognized arguments", as a typo would be
+    with pytest.raises(SystemExit) as exit_:
+        _parsed(["--metrics", option])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"skippy-wire: error: {says}\n")
+
+
 @pytest.mark.parametrize("argv, expected", [([], -1), (["-n", "16"], 16), (["--n-predict", "-2"], -1),
                                              (["--predict", "-1"], -1)])
 def test_llama_server_s_n_is_the_most_tokens_a_request_generates(argv, expected):

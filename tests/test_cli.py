@@ -155,7 +155,8 @@ def _one_error_line(err: str) -> str:
     (["serve", "--model", "m.gguf", "--layer-start", "3", "--layer-end", "2", "--stage-index", "1"],
      "--layer-end 2 must be greater than --layer-start 3"),
     (["serve", "--model", "m.gguf", "--layer-start", "2", "--layer-end", "4"],
-     "--stage-index is required when --layer-start > 0"),
+     "--stage-index is required when --layer-start > 0: give this stage's place in the pipeline (1 for the stage "
+     "after stage 0, and so on)"),
     # accepted, then every v17 link failed its setup on "admitted upstream relationship mismatch"
     (["serve", "--model", "m.gguf", "--layer-start", "15", "--layer-end", "30", "--stage-index", "0"],
      "--stage-index 0 with --layer-start 15: stage 0, and only stage 0, starts at layer 0"),

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sleep this long before every send over a stage-to-stage link (emulated one-way "
                         "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,
-                   help="0 for --layer-start 0 (the default), 1 or more after it (required)")
+                   help="this stage's place in the pipeline: 0 (the default) for --layer-start 0; a stage that starts at a "
+                        "later layer must give it, 1 or more")
     p.add_argument("--listen", default="127.0.0.1:0", type=address,
                    help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, type=address,
@@ -226,7 +227,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                      "(it would connect to itself); give the next stage's address")
     if args.stage_index is None:
         if args.layer_start != 0:
-            parser.error("--stage-index is required when --layer-start > 0")
+            parser.error("--stage-index is required when --layer-start > 0: give this stage's place in the pipeline "
+                             "(1 for the stage after stage 0, and so on)")
         args.stage_index = 0
     elif (args.stage_index == 0) != (args.layer_start == 0):  # v17's setup then refused every link
         parser.error(f"--stage-index {args.stage_index} with --layer-start {args.layer_start}: stage 0, "
