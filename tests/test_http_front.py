@@ -440,6 +440,20 @@ def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(path, body, param, me
         assert (error["type"], error["param"], error["message"]) == ("invalid_request_error", param, message)
 
 
+@pytest.mark.parametrize("field, value, code", [
+    ("temperature", 3, "decimal_above_max_value"), ("temperature", -0.5, "decimal_below_min_value"),
+    ("temperature", "hot", "invalid_type"), ("max_tokens", 0, "integer_below_min_value"),
+    ("max_tokens", 2.5, "invalid_type"), ("n", 1000, "integer_above_max_value"), ("stream", "yes", "invalid_type"),
+    ("user", 7, "invalid_type"), ("logit_bias", 7, "invalid_type"),
+])
+def test_a_field_refused_by_its_type_or_range_carries_openai_s_code(field, value, code):
+    # every 400 had "code": null; the OpenAI SDK's clients branch on e.code
+    with TestClient(_fake_api().app()) as client:
+        r = client.post("/v1/completions", json={"prompt": "Hi", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert r.json()["error"]["code"] == code, r.text
+
+
 def test_deeply_nested_json_is_a_400():
     body = '{"prompt": "Hi", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
     with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:

@@ -68,6 +68,10 @@ _MAX_TOKENS_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
 _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function_call", "functions"))
 
 
+#: OpenAI's error ``code`` for a field of the wrong JSON type.
+INVALID_TYPE = "invalid_type"
+
+
 class BadRequest(Exception):
     """A request the endpoint refuses with HTTP 400 (``param`` names the culprit)."""
 
@@ -113,7 +117,7 @@ def _flag(body: dict, name: str, default: bool, param: Optional[str] = None) -> 
     """``body[name]``, a boolean (``param``: how errors name it, default ``name``)."""
     value = _given(body, name, default)
     if not isinstance(value, bool):
-        raise BadRequest(f"'{param or name}' must be a boolean", param or name)
+        raise BadRequest(f"'{param or name}' must be a boolean", param or name, INVALID_TYPE)
     return value
 
 
@@ -128,11 +132,14 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
     if integer and whole_floats and isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if not (lo < value if above else lo <= value) or not value <= hi:
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name, INVALID_TYPE)
+    low_ok = lo < value if above else lo <= value
+    if not low_ok or not value <= hi:
         low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
         span = f"above {low} and at most {high}" if above else f"between {low} and {high}"
-        raise BadRequest(f"'{name}' must be {span}, got {value}", name)
+        # OpenAI's codes for a number out of range
+        code = f"{'integer' if integer else 'decimal'}_{'below_min' if not low_ok else 'above_max'}_value"
+        raise BadRequest(f"'{name}' must be {span}, got {value}", name, code)
     return value
 
 
@@ -218,10 +225,10 @@ class Options:
 def _check_unsupported(body: dict, chat: bool) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise BadRequest("'model' must be a string", "model")
+        raise BadRequest("'model' must be a string", "model", INVALID_TYPE)
     user = body.get("user")  # OpenAI's end-user id, for its abuse monitoring: read, not used
     if user is not None and not isinstance(user, str):
-        raise BadRequest("'user' must be a string", "user")
+        raise BadRequest("'user' must be a string", "user", INVALID_TYPE)
     # best_of ranks its candidates by log probability, which no stage returns; best_of n
     # returns them all, as n does.
     if _number(body, "best_of", 1, -(2**63), 2**63, integer=True) not in (1, _given(body, "n", 1)):
@@ -238,7 +245,7 @@ def _check_unsupported(body: dict, chat: bool) -> None:
             raise BadRequest(f"'{name}' is only allowed when '{needs}' are specified", name)
     response_format = body.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
-        raise BadRequest("'response_format' must be an object", "response_format")
+        raise BadRequest("'response_format' must be an object", "response_format", INVALID_TYPE)
     if response_format is not None and response_format != {"type": "text"}:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
@@ -254,7 +261,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
     elif isinstance(bias, dict):
         bias = list(bias.items())
     else:
-        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
+        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias", INVALID_TYPE)
     if len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
         raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     out = {}
@@ -281,7 +288,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if not stream:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
+        raise BadRequest("'stream_options' must be an object", "stream_options", INVALID_TYPE)
     return stream, _flag(options, "include_usage", False, "stream_options.include_usage")
 
 
@@ -300,7 +307,8 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
 
     max_tokens = count(name, None, UNTIL_FULL, 2**31 - 1)
     if max_tokens == 0 and not native:  # llama-server's 0 evaluates the prompt and generates nothing
-        raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name)
+        raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name,
+                         "integer_below_min_value")
     if max_tokens == UNTIL_FULL:
         max_tokens = None
     ignore_eos = _flag(body, "ignore_eos", False)
@@ -347,7 +355,7 @@ def parse_template_options(body: dict) -> tuple[bool, dict]:
     of more names the template sees (e.g. ``enable_thinking``)."""
     extra = _given(body, "chat_template_kwargs", {})
     if not isinstance(extra, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs", INVALID_TYPE)
     if taken := replaced_names(extra):
         raise BadRequest(f"'chat_template_kwargs' may not set {taken[0]!r}", "chat_template_kwargs")
     return _flag(body, "add_generation_prompt", True), extra
@@ -360,7 +368,7 @@ def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
     before the request queues for the tokenizer (behind a long prompt, say)."""
     content = _given(body, "content", "")
     if not isinstance(content, str):
-        raise BadRequest("'content' must be a string", "content")
+        raise BadRequest("'content' must be a string", "content", INVALID_TYPE)
     check_tokenize_size(content)
     return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
             _flag(body, "with_pieces", False))
@@ -370,7 +378,7 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     """llama-server's ``/detokenize`` body: ``tokens``, a list of token ids of the vocabulary."""
     tokens = _given(body, "tokens", [])
     if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-        raise BadRequest("'tokens' must be a list of token ids", "tokens")
+        raise BadRequest("'tokens' must be a list of token ids", "tokens", INVALID_TYPE)
     check_token_ids(tokens, n_vocab, "tokens")
     return tokens
 
