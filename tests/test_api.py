@@ -22,9 +22,9 @@ import openai
 import pytest
 from process_helpers import default_sigint, thread_slices
 
-from skippy_wire.net.supervision import default_model
+from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
-from skippy_wire.stage.models import Tokenizer
+from skippy_wire.stage.models import Tokenizer, write_tiny_llama_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -581,6 +581,23 @@ def test_api_connect_to_a_stage_that_requires_tls_it_lacks_is_a_start_up_error(t
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "until the stages answer" not in done.stderr
     assert re.search(r"^skippy-wire: error: stage 0 at \S+ requires mutual TLS", done.stderr, re.M), done.stderr
+
+
+@pytest.mark.parametrize("protocol", ["15", "16"])
+def test_an_api_connected_to_a_later_stage_says_so_at_start(tmp_path, protocol):
+    """--connect to stage 1: it answers the readiness Stop as stage 0 would, so the API served
+    (healthy) and every request was a 502; a one-token prompt finds it out at start."""
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with launch_pipeline(model, 2, ctx_size=64, protocol=int(protocol)) as cluster:
+        later = cluster.stages[1]
+        done = subprocess.run([sys.executable, "-m", "skippy_wire", "api", "--listen", "127.0.0.1:0", "--model",
+                               str(model), "--ctx-size", "64", "--protocol", protocol,
+                               "--connect", f"{later.host}:{later.port}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "until the stages answer" not in done.stderr
+    assert re.search(r"^skippy-wire: error: stage 0 at \S+ closed the connection during a one-token prefill .*; is it "
+                     r"stage 0\? a later stage answers a readiness probe but refuses a driver's tokens$",
+                     done.stderr, re.M), done.stderr
 
 
 def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp_path):

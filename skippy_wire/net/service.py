@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from ..errors import PipelineError, SkippyError
+from ..errors import PipelineError, PipelineMismatch, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient
-from .schedule import check_generation, context_room
+from .schedule import check_generation, context_room, prefill_messages
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -329,6 +329,28 @@ class GenerationEngine:
             client.close()  # a late answer would stay unread on it
             raise
         self._answered()
+        self._give_back(client)
+
+    def check_first_stage(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raise PipelineMismatch unless the stage this engine drives embeds a driver's
+        tokens: a stage after the first answers a readiness Stop as stage 0 does, but refuses
+        every prompt (closing the link before state version 17, which has no error reply to
+        say why).  One token is prefilled into a new session, which is then stopped."""
+        timeout = min(timeout, self.timeout)
+        client = self._take(timeout)
+        client.timeout = timeout
+        session = next(self._ids)
+        try:
+            probe = next(prefill_messages([0, 0], 1, session, session))  # a PrefillEmbd: nothing sampled
+            client.request(probe, "a one-token prefill")
+            client.request(StageWireMessage.stop(session, session), "the one-token prefill's Stop")
+        except PipelineError as exc:
+            client.close()
+            raise PipelineMismatch(f"{exc}; is it stage 0? a later stage answers a readiness probe but refuses "
+                                   "a driver's tokens") from None
+        except BaseException:
+            client.close()
+            raise
         self._give_back(client)
 
     def close(self) -> None:

@@ -542,6 +542,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))
             try:
                 engine.check_ready()
+                if args.connect_address:  # a stage after the first answers that probe too
+                    engine.check_first_stage()
             except PipelineError as exc:
                 if not args.connect_address or isinstance(exc, PipelineMismatch):  # no wait mends a mismatch
                     raise
