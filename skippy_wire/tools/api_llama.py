@@ -151,4 +151,5 @@ def llama_piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-__all__ = ["NOT_SERVED", "not_served", "LlamaCompletionJob", "check_llama_context", "generation_settings", "llama_piece"]
+__all__ = ["NOT_SERVED", "not_served", "LlamaCompletionJob", "check_llama_context", "generation_settings",
+           "llama_piece"]
