@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from skippy_wire.wire.constants import ActivationCodec, CodecPolicy
+from skippy_wire.wire.constants import READY_BYTES, ActivationCodec, CodecPolicy
 from skippy_wire.errors import PipelineError, StageRuntimeError, Status
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.schedule import prefill_messages
@@ -1048,6 +1048,39 @@ def test_a_session_is_never_shed_and_a_shed_downstream_link_is_reopened(chain_fa
             for sock in idle:
                 sock.close()
     assert "downstream had closed the idle link; reconnected" in caplog.text
+
+
+def test_a_downstream_that_writes_unasked_is_named_so_when_its_link_is_reopened(caplog):
+    """Bytes a downstream sent between messages were logged as "downstream had closed the idle
+    link": the link is reopened either way, but the line must say what the peer did."""
+    fake = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def answer() -> None:  # READY, then a byte nobody asked for, on every link
+        while True:
+            try:
+                conn, _ = fake.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.sendall(READY_BYTES + b"x")
+
+    threading.Thread(target=answer, daemon=True).start()
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    server = StageServer(FakeBackend(0, 3, 0), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
+                         downstream=fake.getsockname(), io_timeout=5.0, reply_timeout=1.0)
+    server.start()
+    try:
+        with PipelineClient(*server.address, timeout=5) as client, pytest.raises(PipelineError):
+            client.request(next(prefill_messages(PROMPT, 16, 1, 1)))
+    finally:
+        server.shutdown()
+        fake.close()
+        for conn in accepted:
+            conn.close()
+    lines = [r for r in caplog.records if "reconnected" in r.getMessage()]
+    assert lines and "downstream sent bytes nobody asked for; reconnected" in lines[0].getMessage()
+    assert lines[0].levelno == logging.WARNING and "had closed the idle link" not in caplog.text
 
 
 @pytest.mark.parametrize("mistake", ["max_tokens", "token", "chunk_size"])

@@ -144,6 +144,9 @@ class ShedAwareLog:
     def info(self, fmt: str, *args) -> None:
         self._line("info", fmt, *args)
 
+    def warning(self, fmt: str, *args) -> None:
+        self._line("warning", fmt, *args)
+
     def error(self, fmt: str, *args) -> None:
         self._line("error", fmt, *args)
 

@@ -252,10 +252,12 @@ class StageServer:
                 if not sessions:
                     self.connection_limit.busy(seq)
                     if downstream is not None and not downstream.peer.open_between_messages():
-                        # the next stage closed the idle link (its idle timeout, or shed)
+                        # the next stage closed the idle link (its idle timeout, or shed), or wrote to it unasked
                         downstream.peer.close()
-                        downstream = opened[0] = self._open_downstream(seq, upstream.sock)
-                        clog.info("%s: downstream had closed the idle link; reconnected", name)
+                        unasked, downstream = downstream.peer.unasked, self._open_downstream(seq, upstream.sock)
+                        opened[0] = downstream
+                        (clog.warning if unasked else clog.info)("%s: downstream %s; reconnected", name, "sent bytes "
+                                                                 "nobody asked for" if unasked else "had closed the idle link")
                 reply = self._handle(msg, sessions, upstream, downstream, timer)
                 # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
                 upstream.sock.settimeout(self.io_timeout)
@@ -308,8 +310,7 @@ class StageServer:
                 self._connections.discard(upstream.sock)
 
     def _diagnosis(self, upstream: Peer, text: str) -> str:
-        """``text``, unless the peer opened with a TLS handshake that this plain stage cannot
-        answer: its bytes then read as nonsense, and the real cause is the missing TLS."""
+        """``text``, unless the peer opened with a TLS handshake this plain stage cannot answer (the real cause)."""
         if self._tls_server is None and starts_tls_handshake(upstream.reader.head):
             return TLS_CLIENT_ON_PLAIN_STAGE
         return text
@@ -486,8 +487,7 @@ class StageServer:
                                     sample=step.sample, sampling=step.sampling)
 
     def _run_batch(self, steps) -> list:
-        """Several sessions' steps as one native batch: decode steps alone batch as decode
-        steps, with a prefill chunk among them as one scheduler iteration."""
+        """Several sessions' steps as one native batch: a decode batch, or with a prefill chunk one iteration."""
         if all(step.tokens is None for step in steps):
             return self.backend.decode_batch(steps)
         return self.backend.iteration_batch(steps)

@@ -382,6 +382,7 @@ class Peer:
             self._cap_in = open(capture_prefix + "-replies.bin", "wb")
         self.reader = SocketReader(sock, decoder if decoder is not None else StageReplyDecoder(), self._cap_in)
         self.sent = 0
+        self.unasked = False  # bytes arrived between messages (open_between_messages)
 
     @property
     def received(self) -> int:
@@ -403,17 +404,18 @@ class Peer:
     def open_between_messages(self) -> bool:
         """Whether the connection is still usable while nothing is owed on it: False once the
         other end closed it (the socket turned readable with EOF) or sent bytes nobody asked
-        for."""
+        for (:attr:`unasked` then True)."""
         sock = self.sock
         try:
             if self.reader.buffered:
+                self.unasked = True
                 return False
             if not select.select([sock], [], [], 0)[0]:
                 return True
             timeout = sock.gettimeout()
             sock.setblocking(False)
-            try:
-                sock.recv(1)  # EOF, or bytes nobody asked for: either way the link is unusable
+            try:  # EOF, or bytes nobody asked for: either way the link is unusable
+                self.unasked = bool(sock.recv(1))
             except (ssl.SSLWantReadError, BlockingIOError):
                 return True  # only TLS housekeeping (e.g. a TLS 1.3 session ticket) had arrived
             finally:
