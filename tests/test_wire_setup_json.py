@@ -108,6 +108,17 @@ def test_negative_zero_inside_an_ignored_field_is_skipped():
     assert _parse_hello(_hello(extra=[-0, {"a": -0}])).output == _profile([_part()])
 
 
+def test_an_integer_past_u64_is_skipped_where_ignored_and_refused_where_read():
+    # 5000 digits: Python's int() refuses it outright ("Exceeds the limit (4300 digits)"),
+    # which the log then quoted; serde_json scans an ignored number and reads a huge one as an f64
+    for digits in ("1" * 30, "9" * 5000, "-" + "9" * 5000):
+        assert _parse_hello(_hello(extra=[int(digits[:4]), {"a": 0}]).replace(digits[:4], digits, 1)).output \
+            == _profile([_part()])
+        with pytest.raises(JsonShapeError) as err:
+            _parse_hello(_hello().replace('"index":0', f'"index":{digits}'))
+        assert "digits" not in str(err.value)
+
+
 def test_unit_variant_as_a_map():
     hello = _parse_hello(_hello().replace('"role":"Activation"', '"role":{"Activation":null}'))
     assert hello.role is SetupRole.ACTIVATION

@@ -187,9 +187,17 @@ def _pairs(pairs: list) -> dict:
     return out
 
 
+#: Characters of an integer literal read as an integer: u64's 20 digits, or a sign and i64's 19.
+_INT_DIGITS = 20
+
+
 def _int_literal(text: str):
-    # serde_json reads `-0` as the float -0.0, which no integer field accepts
-    return -0.0 if text == "-0" else int(text)
+    # serde_json reads `-0` as the float -0.0, which no integer field accepts, and a number past
+    # u64 as an f64 (an ignored one it only scans): a float too, not int() of thousands of
+    # digits, which Python refuses outright
+    if text == "-0":
+        return -0.0
+    return int(text) if len(text) <= _INT_DIGITS else float(text)
 
 
 #: Arrays and objects nested deeper than this are checked, then read as null: no field
