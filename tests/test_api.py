@@ -583,7 +583,7 @@ def test_api_connect_to_a_stage_that_requires_tls_it_lacks_is_a_start_up_error(t
     assert re.search(r"^skippy-wire: error: stage 0 at \S+ requires mutual TLS", done.stderr, re.M), done.stderr
 
 
-@pytest.mark.parametrize("protocol", ["15", "16"])
+@pytest.mark.parametrize("protocol", ["15", "16", "17"])
 def test_an_api_connected_to_a_later_stage_says_so_at_start(tmp_path, protocol):
     """--connect to stage 1: it answers the readiness Stop as stage 0 would, so the API served
     (healthy) and every request was a 502; a one-token prompt finds it out at start."""

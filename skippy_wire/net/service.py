@@ -332,10 +332,11 @@ class GenerationEngine:
         self._give_back(client)
 
     def check_first_stage(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Raise PipelineMismatch unless the stage this engine drives embeds a driver's
-        tokens: a stage after the first answers a readiness Stop as stage 0 does, but refuses
-        every prompt (closing the link before state version 17, which has no error reply to
-        say why).  One token is prefilled into a new session, which is then stopped."""
+        """:meth:`check_ready`, and also PipelineMismatch unless the stage this engine drives
+        embeds a driver's tokens: a stage after the first answers a readiness Stop as stage 0
+        does, but refuses every prompt, closing the link (no error reply says why).  One
+        token is prefilled into a new session, which is then stopped.  A stage that cannot
+        be reached, or whose chain is not up (no READY, no setup), is a PipelineError."""
         timeout = min(timeout, self.timeout)
         client = self._take(timeout)
         client.timeout = timeout
