@@ -296,3 +296,13 @@ def test_a_wire_frame_s_origin_beyond_i32_is_refused_by_name_when_built(origin, 
     for build in (frame_from_wire, packed_frame_from_wire):
         with pytest.raises(ActivationFrameError, match=f"^{re.escape(text)}$"):
             build(bytes(32), 1, 8, *origin)
+
+
+def test_a_packed_frame_s_float_origin_is_refused_after_the_equal_int_s():
+    # the packed descriptor is cached per shape, and 15.0 == 15 found the int's descriptor
+    packed_frame_from_wire(bytes(32), 1, 8, 1, 0, 15)
+    for origin in ((1, 0, 15.0), (1.0, 0, 15)):
+        with pytest.raises(ActivationFrameError) as want:
+            frame_from_wire(bytes(32), 1, 8, *origin)
+        with pytest.raises(ActivationFrameError, match=f"^{re.escape(str(want.value))}$"):
+            packed_frame_from_wire(bytes(32), 1, 8, *origin)

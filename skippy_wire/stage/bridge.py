@@ -93,7 +93,7 @@ def frame_from_wire(payload: bytes, token_count: int, n_embd: int, producer_stag
     return ActivationFrame(desc, data)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)  # typed: 15.0 (refused) is no hit for 15's descriptor
 def _packed_rows_desc(n_embd: int, token_count: int, producer_stage_index: int, layer_start: int, layer_end: int,
                       identity: Optional[bytes], frontier: Optional[bytes]) -> bytes:
     producer_stage_index, layer_start, layer_end = _checked_origin(producer_stage_index, layer_start, layer_end)
