@@ -220,20 +220,38 @@ def test_the_engine_s_context_bounds_its_clients_as_the_stages_would():
     try:
         out = engine.generate([1, 2, 3], max_tokens=20, sampling=SamplingParams(temperature=0.0), stop="",
                               on_text=lambda text, tokens: None, cancelled=threading.Event())
-        assert out.finish_reason == "length" and len(out.tokens) <= 4  # 6 - 3 + 1 (the last is not fed back)
+        assert out.finish_reason == "length" and len(out.tokens) == 4  # 6 - 3 + 1 (the last is not fed back)
         assert engine.counters["failed"] == 0
     finally:
         engine.close()
         chain.close()
 
 
+class RecordingSampling(FakeBackend):
+    """A terminal stage that records the sampling each prefill asks it for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list = []
+
+    def prefill(self, session, tokens, activation, state_flags, *, sample, sampling):
+        self.seen.append(sampling)
+        return super().prefill(session, tokens, activation, state_flags, sample=sample, sampling=sampling)
+
+
 def test_an_engine_generation_without_sampling_or_cancel_event_is_greedy():
     """sampling=None and cancelled=None were AttributeErrors, counted as pipeline failures."""
-    chain = Chain([(0, 3), (3, 6)])
+    terminal = RecordingSampling(3, 6, 1)
+    chain = Chain([(0, 3), (3, 6)], backends=[FakeBackend(0, 3, 0), terminal])
     engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
     try:
         out = engine.generate([1, 2, 3], max_tokens=3, sampling=None, stop=[], on_text=lambda text, tokens: None)
         assert out.tokens == fake_reference([1, 2, 3], 3) and engine.counters["failed"] == 0
+        # the fake model does not sample: what reached the terminal stage is what greedy asks for
+        for asked in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)):
+            engine.generate([1, 2, 3], max_tokens=1, sampling=asked, stop=[], on_text=lambda text, tokens: None)
+        none, greedy, sampled = terminal.seen  # one prefill each
+        assert none == greedy != sampled
     finally:
         engine.close()
         chain.close()
