@@ -577,6 +577,7 @@ def test_api_connect_to_a_stage_that_requires_tls_it_lacks_is_a_start_up_error(t
                                str(model), "--ctx-size", "64", "--connect", "127.0.0.1:%d" % stage.getsockname()[1]],
                               capture_output=True, text=True, timeout=60)
     finally:
+        stage.shutdown(socket.SHUT_RDWR)  # wakes answer()'s accept() (close() alone does not)
         stage.close()
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "until the stages answer" not in done.stderr

@@ -7,11 +7,20 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 
 from skippy_wire.tools.http_loading import LoadingAnswers
 
 #: llama-server's answer while it loads its model.
 LOADING_ERROR = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+def _stop_within(loading: LoadingAnswers, seconds: float = 5.0) -> None:
+    """``loading.stop()``, failing the test (not hanging it) if it does not return in time."""
+    stopping = threading.Thread(target=loading.stop, daemon=True)
+    stopping.start()
+    stopping.join(seconds)
+    assert not stopping.is_alive(), "stop() did not end the answering thread"
 
 
 def test_every_request_while_loading_is_a_503_and_the_socket_is_handed_over_after():
@@ -35,7 +44,7 @@ def test_every_request_while_loading_is_a_503_and_the_socket_is_handed_over_afte
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"\r\n\r\n")
     finally:
-        loading.stop()
+        _stop_within(loading)
     # stopped: a new connection waits for the server that takes the socket over
     with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
         listener.settimeout(10)
@@ -48,4 +57,6 @@ def test_stopping_after_the_listener_closed_ends_at_once():
     listener = socket.create_server(("127.0.0.1", 0))
     loading = LoadingAnswers(listener)
     listener.close()
-    loading.stop()  # (joins the thread: this test hangs if it does not end)
+    loading._thread.join(5)
+    assert not loading._thread.is_alive()  # it ended on its own: its listener is gone
+    _stop_within(loading)

@@ -1065,7 +1065,8 @@ def test_a_downstream_that_writes_unasked_is_named_so_when_its_link_is_reopened(
             accepted.append(conn)
             conn.sendall(READY_BYTES + b"x")
 
-    threading.Thread(target=answer, daemon=True).start()
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     server = StageServer(FakeBackend(0, 3, 0), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
                          downstream=fake.getsockname(), io_timeout=5.0, reply_timeout=1.0)
@@ -1075,9 +1076,12 @@ def test_a_downstream_that_writes_unasked_is_named_so_when_its_link_is_reopened(
             client.request(next(prefill_messages(PROMPT, 16, 1, 1)))
     finally:
         server.shutdown()
+        fake.shutdown(socket.SHUT_RDWR)  # wakes its accept() (close() alone does not)
         fake.close()
+        answering.join(5)
         for conn in accepted:
             conn.close()
+    assert not answering.is_alive()
     lines = [r for r in caplog.records if "reconnected" in r.getMessage()]
     assert lines and "downstream sent bytes nobody asked for; reconnected" in lines[0].getMessage()
     assert lines[0].levelno == logging.WARNING and "had closed the idle link" not in caplog.text

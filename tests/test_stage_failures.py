@@ -333,4 +333,5 @@ def test_a_downstream_that_closes_before_ready_is_said_so_in_words(caplog):
         assert "failed to fill whole buffer" not in caplog.text
     finally:
         server.shutdown()
+        closing.shutdown(socket.SHUT_RDWR)  # wakes close_each's accept() (close() alone does not)
         closing.close()
