@@ -122,6 +122,11 @@ def test_v17_driver_checks_the_run_it_reached(chains):
     with pytest.raises(PipelineError, match="stage setup failed: admitted downstream relationship mismatch "
                                             r"\(run 'skippy-wire', here 'another-run'\)"):
         PipelineClient(*servers[0].address, timeout=5, protocol=17, identity=driver_identity("another-run"))
+    # the model is named as the id --model-id sets, on this side of the link too
+    with pytest.raises(PipelineError, match="stage setup failed: admitted downstream relationship mismatch "
+                                            r"\(model id 'skippy-wire', here 'smol-copy'\)"):
+        PipelineClient(*servers[0].address, timeout=5, protocol=17,
+                       identity=driver_identity(model_id="smol-copy"))
 
 
 @pytest.mark.parametrize("stage,driver", [(16, 15), (15, 16), (17, 15), (17, 16), (15, 17), (16, 17)])
