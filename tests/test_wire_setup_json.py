@@ -116,7 +116,7 @@ def test_an_integer_past_u64_is_skipped_where_ignored_and_refused_where_read():
             == _profile([_part()])
         with pytest.raises(JsonShapeError) as err:
             _parse_hello(_hello().replace('"index":0', f'"index":{digits}'))
-        assert "digits" not in str(err.value)
+        assert str(err.value).endswith(", expected an integer in 0..=4294967295"), err.value
 
 
 def test_unit_variant_as_a_map():
