@@ -683,14 +683,14 @@ def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
     finally:
         script.kill()
         script.wait(30)
-    for _ in range(100):  # the orphans' reaping (bounded: 10 s)
-        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
-                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
-        if not alive:
-            break
-        time.sleep(0.1)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # the orphans' reaping (bounded: 10 s)
+            alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                     and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+            if not alive:
+                break
+            time.sleep(0.1)
+        for pid in alive:  # whatever the test's outcome, none is left behind
+            os.kill(pid, signal.SIGKILL)
     assert not alive
 
 

@@ -325,15 +325,22 @@ def test_serve_whose_stdout_closed_serves_on_without_its_events(tiny_model):
     assert "reset" not in err and "Traceback" not in err and "Exception ignored" not in err
 
 
-def test_serve_prints_session_events_within_the_log_budget(tiny_model):
+def test_serve_prints_session_events_within_the_log_budget(tiny_model, tmp_path):
     """A peer opening and stopping sessions in a loop made every stage of the chain print a
     "session" event for each (some 1,800 lines a second): they keep the log lines' budget,
     LOG_BURST at once, then LOG_RATE a second, the next one printed counting those not."""
-    stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model), "--layer-start",
-                              "0", "--layer-end", "4", "--listen", "127.0.0.1:0"], cwd=REPO,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # into files, not pipes read at the end: without the budget a full pipe would block the stage
+    out_path, err_path = tmp_path / "events.jsonl", tmp_path / "stage.log"
+    with open(out_path, "w") as out_file, open(err_path, "w") as err_file:
+        stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(tiny_model),
+                                  "--layer-start", "0", "--layer-end", "4", "--listen", "127.0.0.1:0"], cwd=REPO,
+                                 stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file)
     try:
-        listening = json.loads(stage.stdout.readline())
+        for _ in range(300):  # its "listening" event (bounded: 30 s)
+            if out_path.read_text().endswith("\n"):
+                break
+            time.sleep(0.1)
+        listening = json.loads(out_path.read_text().splitlines()[0])
         opened = 2 * LOG_BURST
         started = time.monotonic()
         with PipelineClient(listening["host"], listening["port"], timeout=30) as client:
@@ -346,7 +353,8 @@ def test_serve_prints_session_events_within_the_log_budget(tiny_model):
             client.generate([1, 2, 3], max_tokens=2, chunk_size=4, session_id=opened + 1)
     finally:
         stage.terminate()
-        out, err = stage.communicate(timeout=30)
+        stage.wait(30)
+    out, err = out_path.read_text(), err_path.read_text()
     sessions = [json.loads(line) for line in out.splitlines() if '"session"' in line]
     assert LOG_BURST <= len(sessions) <= LOG_BURST + LOG_RATE * elapsed + 2, (len(sessions), elapsed)
     assert sessions[-1]["session_id"] == opened + 1 and sessions[-1]["decode_tokens"] >= 1

@@ -454,6 +454,19 @@ def test_a_field_refused_by_its_type_or_range_carries_openai_s_code(field, value
         assert r.json()["error"]["code"] == code, r.text
 
 
+def test_the_unspecified_ipv6_host_listens_on_ipv4_too_and_is_warned_about(monkeypatch):
+    # (the sockets are not made: `::` would listen on every interface of the machine running the tests)
+    made = []
+    monkeypatch.setattr(socket, "create_server", lambda address, **kwargs: made.append((address[:2], kwargs)))
+    for host in ("::", "::1", "127.0.0.1"):
+        http_front.listening_socket(host, 8080)
+    assert made == [(("::", 8080), {"family": socket.AF_INET6, "dualstack_ipv6": True}),
+                    (("::1", 8080), {"family": socket.AF_INET6, "dualstack_ipv6": False}), (("127.0.0.1", 8080), {})]
+    assert http_front.open_api_warning("::", 8080, None).startswith("warning: listening on [::]:8080, beyond loopback")
+    assert http_front.open_api_warning("::", 8080, "key") is None and http_front.open_api_warning("::1", 8080, None) \
+        is None
+
+
 def test_deeply_nested_json_is_a_400():
     body = '{"prompt": "Hi", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
     with TestClient(_fake_api().app(), raise_server_exceptions=False) as client:
