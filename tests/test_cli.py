@@ -114,6 +114,10 @@ def _one_error_line(err: str) -> str:
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
     (["api", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
     (["run", "--poll-ms", "often"], "argument --poll-ms: expected auto or a number, got 'often'"),
+    (["run", "-i", "hi"], "-i is not supported: run generates once, as llama-cli's -cnv -st; for a conversation, "
+                          "serve it with `api`"),
+    (["run", "-cnv", "--raw", "hi"], "-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out"),
+    (["run", "-no-cnv", "-sys", "x", "hi"], "-sys/--system-prompt goes into the chat template, which --raw leaves out"),
     (["serve", "--poll-ms", "auto"], "argument --poll-ms: expected a number, got 'auto'"),
     # a wider window kept an idle stage's CPU busy for as long after a request
     (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
@@ -683,6 +687,14 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
     sampled = [_run_json(capsys, smollm2_pipeline, "-s", str(seed), "--temp", "0.9", *prompt)["summary"]["tokens"]
                for seed in (1, 2, 3)]
     assert any(tokens != greedy for tokens in sampled)
+
+
+def test_llama_cli_s_completion_mode_is_raw_and_its_chat_turn_run_s_own():
+    # -no-cnv was taken and ignored: the prompt still went through the chat template
+    parser = run.build_parser()
+    assert parser.parse_args(["-no-cnv"]).raw and parser.parse_args(["--no-conversation"]).raw
+    for flags in (["-cnv"], ["-st"], ["--conversation", "--single-turn"], []):
+        assert not parser.parse_args(flags).raw
 
 
 def test_started_stages_poll_by_default_only_with_a_cpu_each():

@@ -396,7 +396,7 @@ def test_run_check_with_auto_lossless_exits_0():
 def test_ignore_eos_generates_every_token_asked_for_as_llama_cli():
     """A chat answer ends early at the end-of-generation token; with --ignore-eos the -n
     tokens all come (their ids none of the model's end-of-generation tokens), and --check
-    agrees; -no-cnv is taken as llama-cli takes it."""
+    agrees; llama-cli's one chat turn (-cnv -st) is run's own."""
     from skippy_wire.stage.models import Tokenizer
 
     def tokens(*extra):
@@ -404,7 +404,7 @@ def test_ignore_eos_generates_every_token_asked_for_as_llama_cli():
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)["summary"]["tokens"]
 
-    assert len(tokens("-no-cnv")) < 48
+    assert len(tokens("-cnv", "-st")) < 48
     longer = tokens("--ignore-eos", "--check")
     eog = set(Tokenizer.from_gguf(default_model()).eog_ids)
     assert len(longer) == 48 and not eog & set(longer)

@@ -9,7 +9,7 @@ import ipaddress
 import urllib.parse
 
 from .llama_sampling import max_tokens
-from .options import MAX_PORT, UNTIL_FULL, address, file_error
+from .options import MAX_PORT, UNTIL_FULL, Refused, address, file_error
 
 #: The most characters of a key file's first line read (a key; not a whole /dev/zero).
 MAX_KEY_LINE = 4096
@@ -72,18 +72,6 @@ def model_alias(text: str) -> str:
     return text
 
 
-class _Refused(argparse.Action):
-    """A llama-server option for what this front does not serve: a usage error that says so
-    (an unknown option would read as a typo)."""
-
-    def __init__(self, *args, reason: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.reason = reason
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(f"{option_string} is not supported: {self.reason}")
-
-
 def add_llama_server_options(p: argparse.ArgumentParser) -> None:
     """llama-server's options for the model's name and for what this front does anyway, so
     that its command lines start it."""
@@ -97,7 +85,7 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
                        (("--embedding", "--embeddings"), "the stages compute next tokens only (/v1/embeddings "
                                                          "answers 501)"),
                        (("--reranking", "--rerank"), "the stages compute next tokens only (/v1/rerank answers 501)")):
-        p.add_argument(*names, action=_Refused, nargs=0, help=argparse.SUPPRESS, reason=why)
+        p.add_argument(*names, action=Refused, reason=why)
     p.add_argument("--jinja", "--metrics", "--no-webui", "-cb", "--cont-batching", action="store_true",
                    dest="llama_server_defaults",
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "

@@ -330,6 +330,18 @@ def thread_count(text: str) -> int | None:
 thread_count.__name__ = "int"
 
 
+class Refused(argparse.Action):
+    """A llama.cpp option for what this command does not do (``reason``): a usage error that
+    says so, where an unknown option would read as a typo.  Hidden from ``--help``."""
+
+    def __init__(self, *args, reason: str, **kwargs) -> None:
+        super().__init__(*args, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not supported: {self.reason}")
+
+
 class IgnoredGpuLayers(argparse.Action):
     """llama.cpp's ``-ngl N``: taken (its command lines run here), ignored with its CPU build's warning."""
 
@@ -571,9 +583,10 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
 
 __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
            "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
-           "once_each", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
+           "once_each", "Refused", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
-           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size", "context_overflow",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size",
+           "context_overflow",
            "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
            "address", "stage_address", "check_output_file", "add_tls_options",
            "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",

@@ -34,7 +34,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
                              max_tokens)
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      UNTIL_FULL, Parser, StartedStagesOption, add_codec_options, add_gpu_layers_option,
+                      UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options, add_gpu_layers_option,
                       add_tls_options, apply_topology, check_codec_options, check_output_dir, describe, error_line,
                       context_overflow, file_error, float_above, float_between, int_at_least, int_between,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
@@ -110,8 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at an end-of-generation token: -n tokens are generated, as llama-cli's "
                         "(their logits become -inf) (default: off)")
-    p.add_argument("-no-cnv", "--no-conversation", action="store_true",
-                   help="taken as llama-cli takes it: run generates once, never in conversation (default: off)")
+    # llama-cli's modes: its completion mode is --raw; one chat turn is what run does anyway
+    p.add_argument("-no-cnv", "--no-conversation", dest="raw", action="store_true",
+                   help="llama-cli's completion mode: the same as --raw (default: off)")
+    p.add_argument("-cnv", "--conversation", "-st", "--single-turn", dest="chat_turn", action="store_true",
+                   help="llama-cli's one chat turn: the chat template, as run does without --raw (default: off)")
+    p.add_argument("-i", "--interactive", "-if", "--interactive-first", action=Refused,
+                   reason="run generates once, as llama-cli's -cnv -st; for a conversation, serve it with `api`")
     where = p.add_mutually_exclusive_group()
     # default None, filled in by _check_args: argparse sees a conflict with --connect only for
     # a value that is not the default object (`--stages 2 --connect ...` passed)
@@ -223,6 +228,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("the prompt is empty")
     if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
         parser.error("-sys/--system-prompt goes into the chat template, which --raw leaves out")
+    if args.raw and args.chat_turn:
+        parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
     # before the checks of their values: with running stages they configure nothing
     refuse_started_stage_options(parser, args, used=("threads",) if args.check else ())
     args.stages = args.stages or DEFAULT_STAGES
