@@ -100,9 +100,9 @@ def _one_error_line(err: str) -> str:
     # a two-stage comparison was asked for and a batch table printed
     (["bench-backend", "--stages", "--batch", "2"], "--stages compares one stage with two; it does not go with --batch"),
     (["bench-backend", "--stages", "--matmul"], "--stages compares one stage with two; it does not go with --matmul"),
-    (["run", "--temp", "-1"], "argument --temp/--temperature: must be between 0 and 1e+06, got -1"),
-    (["run", "--temp", "inf"], "argument --temp/--temperature: must be between 0 and 1e+06, got inf"),
-    (["run", "--temp", "1e39"], "argument --temp/--temperature: must be between 0 and 1e+06, got 1e39"),  # f32 +inf
+    (["run", "--temp", "-1e7"], "argument --temp/--temperature: must be between -1e+06 and 1e+06, got -1e7"),
+    (["run", "--temp", "inf"], "argument --temp/--temperature: must be between -1e+06 and 1e+06, got inf"),
+    (["run", "--temp", "1e39"], "argument --temp/--temperature: must be between -1e+06 and 1e+06, got 1e39"),
     (["run", "--repeat-penalty", "1e39"], "argument --repeat-penalty: must be greater than 0 and at most 10, got 1e39"),
     (["run", "--timeout", "inf"], "argument --timeout: must be finite, got inf"),
     (["run", "--top-p", "1.5"], "argument --top-p: must be between 0 and 1, got 1.5"),
@@ -689,6 +689,14 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
     sampled = [_run_json(capsys, smollm2_pipeline, "-s", str(seed), "--temp", "0.9", *prompt)["summary"]["tokens"]
                for seed in (1, 2, 3)]
     assert any(tokens != greedy for tokens in sampled)
+
+
+def test_a_temperature_at_or_below_zero_is_greedy_as_in_llama_cli():
+    # --temp -1 was refused ("must be between 0 and 1e+06")
+    for temp in ("-1", "-0.5", "0"):
+        assert run.sampling_params(run.build_parser().parse_args(["--temp", temp])).wire() is None, temp
+    assert run.sampling_params(run.build_parser().parse_args(["--temp", "0.7"])).wire().temperature == \
+        pytest.approx(0.7)
 
 
 def test_llama_cli_s_completion_mode_is_raw_and_its_chat_turn_run_s_own():

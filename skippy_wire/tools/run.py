@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate at most (-1 or -2: until the context is full)")
     p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
                    help="sampling seed (-1 or 4294967295, llama.cpp's LLAMA_DEFAULT_SEED: random)")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float_between(0, MAX_NATIVE_TEMPERATURE),
-                   default=LLAMA_SAMPLING["temperature"], help="temperature (0: greedy)")
+    p.add_argument("--temp", "--temperature", dest="temperature",
+                   type=float_between(-MAX_NATIVE_TEMPERATURE, MAX_NATIVE_TEMPERATURE),
+                   default=LLAMA_SAMPLING["temperature"], help="temperature (0 or below: greedy, as llama-cli's)")
     p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=LLAMA_SAMPLING["top_k"],
                    help="top-k (0 or below: off)")
     p.add_argument("--top-p", type=float_between(0, 1), default=LLAMA_SAMPLING["top_p"], help="top-p (1: off)")
@@ -245,7 +246,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` banned."""
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+    sampling = SamplingParams(temperature=max(0.0, args.temperature), top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=None if args.seed in (RANDOM_SEED, LLAMA_DEFAULT_SEED) else args.seed,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
