@@ -66,9 +66,11 @@ def _one_error_line(err: str) -> str:
     (["run", "--chunk-size", "0"], "argument --chunk-size: must be at least 1, got 0"),
     (["run", "--chunk-size", "-1"], "argument --chunk-size: must be at least 1, got -1"),
     (["run", "--max-tokens", "0"],
-     "argument -n/--max-tokens/--predict/--n-predict: must be -1 (until the context is full) or at least 1, got 0"),
+     "argument -n/--max-tokens/--predict/--n-predict: must be -1 (or -2: until the context is full) or at least 1, "
+     "got 0"),
     (["run", "-n", "-5"],
-     "argument -n/--max-tokens/--predict/--n-predict: must be -1 (until the context is full) or at least 1, got -5"),
+     "argument -n/--max-tokens/--predict/--n-predict: must be -1 (or -2: until the context is full) or at least 1, "
+     "got -5"),
     (["run", "--threads", "0"], "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 0"),
     (["run", "-t", "99999999999"],
      "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 99999999999"),

@@ -20,7 +20,7 @@ LLAMA_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
 #: llama.cpp's ``-n -2``, "until the context is filled": what -1 does here (llama-cli's -1
 #: would shift the context and go on, which the stages do not).
 UNTIL_FILLED = -2
-_MAX_TOKENS = int_at_least(1, special=(UNTIL_FULL, "until the context is full"))
+_MAX_TOKENS = int_at_least(1, special=(UNTIL_FULL, "or -2: until the context is full"))
 
 
 def max_tokens(text: str) -> int:
