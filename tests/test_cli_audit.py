@@ -650,7 +650,7 @@ def test_llama_cli_s_display_and_log_flags_are_taken(capsys, tiny_model, fake_cl
                            "hello")
     assert code == 0 and out.startswith("hello") and "[skippy-wire]" in err, (out, err)
     code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "-n", "2", "--raw",
-                           "--no-display-prompt", "--log-disable", "--no-warmup", "--simple-io", "hello")
+                           "--no-display-prompt", "--log-disable", "--no-warmup", "--simple-io", "--jinja", "hello")
     assert code == 0, err
     assert not out.startswith("hello") and " w" in out  # the continuation alone
     assert "[skippy-wire]" not in err  # --log-disable: --quiet

@@ -161,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress lines (llama-cli's --log-disable too) (default: off)")
     p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                    help="with --raw, print only the continuation, not the prompt before it (default: the prompt too)")
-    p.add_argument("--no-warmup", "--simple-io", action="store_true",
-                   help="taken as llama-cli takes them: there is no warm-up run to skip, and the output is plain "
-                        "text already (default: off)")
+    p.add_argument("--no-warmup", "--simple-io", "--jinja", action="store_true",
+                   help="taken as llama-cli takes them: there is no warm-up run to skip, the output is plain "
+                        "text already, and chat templates are rendered by jinja2 anyway (default: off)")
     add_tls_options(p, "the driver link (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
     return p
