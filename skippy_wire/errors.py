@@ -236,6 +236,11 @@ class PipelineMismatch(PipelineError):
     setting to change, which no wait mends (unlike a stage that is down)."""
 
 
+class PipelineClosed(PipelineError):
+    """Stage 0 closed the connection while a request was out: a stage failed, or refused
+    what was sent (before state version 17 no error reply can say so)."""
+
+
 class StateVersionMismatch(StageError):
     """The peer of a connection speaks another stage state version (15, 16 or 17).
 

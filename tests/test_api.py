@@ -22,6 +22,8 @@ import openai
 import pytest
 from process_helpers import default_sigint, thread_slices
 
+from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import Tokenizer, write_tiny_llama_gguf
@@ -598,6 +600,18 @@ def test_an_api_connected_to_a_later_stage_says_so_at_start(tmp_path, protocol):
     assert re.search(r"^skippy-wire: error: stage 0 at \S+ closed the connection during a one-token prefill .*; is it "
                      r"stage 0\? a later stage answers a readiness probe but refuses a driver's tokens$",
                      done.stderr, re.M), done.stderr
+
+
+def test_an_api_connected_to_a_stage_0_with_every_lane_busy_waits_for_it(tmp_path):
+    """The start-up probe takes a lane: a stage 0 whose lanes are all held (another API on the
+    same stages) answers it late, which is no mismatch to exit on but stages to wait for."""
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with launch_pipeline(model, 2, ctx_size=64, extra_args=["-np", "1"]) as cluster, \
+            PipelineClient(*cluster.entry, timeout=30) as holder:
+        holder.request(next(prefill_messages([1, 2, 3], 4, 7, 7)))  # holds the one lane
+        server = ApiServer("--connect", "%s:%d" % cluster.entry, "-m", str(model), "-c", "64", "-np", "1")
+        log = server.close()
+    assert "is it stage 0?" not in log and "until the stages answer" in log, log
 
 
 def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp_path):

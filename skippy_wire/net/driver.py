@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import (PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired, WireError,
-                      os_reason)
+from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
+                      WireError, os_reason)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
@@ -282,14 +282,14 @@ class PipelineClient:
     def _log_marks(self):
         return self._stages.log_marks() if self._stages is not None else None
 
-    def _failed(self, seen: str, unexplained: str = "") -> PipelineError:
-        """The error for ``seen`` (what the driver saw), after which stage failed and why when
-        the stages this process started or a topology it drives tell; else with
+    def _failed(self, seen: str, unexplained: str = "", kind: type = PipelineError) -> PipelineError:
+        """The error (a ``kind``) for ``seen`` (what the driver saw), after which stage failed
+        and why when the stages this process started or a topology it drives tell; else with
         ``unexplained`` added."""
         cause = self._stages.explain(self._marks) if self._stages is not None else None
         if cause is None and self._topology is not None:
             cause = self._topology.unreachable_stage()
-        return PipelineError(f"{cause}; {seen}" if cause else seen + unexplained)
+        return kind(f"{cause}; {seen}" if cause else seen + unexplained)
 
     def _guard(self, fn, what: str):
         """``fn()``, a send or a wait on the link, its failure as the error that names it."""
@@ -318,7 +318,7 @@ class PipelineClient:
             raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
         except PeerClosedError:
             raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
-                               " (a stage failed; the stages' logs say which and why)") from None
+                               " (a stage failed; the stages' logs say which and why)", PipelineClosed) from None
         except OSError as exc:
             if self._closed:  # close() from another thread took the socket away
                 raise PipelineError(f"stage 0 at {self.address}: this client was closed during {what}") from None

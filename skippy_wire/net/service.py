@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from ..errors import PipelineError, PipelineMismatch, SkippyError
+from ..errors import PipelineClosed, PipelineError, PipelineMismatch, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient
@@ -308,19 +308,30 @@ class GenerationEngine:
                 return
         client.close()  # a generation that close() did not cut off ends after it: nothing pools it again
 
-    def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+    def check_ready(self, timeout: float = READY_TIMEOUT_S, *, first_stage: bool = False) -> None:
         """Raise PipelineError unless every stage answers now, each wait bounded by
         ``timeout``.
 
         A pooled connection to stage 0 can look alive while a later stage is gone (stage 0
         notices only when it next relays), so this sends a Stop for a session no stage
         holds: every stage relays it downstream, the last acknowledges it, and the Ack
-        comes back through all of them.  It opens no session, so it takes no lane."""
+        comes back through all of them.  It opens no session, so it takes no lane.
+
+        ``first_stage`` (someone else's stages): a stage after the first answers that Stop
+        as stage 0 does but closes the link on a driver's tokens, so one token is prefilled
+        into the session first (the Stop then ends it), and a close is PipelineMismatch."""
         timeout = min(timeout, self.timeout)
         client = self._take(timeout)
         client.timeout = timeout
         try:
             session = next(self._ids)
+            if first_stage:
+                probe = next(prefill_messages([0, 0], 1, session, session))  # a PrefillEmbd: nothing sampled
+                try:
+                    client.request(probe, "a one-token prefill")
+                except PipelineClosed as exc:
+                    raise PipelineMismatch(f"{exc}; is it stage 0? a later stage answers a readiness probe but "
+                                           "refuses a driver's tokens") from None
             reply = client.request(StageWireMessage.stop(session, session), "a readiness Stop")
             if int(reply.kind) != WireReplyKind.ACK:
                 raise PipelineError(f"stage 0 at {client.address} answered a readiness Stop with reply kind "
@@ -329,29 +340,6 @@ class GenerationEngine:
             client.close()  # a late answer would stay unread on it
             raise
         self._answered()
-        self._give_back(client)
-
-    def check_first_stage(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """:meth:`check_ready`, and also PipelineMismatch unless the stage this engine drives
-        embeds a driver's tokens: a stage after the first answers a readiness Stop as stage 0
-        does, but refuses every prompt, closing the link (no error reply says why).  One
-        token is prefilled into a new session, which is then stopped.  A stage that cannot
-        be reached, or whose chain is not up (no READY, no setup), is a PipelineError."""
-        timeout = min(timeout, self.timeout)
-        client = self._take(timeout)
-        client.timeout = timeout
-        session = next(self._ids)
-        try:
-            probe = next(prefill_messages([0, 0], 1, session, session))  # a PrefillEmbd: nothing sampled
-            client.request(probe, "a one-token prefill")
-            client.request(StageWireMessage.stop(session, session), "the one-token prefill's Stop")
-        except PipelineError as exc:
-            client.close()
-            raise PipelineMismatch(f"{exc}; is it stage 0? a later stage answers a readiness probe but refuses "
-                                   "a driver's tokens") from None
-        except BaseException:
-            client.close()
-            raise
         self._give_back(client)
 
     def close(self) -> None:

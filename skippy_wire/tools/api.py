@@ -541,8 +541,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
                                       identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))
             try:
-                # (someone else's stages: a later stage answers check_ready's probe as stage 0 does)
-                engine.check_first_stage() if args.connect_address else engine.check_ready()
+                engine.check_ready(first_stage=bool(args.connect_address))
             except PipelineError as exc:
                 if not args.connect_address or isinstance(exc, PipelineMismatch):  # no wait mends a mismatch
                     raise
