@@ -28,17 +28,14 @@ ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _TEMPLATE_ROLE = {"developer": "system", "function": "tool"}
 #: Roles whose messages must carry content (an assistant's may be null beside tool calls).
 CONTENT_ROLES = ("system", "user", "tool", "developer")
-#: The names :meth:`ChatTemplate.render` gives a template itself; a caller's extra names may not replace them.
-RENDER_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+#: The name of the conversation a template renders, which extra names may not replace
+#: (they may replace the others, ``add_generation_prompt``, ``bos_token``, ``eos_token``, as
+#: llama-server's ``chat_template_kwargs`` do: they are set last).
+MESSAGES = "messages"
 
 
 class ChatTemplateError(StageRuntimeError, ValueError):
     """A model has no chat template, the template failed, or the messages are malformed."""
-
-
-def replaced_names(extra: Mapping[str, Any]) -> list[str]:
-    """The names of :data:`RENDER_NAMES` among a template's extra names (sorted)."""
-    return sorted(extra.keys() & RENDER_NAMES)
 
 
 class NoChatTemplate(ChatTemplateError):
@@ -195,15 +192,16 @@ class ChatTemplate:
                    eos_token=text_of("tokenizer.ggml.eos_token_id"))
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-               **extra: Any) -> str:
+               extra: Optional[Mapping[str, Any]] = None) -> str:
         """The prompt text of ``messages`` (OpenAI chat form).  ``continue_final_message``:
         a conversation that ends with an assistant message is continued from its text, as
         llama-server does (the rest rendered with the generation prompt, that text after it;
         a lone assistant message too, after the generation prompt of no messages).  ``extra``:
-        more names the template sees (llama-server's ``chat_template_kwargs``), none of
-        :data:`RENDER_NAMES`."""
-        if taken := replaced_names(extra):
-            raise ChatTemplateError(f"an extra name may not replace the renderer's {taken[0]!r}")
+        more names the template sees, set last (llama-server's ``chat_template_kwargs``), any
+        but :data:`MESSAGES`."""
+        extra = dict(extra or {})
+        if MESSAGES in extra:
+            raise ChatTemplateError(f"an extra name may not replace the conversation, {MESSAGES!r}")
         checked = check_messages(messages)
         prefill = None
         if continue_final_message and checked[-1]["role"] == "assistant":
@@ -211,8 +209,9 @@ class ChatTemplate:
         counted = _RANGE_ITEMS.set([0])
         try:
             pieces, size = [], 0
-            for piece in self._template.generate(messages=checked, add_generation_prompt=add_generation_prompt,
-                                                 bos_token=self.bos_token, eos_token=self.eos_token, **extra):
+            names = {"add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
+                     "eos_token": self.eos_token, **extra, MESSAGES: checked}
+            for piece in self._template.generate(names):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
                     raise jinja2.exceptions.SecurityError(f"it wrote more than {MAX_RENDERED_CHARS} characters")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..net.service import WHOLE_HISTORY, SamplingParams
-from ..stage.chat import replaced_names
+from ..stage.chat import MESSAGES
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
@@ -352,12 +352,13 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
 def parse_template_options(body: dict) -> tuple[bool, dict]:
     """llama-server's chat rendering fields: ``add_generation_prompt`` (default true: the
     prompt ends where the assistant's answer starts) and ``chat_template_kwargs``, an object
-    of more names the template sees (e.g. ``enable_thinking``)."""
+    of more names the template sees (e.g. ``enable_thinking``), set last as llama-server sets
+    them (so they may replace ``add_generation_prompt`` too)."""
     extra = _given(body, "chat_template_kwargs", {})
     if not isinstance(extra, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs", INVALID_TYPE)
-    if taken := replaced_names(extra):
-        raise BadRequest(f"'chat_template_kwargs' may not set {taken[0]!r}", "chat_template_kwargs")
+    if MESSAGES in extra:  # the request's own field, checked as such
+        raise BadRequest(f"'chat_template_kwargs' may not set {MESSAGES!r}", "chat_template_kwargs")
     return _flag(body, "add_generation_prompt", True), extra
 
 

@@ -27,7 +27,7 @@ class PromptReader:
         add_generation_prompt, extra = parse_template_options(body)
         try:
             return self.chat_template.render(body.get("messages"), add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=True, **extra)
+                                             continue_final_message=True, extra=extra)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
