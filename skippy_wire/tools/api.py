@@ -45,13 +45,13 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
-from .api_llama import NOT_SERVED, LlamaCompletionJob, check_llama_context, generation_settings, llama_piece, not_served
+from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
 from .api_options import add_llama_server_options, key_file, listen_address, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import package_version
-from .error_shapes import ErrorObjects
+from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
 from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S, IdleSheddingProtocol,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from .api_job import GenerationJob, llama_timings
 from .api_params import BadRequest, Options
 from .error_shapes import llama_error
-from .http_front import error_response
 from .llama_sampling import LLAMA_DEFAULT_SEED
 from .options import UNTIL_FULL
 from .http_events import sse
@@ -25,20 +24,6 @@ from .http_events import sse
 #: The ``id_slot`` of every answer: the stages hold sessions, not llama-server's slots, and
 #: -1 is what a request gives for "any slot".
 ANY_SLOT = -1
-#: llama-server's routes for what it serves only when started so (embeddings, reranking,
-#: infill, slots), each answered as llama-server answers with it off: 501 and what it does
-#: not support.  The stages compute next tokens alone and keep no slots.  Path -> (methods, what).
-NOT_SERVED = {"/slots": (["GET"], "slots endpoint"), "/slots/{id_slot}": (["POST"], "slots endpoint"),
-              **{path: (["POST"], "embeddings") for path in ("/embedding", "/embeddings", "/v1/embeddings")},
-              **{path: (["POST"], "reranking") for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
-              "/infill": (["POST"], "infill")}
-
-
-def not_served(what: str):
-    """The endpoint of a :data:`NOT_SERVED` route."""
-    async def endpoint(request):
-        return error_response(501, f"This server does not support {what}.", type_="not_supported_error")
-    return endpoint
 
 
 class LlamaCompletionJob(GenerationJob):
@@ -151,5 +136,5 @@ def llama_piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-__all__ = ["NOT_SERVED", "not_served", "LlamaCompletionJob", "check_llama_context", "generation_settings",
+__all__ = ["LlamaCompletionJob", "check_llama_context", "generation_settings",
            "llama_piece"]

@@ -8,11 +8,27 @@ from typing import Optional
 
 from starlette.responses import JSONResponse
 
-from .http_front import error_object
+from .http_front import error_object, error_response
 
+#: llama-server's routes for what it serves only when started so (embeddings, reranking,
+#: slots) or for a model that can (infill), each answered as llama-server answers without
+#: it: 501, saying what it does not support (its first sentence; its hint, a flag to start it
+#: with, names none that ``api`` takes).  The stages compute next tokens alone and keep no
+#: slots.  Path -> (methods, what).
+NOT_SERVED = {"/slots": (["GET"], "slots endpoint"), "/slots/{id_slot}": (["POST"], "slots endpoint"),
+              **{path: (["POST"], "embeddings") for path in ("/embedding", "/embeddings", "/v1/embeddings")},
+              **{path: (["POST"], "reranking") for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
+              "/infill": (["POST"], "infill")}
 #: llama-server's own routes (and ``/slots/ID``): their errors in its shape (:class:`ErrorObjects`).
-LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots", "/metrics",
-                         "/embedding", "/embeddings", "/rerank", "/reranking", "/infill"})
+LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/metrics",
+                         *(path for path in NOT_SERVED if not path.startswith("/v1/") and "{" not in path)})
+
+
+def not_served(what: str):
+    """The endpoint of a :data:`NOT_SERVED` route."""
+    async def endpoint(request):
+        return error_response(501, f"This server does not support {what}.", type_="not_supported_error")
+    return endpoint
 
 
 def _llama_route(path: str) -> bool:
@@ -86,4 +102,4 @@ class ErrorObjects:
         await self.app(scope, receive, sending)
 
 
-__all__ = ["LLAMA_PATHS", "ErrorObjects"]
+__all__ = ["NOT_SERVED", "LLAMA_PATHS", "not_served", "ErrorObjects"]
