@@ -25,7 +25,7 @@ def prometheus_text(counters, admission) -> str:
         ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", c["prompt_tokens"]),
         ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.",
          c["completion_tokens"]),
-        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", a.running - a.borrowed),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", a.running),  # its busy slots
         ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", a.waiting),
     ]
     lines = [line for name, kind, help_, value in rows

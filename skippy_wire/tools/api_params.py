@@ -72,6 +72,11 @@ _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function
 INVALID_TYPE = "invalid_type"
 
 
+def _range_code(integer: bool, *, below: bool) -> str:
+    """OpenAI's error ``code`` for a number out of its field's range."""
+    return f"{'integer' if integer else 'decimal'}_{'below_min' if below else 'above_max'}_value"
+
+
 class BadRequest(Exception):
     """A request the endpoint refuses with HTTP 400 (``param`` names the culprit)."""
 
@@ -137,9 +142,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
     if not low_ok or not value <= hi:
         low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
         span = f"above {low} and at most {high}" if above else f"between {low} and {high}"
-        # OpenAI's codes for a number out of range
-        code = f"{'integer' if integer else 'decimal'}_{'below_min' if not low_ok else 'above_max'}_value"
-        raise BadRequest(f"'{name}' must be {span}, got {value}", name, code)
+        raise BadRequest(f"'{name}' must be {span}, got {value}", name, _range_code(integer, below=not low_ok))
     return value
 
 
@@ -308,7 +311,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     max_tokens = count(name, None, UNTIL_FULL, 2**31 - 1)
     if max_tokens == 0 and not native:  # llama-server's 0 evaluates the prompt and generates nothing
         raise BadRequest(f"'{name}' must be at least 1 (or -1: until the context is full), got 0", name,
-                         "integer_below_min_value")
+                         _range_code(True, below=True))
     if max_tokens == UNTIL_FULL:
         max_tokens = None
     ignore_eos = _flag(body, "ignore_eos", False)
@@ -317,8 +320,11 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > most_stops:
-        raise BadRequest(f"'stop' must be a string or a list of at most {most_stops} strings", "stop")
+    else:
+        strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+        if not strings or len(stop) > most_stops:
+            raise BadRequest(f"'stop' must be a string or a list of at most {most_stops} strings", "stop",
+                             None if strings else INVALID_TYPE)
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"'stop' strings may be at most {MAX_STOP_CHARS} characters long", "stop")
     if sum(map(len, stop)) > MAX_STOP_STRINGS * MAX_STOP_CHARS:
@@ -384,7 +390,7 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     return tokens
 
 
-__all__ = ["BadRequest", "Options", "parse_options", "parse_template_options", "parse_tokenize", "parse_detokenize",
-           "check_text", "check_token_ids", "check_detokenize_size", "check_context",
+__all__ = ["BadRequest", "INVALID_TYPE", "Options", "parse_options", "parse_template_options", "parse_tokenize",
+           "parse_detokenize", "check_text", "check_token_ids", "check_detokenize_size", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]

@@ -8,7 +8,7 @@ import functools
 from typing import Callable, Optional
 
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from .api_params import (MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids,
+from .api_params import (INVALID_TYPE, MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids,
                          parse_template_options)
 
 
@@ -81,7 +81,7 @@ class PromptReader:
             check_token_ids(tokens, self.engine.tokenizer.n_vocab, "prompt")
             return tokens
         raise BadRequest("'prompt' must be a string or a list of token ids (texts may stand among them), or a "
-                         "list of such prompts", "prompt")
+                         "list of such prompts", "prompt", INVALID_TYPE)
 
 
 __all__ = ["PromptReader"]
