@@ -118,10 +118,13 @@ def _one_error_line(err: str) -> str:
     (["run", "--poll-ms", "often"], "argument --poll-ms: expected auto or a number, got 'often'"),
     *(([command, "-m", ""], "argument -m/--model: an empty path names no model file")  # ran the packaged model
       for command in ("run", "api", "serve", "cluster", "bench-backend", "bench-cluster")),
+    (["run", "--interactive-first", "hi"], "--interactive-first is not supported: run generates once, as "
+                                           "llama-cli's -cnv -st; for a conversation, serve it with `api`"),
     (["run", "-i", "hi"], "-i is not supported: run generates once, as llama-cli's -cnv -st; for a conversation, "
                           "serve it with `api`"),
     (["run", "-cnv", "--raw", "hi"], "-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out"),
-    (["run", "-no-cnv", "-sys", "x", "hi"], "-sys/--system-prompt goes into the chat template, which --raw leaves out"),
+    (["run", "-no-cnv", "-sys", "x", "hi"],
+     "-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out"),
     (["serve", "--poll-ms", "auto"], "argument --poll-ms: expected a number, got 'auto'"),
     # a wider window kept an idle stage's CPU busy for as long after a request
     (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
@@ -674,6 +677,11 @@ def test_chat_template_is_applied_by_default_and_raw_is_not(capsys, smollm2_pipe
     assert chat["summary"]["prompt_tokens"] == len(tokenizer.encode(rendered))
     assert raw["summary"]["prompt_tokens"] == len(tokenizer.encode(prompt))
     assert chat["summary"]["chat_template"] and not raw["summary"]["chat_template"]
+    # llama-cli's completion mode is --raw, its one chat turn run's default
+    for flags, like in ((["-no-cnv"], raw), (["-cnv", "-st"], chat)):
+        run_ = _run_json(capsys, smollm2_pipeline, "--temp", "0", *flags, prompt)
+        assert (run_["text"], run_["summary"]["prompt_tokens"], run_["summary"]["chat_template"]) == \
+            (like["text"], like["summary"]["prompt_tokens"], like["summary"]["chat_template"]), flags
     # A system prompt replaces the template's default one; this small model then answers.
     answer = _run_json(capsys, smollm2_pipeline, "--temp", "0", "-sys", "You are a helpful assistant.", prompt)
     assert answer["text"].startswith("The capital of France is Paris")

@@ -291,7 +291,8 @@ def test_a_topology_s_missing_model_is_reported_as_a_missing_model_is(capsys, tm
 
 
 @pytest.mark.parametrize("args, message", [
-    (["run", "--raw", "-sys", "SYS", "hi"], "-sys/--system-prompt goes into the chat template, which --raw leaves out"),
+    (["run", "--raw", "-sys", "SYS", "hi"],
+     "-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out"),
     (["run", "--chec", "hi"], "unrecognized arguments: --chec; did you mean '--check'?"),
     (["run", "--temperatur=0"], "unrecognized arguments: --temperatur=0; did you mean '--temperature'?"),
     (["cluster", "--measure", "0"], "unrecognized arguments: --measure; did you mean '--measure-seconds'?"),

@@ -256,8 +256,8 @@ class StageServer:
                         downstream.peer.close()
                         unasked, downstream = downstream.peer.unasked, self._open_downstream(seq, upstream.sock)
                         opened[0] = downstream
-                        (clog.warning if unasked else clog.info)("%s: downstream %s; reconnected", name, "sent bytes "
-                                                                 "nobody asked for" if unasked else "had closed the idle link")
+                        why = "sent bytes nobody asked for" if unasked else "had closed the idle link"
+                        (clog.warning if unasked else clog.info)("%s: downstream %s; reconnected", name, why)
                 reply = self._handle(msg, sessions, upstream, downstream, timer)
                 # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
                 upstream.sock.settimeout(self.io_timeout)

@@ -193,8 +193,7 @@ UNTIL_FULL = -1
 
 
 def model_file(text: str) -> str:
-    """``-m/--model``: a path; an empty one (``-m "$MODEL"`` with MODEL unset) is refused, not
-    read as no option, which would run the packaged model instead of the one meant."""
+    """``-m/--model``: a path; an empty one (``-m "$MODEL"``, MODEL unset) would run the packaged model."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path names no model file")
     return text

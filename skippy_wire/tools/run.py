@@ -229,7 +229,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if not args.prompt:
         parser.error("the prompt is empty")
     if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
-        parser.error("-sys/--system-prompt goes into the chat template, which --raw leaves out")
+        parser.error("-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out")
     if args.raw and args.chat_turn:
         parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
     # before the checks of their values: with running stages they configure nothing
@@ -246,8 +246,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 def sampling_params(args, eog_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The sampling the options ask for; with --ignore-eos every one of ``eog_ids`` banned."""
-    sampling = SamplingParams(temperature=max(0.0, args.temperature), top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=None if args.seed in (RANDOM_SEED, LLAMA_DEFAULT_SEED) else args.seed,
+    seed = None if args.seed in (RANDOM_SEED, LLAMA_DEFAULT_SEED) else args.seed
+    sampling = SamplingParams(temperature=max(0.0, args.temperature), top_p=args.top_p, top_k=args.top_k,
+                              min_p=args.min_p, seed=seed,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                               ignore_eos=args.ignore_eos)

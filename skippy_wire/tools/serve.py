@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sleep this long before every send over a stage-to-stage link (emulated one-way "
                         "link delay: downstream sends, and replies upstream on stages after the first)")
     p.add_argument("--stage-index", type=int_at_least(0), default=None,
-                   help="this stage's place in the pipeline: 0 (the default) for --layer-start 0; a stage that starts at a "
-                        "later layer must give it, 1 or more")
+                   help="this stage's place in the pipeline: 0 (the default) for --layer-start 0; a stage that "
+                        "starts at a later layer must give it, 1 or more")
     p.add_argument("--listen", default="127.0.0.1:0", type=address,
                    help="HOST:PORT to bind (port 0: any free port)")
     p.add_argument("--downstream", default=None, type=address,
