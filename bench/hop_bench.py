@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"stages": within_layers(int_list(1)),
                                                 "ahead": comma_list(one_of("on", "off")),
                                                 "poll-ms": comma_list(poll_window),
-                                                "tokens": int_between(1, MAX_NEW_TOKENS)},
+                                                # 2 at least: one decode step to time
+                                                "tokens": int_between(2, MAX_NEW_TOKENS)},
                           tokens=96, rounds=3, stages="1,2,3", ahead="on", **{"poll-ms": "auto"})
     counts = args.stages
     settings = [(poll, ahead == "on") for ahead in args.ahead for poll in args.poll_ms]

@@ -784,8 +784,31 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
     # --json -: the rows as JSON on stdout, nothing else there (it wrote a file named "-")
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
                            "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet", "--json", "-")
-    assert code == status and [(row["link"], row["decode / 1 stage"]) for row in json.loads(out)] == [("unlimited", 0.25)]
+    rows = json.loads(out)
+    assert code == status and [(row["link"], row["decode / 1 stage"]) for row in rows] == [("unlimited", 0.25)]
+    # each row with what the table says once: the CPU and the reference (they were in the text alone)
+    assert (rows[0]["cpu"], rows[0]["1 stage prefill tok/s"], rows[0]["1 stage decode tok/s"]) == \
+        (cluster_bench.cpu_model(), 4.0, 8.0)
     assert "| 2 | unlimited | 0 | raw-f32 |" in err and not Path("-").exists()
+
+
+def test_bench_cluster_shows_no_rate_where_nothing_was_timed(capsys, monkeypatch, tiny_model):
+    """-n 1 decodes nothing: its decode rates read "0", as if measured."""
+    from types import SimpleNamespace
+    from skippy_wire.tools import cluster, cluster_bench
+
+    result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=0.0, tokens=[1])
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster_bench, "run_cluster", lambda opts, tokenizer: SimpleNamespace(
+        options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result))
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: SimpleNamespace(
+        prefill_tok_s=4.0, decode_tok_s=0.0, tokens=[1]))
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
+                           "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet", "-n", "1", "--json", "-")
+    rows = json.loads(out)
+    assert code == 0 and (rows[0]["decode tok/s"], rows[0]["decode / 1 stage"], rows[0]["1 stage decode tok/s"]) \
+        == (None, None, None), rows
+    assert "| 2 | unlimited | 0 | raw-f32 | - | 1 | - | 0.25 | - |" in err and "prefill 4.0 tok/s\n" in err, err
 
 
 def test_the_capture_hint_names_a_file_that_was_written(tmp_path):

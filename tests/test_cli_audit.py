@@ -341,7 +341,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("hop_bench.py", ["--tokens", "0"], "argument --tokens: must be between 1 and 8000, got 0"),  # ZeroDivisionError
+    ("hop_bench.py", ["--tokens", "1"], "argument --tokens: must be between 2 and 8000, got 1"),  # ZeroDivisionError
     ("hop_bench.py", ["--stages", "1,,2"], "argument --stages: expected comma-separated integers, got '1,,2'"),
     ("hop_bench.py", ["--ahead", "maybe"], "argument --ahead: each value must be one of on, off, got 'maybe'"),
     ("hop_bench.py", ["--poll-ms", "auto,-3"],
@@ -352,7 +352,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     ("prefill_overlap_bench.py", ["--chunk", "0"], "argument --chunk: must be at least 1, got 0"),
     # past the model's training context: silence for minutes, then a context error naming -c
     ("prefill_overlap_bench.py", ["--tokens", "100000"], "argument --tokens: must be between 1 and 8192, got 100000"),
-    ("hop_bench.py", ["--tokens", "99999999"], "argument --tokens: must be between 1 and 8000, got 99999999"),
+    ("hop_bench.py", ["--tokens", "99999999"], "argument --tokens: must be between 2 and 8000, got 99999999"),
     ("wake_bench.py", ["--gaps", "-1"], "argument --gaps: each value must be between 0 and 1000, got -1"),
     # accepted before: eleven days of busy-waiting a message, a MemoryError after the header
     ("wake_bench.py", ["--gaps", "0,1e9"], "argument --gaps: each value must be between 0 and 1000, got 1e9"),

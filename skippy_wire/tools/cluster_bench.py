@@ -55,18 +55,26 @@ def _ratio(rate: float, reference: float) -> float | None:
     return round(rate / reference, 2) if reference > 0 else None
 
 
-def row_of(res, reference) -> dict:
-    """One row: ``res``, a cluster run, against ``reference``, one in-process stage's run."""
+def _rate(rate: float) -> float | None:
+    """A rate as a cell: none where nothing was timed (no decode step with -n 1), not 0."""
+    return round(rate, 1) if rate > 0 else None
+
+
+def row_of(res, reference, cpu: str) -> dict:
+    """One row: ``res``, a cluster run, against ``reference``, one in-process stage's run, on
+    ``cpu`` (the table shows these two once, in its header and its footer)."""
     o, result = res.options, res.result
     ok = check_tokens(res, reference)["ok"]
     return {"hosts": o.hosts, "link": format_rate(parse_rate(o.rate)), "delay ms": o.delay_ms,
             "codec": next(k for k, v in CODECS.items() if v == (o.codec, o.policy)),
             "measured Mbit/s": round(res.link_bits / 1e6, 1) if res.link_bits else None,
-            "prefill tok/s": round(result.prefill_tok_s, 1), "decode tok/s": round(result.decode_tok_s, 1),
+            "prefill tok/s": _rate(result.prefill_tok_s), "decode tok/s": _rate(result.decode_tok_s),
             "prefill / 1 stage": _ratio(result.prefill_tok_s, reference.prefill_tok_s),
             "decode / 1 stage": _ratio(result.decode_tok_s, reference.decode_tok_s),
             "bytes/token/hop": round(res.bytes_per_token_per_hop), "tokens = 1 stage": "yes" if ok else "no",
-            "prompt tokens": len(res.prompt), "new tokens": len(res.result.tokens)}
+            "prompt tokens": len(res.prompt), "new tokens": len(res.result.tokens), "cpu": cpu,
+            "1 stage prefill tok/s": _rate(reference.prefill_tok_s),
+            "1 stage decode tok/s": _rate(reference.decode_tok_s)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -135,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(describe(exc)), file=sys.stderr)
         return EXIT_FAILURE
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
-    print(f"machine: {cpu_model()}; Python {platform.python_version()}; model {model.name}; prompt "
+    cpu = cpu_model()
+    print(f"machine: {cpu}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
           f"{args.threads or default_threads()} thread(s) per stage", file=table)
     rows: list[dict] = []
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                             res = run_cluster(opts, tokenizer=tokenizer)
                             if reference is None:
                                 reference = local_reference(res, tokenizer)
-                            rows.append(row_of(res, reference))
+                            rows.append(row_of(res, reference, cpu))
                             progress(json.dumps(rows[-1]))
     except KeyboardInterrupt:  # the rows measured so far are still printed (and written)
         print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
@@ -171,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             return status
     print(markdown(rows), file=table)
     if reference is not None:
-        print(f"\n1 in-process stage (the ratios' reference, measured once after the first row): prefill "
-              f"{reference.prefill_tok_s:.1f} tok/s, decode {reference.decode_tok_s:.1f} tok/s", file=table)
+        figures = (f"{name} {rate:.1f} tok/s" for name, rate in (("prefill", reference.prefill_tok_s),
+                                                                  ("decode", reference.decode_tok_s)) if rate > 0)
+        print(f"\n1 in-process stage (the ratios' reference, measured once after the first row): "
+              f"{', '.join(figures) or 'nothing timed'}", file=table)
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s", file=table)
     if to_stdout:
         print(json.dumps(rows, indent=1))
