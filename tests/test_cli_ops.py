@@ -262,6 +262,22 @@ def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
         assert err == ""
 
 
+def test_bench_stopped_prints_the_rows_measured_and_exits_130(monkeypatch, capsys):
+    """Ctrl-C printed nothing of what had been measured (bench-cluster prints its rows)."""
+    from skippy_wire.tools import bench
+    from skippy_wire.tools.bench_rows import Row
+
+    def rows(opts):
+        yield Row("encode f16", "1x64", "ours", 1e-6, 256)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_all_producers", lambda: [rows])
+    assert bench.main(["--quick"]) == 130
+    out, err = capsys.readouterr()
+    assert "encode f16" in out and "1x64" in out and "goals met" not in out
+    assert err.endswith("[skippy-wire bench] interrupted after 1 rows\n"), err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--hosts", "1,9"], "--hosts 9: tiny.gguf has only 4 layers"),
     (["--hosts", "1", "--prompt-tokens", "8", "-n", "4", "-c", "10"],

@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import os
 import platform
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Union
@@ -30,7 +31,7 @@ from ..wire import codec as api
 from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
 from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_model, paired_seconds, progress
-from .options import MAX_ROUNDS, Parser, doc_summary, int_between, once_each, seconds
+from .options import EXIT_INTERRUPTED, MAX_ROUNDS, Parser, doc_summary, int_between, once_each, seconds
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
 #: What ``--repeat`` and ``--min-time`` are without ``--quick``, and what ``--quick`` makes
@@ -233,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     print("GB/s counts f32 activation bytes; ratios are baseline time / our time, measured alternately.\n")
     rows: list[Row] = []
     ratios: list[Ratio] = []
+    interrupted = False
     try:
         for producer in _all_producers():
             for item in producer(opts):
                 (ratios if isinstance(item, Ratio) else rows).append(item)
                 if isinstance(item, Row):
                     progress(f"{len(rows)} measured: {item.op} {item.size} {item.impl}")
+    except KeyboardInterrupt:  # the rows measured so far are still printed, then 130
+        interrupted = True
     finally:
         progress()  # the progress line goes, also on Ctrl-C
 
@@ -254,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             note = f"  ({r.detail})" if r.detail else ""
             print(f"{r.goal.ljust(gwidth)}  {r.ratio:6.2f}x  {r.target:6.2f}x  {'yes' if r.met else 'NO'}{note}")
         print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
+    if interrupted:
+        print(f"[skippy-wire bench] interrupted after {len(rows)} rows", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if JUDGED not in opts.sizes:
         print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
     if not opts.threads:
