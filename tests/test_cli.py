@@ -18,12 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from skippy_wire.errors import PipelineError
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.stage.chat import ChatTemplate
-from skippy_wire.tools import api, cli, run, serve
+from skippy_wire.tools import api, cli, cluster, cluster_bench, run, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_HANGUP, EXIT_INTERRUPTED, describe
 from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
 from process_helpers import default_sigint
@@ -442,8 +444,6 @@ def test_sighup_cleans_up_like_ctrl_c(capsys, monkeypatch, tmp_path, tiny_model,
 
 
 def test_progress_says_one_stage_process_and_t_minus_1_is_the_default(capsys, monkeypatch, tiny_model):
-    from skippy_wire.errors import PipelineError
-
     started = []
 
     def launch(model, stages, **kwargs):
@@ -457,8 +457,6 @@ def test_progress_says_one_stage_process_and_t_minus_1_is_the_default(capsys, mo
 
 
 def test_top_level_handler_turns_escaping_errors_into_one_line(capsys, monkeypatch):
-    from skippy_wire.errors import PipelineError
-
     def fail(error):
         def main(argv):
             raise error
@@ -760,10 +758,6 @@ def test_connect_to_port_0_is_a_usage_error(capsys, command):
 
 @pytest.mark.parametrize("status", [EXIT_INTERRUPTED, 1])
 def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsys, monkeypatch, tiny_model, status):
-    from types import SimpleNamespace
-    from skippy_wire.errors import PipelineError
-    from skippy_wire.tools import cluster, cluster_bench
-
     def run_cluster(opts, tokenizer):  # Ctrl-C in, or a failure of, the second run (it was: exit status 0)
         if opts.rate != "unlimited":
             raise KeyboardInterrupt if status == EXIT_INTERRUPTED else PipelineError("gone")
@@ -794,9 +788,6 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
 
 def test_bench_cluster_shows_no_rate_where_nothing_was_timed(capsys, monkeypatch, tiny_model):
     """-n 1 decodes nothing: its decode rates read "0", as if measured."""
-    from types import SimpleNamespace
-    from skippy_wire.tools import cluster, cluster_bench
-
     result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=0.0, tokens=[1])
     monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", lambda opts, tokenizer: SimpleNamespace(
@@ -873,7 +864,6 @@ def test_cluster_refuses_a_context_outgrowing_the_memory_before_any_namespace(tm
     namespaces were made, with a RuntimeError's words and no advice."""
     from skippy_wire.errors import ToolError
     from skippy_wire.net import supervision
-    from skippy_wire.tools import cluster
 
     def no_namespaces(*_args):
         raise AssertionError("namespaces were made")

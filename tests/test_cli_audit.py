@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.errors import NetnsError
+from skippy_wire.errors import NetnsError, PipelineError
+from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, cluster_bench, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
@@ -697,10 +698,6 @@ def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
 
 def test_np_gives_a_stage_its_lanes_and_the_stages_api_starts_as_many(capsys, monkeypatch, tiny_model):
     """llama-server's -np: every stage kept 4 lanes, and `api -np` refused more than 4."""
-    from skippy_wire.errors import PipelineError
-    from skippy_wire.net.backend import RuntimeBackend
-    from skippy_wire.tools import api
-
     lanes, started = [], []
 
     def opened(*args, lane_count, **kwargs):

@@ -25,7 +25,8 @@ import pytest
 from skippy_wire.errors import PipelineError
 from skippy_wire.net.connlog import LOG_BURST, LOG_RATE
 from skippy_wire.net.driver import PipelineClient
-from skippy_wire.tools import api, backend_bench, cli, cluster, run, serve
+from skippy_wire.tools import api, backend_bench, bench, cli, cluster, run, serve
+from skippy_wire.tools.bench_rows import Row
 from skippy_wire.tools.options import check_output_file
 from skippy_wire.tools.signals import end_workers
 from skippy_wire.wire.messages import StageWireMessage
@@ -244,9 +245,6 @@ def test_verify_exhaustive_stops_its_workers_on_sigterm(signum, status, group):
 def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
     """A full ``bench`` printed nothing until its last measurement; the progress line is
     cleared before the tables, and never reaches a log or a pipe."""
-    from skippy_wire.tools import bench
-    from skippy_wire.tools.bench_rows import Row
-
     def rows(opts):
         yield Row("encode f16", "1x64", "ours", 1e-6, 256)
         yield Row("encode f16", "1x64", "numpy", 2e-6, 256)
@@ -264,9 +262,6 @@ def test_bench_shows_its_progress_on_a_terminal_only(monkeypatch, capsys, tty):
 
 def test_bench_stopped_prints_the_rows_measured_and_exits_130(monkeypatch, capsys):
     """Ctrl-C printed nothing of what had been measured (bench-cluster prints its rows)."""
-    from skippy_wire.tools import bench
-    from skippy_wire.tools.bench_rows import Row
-
     def rows(opts):
         yield Row("encode f16", "1x64", "ours", 1e-6, 256)
         raise KeyboardInterrupt
