@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             return status
     print(markdown(rows), file=table)
     if reference is not None:
-        figures = (f"{name} {rate:.1f} tok/s" for name, rate in (("prefill", reference.prefill_tok_s),
-                                                                  ("decode", reference.decode_tok_s)) if rate > 0)
+        timed = (("prefill", _rate(reference.prefill_tok_s)), ("decode", _rate(reference.decode_tok_s)))
+        figures = (f"{name} {rate:.1f} tok/s" for name, rate in timed if rate is not None)
         print(f"\n1 in-process stage (the ratios' reference, measured once after the first row): "
               f"{', '.join(figures) or 'nothing timed'}", file=table)
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s", file=table)

@@ -15,6 +15,7 @@ AUTO_STAGE_POLL_MS = 50.0
 #: The widest ``--poll-ms``: a reader sleeps through waits over a second (they are no decode
 #: steps), and a wider window would keep an idle stage's CPU busy that long after a request.
 MAX_POLL_MS = 1000.0
+_POLL_MS = float_between(0, MAX_POLL_MS)
 
 
 def poll_window(text: str) -> float | None:
@@ -26,7 +27,7 @@ def poll_window(text: str) -> float | None:
         float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
-    return float_between(0, MAX_POLL_MS)(text)
+    return _POLL_MS(text)
 
 
 def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) -> None:
@@ -40,7 +41,7 @@ def add_poll_option(p: argparse.ArgumentParser, *, starts_stages: bool = False) 
     if starts_stages:
         text += (f"; default (auto): the stages this command starts poll {AUTO_STAGE_POLL_MS:g} ms while a lone "
                  "request decodes if no more stages than CPUs share the machine, and the driver sleeps")
-    p.add_argument("--poll-ms", type=poll_window if starts_stages else float_between(0, MAX_POLL_MS),
+    p.add_argument("--poll-ms", type=poll_window if starts_stages else _POLL_MS,
                    default=None if starts_stages else 0.0, metavar="MS", help=text)
 
 
