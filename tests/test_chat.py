@@ -5,8 +5,8 @@ import re
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from skippy_wire.stage.chat import (MAX_INTEGER_BITS, MAX_RANGE_ITEMS, MAX_RENDERED_CHARS, ChatTemplate,
-                                    ChatTemplateError)
+from skippy_wire.stage.chat import (MAX_INTEGER_BITS, MAX_RANGE_ITEMS, MAX_RENDERED_CHARS, MESSAGE_PROBLEMS,
+                                    ChatTemplate, ChatTemplateError, MalformedMessages)
 from skippy_wire.stage.models import read_gguf_metadata, smollm2_path, write_tiny_llama_gguf
 
 TWO_TURNS = [
@@ -110,28 +110,46 @@ def test_a_developer_message_is_the_system_turn():
     assert smollm2.render(turns) == smollm2.render([{**turns[0], "role": "system"}, turns[1]])
 
 
-@pytest.mark.parametrize("messages, fragment", [
-    ([], "non-empty list"),
-    ([{"role": "wizard", "content": "x"}], "role must be one of"),
-    ([{"role": "user", "content": 5}], "content must be a string"),
-    ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
-    ([{"role": "user"}], "content is required"),
-    ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "content is required"),
-    ([{"role": "developer", "content": []}], "content is required"),
+@pytest.mark.parametrize("messages, fragment, field, problem", [
+    ([], "non-empty list", "messages", "empty"),
+    (None, "non-empty list", "messages", "missing"),
+    ({"role": "user"}, "non-empty list", "messages", "type"),
+    ([{"role": "wizard", "content": "x"}], "role must be one of", "messages[0].role", "value"),
+    ([{"content": "x"}], "role must be one of", "messages[0].role", "missing"),
+    (["hi"], r"messages\[0\] must be an object", "messages[0]", "type"),
+    ([{"role": "user", "content": 5}], "content must be a string", "messages[0].content", "type"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts", "messages[0].content[0].type", "value"),
+    ([{"role": "user", "content": ["x"]}], "content parts", "messages[0].content[0]", "type"),
+    ([{"role": "user", "content": [{"type": "text", "text": 1}]}], "content parts", "messages[0].content[0].text",
+     "type"),
+    ([{"role": "user"}], "content is required", "messages[0].content", "missing"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "content is required",
+     "messages[0].content", "missing"),
+    ([{"role": "developer", "content": []}], "content is required", "messages[0].content", "empty"),
     ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
-     r"messages\[0\]\.content parts of type 'refusal' are only allowed in assistant messages"),
+     r"messages\[0\]\.content parts of type 'refusal' are only allowed in assistant messages",
+     "messages[0].content[0].type", "value"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "content": ["a", {"type": "refusal", "refusal": "no"}]}],
+     r"messages\[1\]\.content parts", "messages[1].content[0]", "type"),
     ([{"role": "user", "content": "x"}, {"role": "tool", "content": [{"type": "refusal", "refusal": "no"}]}],
-     r"messages\[1\]\.content parts of type 'refusal' are only allowed in assistant messages"),
-    ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}], "type 'refusal' must be"),
-    ([{"role": "assistant", "content": [{"type": "image_url"}]}], "or {'type': 'refusal'"),
-    ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name must be a string"),
+     r"messages\[1\]\.content parts of type 'refusal' are only allowed in assistant messages",
+     "messages[1].content[0].type", "value"),
+    ([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "text": "no"}]}],
+     "type 'refusal' must be", "messages[0].content[1].refusal", "type"),
+    ([{"role": "assistant", "content": [{"type": "image_url"}]}], "or {'type': 'refusal'",
+     "messages[0].content[0].type", "value"),
+    ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name must be a string", "messages[0].name",
+     "type"),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "name": ["a"]}],
-     r"messages\[1\]\.name must be a string"),
+     r"messages\[1\]\.name must be a string", "messages[1].name", "type"),
 ])
-def test_bad_messages_are_one_line_errors(messages, fragment):
-    with pytest.raises(ChatTemplateError, match=fragment) as info:
+def test_bad_messages_are_one_line_errors(messages, fragment, field, problem):
+    """One line, and the culprit field and its problem, from which an API names OpenAI's param and code."""
+    with pytest.raises(MalformedMessages, match=fragment) as info:
         ChatTemplate("{{ messages }}").render(messages)
     assert "\n" not in str(info.value)
+    assert (info.value.field, info.value.problem) == (field, problem)
+    assert problem in MESSAGE_PROBLEMS and isinstance(info.value, ChatTemplateError)
 
 
 def test_model_without_template(tmp_path):

@@ -427,10 +427,11 @@ def test_an_unpaired_surrogate_is_a_400_naming_the_field(path, body, param):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "user": 7}, "user",
      "'user' must be a string"),
     ("/v1/completions", {"prompt": "Hi", "user": ["u"]}, "user", "'user' must be a string"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages",
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages[0].name",
      "messages[0].name must be a string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]},
-     "messages", "messages[0].content parts of type 'refusal' are only allowed in assistant messages"),
+     "messages[0].content[0].type",
+     "messages[0].content parts of type 'refusal' are only allowed in assistant messages"),
 ])
 def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(path, body, param, message):
     with TestClient(_fake_api().app()) as client:
@@ -453,6 +454,20 @@ def test_a_field_refused_by_its_type_or_range_carries_openai_s_code(field, value
         r = client.post("/v1/completions", json={"prompt": "Hi", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert r.json()["error"]["code"] == code, r.text
+
+
+@pytest.mark.parametrize("messages, param, code", [
+    (None, "messages", "missing_required_parameter"), ([], "messages", "empty_array"),
+    ("Hi", "messages", "invalid_type"), ([{"role": "wizard", "content": "Hi"}], "messages[0].role", "invalid_value"),
+    ([{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+    ([{"role": "user", "content": "Hi"}, {"role": "user", "content": 5}], "messages[1].content", "invalid_type"),
+])
+def test_malformed_messages_carry_openai_s_param_and_code(messages, param, code):
+    # they carried "param": "messages" and "code": null whatever the fault
+    with TestClient(_fake_api().app()) as client:
+        r = client.post("/v1/chat/completions", json={"messages": messages} if messages is not None else {})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
 
 
 def test_the_unspecified_ipv6_host_listens_on_ipv4_too_and_is_warned_about(monkeypatch):

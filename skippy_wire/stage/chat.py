@@ -42,6 +42,19 @@ class NoChatTemplate(ChatTemplateError):
     """The model file carries no chat template."""
 
 
+class MalformedMessages(ChatTemplateError):
+    """``messages`` are not a conversation: ``field`` names the culprit (``messages[0].role``)
+    and ``problem`` says what is wrong with it (one of :data:`MESSAGE_PROBLEMS`)."""
+
+    def __init__(self, message: str, field: str, problem: str) -> None:
+        super().__init__(message)
+        self.field, self.problem = field, problem
+
+
+#: What may be wrong with a field of ``messages``: absent, an empty list, of the wrong type, or a value not taken.
+MESSAGE_PROBLEMS = ("missing", "empty", "type", "value")
+
+
 #: What one render may do, so that a runaway template from a model file ends in an error: the
 #: items all its ranges make together (the sandbox bounds each range alone, not a loop in a
 #: loop), and the characters of a string or list it makes with ``*`` or ``+`` and of the
@@ -118,27 +131,31 @@ def check_messages(messages: Any) -> list[dict]:
     text).  A ``developer`` message is the system instructions (OpenAI's newer name for
     them), so it reaches the template as ``system``, as llama.cpp passes it: templates know
     only ``system``.  A ``name`` must be a string (a null one is dropped).  Raises
-    ChatTemplateError with one line."""
+    MalformedMessages with one line, the field and the problem."""
     if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("'messages' must be a non-empty list")
+        problem = "missing" if messages is None else "empty" if messages == [] else "type"
+        raise MalformedMessages(f"'{MESSAGES}' must be a non-empty list", MESSAGES, problem)
     out = []
     for i, m in enumerate(messages):
+        field = f"{MESSAGES}[{i}]"
         if not isinstance(m, Mapping):
-            raise ChatTemplateError(f"messages[{i}] must be an object")
+            raise MalformedMessages(f"{field} must be an object", field, "type")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+            raise MalformedMessages(f"{field}.role must be one of {', '.join(ROLES)}", f"{field}.role",
+                                    "missing" if role is None else "value")
         if m.get("name") is not None and not isinstance(m["name"], str):
-            raise ChatTemplateError(f"messages[{i}].name must be a string")
+            raise MalformedMessages(f"{field}.name must be a string", f"{field}.name", "type")
         if role in CONTENT_ROLES and (content is None or content == []):
-            raise ChatTemplateError(f"messages[{i}].content is required for a {role} message"
-                                    + (" (a list of at least one part)" if content == [] else ""))
+            raise MalformedMessages(f"{field}.content is required for a {role} message"
+                                    + (" (a list of at least one part)" if content == [] else ""),
+                                    f"{field}.content", "missing" if content is None else "empty")
         if isinstance(content, list):
-            content = "\n".join(_part_text(part, i, role) for part in content)
+            content = "\n".join(_part_text(part, field, j, role) for j, part in enumerate(content))
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise ChatTemplateError(f"messages[{i}].content must be a string")
+            raise MalformedMessages(f"{field}.content must be a string", f"{field}.content", "type")
         message = {**m, "role": _TEMPLATE_ROLE.get(role, role), "content": content}
         if "name" in message and message["name"] is None:
             del message["name"]  # null, as clients that send every field send those unset: absent
@@ -146,20 +163,24 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
-def _part_text(part: Any, i: int, role: str) -> str:
-    """The text of a content part of ``messages[i]``: a text part's, or an assistant's refusal."""
+def _part_text(part: Any, message: str, j: int, role: str) -> str:
+    """The text of content part ``j`` of ``message`` (``messages[i]``): a text part's, or an assistant's refusal."""
     kind = part.get("type") if isinstance(part, Mapping) else None
+    field = f"{message}.content[{j}]"
     if kind == "refusal":
         if role != "assistant":
-            raise ChatTemplateError(f"messages[{i}].content parts of type 'refusal' are only allowed in assistant "
-                                    "messages")
+            raise MalformedMessages(f"{message}.content parts of type 'refusal' are only allowed in assistant "
+                                    "messages", f"{field}.type", "value")
         if not isinstance(part.get("refusal"), str):
-            raise ChatTemplateError(f"messages[{i}].content parts of type 'refusal' must be "
-                                    "{'type': 'refusal', 'refusal': ...}")
+            raise MalformedMessages(f"{message}.content parts of type 'refusal' must be "
+                                    "{'type': 'refusal', 'refusal': ...}", f"{field}.refusal", "type")
         return part["refusal"]
     if kind != "text" or not isinstance(part.get("text"), str):
         also = " or {'type': 'refusal', 'refusal': ...}" if role == "assistant" else ""
-        raise ChatTemplateError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}{also}")
+        culprit, problem = (f"{field}.text", "type") if kind == "text" else \
+            (field, "type") if not isinstance(part, Mapping) else (f"{field}.type", "value")
+        raise MalformedMessages(f"{message}.content parts must be {{'type': 'text', 'text': ...}}{also}",
+                                culprit, problem)
     return part["text"]
 
 

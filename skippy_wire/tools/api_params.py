@@ -70,6 +70,9 @@ _NEEDS = (("tool_choice", "tools"), ("parallel_tool_calls", "tools"), ("function
 
 #: OpenAI's error ``code`` for a field of the wrong JSON type.
 INVALID_TYPE = "invalid_type"
+#: OpenAI's error ``code`` for each problem a malformed ``messages`` may have (stage.chat.MESSAGE_PROBLEMS).
+MESSAGES_CODES = {"missing": "missing_required_parameter", "empty": "empty_array", "type": INVALID_TYPE,
+                  "value": "invalid_value"}
 
 
 def _range_code(integer: bool, *, below: bool) -> str:
@@ -390,7 +393,8 @@ def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
     return tokens
 
 
-__all__ = ["BadRequest", "INVALID_TYPE", "Options", "parse_options", "parse_template_options", "parse_tokenize",
+__all__ = ["BadRequest", "INVALID_TYPE", "MESSAGES_CODES", "Options", "parse_options", "parse_template_options",
+           "parse_tokenize",
            "parse_detokenize", "check_text", "check_token_ids", "check_detokenize_size", "check_context",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from ..stage.chat import ChatTemplate, ChatTemplateError
-from .api_params import (INVALID_TYPE, MAX_PROMPTS, BadRequest, check_context, check_text_fits, check_token_ids,
-                         parse_template_options)
+from ..stage.chat import ChatTemplate, ChatTemplateError, MalformedMessages
+from .api_params import (INVALID_TYPE, MAX_PROMPTS, MESSAGES_CODES, BadRequest, check_context, check_text_fits,
+                         check_token_ids, parse_template_options)
 
 
 class PromptReader:
@@ -28,6 +28,8 @@ class PromptReader:
         try:
             return self.chat_template.render(body.get("messages"), add_generation_prompt=add_generation_prompt,
                                              continue_final_message=True, extra=extra)
+        except MalformedMessages as exc:
+            raise BadRequest(str(exc), exc.field, MESSAGES_CODES[exc.problem]) from None
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from None
 
