@@ -5,13 +5,14 @@ The names here (``__all__``) are the state version 15 API (the default everywher
 activation codecs, stage messages, framing, replies, READY and forwarding.  State versions
 16 and 17 are spoken through ``skippy_wire.wire.protocol.WireProtocol(version)``
 (docs/wire-format.md).  Every error about bytes, messages, model files or peers is a class
-of :mod:`skippy_wire.errors` (``SkippyError``); the wire ones (``WireError`` and its three
-upstream kinds) are re-exported here.  A call's own argument of the wrong type or value is
-Python's TypeError or ValueError, a file that cannot be opened an OSError.
+of :mod:`skippy_wire.errors` (``SkippyError``); the wire ones (``WireError``, its three
+upstream kinds and ``ForwardingError``) are re-exported here.  A call's own argument of the
+wrong type or value is Python's TypeError or ValueError, a file that cannot be opened an OSError.
 
 ``IMPLEMENTATION`` says which kernels are live ("cython" or "python");
 ``SKIPPY_WIRE_IMPL=python`` (set before the first import) forces the twin, and every
-framing function also takes ``impl="cython"|"python"`` for one call.
+framing and forwarding function but READY's (four bytes, no kernel) also takes
+``impl="cython"|"python"`` for one call.
 
 ``import skippy_wire`` itself is cheap: each public name is imported from its module on
 first use (so ``import skippy_wire.errors`` or the command line pay for nothing else).
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 # Each public name is imported from its module on first use (PEP 562).
 _PUBLIC: dict[str, tuple[str, ...]] = {
     "._impl": ("IMPLEMENTATION",),
-    ".errors": ("InvalidDataError", "InvalidInputError", "UnexpectedEofError", "WireError"),
+    ".errors": ("ForwardingError", "InvalidDataError", "InvalidInputError", "UnexpectedEofError", "WireError"),
     ".wire.constants": ("READY_MAGIC", "STAGE_STATE_VERSION", "ActivationCodec", "CodecPolicy", "StateFlags",
         "activation_frame_flags_from_state_flags",
         "activation_payload_multiplier_from_state_flags",
@@ -44,12 +45,14 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "send_reply_predicted_with_tokens_and_stats",
         "send_reply_predicted_with_tokens_window_and_stats", "write_reply", "write_stage_message",
         "write_stage_message_to"),
-    ".wire.forwarding": ("StageConfig", "forwarded_stage_message", "forwarded_stage_message_timed"),
+    ".wire.forwarding": ("ActivationDType", "ActivationDescV1", "ActivationFrameV1", "ActivationLayout", "StageConfig",
+        "ForwardedStageMessage", "forwarded_stage_message", "forwarded_stage_message_timed"),
 }
 
 if TYPE_CHECKING:  # the same names for type checkers, re-exported as PEP 484 spells it (`X as X`)
     from ._impl import (IMPLEMENTATION as IMPLEMENTATION)
-    from .errors import (InvalidDataError as InvalidDataError, InvalidInputError as InvalidInputError,
+    from .errors import (ForwardingError as ForwardingError, InvalidDataError as InvalidDataError,
+        InvalidInputError as InvalidInputError,
         UnexpectedEofError as UnexpectedEofError, WireError as WireError)
     from .wire.constants import (READY_MAGIC as READY_MAGIC, STAGE_STATE_VERSION as STAGE_STATE_VERSION,
         ActivationCodec as ActivationCodec, CodecPolicy as CodecPolicy, StateFlags as StateFlags,
@@ -86,7 +89,9 @@ if TYPE_CHECKING:  # the same names for type checkers, re-exported as PEP 484 sp
         send_reply_predicted_with_tokens_window_and_stats as send_reply_predicted_with_tokens_window_and_stats,
         write_reply as write_reply, write_stage_message as write_stage_message,
         write_stage_message_to as write_stage_message_to)
-    from .wire.forwarding import (StageConfig as StageConfig,
+    from .wire.forwarding import (ActivationDType as ActivationDType, ActivationDescV1 as ActivationDescV1,
+        ActivationFrameV1 as ActivationFrameV1, ActivationLayout as ActivationLayout, StageConfig as StageConfig,
+        ForwardedStageMessage as ForwardedStageMessage,
         forwarded_stage_message as forwarded_stage_message,
         forwarded_stage_message_timed as forwarded_stage_message_timed)
 

@@ -294,3 +294,11 @@ class DissectError(ToolError, ValueError):
 
 class Mismatch(ToolError):
     """One recorded expectation (a golden vector) that the implementation did not meet."""
+
+
+__all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", "UnexpectedEofError", "ForwardingError",
+           "SetupError", "SetupClosed", "Status", "StageRuntimeError", "ModelFileError", "ActivationFrameError",
+           "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError", "PipelineError",
+           "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired", "TopologyError", "NetnsError",
+           "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES", "error_for_kind",
+           "format_status_error", "os_reason", "not_a_regular_file"]

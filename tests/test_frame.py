@@ -160,6 +160,19 @@ def test_stage_message_rejects_codec_mismatch_and_malformed_compact_header(impl)
     assert str(err(impl, bytes(bad), 2)) == "unknown stage activation codec"
 
 
+@pytest.mark.parametrize("codec_arg, policy_arg", [(3.0, None), ("bf16", None), (F16, 1.0), (F16, "auto")])
+def test_a_reader_s_codec_or_policy_argument_that_is_no_integer_is_a_type_error(impl, codec_arg, policy_arg):
+    # as the codec functions say of it: 3.0 was taken as BF16 and "bf16" read as corrupt data (InvalidDataError)
+    for read in (lambda data: frame.read_stage_message(data, 2, codec_arg, policy_arg, impl=impl),
+                 lambda data: frame.StageMessageDecoder(2, codec_arg, policy_arg).feed(data)):
+        with pytest.raises(TypeError, match=f"^{'policy' if policy_arg else 'codec'} must be an int, not "):
+            read(_f16_message())
+    with pytest.raises(InvalidDataError, match="^unknown stage activation codec$"):
+        frame.read_stage_message(_f16_message(), 2, 99, impl=impl)
+    with pytest.raises(InvalidDataError, match="^unknown stage activation codec policy$"):
+        frame.read_stage_message(_f16_message(), 2, F16, 99, impl=impl)
+
+
 @pytest.mark.parametrize("c", [RAW, BF16, F16, S8])
 def test_stage_message_auto_lossless_policy_admits_only_exact_codec_set(impl, c):
     st = state_for(K.DECODE_EMBD, source_stage_index=0, activation_codec=c)

@@ -372,10 +372,13 @@ def test_both_incremental_decoders_are_in_the_public_api():
 
 def test_reader_arguments_are_checked_alike_in_every_version(impl):
     data = frame.write_stage_message(messages()[0], impl=impl)
-    for codec, policy, what in ((9, None, "codec"), ("bf16", None, "codec"), (None, 7, "codec policy")):
-        with pytest.raises(InvalidDataError, match=f"^unknown stage activation {what}$"):
+    for codec, policy, error, text in ((9, None, InvalidDataError, "^unknown stage activation codec$"),
+                                       (None, 7, InvalidDataError, "^unknown stage activation codec policy$"),
+                                       ("bf16", None, TypeError, "^codec must be an int, not str$"),
+                                       (None, 1.0, TypeError, "^policy must be an int, not float$")):
+        with pytest.raises(error, match=text):
             frame.read_stage_message_from_buffer(data, 4, codec, policy, impl=impl)
-        with pytest.raises(InvalidDataError, match=f"^unknown stage activation {what}$"):
+        with pytest.raises(error, match=text):
             WireProtocol(16, impl=impl).read_from_buffer(data, codec=codec, policy=policy)
     with pytest.raises(TypeError, match="n_embd must be an int, not float"):
         WireProtocol(15, impl=impl).read_from_buffer(data, 4.0)

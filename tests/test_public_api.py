@@ -31,6 +31,34 @@ def test_every_public_callable_has_its_own_docstring(name):
     assert doc and not doc.startswith(f"{obj.__name__}("), f"{name} has no docstring of its own"
 
 
+def test_forwarding_needs_no_name_from_below_the_package():
+    # the README lists forwarding as public: its frame type and its error were not re-exported
+    incoming = _message()
+    out = sw.forwarded_stage_message(sw.StageConfig(stage_index=1, layer_start=0, layer_end=4), incoming,
+                                     sw.ActivationFrameV1.f32([1e40, -1e40] + [0.5] * 6, 1), 8)
+    assert out.activation_f32().tolist() == [np.inf, -np.inf] + [0.5] * 6  # beyond f32: infinities, as writers do
+    short = sw.ActivationFrameV1(sw.ActivationDescV1(dtype=sw.ActivationDType.F16, token_count=1), b"")
+    with pytest.raises(sw.ForwardingError, match="unsupported activation dtype conversion: F16 to f32$"):
+        sw.forwarded_stage_message(sw.StageConfig(stage_index=1), incoming, short, 8)
+
+
+def test_errors_names_its_public_classes_and_helpers():
+    from skippy_wire import errors
+    classes = {n for n, v in vars(errors).items() if inspect.isclass(v) and issubclass(v, BaseException)}
+    assert classes <= set(errors.__all__) and all(hasattr(errors, n) for n in errors.__all__)
+    assert not {"enum", "functools", "stat", "Optional"} & set(errors.__all__)
+
+
+def test_a_decoder_s_repr_says_where_its_stream_stands():
+    decoder = sw.StageMessageDecoder(8)
+    data = sw.write_stage_message(_message())
+    decoder.feed(data + data[:5])
+    assert repr(decoder) == f"<StageMessageDecoder received={len(data) + 5} consumed={len(data)} buffered=5>"
+    with pytest.raises(sw.InvalidDataError):
+        decoder.feed(b"\xff" * 200)
+    assert repr(decoder).startswith("<StageMessageDecoder received=") and "error=InvalidDataError(" in repr(decoder)
+
+
 def test_modules_named_in_the_wire_format_page_exist():
     text = (REPO / "docs" / "wire-format.md").read_text(encoding="utf-8")
     named = sorted(set(re.findall(r"`(skippy_wire(?:\.[A-Za-z_0-9]+)+)", text)))
@@ -106,6 +134,12 @@ def test_not_a_message_or_an_int_is_a_clear_type_error(impl):
         (lambda: sw.read_stage_message_from_buffer(data, 8, offset=None, impl=impl), "offset must be an int, not NoneType"),
         (lambda: sw.StageMessageDecoder(8, max_message_bytes="10", impl=impl), "max_message_bytes must be an int, not str"),
         (lambda: sw.F32(1.5), "F32 takes a binary32 bit pattern"),
+        (lambda: sw.forwarded_stage_message(sw.StageConfig(), None, None, 4, impl=impl),
+         "incoming must be a StageWireMessage, not NoneType"),
+        (lambda: sw.forwarded_stage_message(sw.StageConfig(), _message(), b"", 4, impl=impl),
+         "output must be a ActivationFrameV1, not bytes"),
+        (lambda: sw.forwarded_stage_message({}, _message(), sw.ActivationFrameV1.f32([0.0] * 8, 1), 8, impl=impl),
+         "config must be a StageConfig, not dict"),
     ]
     for call, text in cases:
         with pytest.raises(TypeError, match=re.escape(text)):

@@ -34,7 +34,7 @@ from .constants import (
 )
 from ..errors import ForwardingError, WireError
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
-from .messages import StageWireMessage, WireMessageKind
+from .messages import StageWireMessage, WireMessageKind, f32_bits
 
 
 class ActivationDType(UpstreamEnum):
@@ -48,6 +48,8 @@ class ActivationDType(UpstreamEnum):
 
 
 class ActivationLayout(enum.IntEnum):
+    """Row layout of a v1 descriptor's payload (runtime.md 2.2): opaque, or one row per token."""
+
     OPAQUE = 0
     TOKEN_MAJOR = 1
 
@@ -94,8 +96,9 @@ class ActivationFrameV1:
 
     @classmethod
     def f32(cls, values, token_count: int, flags: int = 0, **desc) -> "ActivationFrameV1":
-        """An F32 frame from float values (test and tool convenience)."""
-        payload = struct.pack(f"<{len(values)}f", *values)
+        """An F32 frame from float values (test and tool convenience), each written as the
+        message writers write a float (one beyond the f32 range is an infinity)."""
+        payload = struct.pack(f"<{len(values)}I", *map(f32_bits, values))
         return cls(ActivationDescV1(dtype=ActivationDType.F32, token_count=token_count,
                                     payload_bytes=len(payload), flags=flags, **desc), payload)
 
@@ -125,6 +128,8 @@ class StageConfig:
 
 
 class ForwardedStageMessage(NamedTuple):
+    """The forwarded message and the time its activation took to encode (ms)."""
+
     message: StageWireMessage
     activation_encode_ms: float
 
@@ -171,6 +176,10 @@ def forwarded_stage_message_timed(
     impl: Optional[str] = None,
 ) -> ForwardedStageMessage:
     """Build the message forwarded downstream and time its activation encoding (ms)."""
+    for name, value, kind in (("config", config, StageConfig), ("incoming", incoming, StageWireMessage),
+                              ("output", output, ActivationFrameV1)):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
     codec_module = _impl.cached_kernel_module("codec", impl)
     desc = output.desc
     check_full_range(config, incoming, desc.token_count)

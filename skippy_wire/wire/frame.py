@@ -48,17 +48,19 @@ def kernels(impl: Optional[str] = None):
 def reader_expectation(codec, policy) -> tuple[Optional[int], int]:
     """Map the public (codec, policy) pair of the readers onto the kernels' arguments:
     (the expected codec id or None for "any", the policy id).  An unknown one is an
-    InvalidDataError, as the codec functions say of an unknown codec id."""
-    policy = None if policy is None else _known(CodecPolicy, policy, "codec policy")
+    InvalidDataError, as the codec functions say of an unknown codec id, and one that is no
+    integer a TypeError naming the argument (``codec``, ``policy``), as for ``n_embd``."""
+    policy = None if policy is None else _known(CodecPolicy, policy, "policy", "codec policy")
     if codec is None:
         if policy is not None and policy is not CodecPolicy.FIXED:
             # A policy needs its configured codec; AutoLosslessV1's is RawF32V1.
             return int(ActivationCodec.RAW_F32_V1), int(policy)
         return None, int(CodecPolicy.FIXED)
-    return int(_known(ActivationCodec, codec, "codec")), int(CodecPolicy.FIXED if policy is None else policy)
+    return int(_known(ActivationCodec, codec, "codec", "codec")), int(CodecPolicy.FIXED if policy is None else policy)
 
 
-def _known(kind, value, what: str):
+def _known(kind, value, argument: str, what: str):
+    value = _check_int(value, argument)  # an enum member or an int (the enum alone took 3.0)
     try:
         return kind(value)
     except ValueError:  # the enum's own "9 is not a valid ActivationCodec"
@@ -233,6 +235,11 @@ class _IncrementalDecoder(Generic[_Record]):
         self.received = 0
         self.consumed = 0
         self.ends: list[int] = []
+
+    def __repr__(self) -> str:
+        failed = f", error={self.error!r}" if self.error is not None else ""
+        return (f"<{type(self).__name__} received={self.received} consumed={self.consumed} "
+                f"buffered={self.buffered}{failed}>")
 
     @property
     def buffered(self) -> int:
