@@ -340,7 +340,7 @@ def _post(api, path, body, **kw):
     ("/v1/completions", {"prompt": 42}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),

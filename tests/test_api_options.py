@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, check_text_fits, check_tokenize_size,
-                                          parse_options, suppress_end_of_generation)
+from skippy_wire.tools import api_params
+from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, check_text, check_text_fits,
+                                          check_tokenize_size, parse_options, suppress_end_of_generation)
 from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
 
@@ -214,3 +215,33 @@ def test_tokenize_takes_a_bounded_text():
         with pytest.raises(BadRequest, match="/tokenize takes at most") as err:
             check_tokenize_size(text)
         assert err.value.param == "content"
+
+
+class _CountingPattern:
+    """SURROGATE, counting the strings it is asked to search."""
+
+    def __init__(self, pattern) -> None:
+        self.pattern, self.searched = pattern, 0
+
+    def search(self, text):
+        self.searched += 1
+        return self.pattern.search(text)
+
+
+def test_a_body_without_a_surrogate_is_cleared_without_a_walk_and_one_with_is_named(monkeypatch):
+    # the walk built a path and searched every key and string: seconds over an 8 MiB body, on the event loop
+    counting = _CountingPattern(api_params.SURROGATE)
+    monkeypatch.setattr(api_params, "SURROGATE", counting)
+    body = {"prompt": "héllo 😀", "x": [[{"k": "v"}] * 1000] * 100, "stop": ["é"]}
+    check_text(body)
+    assert counting.searched == 0
+    body["x"][99] = [{"k": "v"}, {"deep": ["ok", "bad \ud800"]}]
+    with pytest.raises(BadRequest, match=r"^'x\[99\]\[1\]\.deep\[1\]' is not valid text") as err:
+        check_text(body)
+    assert err.value.param == "x" and counting.searched > 0
+
+
+def test_a_long_logit_bias_list_is_refused_by_its_length_before_its_pairs_are_read():
+    pairs = [[1, 2]] * (MAX_STAGE_LOGIT_BIAS + 1) + ["not a pair"]
+    with pytest.raises(BadRequest, match=f"may hold at most {MAX_STAGE_LOGIT_BIAS} tokens"):
+        parse_options({"logit_bias": pairs})

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -579,7 +580,10 @@ def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed()
     (b"GARBAGE\r\n\r\n", 400, "illegal request line: bytearray(b'GARBAGE')"),
     (b"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\n\r\n", 400, "illegal request line: bytearray(b'GET /v1/models/"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400, "bad Content-Length"),
-    (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000, 431, "Receive buffer too long")])
+    (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000, 431, "Receive buffer too long"),
+    # complete in one write: h11 holds only a head still arriving to its limit, and took this one
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 17_000 + b"\r\n\r\n", 431,
+     "request head over 16 KiB")])
 def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head, status, reason):
     """uvicorn answered it ``text/plain`` "Invalid HTTP request received.", logged alone (no
     peer, no reason), and a head over h11's limit 400 rather than 431."""
@@ -599,6 +603,47 @@ def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head, status
     # a Date, as RFC 9110 6.6.1 asks of a 4xx
     assert re.search(rb"\r\ndate: \w{3}, \d\d \w{3} \d{4} [\d:]{8} GMT\r\n", head + b"\r\n", re.IGNORECASE)
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_stream_whose_client_reset_writes_nothing_more_and_asyncio_logs_nothing():
+    """Pieces written after a reset, before the loop told the request its client had gone
+    (here after a stall of the loop), each logged asyncio's "socket.send() raised exception."."""
+    records, written = [], []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        time.sleep(0.5)  # the loop stalls; the client resets meanwhile
+        for _ in range(50):
+            await send({"type": "http.response.body", "body": b"x" * 100, "more_body": True})
+        written.append(True)
+
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        with serving(app, limit_concurrency=LIMIT) as url:
+            s = _connect(url)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset on close
+            s.close()
+            _until(lambda: written, "the application wrote its pieces")
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
+def test_a_head_of_just_the_largest_size_is_served():
+    line, host = b"GET /v1/models HTTP/1.1\r\n", b"Host: x\r\n"
+    filler = http_front.MAX_HEAD_BYTES - len(line) - len(host) - len(b"X-Big: \r\n\r\n")
+    for size, status in ((filler, 200), (filler + 1, 431)):
+        with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, _connect(url) as s:
+            s.settimeout(10)
+            s.sendall(line + host + b"X-Big: " + b"a" * size + b"\r\n\r\n")
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            assert response.status == status
 
 
 def test_the_bodies_being_received_share_one_budget(monkeypatch):

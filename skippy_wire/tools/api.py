@@ -54,7 +54,7 @@ from .cli import package_version
 from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
 from .http_loading import LoadingAnswers
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, RETRY_AFTER_S, IdleSheddingProtocol,
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, RETRY_AFTER_S, IdleSheddingProtocol,
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
                          StoppingServer, error_response, json_body, listening_socket, netloc, open_api_warning,
                          shutting_down_response)
@@ -553,8 +553,10 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
+                                    h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
+            logging.getLogger("asyncio").addFilter(RateLimitedRecords())  # its lines about peers' sockets too
             server = StoppingServer(config, progress, api.admission.refuse_waiting)
             # before the line that says it serves: a SIGHUP from then on stops uvicorn, instead of
             # unwinding from inside whatever runs (a thread's start, a lock)

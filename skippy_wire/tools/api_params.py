@@ -10,6 +10,7 @@ The checks follow the OpenAI API where it fixes one (``stream_options`` only wit
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -93,8 +94,15 @@ class BadRequest(Exception):
 def check_text(body: dict) -> None:
     """Refuse a string anywhere in ``body`` (keys included) that holds an unpaired UTF-16
     surrogate: everything a request carries may become text for the tokenizer, a stop
-    string or a template.  Walks without recursion, as deep as the body is nested; the
-    error's ``param`` is the top-level field."""
+    string or a template.  One pass of the JSON encoder finds whether there is one (a walk in
+    Python took seconds over a large body, holding up the event loop); only then does a walk,
+    without recursion, as deep as the body is nested, name it: the error's ``param`` is the
+    top-level field."""
+    try:
+        json.dumps(body, ensure_ascii=False, check_circular=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, ValueError):  # a surrogate cannot be encoded (ValueError: walk to be sure)
+        pass
     stack: list[tuple[Any, str, Optional[str]]] = [(body, "", None)]
     while stack:
         value, path, field = stack.pop()
@@ -260,6 +268,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's object of token id -> bias, or llama-server's list of [token id, bias]
     pairs; a bias of ``false`` (llama-server's) bans the token."""
     bias = _given(body, "logit_bias", {})
+    if isinstance(bias, (list, dict)) and len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     if isinstance(bias, list):
         if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
             raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs", "logit_bias")
@@ -268,8 +278,6 @@ def _logit_bias(body: dict) -> dict[int, float]:
         bias = list(bias.items())
     else:
         raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias", INVALID_TYPE)
-    if len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
-        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     out = {}
     for key, value in bias:
         if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):

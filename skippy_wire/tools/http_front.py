@@ -34,6 +34,9 @@ PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
+#: The largest request head (request line and headers) read: h11's default, which h11 holds
+#: only to a head still arriving, and :class:`IdleSheddingProtocol` to a complete one (431).
+MAX_HEAD_BYTES = 16 << 10
 #: Bytes of request bodies buffered at once, all connections together: each may hold up
 #: to MAX_BODY_BYTES while its body arrives, and --max-connections of them would hold GiBs.
 MAX_BUFFERED_BODY_BYTES = 64 << 20
@@ -324,7 +327,11 @@ class IdleSheddingProtocol(H11Protocol):
 
         def remembering_next_event():
             try:
-                return next_event()
+                event = next_event()
+                if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
+                    raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES >> 10} KiB",
+                                                  error_status_hint=431)
+                return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
                 raise
@@ -445,6 +452,12 @@ class IdleSheddingProtocol(H11Protocol):
         self.transport.close()
 
 
+def _head_bytes(request: h11.Request) -> int:
+    """The size of ``request``'s head as sent (``METHOD TARGET HTTP/1.1``, ``Name: value`` lines, CRLFs)."""
+    line = len(request.method) + len(request.target) + len(b"HTTP/") + len(request.http_version) + 4
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()) + 2
+
+
 class LingeringClose:
     """A connection's transport whose ``close()``, while a request's body (or the rest of a
     head that does not parse) still arrives, sends the answer and a FIN at once but closes
@@ -456,6 +469,12 @@ class LingeringClose:
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
+
+    def write(self, data) -> None:
+        # a connection lost (reset) takes no more: asyncio would log a line for each write
+        # the request makes before the loop tells it the client is gone
+        if not self._transport.is_closing():
+            self._transport.write(data)
 
     def close_now(self) -> None:
         self._transport.close()
