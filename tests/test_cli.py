@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from skippy_wire.errors import PipelineError
+from skippy_wire.errors import PipelineClosed, PipelineError
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import api, cli, cluster, cluster_bench, run, serve
@@ -298,6 +298,7 @@ class _FakeClient:
         self.tokens, self.then = tokens, then
 
     def __call__(self, *args, **kwargs) -> "_FakeClient":
+        self.kwargs = kwargs
         return self
 
     def __enter__(self) -> "_FakeClient":
@@ -341,6 +342,26 @@ def test_connect_json_reports_null_for_what_the_driver_cannot_know(capsys, tiny_
     summary = json.loads(out)["summary"]
     assert summary["connected"] == "127.0.0.1:9"
     assert [summary[k] for k in ("stages", "codec", "policy", "threads")] == [None, None, None, None]
+
+
+def test_v17_connect_checks_the_stages_model_id_as_given_or_the_file_s_stem(capsys, tiny_model, fake_client):
+    client = fake_client()
+    for extra, model_id in (([], None), (["--protocol", "17"], tiny_model.stem),
+                            (["--protocol", "17", "--model-id", "smol"], "smol")):
+        code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", *extra, "hi")
+        assert code == 0, err
+        assert client.kwargs["model_id"] == model_id and client.kwargs["protocol"] == (17 if extra else 15)
+
+
+def test_a_link_closed_before_any_token_asks_whether_connect_reached_stage_0(capsys, tiny_model, fake_client):
+    def closed():
+        raise PipelineClosed("stage 0 at 127.0.0.1:9 closed the connection during PREFILL_FINAL_EMBD (session 1)")
+
+    for text, hinted in (("", True), (" world", False)):
+        fake_client(text, then=closed)
+        code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hi")
+        assert code == 1
+        assert _one_error_line(err).endswith("; is it stage 0? a later stage refuses a driver's tokens") == hinted
 
 
 def test_a_text_whose_closing_stop_went_unanswered_is_printed_with_a_warning(capsys, tiny_model, fake_client):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.errors import PipelineError
+from skippy_wire.errors import PipelineError, PipelineMismatch
 from skippy_wire.net import protocol_io
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import (
@@ -127,6 +127,19 @@ def test_v17_driver_checks_the_run_it_reached(chains):
                                             r"\(model id 'skippy-wire', here 'smol-copy'\)"):
         PipelineClient(*servers[0].address, timeout=5, protocol=17,
                        identity=driver_identity(model_id="smol-copy"))
+
+
+
+def test_v17_driver_of_running_stages_checks_their_model_id_alone(chains):
+    # a driver given another model's file than the stages' read its tokens as theirs: garbage, exit 0
+    servers = chains(17)
+    with pytest.raises(PipelineMismatch, match="stage setup failed: admitted downstream relationship mismatch "
+                                               r"\(model id 'skippy-wire', here 'tiny'\)$"):
+        PipelineClient(*servers[0].address, timeout=5, protocol=17, model_id="tiny")
+    with PipelineClient(*servers[0].address, timeout=5, protocol=17, model_id="skippy-wire") as client:
+        assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
+    with pytest.raises(TypeError, match="model_id must be a str, not int"):
+        PipelineClient(*servers[0].address, timeout=5, protocol=17, model_id=7)
 
 
 @pytest.mark.parametrize("stage,driver", [(16, 15), (15, 16), (17, 15), (17, 16), (15, 17), (16, 17)])

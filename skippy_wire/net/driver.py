@@ -133,7 +133,8 @@ class PipelineClient:
     state version spoken (15, 16 or 17); under 17 the connection starts with the setup
     handshake as TokensAndControl, ``identity`` (a ``StageSetupConfig``, e.g.
     :func:`~skippy_wire.net.protocol_io.driver_identity`) makes it check that it reached
-    stage 0 of that run.  A stage speaking another version -> one-line PipelineError.
+    stage 0 of that run, and ``model_id`` alone (the stages' ``--model-id``) that it reached
+    a stage of that model.  A stage speaking another version -> one-line PipelineError.
     ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
     ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
 
@@ -161,7 +162,7 @@ class PipelineClient:
     def __init__(self, host: str, port: int, *, timeout: float = DEFAULT_TIMEOUT,
                  capture: str | Path | None = None, protocol: int = STAGE_STATE_VERSION_V15,
                  identity=None, tls=None, poll_s: float = 0.0, stages: StageCluster | None = None,
-                 ctx_size: int | None = None) -> None:
+                 ctx_size: int | None = None, model_id: str | None = None) -> None:
         timeout = seconds_argument("timeout", timeout)
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a host name or address (a str), not {host!r}")
@@ -181,7 +182,9 @@ class PipelineClient:
         self._busy = threading.Lock()  # held by the thread whose request runs
         self._carrier: int | None = None  # that thread's ident
         self._link_failed = False  # a send or a wait of the request failed: what is in flight is unknown
-        self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s)
+        if model_id is not None and not isinstance(model_id, str):
+            raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
+        self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s, model_id)
         # the stages behind it: given, or the ones this process launched there
         self._stages = stages if stages is not None else launched_cluster(host, port)
         self._topology = driven_topology(host, port)  # or when a topology file describes them
@@ -194,7 +197,7 @@ class PipelineClient:
 
     def _connect(self) -> None:
         """The connection to stage 0 and its READY handshake (v17: the stage setup)."""
-        (host, port), (capture, protocol, identity, tls, poll_s) = self._endpoint, self._setup
+        (host, port), (capture, protocol, identity, tls, poll_s, model_id) = self._endpoint, self._setup
         try:
             sock = connect(host, port, self.timeout, tls=tls.client_context() if tls is not None else None)
         except ssl.SSLError as exc:
@@ -215,7 +218,7 @@ class PipelineClient:
         self._link = LinkProtocol(protocol, self._peer, who=f"stage 0 at {self.address}", me="this driver")
         try:
             self._guard(lambda: self._link.connect(SetupRole.TOKENS_AND_CONTROL, identity, None,
-                                                   timeout=self.timeout),
+                                                   timeout=self.timeout, model_id=model_id),
                         "READY handshake" if protocol != 17 else "stage setup")
         except BaseException:
             self._peer.close()
@@ -309,8 +312,8 @@ class PipelineClient:
         except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)
             raise self._failed(f"stage 0 at {self.address} closed the connection during the setup handshake",
                                " (a stage failed or refused the setup; the stages' logs say which and why)") from None
-        except SetupError as exc:
-            raise PipelineError(f"stage 0 at {self.address}: stage setup failed: {exc}"
+        except SetupError as exc:  # a mismatch: no wait mends it
+            raise PipelineMismatch(f"stage 0 at {self.address}: stage setup failed: {exc}"
                                 + (f" ({exc.detail})" if exc.detail else "")) from None
         except SendStalled:
             raise self._failed(f"stage 0 at {self.address} read nothing of {what} for {self.timeout:g} s") from None

@@ -213,8 +213,9 @@ class LinkProtocol:
 
     # --- opening ----------------------------------------------------------------------
     def connect(self, role: SetupRole = SetupRole.ACTIVATION, setup=None, output=None, *,
-                timeout: Optional[float] = None) -> None:
-        """The connecting side: wait for READY (15, 16) or run the setup handshake (17)."""
+                timeout: Optional[float] = None, model_id: Optional[str] = None) -> None:
+        """The connecting side: wait for READY (15, 16) or run the setup handshake (17;
+        ``model_id``: the one the peer must report, without ``setup``)."""
         if self.version != STAGE_STATE_VERSION_V17:
             self.peer.sock.settimeout(timeout)
             try:
@@ -230,7 +231,8 @@ class LinkProtocol:
             return
         sock = self.peer.capturing_socket()
         try:
-            agreement = client_setup(sock, role, setup, output, timeout=timeout, cancelled=self._upstream_gone)
+            agreement = client_setup(sock, role, setup, output, timeout=timeout, cancelled=self._upstream_gone,
+                                     model_id=model_id)
         except SetupError:
             if self._upstream_gone():
                 raise StageError(f"upstream closed the connection while waiting for {self.who} to answer the "

@@ -256,9 +256,10 @@ class GenerationEngine:
     """Runs generations on pooled stage-0 connections (blocking; call from worker threads)."""
 
     def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
-                 chunk_size: int, protocol: int = 15, identity=None, tls=None, poll_s: float = 0.0) -> None:
+                 chunk_size: int, protocol: int = 15, identity=None, tls=None, poll_s: float = 0.0,
+                 model_id: Optional[str] = None) -> None:
         self.entry = entry
-        self.protocol, self.identity, self.tls = protocol, identity, tls
+        self.protocol, self.identity, self.tls, self.model_id = protocol, identity, tls, model_id
         self.poll_s = poll_s  # each connection's busy-poll window (PipelineClient)
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
@@ -298,7 +299,7 @@ class GenerationEngine:
                 client.close()  # closed by the stage meanwhile (e.g. its idle timeout)
         return PipelineClient(*self.entry, timeout=self.timeout if timeout is None else timeout,
                               protocol=self.protocol, identity=self.identity, tls=self.tls, poll_s=self.poll_s,
-                              ctx_size=self.ctx_size)
+                              ctx_size=self.ctx_size, model_id=self.model_id)
 
     def _give_back(self, client: PipelineClient) -> None:
         client.timeout = self.timeout

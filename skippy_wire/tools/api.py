@@ -41,7 +41,6 @@ from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngi
                            ServerStopping)
 from ..stage.chat import ChatTemplate, ChatTemplateError
 from ..stage.models import Tokenizer, model_shape
-from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
@@ -64,6 +63,7 @@ from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, START
                       check_output_dir, describe, error_line, int_at_least, int_between, model_file,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
                       training_context_size)
+from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals, handling_signals
 
@@ -452,8 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for each stage reply")
     p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; default: discarded)")
-    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
-                   help="stage state version spoken on every link")
+    add_link_options(p)
     add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")
     add_poll_option(p, starts_stages=True)
     return p
@@ -504,6 +503,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(error_line(describe(exc)), file=sys.stderr)
         return 1
+    args.model_id = expected_model_id(parser, args, model, running=bool(args.connect_address))
     if not args.connect_address and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
@@ -539,7 +539,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         with cluster, yielding_to_stages():
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
-                                      identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms))
+                                      identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms),
+                                      model_id=args.model_id)
             try:
                 engine.check_ready(first_stage=bool(args.connect_address))
             except PipelineError as exc:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import PipelineError, ToolError
+from ..errors import PipelineClosed, PipelineError, ToolError
 from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, STOP_CONTEXT_FULL, PipelineClient,
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
@@ -29,7 +29,6 @@ from ..net.supervision import default_model, launch_pipeline
 from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
-from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
                              max_tokens)
@@ -40,6 +39,7 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, S
                       model_file,
                       refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
                       training_context_size, utf8)
+from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
@@ -152,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "them; the options for the stages it would start (--stages, the codec options, "
                             "--log-dir, -t/--threads without --check) are then usage errors and per-hop stage "
                             "counters are absent (default: start them)")
-    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
-                   help="stage state version spoken on every link, driver included")
+    add_link_options(p)
     where.add_argument("--topology", default=None, metavar="FILE",
                        help="drive the running stages a topology file describes (like --connect to its stage 0, "
                             "the same options refused; its model and ctx_size apply; default: none)")
@@ -333,6 +332,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         progress("stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it")
     model = Path(args.model) if args.model else default_model()
     n_layer, n_embd = _model_shape(model)
+    args.model_id = expected_model_id(parser, args, model, running=bool(args.connect))
     if not args.connect and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
@@ -433,6 +433,7 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
     try:
         identity = None if args.connect else cluster.identity
         with PipelineClient(*entry, timeout=args.timeout, protocol=args.protocol, identity=identity, tls=args.tls,
+                            model_id=args.model_id,
                             poll_s=driver_poll_s(args.poll_ms),
                             capture=str(Path(args.capture) / "hop0") if args.capture else None) as client:
             progress(f"generating: prompt {len(prompt)} tokens"
@@ -445,7 +446,10 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
             warn_if_unended(result)  # the text is whole: said, not a failure
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
-        raise PipelineError(f"request failed: {exc}") from None
+        # someone else's stages: a later stage closes the link on a driver's first tokens
+        hint = "; is it stage 0? a later stage refuses a driver's tokens" \
+            if args.connect and isinstance(exc, PipelineClosed) and not streamer.tokens else ""
+        raise PipelineError(f"request failed: {exc}{hint}") from None
     return result, (cluster.session_events() if not args.connect else None)
 
 

@@ -300,19 +300,22 @@ def _deadline(deadline: Optional[float], timeout: Optional[float]) -> float:
 # --- the connecting side (B.4.1) ------------------------------------------------------------
 def client_setup(stream, role, config: Optional[StageSetupConfig] = None, output: Optional[ActivationProfile] = None,
                  *, timeout: Optional[float] = None, deadline: Optional[float] = None,
-                 cancelled: Optional[Callable[[], bool]] = None, impl: Optional[str] = None) -> ActivationAgreement:
+                 cancelled: Optional[Callable[[], bool]] = None, impl: Optional[str] = None,
+                 model_id: Optional[str] = None) -> ActivationAgreement:
     """Run the connecting side on ``stream``; returns the agreement to install.
 
-    ``deadline`` is absolute (``time.monotonic()``), else ``timeout`` seconds from now."""
+    ``deadline`` is absolute (``time.monotonic()``), else ``timeout`` seconds from now.
+    ``model_id``, without ``config`` (a driver that knows its model but not the run): the
+    model id the peer must report, where it reports one."""
     role = SetupRole(role)
     t = _Transport(stream, _deadline(deadline, timeout), cancelled)
     try:
-        return _client(t, role, config, output, impl)
+        return _client(t, role, config, output, impl, model_id)
     finally:
         t.restore()
 
 
-def _client(t: _Transport, role: SetupRole, config, output, impl) -> ActivationAgreement:
+def _client(t: _Transport, role: SetupRole, config, output, impl, model_id) -> ActivationAgreement:
     downstream = None if config is None else config.downstream
     hello = Hello(role, None if config is None else Peer.of(config),
                   None if downstream is None else (downstream.stage_id, downstream.stage_index), output)
@@ -343,6 +346,8 @@ def _client(t: _Transport, role: SetupRole, config, output, impl) -> ActivationA
             ("model id", receiver.model, config.model_id), ("downstream stage", receiver.stage, downstream.stage_id),
             ("downstream stage index", receiver.index, downstream.stage_index),
             ("downstream layer_start", receiver.layer_start, config.layer_end)])
+    elif model_id is not None and offer.receiver is not None:
+        _check_relationship("admitted downstream relationship mismatch", [("model id", offer.receiver.model, model_id)])
     t.write(encode_packet(list(agreement.generation)))
     ready = _decode(_read_packet(t), generation_from_json)
     if ready != bytes(agreement.generation):

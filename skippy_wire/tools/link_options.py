@@ -1,0 +1,29 @@
+"""The options of a driver's link to stage 0, as ``run`` and ``api`` take them: the stage
+state version spoken and, under 17, the model id running stages must report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
+
+
+def add_link_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
+                   help="stage state version spoken on every link, driver included")
+    p.add_argument("--model-id", default=None,
+                   help="v17, with running stages (--connect, --topology): the model id they were given "
+                        "(serve's --model-id), which stage 0's setup must report (default: the model file's stem, "
+                        "as serve's)")
+
+
+def expected_model_id(p: argparse.ArgumentParser, args, model: Path, running: bool) -> Optional[str]:
+    """The model id stage 0 must report: under 17 to a driver of ``running`` stages (the ones
+    it starts share its whole identity); ``--model-id`` elsewhere is a usage error."""
+    if args.protocol != STAGE_STATE_VERSION_V17 or not running:
+        if args.model_id is not None:
+            p.error("--model-id is checked only with --protocol 17 and running stages (--connect, --topology)")
+        return None
+    return args.model_id or model.stem
