@@ -173,6 +173,10 @@ def test_what_asks_for_nothing_passes():
     assert parse_options({"logprobs": False}, chat=True).stream is False
     with pytest.raises(BadRequest):
         parse_options({"logprobs": True}, chat=True)
+    # what the client asked for is named, not the option that refines it (it named top_logprobs)
+    for chat, logprobs in ((True, True), (False, 2)):
+        with pytest.raises(BadRequest, match="^'logprobs' is not supported$"):
+            parse_options({"logprobs": logprobs, "top_logprobs": 2}, chat=chat)
     assert parse_options({"stream": True, "stream_options": {"include_usage": None}}).include_usage is False
     # llama-server's web UI sends its sampling controls at their defaults
     web_ui = {"grammar": "", "mirostat": 0, "typical_p": 1, "tfs_z": 1.0, "dynatemp_range": 0, "xtc_probability": 0,

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from skippy_wire.errors import SetupClosed, StageError
+from skippy_wire.errors import PipelineMismatch, SetupClosed, StageError
+from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.tls import TlsConfig, accept_tls, connect_tls, handshake_failure
 from skippy_wire.tools import serve
 
@@ -346,4 +347,21 @@ def test_a_tls_downstream_silent_after_its_handshake_is_given_up_when_the_upstre
     finally:
         for sock in (upstream, driver_end, silent, *held):
             sock.close()
+        server.shutdown()
+
+
+def test_a_driver_refused_by_stage_0_s_certificate_is_a_mismatch_no_wait_mends(pki):
+    # `api --connect` took it for stages not up yet: it served 503 and 502 for good
+    from skippy_wire.net.server import StageServer
+    from test_server import FakeBackend
+
+    server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"),
+                         tls=_config(pki, "node.pem", "node.key"))
+    server.start()
+    try:
+        with pytest.raises(PipelineMismatch, match="the peer's certificate is refused"):
+            PipelineClient(*server.address, timeout=5, tls=_config(pki, "stranger.pem", "stranger.key", "other-ca.pem"))
+        with PipelineClient(*server.address, timeout=5, tls=_config(pki, "node.pem", "node.key")) as client:
+            assert client.alive()
+    finally:
         server.shutdown()

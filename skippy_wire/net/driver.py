@@ -200,8 +200,9 @@ class PipelineClient:
         (host, port), (capture, protocol, identity, tls, poll_s, model_id) = self._endpoint, self._setup
         try:
             sock = connect(host, port, self.timeout, tls=tls.client_context() if tls is not None else None)
-        except ssl.SSLError as exc:
-            raise PipelineError(handshake_failure(f"stage 0 at {self.address}", exc)) from None
+        except ssl.SSLError as exc:  # a certificate refused, by either side: no wait mends it (a close might)
+            kind = PipelineError if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) else PipelineMismatch
+            raise kind(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
             raise self._failed(f"cannot connect to stage 0 at {self.address}: {os_reason(exc)}") from exc
         try:

@@ -16,10 +16,9 @@ PrefillEmbd / PrefillFinalEmbd, DecodeEmbd, TrimSession, Stop.  The first stage 
 PredictedToken for kinds that require a predicted reply and Ack otherwise.  Stop frees the
 session and is acknowledged; the connection stays open.
 
-Sessions are keyed by ``session_id`` and belong to the connection that opened them; a closed
-connection frees its sessions.  Runtime calls are serialised by one lock.  Decode ahead
-(:mod:`.decode_ahead`): a first stage computes a session's next decode step while its reply
-makes the round trip to the driver.
+Sessions are keyed by ``session_id`` and belong to the connection that opened them; a closed connection
+frees its sessions.  Runtime calls are serialised by one lock.  Decode ahead (:mod:`.decode_ahead`): a
+first stage computes a session's next decode step while its reply makes the round trip to the driver.
 
 Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO lanes,
 a whole-message deadline, a message size this stage could execute (checked from the prefix), an
@@ -28,8 +27,7 @@ that disconnects mid-message, sends bytes that do not parse, stalls or breaks a 
 logged error and its connection closed; a failing downstream closes the upstream connection
 too, and an upstream that leaves while its reply is awaited downstream closes the downstream one.
 
-Events: ``events`` receives ``{"event": "session", ...}`` with a session's traffic counters when it
-stops (``serve`` prints them as JSON lines after its "listening" event).
+Events: ``events`` gets each stopped session's counters, ``{"event": "session", ...}`` (``serve`` prints them).
 """
 
 from __future__ import annotations
@@ -339,6 +337,8 @@ class StageServer:
                            tls=self._tls_client, abandoned=lambda: self._stop.is_set() or peer_gone(upstream))
         except ssl.SSLError as exc:
             raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
+        except ConnectionAbortedError:  # its upstream left meanwhile (a port check): no failed connect
+            raise StageError(f"closed by peer before its setup (its downstream {host}:{port} connecting)") from None
         except OSError as exc:
             raise StageError(f"cannot connect to downstream {host}:{port}: {os_reason(exc)}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture

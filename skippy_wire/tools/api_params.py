@@ -249,7 +249,8 @@ def _check_unsupported(body: dict, chat: bool) -> None:
         raise BadRequest("'best_of' other than 1 (or 'n') is not supported", "best_of")
     # Chat's logprobs is a boolean (false asks for nothing); a completion's is a count, and
     # 0 still asks for the sampled token's log probability, which no stage returns.
-    harmless = {**_HARMLESS, **_LLAMA_NEUTRAL, "logprobs": (False,) if chat else ()}
+    # (first: top_logprobs beside it is refused as part of it)
+    harmless = {"logprobs": (False,) if chat else (), **_HARMLESS, **_LLAMA_NEUTRAL}
     for name, values in harmless.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in values):
