@@ -24,7 +24,8 @@ from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
 from skippy_wire.stage.threads import MAX_THREADS, resolved_threads
 from skippy_wire.tools.serve import stage_config
-from skippy_wire.wire.messages import SamplingConfig, StageWireMessage
+from skippy_wire.wire.frame import write_stage_message
+from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 
 N_EMBD = 8
 N_LAYER = 6
@@ -216,7 +217,6 @@ def test_a_cancellation_stops_a_long_prompt_between_its_chunks(chain_factory):
     """A client gone during the prefill held its lane until the whole prompt was computed
     (several seconds for a long one): before_step is asked before each chunk after the first."""
     from skippy_wire.net.service import Cancelled
-    from skippy_wire.wire.messages import StageWireMessage
 
     chain = chain_factory([(0, 3), (3, 6)])
     asked = []
@@ -247,8 +247,6 @@ def test_auto_lossless_falls_back_to_raw_for_inexact_values(chain_factory):
 
 
 def test_configure_generation_reaches_the_terminal_stage(chain_factory):
-    from skippy_wire.wire.messages import SamplingConfig
-
     seen = []
 
     class Recording(FakeBackend):
@@ -331,7 +329,6 @@ def test_a_message_other_than_the_step_computed_ahead_finds_the_session_as_witho
 def test_a_one_stage_pipeline_decodes_ahead_only_for_greedy_sessions(chain_factory):
     # A terminal first stage samples the step it computes ahead, and a sampler's state
     # cannot be rolled back: sampled sessions wait for their messages.
-    from skippy_wire.wire.messages import SamplingConfig
 
     for sampling, ahead in ((None, 11), (SamplingConfig(flags=1, seed=42, top_k=40), 0)):
         chain = chain_factory([(0, 6)])
@@ -365,7 +362,6 @@ def _wait_closed(sock, timeout=5.0) -> bool:
 
 
 def _prefill_bytes():
-    from skippy_wire.wire.frame import write_stage_message
     from skippy_wire.net.schedule import prefill_messages
 
     return write_stage_message(next(prefill_messages(PROMPT, 16, 1, 1)))
@@ -412,9 +408,29 @@ def test_garbage_is_logged_and_closed(chain_factory, caplog):
     _still_serves(chain)
 
 
+def test_an_activation_of_another_width_asks_whether_the_upstream_runs_this_model(caplog):
+    """An upstream of another model sends rows of its own width: the exact upstream text
+    alone ("activation payload size mismatch") read as corrupt bytes."""
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    server = StageServer(FakeBackend(3, N_LAYER, 1), stage_config(1, 3, N_LAYER, "raw-f32-v1", "fixed"))
+    server.start()
+    try:
+        sock = _raw_connect(server.address)
+        state = StageStateHeader.new(WireMessageKind.PREFILL_FINAL_EMBD)
+        state.source_stage_index = 0
+        wide = np.ones(2 * N_EMBD, np.float32).tobytes()  # one token of an upstream twice as wide
+        sock.sendall(write_stage_message(StageWireMessage(WireMessageKind.PREFILL_FINAL_EMBD, 1, 1, state, 0, 1,
+                                                          tokens=[5], activation=wide)))
+        assert _wait_closed(sock)
+        sock.close()
+    finally:
+        server.shutdown()
+    assert ("malformed stage message (InvalidData: activation payload size mismatch); does the upstream run this "
+            f"stage's model (n_embd {N_EMBD})?; closing") in caplog.text
+
+
 def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_factory, caplog):
-    from skippy_wire.wire.frame import StageReplyDecoder, write_stage_message
-    from skippy_wire.wire.messages import StageWireMessage
+    from skippy_wire.wire.frame import StageReplyDecoder
 
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 3), (3, 6)])
     data = write_stage_message(StageWireMessage.configure_generation(1, 1, len(PROMPT), None, None))
@@ -439,7 +455,6 @@ def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_fact
 def test_more_token_ids_than_the_context_are_refused_from_the_prefix(chain_factory, caplog, tokens, positions, what):
     """A first stage read and decoded a message of up to its byte limit in token ids (600,000
     in 2.4 MB, a ~20 MB list) that no context of 512 could run; now the 80-byte prefix says so."""
-    from skippy_wire.wire.frame import write_stage_message
     from skippy_wire.net.schedule import prefill_messages
 
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)], io_timeout=30.0)
@@ -464,9 +479,6 @@ def test_stalled_peer_times_out(chain_factory, caplog):
 
 
 def test_unsupported_kind_closes_the_connection(chain_factory, caplog):
-    from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-
     chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
     kind = WireMessageKind.STATE_EXPORT
     sock.sendall(write_stage_message(StageWireMessage(kind, 0, 0, StageStateHeader.new(kind), 1, 1)))
@@ -662,7 +674,6 @@ def test_runtime_error_closes_the_connection_and_is_reported(chain_factory, capl
 
 
 def test_trim_session_reaches_every_stage(chain_factory):
-    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
     from skippy_wire.net.schedule import prefill_messages
 
     chain = chain_factory([(0, 3), (3, 6)])
@@ -677,8 +688,6 @@ def test_trim_session_reaches_every_stage(chain_factory):
 
 
 def test_a_trim_to_nothing_of_a_session_never_opened_takes_no_lane(chain_factory):
-    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-
     chain = chain_factory([(0, 3), (3, 6)])
     kind = WireMessageKind.TRIM_SESSION
     with PipelineClient(*chain.entry, timeout=10) as client:
@@ -691,8 +700,6 @@ def test_a_trim_to_nothing_of_a_session_never_opened_takes_no_lane(chain_factory
 
 @pytest.mark.parametrize("position", [-5, 3])
 def test_a_trim_past_what_a_session_holds_is_refused_before_it_takes_a_lane(chain_factory, caplog, position):
-    from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
-
     chain = chain_factory([(0, 3), (3, 6)])
     kind = WireMessageKind.TRIM_SESSION
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
@@ -711,8 +718,6 @@ def test_a_trim_past_what_a_session_holds_is_refused_before_it_takes_a_lane(chai
 
 def test_a_session_whose_peer_left_while_waiting_for_a_lane_gives_its_place_up(chain_factory, caplog):
     from skippy_wire.net.admission import PEER_CHECK_INTERVAL, StageLimits
-    from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.wire.messages import StageWireMessage
 
     class OneLane(FakeBackend):
         lane_count = 1
@@ -895,8 +900,6 @@ def test_a_message_whose_token_ids_miss_its_count_is_refused_by_every_stage(chai
 
 
 def test_sampling_the_terminal_would_refuse_is_refused_by_the_first_stage_with_its_reason(chain_factory, caplog):
-    from skippy_wire.wire.messages import SamplingConfig
-
     chain = chain_factory([(0, 3), (3, 6)])
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     with PipelineClient(*chain.entry, timeout=10) as client:
@@ -944,8 +947,6 @@ def test_a_stage_polls_only_while_one_session_decodes_there():
 
 def test_peer_that_never_reads_its_replies_times_out(chain_factory, caplog):
     """The replies' sends wait at most --io-timeout, not the idle timeout (300 s here)."""
-    from skippy_wire.wire.frame import write_stage_message
-    from skippy_wire.wire.messages import StageWireMessage
 
     chain = chain_factory([(0, 6)], io_timeout=0.3)
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")

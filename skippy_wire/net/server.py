@@ -10,22 +10,21 @@ For every upstream connection it
    the runtime, and either forward the result downstream (9) and relay the downstream
    reply, or -- on the terminal stage -- reply itself (11.2).
 
-Kinds handled (2.1): ConfigureGeneration (sampling for the session, forwarded to every stage),
-PrefillEmbd / PrefillFinalEmbd, DecodeEmbd, TrimSession, Stop.  The first stage embeds
-``msg.tokens``; later stages take the decoded activation.  The terminal stage replies
-PredictedToken for kinds that require a predicted reply and Ack otherwise.  Stop frees the
-session and is acknowledged; the connection stays open.
+Kinds handled (2.1): ConfigureGeneration (sampling for the session, forwarded to every stage), PrefillEmbd /
+PrefillFinalEmbd, DecodeEmbd, TrimSession, Stop. The first stage embeds ``msg.tokens``; later stages take the
+decoded activation. The terminal stage replies PredictedToken for kinds that require a predicted reply and Ack
+otherwise. Stop frees the session and is acknowledged; the connection stays open.
 
 Sessions are keyed by ``session_id`` and belong to the connection that opened them; a closed connection
 frees its sessions.  Runtime calls are serialised by one lock.  Decode ahead (:mod:`.decode_ahead`): a
 first stage computes a session's next decode step while its reply makes the round trip to the driver.
 
-Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO lanes,
-a whole-message deadline, a message size this stage could execute (checked from the prefix), an
-idle timeout (for sessions that stop computing too); optional mutual TLS (:mod:`.tls`).  A peer
-that disconnects mid-message, sends bytes that do not parse, stalls or breaks a limit gets a
-logged error and its connection closed; a failing downstream closes the upstream connection
-too, and an upstream that leaves while its reply is awaited downstream closes the downstream one.
+Limits (:mod:`.admission`, docs/security.md): connections, sessions per connection, FIFO lanes, a
+whole-message deadline, a message size this stage could execute (checked from the prefix), an idle timeout
+(for sessions that stop computing too); optional mutual TLS (:mod:`.tls`). A peer that disconnects
+mid-message, sends bytes that do not parse, stalls or breaks a limit gets a logged error and its connection
+closed; a failing downstream closes the upstream connection too, and an upstream that leaves while its reply
+is awaited downstream closes the downstream one.
 
 Events: ``events`` gets each stopped session's counters, ``{"event": "session", ...}`` (``serve`` prints them).
 """
@@ -45,7 +44,7 @@ from ..errors import StageError, StageRuntimeError, StateVersionMismatch, WireEr
 from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import WIRE_SIZE_TEXT, ActivationCodec, CodecPolicy
 from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predicted, write_reply
 from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
@@ -72,7 +71,6 @@ DEFAULT_REPLY_TIMEOUT = 120.0
 #: A downstream that has not taken a connection within this long is reported unreachable
 #: (the same wait would hold the driver, whose READY it is); sooner when the upstream leaves.
 DOWNSTREAM_CONNECT_TIMEOUT = 10.0
-EventSink = Callable[[dict], None]
 
 def _reply_bytes(writer: Callable, *args) -> bytes:
     buf = io.BytesIO()
@@ -106,7 +104,7 @@ class StageServer:
     def __init__(self, backend, config, *, downstream: tuple[str, int] | None = None,
                  host: str = "127.0.0.1", port: int = 0, io_timeout: float = DEFAULT_IO_TIMEOUT,
                  idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
-                 capture: str | None = None, events: EventSink | None = None,
+                 capture: str | None = None, events: Callable[[dict], None] | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
                  limits: StageLimits | None = None, tls=None, poll_s: float = 0.0,
@@ -308,9 +306,11 @@ class StageServer:
                 self._connections.discard(upstream.sock)
 
     def _diagnosis(self, upstream: Peer, text: str) -> str:
-        """``text``, unless the peer opened with a TLS handshake this plain stage cannot answer (the real cause)."""
+        """``text``, or the cause it hides: a TLS handshake this plain stage cannot answer, another model upstream."""
         if self._tls_server is None and starts_tls_handshake(upstream.reader.head):
             return TLS_CLIENT_ON_PLAIN_STAGE
+        if text.endswith(f"{WIRE_SIZE_TEXT})"):  # most often an upstream of another model: a width of its own
+            return f"{text}; does the upstream run this stage's model (n_embd {self.backend.n_embd})?"
         return text
 
     def _profile(self, edge: str):
