@@ -112,6 +112,13 @@ class SetupClosed(SetupError):
         super().__init__(message, detail)
 
 
+class SetupTimeout(SetupError):
+    """The setup handshake ran past its deadline (upstream's text): a peer slow to answer, not one that refuses."""
+
+    def __init__(self, message: str = "stage setup deadline expired", detail: Optional[str] = None) -> None:
+        super().__init__(message, detail)
+
+
 class Status(enum.IntEnum):
     """``enum skippy_status``.  ``str()`` gives the Rust ``Debug`` name used in error text."""
 
@@ -297,7 +304,7 @@ class Mismatch(ToolError):
 
 
 __all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", "UnexpectedEofError", "ForwardingError",
-           "SetupError", "SetupClosed", "Status", "StageRuntimeError", "ModelFileError", "ActivationFrameError",
+           "SetupError", "SetupClosed", "SetupTimeout", "Status", "StageRuntimeError", "ModelFileError", "ActivationFrameError",
            "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError", "PipelineError",
            "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired", "TopologyError", "NetnsError",
            "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES", "error_for_kind",

@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -135,7 +136,12 @@ def test_a_developer_message_is_the_system_turn():
      r"messages\[1\]\.content parts of type 'refusal' are only allowed in assistant messages",
      "messages[1].content[0].type", "value"),
     ([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "text": "no"}]}],
-     "type 'refusal' must be", "messages[0].content[1].refusal", "type"),
+     "type 'refusal' must be", "messages[0].content[1].refusal", "missing"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "refusal": 1}]}], "type 'refusal' must be",
+     "messages[0].content[0].refusal", "type"),
+    ([{"role": "user", "content": [{"text": "x"}]}], "content parts", "messages[0].content[0].type", "missing"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "content parts", "messages[0].content[0].text", "missing"),
+    (np.array([1, 2]), "non-empty list", "messages", "type"),  # compared with [] it was numpy's ValueError
     ([{"role": "assistant", "content": [{"type": "image_url"}]}], "or {'type': 'refusal'",
      "messages[0].content[0].type", "value"),
     ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name must be a string", "messages[0].name",

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from skippy_wire.tools import bench, cli
-from skippy_wire.tools.options import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_TERMINATED
+from skippy_wire.tools.link_options import expected_model_id
+from skippy_wire.tools.options import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_TERMINATED, apply_topology
 from test_cli import _main, _one_error_line, assert_usage_error, tiny_model  # noqa: F401  (a fixture)
 
 HELPED = sorted(cli.COMMANDS)
@@ -241,8 +242,6 @@ def test_bench_backend_refuses_a_batch_over_the_backends_lanes_before_starting(c
 @pytest.mark.parametrize("command", ["run", "api"])
 def test_a_driver_s_context_may_be_less_than_its_topology_s_not_more(capsys, tmp_path, tiny_model, command):
     """``-c`` was silently replaced by the file's ctx_size."""
-    from skippy_wire.tools.options import apply_topology
-
     topology = tmp_path / "t.json"
     topology.write_text(json.dumps({"model_path": str(tiny_model), "ctx_size": 1024, "stages": [
         {"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4}]}))
@@ -258,6 +257,23 @@ def test_a_driver_s_context_may_be_less_than_its_topology_s_not_more(capsys, tmp
         assert stopped.value.code == 2
         assert _one_error_line(capsys.readouterr().err) == \
             f"skippy-wire: error: --ctx-size {asked} is more than the {held} tokens of {path}'s stages"
+
+
+@pytest.mark.parametrize("command", ["run", "api"])
+def test_a_v17_driver_of_a_topology_expects_its_model_id_as_serve_takes_it(tmp_path, tiny_model, command):
+    """serve --topology takes the file's model_id: the driver expected the model file's stem."""
+    stages = [{"endpoint": "127.0.0.1:19000", "layer_start": 0, "layer_end": 4}]
+    named, unnamed = tmp_path / "named.json", tmp_path / "unnamed.json"
+    named.write_text(json.dumps({"model_path": str(tiny_model), "model_id": "custom-id", "stages": stages}))
+    unnamed.write_text(json.dumps({"model_path": str(tiny_model), "stages": stages}))
+    parser = _parser(command)
+    for path, given, expected in ((named, [], "custom-id"), (named, ["--model-id", "x"], "x"),
+                                  (unnamed, [], tiny_model.stem)):
+        args = parser.parse_args(["--topology", str(path), "--protocol", "17", *given])
+        running = apply_topology(parser, args)
+        assert expected_model_id(parser, args, running=bool(running)) == expected
+    args = parser.parse_args(["--topology", str(named)])
+    assert expected_model_id(parser, args, running=bool(apply_topology(parser, args))) is None  # v15: no setup
 
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED),

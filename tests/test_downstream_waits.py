@@ -78,7 +78,7 @@ def test_a_watched_connect_gives_the_socket_a_plain_connect_gives():
 
 @pytest.mark.parametrize("answers_connects, said", [
     # (it said "cannot connect to downstream ...: given up" of every port check, whose connect had not failed)
-    (False, "closed by peer before its setup (its downstream 127.0.0.1:{port} connecting)"),
+    (False, "upstream left while connecting to downstream 127.0.0.1:{port}"),
     (True, "upstream closed the connection while waiting for downstream 127.0.0.1:{port} to send READY"),
 ])
 def test_a_stage_stops_waiting_on_its_downstream_when_its_driver_leaves(answers_connects, said, caplog):

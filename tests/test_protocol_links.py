@@ -129,7 +129,6 @@ def test_v17_driver_checks_the_run_it_reached(chains):
                        identity=driver_identity(model_id="smol-copy"))
 
 
-
 def test_v17_driver_of_running_stages_checks_their_model_id_alone(chains):
     # a driver given another model's file than the stages' read its tokens as theirs: garbage, exit 0
     servers = chains(17)
@@ -140,6 +139,24 @@ def test_v17_driver_of_running_stages_checks_their_model_id_alone(chains):
         assert client.generate(PROMPT, max_tokens=3, chunk_size=4).tokens == fake_reference(PROMPT, 3)
     with pytest.raises(TypeError, match="model_id must be a str, not int"):
         PipelineClient(*servers[0].address, timeout=5, protocol=17, model_id=7)
+    for ignored in (dict(protocol=16), dict(protocol=17, identity=driver_identity())):  # no setup, or one that checks
+        with pytest.raises(ValueError, match="model_id is checked under protocol 17 without an identity"):
+            PipelineClient(*servers[0].address, timeout=5, model_id="tiny", **ignored)
+
+
+def test_v17_setup_past_its_deadline_is_no_mismatch_a_refused_one_is(chains):
+    """A stage 0 slow to set up (its downstream still loading) was taken for a mismatch:
+    `api --connect` exited instead of waiting for it."""
+    silent = socket.create_server(("127.0.0.1", 0))  # takes the connection, never answers the setup
+    try:
+        with pytest.raises(PipelineError, match="stage setup failed: stage setup deadline expired") as info:
+            PipelineClient(*silent.getsockname()[:2], timeout=0.5, protocol=17)
+        assert not isinstance(info.value, PipelineMismatch)
+    finally:
+        silent.close()
+    servers = chains(17)
+    with pytest.raises(PipelineMismatch, match="stage setup failed: admitted downstream relationship mismatch"):
+        PipelineClient(*servers[0].address, timeout=5, protocol=17, identity=driver_identity("another-run"))
 
 
 @pytest.mark.parametrize("stage,driver", [(16, 15), (15, 16), (17, 15), (17, 16), (15, 17), (16, 17)])

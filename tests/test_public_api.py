@@ -137,7 +137,7 @@ def test_not_a_message_or_an_int_is_a_clear_type_error(impl):
         (lambda: sw.forwarded_stage_message(sw.StageConfig(), None, None, 4, impl=impl),
          "incoming must be a StageWireMessage, not NoneType"),
         (lambda: sw.forwarded_stage_message(sw.StageConfig(), _message(), b"", 4, impl=impl),
-         "output must be a ActivationFrameV1, not bytes"),
+         "output must be an ActivationFrameV1, not bytes"),
         (lambda: sw.forwarded_stage_message({}, _message(), sw.ActivationFrameV1.f32([0.0] * 8, 1), 8, impl=impl),
          "config must be a StageConfig, not dict"),
     ]
@@ -164,7 +164,7 @@ def _error_examples():
 
     return [e.SkippyError("x"), e.WireError("x"), e.InvalidDataError("bad"), e.InvalidInputError("bad"),
             e.UnexpectedEofError(needed=12), e.ForwardingError("wrapped", e.InvalidDataError("inner")),
-            e.SetupError("setup failed", "because"), e.SetupClosed(detail="why"),
+            e.SetupError("setup failed", "because"), e.SetupClosed(detail="why"), e.SetupTimeout(),
             e.StageRuntimeError.from_native(4, "too small", 1234), e.ActivationFrameError("frame"),
             e.ModelFileError("m.gguf is not a GGUF file"),
             e.SamplingConfigError("sampling", e.Status.INVALID_ARGUMENT), e.StageArgumentError("token"),

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, SetupClosed, StateVersionMismatch, TlsRequired,
-                      WireError, os_reason)
+from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, SetupClosed, SetupTimeout, StateVersionMismatch,
+                      TlsRequired, WireError, os_reason)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
 from ..stage.threads import resolved_threads
-from ..wire.activation_frame import STAGE_STATE_VERSION_V15
+from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
 from ..wire.constants import MAX_CTX_SIZE, U64_MAX
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
@@ -49,7 +49,7 @@ from .schedule import check_generation, context_room, decode_message, prefill_me
 from .arguments import instance_argument, int_argument, protocol_argument, seconds_argument
 from .supervision import StageCluster, launched_cluster
 from .topology import driven_topology
-from .tls import TlsConfig, handshake_failure, tls_failure
+from .tls import TlsConfig, handshake_failure, refuses_certificate, tls_failure
 from .transport import Peer, PeerClosedError, SendStalled, connect
 
 #: What is said of a generation whose every token came but whose closing Stop got no answer.
@@ -182,8 +182,11 @@ class PipelineClient:
         self._busy = threading.Lock()  # held by the thread whose request runs
         self._carrier: int | None = None  # that thread's ident
         self._link_failed = False  # a send or a wait of the request failed: what is in flight is unknown
-        if model_id is not None and not isinstance(model_id, str):
-            raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
+        if model_id is not None:  # checked by the v17 setup alone, where no identity names the model already
+            if not isinstance(model_id, str):
+                raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
+            if protocol != STAGE_STATE_VERSION_V17 or identity is not None:
+                raise ValueError("model_id is checked under protocol 17 without an identity (whose model id it has)")
         self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s, model_id)
         # the stages behind it: given, or the ones this process launched there
         self._stages = stages if stages is not None else launched_cluster(host, port)
@@ -200,8 +203,8 @@ class PipelineClient:
         (host, port), (capture, protocol, identity, tls, poll_s, model_id) = self._endpoint, self._setup
         try:
             sock = connect(host, port, self.timeout, tls=tls.client_context() if tls is not None else None)
-        except ssl.SSLError as exc:  # a certificate refused, by either side: no wait mends it (a close might)
-            kind = PipelineError if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) else PipelineMismatch
+        except ssl.SSLError as exc:
+            kind = PipelineMismatch if refuses_certificate(exc) else PipelineError
             raise kind(handshake_failure(f"stage 0 at {self.address}", exc)) from None
         except OSError as exc:
             raise self._failed(f"cannot connect to stage 0 at {self.address}: {os_reason(exc)}") from exc
@@ -309,13 +312,15 @@ class PipelineClient:
         except (StateVersionMismatch, TlsRequired) as exc:
             raise PipelineMismatch(str(exc)) from None
         except ssl.SSLError as exc:  # e.g. TLS 1.3: our certificate was refused after the handshake
-            raise PipelineError(f"stage 0 at {self.address}: TLS failed during {what}: {tls_failure(exc)}") from None
+            kind = PipelineMismatch if refuses_certificate(exc) else PipelineError
+            raise kind(f"stage 0 at {self.address}: TLS failed during {what}: {tls_failure(exc)}") from None
         except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)
             raise self._failed(f"stage 0 at {self.address} closed the connection during the setup handshake",
                                " (a stage failed or refused the setup; the stages' logs say which and why)") from None
-        except SetupError as exc:  # a mismatch: no wait mends it
-            raise PipelineMismatch(f"stage 0 at {self.address}: stage setup failed: {exc}"
-                                + (f" ({exc.detail})" if exc.detail else "")) from None
+        except SetupError as exc:  # a refusal is a mismatch, which no wait mends; a deadline is not
+            kind = PipelineError if isinstance(exc, SetupTimeout) else PipelineMismatch
+            raise kind(f"stage 0 at {self.address}: stage setup failed: {exc}"
+                       + (f" ({exc.detail})" if exc.detail else "")) from None
         except SendStalled:
             raise self._failed(f"stage 0 at {self.address} read nothing of {what} for {self.timeout:g} s") from None
         except (socket.timeout, TimeoutError):

@@ -338,7 +338,7 @@ class StageServer:
         except ssl.SSLError as exc:
             raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
         except ConnectionAbortedError:  # its upstream left meanwhile (a port check): no failed connect
-            raise StageError(f"closed by peer before its setup (its downstream {host}:{port} connecting)") from None
+            raise StageError(f"upstream left while connecting to downstream {host}:{port}") from None
         except OSError as exc:
             raise StageError(f"cannot connect to downstream {host}:{port}: {os_reason(exc)}") from exc
         capture = f"{self.capture}-{seq}" if self.capture and seq > 1 else self.capture

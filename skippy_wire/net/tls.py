@@ -144,12 +144,23 @@ def tls_failure(exc: ssl.SSLError) -> str:
         return "the peer presented no certificate (mutual TLS: it needs --tls-cert and --tls-key too)"
     if "_ALERT_" in reason:
         alert = reason.split("_ALERT_", 1)[1].replace("_", " ").lower()
-        if "CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
+        if _certificate_alert(reason):
             return f"the peer refused this side's certificate ({alert})"
         return f"the peer aborted the handshake ({alert})"
     if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or reason == "UNEXPECTED_EOF_WHILE_READING":
         return "the peer closed the connection during the handshake"
     return reason.replace("_", " ").lower() if reason else str(exc)
+
+
+def _certificate_alert(reason: str) -> bool:
+    return "_ALERT_" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason)
+
+
+def refuses_certificate(exc: ssl.SSLError) -> bool:
+    """Whether ``exc`` says a certificate was refused, by either side: a mismatch no wait mends."""
+    reason = exc.reason or ""
+    return isinstance(exc, ssl.SSLCertVerificationError) or reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE" \
+        or _certificate_alert(reason)
 
 
 def link_error(exc: BaseException):

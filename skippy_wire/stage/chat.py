@@ -133,7 +133,7 @@ def check_messages(messages: Any) -> list[dict]:
     only ``system``.  A ``name`` must be a string (a null one is dropped).  Raises
     MalformedMessages with one line, the field and the problem."""
     if not isinstance(messages, list) or not messages:
-        problem = "missing" if messages is None else "empty" if messages == [] else "type"
+        problem = "missing" if messages is None else "empty" if isinstance(messages, list) else "type"
         raise MalformedMessages(f"'{MESSAGES}' must be a non-empty list", MESSAGES, problem)
     out = []
     for i, m in enumerate(messages):
@@ -163,24 +163,31 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
+def _problem(part: Mapping, key: str) -> str:
+    """What is wrong with ``part[key]``: absent (or null), else of the wrong type or value."""
+    if part.get(key) is None:
+        return "missing"
+    return "value" if key == "type" else "type"
+
+
 def _part_text(part: Any, message: str, j: int, role: str) -> str:
     """The text of content part ``j`` of ``message`` (``messages[i]``): a text part's, or an assistant's refusal."""
-    kind = part.get("type") if isinstance(part, Mapping) else None
     field = f"{message}.content[{j}]"
-    if kind == "refusal":
+    also = " or {'type': 'refusal', 'refusal': ...}" if role == "assistant" else ""
+    shape = f"{message}.content parts must be {{'type': 'text', 'text': ...}}{also}"
+    if not isinstance(part, Mapping):
+        raise MalformedMessages(shape, field, "type")
+    if part.get("type") == "refusal":
         if role != "assistant":
             raise MalformedMessages(f"{message}.content parts of type 'refusal' are only allowed in assistant "
                                     "messages", f"{field}.type", "value")
         if not isinstance(part.get("refusal"), str):
-            raise MalformedMessages(f"{message}.content parts of type 'refusal' must be "
-                                    "{'type': 'refusal', 'refusal': ...}", f"{field}.refusal", "type")
+            raise MalformedMessages(f"{message}.content parts of type 'refusal' must be {{'type': 'refusal', "
+                                    "'refusal': ...}", f"{field}.refusal", _problem(part, "refusal"))
         return part["refusal"]
-    if kind != "text" or not isinstance(part.get("text"), str):
-        also = " or {'type': 'refusal', 'refusal': ...}" if role == "assistant" else ""
-        culprit, problem = (f"{field}.text", "type") if kind == "text" else \
-            (field, "type") if not isinstance(part, Mapping) else (f"{field}.type", "value")
-        raise MalformedMessages(f"{message}.content parts must be {{'type': 'text', 'text': ...}}{also}",
-                                culprit, problem)
+    key = "text" if part.get("type") == "text" else "type"
+    if key == "type" or not isinstance(part.get("text"), str):
+        raise MalformedMessages(shape, f"{field}.{key}", _problem(part, key))
     return part["text"]
 
 

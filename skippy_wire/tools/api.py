@@ -469,6 +469,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     host, port = args.listen or address(DEFAULT_LISTEN)
     args.listen_address = (host if args.host is None else args.host, port if args.port is None else args.port)
     args.connect_address = apply_topology(p, args) or args.connect
+    args.model_id = expected_model_id(p, args, running=bool(args.connect_address))
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
     if args.api_key is not None and not args.api_key:
@@ -503,7 +504,6 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(error_line(describe(exc)), file=sys.stderr)
         return 1
-    args.model_id = expected_model_id(parser, args, model, running=bool(args.connect_address))
     if not args.connect_address and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:

@@ -34,14 +34,12 @@ PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
-#: The largest request head (request line and headers) read: h11's default, which h11 holds
-#: only to a head still arriving, and :class:`IdleSheddingProtocol` to a complete one (431).
+#: The largest request head read (h11's default, 431 past it, arriving or complete: IdleSheddingProtocol).
 MAX_HEAD_BYTES = 16 << 10
 #: Bytes of request bodies buffered at once, all connections together: each may hold up
 #: to MAX_BODY_BYTES while its body arrives, and --max-connections of them would hold GiBs.
 MAX_BUFFERED_BODY_BYTES = 64 << 20
-#: Seconds a request body may take to arrive once its head has (as a stage's
-#: --message-timeout); a slower one gets 408.
+#: Seconds a request body may take once its head has arrived (as a stage's --message-timeout); slower: 408.
 BODY_TIMEOUT_S = 30
 #: After an answer given while the request's body still arrives (413, 408, 401, 404 ...),
 #: the connection closes: that body is read and dropped for at most this long and this much before the
@@ -329,8 +327,7 @@ class IdleSheddingProtocol(H11Protocol):
             try:
                 event = next_event()
                 if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
-                    raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES >> 10} KiB",
-                                                  error_status_hint=431)
+                    raise h11.RemoteProtocolError(f"head over {MAX_HEAD_BYTES >> 10} KiB", error_status_hint=431)
                 return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc

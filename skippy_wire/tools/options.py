@@ -584,6 +584,7 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
     if given is not None and given > topology.ctx_size:
         parser.error(f"--ctx-size {given} is more than the {topology.ctx_size} tokens of {args.topology}'s stages")
     args.model, args.ctx_size = str(topology.model_path), given or topology.ctx_size
+    args.topology_model_id = topology.model_id  # the stages' v17 model id, as serve --topology takes it
     drive_topology(topology)  # a failed request names the stage that no longer answers
     return tuple(topology.entry)
 
@@ -593,8 +594,7 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "once_each", "Refused", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
            "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "training_context", "training_context_size",
-           "context_overflow",
-           "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS", "milliseconds",
-           "address", "stage_address", "check_output_file", "add_tls_options",
+           "context_overflow", "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS",
+           "milliseconds", "address", "stage_address", "check_output_file", "add_tls_options",
            "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
            "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

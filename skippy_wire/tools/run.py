@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(parser: argparse.ArgumentParser, args) -> int:
     args.connect = apply_topology(parser, args) or args.connect
+    args.model_id = expected_model_id(parser, args, running=bool(args.connect))
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE
 
@@ -332,7 +333,6 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         progress("stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it")
     model = Path(args.model) if args.model else default_model()
     n_layer, n_embd = _model_shape(model)
-    args.model_id = expected_model_id(parser, args, model, running=bool(args.connect))
     if not args.connect and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:

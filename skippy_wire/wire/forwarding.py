@@ -179,7 +179,8 @@ def forwarded_stage_message_timed(
     for name, value, kind in (("config", config, StageConfig), ("incoming", incoming, StageWireMessage),
                               ("output", output, ActivationFrameV1)):
         if not isinstance(value, kind):
-            raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
+            raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
     codec_module = _impl.cached_kernel_module("codec", impl)
     desc = output.desc
     check_full_range(config, incoming, desc.token_count)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .constants import READY_BYTES, wrapped_i32
-from ..errors import InvalidDataError, SetupClosed, SetupError
+from ..errors import InvalidDataError, SetupClosed, SetupError, SetupTimeout
 from .activation_frame import STAGE_STATE_VERSION_V16, STAGE_STATE_VERSION_V17
 from .agreement import (
     U32_MAX,
@@ -190,7 +190,7 @@ class _Transport:
             raise SetupError("stage setup cancelled")
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise SetupError("stage setup deadline expired")
+            raise SetupTimeout()
         return remaining
 
     def restore(self) -> None:
@@ -306,7 +306,7 @@ def client_setup(stream, role, config: Optional[StageSetupConfig] = None, output
 
     ``deadline`` is absolute (``time.monotonic()``), else ``timeout`` seconds from now.
     ``model_id``, without ``config`` (a driver that knows its model but not the run): the
-    model id the peer must report, where it reports one."""
+    model id the peer must report."""
     role = SetupRole(role)
     t = _Transport(stream, _deadline(deadline, timeout), cancelled)
     try:
@@ -346,7 +346,9 @@ def _client(t: _Transport, role: SetupRole, config, output, impl, model_id) -> A
             ("model id", receiver.model, config.model_id), ("downstream stage", receiver.stage, downstream.stage_id),
             ("downstream stage index", receiver.index, downstream.stage_index),
             ("downstream layer_start", receiver.layer_start, config.layer_end)])
-    elif model_id is not None and offer.receiver is not None:
+    elif model_id is not None:
+        if offer.receiver is None:
+            raise SetupError("stage peer identity absent")
         _check_relationship("admitted downstream relationship mismatch", [("model id", offer.receiver.model, model_id)])
     t.write(encode_packet(list(agreement.generation)))
     ready = _decode(_read_packet(t), generation_from_json)
