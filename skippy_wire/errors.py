@@ -306,6 +306,6 @@ class Mismatch(ToolError):
 __all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", "UnexpectedEofError", "ForwardingError",
            "SetupError", "SetupClosed", "SetupTimeout", "Status", "StageRuntimeError", "ModelFileError",
            "ActivationFrameError", "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError",
-           "PipelineError", "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired", "TopologyError",
-           "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES", "error_for_kind",
-           "format_status_error", "os_reason", "not_a_regular_file"]
+           "PipelineError", "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired",
+           "TopologyError", "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES",
+           "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file"]
