@@ -124,6 +124,22 @@ def test_a_line_that_is_no_case_fails_as_one_and_the_run_goes_on(vectors_dir, tm
     assert out.rstrip().endswith("conformance: 1 passed, 5 failed")
 
 
+def test_a_setup_case_whose_scripted_peer_is_malformed_fails_as_the_case_at_once(tmp_path, capsys):
+    """The scripted peer's thread printed a traceback and the side under test waited out the
+    case's deadline (here 20 s; a deadline of a billion ms would have held the run for days)."""
+    server, client = (_read(GOLDEN / "v17" / f"setup_{side}.jsonl")[0] for side in ("server", "client"))
+    no_hello = {**server, "client_script": {k: v for k, v in server["client_script"].items() if k != "hello_hex"}}
+    cases = [{**server, "client_script": None}, no_hello, {**client, "server_script": 5}]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps({**c, "deadline_ms": 20_000}) + "\n" for c in cases))
+    assert conformance.main([str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "Exception in thread" not in captured.err, captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("FAIL")]
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "runner error TypeError: 'NoneType' object is not subscriptable", "the case has no field 'hello_hex'",
+        "runner error TypeError: 'int' object is not subscriptable"]
+
+
 def test_what_bears_the_name_of_a_vector_file_but_cannot_be_read_fails(vectors_dir, tmp_path, capsys):
     """Under a directory, a subdirectory named *.jsonl is searched, not read; a dangling link
     or a device with that name fails as a file that cannot be read (they were skipped, so a

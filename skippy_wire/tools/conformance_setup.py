@@ -83,6 +83,9 @@ def _run(case: dict, ours, script) -> tuple:
             _drain(b, seen)
         except OSError:
             pass
+        except Exception as exc:  # noqa: BLE001 -- a script the case wrote badly: reported as the case's, not a
+            state["peer_error"] = exc  # thread's traceback, and the side under test is not left waiting its deadline
+            b.shutdown(socket.SHUT_RDWR)
 
     thread = threading.Thread(target=peer, daemon=True)
     thread.start()
@@ -94,6 +97,8 @@ def _run(case: dict, ours, script) -> tuple:
         a.close()
     thread.join(_JOIN_SECONDS)
     b.close()
+    if "peer_error" in state:
+        raise state["peer_error"]
     return got, bytes(seen), state
 
 
