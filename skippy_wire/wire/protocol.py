@@ -11,11 +11,10 @@ chosen like every other kernel by ``SKIPPY_WIRE_IMPL`` / ``impl=``).
   setup handshake (:mod:`skippy_wire.wire.setup`); :class:`StageConnection` holds it
   (upstream ``StageMessageIo``).
 
-Version mismatch.  The kernels keep upstream's exact text "unsupported stage state
-version" (the vectors pin it).  The readers here add both versions on top: they raise
-:class:`ProtocolVersionError`, an InvalidDataError whose text is the upstream one
-followed by ": peer sent state version X, this side speaks Y" and whose
-``upstream_message`` / ``received`` / ``expected`` hold the parts.
+Version mismatch.  The readers raise :class:`ProtocolVersionError`, an InvalidDataError
+whose text is upstream's exact "unsupported stage state version" (the vectors pin it), as
+every wire error's is, and whose ``detail`` ("peer sent state version X, this side speaks
+state version Y"), ``received`` and ``expected`` name both versions.
 """
 
 from __future__ import annotations
@@ -45,12 +44,13 @@ def kernels(impl: Optional[str] = None):
 
 
 class ProtocolVersionError(InvalidDataError):
-    """A peer's message carries another state version than this side speaks."""
+    """A peer's message carries another state version than this side speaks: upstream's
+    text, and a ``detail`` that names both (as :class:`~skippy_wire.errors.SetupError`'s)."""
 
     def __init__(self, received: Optional[int], expected: int) -> None:
+        super().__init__(UPSTREAM_VERSION_TEXT)
         peer = "an unreadable state version" if received is None else f"state version {received}"
-        super().__init__(f"{UPSTREAM_VERSION_TEXT}: peer sent {peer}, this side speaks state version {expected}")
-        self.upstream_message = UPSTREAM_VERSION_TEXT
+        self.detail = f"peer sent {peer}, this side speaks state version {expected}"
         self.received = received
         self.expected = expected
 
