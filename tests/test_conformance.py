@@ -140,6 +140,18 @@ def test_a_setup_case_whose_scripted_peer_is_malformed_fails_as_the_case_at_once
         "runner error TypeError: 'int' object is not subscriptable"]
 
 
+def test_a_line_longer_than_any_case_is_skipped_unread_and_the_run_goes_on(vectors_dir, tmp_path, capsys, monkeypatch):
+    # a line was read whole, however long: twice its size in memory
+    monkeypatch.setattr(conformance, "MAX_CASE_LINE_BYTES", 1 << 20)
+    good = (vectors_dir / "select.jsonl").read_text().splitlines()[0]
+    path = tmp_path / "x.jsonl"
+    path.write_text(f"{good}\n" + "[" * (3 << 20) + f"\n{good}\n" + " " * ((1 << 20) - 1) + "\n")
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {path}:2: a line over 1 MiB, longer than any case\n" in out
+    assert out.rstrip().endswith("conformance: 2 passed, 1 failed")  # the one at the limit is read (blank)
+
+
 def test_what_bears_the_name_of_a_vector_file_but_cannot_be_read_fails(vectors_dir, tmp_path, capsys):
     """Under a directory, a subdirectory named *.jsonl is searched, not read; a dangling link
     or a device with that name fails as a file that cannot be read (they were skipped, so a

@@ -193,6 +193,21 @@ def not_readable(path: str) -> Optional[str]:
     return None
 
 
+#: The longest line read as a case: a longer one is skipped, never held whole (the vectors' longest is 265 KB).
+MAX_CASE_LINE_BYTES = 64 << 20
+
+
+def _lines(fh):
+    """Each line of ``fh``, None for one over :data:`MAX_CASE_LINE_BYTES` (read to its end in pieces)."""
+    while raw := fh.readline(MAX_CASE_LINE_BYTES + 1):
+        if len(raw) <= MAX_CASE_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
 def _cases(path: Path):
     """``(lineno, case or None, problem)`` for each non-blank line of ``path``: a case is a
     JSON object; a line that is not (not UTF-8, not JSON, another JSON value) or a file that
@@ -203,7 +218,10 @@ def _cases(path: Path):
         return
     try:
         with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
+            for lineno, raw in enumerate(_lines(fh), 1):
+                if raw is None:
+                    yield lineno, None, f"a line over {MAX_CASE_LINE_BYTES >> 20} MiB, longer than any case"
+                    continue
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
