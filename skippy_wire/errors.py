@@ -75,6 +75,12 @@ class UnexpectedEofError(WireError, EOFError):
 ERROR_CLASSES = {cls.kind: cls for cls in (InvalidDataError, InvalidInputError, UnexpectedEofError)}
 
 
+def with_detail(exc: BaseException) -> str:
+    """``str(exc)`` and, in parentheses, its ``detail``: what an exact upstream text leaves out."""
+    detail = getattr(exc, "detail", None)
+    return f"{exc} ({detail})" if detail else str(exc)
+
+
 def error_for_kind(kind: str, message: str) -> WireError:
     """Build the error class that stands for an upstream ``io::ErrorKind`` name."""
     return ERROR_CLASSES[kind](message)
@@ -308,4 +314,4 @@ __all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", 
            "ActivationFrameError", "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError",
            "PipelineError", "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired",
            "TopologyError", "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES",
-           "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file"]
+           "with_detail", "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file"]

@@ -104,9 +104,10 @@ def test_bench_backend_describes_itself_in_full(capsys):
      "--plan 0-2,3-4: stage 1 starts at layer 3, not at layer 2 where the stage before it ends"),
     (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "2", "--protocol", "17", "--plan", "0-2,2-2"],
      "--plan 0-2,2-2: stage 1's layers 2-2 are empty"),
-    (["run", "--model-id", "smol", "hi"],
+    # (before the model is read: a missing file would be the error, status 1)
+    (["run", "--model-id", "smol", "-m", "missing.gguf", "hi"],
      "--model-id is checked only with --protocol 17 and running stages (--connect, --topology)"),
-    (["api", "--protocol", "17", "--model-id", "smol"],
+    (["api", "--protocol", "17", "--model-id", "smol", "-m", "missing.gguf"],
      "--model-id is checked only with --protocol 17 and running stages (--connect, --topology)"),
     (["cluster", "--rate", "0"], "argument --rate: rate must look like 100mbit, 20mbit, 1gbit or unlimited, not '0'"),
     (["bench-cluster", "--rates", "unlimited,0mbit"], "argument --rates: rate '0mbit' is below 8kbit"),

@@ -583,7 +583,7 @@ def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed()
     (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000, 431, "Receive buffer too long"),
     # complete in one write: h11 holds only a head still arriving to its limit, and took this one
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 17_000 + b"\r\n\r\n", 431,
-     "head over 16 KiB")])
+     "request head over 16 KiB")])
 def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head, status, reason):
     """uvicorn answered it ``text/plain`` "Invalid HTTP request received.", logged alone (no
     peer, no reason), and a head over h11's limit 400 rather than 431."""

@@ -34,7 +34,9 @@ from skippy_wire.tools.inspect import main as inspect_main
 from skippy_wire.tools.inspect_gen import detect_protocol
 from skippy_wire.tools.serve import stage_config
 from skippy_wire.wire.frame import write_stage_message
+from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.messages import StageStateHeader, StageWireMessage, WireMessageKind
+from skippy_wire.wire.protocol import WireProtocol
 from skippy_wire.wire.setup import SetupError, SetupRole, StagePeer, StageSetupConfig, client_setup
 from skippy_wire.wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
 
@@ -149,7 +151,7 @@ def test_v17_setup_past_its_deadline_is_no_mismatch_a_refused_one_is(chains):
     `api --connect` exited instead of waiting for it."""
     silent = socket.create_server(("127.0.0.1", 0))  # takes the connection, never answers the setup
     try:
-        with pytest.raises(PipelineError, match="stage setup failed: stage setup deadline expired") as info:
+        with pytest.raises(PipelineError, match="no answer to the stage setup within 0.5 s$") as info:
             PipelineClient(*silent.getsockname()[:2], timeout=0.5, protocol=17)
         assert not isinstance(info.value, PipelineMismatch)
     finally:
@@ -174,6 +176,27 @@ def test_in_process_mismatch_names_both_versions(chains, caplog, stage, driver):
     assert f"this stage speaks state version {stage}" in caplog.text
     if stage != 17 or driver == 17:
         assert f"peer speaks state version {driver}, this stage speaks state version {stage}" in caplog.text
+
+
+def test_a_later_message_of_another_version_is_logged_naming_both(chains, caplog):
+    # the exact upstream text alone: the versions it leaves out are the detail, logged beside it
+    servers = chains(16)
+    message = StageWireMessage.stop(1, 1)
+    message.state.version = 16
+    stop = bytearray(WireProtocol(16).write(message))
+    with caplog.at_level(logging.ERROR, logger="skippy_wire.net.server"):
+        with socket.create_connection(servers[0].address, timeout=5) as s:
+            assert s.recv(4) == READY_BYTES
+            s.sendall(bytes(stop))
+            assert s.recv(4096)  # answered
+            struct.pack_into("<i", stop, 20, 99)
+            s.sendall(bytes(stop))
+            assert s.recv(4096) == b""  # closed
+        deadline = time.monotonic() + 5
+        while "malformed" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert ("malformed stage message (InvalidData: unsupported stage state version (peer sent state version 99, "
+            "this side speaks state version 16)); closing") in caplog.text
 
 
 def test_version_notice_and_detection():
@@ -389,7 +412,6 @@ def test_a_driver_whose_message_the_stage_reads_as_another_version_is_told_so(ch
     # The stage answers with a notice naming its own version, which is the driver's too:
     # "speaks state version 17, this driver speaks state version 17" named no difference.
     from skippy_wire.net.schedule import decode_message
-    from skippy_wire.wire.protocol import WireProtocol
 
     servers = chains(17)
     host, port = servers[0].address

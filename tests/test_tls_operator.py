@@ -18,8 +18,10 @@ import pytest
 
 from skippy_wire.errors import PipelineMismatch, SetupClosed, StageError
 from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.server import StageServer
 from skippy_wire.net.tls import TlsConfig, accept_tls, connect_tls, handshake_failure
 from skippy_wire.tools import serve
+from test_server import FakeBackend
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -237,9 +239,6 @@ def test_a_handshake_stalled_by_the_peer_ends_when_the_stage_closes_the_connecti
 def test_a_stage_names_a_handshake_dripped_past_its_deadline(pki, caplog):
     """The handshake has one deadline (--io-timeout), however often the peer sends a byte:
     the stage's log says the handshake did not finish, not that the peer stalled."""
-    from skippy_wire.net.server import StageServer
-    from test_server import FakeBackend
-
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"), io_timeout=0.5,
                          tls=_config(pki, "node.pem", "node.key"))
@@ -352,9 +351,6 @@ def test_a_tls_downstream_silent_after_its_handshake_is_given_up_when_the_upstre
 
 def test_a_driver_refused_by_stage_0_s_certificate_is_a_mismatch_no_wait_mends(pki):
     # `api --connect` took it for stages not up yet: it served 503 and 502 for good
-    from skippy_wire.net.server import StageServer
-    from test_server import FakeBackend
-
     server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"),
                          tls=_config(pki, "node.pem", "node.key"))
     server.start()

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, SetupClosed, SetupTimeout, StateVersionMismatch,
-                      TlsRequired, WireError, os_reason)
+                      TlsRequired, WireError, os_reason, with_detail)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
@@ -124,6 +124,17 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
+def check_model_id(model_id, protocol: int, identity) -> None:
+    """A driver's ``model_id``: a str, checked by the v17 setup alone, where no ``identity``
+    names the model already (a TypeError, else a ValueError)."""
+    if model_id is None:
+        return
+    if not isinstance(model_id, str):
+        raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
+    if protocol != STAGE_STATE_VERSION_V17 or identity is not None:
+        raise ValueError("model_id is checked under protocol 17 without an identity (whose model id it has)")
+
+
 class PipelineClient:
     """A persistent connection to stage 0 (TCP_NODELAY; one write per message).
 
@@ -134,7 +145,7 @@ class PipelineClient:
     handshake as TokensAndControl, ``identity`` (a ``StageSetupConfig``, e.g.
     :func:`~skippy_wire.net.protocol_io.driver_identity`) makes it check that it reached
     stage 0 of that run, and ``model_id`` alone (the stages' ``--model-id``) that it reached
-    a stage of that model.  A stage speaking another version -> one-line PipelineError.
+    a stage of that model (:func:`check_model_id`).  A stage speaking another version -> one-line PipelineError.
     ``tls`` (a :class:`~skippy_wire.net.tls.TlsConfig`): mutual TLS on the connection.
     ``poll_s``: busy-poll this long around a reply's expected arrival (0: sleep).
 
@@ -182,11 +193,7 @@ class PipelineClient:
         self._busy = threading.Lock()  # held by the thread whose request runs
         self._carrier: int | None = None  # that thread's ident
         self._link_failed = False  # a send or a wait of the request failed: what is in flight is unknown
-        if model_id is not None:  # checked by the v17 setup alone, where no identity names the model already
-            if not isinstance(model_id, str):
-                raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
-            if protocol != STAGE_STATE_VERSION_V17 or identity is not None:
-                raise ValueError("model_id is checked under protocol 17 without an identity (whose model id it has)")
+        check_model_id(model_id, protocol, identity)
         self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s, model_id)
         # the stages behind it: given, or the ones this process launched there
         self._stages = stages if stages is not None else launched_cluster(host, port)
@@ -317,10 +324,11 @@ class PipelineClient:
         except SetupClosed:  # a stage further down refused the setup (stage 0 closes, saying nothing)
             raise self._failed(f"stage 0 at {self.address} closed the connection during the setup handshake",
                                " (a stage failed or refused the setup; the stages' logs say which and why)") from None
-        except SetupError as exc:  # a refusal is a mismatch, which no wait mends; a deadline is not
-            kind = PipelineError if isinstance(exc, SetupTimeout) else PipelineMismatch
-            raise kind(f"stage 0 at {self.address}: stage setup failed: {exc}"
-                       + (f" ({exc.detail})" if exc.detail else "")) from None
+        except SetupTimeout:  # a stage slow to set up (its downstream still loading): not a refusal
+            raise self._failed(f"stage 0 at {self.address}: no answer to the stage setup within {self.timeout:g} s") \
+                from None
+        except SetupError as exc:  # a refusal: a mismatch, which no wait mends
+            raise PipelineMismatch(f"stage 0 at {self.address}: stage setup failed: {with_detail(exc)}") from None
         except SendStalled:
             raise self._failed(f"stage 0 at {self.address} read nothing of {what} for {self.timeout:g} s") from None
         except (socket.timeout, TimeoutError):
@@ -566,4 +574,4 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
 
 
 __all__ = ["SESSION_END_UNANSWERED", "DEFAULT_MAX_TOKENS", "DEFAULT_CHUNK", "DEFAULT_TIMEOUT", "STOP_CONTEXT_FULL",
-           "GenerationResult", "PipelineClient", "generate_local", "yielding_to_stages"]
+           "GenerationResult", "PipelineClient", "check_model_id", "generate_local", "yielding_to_stages"]

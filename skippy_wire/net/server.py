@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import StageError, StageRuntimeError, StateVersionMismatch, WireError, os_reason
+from ..errors import StageError, StageRuntimeError, StateVersionMismatch, WireError, os_reason, with_detail
 from ..stage import runtime
 from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17,
                                     WireMessageKindV16)
@@ -59,7 +59,7 @@ from .decode_ahead import DecodeAhead
 from .session_state import DecodeTimer, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
-from .transport import Peer, PeerClosedError, SendStalled, accept_connection, connect
+from .transport import GivenUp, Peer, PeerClosedError, SendStalled, accept_connection, connect
 
 log = logging.getLogger("skippy_wire.net.server")
 
@@ -107,8 +107,7 @@ class StageServer:
                  capture: str | None = None, events: Callable[[dict], None] | None = None,
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
-                 limits: StageLimits | None = None, tls=None, poll_s: float = 0.0,
-                 decode_ahead: bool = True) -> None:
+                 limits: StageLimits | None = None, tls=None, poll_s: float = 0.0, decode_ahead: bool = True) -> None:
         self.backend, self.poll_s, self.compute_trace, self.protocol = backend, poll_s, compute_trace, protocol
         self.identity = identity or link_identity(config, downstream is not None)
         self.plan, self.config, self.downstream = plan, config, downstream
@@ -270,10 +269,10 @@ class StageServer:
         except StateVersionMismatch as exc:
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
         except SetupError as exc:
-            if upstream.received == 0:  # connected and left (a port check), as a v15 peer may
+            if upstream.received == 0:  # connected and left (a port check), as a v15 peer may (a silent one: 15/16)
                 clog.info("%s: closed by peer before its setup", name)
             else:
-                failed = f"stage setup failed: {exc}" + (f" ({exc.detail})" if exc.detail else "")
+                failed = f"stage setup failed: {with_detail(exc)}"
                 clog.error("%s: %s; closing", name, self._diagnosis(upstream, failed))
         except PeerClosedError:
             clog.error("%s: peer disconnected in the middle of a message; closing", name)
@@ -284,7 +283,7 @@ class StageServer:
             stalled = f"peer stalled for more than {self.io_timeout:.1f} s"
             clog.error("%s: %s; closing", name, exc if isinstance(exc, (HandshakeTimeout, SendStalled)) else stalled)
         except WireError as exc:
-            malformed = f"malformed stage message ({exc.kind}: {exc})"
+            malformed = f"malformed stage message ({exc.kind}: {with_detail(exc)})"
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
         except (StageError, ConnectionError, OSError) as exc:  # a peer that sent nothing and left: its choice
             if not self._stop.is_set():
@@ -337,7 +336,7 @@ class StageServer:
                            tls=self._tls_client, abandoned=lambda: self._stop.is_set() or peer_gone(upstream))
         except ssl.SSLError as exc:
             raise StageError(handshake_failure(f"downstream {host}:{port}", exc)) from None
-        except ConnectionAbortedError:  # its upstream left meanwhile (a port check): no failed connect
+        except GivenUp:  # its upstream left meanwhile (a port check): no failed connect
             raise StageError(f"upstream left while connecting to downstream {host}:{port}") from None
         except OSError as exc:
             raise StageError(f"cannot connect to downstream {host}:{port}: {os_reason(exc)}") from exc
@@ -352,8 +351,7 @@ class StageServer:
             raise
         except SetupError as exc:
             peer.close()
-            raise StageError(f"stage setup with downstream {host}:{port} failed: {exc}"
-                             + (f" ({exc.detail})" if exc.detail else "")) from exc
+            raise StageError(f"stage setup with downstream {host}:{port} failed: {with_detail(exc)}") from exc
         except (WireError, OSError) as exc:
             peer.close()
             why = "it closed the connection (its log says why)" if isinstance(exc, PeerClosedError) else link_error(exc)

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from ..errors import PipelineClosed, PipelineError, PipelineMismatch, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
-from .driver import SESSION_END_UNANSWERED, PipelineClient
+from .driver import SESSION_END_UNANSWERED, PipelineClient, check_model_id
 from .schedule import check_generation, context_room, prefill_messages
 
 log = logging.getLogger("skippy_wire.net.service")
@@ -259,6 +259,7 @@ class GenerationEngine:
                  chunk_size: int, protocol: int = 15, identity=None, tls=None, poll_s: float = 0.0,
                  model_id: Optional[str] = None) -> None:
         self.entry = entry
+        check_model_id(model_id, protocol, identity)  # at once, not at every request's connection
         self.protocol, self.identity, self.tls, self.model_id = protocol, identity, tls, model_id
         self.poll_s = poll_s  # each connection's busy-poll window (PipelineClient)
         self.tokenizer = tokenizer

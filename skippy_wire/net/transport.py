@@ -56,6 +56,14 @@ def connect(host: str, port: int, timeout: float, tls=None,
     return sock
 
 
+class GivenUp(ConnectionAbortedError):
+    """A connect or a wait given up because the connection it was for has gone (not the
+    socket's own ECONNABORTED, a ConnectionAbortedError too)."""
+
+    def __init__(self) -> None:
+        super().__init__("given up: the connection it was for has gone")
+
+
 class _Abandoned(Exception):
     """A connect given up (not an OSError: it must not move on to the host's next address)."""
 
@@ -79,7 +87,7 @@ def _connect_unless(host: str, port: int, timeout: float, abandoned: Callable[[]
             errors.append(exc)
         except _Abandoned:
             sock.close()
-            raise ConnectionAbortedError("given up: the connection it was for has gone") from None
+            raise GivenUp() from None
         except BaseException:
             sock.close()
             raise
@@ -348,7 +356,7 @@ class SocketReader:
                     if gone is None or (deadline is not None and time.monotonic() >= deadline):
                         raise
                     if gone():
-                        raise ConnectionAbortedError("given up: the connection it was for has gone") from None
+                        raise GivenUp() from None
                     continue
                 if not got:
                     raise PeerClosedError()
@@ -492,4 +500,5 @@ class CountingSocket:
 
 
 __all__ = ["RECV_CHUNK_BYTES", "MAX_POLLED_WAIT", "ACCEPT_RETRY_S", "UPSTREAM_CHECK_S", "connect", "accept_connection",
-           "parse_address", "is_wildcard", "PeerClosedError", "SendStalled", "SocketReader", "Peer", "CountingSocket"]
+           "parse_address", "is_wildcard", "GivenUp", "PeerClosedError", "SendStalled", "SocketReader", "Peer",
+           "CountingSocket"]

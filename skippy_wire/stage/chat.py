@@ -167,7 +167,7 @@ def _problem(part: Mapping, key: str) -> str:
     """What is wrong with ``part[key]``: absent (or null), else of the wrong type or value."""
     if part.get(key) is None:
         return "missing"
-    return "value" if key == "type" else "type"
+    return "value" if key == "type" and isinstance(part[key], str) else "type"
 
 
 def _part_text(part: Any, message: str, j: int, role: str) -> str:

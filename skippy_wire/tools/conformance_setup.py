@@ -3,6 +3,7 @@ over a loopback socket pair against the scripted peer the case describes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -85,7 +86,8 @@ def _run(case: dict, ours, script) -> tuple:
             pass
         except Exception as exc:  # noqa: BLE001 -- a script the case wrote badly: reported as the case's, not a
             state["peer_error"] = exc  # thread's traceback, and the side under test is not left waiting its deadline
-            b.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # (closed already, if the case's wait for this thread ran out)
+                b.shutdown(socket.SHUT_RDWR)
 
     thread = threading.Thread(target=peer, daemon=True)
     thread.start()

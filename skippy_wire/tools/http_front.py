@@ -274,8 +274,7 @@ async def too_many_connections(scope, receive, send) -> None:
     """The answer to a request beyond the connection limit: an OpenAI error object where
     uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
     response = error_response(503, "every connection is serving a request; retry later", type_="server_error",
-                              code="too_many_connections",
-                              headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
+                              code="too_many_connections", headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
     await response(scope, receive, send)
 
 
@@ -327,7 +326,8 @@ class IdleSheddingProtocol(H11Protocol):
             try:
                 event = next_event()
                 if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
-                    raise h11.RemoteProtocolError(f"head over {MAX_HEAD_BYTES >> 10} KiB", error_status_hint=431)
+                    raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES >> 10} KiB",
+                                                  error_status_hint=431)
                 return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
