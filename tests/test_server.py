@@ -24,7 +24,7 @@ from skippy_wire.net.server import StageServer
 from skippy_wire.net.transport import parse_address
 from skippy_wire.stage.threads import MAX_THREADS, resolved_threads
 from skippy_wire.tools.serve import stage_config
-from skippy_wire.wire.frame import write_stage_message
+from skippy_wire.wire.frame import predicted_reply_bytes, write_stage_message
 from skippy_wire.wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 
 N_EMBD = 8
@@ -427,6 +427,51 @@ def test_an_activation_of_another_width_asks_whether_the_upstream_runs_this_mode
         server.shutdown()
     assert ("malformed stage message (InvalidData: activation payload size mismatch); does the upstream run this "
             f"stage's model (n_embd {N_EMBD})?; closing") in caplog.text
+
+
+def test_activation_sidebands_are_refused_before_stage_0_computes(chain_factory, caplog, monkeypatch):
+    """Stage 0 computed the step, then failed to forward it ("F32 activation payload size
+    mismatch"), or forwarded flags that made stage 1 close its link."""
+    chain, sock = _logged_connection(chain_factory, caplog, [(0, 3), (3, 6)])
+    computed = []
+    monkeypatch.setattr(FakeBackend, "_run", lambda self, *args: computed.append(args))
+    msg = next(prefill_messages(PROMPT, 16, 1, 1))
+    msg.state.flags |= 0x80  # state bit 7: frame flag 0x2, a sideband
+    sock.sendall(write_stage_message(msg))
+    assert _wait_closed(sock)
+    sock.close()
+    assert "activation frame flags 0x2 (sidebands) are not supported; closing" in caplog.text
+    assert computed == [] and "stage runtime error" not in caplog.text and "downstream" not in caplog.text
+    monkeypatch.undo()
+    _still_serves(chain)
+
+
+def test_a_downstream_that_answers_twice_is_refused_not_relayed_a_reply_late(caplog):
+    """The second reply was relayed as the answer to the next message: every token shifted by one, silently."""
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answers_twice() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            while conn.recv(65536):
+                conn.sendall(predicted_reply_bytes(7) * 2)
+
+    threading.Thread(target=answers_twice, daemon=True).start()
+    server = StageServer(FakeBackend(0, 3), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
+                         downstream=listener.getsockname()[:2], reply_timeout=5.0)
+    server.start()
+    try:
+        with pytest.raises(PipelineError), PipelineClient(*server.address, timeout=5) as client:
+            client.generate(PROMPT, max_tokens=3, chunk_size=16)
+        deadline = time.monotonic() + 5
+        while "sent bytes nobody asked for" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "downstream 127.0.0.1:" in caplog.text and "sent bytes nobody asked for; closing" in caplog.text
+    finally:
+        server.shutdown()
+        listener.close()
 
 
 def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_factory, caplog):

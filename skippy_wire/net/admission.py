@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 from ..errors import StageError
+from ..stage.bridge import sidebands_unsupported
 from ..stage.native import check_sampling
 from ..stage.sampling import sampling_to_bytes
 from ..wire.messages import WireMessageKind
@@ -32,6 +33,7 @@ from ..wire.constants import (
     MAX_STAGE_SAMPLING_STRING_BYTES,
     ROW_DOUBLING_SIDEBANDS,
     STAGE_WIRE_FIXED_HEADER_BYTES,
+    activation_frame_flags_from_state_flags,
     activation_payload_multiplier_from_state_flags,
 )
 
@@ -104,12 +106,16 @@ COMPUTED_KINDS = (WireMessageKind.PREFILL_EMBD, WireMessageKind.PREFILL_FINAL_EM
 
 def check_runnable(msg, backend) -> None:
     """Refuse, before any cache changes, a DecodeEmbd of more than one token (the runtime
-    decodes one a step), a driver's message (tokens, no activation) at a stage that is not
-    the first, another stage's message (an activation) at the first, explicit positions
-    other than the tokens' own, and sampling the terminal stage's native sampler would refuse (with its
-    reason, here, rather than relayed to close the pipeline with none)."""
+    decodes one a step), activation sidebands (no model here has them), a driver's message
+    (tokens, no activation) at a stage that is not the first, another stage's message (an
+    activation) at the first, explicit positions other than the tokens' own, and sampling
+    the terminal stage's native sampler would refuse (with its reason, here, rather than
+    relayed to close the pipeline with none)."""
     if msg.kind == WireMessageKind.DECODE_EMBD and msg.token_count != 1:
         raise StageError(f"a DecodeEmbd carries one token, this one {msg.token_count}")
+    sidebands = activation_frame_flags_from_state_flags(msg.state.flags)
+    if msg.kind in COMPUTED_KINDS and sidebands:  # stage 0 computed the step and failed forwarding it
+        raise StageError(sidebands_unsupported(sidebands))
     if not backend.is_source and msg.kind in COMPUTED_KINDS and msg.state.source_stage_index < 0:
         raise StageError(f"a driver's {WireMessageKind(msg.kind).name} (tokens, no activation) reached a stage "
                          f"that starts at layer {backend.layer_start}, not the first stage: a driver connects "

@@ -216,7 +216,10 @@ class PipelineClient:
         except OSError as exc:
             raise self._failed(f"cannot connect to stage 0 at {self.address}: {os_reason(exc)}") from exc
         try:
-            peer = sock.getpeername()[:2]  # "localhost" reaches the stages launched on 127.0.0.1 too
+            try:
+                peer = sock.getpeername()[:2]  # "localhost" reaches the stages launched on 127.0.0.1 too
+            except OSError:  # reset already (stage 0 refused this side's certificate, TLS 1.3): the read says why
+                peer = (host, port)
             if self._stages is None:
                 self._stages = launched_cluster(*peer)
             if self._topology is None:

@@ -557,6 +557,8 @@ class StageServer:
         downstream.send_within(data, self.reply_timeout)
         written = time.perf_counter()
         owed = downstream.read_owed_replies(self.reply_timeout, self._poll_window())
+        if downstream.peer.reader.buffered:  # relayed later, it would answer the next message: every reply shifted
+            raise StageError(f"downstream {self.downstream[0]}:{self.downstream[1]} sent bytes nobody asked for")
         done = time.perf_counter()
         if timer is not None:
             timer.sent, timer.replied = written, done

@@ -42,12 +42,17 @@ def _wire_count(value, what: str, low: int, high: int) -> int:
     return number
 
 
+def sidebands_unsupported(frame_flags: int) -> str:
+    """The refusal of an activation with sideband rows (RWKV7, Inkling): no model here has them."""
+    return f"activation frame flags {frame_flags:#x} (sidebands) are not supported"
+
+
 def _checked_wire_payload(payload, token_count: int, n_embd: int, flags: int) -> tuple:
     """``(payload bytes, token_count, n_embd)`` of a wire activation, the counts as ints: the
     token count fits the descriptor's u32, a row holds at least one value and its byte stride
     fits the descriptor's i64 dimension / u64 stride."""
     if flags:
-        raise ActivationFrameError(f"activation frame flags {flags:#x} (sidebands) are not supported")
+        raise ActivationFrameError(sidebands_unsupported(flags))
     token_count = _wire_count(token_count, "token count", 0, U32_MAX)
     n_embd = _wire_count(n_embd, "row width n_embd", 1, I64_MAX // 4)
     data = bytes(payload)
