@@ -269,7 +269,7 @@ class StageServer:
         except StateVersionMismatch as exc:
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, str(exc)))
         except SetupError as exc:
-            if upstream.received == 0:  # connected and left (a port check), as a v15 peer may (a silent one: 15/16)
+            if upstream.received == 0:  # connected and left (a port check), as a v15 peer may; a silent one: v15/16
                 clog.info("%s: closed by peer before its setup", name)
             else:
                 failed = f"stage setup failed: {with_detail(exc)}"
