@@ -270,3 +270,20 @@ def test_a_prompt_too_long_for_the_context_is_the_caller_s_mistake_not_a_failure
     finally:
         engine.close()
         chain.close()
+
+
+def test_a_token_outside_the_vocabulary_is_a_failed_pipeline_not_the_tokenizer_s_error():
+    """A stage that predicts one (another model's head, a bug) made the text's decoding raise
+    ValueError inside the engine: a traceback in the API's log and a stream cut short."""
+    chain = Chain([(0, 3), (3, 6)])  # predicts ids up to 96
+    tokenizer = ByteTokenizer()
+    tokenizer.n_vocab = 4
+    engine = GenerationEngine(chain.entry, tokenizer, ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    try:
+        with pytest.raises(PipelineError, match=r"^the pipeline predicted token \d+, outside the model's vocabulary "
+                                                r"\[0, 4\)$"):
+            _generate(engine)
+        assert engine.counters["failed"] == 1
+    finally:
+        engine.close()
+        chain.close()

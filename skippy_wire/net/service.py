@@ -372,6 +372,9 @@ class GenerationEngine:
             nonlocal shown_tokens
             if out.first_token_s is None:
                 out.first_token_s = time.perf_counter() - started
+            if not 0 <= token < self.tokenizer.n_vocab:  # a stage's fault: the pipeline failed, not the request
+                raise PipelineError(f"the pipeline predicted token {token}, outside the model's vocabulary "
+                                    f"[0, {self.tokenizer.n_vocab})")
             if self.tokenizer.is_eog(token):
                 return
             out.completion_tokens += 1
