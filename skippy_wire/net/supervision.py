@@ -110,8 +110,9 @@ def layer_chain_problem(ranges: list[tuple[int, int]], n_layer: int | None = Non
     return None
 
 
-def default_model() -> Path:
-    return Path(smollm2_path())
+def default_model(given: str | Path | None = None) -> Path:
+    """The model file ``given`` names (a command's ``-m``), else the packaged SmolLM2-135M."""
+    return Path(given) if given else Path(smollm2_path())
 
 
 def stage_env() -> dict:

@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     if args.ctx_size == TRAINING_CONTEXT:  # reads the model's metadata: after the checks that need none
-        args.ctx_size = training_context_size(parser, Path(args.model) if args.model else default_model())
+        args.ctx_size = training_context_size(parser, default_model(args.model))
     # SIGTERM and SIGHUP unwind like Ctrl-C once the server has shut down (uvicorn re-raises
     # SIGTERM after its graceful stop): the stages are stopped before the exit with 143 or 129.
     with exiting_on_signals():
@@ -498,7 +498,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
 
     try:
-        model = Path(args.model) if args.model else default_model()
+        model = default_model(args.model)
         n_layer, _ = model_shape(model)
         tokenizer = Tokenizer.from_gguf(model)
     except (OSError, ValueError, ImportError) as exc:

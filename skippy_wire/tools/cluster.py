@@ -160,7 +160,7 @@ def run_cluster(opts: ClusterOptions, *, tokenizer=None, progress=lambda text: N
     except ValueError as exc:
         raise TopologyError(str(exc)) from None
     rate_bits = parse_rate(opts.rate)
-    model = Path(opts.model) if opts.model else default_model()
+    model = default_model(opts.model)
     n_layer, _ = _read_model(model, model_shape)
     tokenizer = tokenizer or _read_model(model, Tokenizer.from_gguf)
     resolved, trained = context_size(None, opts.ctx_size, model)  # -c 0: the model's training context
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, left_behind = None, []
     try:
         with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
-            model = Path(opts.model) if opts.model else default_model()
+            model = default_model(opts.model)
             tokenizer = _read_model(model, Tokenizer.from_gguf)
             res = run_cluster(opts, tokenizer=tokenizer, progress=progress, left_behind=left_behind)
     except KeyboardInterrupt:

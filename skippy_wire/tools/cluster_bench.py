@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hosts, rates, delays, codecs = args.hosts, args.rates, args.delays, args.codecs
     try:
-        model = Path(args.model) if args.model else default_model()
+        model = default_model(args.model)
         tokenizer = Tokenizer.from_gguf(model)
         n_layer, _ = model_shape(model)
     except (ValueError, OSError) as exc:

@@ -4,7 +4,6 @@ state version spoken and, under 17, the model id running stages must report."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Optional
 
 from ..net.supervision import default_model
@@ -29,4 +28,4 @@ def expected_model_id(p: argparse.ArgumentParser, args, running: bool) -> Option
         if args.model_id is not None:
             p.error("--model-id is checked only with --protocol 17 and running stages (--connect, --topology)")
         return None
-    return args.model_id or args.topology_model_id or (Path(args.model) if args.model else default_model()).stem
+    return args.model_id or args.topology_model_id or default_model(args.model).stem

@@ -331,7 +331,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
 
     if args.default_prompt and _stdin_has_input():  # `echo question | skippy-wire run` answered another
         progress("stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it")
-    model = Path(args.model) if args.model else default_model()
+    model = default_model(args.model)
     n_layer, n_embd = _model_shape(model)
     if not args.connect and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
