@@ -10,7 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from skippy_wire.wire import codec, frame
+from skippy_wire.wire import codec, frame, protocol
+from skippy_wire.wire.replies import StageReply
 from skippy_wire.tools.vector_cases import sampling_to_case
 from skippy_wire.wire.constants import (
     ACTIVATION_FLAG_GEMMA3N_ALTUP,
@@ -201,6 +202,22 @@ def test_stage_message_rejects_old_state_version(impl):
 
 def test_stage_message_rejects_legacy_kind_10(impl):
     assert str(err(impl, struct.pack("<5i", 10, 0, 1, 0, 0), 2)) == "unknown stage message kind"
+
+
+@pytest.mark.parametrize("version, kind", [(15, 99), (15, 10), (15, 23), (16, 99), (17, 10), (17, -1)])
+def test_writers_refuse_a_kind_their_readers_refuse(impl, version, kind):
+    # before: the bytes were written, and every reader refused them ("unknown stage message kind")
+    msg = StageWireMessage(kind, 0, 0, StageStateHeader(version=version))
+    with pytest.raises(InvalidInputError, match=f"kind value {kind} is no state version {version} stage message kind"):
+        protocol.write_stage_message(msg, protocol=version, impl=impl)
+    with pytest.raises(InvalidInputError, match="kind value 7 is no stage reply kind"):
+        frame.write_reply(StageReply(kind=7), impl=impl)
+
+
+def test_discard_stale_windows_is_written_from_state_version_16(impl):
+    msg = StageWireMessage(23, 0, 0, StageStateHeader(version=16))
+    data = protocol.write_stage_message(msg, protocol=16, impl=impl)
+    assert protocol.read_stage_message(data, protocol=16, impl=impl).kind == 23
 
 
 def test_stage_message_estimates_full_wire_transfer_bytes(impl):

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any, Iterable, Sized
+from typing import Any, Collection, Iterable, Iterator, Sized
 
 import numpy as np
 
 from ..errors import InvalidInputError
 from .constants import (I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, NOT_BYTES_LIKE_TEXT, U32_MAX, U64_MAX, ActivationCodec,
                         CodecPolicy)
-from .messages import SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage
+from .messages import (DISCARD_STALE_WINDOWS, SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage,
+                       WireMessageKind)
+
+#: The message kinds a writer of each state version emits: those its readers take (23 from 16 on).
+MESSAGE_KINDS = {15: frozenset(WireMessageKind)}
+MESSAGE_KINDS[16] = MESSAGE_KINDS[17] = MESSAGE_KINDS[15] | {DISCARD_STALE_WINDOWS}
 
 #: The state header's i32 fields, in wire order.
 I32_STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
@@ -90,6 +95,34 @@ def wire_f32(value: Any) -> float:
         raise TypeError(f"a bool is not a wire f32: {value!r}")
     return value
 
+
+
+def check_known_kind(kind: Any, known: Collection[int], what: str) -> None:
+    """A writer refuses a ``kind`` that is not in ``known``, the kinds its readers take: upstream's
+    kinds are enums its writers cannot step outside, but a Python caller could write bytes every
+    reader refuses.  A kind of the wrong type is left to the kernel, which names it."""
+    try:
+        value = wire_int(kind)
+    except TypeError:
+        return
+    if value not in known:
+        raise InvalidInputError(f"kind value {kind!r} is no {what} kind")
+
+
+def check_writable(msg: StageWireMessage, version: int = 15) -> None:
+    """Refuse up front what a writer of state ``version`` would write silently wrong: a kind
+    its readers refuse, and a sampling block's string lists that are no lists of strings (a
+    bare ``str`` would be written one character per entry, and an iterator without a length
+    is used up by measuring it)."""
+    check_known_kind(msg.kind, MESSAGE_KINDS[version], f"state version {version} stage message")
+    sampling = msg.sampling
+    if sampling is not None:
+        for name in ("dry_sequence_breakers", "samplers"):
+            value = getattr(sampling, name, None)
+            if isinstance(value, (str, bytes)):
+                raise InvalidInputError(f"sampling.{name} must be a list of strings, not a single string")
+            if isinstance(value, Iterator) or (value is not None and not isinstance(value, Sized)):
+                raise InvalidInputError(f"sampling.{name} must be a list of strings, not {type(value).__name__}")
 
 
 def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -> InvalidInputError:

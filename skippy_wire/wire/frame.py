@@ -27,13 +27,13 @@ from __future__ import annotations
 import operator
 import struct
 import sys
-from typing import Any, Generic, Iterator, Optional, Sequence, Sized, TypeVar
+from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
-from .field_checks import byte_array, bytes_like_view, first_out_of_range
+from .field_checks import byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -107,20 +107,6 @@ def check_offset(value: Any) -> int:
     return offset if abs(offset) <= sys.maxsize else -1
 
 
-def check_sampling_lists(msg: StageWireMessage) -> None:
-    """A sampling block's string lists must be lists of strings, refused up front when they
-    are not: a bare ``str`` would be written one character per entry, and an iterator
-    without a length is used up by measuring it (both silently)."""
-    sampling = msg.sampling
-    if sampling is not None:
-        for name in ("dry_sequence_breakers", "samplers"):
-            value = getattr(sampling, name, None)
-            if isinstance(value, (str, bytes)):
-                raise InvalidInputError(f"sampling.{name} must be a list of strings, not a single string")
-            if isinstance(value, Iterator) or (value is not None and not isinstance(value, Sized)):
-                raise InvalidInputError(f"sampling.{name} must be a list of strings, not {type(value).__name__}")
-
-
 # --- writing -----------------------------------------------------------------------------
 def write_stage_message(msg: StageWireMessage, *, impl: Optional[str] = None) -> bytes:
     """Serialize ``msg`` (wire-format.md 4.4).  ``msg.activation`` must already be encoded
@@ -129,7 +115,7 @@ def write_stage_message(msg: StageWireMessage, *, impl: Optional[str] = None) ->
     value the wire cannot carry (a field of the wrong type or range) is an
     InvalidInputError naming the field; ``msg`` not a StageWireMessage is a TypeError."""
     _check_type(msg, StageWireMessage, "write_stage_message")
-    check_sampling_lists(msg)
+    check_writable(msg)
     return kernels(impl).write_stage_message(msg)
 
 
@@ -432,10 +418,14 @@ def recv_ready(stream_or_data) -> None:
 
 
 # --- replies (section 11.2) --------------------------------------------------------------
+_REPLY_KINDS = frozenset(WireReplyKind)  # the same in every state version
+
+
 def write_reply(reply: StageReply, *, impl: Optional[str] = None) -> bytes:
     """Serialize a reply (``send_reply_message``).  A value the wire cannot carry is an
     InvalidInputError naming the field; ``reply`` not a StageReply is a TypeError."""
     _check_type(reply, StageReply, "write_reply")
+    check_known_kind(reply.kind, _REPLY_KINDS, "stage reply")
     return kernels(impl).write_reply(reply)
 
 

@@ -29,6 +29,7 @@ from . import frame as _v15
 from .activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, ActivationFrameV16
 from .agreement import ActivationAgreement
 from .constants import ActivationCodec
+from .field_checks import check_writable
 from .messages import StageWireMessage
 
 #: Offsets in a stage message's 80-byte prefix: the state header's version word, and the
@@ -91,7 +92,7 @@ class WireProtocol:
             raise TypeError(f"write_stage_message expects a StageWireMessage, not {type(msg).__name__}")
         if self._k is None:
             return _v15.write_stage_message(msg, impl=self.impl)
-        _v15.check_sampling_lists(msg)
+        check_writable(msg, self.version)
         return self._k.write_stage_message(self.version, msg, agreement)
 
     def read_from_buffer(self, data, n_embd: int = 0, codec=None, policy=None, *, offset: int = 0,
