@@ -112,6 +112,47 @@ def test_handshake_then_v17_messages_over_tcp(impl):
         again.establish(agreement)
 
 
+@pytest.mark.parametrize("model_id", ["m", "another"])  # a handshake that succeeds, one that fails
+def test_setup_clears_the_sockets_timeouts_whatever_they_were(impl, model_id):
+    # B.2: cleared when setup ends (they were put back to the caller's 7 s before)
+    def client(sock):
+        sock.settimeout(7.0)
+        try:
+            client_setup(sock, SetupRole.ACTIVATION, sender_config(), profile(), timeout=5, impl=impl)
+        except SetupError:
+            pass
+        return sock.gettimeout()
+
+    def server(sock):
+        sock.settimeout(7.0)
+        try:
+            server_setup(sock, receiver_config(model_id=model_id), profile(), timeout=5, impl=impl)
+        except SetupError:
+            pass
+        return sock.gettimeout()
+
+    assert run_pair(client, server) == (("ok", None), ("ok", None))
+
+
+class _ResetSocket:
+    """A socket whose peer has reset the connection: every send fails as the kernel's does."""
+
+    def settimeout(self, value):
+        pass
+
+    def recv(self, n):
+        raise AssertionError("the client writes its Hello first")
+
+    def send(self, data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_socket_error_during_setup_propagates_with_its_system_text(impl):
+    # B.2: only an end of stream (or a write taking 0 bytes) is "stage peer closed during setup"
+    with pytest.raises(BrokenPipeError, match="Broken pipe"):
+        client_setup(_ResetSocket(), SetupRole.ACTIVATION, sender_config(), profile(), timeout=5, impl=impl)
+
+
 def _server_error(hello_bytes: bytes, impl, **kw) -> SetupError:
     def client(sock):
         sock.sendall(hello_bytes)

@@ -8,7 +8,7 @@ agreement generation), accept (C -> S, the generation echoed) and ready (S -> C,
 * :func:`server_setup` runs the listening side and returns ``(role, agreement)``.
 
 Both take any socket (``recv``/``sendall``; polled in 100 ms slices under one absolute
-deadline and a cancellation callable, timeouts restored afterwards) or a binary stream
+deadline and a cancellation callable, its timeout cleared afterwards) or a binary stream
 (``read``/``write``; no polling).  Errors are :class:`SetupError` with upstream's exact
 top-level text; ``detail`` holds our explanation.  A peer that speaks v15/v16 starts with
 READY (``59 44 52 53``) or a stage message: the text stays "incompatible stage setup
@@ -182,7 +182,6 @@ class _Transport:
         self.deadline = deadline
         self.cancelled = cancelled or (lambda: False)
         self.sock = stream if hasattr(stream, "recv") and hasattr(stream, "settimeout") else None
-        self.saved = self.sock.gettimeout() if self.sock is not None else None
         self.partial = bytearray()  # what the current read has received so far
 
     def _gate(self) -> float:
@@ -193,10 +192,12 @@ class _Transport:
             raise SetupTimeout()
         return remaining
 
-    def restore(self) -> None:
+    def clear_timeout(self) -> None:
+        """Clear the socket's timeout, whether setup succeeded or failed (B.2): the link then
+        blocks as upstream's does, whatever timeout the caller had set before."""
         if self.sock is not None:
             try:
-                self.sock.settimeout(self.saved)
+                self.sock.settimeout(None)
             except OSError:
                 pass
 
@@ -232,9 +233,7 @@ class _Transport:
                 try:
                     sent = self.sock.send(view)
                 except (socket.timeout, BlockingIOError, InterruptedError):
-                    continue
-                except (BrokenPipeError, ConnectionResetError):
-                    raise SetupClosed() from None
+                    continue  # other socket errors propagate with their system text (B.2)
             if not sent:
                 raise SetupClosed()
             view = view[sent:]
@@ -312,7 +311,7 @@ def client_setup(stream, role, config: Optional[StageSetupConfig] = None, output
     try:
         return _client(t, role, config, output, impl, model_id)
     finally:
-        t.restore()
+        t.clear_timeout()
 
 
 def _client(t: _Transport, role: SetupRole, config, output, impl, model_id) -> ActivationAgreement:
@@ -377,7 +376,7 @@ def server_setup(stream, config: Optional[StageSetupConfig] = None, input_profil
     try:
         return _server(t, config, input_profile, topology, recording, prepare, impl)
     finally:
-        t.restore()
+        t.clear_timeout()
 
 
 def _activation_output(hello: Hello, config, input_profile, topology, recording) -> ActivationProfile:
