@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
 import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +103,14 @@ def test_a_file_is_read_as_a_stream_with_its_size_known(tmp_path, capsys):
     assert main([str(path)]) == 1
     assert capsys.readouterr().err == (f"skippy-wire: error: #0 @0: InvalidData: unknown stage message kind "
                                        f"({(3 << 20) + 4} bytes left)\n")
+
+
+def test_a_proc_file_whose_size_says_zero_is_read_for_what_it_holds(capsys):
+    # /proc's regular files report st_size 0: "(0 bytes left)" was said of 100-odd bytes
+    held = len(Path("/proc/self/cmdline").read_bytes())
+    assert main(["/proc/self/cmdline"]) == 1
+    left = re.fullmatch(r"skippy-wire: error: #0 @0: .*\((?:at least )?(\d+) bytes left\)\n", capsys.readouterr().err)
+    assert left and int(left[1]) >= held > 0
 
 
 def test_stdin_closed_is_one_line(monkeypatch, capsys):

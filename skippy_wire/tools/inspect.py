@@ -459,7 +459,7 @@ def _inspect(stream, name: str, replies: bool | None, args) -> int:
     size = None
     with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
         info = os.fstat(stream.fileno())
-        size = info.st_size if stat.S_ISREG(info.st_mode) else None
+        size = info.st_size if stat.S_ISREG(info.st_mode) and info.st_size else None  # /proc's files say 0
     src = CaptureInput(stream, size=size)
     try:
         count = dissect_input(src, replies=replies, n_embd=args.n_embd, all_values=args.values, name=name,
