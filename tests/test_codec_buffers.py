@@ -14,7 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from skippy_wire.errors import InvalidInputError
+from skippy_wire.errors import InvalidInputError, UnexpectedEofError
+from skippy_wire.wire import frame
 
 VALUES = [1.0, -2.5, 0.5, -0.0, 3.0, 0.125, 1024.0, -7.0]
 PAYLOAD = struct.pack("<8f", *VALUES)
@@ -95,6 +96,18 @@ def test_zero_dimensional_and_empty_buffers(codec_impl):
     assert codec_impl.encode_activation(3, 1, 1, np.float32(2.0), 0) == b"\x00\x40"
     assert codec_impl.encode_activation(3, 0, 4, np.empty((0, 4), np.float32), 0) == b""
     assert codec_impl.decode_activation(2, 0, 4, b"", 0).shape == (0,)
+
+
+def test_empty_buffers_of_two_dimensions_are_empty_bytes(codec_impl, impl):
+    # memoryview.cast refuses a shape holding a zero: the twin raised a raw TypeError for these
+    empty = memoryview(np.zeros((0, 4), np.float32))
+    assert codec_impl.encode_activation(3, 0, 4, empty, 0) == b""
+    assert codec_impl.decode_activation(1, 0, 4, empty, 0).nbytes == 0
+    assert codec_impl.is_bf16_exact(empty)
+    assert codec_impl.encode_activation(3, 0, 4, b"", 0, out=memoryview(np.zeros((0, 4), np.float32))).nbytes == 0
+    with pytest.raises(UnexpectedEofError):
+        frame.read_stage_message_from_buffer(empty, 4, impl=impl)
+    assert frame.StageMessageDecoder(4, impl=impl).feed(empty) == []
 
 
 def test_object_arrays_are_refused(codec_impl):

@@ -274,12 +274,14 @@ def test_decoder_limit_rejects_a_large_but_legal_message_early(impl):
 
 
 def test_decoder_limit_holds_however_the_stream_is_split(impl):
-    # a message whole in one chunk, or completed by its last chunk, is measured too
+    # a message whole in one chunk, or completed by its last chunk, is refused from its declared
+    # size too, with the same text (one chunk was parsed whole first: "stage message is N bytes")
     data = frame.write_stage_message(messages()[-1], impl=impl)
     limit = len(data) - 1
     for split in (len(data), 10, len(data) - 5):
         decoder = frame.StageMessageDecoder(4, max_message_bytes=limit, impl=impl)
-        with pytest.raises(InvalidDataError, match=f"over the decoder limit of {limit}$"):
+        with pytest.raises(InvalidDataError, match=f"^stage message needs at least {len(data)} bytes, over the "
+                                                   f"decoder limit of {limit}$"):
             for chunk in (data[:split], data[split:]):
                 decoder.feed(chunk)
     assert len(frame.StageMessageDecoder(4, max_message_bytes=len(data), impl=impl).feed(data)) == 1

@@ -22,6 +22,7 @@ import numpy as np
 import sys
 
 from ..errors import InvalidDataError, InvalidInputError
+from .field_checks import flat_bytes
 
 cnp.import_array()
 
@@ -328,9 +329,7 @@ cdef object _out_result(object out, uint64_t size):
         # some dtypes (ml_dtypes bfloat16) have no buffer format: view them as bytes.
         view = memoryview(out.reshape(-1).view(np.uint8))
     else:
-        view = memoryview(out)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = flat_bytes(memoryview(out))
     return view[:size]
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError
-from .field_checks import bytes_like_view, holds_objects
+from .field_checks import bytes_like_view, flat_bytes, holds_objects
 from .constants import (
     LOSSLESS_CODECS,
     NON_CONTIGUOUS_TEXT,
@@ -266,7 +266,7 @@ def _wire_bytes_view(wire: BufferLike) -> np.ndarray:
     view = bytes_like_view(wire)
     if not view.c_contiguous:
         raise InvalidInputError(NON_CONTIGUOUS_TEXT)
-    return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8)
+    return np.frombuffer(flat_bytes(view), dtype=np.uint8)
 
 
 def _half_view(wire: BufferLike, dtype: np.dtype) -> np.ndarray:

@@ -52,6 +52,17 @@ def bytes_like_view(buf: Any) -> memoryview:
         raise TypeError(NOT_BYTES_LIKE_TEXT.format(type(buf).__name__)) from None
 
 
+def flat_bytes(view: memoryview) -> memoryview:
+    """A C-contiguous view as its bytes, one dimension of format ``B``: ``cast("B")``, which
+    refuses a shape holding a zero, so an empty view of any shape is empty bytes, writable
+    when it was."""
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.nbytes:
+        return memoryview(b"" if view.readonly else bytearray())
+    return view.cast("B")
+
+
 def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
     """A numpy array given as a payload's or a reader's bytes, as its flat uint8 view (the
     same memory), or None for any other object.  memoryview() cannot take some dtypes that

@@ -33,7 +33,8 @@ from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
-from .field_checks import byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range
+from .field_checks import (byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range,
+                           flat_bytes)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -247,9 +248,7 @@ class _IncrementalDecoder(Generic[_Record]):
         self.ends = []
         if not isinstance(chunk, (bytes, bytearray)):
             # refused before anything is counted: a strided view cannot be parsed or kept
-            chunk = memoryview(readable(chunk))
-            if chunk.format != "B" or chunk.ndim != 1:
-                chunk = chunk.cast("B")
+            chunk = flat_bytes(memoryview(readable(chunk)))
         self.received += len(chunk)
         try:
             if self._pos == len(self._buf):
@@ -278,26 +277,26 @@ class _IncrementalDecoder(Generic[_Record]):
 
     def _drain(self, data, pos: int, out: list) -> int:
         """Parse complete records from ``data`` at ``pos``; return where the tail starts."""
-        parse = self._parse
+        parse, limit = self._parse, self.max_message_bytes
         end = len(data)
         while end - pos >= self._need:
             try:
-                record, used = parse(data, pos)
+                if limit is not None and end - pos > limit:
+                    # parse no further than the limit: a larger record is refused from the size
+                    # its prefix declares, before its payload is read, however the stream was split
+                    with memoryview(data)[pos:pos + limit] as window:
+                        record, used = parse(window, 0)
+                else:
+                    record, used = parse(data, pos)
             except UnexpectedEofError as error:
                 needed = error.needed
                 if needed is None:  # not a short tail: a genuine error
                     raise
-                if self.max_message_bytes is not None and needed > self.max_message_bytes:
-                    raise InvalidDataError(
-                        f"{self._what} needs at least {needed} bytes, over the decoder limit of "
-                        f"{self.max_message_bytes}"
-                    ) from None
+                if limit is not None and needed > limit:
+                    raise InvalidDataError(f"{self._what} needs at least {needed} bytes, over the decoder limit of "
+                                           f"{limit}") from None
                 self._need = needed
                 break
-            if self.max_message_bytes is not None and used > self.max_message_bytes:
-                # whole in the bytes fed so far: the limit holds however the stream was split
-                raise InvalidDataError(f"{self._what} is {used} bytes, over the decoder limit of "
-                                       f"{self.max_message_bytes}")
             out.append(record)
             pos += used
             self.consumed += used
@@ -410,7 +409,7 @@ def recv_ready(stream_or_data) -> None:
         buf = bytearray()
         _read_exactly(stream_or_data, buf, 4)
     else:
-        buf = bytes(memoryview(readable(stream_or_data)).cast("B")[:4])  # bytes, whatever the item size
+        buf = bytes(flat_bytes(memoryview(readable(stream_or_data)))[:4])  # bytes, whatever the item size
         if len(buf) < 4:
             raise UnexpectedEofError()
     if int.from_bytes(buf, "little", signed=True) != READY_MAGIC:

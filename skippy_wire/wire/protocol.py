@@ -29,7 +29,7 @@ from . import frame as _v15
 from .activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, ActivationFrameV16
 from .agreement import ActivationAgreement
 from .constants import ActivationCodec
-from .field_checks import check_writable
+from .field_checks import check_writable, flat_bytes
 from .messages import StageWireMessage
 
 #: Offsets in a stage message's 80-byte prefix: the state header's version word, and the
@@ -60,7 +60,7 @@ class ProtocolVersionError(InvalidDataError):
 
 
 def _version_word(data, offset: int) -> Optional[int]:
-    view = memoryview(data).cast("B")
+    view = flat_bytes(memoryview(data))
     if len(view) < offset + VERSION_WORD_OFFSET + 4:
         return None
     return struct.unpack_from("<i", view, offset + VERSION_WORD_OFFSET)[0]

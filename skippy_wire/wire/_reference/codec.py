@@ -26,6 +26,7 @@ import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
 from .. import constants as _texts
+from ..field_checks import flat_bytes
 from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES, state_flags_word
 
 RAW_F32_V1 = 1
@@ -128,9 +129,7 @@ def _byte_view(payload, f32: bool = False) -> memoryview:
         raise InvalidInputError(NON_CONTIGUOUS)
     if f32 and not _f32_format(view.format):
         raise InvalidInputError(PAYLOAD_FORMAT.format(f"format {view.format!r}"))
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
+    return flat_bytes(view)
 
 
 def _words(code: str, view, count: int) -> array.array:
@@ -395,8 +394,7 @@ def _out_view(out, size: int, payload: memoryview) -> memoryview:
             raise InvalidInputError(OUT_NON_CONTIGUOUS)
         if view.readonly:
             raise InvalidInputError(OUT_READ_ONLY)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = flat_bytes(view)
     if view.nbytes < size:
         raise InvalidInputError(_out_too_small(view.nbytes, size))
     if size and payload.nbytes:

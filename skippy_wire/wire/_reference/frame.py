@@ -52,7 +52,7 @@ from ..messages import (
     f32_bits,
     f32_from_bits,
 )
-from ..field_checks import NOT_INT_LISTS, byte_array, check_admission, out_of_range_error, wire_bool, wire_f32, wire_int
+from ..field_checks import NOT_INT_LISTS, byte_array, check_admission, flat_bytes, out_of_range_error, wire_bool, wire_f32, wire_int
 from ..replies import (
     NativeMtpDraft,
     StageReply,
@@ -96,7 +96,7 @@ class Cursor:
         view = memoryview(data)
         if not view.c_contiguous:
             raise BufferError("memoryview: underlying buffer is not C-contiguous")
-        self.buf = view.cast("B") if not isinstance(data, (bytes, bytearray)) else view
+        self.buf = flat_bytes(view) if not isinstance(data, (bytes, bytearray)) else view
         self.start = self.pos = offset
         self.end = len(self.buf)
         if offset < 0 or offset > self.end:
@@ -376,8 +376,7 @@ def byte_view(buf, name: str) -> memoryview:
         view = memoryview(buf)
         if not view.c_contiguous:
             raise ValueError
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
+        view = flat_bytes(view)
     except (TypeError, ValueError):
         raise InvalidInputError(refusal) from None
     return view
