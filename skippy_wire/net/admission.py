@@ -80,6 +80,14 @@ def overdue_message(message_timeout: float, decoder) -> StageError:
                       "--message-timeout)")
 
 
+def idle_sessions(sessions: dict, idle: float, now: float) -> tuple[list[int], float]:
+    """The ids of the ``sessions`` (each with ``last_compute``) that computed nothing for ``idle``
+    seconds by ``now``, and the seconds until the next of the others will have (``idle`` if none)."""
+    stale = [sid for sid, session in sessions.items() if session.last_compute + idle <= now]
+    left = [session.last_compute for sid, session in sessions.items() if sid not in stale]
+    return stale, min(left) + idle - now if left else idle
+
+
 def sampling_block_bytes() -> int:
     """The largest sampling block (wire-format.md 4.3: 108 bytes of fixed fields, then
     8 per logit bias and 4 + length per DRY breaker and sampler string)."""
@@ -132,6 +140,22 @@ def check_runnable(msg, backend) -> None:
                          f"({msg.pos_start} on, one each): this stage computes no other positions")
     if msg.sampling is not None:  # a ConfigureGeneration's too: every stage would relay and Ack it
         check_sampling(sampling_to_bytes(msg.sampling))
+
+
+def check_position(msg, runtime, backend, lock) -> None:
+    """``msg.pos_start`` against the token count of the session's ``runtime``.  A decode position is
+    authoritative (wire-format.md 12): one behind the session (a rejected draft) trims the session back
+    to it (under the runtime ``lock``).  A prefill chunk must start exactly where the session ends.
+    Anything else is a driver error."""
+    have = getattr(runtime, "token_count", None)
+    if have is None or msg.pos_start == have:
+        return
+    if msg.kind == WireMessageKind.DECODE_EMBD and 0 <= msg.pos_start < have:
+        with lock:
+            backend.trim(runtime, msg.pos_start)
+        return
+    raise StageError(f"{WireMessageKind(msg.kind).name} at position {msg.pos_start}, but session {msg.session_id} "
+                     f"holds {have} tokens")
 
 
 def _own_positions(msg) -> bool:

@@ -50,8 +50,8 @@ from ..wire.messages import WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, DOWNSTREAM_SETUP_WORDS, MAX_DOWNSTREAM_SETUPS,
-                        ConnectionLimit, LaneGate, SessionAdmission, StageLimits, check_runnable, max_message_bytes,
-                        overdue_message)
+                        ConnectionLimit, LaneGate, SessionAdmission, StageLimits, check_position, check_runnable,
+                        idle_sessions, max_message_bytes, overdue_message)
 from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
@@ -361,24 +361,28 @@ class StageServer:
     def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict):
         """Read one message; None (logged) on a clean close or an idle timeout between messages (a
         pooled connection's normal end), or, an error, when all its sessions have computed nothing
-        for the idle timeout, whatever else it sends or has queued (their lanes were held for nothing)."""
+        for the idle timeout, whatever else it sends or has queued (their lanes were held for nothing);
+        one such session beside others that compute is freed alone (its lane and cache)."""
         peer, idle = link.peer, self.idle_timeout
-        latest = max((s.last_compute for s in sessions.values()), default=None)
         while True:
             wait = idle
-            if idle is not None and latest is not None:
-                wait = latest + idle - time.monotonic()
-                if wait <= 0:
+            if idle is not None and sessions:
+                stale, wait = idle_sessions(sessions, idle, time.monotonic())
+                if len(stale) == len(sessions):
                     clog.error("%s: its sessions (%s) computed nothing for more than %g s (--idle-timeout); "
                                "closing", clog.name, ", ".join(map(str, sessions)), idle)
                     return None
+                for sid in stale:
+                    clog.error("%s: session %d computed nothing for more than %g s (--idle-timeout); freed",
+                               clog.name, sid, idle)
+                    self._free(sessions.pop(sid), sid)
             try:
                 if not peer.reader.wait_readable(wait):
                     clog.info("%s: closed by peer", clog.name)
                     return None
                 break
             except (socket.timeout, TimeoutError):
-                if latest is None:
+                if not sessions:
                     clog.info("%s: idle for more than %g s; closing", clog.name, idle)
                     return None
         peer.reader.deadline = time.monotonic() + self.limits.message_timeout
@@ -436,7 +440,7 @@ class StageServer:
         if len(tokens) != msg.token_count:  # every stage's runtime takes a row per token id
             raise StageError(f"message counts {msg.token_count} tokens but carries {len(tokens)} token ids")
         if ahead is None:
-            self._check_position(msg, session)
+            check_position(msg, session.runtime, self.backend, self._runtime_lock)
         started = time.perf_counter()
         if ahead is not None:  # computed before the message arrived
             predicted, frame = ahead.predicted, ahead.frame
@@ -500,20 +504,6 @@ class StageServer:
         across the stage processes of one machine; the steps it ran), with a trace file."""
         if self.compute_trace is not None:
             self.compute_trace.write(f"{start_ns} {end_ns} {rows}\n")
-
-    def _check_position(self, msg, session: ServedSession) -> None:
-        """``pos_start`` against the session's token count.  A decode position is authoritative
-        (wire-format.md 12): one behind the session (a rejected draft) trims the session back to it.
-        A prefill chunk must start exactly where the session ends.  Anything else is a driver error."""
-        have = getattr(session.runtime, "token_count", None)
-        if have is None or msg.pos_start == have:
-            return
-        if msg.kind == K.DECODE_EMBD and 0 <= msg.pos_start < have:
-            with self._runtime_lock:
-                self.backend.trim(session.runtime, msg.pos_start)
-            return
-        raise StageError(f"{K(msg.kind).name} at position {msg.pos_start}, but session {msg.session_id} "
-                         f"holds {have} tokens")
 
     def _own_stats(self, kind: int, compute_us: int, token_count: int):
         """Prefill compute observation of this stage (wire-format.md 11.3)."""

@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--io-timeout", type=seconds(), default=DEFAULT_IO_TIMEOUT,
                    help="seconds a peer may stall inside a message or in reading a reply")
     p.add_argument("--idle-timeout", type=seconds(), default=DEFAULT_IDLE_TIMEOUT,
-                   help="seconds a connection may sit idle between messages, or hold a session that computes "
-                        "nothing; its sessions are freed")
+                   help="seconds a connection may sit idle between messages (closed, its sessions freed), or a "
+                        "session may compute nothing (freed; the connection closed when all its sessions are idle)")
     add_admission_options(p)
     p.add_argument("--reply-timeout", type=seconds(), default=DEFAULT_REPLY_TIMEOUT,
                    help="seconds to wait for the downstream reply")
