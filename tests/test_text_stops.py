@@ -1,12 +1,16 @@
 """Stop strings in ``TextAssembler``: the incremental (KMP) matcher gives what the rules
 stated over the whole text give (search it all, hold back every prefix), on random tokens
-that split characters across tokens, and stays linear for long stop strings."""
+that split characters across tokens, and stays linear for long stop strings; the engine's
+finish_reason for a text cut at a stop string."""
 
 import random
+import threading
 
 import pytest
+from test_http_front import FakeTokenizer as ApiTokenizer
+from test_server import Chain, fake_reference
 
-from skippy_wire.net.service import TextAssembler
+from skippy_wire.net.service import GenerationEngine, SamplingParams, TextAssembler
 
 
 class FakeTokenizer:
@@ -70,10 +74,8 @@ def test_matches_the_rules_over_the_whole_text_on_random_tokens_and_stops(seed):
         ours, shown, stopped = TextAssembler(tokenizer, stops), "", False
         for n in range(1, len(ids) + 1):
             delta = ours.push(ids[n - 1])
-            text = tokenizer.decode(ids[:n], special=False)
-            if text.endswith("\ufffd"):  # an incomplete character: nothing decided yet
-                assert delta == "", (ids, stops)
-                continue
+            # an incomplete character at the end is decided later, the whole ones before it now
+            text = tokenizer.decode(ids[:n], special=False).rstrip("\ufffd")
             kept, safe, stopped = _judged(text, [s for s in stops if s], final=False)
             assert shown + delta == kept[:max(safe, len(shown))], (ids, stops)
             assert (ours.stopped, ours.text) == (stopped, kept), (ids, stops)
@@ -122,6 +124,44 @@ def test_a_60000_character_stop_string_over_thousands_of_tokens():
     shown = "".join(late.push(0) for _ in range(70_000))
     assert shown == "a" * (70_000 - 59_999)
     assert late.push(1) == "" and late.stopped and late.text == "a" * (70_001 - 60_000)
+
+
+def test_a_stop_string_before_an_incomplete_character_stops_at_once():
+    # " " then the first byte of "€" in one token: the stop string was not looked for until a
+    # later token completed the character (generation ran on, to max_tokens)
+    tokenizer = FakeTokenizer([b"x", b" \xe2", b"\x82\xac"])
+    assembler = TextAssembler(tokenizer, [" "])
+    assert assembler.push(0) == "x"
+    assert assembler.push(1) == "" and assembler.stopped and assembler.text == "x"
+    shows = TextAssembler(tokenizer)  # and with no stop string, the whole characters show at once
+    assert [shows.push(t) for t in (0, 1, 2)] + [shows.finish()] == ["x", " ", "\u20ac", ""]
+
+
+class EndsInALeadByte(ApiTokenizer):
+    """The fake pipeline's last token decodes as the first byte of a 3-byte character."""
+
+    def __init__(self, last: int) -> None:
+        super().__init__()
+        self.last = last
+
+    def decode(self, ids, special: bool = True) -> str:
+        return b"".join(b"\xe2" if t == self.last else b"a" for t in ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_found_as_generation_ends_is_finish_reason_stop():
+    # "\ufffd" is decided only when the held-back rest is flushed: the text was cut there,
+    # yet finish_reason said "length"
+    prompt = [1, 2, 3]
+    tokens = fake_reference(prompt, 3)
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, EndsInALeadByte(tokens[-1]), ctx_size=64, timeout=10, chunk_size=4)
+    try:
+        out = engine.generate(prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0), stop=["\ufffd"],
+                              on_text=lambda text, ids: None, cancelled=threading.Event())
+    finally:
+        engine.close()
+        chain.close()
+    assert (out.text, out.finish_reason, out.stop_type, out.stopping_word) == ("aa", "stop", "word", "\ufffd")
 
 
 def test_one_stop_string_given_as_a_str_is_one_stop_string():

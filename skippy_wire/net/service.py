@@ -174,8 +174,8 @@ class TextAssembler:
     def push(self, token: int) -> str:
         self.tokens.append(token)
         text = self._decode()
-        if text.endswith("\ufffd"):
-            return ""
+        if text.endswith("\ufffd"):  # a character still incomplete: the whole ones before it are scanned now
+            return self._advance(text.rstrip("\ufffd"), final=False)
         self._decoded, self._decoded_tokens = text, len(self.tokens)
         return self._advance(text, final=False)
 
@@ -446,8 +446,8 @@ class GenerationEngine:
         if tail:
             on_text(tail, assembler.tokens[shown_tokens:])
         out.text, out.tokens = assembler.text, assembler.tokens
-        if assembler.stopped:
-            out.stop_type, out.stopping_word = "word", assembler.stopping_word
+        if assembler.stopped:  # also one found only in the held-back rest, as generation ended
+            out.finish_reason, out.stop_type, out.stopping_word = "stop", "word", assembler.stopping_word
         elif out.finish_reason == "stop":
             out.stop_type = "eos"
         out.elapsed_s = time.perf_counter() - started
