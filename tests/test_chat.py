@@ -62,6 +62,16 @@ def test_a_final_assistant_message_is_continued_when_asked():
     assert template.render(briefed, continue_final_message=True) == template.render(briefed[:1]) + "Sure"
 
 
+def test_two_assistant_messages_at_the_end_are_refused_as_llama_server_refuses_them():
+    template = ChatTemplate.from_gguf(smollm2_path())
+    twice = [TWO_TURNS[0], {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}]
+    with pytest.raises(MalformedMessages, match=r"^Cannot have 2 or more assistant messages at the end of the list\.$") \
+            as info:
+        template.render(twice, continue_final_message=True)  # it continued "B" after "A"'s closed turn
+    assert (info.value.field, info.value.problem) == ("messages[1].role", "value")
+    assert template.render(twice).endswith("B<|im_end|>\n<|im_start|>assistant\n")  # not asked to continue: fine
+
+
 def test_a_lone_assistant_message_is_continued_too():
     # as llama-server: no messages before it, rendered with the generation prompt, its text after
     template = ChatTemplate.from_gguf(smollm2_path())
@@ -72,7 +82,7 @@ def test_a_lone_assistant_message_is_continued_too():
     assert template.render(empty, continue_final_message=True) == "<|im_start|>assistant\n"
     # a template that cannot render no messages says why it was asked to
     first = ChatTemplate("{{ messages[0]['role'] }}{% if add_generation_prompt %}>{% endif %}")
-    assert first.render(lone * 2, continue_final_message=True) == "assistant>Once upon"
+    assert first.render([{"role": "user", "content": "Hi"}, *lone], continue_final_message=True) == "user>Once upon"
     with pytest.raises(ChatTemplateError, match="to continue a lone assistant message") as info:
         first.render(lone, continue_final_message=True)
     assert "\n" not in str(info.value)

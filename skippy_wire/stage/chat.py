@@ -234,6 +234,9 @@ class ChatTemplate:
         prefill = None
         if continue_final_message and checked[-1]["role"] == "assistant":
             prefill, add_generation_prompt = checked.pop()["content"], True
+            if checked and checked[-1]["role"] == "assistant":  # which would it continue? (llama-server's text)
+                raise MalformedMessages("Cannot have 2 or more assistant messages at the end of the list.",
+                                        f"messages[{len(checked) - 1}].role", "value")
         counted = _RANGE_ITEMS.set([0])
         try:
             pieces, size = [], 0
