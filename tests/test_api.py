@@ -454,7 +454,7 @@ def test_api_key_guards_every_route_but_health_and_models_retrieve():
         def check_ready(self) -> None:
             pass
 
-    app = Api(IdleEngine(), model_id="smol", chat_template=None, max_inflight=1, api_key="s3cret").app()
+    app = Api(IdleEngine(), model_id="smol", chat_template=None, max_inflight=1, api_keys=["s3cret"]).app()
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

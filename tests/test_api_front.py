@@ -23,7 +23,7 @@ def test_a_browser_page_using_the_openai_javascript_client_passes_the_preflight(
     "Disallowed CORS headers"), so the browser never sent the call."""
     asked = f"authorization,content-type,{STAINLESS}"
     preflight = {"Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked}
-    with TestClient(_fake_api(api_key="k", cors_origins=(PAGE,)).app()) as client:
+    with TestClient(_fake_api(api_keys=["k"], cors_origins=(PAGE,)).app()) as client:
         r = client.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
         allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
@@ -36,7 +36,7 @@ def test_a_browser_page_using_the_openai_javascript_client_passes_the_preflight(
 
 
 def test_every_response_carries_a_request_id_as_openai_sends_it():
-    with TestClient(_fake_api(api_key="k").app()) as client:
+    with TestClient(_fake_api(api_keys=["k"]).app()) as client:
         oa = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client, max_retries=0)
         chat = oa.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert chat.request_id and chat.request_id.startswith("req_")

@@ -131,7 +131,7 @@ def _one_error_line(err: str) -> str:
     # a wider window kept an idle stage's CPU busy for as long after a request
     (["api", "--poll-ms", "100000"], "argument --poll-ms: must be between 0 and 1000, got 100000"),
     (["serve", "--poll-ms", "1001"], "argument --poll-ms: must be between 0 and 1000, got 1001"),
-    (["api", "--api-key", ""], "the API key is empty"),
+    (["api", "--api-key", ""], "argument --api-key: the API key is empty"),
     (["api", "--api-key-file", "/nonexistent/key"],
      "argument --api-key-file: /nonexistent/key: no such file or directory"),
     (["run", "--stages", "two"], "argument --stages: expected an integer, got 'two'"),
@@ -846,8 +846,9 @@ def test_serve_started_with_stdin_closed_exits_as_at_stdin_eof(tiny_model):
 
 
 @pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (b"\xff\xfe\n", "text is not valid UTF-8"),
-                                              (b"\n  \nkey\n", "its first line holds no key"),
-                                              (b"k" * 5000, "its first line is over 4096 characters")])
+                                              (b"\n  \n# a comment\n", "it holds no key (one a line; '#' starts a comment)"),
+                                              (b"key\n" + b"k" * 5000, "line 2 is over 4096 characters"),
+                                              (b"k\n" * 4097, "more than 4096 lines")])
 def test_an_api_key_file_that_holds_no_key_is_named(capsys, tmp_path, content, problem):
     # the file went unnamed ("--api-key-file: text is not valid UTF-8", "the API key is empty"),
     # and it was read whole (a key file named /dev/zero filled the memory)
@@ -856,16 +857,23 @@ def test_an_api_key_file_that_holds_no_key_is_named(capsys, tmp_path, content, p
     assert_usage_error(capsys, ["api", "--api-key-file", str(key)], f"argument --api-key-file: {key}: {problem}")
 
 
-def test_an_api_key_file_gives_its_first_line_whole(tmp_path):
+def test_api_keys_are_read_as_llama_server_reads_them(tmp_path):
+    # a key file gave its first line alone (a comment there became the key), and a second
+    # --api-key replaced the first; llama-server takes every line but comments, and every key
     from skippy_wire.tools.api import _check_args, build_parser
 
     key = tmp_path / "key"
-    for content in ("s3cret\nnext line\n", "  s3cret  \r\n", "k" * 4096):
+    for content, keys in (("# the team's keys\nalpha\n\n  beta  \r\n#gamma\n", ["alpha", "beta"]),
+                          ("k" * 4096, ["k" * 4096])):
         key.write_text(content)
         parser = build_parser()
         args = parser.parse_args(["--api-key-file", str(key)])
         _check_args(parser, args)
-        assert args.api_key == content.splitlines()[0].strip()
+        assert args.api_keys == keys
+    parser = build_parser()
+    args = parser.parse_args(["--api-key", "one", "--api-key", "two, three,", "--api-key-file", str(key)])
+    _check_args(parser, args)
+    assert args.api_keys == ["one", "two", "three", "k" * 4096]
 
 
 def test_bench_backend_refuses_a_kv_cache_outgrowing_the_memory_before_any_table(capsys, monkeypatch, tiny_model):

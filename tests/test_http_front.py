@@ -36,6 +36,7 @@ from skippy_wire.net.service import Admission, Cancelled, Generation, Generation
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import http_front
 from skippy_wire.tools.api import Api
+from skippy_wire.tools.api_keys import open_api_warning
 from skippy_wire.tools.api_options import web_origin
 from skippy_wire.tools.api_params import MAX_PROMPTS, MAX_TOKENIZE_BYTES
 
@@ -277,7 +278,7 @@ def test_a_body_that_stalls_gets_408(api_url, monkeypatch):
 def test_an_endless_body_refused_by_the_key_check_is_read_no_further():
     # A 401 (as a 403, 404 or 405) is answered before the body is read: the connection kept
     # reading and dropping it, gigabytes a minute, for anyone without the key.
-    api = Api(None, model_id="m", chat_template=None, max_inflight=1, api_key="k")
+    api = Api(None, model_id="m", chat_template=None, max_inflight=1, api_keys=["k"])
     block = b"a" * 65536
     with serving(api.app(), limit_concurrency=LIMIT) as url, _post_head(url, 10 ** 12, b"") as s:
         s.settimeout(10)
@@ -479,9 +480,8 @@ def test_the_unspecified_ipv6_host_listens_on_ipv4_too_and_is_warned_about(monke
         http_front.listening_socket(host, 8080)
     assert made == [(("::", 8080), {"family": socket.AF_INET6, "dualstack_ipv6": True}),
                     (("::1", 8080), {"family": socket.AF_INET6, "dualstack_ipv6": False}), (("127.0.0.1", 8080), {})]
-    assert http_front.open_api_warning("::", 8080, None).startswith("warning: listening on [::]:8080, beyond loopback")
-    assert http_front.open_api_warning("::", 8080, "key") is None and http_front.open_api_warning("::1", 8080, None) \
-        is None
+    assert open_api_warning("::", 8080, []).startswith("warning: listening on [::]:8080, beyond loopback")
+    assert open_api_warning("::", 8080, ["key"]) is None and open_api_warning("::1", 8080, []) is None
 
 
 def test_deeply_nested_json_is_a_400():
@@ -676,7 +676,7 @@ def test_routing_errors_are_openai_errors():
 
 
 def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
-    with TestClient(_fake_api(api_key="s3cret").app()) as client:
+    with TestClient(_fake_api(api_keys=["s3cret"]).app()) as client:
         for headers in ({"Authorization": "Bearer s3cret"}, {"Authorization": "bearer s3cret"},
                         {"Authorization": "BEARER  s3cret"}, {"X-Api-Key": "s3cret"}):
             assert client.get("/v1/models", headers=headers).status_code == 200, headers
@@ -687,10 +687,19 @@ def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
             assert r.headers["www-authenticate"] == "Bearer"  # RFC 9110 11.6.1: the scheme to use
 
 
+def test_any_of_several_keys_admits_and_no_other():
+    # one key was all it took: a second --api-key replaced the first, and a key file's lines after its first went unread
+    with TestClient(_fake_api(api_keys=["alpha", "beta"]).app()) as client:
+        for headers in ({"Authorization": "Bearer alpha"}, {"X-Api-Key": "beta"}, {"Authorization": "Bearer beta"}):
+            assert client.get("/v1/models", headers=headers).status_code == 200, headers
+        for headers in ({"Authorization": "Bearer alpha,beta"}, {"X-Api-Key": "alph"}, {"Authorization": "Basic beta"}):
+            assert client.get("/v1/models", headers=headers).status_code == 401, headers
+
+
 def test_llama_servers_routes_refuse_in_its_error_shape_whoever_refuses():
     """A missing key, a foreign origin and a wrong method on llama-server's own routes got
     OpenAI's error object (``code`` a name or null); its clients read the HTTP status there."""
-    with TestClient(_fake_api(api_key="k", cors_origins=("http://page.example",)).app()) as client:
+    with TestClient(_fake_api(api_keys=["k"], cors_origins=("http://page.example",)).app()) as client:
         for method, path, headers, status, kind in (
                 ("POST", "/completion", {}, 401, "authentication_error"),
                 ("POST", "/tokenize", {"Origin": "http://evil.example", "Authorization": "Bearer k"}, 403,
@@ -708,7 +717,7 @@ def test_llama_servers_routes_refuse_in_its_error_shape_whoever_refuses():
 
 def test_health_is_open_under_either_of_its_paths():
     """/v1/health, the same route, asked for the key that /health does not need."""
-    with TestClient(_fake_api(api_key="s3cret").app()) as client:
+    with TestClient(_fake_api(api_keys=["s3cret"]).app()) as client:
         for path in ("/health", "/v1/health"):
             r = client.get(path)
             assert r.status_code == 200 and r.json() == {"status": "ok"}, path
@@ -1120,7 +1129,7 @@ def test_cross_origin_calls_only_from_the_origins_given():
     page, key = "http://page.example:8080", {"Authorization": "Bearer k"}
     preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
-    with TestClient(_fake_api(api_key="k").app()) as client:  # the default: no cross-origin calls
+    with TestClient(_fake_api(api_keys=["k"]).app()) as client:  # the default: no cross-origin calls
         r = client.options("/v1/completions", headers=preflight)
         assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
         # the call itself is refused too: CORS alone would only hide the answer from the page
@@ -1135,7 +1144,7 @@ def test_cross_origin_calls_only_from_the_origins_given():
         assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200  # no Origin: no page
     with TestClient(_fake_api(cors_origins=("*",)).app()) as client:
         assert client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": page}).status_code == 200
-    with TestClient(_fake_api(api_key="k", cors_origins=(page,)).app()) as client:
+    with TestClient(_fake_api(api_keys=["k"], cors_origins=(page,)).app()) as client:
         r = client.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
         assert "POST" in r.headers["access-control-allow-methods"]
@@ -1282,9 +1291,9 @@ def test_a_stop_says_what_it_waits_for_and_what_it_cut_off(caplog):
 
 
 def test_an_api_open_beyond_loopback_without_a_key_is_warned_about():
-    assert http_front.open_api_warning("127.0.0.1", 9337, None) is None
-    assert http_front.open_api_warning("0.0.0.0", 9337, "secret") is None
+    assert open_api_warning("127.0.0.1", 9337, []) is None
+    assert open_api_warning("0.0.0.0", 9337, ["secret"]) is None
     for host in ("0.0.0.0", "10.0.0.5"):
-        assert http_front.open_api_warning(host, 9337, None) == (
+        assert open_api_warning(host, 9337, []) == (
             f"warning: listening on {host}:9337, beyond loopback, without --api-key: anyone who can reach this port "
             "can generate (docs/security.md)")

@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -45,7 +45,8 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
-from .api_options import add_llama_server_options, key_file, listen_address, listen_host, web_origin
+from .api_keys import RequireApiKey, key_file, key_list, open_api_warning
+from .api_options import add_llama_server_options, listen_address, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
@@ -54,9 +55,8 @@ from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
 from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, RETRY_AFTER_S, IdleSheddingProtocol,
-                         OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, RequireApiKey,
-                         StoppingServer, error_response, json_body, listening_socket, netloc, open_api_warning,
-                         shutting_down_response)
+                         OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, StoppingServer,
+                         error_response, json_body, listening_socket, netloc, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, add_tls_options, address, apply_topology, check_codec_options,
@@ -91,9 +91,9 @@ class Api:
     """The routes over one :class:`GenerationEngine`."""
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
-                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_key: Optional[str] = None,
+                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_keys: Sequence[str] = (),
                  cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "") -> None:
-        self.engine, self.api_key, self.cors_origins = engine, api_key, cors_origins
+        self.engine, self.api_keys, self.cors_origins = engine, tuple(api_keys), cors_origins
         self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
         self.model_id, self.model_path, self.chat_template = model_id, model_path or model_id, chat_template
         self.prompt_reader = PromptReader(engine, chat_template, model_id)
@@ -142,8 +142,8 @@ class Api:
                                          allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
                                          expose_headers=CORS_EXPOSED))
         middleware.append(Middleware(RefuseForeignOrigins, allowed=self.cors_origins))
-        if self.api_key:
-            middleware.append(Middleware(RequireApiKey, key=self.api_key))
+        if self.api_keys:
+            middleware.append(Middleware(RequireApiKey, keys=self.api_keys))
         app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
         app.router.redirect_slashes = False  # "/v1/models/" is not a route: 404, not a redirect clients don't follow
         return app
@@ -428,12 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage: the stages it starts get as many lanes, running ones need them (serve -np)")
     p.add_argument("--max-queue", type=int_at_least(0), default=DEFAULT_MAX_QUEUE,
                    help="requests waiting for a lane before new ones get 503")
-    key = p.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every route but /health "
-                          "(default: open)")
-    key.add_argument("--api-key-file", dest="api_key", type=key_file, metavar="FILE",
-                     help="the same, the key read from FILE's first line (kept out of the process list; default: none)")
+    p.add_argument("--api-key", action="append", default=[], type=key_list, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every route but /health; "
+                        "repeatable, or KEY,KEY,... (any of them admits; default: open)")
+    p.add_argument("--api-key-file", action="append", default=[], type=key_file, metavar="FILE",
+                   help="the same, the keys read from FILE, one a line, '#' starting a comment (kept out of the "
+                        "process list; default: none)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=web_origin,
                    help="let web pages from ORIGIN (e.g. http://localhost:8080; '*': any) call the API from a "
                         "browser; repeatable (default: none, as a page on any site could otherwise drive it)")
@@ -472,8 +472,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     args.model_id = expected_model_id(p, args, running=bool(args.connect_address))
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
-    if args.api_key is not None and not args.api_key:
-        p.error("the API key is empty")
+    args.api_keys = [key for keys in args.api_key + args.api_key_file for key in keys]
     try:
         args.tls = tls_config(args)
     except ValueError as exc:
@@ -549,7 +548,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
             api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template, model_path=str(model),
-                      max_inflight=lanes, max_queue=args.max_queue, api_key=args.api_key,
+                      max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
                       cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
@@ -566,7 +565,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 loading.stop()  # requests from now on wait in the socket's backlog for uvicorn
                 progress(f"OpenAI-compatible API on http://{netloc(host, port)}/v1 (model {api.model_id}, "
                          f"{lanes} in flight, Ctrl-C to stop)")
-                if warning := open_api_warning(host, port, args.api_key):
+                if warning := open_api_warning(host, port, args.api_keys):
                     progress(warning)
                 if not args.connect_address:
                     threading.Thread(target=server.stop_when, args=(cluster.exited, STAGE_WATCH_S),

@@ -1,5 +1,5 @@
-"""The options of ``api``'s HTTP front only: the host it listens on, the file its key is
-read from, the web origins it lets call it, and llama-server's names for the model and for
+"""The options of ``api``'s HTTP front only: the host it listens on, the web origins it lets
+call it, and llama-server's names for the model and for
 what this front does anyway."""
 
 from __future__ import annotations
@@ -9,26 +9,7 @@ import ipaddress
 import urllib.parse
 
 from .llama_sampling import max_tokens
-from .options import MAX_PORT, UNTIL_FULL, Refused, address, file_error
-
-#: The most characters of a key file's first line read (a key; not a whole /dev/zero).
-MAX_KEY_LINE = 4096
-
-
-def key_file(path: str) -> str:
-    """The key on the first line of the file ``path`` (``--api-key-file``)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            line = fh.readline(MAX_KEY_LINE + 1).rstrip("\r\n")
-            empty = not line and not fh.tell()
-    except (OSError, UnicodeError) as exc:
-        raise argparse.ArgumentTypeError(file_error(path, exc)) from None
-    if len(line) > MAX_KEY_LINE:
-        raise argparse.ArgumentTypeError(f"{path}: its first line is over {MAX_KEY_LINE} characters")
-    if not line.strip():
-        raise argparse.ArgumentTypeError(f"{path}: {'the file is empty' if empty else 'its first line holds no key'}")
-    return line.strip()
-
+from .options import MAX_PORT, UNTIL_FULL, Refused, address
 
 def _ipv6(text: str) -> str | None:
     """``text`` as an IPv6 address (``::1``, ``[::1]``), else None."""
@@ -116,5 +97,5 @@ def web_origin(text: str) -> str:
     return f"{parts.scheme}://{host}" + ("" if port in (None, _DEFAULT_PORTS[parts.scheme]) else f":{port}")
 
 
-__all__ = ["MAX_KEY_LINE", "add_llama_server_options", "key_file", "listen_address", "listen_host", "model_alias",
+__all__ = ["add_llama_server_options", "listen_address", "listen_host", "model_alias",
            "web_origin"]

@@ -1,12 +1,11 @@
 """The HTTP front end's plumbing beneath the routes of :mod:`.api`: OpenAI error objects,
-the API-key middleware, bounded request-body reads, and the uvicorn protocol that sheds
+the routes open without an API key (:mod:`.api_keys`), bounded request-body reads, and the uvicorn protocol that sheds
 idle connections at the connection limit and answers an OpenAI error beyond it
 (docs/security.md "The HTTP endpoint")."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -26,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..net.connlog import peer_text
-from ..net.tls import is_loopback
 
 #: Routes open without the API key (as llama-server keeps its health check open, with and
 #: without the /v1 prefix, as the route answers).
@@ -80,14 +78,6 @@ def netloc(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def open_api_warning(host: str, port: int, api_key: Optional[str]) -> Optional[str]:
-    """What to say at start-up of an API that listens beyond loopback without a key."""
-    if is_loopback(host) or api_key:
-        return None
-    return (f"warning: listening on {netloc(host, port)}, beyond loopback, without --api-key: anyone who can reach "
-            "this port can generate (docs/security.md)")
-
-
 def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
                  code: Optional[str] = None) -> dict:
     """An OpenAI error object (also what a stream sends once its head has gone)."""
@@ -117,30 +107,6 @@ def shutting_down_error() -> dict:
 def shutting_down_response() -> JSONResponse:
     return JSONResponse(shutting_down_error(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-
-class RequireApiKey:
-    """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs the key (``--api-key``)
-    in ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (the two headers llama-server
-    reads), else 401 with an OpenAI error object.  Each is compared in constant time."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, key.encode()
-
-    def _admits(self, headers: dict) -> bool:
-        # RFC 9110 11.1: the auth-scheme is case-insensitive; one or more spaces follow it.
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        bearer = hmac.compare_digest(token.lstrip(b" "), self.expected) and scheme.lower() == b"bearer"
-        api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected)
-        return bearer or api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._admits(dict(scope["headers"])):
-            response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY, or X-Api-Key: KEY)",
-                                      type_="authentication_error", code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})  # RFC 9110 11.6.1: a 401 names its scheme
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 class RefuseAmbiguousLength:
