@@ -112,7 +112,7 @@ def _one_error_line(err: str) -> str:
     (["run", "--top-p", "1.5"], "argument --top-p: must be between 0 and 1, got 1.5"),
     (["run", "--min-p", "nan"], "argument --min-p: must be a number, got nan"),
     (["run", "--top-k", "few"], "argument --top-k: expected an integer, got 'few'"),
-    (["run", "--seed", "-2"], "argument -s/--seed: must be between -1 and 4294967295, got -2"),
+    (["run", "--seed", str(2**64)], f"argument -s/--seed: must be between {1 - 2**64} and {2**64 - 1}, got {2**64}"),
     (["run", "--repeat-penalty", "0"], "argument --repeat-penalty: must be greater than 0 and at most 10, got 0"),
     (["run", "--repeat-last-n", "-2"], "argument --repeat-last-n: must be between -1 and 2147483647, got -2"),
     (["run", "--poll-ms", "-1"], "argument --poll-ms: must be between 0 and 1000, got -1"),
@@ -226,6 +226,8 @@ def test_seed_4294967295_is_random_as_in_llama_cli():
 
     assert seed("-1") is None and seed("4294967295") is None
     assert seed("0") == 0 and seed("4294967294") == 4294967294
+    # llama-cli keeps the low 32 bits of what std::stoul read (-2 was refused here, and 2^32)
+    assert seed("-2") == 4294967294 and seed(str(2**32 + 5)) == 5 and seed(str(2**32 - 1 + 2**32)) is None
 
 
 def test_the_penalties_look_back_64_tokens_as_in_llama_cli():

@@ -2,7 +2,7 @@
 (llama-server's fields): the defaults, the seed that asks for a random one, and the largest
 values taken, and ``-n``."""
 
-from .options import UNTIL_FULL, int_at_least
+from .options import UNTIL_FULL, int_at_least, int_between
 
 #: Sampling seeds are u32 on the wire (wire-format.md 4.3): this many values.
 SEED_RANGE = 2**32
@@ -30,5 +30,18 @@ def max_tokens(text: str) -> int:
 
 max_tokens.__name__ = "int"
 
-__all__ = ["UNTIL_FILLED", "max_tokens", "SEED_RANGE", "LLAMA_DEFAULT_SEED", "MAX_NATIVE_TEMPERATURE",
+#: What llama-cli's ``-s`` reads (``std::stoul``): any integer an unsigned long holds, a leading
+#: minus counting down from 2^64.
+_SEED_TEXT = int_between(-(2**64 - 1), 2**64 - 1)
+
+
+def cli_seed(text: str) -> int:
+    """``-s``: the wire's u32 seed, as llama-cli keeps the low 32 bits of what it read: -2 is
+    4294967294, 2^32 + 5 is 5, and -1 is :data:`LLAMA_DEFAULT_SEED` (random)."""
+    return _SEED_TEXT(text) % SEED_RANGE
+
+
+cli_seed.__name__ = "int"
+
+__all__ = ["UNTIL_FILLED", "max_tokens", "cli_seed", "SEED_RANGE", "LLAMA_DEFAULT_SEED", "MAX_NATIVE_TEMPERATURE",
            "MAX_REPEAT_PENALTY", "LLAMA_SAMPLING"]

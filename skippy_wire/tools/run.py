@@ -30,7 +30,7 @@ from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
+from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, cli_seed,
                              max_tokens)
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options, add_gpu_layers_option,
@@ -58,7 +58,6 @@ DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there liv
 DEFAULT_REPEAT_PENALTY = 1.0
 #: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
 RANDOM_SEED = -1
-MAX_SEED = SEED_RANGE - 1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
 
@@ -92,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
                    type=max_tokens, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (-1 or -2: until the context is full)")
-    p.add_argument("-s", "--seed", type=int_between(RANDOM_SEED, MAX_SEED), default=RANDOM_SEED,
-                   help="sampling seed (-1 or 4294967295, llama.cpp's LLAMA_DEFAULT_SEED: random)")
+    p.add_argument("-s", "--seed", type=cli_seed, default=RANDOM_SEED,
+                   help="sampling seed, its low 32 bits as llama-cli keeps them (-1 or 4294967295, llama.cpp's "
+                        "LLAMA_DEFAULT_SEED: random)")
     p.add_argument("--temp", "--temperature", dest="temperature",
                    type=float_between(-MAX_NATIVE_TEMPERATURE, MAX_NATIVE_TEMPERATURE),
                    default=LLAMA_SAMPLING["temperature"], help="temperature (0 or below: greedy, as llama-cli's)")
