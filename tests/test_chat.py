@@ -65,8 +65,8 @@ def test_a_final_assistant_message_is_continued_when_asked():
 def test_two_assistant_messages_at_the_end_are_refused_as_llama_server_refuses_them():
     template = ChatTemplate.from_gguf(smollm2_path())
     twice = [TWO_TURNS[0], {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}]
-    with pytest.raises(MalformedMessages, match=r"^Cannot have 2 or more assistant messages at the end of the list\.$") \
-            as info:
+    refusal = r"^Cannot have 2 or more assistant messages at the end of the list\.$"
+    with pytest.raises(MalformedMessages, match=refusal) as info:
         template.render(twice, continue_final_message=True)  # it continued "B" after "A"'s closed turn
     assert (info.value.field, info.value.problem) == ("messages[1].role", "value")
     assert template.render(twice).endswith("B<|im_end|>\n<|im_start|>assistant\n")  # not asked to continue: fine

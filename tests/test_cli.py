@@ -848,7 +848,8 @@ def test_serve_started_with_stdin_closed_exits_as_at_stdin_eof(tiny_model):
 
 
 @pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (b"\xff\xfe\n", "text is not valid UTF-8"),
-                                              (b"\n  \n# a comment\n", "it holds no key (one a line; '#' starts a comment)"),
+                                              (b"\n  \n# a comment\n",
+                                               "it holds no key (one a line; '#' starts a comment)"),
                                               (b"key\n" + b"k" * 5000, "line 2 is over 4096 characters"),
                                               (b"k\n" * 4097, "more than 4096 lines")])
 def test_an_api_key_file_that_holds_no_key_is_named(capsys, tmp_path, content, problem):

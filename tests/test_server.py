@@ -844,25 +844,29 @@ def test_a_session_that_keeps_computing_outlives_the_idle_timeout(chain_factory,
 
 def test_a_session_that_computes_nothing_is_freed_while_its_sibling_computes(chain_factory, caplog):
     """One cheap step per idle timeout on session 1 kept session 2's lane and cache held for
-    good: the check looked at the connection's latest compute, not each session's."""
+    good: the check looked at the connection's latest compute, not each session's.  Freed, on
+    every stage (stage 1's own idle timeout is the default 300 s: a Stop frees it there), and a
+    later message for it is refused naming why (it opened a new session, its sampling lost)."""
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     chain = chain_factory([(0, 3), (3, 6)])
-    server = chain.servers[0]
-    server.idle_timeout = 0.6
+    chain.servers[0].idle_timeout = 0.6
     lanes_seen = []
 
     def slowly(token: int) -> None:
-        lanes_seen.append(server.admission.lanes.busy)
+        lanes_seen.append([server.admission.lanes.busy for server in chain.servers])
         time.sleep(0.25)
 
     with PipelineClient(*chain.entry, timeout=10) as client:
-        client.request(StageWireMessage.configure_generation(2, 2, 4, None, None))  # computes nothing
+        client.request(StageWireMessage.configure_generation(2, 2, 4, SamplingConfig(flags=1), None))  # then idle
         result = client.generate(PROMPT, max_tokens=8, chunk_size=4, on_token=slowly)  # about 2 s
-    assert result.tokens == fake_reference(PROMPT, 8)  # the computing session is untouched
-    assert "session 2 computed nothing for more than 0.6 s (--idle-timeout); freed" in caplog.text
-    assert "closing" not in caplog.text.split("session 2 computed nothing")[1].split("\n")[0]
-    assert lanes_seen[0] == 2 and lanes_seen[-1] == 1  # session 2's lane came back during the generation
-    assert [s.freed for s in chain.backends[0].sessions] == [True, True]
+        assert result.tokens == fake_reference(PROMPT, 8)  # the computing session is untouched
+        assert "session 2 computed nothing for more than 0.6 s (--idle-timeout); freed" in caplog.text
+        assert lanes_seen[0] == [2, 2] and lanes_seen[-1] == [1, 1]  # session 2's lanes came back meanwhile
+        with pytest.raises(PipelineError):
+            client.request(next(prefill_messages(PROMPT[:4], 4, 2, 2)))
+    assert ("PREFILL_FINAL_EMBD for session 2, which was freed: it computed nothing for more than 0.6 s "
+            "(--idle-timeout); closing") in caplog.text
+    assert not caplog.text.split("session 2 computed nothing")[1].split("\n")[0].endswith("closing")
 
 
 def test_concurrent_connections_each_get_their_own_chain(chain_factory):

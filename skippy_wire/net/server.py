@@ -46,7 +46,7 @@ from ..wire.activation_frame import (DISCARD_STALE_WINDOWS, STAGE_STATE_VERSION_
                                     WireMessageKindV16)
 from ..wire.constants import WIRE_SIZE_TEXT, ActivationCodec, CodecPolicy
 from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predicted, write_reply
-from ..wire.messages import WireMessageKind as K
+from ..wire.messages import StageWireMessage, WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
 from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, DOWNSTREAM_SETUP_WORDS, MAX_DOWNSTREAM_SETUPS,
@@ -56,7 +56,7 @@ from .protocol_io import LinkProtocol, link_identity, peer_gone, rows_boundary
 from .batching import DecodeBatcher, DecodeStep
 from .connlog import ConnectionLog, ShedAwareLog
 from .decode_ahead import DecodeAhead
-from .session_state import DecodeTimer, ServedSession
+from .session_state import DecodeTimer, FreedSessions, ServedSession
 from .tls import (PLAIN_EXPOSED_WARNING, TLS_CLIENT_ON_PLAIN_STAGE, HandshakeTimeout, accept_tls, handshake_failure,
                   is_loopback, link_error, starts_tls_handshake)
 from .transport import GivenUp, Peer, PeerClosedError, SendStalled, accept_connection, connect
@@ -215,6 +215,7 @@ class StageServer:
         upstream = Peer(sock)
         opened: list = []
         sessions: dict[int, ServedSession] = {}
+        freed = FreedSessions()
         quiet = self.connection_limit.quiet
         quiet(seq, upstream.sock)
         try:
@@ -240,7 +241,7 @@ class StageServer:
             clog.info("%s: ready (state version %d, %s)", name, self.protocol, role.value)
             while not self._stop.is_set():
                 upstream.reader.poll_s = self._poll_window()
-                msg = self._read_message(link, clog, sessions)
+                msg = self._read_message(link, clog, sessions, freed, downstream)
                 if msg is None:
                     break
                 timer = DecodeTimer(upstream.reader.last_time) if msg.kind == K.DECODE_EMBD else None
@@ -253,7 +254,7 @@ class StageServer:
                         opened[0] = downstream
                         why = "sent bytes nobody asked for" if unasked else "had closed the idle link"
                         (clog.warning if unasked else clog.info)("%s: downstream %s; reconnected", name, why)
-                reply = self._handle(msg, sessions, upstream, downstream, timer)
+                reply = self._handle(msg, sessions, freed, upstream, downstream, timer)
                 # A peer that stops reading its replies stalls like one that stops writing (quiet if sessionless).
                 upstream.sock.settimeout(self.io_timeout)
                 if not sessions:
@@ -358,11 +359,13 @@ class StageServer:
             raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
         return link
 
-    def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict):
+    def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict, freed: FreedSessions,
+                      downstream: LinkProtocol | None):
         """Read one message; None (logged) on a clean close or an idle timeout between messages (a
         pooled connection's normal end), or, an error, when all its sessions have computed nothing
         for the idle timeout, whatever else it sends or has queued (their lanes were held for nothing);
-        one such session beside others that compute is freed alone (its lane and cache)."""
+        one such session beside others that compute is freed alone (its lane and cache, on this stage and,
+        by a Stop, the later ones), its id kept in ``freed``."""
         peer, idle = link.peer, self.idle_timeout
         while True:
             wait = idle
@@ -376,6 +379,9 @@ class StageServer:
                     clog.error("%s: session %d computed nothing for more than %g s (--idle-timeout); freed",
                                clog.name, sid, idle)
                     self._free(sessions.pop(sid), sid)
+                    freed.add(sid)
+                    if downstream is not None:
+                        self._relay(StageWireMessage.stop(0, sid), downstream, None)
             try:
                 if not peer.reader.wait_readable(wait):
                     clog.info("%s: closed by peer", clog.name)
@@ -398,7 +404,7 @@ class StageServer:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _handle(self, msg, sessions: dict, upstream: Peer, downstream: LinkProtocol | None,
+    def _handle(self, msg, sessions: dict, freed: FreedSessions, upstream: Peer, downstream: LinkProtocol | None,
                 timer: DecodeTimer | None = None) -> bytes:
         """Execute ``msg``, just read from ``upstream``, and return the reply."""
         if msg.kind == DISCARD_STALE_WINDOWS:  # read from v16 on, executed nowhere here
@@ -406,6 +412,9 @@ class StageServer:
         kind = K(msg.kind)  # the v16/v17 readers give a plain int
         check_runnable(msg, self.backend)
         session = sessions.get(msg.session_id)
+        if session is None and freed.claim(msg.session_id) and kind not in (K.STOP, K.CONFIGURE_GENERATION):
+            raise StageError(f"{kind.name} for session {msg.session_id}, which was freed: it computed nothing for "
+                             f"more than {self.idle_timeout:g} s (--idle-timeout)")
         if kind == K.TRIM_SESSION:  # checked before a session is opened for it: a lane and a cache
             have = 0 if session is None else session.runtime.token_count
             if not 0 <= msg.pos_start <= have:

@@ -214,10 +214,10 @@ class TextAssembler:
     def _advance(self, text: str, *, final: bool) -> str:
         if self.stopped:  # the text stays cut at the earliest stop string, shown already
             return ""
-        # ``text`` extends the text of the last push (``_decode`` appends to ``_decoded``, which
-        # only push sets, to the very text it passes here), so no stop string can lie wholly in
-        # ``text[:self._fed]``: none was found there.  A final text may end in an incomplete
-        # character that a later token would redecode, so its states are not kept.
+        # ``text`` extends the text of the last push (a push passes the decoded text, or the whole
+        # characters before an incomplete one, which every later decode begins with), so no stop
+        # string can lie wholly in ``text[:self._fed]``: none was found there.  A final text may end
+        # in an incomplete character that a later token would redecode, so its states are not kept.
         cut, states = self._scan(text, self._fed)
         if not final:
             self._matched, self._fed = states, len(text)

@@ -96,4 +96,26 @@ class ServedSession:
     last_compute: float = field(default_factory=time.monotonic)
 
 
-__all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession"]
+class FreedSessions:
+    """The ids of one connection's sessions that the idle timeout freed (the latest
+    :data:`FREED_IDS_KEPT`): a later message for one is refused, naming why, but a Stop or a
+    ConfigureGeneration that opens the id anew (it was opened anew in silence, its sampling lost)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, None] = {}
+
+    def add(self, session_id: int) -> None:
+        self._ids[session_id] = None
+        if len(self._ids) > FREED_IDS_KEPT:
+            del self._ids[next(iter(self._ids))]
+
+    def claim(self, session_id: int) -> bool:
+        """Whether ``session_id`` was freed (forgotten from now on)."""
+        return self._ids.pop(session_id, 0) is None
+
+
+#: How many freed session ids a connection remembers.
+FREED_IDS_KEPT = 64
+
+__all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession", "FreedSessions",
+           "FREED_IDS_KEPT"]

@@ -52,7 +52,8 @@ from ..messages import (
     f32_bits,
     f32_from_bits,
 )
-from ..field_checks import NOT_INT_LISTS, byte_array, check_admission, flat_bytes, out_of_range_error, wire_bool, wire_f32, wire_int
+from ..field_checks import (NOT_INT_LISTS, byte_array, check_admission, flat_bytes, out_of_range_error, wire_bool,
+                            wire_f32, wire_int)
 from ..replies import (
     NativeMtpDraft,
     StageReply,
