@@ -24,6 +24,7 @@ from skippy_wire.net.driver import GenerationResult, PipelineClient, generate_lo
 from skippy_wire.net.supervision import default_model, launch_pipeline, split_layers
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import model_shape
+from skippy_wire.stage.runtime import StageModel
 from skippy_wire.tools.run_report import TextStreamer, decode_path_lines, format_summary, merge_session_events
 from skippy_wire.wire.messages import StageWireMessage
 
@@ -171,6 +172,24 @@ def test_a_context_whose_kv_cache_outgrows_the_memory_available_starts_no_stage(
         supervision.check_memory_fits(tiny_model, 1)
     assert str(error.value) == (f"{tiny_model.name}'s weights take {weights >> 20} MiB, more than the "
                                 f"{(weights - 1) >> 20} MiB of memory available")
+
+
+def test_a_local_generation_frees_its_model_and_session_also_when_a_callback_raises(tiny_model, monkeypatch):
+    # they were left to the garbage collector: an exception kept referenced held them (~500 MB)
+    opened, open_model = [], StageModel.open
+
+    def recording_open(*args, **kwargs) -> StageModel:
+        opened.append(open_model(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(StageModel, "open", recording_open)
+
+    def failing(token: int) -> bool:
+        raise KeyError("from the callback")
+
+    with pytest.raises(KeyError) as kept:
+        generate_local(tiny_model, [1, 5, 9], max_tokens=3, threads=1, is_eog=failing)
+    assert kept.value is not None and len(opened) == 1 and opened[0]._native is None  # closed, not only unreferenced
 
 
 def test_a_prompt_is_any_sequence_of_token_ids_and_nothing_else(tiny_model):

@@ -4,6 +4,7 @@ BUFFER_TOO_SMALL retry works natively, bad input is a clear exception."""
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -182,6 +183,23 @@ def test_bad_layer_ranges_are_clear_errors(tiny):
     with pytest.raises(StageRuntimeError) as info:
         open_stage(tiny + ".missing", 0, None)
     assert info.value.status in (Status.IO_ERROR, Status.MODEL_ERROR)
+
+
+def test_a_model_path_is_opened_as_the_file_it_names_or_refused(tiny, tmp_path):
+    # a NUL cut the path short in C (the model before it opened), a name not in UTF-8 was an
+    # UnicodeEncodeError, bytes were opened as "b'...'", and a FIFO's open waited for a writer
+    with pytest.raises(StageRuntimeError, match="^InvalidArgument: model path contains a NUL byte$"):
+        open_stage(tiny + "\0junk", 0, None)
+    odd = tmp_path / os.fsdecode(b"tiny-\xff.gguf")
+    odd.symlink_to(tiny)
+    for name in (str(odd), os.fsencode(odd)):
+        model = open_stage(name, 0, None)
+        assert model.path == str(odd) and model.n_layer == N_LAYER
+        model.close()
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(models.ModelFileError, match=f"^{fifo}: it is a FIFO, not a regular file$"):
+        open_stage(str(fifo), 0, None)
 
 
 def test_mismatched_frames_are_clear_errors(tiny):

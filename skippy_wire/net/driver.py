@@ -547,10 +547,11 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
     prompt, max_tokens, chunk_size = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
     int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)  # the runtime's own words named arguments not given
     room = context_room(len(prompt), max_tokens, ctx_size)
-    with interruptible_compute():  # in the main thread, Ctrl-C stops a long prefill at once
-        stage = StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
-                                n_threads=resolved_threads(threads))
-        session = stage.create_session()
+    # in the main thread, Ctrl-C stops a long prefill at once; the model and its session are
+    # freed on the way out, also by an exception (one kept referenced held them, ~500 MB)
+    with interruptible_compute(), StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
+                                                  n_threads=resolved_threads(threads)) as stage, \
+            stage.create_session() as session:
         result = GenerationResult(list(prompt))
         started = time.perf_counter()
         token = None

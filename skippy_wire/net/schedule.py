@@ -15,10 +15,12 @@ from .arguments import int_argument
 EMPTY_PROMPT = "the prompt must have at least one token"
 
 
-def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> tuple[list[int], int, int]:
+def check_generation(prompt, max_tokens: int, chunk_size: int, *, n_vocab: int | None = None,
+                     **callbacks) -> tuple[list[int], int, int]:
     """The arguments of a generation, checked before anything is sent or computed (each of
     ``callbacks`` by name: None or callable): the prompt's token ids as a list (any sequence
-    of ints: a tuple, numpy's), ``max_tokens`` and ``chunk_size`` as ints."""
+    of ints: a tuple, numpy's; each below ``n_vocab`` when given), ``max_tokens`` and
+    ``chunk_size`` as ints."""
     for name, callback in callbacks.items():
         if callback is not None and not callable(callback):  # it failed once the first step was out
             raise TypeError(f"{name} must be callable or None, not {type(callback).__name__}")
@@ -40,6 +42,8 @@ def check_generation(prompt, max_tokens: int, chunk_size: int, **callbacks) -> t
             raise TypeError(f"prompt item {index} must be a token id (an int), not {token!r}") from None
         if not 0 <= ids[-1] <= I32_MAX:  # the wire's i32, and no id is negative
             raise ValueError(f"prompt item {index} is no token id: {ids[-1]}")
+        if n_vocab is not None and ids[-1] >= n_vocab:
+            raise ValueError(f"prompt item {index} is token {ids[-1]}, outside the model's vocabulary [0, {n_vocab})")
     if not ids:
         raise ValueError(EMPTY_PROMPT)
     return ids, int_argument("max_tokens", max_tokens, 0), int_argument("chunk_size", chunk_size, 1)

@@ -361,7 +361,8 @@ class GenerationEngine:
         sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
         cancelled = threading.Event() if cancelled is None else cancelled
         # a caller's mistake is refused here, not as a failed request on a connection then closed
-        prompt, max_tokens, _ = check_generation(prompt, max_tokens, self.chunk_size, on_text=on_text)
+        prompt, max_tokens, _ = check_generation(prompt, max_tokens, self.chunk_size, n_vocab=self.tokenizer.n_vocab,
+                                                 on_text=on_text)
         context_room(len(prompt), max_tokens, self.ctx_size)  # a prompt too long: before a connection is taken
         out = Generation(prompt_tokens=len(prompt))
         assembler = TextAssembler(self.tokenizer, stop)

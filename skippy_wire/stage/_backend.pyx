@@ -19,6 +19,8 @@ from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
+import os
+
 from skippy_wire.errors import StageRuntimeError
 
 include "_backend_abi.pxi"
@@ -306,8 +308,10 @@ cdef class Model:
         if ctx_size <= 0 or lane_count <= 0 or n_batch <= 0:
             _check(SKIPPY_STATUS_INVALID_ARGUMENT,
                    f"ctx_size, lane_count and n_batch must be positive ({ctx_size}, {lane_count}, {n_batch})")
-        self.path = str(path)
-        bpath = self.path.encode()
+        bpath = os.fsencode(path)  # a file name is bytes: any the OS takes, not only UTF-8
+        if b"\0" in bpath:  # C would read the path up to it: another file
+            _check(SKIPPY_STATUS_INVALID_ARGUMENT, "model path contains a NUL byte")
+        self.path = os.fsdecode(bpath)
         cdef const char * cpath = bpath
         cfg = skippy_stage_config(sizeof(cfg), stage_index, layer_start, layer_end, ctx_size, lane_count,
                                   n_threads, n_batch)

@@ -166,6 +166,18 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
+def refuse_special_file(path: PathLike) -> None:
+    """A FIFO, a device or a socket given as a model file is a ModelFileError, never opened (a
+    FIFO's open() would wait for a writer); a missing file, a directory or a path holding a NUL
+    passes: the open names it."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ModelFileError(f"{path}: {not_a_regular_file(mode)}")
+
+
 def read_gguf_metadata(path: PathLike, prefix: str = "",
                        stop: Optional[Callable[[dict], bool]] = None) -> dict:
     """Key/value metadata of a GGUF file whose key starts with ``prefix``.
@@ -176,10 +188,7 @@ def read_gguf_metadata(path: PathLike, prefix: str = "",
     arrays become lists.  ``stop(found)`` is asked after every kept key; true ends the read
     there (the architecture keys come before the tokenizer's large arrays).
     """
-    with contextlib.suppress(OSError):  # a missing file, a directory: open() names the reason
-        mode = os.stat(path).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO's open() would wait for a writer
-            raise ModelFileError(f"{path}: {not_a_regular_file(mode)}")
+    refuse_special_file(path)
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:  # mmap refuses an empty file with a plain ValueError
             raise ModelFileError(f"{path} is empty, not a GGUF file")

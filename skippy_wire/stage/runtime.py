@@ -37,6 +37,7 @@ from .activation import (
     PackedFrame,
     mtp_draft_from_bytes,
 )
+from .models import refuse_special_file
 from .bridge import *  # noqa: F401,F403  (re-exported wire conversions)
 from .bridge import __all__ as _bridge_all
 from .batch import *  # noqa: F401,F403  (re-exported batch execution)
@@ -129,6 +130,7 @@ class StageModel(_NativeHandle):
             raise StageRuntimeError("n_batch must be greater than zero when provided")
         if n_threads is not None and n_threads <= 0:
             raise StageRuntimeError("n_threads must be greater than zero when provided")
+        refuse_special_file(path)  # before native opens it (a FIFO's open would wait for a writer)
         lib = backend or default_backend()
         native = lib.Model(
             os.fspath(path),
@@ -143,7 +145,7 @@ class StageModel(_NativeHandle):
         model = object.__new__(cls)
         model._lib = lib
         model._native = native
-        model.path = os.fspath(path)
+        model.path = os.fsdecode(path)
         return model
 
     def _model(self) -> Any:
