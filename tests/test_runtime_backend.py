@@ -185,6 +185,19 @@ def test_bad_layer_ranges_are_clear_errors(tiny):
     assert info.value.status in (Status.IO_ERROR, Status.MODEL_ERROR)
 
 
+@pytest.mark.parametrize("option, value, said", [
+    ("n_threads", 100_000, "n_threads 100000 is not in [0 (the default), 512]"),
+    ("ctx_size", 2**31 - 1, "ctx_size 2147483647 is not in [1, 16777216]"),
+    ("lane_count", 2000, "lane_count 2000 is not in [1, 1024]"),
+    ("stage_index", -1, "stage_index -1 is negative")])
+def test_an_option_out_of_the_backends_range_is_named_with_its_bounds(tiny, option, value, said):
+    # the message listed every option's value, leaving the caller to guess which was refused
+    with pytest.raises(StageRuntimeError) as info:
+        open_stage(tiny, 0, None, **{option: value})
+    assert str(info.value) == f"InvalidArgument: invalid config: {said}"
+    assert info.value.status is Status.INVALID_ARGUMENT
+
+
 def test_a_model_path_is_opened_as_the_file_it_names_or_refused(tiny, tmp_path):
     # a NUL cut the path short in C (the model before it opened), a name not in UTF-8 was an
     # UnicodeEncodeError, bytes were opened as "b'...'", and a FIFO's open waited for a writer

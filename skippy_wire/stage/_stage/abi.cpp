@@ -81,12 +81,21 @@ enum skippy_status skippy_model_open(const char * path, const struct skippy_stag
         return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT,
                     strf("config struct_size %u, expected %zu", config->struct_size, sizeof(skippy_stage_config)));
     }
-    if (config->ctx_size == 0 || config->ctx_size > (1u << 24) || config->lane_count == 0 ||
-        config->lane_count > 1024 || config->n_batch == 0 || config->n_threads < 0 ||
-        config->n_threads > GGML_MAX_N_THREADS || config->stage_index < 0) {
-        return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT,
-                    strf("invalid config: ctx_size %u, lane_count %u, n_batch %u, n_threads %d, stage_index %d",
-                         config->ctx_size, config->lane_count, config->n_batch, config->n_threads, config->stage_index));
+    // the first field out of range, named with its bounds (the message listed every field)
+    std::string bad;
+    if (config->ctx_size == 0 || config->ctx_size > (1u << 24)) {
+        bad = strf("ctx_size %u is not in [1, %u]", config->ctx_size, 1u << 24);
+    } else if (config->lane_count == 0 || config->lane_count > 1024) {
+        bad = strf("lane_count %u is not in [1, 1024]", config->lane_count);
+    } else if (config->n_batch == 0) {
+        bad = "n_batch 0 is not positive";
+    } else if (config->n_threads < 0 || config->n_threads > GGML_MAX_N_THREADS) {
+        bad = strf("n_threads %d is not in [0 (the default), %d]", config->n_threads, GGML_MAX_N_THREADS);
+    } else if (config->stage_index < 0) {
+        bad = strf("stage_index %d is negative", config->stage_index);
+    }
+    if (!bad.empty()) {
+        return fail(out_error, SKIPPY_STATUS_INVALID_ARGUMENT, "invalid config: " + bad);
     }
     ensure_log_installed();
     auto * m = new (std::nothrow) skippy_model();
