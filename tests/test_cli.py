@@ -867,7 +867,8 @@ def test_api_keys_are_read_as_llama_server_reads_them(tmp_path):
 
     key = tmp_path / "key"
     for content, keys in (("# the team's keys\nalpha\n\n  beta  \r\n#gamma\n", ["alpha", "beta"]),
-                          ("k" * 4096, ["k" * 4096])):
+                          ("\ufeff# saved with a byte order mark\n  # indented\nalpha\n", ["alpha"]),
+                          ("\ufeffalpha\n", ["alpha"]), ("k" * 4096, ["k" * 4096])):
         key.write_text(content)
         parser = build_parser()
         args = parser.parse_args(["--api-key-file", str(key)])

@@ -206,7 +206,8 @@ def test_a_caller_s_bad_prompt_is_refused_without_counting_a_failure_or_closing_
             engine.generate([], max_tokens=2, sampling=SamplingParams(temperature=0.0), stop=[],
                             on_text=lambda text, tokens: None, cancelled=threading.Event())
         # a token id past the vocabulary went to stage 0, which closed the link: a pipeline failure
-        with pytest.raises(ValueError, match=r"^prompt item 1 is token 256, outside the model's vocabulary \[0, 256\)$"):
+        outside = r"^prompt item 1 is token 256, outside the model's vocabulary \[0, 256\)$"
+        with pytest.raises(ValueError, match=outside):
             engine.generate([1, 256], max_tokens=2, sampling=SamplingParams(temperature=0.0), stop=[],
                             on_text=lambda text, tokens: None, cancelled=threading.Event())
         assert engine.counters["failed"] == 0 and not engine.failing

@@ -687,6 +687,13 @@ def test_the_api_key_goes_in_either_header_and_the_scheme_in_any_case():
             assert r.headers["www-authenticate"] == "Bearer"  # RFC 9110 11.6.1: the scheme to use
 
 
+def test_one_key_given_as_a_string_is_one_key():
+    # a str was taken as its characters, each a key: "s" alone was let in
+    with TestClient(_fake_api(api_keys="s3cret").app()) as client:
+        assert client.get("/v1/models", headers={"X-Api-Key": "s3cret"}).status_code == 200
+        assert client.get("/v1/models", headers={"X-Api-Key": "s"}).status_code == 401
+
+
 def test_any_of_several_keys_admits_and_no_other():
     # one key was all it took: a second --api-key replaced the first, and a key file's lines after its first went unread
     with TestClient(_fake_api(api_keys=["alpha", "beta"]).app()) as client:

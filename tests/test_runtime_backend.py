@@ -189,7 +189,8 @@ def test_bad_layer_ranges_are_clear_errors(tiny):
     ("n_threads", 100_000, "n_threads 100000 is not in [0 (the default), 512]"),
     ("ctx_size", 2**31 - 1, "ctx_size 2147483647 is not in [1, 16777216]"),
     ("lane_count", 2000, "lane_count 2000 is not in [1, 1024]"),
-    ("stage_index", -1, "stage_index -1 is negative")])
+    ("stage_index", -1, "stage_index -1 is negative"), ("ctx_size", 0, "ctx_size 0 is not positive"),
+    ("lane_count", -1, "lane_count -1 is not positive")])
 def test_an_option_out_of_the_backends_range_is_named_with_its_bounds(tiny, option, value, said):
     # the message listed every option's value, leaving the caller to guess which was refused
     with pytest.raises(StageRuntimeError) as info:
@@ -211,8 +212,12 @@ def test_a_model_path_is_opened_as_the_file_it_names_or_refused(tiny, tmp_path):
         model.close()
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)
-    with pytest.raises(models.ModelFileError, match=f"^{fifo}: it is a FIFO, not a regular file$"):
-        open_stage(str(fifo), 0, None)
+    for name in (str(fifo), os.fsencode(fifo)):
+        with pytest.raises(models.ModelFileError, match=f"^{fifo}: it is a FIFO, not a regular file$"):
+            open_stage(name, 0, None)
+    # its id and its name as text, for JSON and the v17 setup (an API answered 500 in plain text)
+    assert (models.default_model_id(os.fsencode(odd)), models.path_text(odd)) == \
+        ("tiny-\ufffd", str(tmp_path) + "/tiny-\ufffd.gguf")
 
 
 def test_mismatched_frames_are_clear_errors(tiny):

@@ -869,6 +869,27 @@ def test_a_session_that_computes_nothing_is_freed_while_its_sibling_computes(cha
     assert not caplog.text.split("session 2 computed nothing")[1].split("\n")[0].endswith("closing")
 
 
+def test_a_freed_sessions_stop_leaves_the_owed_prefill_acks_to_the_next_reply(chain_factory):
+    # the Stop was relayed as a request: it read the Acks stage 1 still owed for an overlapped
+    # prefill chunk of session 1, and their stats were lost with the Stop's reply
+    chain = chain_factory([(0, 3), (3, 6)])
+    chain.servers[0].idle_timeout = 0.6
+
+    def observations(idle_sibling: bool) -> int:
+        with PipelineClient(*chain.entry, timeout=10) as client:
+            if idle_sibling:
+                client.request(StageWireMessage.configure_generation(2, 2, 4, None, None))
+                time.sleep(0.5)
+            for index, msg in enumerate(prefill_messages(PROMPT * 3, 4, 1, 1)):
+                reply = client.request(msg)
+                if index == 0:
+                    time.sleep(0.3)  # session 2 is freed while stage 1 owes this chunk's Ack
+            return reply.stats.prefill_compute_observation_count
+
+    alone = observations(idle_sibling=False)
+    assert alone > 1 and observations(idle_sibling=True) == alone
+
+
 def test_concurrent_connections_each_get_their_own_chain(chain_factory):
     import threading
 

@@ -380,8 +380,9 @@ class StageServer:
                                clog.name, sid, idle)
                     self._free(sessions.pop(sid), sid)
                     freed.add(sid)
-                    if downstream is not None:
-                        self._relay(StageWireMessage.stop(0, sid), downstream, None)
+                    if downstream is not None:  # the later stages free it too (its Ack read as an overlapped chunk's)
+                        downstream.send_within(downstream.encode(StageWireMessage.stop(0, sid)), self.reply_timeout)
+                        downstream.unread_replies += 1
             try:
                 if not peer.reader.wait_readable(wait):
                     clog.info("%s: closed by peer", clog.name)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import PipelineError
-from ..stage.models import kv_cache_bytes, model_shape, smollm2_path
+from ..stage.models import default_model_id, kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
 from ..stage.threads import oversubscription, resolved_threads
 from ..wire.activation_frame import STAGE_STATE_VERSION_V17
@@ -538,7 +538,7 @@ def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str 
     protocols = list(protocols) if protocols else [protocol] * len(layers)
     run_id = uuid.uuid4().hex
     plan = ",".join(f"{a}-{b}" for a, b in layers)
-    identity = driver_identity(run_id, plan, model.stem)
+    identity = driver_identity(run_id, plan, default_model_id(model))
     env = stage_env()
     try:
         downstream = None

@@ -305,9 +305,9 @@ cdef class Model:
         cdef skippy_status st
         if self.ptr != NULL:
             raise RuntimeError("Model is already open")
-        if ctx_size <= 0 or lane_count <= 0 or n_batch <= 0:
-            _check(SKIPPY_STATUS_INVALID_ARGUMENT,
-                   f"ctx_size, lane_count and n_batch must be positive ({ctx_size}, {lane_count}, {n_batch})")
+        for name, value in (("ctx_size", ctx_size), ("lane_count", lane_count), ("n_batch", n_batch)):
+            if value <= 0:  # before the C struct's unsigned fields would wrap it
+                _check(SKIPPY_STATUS_INVALID_ARGUMENT, f"invalid config: {name} {value} is not positive")
         bpath = os.fsencode(path)  # a file name is bytes: any the OS takes, not only UTF-8
         if b"\0" in bpath:  # C would read the path up to it: another file
             _check(SKIPPY_STATUS_INVALID_ARGUMENT, "model path contains a NUL byte")

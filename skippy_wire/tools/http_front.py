@@ -108,7 +108,6 @@ def shutting_down_response() -> JSONResponse:
     return JSONResponse(shutting_down_error(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-
 class RefuseAmbiguousLength:
     """ASGI middleware: a request with both ``Content-Length`` and ``Transfer-Encoding`` gets
     400 and its connection closes (RFC 9112 6.3): a proxy in front that went by the other

@@ -7,6 +7,7 @@ import argparse
 from typing import Optional
 
 from ..net.supervision import default_model
+from ..stage.models import default_model_id
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
 
 
@@ -28,4 +29,4 @@ def expected_model_id(p: argparse.ArgumentParser, args, running: bool) -> Option
         if args.model_id is not None:
             p.error("--model-id is checked only with --protocol 17 and running stages (--connect, --topology)")
         return None
-    return args.model_id or args.topology_model_id or default_model(args.model).stem
+    return args.model_id or args.topology_model_id or default_model_id(default_model(args.model))

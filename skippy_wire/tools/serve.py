@@ -28,7 +28,7 @@ from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
 from ..net.transport import names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from ..stage.models import model_shape
+from ..stage.models import default_model_id, model_shape
 from ..stage.runtime import MAX_LANES
 from ..stage.threads import default_threads, oversubscription
 from ..wire.constants import ActivationCodec, CodecPolicy
@@ -356,7 +356,7 @@ def _serve(args, stage_index: int) -> int:
         plan = parse_plan(args.plan) if args.plan else None
         identity = link_identity(config, downstream is not None, run_id=args.run_id,
                                  topology_id=args.topology_id or args.plan or DEFAULT_RUN_ID,
-                                 model_id=args.model_id or Path(args.model).stem)
+                                 model_id=args.model_id or default_model_id(args.model))
         session_events = LogBudget()
 
         def events(event: dict) -> None:
