@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import stat
 from typing import Optional
 
@@ -172,6 +173,18 @@ def not_a_regular_file(mode: int) -> str:
     return f"{kind}not a regular file"
 
 
+
+def special_file(path) -> Optional[str]:
+    """What an error says of ``path`` when it exists but is a FIFO, a device or a socket (opening
+    a FIFO waits for a writer, /dev/zero never ends), as :func:`not_a_regular_file`; None for a
+    regular file, a directory, or a path ``os.stat`` refuses (missing, holding a NUL): the open
+    names those."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else not_a_regular_file(mode)
+
 class StageRuntimeError(SkippyError, RuntimeError):
     """Base of every error the runtime adapter and the backend binding raise.
 
@@ -314,4 +327,4 @@ __all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", 
            "ActivationFrameError", "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError",
            "PipelineError", "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired",
            "TopologyError", "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES",
-           "with_detail", "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file"]
+           "with_detail", "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file", "special_file"]

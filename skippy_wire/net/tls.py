@@ -21,15 +21,13 @@ on both ends (:func:`tls_failure`).
 from __future__ import annotations
 
 import ipaddress
-import os
 import select
 import socket
 import ssl
-import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import SetupClosed, StageError, not_a_regular_file
+from ..errors import SetupClosed, StageError, special_file
 
 #: Sent in the clear to a plain peer of a TLS stage, where it expects READY or a setup reply.
 TLS_REQUIRED_NOTICE = b"STLS"
@@ -73,12 +71,9 @@ def _not_a_file(option: str, path: str) -> None:
     opening a FIFO waits for a writer for ever, /dev/zero never ends, and each file is read
     more than once (checked, then by every context).  A missing file or a directory is left
     to the reader, which names the reason."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise ValueError(f"{option} {path}: {not_a_regular_file(mode)}")
+    why = special_file(path)
+    if why is not None:
+        raise ValueError(f"{option} {path}: {why}")
 
 
 #: The verification error of a certificate whose (extended) key usage does not cover the

@@ -19,7 +19,6 @@ import mmap
 import numbers
 import os
 import re
-import stat
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
@@ -29,7 +28,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 
-from ..errors import ModelFileError, not_a_regular_file
+from ..errors import ModelFileError, special_file
 from ..wire.constants import I32_MAX
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -181,12 +180,9 @@ def refuse_special_file(path: PathLike) -> None:
     """A FIFO, a device or a socket given as a model file is a ModelFileError, never opened (a
     FIFO's open() would wait for a writer); a missing file, a directory or a path holding a NUL
     passes: the open names it."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise ModelFileError(f"{os.fsdecode(path)}: {not_a_regular_file(mode)}")
+    why = special_file(path)
+    if why is not None:
+        raise ModelFileError(f"{os.fsdecode(path)}: {why}")
 
 
 def read_gguf_metadata(path: PathLike, prefix: str = "",
