@@ -173,7 +173,6 @@ def not_a_regular_file(mode: int) -> str:
     return f"{kind}not a regular file"
 
 
-
 def special_file(path) -> Optional[str]:
     """What an error says of ``path`` when it exists but is a FIFO, a device or a socket (opening
     a FIFO waits for a writer, /dev/zero never ends), as :func:`not_a_regular_file`; None for a
@@ -184,6 +183,7 @@ def special_file(path) -> Optional[str]:
     except (OSError, ValueError):
         return None
     return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else not_a_regular_file(mode)
+
 
 class StageRuntimeError(SkippyError, RuntimeError):
     """Base of every error the runtime adapter and the backend binding raise.

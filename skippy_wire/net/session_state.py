@@ -96,6 +96,10 @@ class ServedSession:
     last_compute: float = field(default_factory=time.monotonic)
 
 
+#: How many freed session ids a connection remembers.
+FREED_IDS_KEPT = 64
+
+
 class FreedSessions:
     """The ids of one connection's sessions that the idle timeout freed (the latest
     :data:`FREED_IDS_KEPT`): a later message for one is refused, naming why, but a Stop or a
@@ -112,10 +116,6 @@ class FreedSessions:
     def claim(self, session_id: int) -> bool:
         """Whether ``session_id`` was freed (forgotten from now on)."""
         return self._ids.pop(session_id, 0) is None
-
-
-#: How many freed session ids a connection remembers.
-FREED_IDS_KEPT = 64
 
 __all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession", "FreedSessions",
            "FREED_IDS_KEPT"]

@@ -1,6 +1,6 @@
 """The options of ``api``'s HTTP front only: the host it listens on, the web origins it lets
-call it, and llama-server's names for the model and for
-what this front does anyway."""
+call it, and llama-server's names for the model and for what this front does anyway (its
+API keys: :mod:`.api_keys`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The HTTP front end's plumbing beneath the routes of :mod:`.api`: OpenAI error objects,
-the routes open without an API key (:mod:`.api_keys`), bounded request-body reads, and the uvicorn protocol that sheds
-idle connections at the connection limit and answers an OpenAI error beyond it
-(docs/security.md "The HTTP endpoint")."""
+the routes open without an API key (:mod:`.api_keys`), bounded request-body reads, and the
+uvicorn protocol that sheds idle connections at the connection limit and answers an OpenAI
+error beyond it (docs/security.md "The HTTP endpoint")."""
 
 from __future__ import annotations
 
