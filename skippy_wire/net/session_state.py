@@ -115,7 +115,9 @@ class FreedSessions:
 
     def claim(self, session_id: int) -> bool:
         """Whether ``session_id`` was freed (forgotten from now on)."""
-        return self._ids.pop(session_id, 0) is None
+        freed = session_id in self._ids
+        self._ids.pop(session_id, None)
+        return freed
 
 __all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession", "FreedSessions",
            "FREED_IDS_KEPT"]

@@ -43,8 +43,9 @@ def key_file(path: str) -> list[str]:
                     raise argparse.ArgumentTypeError(f"{path}: more than {MAX_KEY_LINES} lines")
                 if len(line.rstrip("\r\n")) > MAX_KEY_LINE:
                     raise argparse.ArgumentTypeError(f"{path}: line {lines} is over {MAX_KEY_LINE} characters")
-                if line.strip() and not line.strip().startswith("#"):
-                    keys.append(line.strip())
+                key = line.strip()
+                if key and not key.startswith("#"):
+                    keys.append(key)
     except (OSError, UnicodeError) as exc:
         raise argparse.ArgumentTypeError(file_error(path, exc)) from None
     if not keys:
