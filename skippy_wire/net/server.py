@@ -279,7 +279,7 @@ class StageServer:
             clog.error("%s: peer disconnected in the middle of a message; closing", name)
         except (ConnectionResetError, BrokenPipeError):  # a broken pipe: it left before its reply
             clog.error("%s: peer reset the connection%s; closing", name,
-                            " in the middle of a message" if upstream.reader.buffered else "")
+                            " in the middle of a message" if upstream.reader.partial else "")
         except (socket.timeout, TimeoutError) as exc:  # a TLS handshake's deadline says so itself
             stalled = f"peer stalled for more than {self.io_timeout:.1f} s"
             clog.error("%s: %s; closing", name, exc if isinstance(exc, (HandshakeTimeout, SendStalled)) else stalled)

@@ -302,6 +302,11 @@ class SocketReader:
         """Bytes received but not yet returned as part of a record."""
         return self.decoder.buffered + sum(pending[1] for pending in self._pending)
 
+    @property
+    def partial(self) -> int:
+        """Bytes of a record begun but not yet complete (whole records waiting are not counted)."""
+        return self.decoder.buffered
+
     def wait_readable(self, timeout: float | None) -> bool:
         """Block until at least one byte is buffered (False on a clean close)."""
         if self._pending or self.decoder.buffered or self.decoder.error is not None:
