@@ -15,7 +15,7 @@ def prometheus_text(counters, admission) -> str:
          "cancelled), and requests whose client left while queued", c["requests"]),
         ("skippy_requests_failed_total", "counter", "Requests that failed in the pipeline", c["failed"]),
         ("skippy_requests_cancelled_total", "counter", "Of those, cancelled by their client", c["cancelled"]),
-        ("skippy_requests_rejected_total", "counter", "Requests refused because the queue was full", c["rejected"]),
+        ("skippy_requests_rejected_total", "counter", "Requests refused as queue_full (the lanes' queue or the tokenizer's was full)", c["rejected"]),
         ("skippy_prompt_tokens_total", "counter", "Prompt tokens, once per generation", c["prompt_tokens"]),
         ("skippy_completion_tokens_total", "counter", "Tokens generated", c["completion_tokens"]),
         ("skippy_requests_running", "gauge", "Requests holding a lane", a.running - a.borrowed),
