@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
 import select
 import socket
@@ -19,7 +20,7 @@ import ssl
 import time
 from typing import Callable
 
-from ..errors import UnexpectedEofError
+from ..errors import UnexpectedEofError, os_reason
 from ..wire.frame import StageReplyDecoder, recv_ready
 from .tls import connect_tls
 
@@ -36,6 +37,43 @@ ACCEPT_RETRY_S = 0.1
 #: up too, its thread ends, and the session is freed at once on it and on the stages after
 #: it, rather than when the wait's own timeout ends.
 UPSTREAM_CHECK_S = 1.0
+
+log = logging.getLogger("skippy_wire.net.transport")
+
+
+class DiagnosticFile:
+    """A file a diagnostic option writes as the work goes on (``--capture``'s copies of a
+    connection's bytes, ``--trace-compute``'s lines), flushed at every write.  A write that
+    fails (a full disk) is logged once, naming the option and the file, and nothing more is
+    written to it: a diagnostic must not fail the requests it watches."""
+
+    def __init__(self, path: str, option: str, mode: str = "wb") -> None:
+        self.path, self.option = path, option
+        self._file = open(path, mode)
+
+    def write(self, data) -> None:
+        if self._file is not None:
+            try:
+                self._file.write(data)
+                self._file.flush()
+            except OSError as exc:
+                self._stop(exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+                self._file = None
+            except OSError as exc:
+                self._stop(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        log.error("%s: cannot write %s (%s); nothing more is written to it", self.option, self.path, os_reason(exc))
+        file, self._file = self._file, None
+        try:
+            file.close()  # its unwritten buffer fails again: dropped with it
+        except OSError:
+            pass
 
 
 def connect(host: str, port: int, timeout: float, tls=None,
@@ -248,7 +286,6 @@ class SocketReader:
             data = self._view[:n]
             if self._capture is not None:
                 self._capture.write(data)
-                self._capture.flush()
             if not limit:
                 chunk_start, start = self.decoder.received, self.decoder.consumed
                 records = self.decoder.feed(data)
@@ -391,8 +428,8 @@ class Peer:
         self.sock = sock
         self._cap_out = self._cap_in = None
         if capture_prefix:
-            self._cap_out = open(capture_prefix + "-messages.bin", "wb")
-            self._cap_in = open(capture_prefix + "-replies.bin", "wb")
+            self._cap_out = DiagnosticFile(capture_prefix + "-messages.bin", "--capture")
+            self._cap_in = DiagnosticFile(capture_prefix + "-replies.bin", "--capture")
         self.reader = SocketReader(sock, decoder if decoder is not None else StageReplyDecoder(), self._cap_in)
         self.sent = 0
         self.unasked = False  # bytes arrived between messages (open_between_messages)
@@ -412,7 +449,6 @@ class Peer:
         self.sent += len(data)
         if self._cap_out is not None:
             self._cap_out.write(data)
-            self._cap_out.flush()
 
     def open_between_messages(self) -> bool:
         """Whether the connection is still usable while nothing is owed on it: False once the
@@ -454,14 +490,14 @@ class Peer:
         recv_ready(self.reader.read_exact(4))
 
     def close(self) -> None:
-        for f in (self._cap_out, self._cap_in):
-            if f is not None:
-                f.close()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+        for f in (self._cap_out, self._cap_in):
+            if f is not None:
+                f.close()
 
 
 class CountingSocket:
@@ -486,14 +522,12 @@ class CountingSocket:
             reader.count += len(data)
             if self.peer._cap_in is not None:
                 self.peer._cap_in.write(data)
-                self.peer._cap_in.flush()
         return data
 
     def _sent(self, data) -> None:
         self.peer.sent += len(data)
         if self.peer._cap_out is not None:
             self.peer._cap_out.write(data)
-            self.peer._cap_out.flush()
 
     def send(self, data) -> int:
         n = self.peer.sock.send(data)

@@ -26,7 +26,7 @@ from ..net.connlog import LogBudget
 from ..net.server import DEFAULT_IO_TIMEOUT, DEFAULT_REPLY_TIMEOUT, StageServer
 from ..net.protocol_io import DEFAULT_RUN_ID, link_identity, parse_plan
 from ..net.topology import load_topology
-from ..net.transport import names_listener, parse_address
+from ..net.transport import DiagnosticFile, names_listener, parse_address
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.models import default_model_id, model_shape
 from ..stage.runtime import MAX_LANES
@@ -348,7 +348,7 @@ def _serve(args, stage_index: int) -> int:
         return _cannot_start(stage_index, describe(exc))
     trace_path = os.path.join(args.trace_compute, f"stage{stage_index}.trace") if args.trace_compute else None
     try:
-        trace = open(trace_path, "a", buffering=1) if trace_path else None
+        trace = DiagnosticFile(trace_path, "--trace-compute", "a") if trace_path else None
     except OSError as exc:  # checked at start-up, but e.g. DIR/stageK.trace may be a directory
         return _cannot_start(stage_index, f"--trace-compute: {describe(exc)}")
     try:
