@@ -614,6 +614,36 @@ def test_an_api_connected_to_a_stage_0_with_every_lane_busy_waits_for_it(tmp_pat
     assert "is it stage 0?" not in log and "until the stages answer" in log, log
 
 
+def test_an_api_whose_connect_starts_later_as_a_later_stage_says_so(tmp_path):
+    """A later stage that starts after the API answers the readiness Stop as stage 0 would: /health
+    said 200 and every request was a 502 "closed the connection"; the entry is checked until it took a token."""
+    from skippy_wire.stage.models import write_tiny_llama_gguf
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ApiServer("--connect", f"127.0.0.1:{port}", "-m", str(model))
+    stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "-m", str(model), "--ctx-size", "512",
+                              "--layer-start", "2", "--layer-end", "4", "--stage-index", "1",
+                              "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mismatch = "is it stage 0? a later stage answers a readiness probe but refuses a driver's tokens"
+    try:
+        deadline = time.monotonic() + 60
+        while mismatch not in (health := httpx.get(server.url + "/health", timeout=30)).text:
+            assert health.status_code == 503, health.text
+            assert time.monotonic() < deadline and stage.poll() is None, "the stage never answered"
+            time.sleep(0.2)
+        assert health.status_code == 503
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert answer.status_code == 502 and mismatch in answer.json()["error"]["message"], answer.text
+    finally:
+        stage.terminate()
+        stage.wait(30)
+        log = server.close()
+    assert "Traceback" not in log, log
+
+
 def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp_path):
     """With someone else's stages the API waits for them (/health 503) instead of exiting 1,
     so a supervisor may start it first; it takes the topology's model and stage 0."""

@@ -18,7 +18,8 @@ connection that failed is closed instead, which frees the sessions on every stag
 After a request failed in the pipeline, the next one first probes it
 (:meth:`GenerationEngine.check_ready`, bounded by :data:`READY_TIMEOUT_S`): while it does
 not answer, requests fail at once with :class:`PipelineUnavailable` instead of each waiting
-for a stage's timeout; once it answers they are served again.
+for a stage's timeout; once it answers they are served again.  So do requests to someone
+else's stages until their entry has shown that it is stage 0.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ class GenerationEngine:
 
     def __init__(self, entry: tuple[str, int], tokenizer, *, ctx_size: int, timeout: float,
                  chunk_size: int, protocol: int = 15, identity=None, tls=None, poll_s: float = 0.0,
-                 model_id: Optional[str] = None) -> None:
+                 model_id: Optional[str] = None, verify_first_stage: bool = False) -> None:
         self.entry = entry
         check_model_id(model_id, protocol, identity)  # at once, not at every request's connection
         self.protocol, self.identity, self.tls, self.model_id = protocol, identity, tls, model_id
@@ -274,6 +275,9 @@ class GenerationEngine:
         self._ids = itertools.count(1)
         #: A request failed in the pipeline, and no probe or request has got through since.
         self.failing = False
+        #: Someone else's stages: the entry has yet to show that it is stage 0 by taking a
+        #: driver's token (:meth:`check_ready` probes it until then).
+        self.first_stage_unverified = verify_first_stage
         #: close() was called: the stages stop with their user, and a generation still
         #: running then fails without the pipeline having failed.
         self.closed = False
@@ -310,7 +314,7 @@ class GenerationEngine:
                 return
         client.close()  # a generation that close() did not cut off ends after it: nothing pools it again
 
-    def check_ready(self, timeout: float = READY_TIMEOUT_S, *, first_stage: bool = False) -> None:
+    def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Raise PipelineError unless every stage answers now, each wait bounded by
         ``timeout``.
 
@@ -319,14 +323,16 @@ class GenerationEngine:
         holds: every stage relays it downstream, the last acknowledges it, and the Ack
         comes back through all of them.  It opens no session, so it takes no lane.
 
-        ``first_stage`` (someone else's stages): a stage after the first answers that Stop
-        as stage 0 does but closes the link on a driver's tokens, so one token is prefilled
-        into the session first (the Stop then ends it), and a close is PipelineMismatch."""
+        While :attr:`first_stage_unverified` (someone else's stages, which may start after the
+        API): a stage after the first answers that Stop as stage 0 does but closes the link on
+        a driver's tokens, so one token is prefilled into the session first (the Stop then
+        ends it), and a close is PipelineMismatch."""
         timeout = min(timeout, self.timeout)
         client = self._take(timeout)
         client.timeout = timeout
         try:
             session = next(self._ids)
+            first_stage = self.first_stage_unverified
             if first_stage:
                 probe = next(prefill_messages([0, 0], 1, session, session))  # a PrefillEmbd: nothing sampled
                 try:
@@ -338,6 +344,8 @@ class GenerationEngine:
             if int(reply.kind) != WireReplyKind.ACK:
                 raise PipelineError(f"stage 0 at {client.address} answered a readiness Stop with reply kind "
                                     f"{int(reply.kind)}, not Ack")
+            if first_stage:
+                self.first_stage_unverified = False
         except BaseException:
             client.close()  # a late answer would stay unread on it
             raise
@@ -390,8 +398,8 @@ class GenerationEngine:
             if cancelled.is_set():  # the client left while the last step ran: send no more
                 raise Cancelled("stop")
 
-        if self.failing:
-            self._probe_after_failure()
+        if self.failing or self.first_stage_unverified:
+            self._probe_before_request()
         try:  # a new connection's READY comes within the probe's bound, or the chain is down
             client = self._take(min(self.timeout, READY_TIMEOUT_S))
             client.timeout = self.timeout
@@ -454,16 +462,19 @@ class GenerationEngine:
         out.elapsed_s = time.perf_counter() - started
         return out
 
-    def _probe_after_failure(self) -> None:
-        """Since a request failed: PipelineUnavailable unless the pipeline answers now."""
+    def _probe_before_request(self) -> None:
+        """Since a request failed, or before the entry showed it is stage 0: PipelineUnavailable
+        unless the pipeline answers now (a PipelineMismatch as itself: no wait mends it)."""
         try:
             self.check_ready()
         except PipelineError as exc:
             with self._lock:
                 self.counters["failed"] += 1
                 self.counters["requests"] += 1
-            raise PipelineUnavailable(f"{exc} (the pipeline has not answered since a request failed; "
-                                      "retry later)") from None
+            if isinstance(exc, PipelineMismatch):
+                raise
+            since = "since a request failed" if self.failing else "yet"
+            raise PipelineUnavailable(f"{exc} (the pipeline has not answered {since}; retry later)") from None
 
 
 class Admission:

@@ -539,9 +539,9 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             engine = GenerationEngine(entry, tokenizer, ctx_size=args.ctx_size, timeout=args.timeout,
                                       chunk_size=args.chunk_size, protocol=args.protocol, tls=args.tls,
                                       identity=getattr(cluster, "identity", None), poll_s=driver_poll_s(args.poll_ms),
-                                      model_id=args.model_id)
+                                      model_id=args.model_id, verify_first_stage=bool(args.connect_address))
             try:
-                engine.check_ready(first_stage=bool(args.connect_address))
+                engine.check_ready()
             except PipelineError as exc:
                 if not args.connect_address or isinstance(exc, PipelineMismatch):  # no wait mends a mismatch
                     raise
