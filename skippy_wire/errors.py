@@ -266,6 +266,10 @@ class PipelineClosed(PipelineError):
     """Stage 0 closed the connection while a request was out: a stage failed, or refused
     what was sent (before state version 17 no error reply can say so)."""
 
+    #: It closed on a generation's first message carrying the driver's tokens, after READY
+    #: and the ConfigureGeneration's Ack: what a later stage does when a driver connects to it.
+    on_first_tokens = False
+
 
 class StateVersionMismatch(StageError):
     """The peer of a connection speaks another stage state version (15, 16 or 17).

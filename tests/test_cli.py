@@ -355,12 +355,16 @@ def test_v17_connect_checks_the_stages_model_id_as_given_or_the_file_s_stem(caps
         assert client.kwargs["model_id"] == model_id and client.kwargs["protocol"] == (17 if extra else 15)
 
 
-def test_a_link_closed_before_any_token_asks_whether_connect_reached_stage_0(capsys, tiny_model, fake_client):
-    def closed():
-        raise PipelineClosed("stage 0 at 127.0.0.1:9 closed the connection during PREFILL_FINAL_EMBD (session 1)")
+def test_a_link_closed_on_the_first_tokens_asks_whether_connect_reached_stage_0(capsys, tiny_model, fake_client):
+    def closed(on_first_tokens: bool):
+        def close():
+            exc = PipelineClosed("stage 0 at 127.0.0.1:9 closed the connection during PREFILL_FINAL_EMBD (session 1)")
+            exc.on_first_tokens = on_first_tokens
+            raise exc
+        return close
 
-    for text, hinted in (("", True), (" world", False)):
-        fake_client(text, then=closed)
+    for text, hinted in (("", True), ("", False), (" world", False)):
+        fake_client(text, then=closed(hinted))
         code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hi")
         assert code == 1
         assert _one_error_line(err).endswith("; is it stage 0? a later stage refuses a driver's tokens") == hinted

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from skippy_wire.errors import PipelineError
+from skippy_wire.errors import PipelineClosed, PipelineError
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.schedule import decode_message
 from skippy_wire.net.supervision import (REPLY_TIMEOUT_STEP_S, StageCluster, StageProcess, launch_pipeline,
@@ -289,6 +289,21 @@ def test_a_stage_whose_downstream_is_a_first_stage_is_refused_there(chain_factor
     assert _wait_for(lambda: "reached a first stage" in caplog.text, WAIT_S), caplog.text
     assert ("stage 0's PREFILL_EMBD (an activation) reached a first stage (layer 0 on), which embeds the "
             "driver's tokens: a stage's downstream is the stage after it") in caplog.text
+
+
+def test_a_close_is_said_to_be_on_the_first_tokens_only_where_a_later_stage_would_close(chain_factory):
+    # A driver connected to a later stage: READY and the ConfigureGeneration's Ack, then a close
+    # on the first prefill chunk.  A stage 0 whose downstream is gone closes before READY instead.
+    chain = chain_factory([(0, 3), (3, 6)])
+    with PipelineClient(*chain.servers[1].address, timeout=10) as client:
+        with pytest.raises(PipelineClosed) as later:
+            client.generate(FAKE_PROMPT, max_tokens=2, chunk_size=4)
+    assert later.value.on_first_tokens
+    chain.servers[1].shutdown()
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        with pytest.raises(PipelineError) as broken:
+            client.generate(FAKE_PROMPT, max_tokens=2, chunk_size=4)
+    assert not getattr(broken.value, "on_first_tokens", False), broken.value
 
 
 def test_an_idle_connection_closed_by_the_stage_is_no_error(chain_factory, caplog):

@@ -440,6 +440,8 @@ class PipelineClient:
                     result.session_end_error = str(exc)
                     self.close()
             except BaseException as exc:
+                if isinstance(exc, PipelineClosed) and opened and not result.prefill_messages:
+                    exc.on_first_tokens = True
                 self._abandon(exc, request_id, session_id, opened)
                 raise
             finally:

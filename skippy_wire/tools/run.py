@@ -448,7 +448,7 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
         streamer.end_line()
         # someone else's stages: a later stage closes the link on a driver's first tokens
         hint = "; is it stage 0? a later stage refuses a driver's tokens" \
-            if args.connect and isinstance(exc, PipelineClosed) and not streamer.tokens else ""
+            if args.connect and isinstance(exc, PipelineClosed) and exc.on_first_tokens else ""
         raise PipelineError(f"request failed: {exc}{hint}") from None
     return result, (cluster.session_events() if not args.connect else None)
 
