@@ -370,6 +370,20 @@ def test_a_link_closed_on_the_first_tokens_asks_whether_connect_reached_stage_0(
         assert _one_error_line(err).endswith("; is it stage 0? a later stage refuses a driver's tokens") == hinted
 
 
+def test_a_capture_on_a_full_disk_is_said_once_and_the_text_whole(tmp_path, tiny_model):
+    for suffix in ("messages", "replies"):
+        os.symlink("/dev/full", tmp_path / f"hop0-{suffix}.bin")  # every write fails with ENOSPC
+    args = ["-m", str(tiny_model), "-c", "64", "-n", "4", "--temp", "0", "--raw", "--quiet", "hello"]
+    captured = subprocess.run([sys.executable, "-m", "skippy_wire", "run", "--stages", "1", "--capture", str(tmp_path),
+                               *args], capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([sys.executable, "-m", "skippy_wire", "run", "--stages", "1", *args],
+                           capture_output=True, text=True, timeout=120)
+    assert captured.returncode == 0 and captured.stdout == plain.stdout, captured.stderr
+    assert f"[skippy-wire] --capture: cannot write {tmp_path}/hop0-messages.bin (no space left on device); " \
+           "nothing more is written to it\n" in captured.stderr
+    assert "Traceback" not in captured.stderr
+
+
 def test_a_text_whose_closing_stop_went_unanswered_is_printed_with_a_warning(capsys, tiny_model, fake_client):
     client = fake_client(" world")
     client.session_end_error = "stage 0 at 127.0.0.1:9: no answer to Stop (session 1) within 60 s"

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[skippy-wire] %(message)s")
     # SIGTERM and SIGHUP unwind like Ctrl-C: the stages are stopped, the log directory removed.
     with exiting_on_signals():
         return _run(parser, args)
