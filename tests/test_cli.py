@@ -120,6 +120,15 @@ def _one_error_line(err: str) -> str:
     (["run", "--poll-ms", "often"], "argument --poll-ms: expected auto or a number, got 'often'"),
     *(([command, "-m", ""], "argument -m/--model: an empty path names no model file")  # ran the packaged model
       for command in ("run", "api", "serve", "cluster", "bench-backend", "bench-cluster")),
+    # "$VAR" with VAR unset: plain TCP instead of mutual TLS, stages of its own instead of the topology's
+    *(([*command, option.split("/")[0], ""], f"argument {option}: an empty path names no file or directory")
+      for command, option in ((["serve"], "--tls-cert"), (["run"], "--tls-key"), (["api"], "--tls-ca"),
+                              (["run"], "--topology"), (["api"], "--topology"), (["serve"], "--topology"),
+                              (["run"], "--capture"), (["serve"], "--capture"), (["serve"], "--trace-compute"),
+                              (["run"], "--log-dir"), (["api"], "--log-dir"), (["cluster"], "--log-dir"),
+                              (["run"], "-f/--file"))),
+    (["conformance", ""], "argument DIR: an empty path names no file or directory"),
+    (["inspect", ""], "argument file: an empty path names no file or directory"),
     (["run", "--interactive-first", "hi"], "--interactive-first is not supported: run generates once, as "
                                            "llama-cli's -cnv -st; for a conversation, serve it with `api`"),
     (["run", "-i", "hi"], "-i is not supported: run generates once, as llama-cli's -cnv -st; for a conversation, "

@@ -157,7 +157,7 @@ def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path
 
     fifo = tmp_path / "ca.fifo"
     os.mkfifo(fifo)
-    probe = ("import sys, types; from skippy_wire.tools.options import tls_config\n"
+    probe = ("import sys, types; from skippy_wire.tools.tls_options import tls_config\n"
              "try:\n"
              "    tls_config(types.SimpleNamespace(tls_cert=sys.argv[1], tls_key=sys.argv[2], tls_ca=sys.argv[3]))\n"
              "except ValueError as exc:\n"
@@ -170,6 +170,14 @@ def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path
     assert done.stdout.strip() == f"--tls-ca {fifo}: it is a FIFO, not a regular file", done.stderr
     with pytest.raises(ValueError, match=r"^--tls-key /dev/zero: it is a character device, not a regular file$"):
         TlsConfig.from_options(str(pki / "node.pem"), "/dev/zero", str(pki / "ca.pem"))
+
+
+def test_empty_tls_paths_are_refused_not_read_as_plain_tcp(pki):
+    # an embedder's "$CERT" with CERT unset: plain TCP where mutual TLS was meant
+    with pytest.raises(ValueError, match=r"^--tls-cert: an empty path names no file$"):
+        TlsConfig.from_options("", "", "")
+    with pytest.raises(ValueError, match=r"^--tls-ca: an empty path names no file$"):
+        TlsConfig.from_options(str(pki / "node.pem"), str(pki / "node.key"), "")
 
 
 # --- handshakes that fail -------------------------------------------------------------

@@ -174,13 +174,16 @@ class TlsConfig:
 
     @classmethod
     def from_options(cls, cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional["TlsConfig"]:
-        """None when no option is given; ValueError unless all three are."""
-        given = [x for x in (cert, key, ca) if x]
+        """None when no option is given (None); ValueError unless all three are, none empty
+        (``"$CERT"`` with CERT unset must not turn mutual TLS off)."""
+        given = [x for x in (cert, key, ca) if x is not None]
         if not given:
             return None
         if len(given) != 3:
             raise ValueError(TLS_OPTIONS_TOGETHER)
         for option, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+            if not path:
+                raise ValueError(f"{option}: an empty path names no file")
             _not_a_file(option, path)
         return cls(cert, key, ca)
 

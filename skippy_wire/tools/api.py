@@ -59,12 +59,12 @@ from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTE
                          error_response, json_body, listening_socket, netloc, shutting_down_response)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
-                      add_gpu_layers_option, add_tls_options, address, apply_topology, check_codec_options,
-                      check_output_dir, describe, error_line, int_at_least, int_between, model_file,
-                      refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
-                      training_context_size)
+                      add_gpu_layers_option, address, apply_topology, check_codec_options,
+                      check_output_dir, describe, error_line, given_path, int_at_least, int_between, model_file,
+                      refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
+from .tls_options import add_tls_options, tls_config
 from .signals import exiting_on_signals, handling_signals
 
 DEFAULT_LISTEN = "127.0.0.1:9337"
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drive stage processes already running (`skippy-wire serve`) instead; the options for "
                             "the stages it would start (--stages, the codec options, -t/--threads, --log-dir) are "
                             "then usage errors (default: start them)")
-    where.add_argument("--topology", default=None, metavar="FILE",
+    where.add_argument("--topology", default=None, type=given_path, metavar="FILE",
                        help="drive the running stages a topology file describes (like --connect to its stage 0, "
                             "the same options refused; its model and ctx_size apply; default: none)")
     p.add_argument("-m", "--model", default=None, type=model_file,
@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
     p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT,
                    help="seconds to wait for each stage reply")
-    p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
+    p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; default: discarded)")
     add_link_options(p)
     add_tls_options(p, "the links to stage 0 (and, without --connect, by every stage it starts)")

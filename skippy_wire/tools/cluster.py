@@ -32,7 +32,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import named_codec_setting
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, context_overflow, describe, error_line, file_error,
-                      int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
+                      given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
                       training_context_size)
 from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
@@ -321,7 +321,7 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
     p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
     p.add_argument("--measure-seconds", type=seconds(zero=True), default=DEFAULT_MEASURE_SECONDS,
                    help="bulk transfer over link 0 before the run (0: skip)")
-    p.add_argument("--log-dir", default=None, metavar="DIR",
+    p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR",
                    help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "
                         "(default: a temporary directory, removed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

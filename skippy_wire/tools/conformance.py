@@ -29,7 +29,7 @@ from . import conformance_gen
 from ..wire.constants import ActivationCodec
 from ..errors import Mismatch
 from ..wire.frame import reader_expectation
-from .options import Parser, describe, doc_summary, error_line, int_at_least
+from .options import Parser, describe, doc_summary, error_line, given_path, int_at_least
 from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
                            read_expectation, require_ok)
 
@@ -316,7 +316,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="skippy-wire conformance", description=doc_summary(__doc__))
-    parser.add_argument("paths", nargs="+", metavar="DIR", help="directories (searched for *.jsonl) or files")
+    parser.add_argument("paths", nargs="+", type=given_path, metavar="DIR", help="directories (searched for *.jsonl) or files")
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
     parser.add_argument("--max-report", type=int_at_least(0), default=10, help="failures to print in full")

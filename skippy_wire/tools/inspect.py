@@ -73,7 +73,7 @@ from .inspect_gen import (
     starts_with_offer,
 )
 from .cli import stdout_error
-from .options import Parser, describe, error_line, int_between
+from .options import Parser, describe, error_line, given_path, int_between
 
 # bit 2 is not interpreted in this version (section 2.4): shown by position, not by name
 STATE_FLAG_NAMES = {int(f): "bit2" if f is StateFlags.SKIP_VERIFY_CHECKPOINT else f.name for f in StateFlags}
@@ -419,7 +419,7 @@ def _dissect_error(exc: BaseException, index: int, offset: int, src: CaptureInpu
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="skippy-wire inspect", description="Dissect a captured byte stream of stage messages or replies.")
-    p.add_argument("file", help="capture file, or - for stdin")
+    p.add_argument("file", type=given_path, help="capture file, or - for stdin")
     direction = p.add_mutually_exclusive_group()
     direction.add_argument("--replies", action="store_true",
                            help="the stream is replies: READY (v17: Offer and ready) then the replies (default: detected from the bytes and the name)")

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from ..errors import TopologyError, os_reason
-from ..net.tls import TlsConfig
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS, default_threads
 from ..wire.constants import (CODEC_SHORT_NAMES, DEFAULT_STAGES, MAX_CTX_SIZE, MAX_WAIT_S, POLICY_SHORT_NAMES,
                               ActivationCodec, CodecPolicy)
@@ -192,11 +191,17 @@ TRAINING_CONTEXT = 0
 UNTIL_FULL = -1
 
 
-def model_file(text: str) -> str:
-    """``-m/--model``: a path; an empty one (``-m "$MODEL"``, MODEL unset) would run the packaged model."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path names no model file")
-    return text
+def _named_path(what: str) -> Callable[[str], str]:
+    def path(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"an empty path names no {what}")
+        return text
+    return path
+
+
+#: A path option's value, not empty: ``-m "$MODEL"`` with MODEL unset would run the packaged
+#: model, ``--tls-cert "$CERT"`` turn mutual TLS off, ``--topology ""`` start stages of its own.
+model_file, given_path = _named_path("model file"), _named_path("file or directory")
 
 
 def training_context(model: Path) -> int | None:
@@ -531,33 +536,6 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
         p.error("auto-lossless-v1 requires --activation-codec raw-f32-v1")
 
 
-def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
-    """``--tls-cert/--tls-key/--tls-ca`` (docs/security.md): mutual TLS on ``what``."""
-    p.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help=f"certificate chain presented on {what} (with --tls-key and --tls-ca: mutual TLS; "
-                        "default: plain TCP)")
-    p.add_argument("--tls-key", default=None, metavar="PEM",
-                   help="the private key of --tls-cert (default: none)")
-    p.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA every peer's certificate must be signed by (peers without one are refused; "
-                        "default: none)")
-
-
-def tls_config(args):
-    """The ``TlsConfig`` of parsed ``--tls-*`` options (None without them); ValueError
-    unless all three are given, each names a readable file (the option and the path) and
-    they load: a certificate, its key, a CA (:meth:`TlsConfig.check`)."""
-    config = TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
-    if config is not None:
-        for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-            try:
-                open(path, "rb").close()
-            except OSError as exc:
-                raise ValueError(f"{option}: {describe(exc)}") from None
-        config.check()
-    return config
-
-
 def utf8(text: str) -> str:
     """A command-line string that must be valid UTF-8 (argv decodes with surrogateescape)."""
     try:
@@ -593,8 +571,8 @@ __all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_IN
            "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
            "once_each", "Refused", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
-           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "training_context", "training_context_size",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "given_path", "training_context", "training_context_size",
            "context_overflow", "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS",
-           "milliseconds", "address", "stage_address", "check_output_file", "add_tls_options",
-           "tls_config", "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
+           "milliseconds", "address", "stage_address", "check_output_file",
+           "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",
            "STARTED_STAGES_ONLY", "DEFAULT_STAGES"]

@@ -34,15 +34,15 @@ from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMP
                              max_tokens)
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
                       UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options, add_gpu_layers_option,
-                      add_tls_options, apply_topology, check_codec_options, check_output_dir, describe, error_line,
+                      apply_topology, check_codec_options, check_output_dir, describe, error_line,
                       context_overflow, file_error, float_above, float_between, int_at_least, int_between,
-                      model_file,
-                      refuse_started_stage_options, seconds, stage_address, thread_count, tls_config,
-                      training_context_size, utf8)
+                      given_path, model_file,
+                      refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size, utf8)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
+from .tls_options import add_tls_options, tls_config
 
 DEFAULT_PROMPT = "Tell me a short story about a small village by the sea."
 #: The most ``-f`` reads, as the API's largest request body: tokenizing takes about 200 bytes
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=None, type=utf8, help="the prompt (same as -p; default: the -p default)")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=utf8, metavar="PROMPT",
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
+    p.add_argument("-f", "--file", dest="prompt_file", default=None, type=given_path, metavar="FILE",
                    help=f"read the prompt from FILE, - for stdin (UTF-8, at most {MAX_PROMPT_FILE_BYTES >> 20} "
                         "MiB; one trailing newline dropped, as llama-cli does; default: none)")
     p.add_argument("-e", "--escape", action="store_true", default=True,
@@ -141,10 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(exit 1 if not; default: off)")
     p.add_argument("--json", action="store_true",
                    help="print the text and the summary as one JSON object on stdout, nothing else (default: off)")
-    p.add_argument("--capture", default=None, metavar="DIR",
+    p.add_argument("--capture", default=None, type=given_path, metavar="DIR",
                    help="record every hop's bytes to DIR/hopK-{messages,replies}.bin "
                         "(see `skippy-wire inspect`; with --connect/--topology the driver's hop0 only; default: none)")
-    p.add_argument("--log-dir", default=None, metavar="DIR", action=StartedStagesOption,
+    p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; "
                         "default: a temporary directory, removed)")
     where.add_argument("--connect", default=None, metavar="HOST:PORT", type=stage_address,
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--log-dir, -t/--threads without --check) are then usage errors and per-hop stage "
                             "counters are absent (default: start them)")
     add_link_options(p)
-    where.add_argument("--topology", default=None, metavar="FILE",
+    where.add_argument("--topology", default=None, type=given_path, metavar="FILE",
                        help="drive the running stages a topology file describes (like --connect to its stage 0, "
                             "the same options refused; its model and ctx_size apply; default: none)")
     p.add_argument("--quiet", "--log-disable", action="store_true",

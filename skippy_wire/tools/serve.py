@@ -35,11 +35,11 @@ from ..wire.constants import ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
-                      add_gpu_layers_option, add_tls_options, address, check_codec_options, describe, error_line,
-                      int_at_least, int_between, milliseconds, model_file, seconds, thread_count, tls_config,
-                      training_context_size)
+                      add_gpu_layers_option, address, check_codec_options, describe, error_line,
+                      given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count, training_context_size)
 from .poll_options import add_poll_option
 from .signals import exiting_on_signals
+from .tls_options import add_tls_options, tls_config
 
 log = logging.getLogger("skippy_wire.tools.serve")
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None, type=model_file, help="GGUF model path (required without --topology)")
     p.add_argument("--layer-start", type=int_at_least(0), default=None, help="first layer (required without --topology)")
     p.add_argument("--layer-end", type=int_at_least(1), default=None, help="exclusive (required without --topology)")
-    p.add_argument("--topology", default=None, metavar="FILE",
+    p.add_argument("--topology", default=None, type=given_path, metavar="FILE",
                    help="topology file (docs/pipeline.md): with --stage K, it gives the model, layers, stage "
                         "index, listen address, downstream, codec, policy, ctx_size and threads, over "
                         "--layer-start, --layer-end, --stage-index, --listen, --downstream, the codec options "
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admission_options(p)
     p.add_argument("--reply-timeout", type=seconds(), default=DEFAULT_REPLY_TIMEOUT,
                    help="seconds to wait for the downstream reply")
-    p.add_argument("--capture", default=None, metavar="PREFIX",
+    p.add_argument("--capture", default=None, type=given_path, metavar="PREFIX",
                    help="path prefix: record the downstream hop to PREFIX-messages.bin / PREFIX-replies.bin "
                         "(its directory must exist; default: none)")
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-ahead", dest="decode_ahead", action="store_false",
                    help="first stage: compute each decode step only when its message arrives (default: a "
                         "session's next step is computed while its reply travels to the driver and back)")
-    p.add_argument("--trace-compute", default=None, metavar="DIR",
+    p.add_argument("--trace-compute", default=None, type=given_path, metavar="DIR",
                    help="append one 'START_NS END_NS ROWS' line per stretch of compute (the steps it ran "
                         "together) to DIR/stageK.trace (monotonic clock; the serving benchmark measures "
                         "overlap and batch sizes with it; default: off)")
