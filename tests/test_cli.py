@@ -749,6 +749,18 @@ def test_a_seed_repeats_and_sampling_differs_from_greedy(capsys, smollm2_pipelin
     assert any(tokens != greedy for tokens in sampled)
 
 
+def test_an_empty_system_prompt_keeps_the_template_s_own_as_in_llama_cli():
+    # llama-cli adds a system message only when -sys is not empty; an empty one replaced SmolLM2's default
+    model, parser = Path(smollm2_path()), run.build_parser()
+    tokenizer = Tokenizer.from_gguf(model)
+
+    def prompt(*flags: str) -> str:
+        return run._prompt_text(parser, parser.parse_args([*flags, "hi"]), model, tokenizer, print)[0]
+
+    assert prompt("-sys", "") == prompt() != prompt("-sys", "Be brief.")
+    assert "Be brief." in prompt("-sys", "Be brief.")
+
+
 def test_a_temperature_at_or_below_zero_is_greedy_as_in_llama_cli():
     # --temp -1 was refused ("must be between 0 and 1e+06")
     for temp in ("-1", "-0.5", "0"):

@@ -227,7 +227,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error("the prompt's \\x escapes make no UTF-8 (--no-escape sends them as typed)")
     if not args.prompt:
         parser.error("the prompt is empty")
-    if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
+    # an empty -sys is none, as llama-cli reads it: the template's own system message stays
+    if args.raw and args.system_prompt:  # it was dropped with a progress line only
         parser.error("-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out")
     if args.raw and args.chat_turn:
         parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
@@ -274,12 +275,12 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
     except ChatTemplateError as exc:
         # (a template that does not compile is named, not taken for none)
         why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
-        if args.system_prompt is not None:
+        if args.system_prompt:
             parser.error(f"-sys/--system-prompt: {why}" + (" to put it in" if isinstance(exc, NoChatTemplate) else ""))
         progress(f"{why}: the prompt goes as is")
         return args.prompt, False
     messages = [{"role": "user", "content": args.prompt}]
-    if args.system_prompt is not None:
+    if args.system_prompt:
         messages.insert(0, {"role": "system", "content": args.system_prompt})
     return template.render(messages), True
 
