@@ -387,7 +387,9 @@ def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script,
 
 
 @pytest.mark.parametrize("command", [["-m", "skippy_wire", "demo"],
-                                     [str(BENCH_DIR / "wake_bench.py"), "--count", "3", "--compute-steps", "0"]])
+                                     [str(BENCH_DIR / "wake_bench.py"), "--count", "3", "--compute-steps", "0"],
+                                     # argparse drops the error of a command's help write (it exited 0)
+                                     ["-m", "skippy_wire", "run", "--help"], ["-m", "skippy_wire", "help", "serve"]])
 def test_output_to_a_closed_stdout_is_the_quiet_exit_141_not_lost_silently(command):
     """Started with stdout closed (``>&-``), Python has no sys.stdout: every line vanished and
     the command exited 0 as if its results had been shown."""

@@ -105,11 +105,18 @@ class ClosedStdout(io.TextIOBase):
     none, and every print vanished): a write fails as on a closed pipe, so that no output is
     lost silently (a command exits 141; ``serve`` serves on without its events)."""
 
+    refused = False  # a write failed: flush() fails too, as a pipe's unwritten buffer would
+
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
+        self.refused = True
         raise BrokenPipeError(errno.EPIPE, "stdout is closed")
+
+    def flush(self) -> None:
+        if self.refused:  # (argparse drops the error of a --help write: guarded() asks here)
+            raise BrokenPipeError(errno.EPIPE, "stdout is closed")
 
 
 def quiet_stdout() -> None:
