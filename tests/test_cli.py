@@ -569,7 +569,7 @@ def test_version_and_help(capsys):
     # git's `help COMMAND` (it printed the list of commands); `help` alone still does
     assert _main(capsys, "help", "serve")[1] == _main(capsys, "serve", "--help")[1]
     assert _main(capsys, "help")[1] == cli.usage() + "\n"
-    for asked in ("-h", "--help"):  # help about `help` (it was "unknown command '--help'")
+    for asked in ("-h", "--help", "help"):  # help about `help` (it was "unknown command '--help'")
         assert _main(capsys, "help", asked)[:2] == (0, cli.usage() + "\n")
 
 

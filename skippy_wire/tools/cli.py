@@ -135,7 +135,7 @@ def quiet_stdout() -> None:
 
 def dispatch(args: list[str], own_process: bool = False) -> int:
     from .options import EXIT_USAGE, error_line
-    if args[:1] == ["help"] and args[1:2] and args[1] not in ("-h", "--help"):  # git's `help COMMAND`
+    if args[:1] == ["help"] and args[1:2] and args[1] not in ("-h", "--help", "help"):  # git's `help COMMAND`
         if args[1] not in COMMANDS:
             guess = mistyped_command(args[1])
             hint = f"; did you mean {guess!r}?" if guess is not None else f"; the commands: {', '.join(COMMANDS)}"
