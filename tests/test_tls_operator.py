@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 
@@ -153,8 +155,6 @@ def test_a_key_too_small_for_openssl_is_named_so_not_a_non_key(pki):
 def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path):
     """``open()`` of a FIFO waits for a writer: ``serve --tls-ca FIFO`` hung before it said
     anything (OpenSSL's own open of it then held the interpreter: hence a subprocess)."""
-    import sys
-
     fifo = tmp_path / "ca.fifo"
     os.mkfifo(fifo)
     probe = ("import sys, types; from skippy_wire.tools.tls_options import tls_config\n"
@@ -170,6 +170,27 @@ def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path
     assert done.stdout.strip() == f"--tls-ca {fifo}: it is a FIFO, not a regular file", done.stderr
     with pytest.raises(ValueError, match=r"^--tls-key /dev/zero: it is a character device, not a regular file$"):
         TlsConfig.from_options(str(pki / "node.pem"), "/dev/zero", str(pki / "ca.pem"))
+
+
+@pytest.mark.parametrize("passphrase", ["secret", ""])
+def test_an_encrypted_key_is_refused_and_never_asked_for(pki, tmp_path, passphrase):
+    """A key under an empty passphrase loaded in the check, then every context made for a link
+    sat at OpenSSL's "Enter PEM pass phrase:" on the terminal."""
+    key = tmp_path / "node.enc.key"
+    _openssl("pkcs8", "-topk8", "-in", str(pki / "node.key"), "-v2", "aes256", "-passout", f"pass:{passphrase}",
+             "-out", str(key), cwd=tmp_path)
+    config = TlsConfig(str(pki / "node.pem"), str(key), str(pki / "ca.pem"))
+    with pytest.raises(ValueError, match=rf"^--tls-key {re.escape(str(key))}: the key is encrypted "):
+        config.check()
+    # a context made without the check: no terminal (its own session), refused at once, nothing prompted
+    probe = ("import sys; from skippy_wire.net.tls import TlsConfig\n"
+             "try:\n"
+             "    TlsConfig(*sys.argv[1:4]).server_context()\n"
+             "except ValueError as exc:\n"
+             "    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(pki / "node.pem"), str(key), str(pki / "ca.pem")],
+                          capture_output=True, text=True, timeout=30, start_new_session=True)
+    assert (done.stdout, done.stderr) == ("the key is encrypted (give it without a passphrase)\n", ""), done
 
 
 def test_empty_tls_paths_are_refused_not_read_as_plain_tcp(pki):

@@ -38,6 +38,8 @@ TLS_HANDSHAKE_RECORD = 0x16
 #: The record's major version byte (TLS 1.0-1.3 all write 3).
 TLS_MAJOR_VERSION = 0x03
 TLS_OPTIONS_TOGETHER = "--tls-cert, --tls-key and --tls-ca go together"
+#: Why a key with a passphrase, even an empty one, is refused.
+ENCRYPTED_KEY = "the key is encrypted (give it without a passphrase)"
 #: Logged by a plain stage whose peer opened with a TLS handshake.
 TLS_CLIENT_ON_PLAIN_STAGE = ("the peer started a TLS handshake (a mutual-TLS client; this stage speaks plain TCP: "
                              "give it --tls-cert, --tls-key and --tls-ca too)")
@@ -83,6 +85,12 @@ def _not_a_file(option: str, path: str) -> None:
 _INVALID_PURPOSE = 26
 
 
+def _no_passphrase() -> bytes:
+    """The passphrase callback of every key load: an encrypted key is refused, never asked for
+    at OpenSSL's prompt on the terminal (which waits without end)."""
+    raise ValueError(ENCRYPTED_KEY)
+
+
 def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
     """Check ``config``'s certificate as its peers will, in memory before any connection:
     presented by a connecting side to a listener with its context, and, when that refuses
@@ -92,12 +100,12 @@ def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
         server = config.server_context()
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
-        client.load_cert_chain(config.cert, config.key)
+        client.load_cert_chain(config.cert, config.key, password=_no_passphrase)
         as_client = _refusal(client, server)
         if as_client is None or as_client.verify_code != _INVALID_PURPOSE:
             return as_client
         listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        listener.load_cert_chain(config.cert, config.key)
+        listener.load_cert_chain(config.cert, config.key, password=_no_passphrase)
         verifier = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         verifier.check_hostname = False
         verifier.load_verify_locations(config.ca)
@@ -204,8 +212,7 @@ class TlsConfig:
             if exc.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
                 raise ValueError(f"--tls-key {self.key} does not match --tls-cert {self.cert}") from None
             if encrypted:
-                raise ValueError(f"--tls-key {self.key}: the key is encrypted (give it without a passphrase)") \
-                    from None
+                raise ValueError(f"--tls-key {self.key}: {ENCRYPTED_KEY}") from None
             if exc.reason == "EE_KEY_TOO_SMALL":
                 raise ValueError(f"--tls-cert {self.cert}: its key is too small for OpenSSL's security level "
                                  "(use RSA of 2048 bits or more, or an EC key)") from None
@@ -215,6 +222,8 @@ class TlsConfig:
             if exc.reason:
                 raise ValueError(f"--tls-key {self.key} with --tls-cert {self.cert}: {tls_failure(exc)}") from None
             raise ValueError(f"--tls-key {self.key}: not a PEM private key") from None
+        if encrypted:  # by an empty passphrase: loaded here, a prompt later
+            raise ValueError(f"--tls-key {self.key}: {ENCRYPTED_KEY}")
         if not _certificates_in(self.ca)["x509_ca"]:
             raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
         refused = _verify_own(self)
@@ -231,7 +240,7 @@ class TlsConfig:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_cert_chain(self.cert, self.key, password=_no_passphrase)
         return ctx
 
     def server_context(self) -> ssl.SSLContext:
