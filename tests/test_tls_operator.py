@@ -289,6 +289,22 @@ def test_a_stage_names_a_handshake_dripped_past_its_deadline(pki, caplog):
     assert "stalled" not in caplog.text
 
 
+def test_a_stage_logs_a_peer_it_refused_as_an_error(pki, caplog):
+    # A peer that refused the stage's certificate left at once, the stage having read nothing of it: an
+    # INFO line, lost under WARNING.
+    caplog.set_level(logging.WARNING, logger="skippy_wire.net.server")
+    server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"),
+                         tls=_config(pki, "node.pem", "node.key"))
+    server.start()
+    try:
+        with pytest.raises(PipelineMismatch):
+            PipelineClient(*server.address, timeout=5, tls=_config(pki, "stranger.pem", "stranger.key", "other-ca.pem"))
+        assert _wait_for_text(caplog, "TLS handshake failed: the peer refused this side's certificate")
+    finally:
+        server.shutdown()
+    assert all(record.levelno == logging.ERROR for record in caplog.records), caplog.text
+
+
 def _wait_for_text(caplog, text: str, seconds: float = 5.0) -> bool:
     deadline = time.monotonic() + seconds
     while text not in caplog.text and time.monotonic() < deadline:

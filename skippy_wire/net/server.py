@@ -169,8 +169,7 @@ class StageServer:
                         self._shed(self.connection_limit.shed_quietest())
                     full = len(self._connections) >= self.connection_limit.limit
                     if not full:
-                        self._conn_seq += 1
-                        seq = self._conn_seq
+                        self._conn_seq = seq = self._conn_seq + 1
                         self._connections.add(sock)
                 if full:
                     self.connection_limit.refuse(sock, addr)
@@ -287,8 +286,9 @@ class StageServer:
             malformed = f"malformed stage message ({exc.kind}: {with_detail(exc)})"
             clog.error("%s: %s; closing", name, self._diagnosis(upstream, malformed))
         except (StageError, ConnectionError, OSError) as exc:  # a peer that sent nothing and left: its choice
-            if not self._stop.is_set():
-                (clog.info if upstream.received == 0 and peer_gone(upstream.sock) else clog.error)(
+            if not self._stop.is_set():  # (a TLS peer sent its handshake: refused, it is an error)
+                left = upstream.received == 0 and self._tls_server is None and peer_gone(upstream.sock)
+                (clog.info if left else clog.error)(
                     "%s: %s; closing", name, exc)
         except StageRuntimeError as exc:  # e.g. context full
             clog.error("%s: stage runtime error: %s; closing", name, exc)
