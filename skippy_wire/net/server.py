@@ -87,8 +87,8 @@ class StageServer:
     (seconds a peer may stall in the middle of a message), ``idle_timeout`` (seconds a connection may sit
     between messages; None = forever), ``reply_timeout`` (seconds to wait for the downstream reply),
     ``capture`` (path prefix: record the downstream hop's bytes to ``PREFIX-messages.bin`` and
-    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace`` (a text file,
-    e.g. a ``transport.DiagnosticFile``, receiving one ``START_NS END_NS ROWS`` line per stretch of compute), ``protocol`` (the state version
+    ``PREFIX-replies.bin``), ``events`` (callable receiving event dicts), ``compute_trace`` (a text file
+    receiving one ``START_NS END_NS ROWS`` line per stretch of compute), ``protocol`` (the state version
     every link speaks: 15, 16 or 17), ``identity`` (v17: the ``StageSetupConfig`` the handshake checks;
     default: from ``config``) and ``plan`` (v17: the ``PlanStage`` list an upstream sender is checked
     against), ``link_delay`` (seconds slept before each send over a stage-to-stage link: downstream, and
