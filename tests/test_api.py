@@ -660,6 +660,8 @@ def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp
     stage = None
     try:
         assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+        early = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert early.status_code == 503 and early.headers["retry-after"] == "1", early.text  # as its start line says
         stage = subprocess.Popen([sys.executable, "-m", "skippy_wire", "serve", "--topology", str(topology),
                                   "--stage", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60

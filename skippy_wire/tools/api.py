@@ -546,7 +546,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 if not args.connect_address or isinstance(exc, PipelineMismatch):  # no wait mends a mismatch
                     raise
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
-                progress(f"{describe(exc)}: /health answers 503 and requests 502 until the stages answer")
+                progress(f"{describe(exc)}: /health and requests answer 503 until the stages answer")
             api = Api(engine, model_id=args.alias or default_model_id(model), chat_template=chat_template,
                       model_path=path_text(model), max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
                       cors_origins=tuple(args.cors_origin),
