@@ -137,6 +137,20 @@ def test_a_key_of_another_type_is_a_mismatch_not_a_non_key(pki):
     assert str(caught.value) == f"--tls-key {config.key} does not match --tls-cert {config.cert}"
 
 
+def test_a_chain_with_the_ca_first_says_the_key_s_certificate_comes_first(pki, tmp_path):
+    # the key matches a certificate in the file: "does not match --tls-cert" sent the operator to the key
+    bundle = tmp_path / "ca-then-node.pem"
+    bundle.write_bytes((pki / "ca.pem").read_bytes() + (pki / "node.pem").read_bytes())
+    config = TlsConfig(str(bundle), str(pki / "node.key"), str(pki / "ca.pem"))
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-key {config.key} does not match the first certificate of --tls-cert "
+                                 f"{bundle} (its own certificate comes first, then the chain)")
+    ordered = tmp_path / "node-then-ca.pem"
+    ordered.write_bytes((pki / "node.pem").read_bytes() + (pki / "ca.pem").read_bytes())
+    TlsConfig(str(ordered), config.key, config.ca).check()  # the same files in that order load
+
+
 def test_a_key_too_small_for_openssl_is_named_so_not_a_non_key(pki):
     probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
