@@ -35,7 +35,9 @@ C_CHAIN = r"""
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -53,8 +55,12 @@ static void recv_all(int s, char *b, int size) {
 int main(int argc, char **argv) {
     int k = atoi(argv[1]), tokens = atoi(argv[2]), size = atoi(argv[4]), c[64], s[64];  /* MAX_CHAIN */
     double work = atof(argv[3]) / k; char *buf = calloc(size, 1);
+    pid_t parent = getpid();
     for (int i = 0; i < k; i++) link_pair(&c[i], &s[i]);
     for (int i = 0; i < k; i++) if (fork() == 0) {
+        /* its links stay open in its siblings: it would wait in recv for good once the driver is killed */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(1);
         for (int j = 0; j < tokens; j++) {
             recv_all(s[i], buf, size);
             for (double t = now(); now() - t < work;) {}
@@ -139,18 +145,23 @@ def main(argv=None) -> int:
                                                 "work-ms": float_between(0, 1000)},
                           stages="1,2,3", tokens=200, size=2304, cpus="all", **{"work-ms": 18.0})
     work_s = args.work_ms / 1000.0
-    compiler = shutil.which("cc")
+    compiler, c_missing = shutil.which("cc"), "; no C compiler: Python only"
     with tempfile.TemporaryDirectory() as scratch:
         binary = None
         if compiler:
             source = os.path.join(scratch, "chain.c")
             with open(source, "w", encoding="ascii") as fh:
                 fh.write(C_CHAIN)
-            binary = os.path.join(scratch, "chain")
-            subprocess.run([compiler, "-O2", "-o", binary, source], check=True)
+            built = subprocess.run([compiler, "-O2", "-o", os.path.join(scratch, "chain"), source],
+                                   capture_output=True, text=True)
+            if built.returncode == 0:
+                binary, c_missing = os.path.join(scratch, "chain"), ""
+            else:  # e.g. a compiler without the C library's headers
+                said = (built.stderr.strip().splitlines() or [f"exit status {built.returncode}"])[0]
+                c_missing = f"; {compiler} failed ({said}): Python only"
         print(f"# a chain of processes on 127.0.0.1, {args.size}-byte messages, {args.work_ms:g} ms of work a "
               f"token split between them, {args.tokens} tokens; CPU: {cpu_model()}, {os.cpu_count()} cores"
-              + ("" if binary else "; no C compiler: Python only"))
+              + c_missing)
         print("| cpus | stages | Python outside work per token | per hop | C outside work per token | per hop |")
         print("|---|---|---|---|---|---|")
         everywhere = os.sched_getaffinity(0)

@@ -8,6 +8,7 @@ process; no stage process starts.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -673,11 +674,10 @@ def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
     # SIGTERM (or a Ctrl-C to the script alone) left its forked stages waiting in recv for good
     script = subprocess.Popen([sys.executable, str(BENCH_DIR / "chain_floor.py"), "--stages", "2", "--tokens",
                                "100000", "--work-ms", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    children_file = Path(f"/proc/{script.pid}/task/{script.pid}/children")
     children: list[int] = []
     try:
         for _ in range(300):  # until its two stages run (bounded: 30 s)
-            children = [int(pid) for pid in children_file.read_text().split()]
+            children = _children(script.pid)
             if len(children) == 2:
                 break
             time.sleep(0.1)
@@ -688,8 +688,7 @@ def test_chain_floor_stopped_leaves_none_of_its_chain_processes():
         script.kill()
         script.wait(30)
         for _ in range(100):  # the orphans' reaping (bounded: 10 s)
-            alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
-                     and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+            alive = [pid for pid in children if _running(pid)]
             if not alive:
                 break
             time.sleep(0.1)
@@ -719,3 +718,61 @@ def test_np_gives_a_stage_its_lanes_and_the_stages_api_starts_as_many(capsys, mo
     assert lanes == [4, 8, 1] and started == [["-np", "8"]] and code == 1, err
     code, _, err = _main(capsys, "api", "-np", "65")
     assert code == 2 and "argument --max-inflight/-np/--parallel: must be between 1 and 64, got 65" in err
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_the_c_chain_s_stages_end_with_their_driver(tmp_path):
+    # Each stage holds its siblings' link ends: killed (the script's subprocess.run on SIGTERM), the
+    # driver left them waiting in recv for good
+    source, binary = tmp_path / "chain.c", tmp_path / "chain"
+    source.write_text(_bench_module("chain_floor").C_CHAIN)
+    subprocess.run(["cc", "-O2", "-o", str(binary), str(source)], check=True, timeout=120)
+    driver = subprocess.Popen([str(binary), "2", "1000000", "0.002", "2304"], stdout=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        for _ in range(300):  # until both stages run (bounded: 30 s)
+            children = _children(driver.pid)
+            if len(children) == 2:
+                break
+            time.sleep(0.1)
+        assert len(children) == 2, children
+    finally:
+        driver.kill()
+        driver.wait(30)
+    for _ in range(100):  # bounded: 10 s
+        alive = [pid for pid in children if _running(pid)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+
+
+def test_chain_floor_without_a_working_compiler_says_so_and_measures_python(tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'chain.c:1:10: fatal error: stdio.h: No such file or directory' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "chain_floor.py"), "--stages", "1", "--tokens", "3",
+                           "--work-ms", "0"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    first, *rows = done.stdout.splitlines()
+    assert first.endswith(f"; {fake} failed (chain.c:1:10: fatal error: stdio.h: No such file or directory): "
+                          "Python only"), first
+    assert rows[-1].startswith("| all | 1 | ") and rows[-1].endswith(" | - | - |"), rows
+
