@@ -111,6 +111,13 @@ def test_bench_backend_describes_itself_in_full(capsys):
      "--model-id is checked only with --protocol 17 and running stages (--connect, --topology)"),
     (["cluster", "--rate", "0"], "argument --rate: rate must look like 100mbit, 20mbit, 1gbit or unlimited, not '0'"),
     (["bench-cluster", "--rates", "unlimited,0mbit"], "argument --rates: rate '0mbit' is below 8kbit"),
+    # refused by tc once the namespaces were made (its tbf sizes are 32-bit)
+    (["bench-cluster", "--rates", "350gbit"], "argument --rates: rate '350gbit' is above 300gbit (tc's limit; "
+                                             "unlimited shapes none)"),
+    (["cluster", "--rate", "1tbit"], "argument --rate: rate must look like 100mbit, 20mbit, 1gbit or unlimited, "
+                                     "not '1tbit'"),
+    (["cluster", "--rate", "400gbit"], "argument --rate: rate '400gbit' is above 300gbit (tc's limit; unlimited "
+                                       "shapes none)"),
     (["bench-cluster", "--codecs", "f17"],
      "argument --codecs: unknown codec 'f17' (one of raw-f32, f16, bf16, s8, auto-lossless)"),
 ])

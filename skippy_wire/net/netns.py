@@ -49,6 +49,9 @@ NO_NETNS_ENV = "SKIPPY_WIRE_NO_NETNS"
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bps": 8, "kbps": 8 * 10**3,
                "mbps": 8 * 10**6, "gbps": 8 * 10**9}
 _UNLIMITED = ("none", "unlimited", "inf")  # (a rate of 0 would carry nothing: refused, not read as these)
+#: The fastest shaped link: tc keeps a tbf's sizes in 32 bits, and its 100 ms queue
+#: (:func:`tbf_args`) outgrows them past about 343 gbit.
+MAX_RATE_BITS = 300 * 10**9
 
 
 def parse_rate(text: str | None) -> int | None:
@@ -61,6 +64,8 @@ def parse_rate(text: str | None) -> int | None:
     bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
     if bits < 8000:
         raise ValueError(f"rate {text!r} is below 8kbit")
+    if bits > MAX_RATE_BITS:
+        raise ValueError(f"rate {text!r} is above {format_rate(MAX_RATE_BITS)} (tc's limit; unlimited shapes none)")
     return bits
 
 
