@@ -776,3 +776,58 @@ def test_chain_floor_without_a_working_compiler_says_so_and_measures_python(tmp_
                           "Python only"), first
     assert rows[-1].startswith("| all | 1 | ") and rows[-1].endswith(" | - | - |"), rows
 
+
+def _fake_llama_cpp(root: Path, body: str) -> dict:
+    """An installed llama-cpp-python whose package is ``body``; the environment that finds it."""
+    (root / "llama_cpp").mkdir()
+    (root / "llama_cpp" / "__init__.py").write_text(body)
+    info = root / "llama_cpp_python-0.3.36.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llama-cpp-python\nVersion: 0.3.36\n")
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_bench_backend_with_a_llama_cpp_that_does_not_load_measures_ours(tmp_path, tiny_model):
+    # the worker's traceback, then "the llama.cpp worker exited", exit 1 and none of our figures
+    env = _fake_llama_cpp(tmp_path, "raise RuntimeError('Failed to load shared library libllama.so: libgomp.so.1')\n")
+    done = subprocess.run([sys.executable, "-m", "skippy_wire", "bench-backend", "-m", str(tiny_model), "--prefill",
+                           "8", "--decode", "4", "--repeat", "1", "-t", "1"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "llama.cpp: llama-cpp-python does not load (Failed to load shared library libllama.so: libgomp.so.1); " \
+           "ours only\n" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].startswith("      1 | "), done.stdout  # our row
+
+
+def test_a_ctrl_c_during_bench_backend_s_llama_cpp_is_quiet(tmp_path, tiny_model):
+    # the worker printed its own KeyboardInterrupt traceback after the parent's quiet 130
+    evaluating = tmp_path / "evaluating"
+    env = _fake_llama_cpp(tmp_path, (
+        "import pathlib, time\n"
+        "class Llama:\n"
+        "    def __init__(self, **kwargs):\n"
+        "        pass\n"
+        "    def reset(self):\n"
+        "        pass\n"
+        "    def n_vocab(self):\n"
+        "        return 64\n"
+        "    def eval(self, tokens):\n"
+        f"        pathlib.Path({str(evaluating)!r}).touch()\n"
+        "        time.sleep(60)\n"))
+    bench = subprocess.Popen([sys.executable, "-m", "skippy_wire", "bench-backend", "-m", str(tiny_model),
+                              "--prefill", "8", "--decode", "4", "--repeat", "1", "-t", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        for _ in range(600):  # until the worker sits in eval (bounded: 60 s)
+            if bench.poll() is not None or evaluating.exists():
+                break
+            time.sleep(0.1)
+        assert evaluating.exists(), bench.poll()
+        os.killpg(bench.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        out, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(30)
+    assert bench.returncode == EXIT_INTERRUPTED, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

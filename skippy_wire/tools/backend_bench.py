@@ -34,6 +34,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
 from skippy_wire.stage.threads import default_threads, oversubscription
 from skippy_wire.tools.bench_rows import cpu_model, progress
-from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_ROUNDS, MAX_THREADS, Parser, doc_summary, file_error,
+from skippy_wire.tools.options import (MAX_CTX_SIZE, MAX_ROUNDS, MAX_THREADS, Parser, describe, doc_summary, file_error,
                                        int_at_least, int_between, int_list, model_file, thread_counts)
 
 B = _ggml.load_backend()
@@ -144,11 +145,17 @@ class Ours:
 
 
 def llama_worker(path, threads, ctx):
-    """Child process: llama.cpp timings on request (one JSON line in, one out)."""
-    from llama_cpp import Llama  # noqa: PLC0415  (optional: llama-cpp-python)
+    """Child process: llama.cpp timings on request (one JSON line in, one out); ``{"error": ...}``
+    first where llama.cpp does not load."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's: it ends this by closing stdin
+    try:
+        from llama_cpp import Llama  # noqa: PLC0415  (optional: llama-cpp-python)
 
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
-                n_ubatch=512, verbose=False)
+        llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                    n_ubatch=512, verbose=False)
+    except Exception as exc:  # noqa: BLE001 -- e.g. an install whose shared library does not load
+        print(json.dumps({"error": describe(exc)}), flush=True)
+        return
 
     def prefill(n):
         llm.reset()
@@ -172,13 +179,20 @@ def llama_worker(path, threads, ctx):
         print(json.dumps({"s": prefill(n) if what == "prefill" else decode(n)}), flush=True)
 
 
+class LlamaUnavailable(ToolError):
+    """llama-cpp-python is installed but does not load."""
+
+
 class LlamaCpp:
     """llama.cpp in a worker process (same interface as Ours)."""
 
     def __init__(self, path, threads, ctx):
         cmd = [sys.executable, "-m", "skippy_wire.tools.backend_bench", "--llama-worker", path, str(threads), str(ctx)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()
+        failed = self._read().get("error")
+        if failed is not None:
+            self.close()
+            raise LlamaUnavailable(failed)
 
     def _read(self):
         line = self.proc.stdout.readline()
@@ -198,8 +212,11 @@ class LlamaCpp:
         return self._ask("decode", n)
 
     def close(self):
-        self.proc.stdin.close()
+        """Ends the worker, also in the middle of a measurement (a Ctrl-C: it would finish it first)."""
+        self.proc.kill()
         self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 def llama_version():
@@ -233,17 +250,23 @@ def side_by_side(path, threads_list, n_prefill, n_decode, repeat):
     for threads in threads_list:
         runners = {"ours": Ours(path, threads, ctx)}
         if have_llama:
-            runners["llama"] = LlamaCpp(path, threads, ctx)
+            try:
+                runners["llama"] = LlamaCpp(path, threads, ctx)
+            except LlamaUnavailable as exc:
+                have_llama = False
+                print(f"llama.cpp: {LLAMA_DIST} does not load ({exc}); ours only", flush=True)
         best = {(who, what): float("inf") for who in runners for what in ("prefill", "decode")}
-        for r in range(repeat):
-            for what, n in (("prefill", n_prefill), ("decode", n_decode)):
-                for who, runner in runners.items():
-                    progress(f"{threads} thread(s): round {r + 1}/{repeat}, {who} {what}")
-                    best[who, what] = min(best[who, what], getattr(runner, what)(n))
+        try:
+            for r in range(repeat):
+                for what, n in (("prefill", n_prefill), ("decode", n_decode)):
+                    for who, runner in runners.items():
+                        progress(f"{threads} thread(s): round {r + 1}/{repeat}, {who} {what}")
+                        best[who, what] = min(best[who, what], getattr(runner, what)(n))
+        finally:
+            if "llama" in runners:
+                runners["llama"].close()
         progress()
         rate = {k: (n_prefill if k[1] == "prefill" else n_decode) / v for k, v in best.items()}
-        if have_llama:
-            runners["llama"].close()
         cells = []
         for what in ("prefill", "decode"):
             ours, llama = rate["ours", what], rate.get(("llama", what))
