@@ -864,6 +864,25 @@ def test_bench_cluster_shows_no_rate_where_nothing_was_timed(capsys, monkeypatch
     assert "| 2 | unlimited | 0 | raw-f32 | - | 1 | - | 0.25 | - |" in err and "prefill 4.0 tok/s\n" in err, err
 
 
+def test_bench_cluster_keeps_each_run_s_logs_apart(capsys, monkeypatch, tiny_model, tmp_path):
+    # every run wrote DIR/stageK.log and DIR/topology.json: the last run's alone were left
+    dirs = []
+
+    def run_cluster(opts, tokenizer):
+        dirs.append(opts.log_dir)
+        result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
+        return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
+
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+    code, _, err = _main(capsys, "bench-cluster", "--hosts", "2,3", "--rates", "unlimited,5mbit", "--delays", "0",
+                         "--codecs", "bf16", "--model", str(tiny_model), "--quiet", "--log-dir", str(tmp_path))
+    assert code == 0, err
+    assert dirs == [str(tmp_path / f"{hosts}hosts-{rate}-0ms-bf16") for hosts in (2, 3)
+                    for rate in ("unlimited", "5mbit")]
+
+
 def test_the_capture_hint_names_a_file_that_was_written(tmp_path):
     # With one stage, --connect or --topology only the driver's hop0 is written; the hint
     # named hop1 whatever was there.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   prompt=args.prompt, prompt_tokens=args.prompt_tokens,
                                                   ctx_size=args.ctx_size, threads=args.threads, model=str(model),
                                                   timeout=args.timeout, measure_seconds=args.measure_seconds,
-                                                  log_dir=args.log_dir)
+                                                  log_dir=args.log_dir and os.path.join(
+                                                      args.log_dir, f"{n}hosts-{rate}-{delay:g}ms-{name}"))
                             progress(f"{n} hosts, {rate}, {delay:g} ms, {name}")
                             res = run_cluster(opts, tokenizer=tokenizer)
                             if reference is None:
