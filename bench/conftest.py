@@ -24,6 +24,9 @@ REFERENCE_SIZES = [(1, 4096)]
 def pytest_configure(config):
     cpu = os.environ.get("SKIPPY_BENCH_CPU")
     if cpu is not None and hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        if not cpu.isdigit() or int(cpu) not in allowed:
+            raise pytest.UsageError(f"SKIPPY_BENCH_CPU={cpu}: not a CPU this process may run on ({allowed})")
         os.sched_setaffinity(0, {int(cpu)})
 
 

@@ -165,7 +165,7 @@ def concurrent_round(url: str, n: int, tokens: int, traces: list[Path], pids: di
     single = results[0]["stamps"]
     window = [start_ns + int((stamp - t0) * 1e9) for stamp in decode_window(results)]  # on the traces' clock
     return {"agg_tok_s": count / wall, "decode_agg_tok_s": decode_window_rate(results),
-            "window_busy": [busy_fraction(trace, *window) for trace in traces],
+            "window_busy": [busy_fraction(trace, *window) for trace in traces] if window[1] > window[0] else None,
             "ttft_s": sum(r["stamps"][0] - r["sent"] for r in results) / n,
             "stream_decode_tok_s": (len(single) - 1) / (single[-1] - single[0]),
             "all_busy": all_busy_fraction(traces, start_ns, end_ns),
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     print(f"| each stage computing, {args.concurrency} requests | "
           + " / ".join(f"{b * 100:.0f}%" for b in many["busy"]) + " | |")
     print(f"| each stage computing while all {args.concurrency} decode | "
-          + " / ".join(f"{b * 100:.0f}%" for b in many["window_busy"]) + " | |")
+          + (" / ".join(f"{b * 100:.0f}%" for b in many["window_busy"]) if many["window_busy"] else "n/a") + " | |")
     for label, r in (("1 request", one), (f"{args.concurrency} requests", many)):
         print(f"| CPU used over the round, {label}: " + " / ".join(r["cpu"]) + " | "
               + " / ".join(f"{share * 100:.0f}%" for share in r["cpu"].values()) + " | |")

@@ -831,3 +831,13 @@ def test_a_ctrl_c_during_bench_backend_s_llama_cpp_is_quiet(tmp_path, tiny_model
             bench.wait(30)
     assert bench.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_bench_cpu_this_process_cannot_run_on_is_one_line():
+    # pytest's INTERNALERROR traceback from os.sched_setaffinity
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                           str(BENCH_DIR / "test_bench_frame.py")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SKIPPY_BENCH_CPU": str(os.cpu_count() + 7)})
+    assert done.returncode == 4 and "INTERNALERROR" not in done.stdout + done.stderr, done
+    assert f"SKIPPY_BENCH_CPU={os.cpu_count() + 7}: not a CPU this process may run on" in done.stderr, done
+
