@@ -864,18 +864,23 @@ def test_bench_cluster_shows_no_rate_where_nothing_was_timed(capsys, monkeypatch
     assert "| 2 | unlimited | 0 | raw-f32 | - | 1 | - | 0.25 | - |" in err and "prefill 4.0 tok/s\n" in err, err
 
 
-def test_bench_cluster_keeps_each_run_s_logs_apart(capsys, monkeypatch, tiny_model, tmp_path):
-    # every run wrote DIR/stageK.log and DIR/topology.json: the last run's alone were left
-    dirs = []
-
+def fake_cluster_runs(monkeypatch, record) -> None:
+    """bench-cluster's runs as instant fakes (no namespaces), ``record(options)`` called for each;
+    the first run's rates stand for the in-process reference."""
     def run_cluster(opts, tokenizer):
-        dirs.append(opts.log_dir)
+        record(opts)
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
     monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
     monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
     monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+
+
+def test_bench_cluster_keeps_each_run_s_logs_apart(capsys, monkeypatch, tiny_model, tmp_path):
+    # every run wrote DIR/stageK.log and DIR/topology.json: the last run's alone were left
+    dirs = []
+    fake_cluster_runs(monkeypatch, lambda opts: dirs.append(opts.log_dir))
     code, _, err = _main(capsys, "bench-cluster", "--hosts", "2,3", "--rates", "unlimited,5mbit", "--delays", "0",
                          "--codecs", "bf16", "--model", str(tiny_model), "--quiet", "--log-dir", str(tmp_path))
     assert code == 0, err

@@ -26,7 +26,8 @@ from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, cluster_bench, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
-from test_cli import _main, _one_error_line, assert_usage_error, fake_client, tiny_model  # noqa: F401  (fixtures)
+from test_cli import (_main, _one_error_line, assert_usage_error, fake_client, fake_cluster_runs,  # noqa: F401
+                      tiny_model)  # (fixtures)
 
 
 # -- P2, P5: output directories ------------------------------------------------------------------
@@ -237,18 +238,8 @@ def test_cluster_warns_of_a_context_beyond_the_training_one_as_run_does(capsys, 
 
 
 def test_bench_cluster_runs_c_0_in_the_training_context(capsys, monkeypatch, tiny_model):
-    from types import SimpleNamespace
-
     seen = []
-
-    def run_cluster(opts, tokenizer):
-        seen.append((opts.ctx_size, opts.threads))
-        result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
-        return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
-
-    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
-    monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
-    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: res.result)
+    fake_cluster_runs(monkeypatch, lambda opts: seen.append((opts.ctx_size, opts.threads)))
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited", "--delays", "0",
                            "--codecs", "raw-f32", "-m", str(tiny_model), "--quiet", "--prompt-tokens", "16", "-n", "4",
                            "-c", "0", "-t", "-1")
