@@ -262,6 +262,10 @@ class PipelineMismatch(PipelineError):
     setting to change, which no wait mends (unlike a stage that is down)."""
 
 
+class PipelineTimeout(PipelineError):
+    """Stage 0 did not answer within the driver's timeout (a busy or stalled pipeline, not a refusal)."""
+
+
 class PipelineClosed(PipelineError):
     """Stage 0 closed the connection while a request was out: a stage failed, or refused
     what was sent (before state version 17 no error reply can say so)."""
@@ -329,6 +333,7 @@ class Mismatch(ToolError):
 __all__ = ["SkippyError", "WireError", "InvalidDataError", "InvalidInputError", "UnexpectedEofError", "ForwardingError",
            "SetupError", "SetupClosed", "SetupTimeout", "Status", "StageRuntimeError", "ModelFileError",
            "ActivationFrameError", "SamplingConfigError", "StageArgumentError", "PartialBatchExecution", "StageError",
-           "PipelineError", "PipelineMismatch", "PipelineClosed", "StateVersionMismatch", "TlsRequired",
-           "TopologyError", "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE", "ERROR_CLASSES",
-           "with_detail", "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file", "special_file"]
+           "PipelineError", "PipelineMismatch", "PipelineTimeout", "PipelineClosed", "StateVersionMismatch",
+           "TlsRequired", "TopologyError", "NetnsError", "ToolError", "DissectError", "Mismatch", "EOF_MESSAGE",
+           "ERROR_CLASSES", "with_detail", "error_for_kind", "format_status_error", "os_reason", "not_a_regular_file",
+           "special_file"]

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -27,6 +28,7 @@ from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import Tokenizer, write_tiny_llama_gguf
+from skippy_wire.wire.messages import StageWireMessage
 
 pytestmark = pytest.mark.slow
 
@@ -604,21 +606,30 @@ def test_an_api_connected_to_a_later_stage_says_so_at_start(tmp_path, protocol):
 
 def test_an_api_connected_to_a_stage_0_with_every_lane_busy_waits_for_it(tmp_path):
     """The start-up probe takes a lane: a stage 0 whose lanes are all held (another API on the
-    same stages) answers it late, which is no mismatch to exit on but stages to wait for."""
+    same stages) answers it late, which is no mismatch to exit on (a later stage refuses a
+    driver's tokens at once) but a stage 0 to wait for: healthy, its requests wait for a lane
+    (each was a 503 while the probe found no lane within its 5 s)."""
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     with launch_pipeline(model, 2, ctx_size=64, extra_args=["-np", "1"]) as cluster, \
             PipelineClient(*cluster.entry, timeout=30) as holder:
         holder.request(next(prefill_messages([1, 2, 3], 4, 7, 7)))  # holds the one lane
         server = ApiServer("--connect", "%s:%d" % cluster.entry, "-m", str(model), "-c", "64", "-np", "1")
-        log = server.close()
-    assert "is it stage 0?" not in log and "until the stages answer" in log, log
+        try:
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            release = threading.Timer(2.0, lambda: holder.request(StageWireMessage.stop(7, 7)))
+            release.start()
+            answer = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                                timeout=60)
+            release.join()
+        finally:
+            log = server.close()
+    assert answer.status_code == 200, answer.text
+    assert "is it stage 0?" not in log, log
 
 
 def test_an_api_whose_connect_starts_later_as_a_later_stage_says_so(tmp_path):
     """A later stage that starts after the API answers the readiness Stop as stage 0 would: /health
     said 200 and every request was a 502 "closed the connection"; the entry is checked until it took a token."""
-    from skippy_wire.stage.models import write_tiny_llama_gguf
-
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, SetupClosed, SetupTimeout, StateVersionMismatch,
-                      TlsRequired, WireError, os_reason, with_detail)
+from ..errors import (PipelineClosed, PipelineError, PipelineMismatch, PipelineTimeout, SetupClosed, SetupTimeout,
+                      StateVersionMismatch, TlsRequired, WireError, os_reason, with_detail)
 from ..stage.interrupt import interruptible_compute
 from ..stage.models import model_shape
 from ..stage.runtime import StageModel
@@ -335,7 +335,8 @@ class PipelineClient:
         except SendStalled:
             raise self._failed(f"stage 0 at {self.address} read nothing of {what} for {self.timeout:g} s") from None
         except (socket.timeout, TimeoutError):
-            raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s") from None
+            raise self._failed(f"stage 0 at {self.address}: no answer to {what} within {self.timeout:g} s",
+                               kind=PipelineTimeout) from None
         except PeerClosedError:
             raise self._failed(f"stage 0 at {self.address} closed the connection during {what}",
                                " (a stage failed; the stages' logs say which and why)", PipelineClosed) from None

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from ..errors import PipelineClosed, PipelineError, PipelineMismatch, SkippyError
+from ..errors import PipelineClosed, PipelineError, PipelineMismatch, PipelineTimeout, SkippyError
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient, check_model_id
@@ -340,6 +340,9 @@ class GenerationEngine:
                 except PipelineClosed as exc:
                     raise PipelineMismatch(f"{exc}; is it stage 0? a later stage answers a readiness probe but "
                                            "refuses a driver's tokens") from None
+                except PipelineTimeout:  # its lanes are busy: a later stage refuses tokens at once
+                    self.first_stage_unverified = False
+                    return self.check_ready(timeout)  # the Stop alone, on a new connection (this one is closed)
             reply = client.request(StageWireMessage.stop(session, session), "a readiness Stop")
             if int(reply.kind) != WireReplyKind.ACK:
                 raise PipelineError(f"stage 0 at {client.address} answered a readiness Stop with reply kind "
