@@ -128,6 +128,7 @@ def _one_error_line(err: str) -> str:
                               (["run"], "--log-dir"), (["api"], "--log-dir"), (["cluster"], "--log-dir"),
                               (["run"], "-f/--file"))),
     (["conformance", ""], "argument DIR: an empty path names no file or directory"),
+    (["api", "--api-key-file", ""], "argument --api-key-file: an empty path names no file or directory"),
     (["inspect", ""], "argument file: an empty path names no file or directory"),
     (["run", "--interactive-first", "hi"], "--interactive-first is not supported: run generates once, as "
                                            "llama-cli's -cnv -st; for a conversation, serve it with `api`"),

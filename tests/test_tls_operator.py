@@ -145,7 +145,7 @@ def test_a_chain_with_the_ca_first_says_the_key_s_certificate_comes_first(pki, t
     with pytest.raises(ValueError) as caught:
         config.check()
     assert str(caught.value) == (f"--tls-key {config.key} does not match the first certificate of --tls-cert "
-                                 f"{bundle} (its own certificate comes first, then the chain)")
+                                 f"{bundle} (the key's own certificate comes first, then its chain)")
     ordered = tmp_path / "node-then-ca.pem"
     ordered.write_bytes((pki / "node.pem").read_bytes() + (pki / "ca.pem").read_bytes())
     TlsConfig(str(ordered), config.key, config.ca).check()  # the same files in that order load

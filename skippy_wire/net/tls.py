@@ -210,10 +210,11 @@ class TlsConfig:
         except ssl.SSLError as exc:
             # NO_CERTIFICATE_ASSIGNED: a key of another type (EC) than the certificate's (RSA)
             if exc.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
-                chain = _certificates_in(self.cert)["x509"] > 1  # the key's certificate must come first
+                chain = _certificates_in(self.cert)["x509"] > 1  # only the first one is matched against it
                 raise ValueError(f"--tls-key {self.key} does not match "
                                  + ("the first certificate of " if chain else "") + f"--tls-cert {self.cert}"
-                                 + (" (its own certificate comes first, then the chain)" if chain else "")) from None
+                                 + (" (the key's own certificate comes first, then its chain)" if chain else "")) \
+                    from None
             if encrypted:
                 raise ValueError(f"--tls-key {self.key}: {ENCRYPTED_KEY}") from None
             if exc.reason == "EE_KEY_TOO_SMALL":

@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import ssl
+import threading
 import time
 from typing import Callable
 
@@ -50,22 +51,25 @@ class DiagnosticFile:
     def __init__(self, path: str, option: str, mode: str = "wb") -> None:
         self.path, self.option = path, option
         self._file = open(path, mode)
+        self._lock = threading.Lock()  # a compute trace is one file for every connection's thread
 
     def write(self, data) -> None:
-        if self._file is not None:
-            try:
-                self._file.write(data)
-                self._file.flush()
-            except OSError as exc:
-                self._stop(exc)
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.write(data)
+                    self._file.flush()
+                except OSError as exc:
+                    self._stop(exc)
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-                self._file = None
-            except OSError as exc:
-                self._stop(exc)
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                    self._file = None
+                except OSError as exc:
+                    self._stop(exc)
 
     def _stop(self, exc: OSError) -> None:
         log.error("%s: cannot write %s (%s); nothing more is written to it", self.option, self.path, os_reason(exc))

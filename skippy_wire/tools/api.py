@@ -57,8 +57,8 @@ from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, RETRY_AFTER_S, IdleSheddingProtocol,
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, StoppingServer,
                          error_response, json_body, listening_socket, netloc, shutting_down_response)
-from .options import (DEFAULT_STAGES, EXIT_HANGUP, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
+from .options import (DEFAULT_STAGES, EXIT_HANGUP, LOG_FORMAT, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY,
+                      TRAINING_CONTEXT, UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, address, apply_topology, check_codec_options,
                       check_output_dir, describe, error_line, given_path, int_at_least, int_between, model_file,
                       refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size)
@@ -531,7 +531,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
         # each request that fails in the pipeline, and its recovery, as a progress line
         engine_log = logging.StreamHandler(sys.stderr)
-        engine_log.setFormatter(logging.Formatter("[skippy-wire] %(message)s"))
+        engine_log.setFormatter(logging.Formatter(LOG_FORMAT))
         engine_log.addFilter(RateLimitedRecords())
         logging.getLogger("skippy_wire.net.service").addHandler(engine_log)
         # the HTTP front end and the engine's drivers (threads started inside) yield to the stages

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from ..net.tls import is_loopback
 from .http_front import PUBLIC_PATHS, error_response, netloc
-from .options import file_error
+from .options import file_error, given_path
 
 #: The most characters of a key file's line, and its most lines (keys; not a whole /dev/zero).
 MAX_KEY_LINE = 4096
@@ -36,7 +36,7 @@ def key_file(path: str) -> list[str]:
     line, blank lines and lines that start with ``#`` (comments) skipped."""
     keys, lines = [], 0
     try:
-        with open(path, encoding="utf-8-sig") as fh:  # a byte order mark is no part of the first key
+        with open(given_path(path), encoding="utf-8-sig") as fh:  # a byte order mark is no part of the first key
             while line := fh.readline(MAX_KEY_LINE + 1):
                 lines += 1
                 if lines > MAX_KEY_LINES:

@@ -189,7 +189,11 @@ class LlamaCpp:
     def __init__(self, path, threads, ctx):
         cmd = [sys.executable, "-m", "skippy_wire.tools.backend_bench", "--llama-worker", path, str(threads), str(ctx)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        failed = self._read().get("error")
+        try:
+            failed = self._read().get("error")
+        except BaseException:  # a Ctrl-C while llama.cpp loads: the worker, deaf to it, would load on
+            self.close()
+            raise
         if failed is not None:
             self.close()
             raise LlamaUnavailable(failed)

@@ -323,7 +323,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
                    help="bulk transfer over link 0 before the run (0: skip)")
     p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR",
                    help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "
-                        "(default: a temporary directory, removed)")
+                        "(bench-cluster: in a directory of its own per run, DIR/2hosts-100mbit-0ms-bf16; "
+                        "default: a temporary directory, removed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

@@ -316,7 +316,8 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="skippy-wire conformance", description=doc_summary(__doc__))
-    parser.add_argument("paths", nargs="+", type=given_path, metavar="DIR", help="directories (searched for *.jsonl) or files")
+    parser.add_argument("paths", nargs="+", type=given_path, metavar="DIR",
+                        help="directories (searched for *.jsonl) or files")
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help=f"implementation to check (default: the live one, {_impl.IMPLEMENTATION})")
     parser.add_argument("--max-report", type=int_at_least(0), default=10, help="failures to print in full")

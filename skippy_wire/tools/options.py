@@ -29,6 +29,8 @@ from ..wire.constants import (CODEC_SHORT_NAMES, DEFAULT_STAGES, MAX_CTX_SIZE, M
 
 #: The prefix of every error line the command prints.
 ERROR_PREFIX = "skippy-wire: error:"
+#: A log record on a command's stderr, as its progress lines read.
+LOG_FORMAT = "[skippy-wire] %(message)s"
 #: Exit statuses: a runtime failure, a usage error, and 128 + the signal: SIGHUP, Ctrl-C
 #: (SIGINT), a closed stdout (SIGPIPE), SIGTERM.
 EXIT_FAILURE = 1
@@ -567,11 +569,12 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
     return tuple(topology.entry)
 
 
-__all__ = ["ERROR_PREFIX", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
-           "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
+__all__ = ["ERROR_PREFIX", "LOG_FORMAT", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_HANGUP", "EXIT_INTERRUPTED",
+           "EXIT_BROKEN_PIPE", "EXIT_TERMINATED", "MAX_PORT", "MAX_THREADS", "MAX_CTX_SIZE",
            "once_each", "Refused", "add_gpu_layers_option", "DefaultsFormatter", "Parser", "doc_summary", "error_line",
            "describe", "file_error", "check_output_dir", "int_at_least", "int_between", "int_list", "thread_count",
-           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "given_path", "training_context", "training_context_size",
+           "thread_counts", "TRAINING_CONTEXT", "UNTIL_FULL", "model_file", "given_path", "training_context",
+           "training_context_size",
            "context_overflow", "float_above", "float_at_least", "float_between", "seconds", "MAX_WAIT_S", "MAX_ROUNDS",
            "milliseconds", "address", "stage_address", "check_output_file",
            "apply_topology", "utf8", "StartedStagesOption", "refuse_started_stage_options",

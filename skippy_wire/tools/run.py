@@ -32,12 +32,12 @@ from ..stage.threads import default_threads
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, cli_seed,
                              max_tokens)
-from .options import (DEFAULT_STAGES, EXIT_FAILURE, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY, TRAINING_CONTEXT,
-                      UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options, add_gpu_layers_option,
-                      apply_topology, check_codec_options, check_output_dir, describe, error_line,
-                      context_overflow, file_error, float_above, float_between, int_at_least, int_between,
-                      given_path, model_file,
-                      refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size, utf8)
+from .options import (DEFAULT_STAGES, EXIT_FAILURE, LOG_FORMAT, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY,
+                      TRAINING_CONTEXT, UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options,
+                      add_gpu_layers_option, apply_topology, check_codec_options, check_output_dir, context_overflow,
+                      describe, error_line, file_error, float_above, float_between, given_path, int_at_least,
+                      int_between, model_file, refuse_started_stage_options, seconds, stage_address, thread_count,
+                      training_context_size, utf8)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[skippy-wire] %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
     # SIGTERM and SIGHUP unwind like Ctrl-C: the stages are stopped, the log directory removed.
     with exiting_on_signals():
         return _run(parser, args)

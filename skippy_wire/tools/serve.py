@@ -36,7 +36,8 @@ from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_gpu_layers_option, address, check_codec_options, describe, error_line,
-                      given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count, training_context_size)
+                      given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
+                      training_context_size)
 from .poll_options import add_poll_option
 from .signals import exiting_on_signals
 from .tls_options import add_tls_options, tls_config
