@@ -1086,20 +1086,6 @@ def test_peer_resetting_mid_message_is_named(chain_factory, caplog):
     _still_serves(chain)
 
 
-def test_peer_resetting_between_messages_is_not_said_mid_message(chain_factory, caplog):
-    # Whole messages arrive with the reset: the ones left unread are whole, not a message cut short.
-    chain, sock = _logged_connection(chain_factory, caplog, [(0, 6)])
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.sendall(write_stage_message(StageWireMessage.stop(1, 999)) * 64)
-    sock.close()  # RST while the server answers the first
-    deadline = time.monotonic() + 5
-    while "closing" not in caplog.text and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert "peer reset the connection; closing" in caplog.text
-    assert "in the middle of a message" not in caplog.text
-    _still_serves(chain)
-
-
 def _open_idle(address, count: int) -> list:
     """``count`` connections that send nothing (closed by the caller)."""
     return [socket.create_connection(address, timeout=5) for _ in range(count)]

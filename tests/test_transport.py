@@ -57,6 +57,21 @@ def test_pipelined_messages_in_one_segment_come_out_one_by_one_with_their_sizes(
     assert reader.count == sum(map(len, encoded)) and reader.buffered == 0
 
 
+def test_whole_records_waiting_are_buffered_not_partial(pair):
+    # A peer's reset with whole messages unread was logged "in the middle of a message": only
+    # the bytes of a record begun and not complete are partial.
+    a, b = pair
+    encoded = [frame.write_stage_message(m) for m in _messages()]
+    reader = SocketReader(b, frame.StageMessageDecoder(4))
+    a.sendall(b"".join(encoded))
+    assert reader.read() is not None
+    assert reader.buffered == sum(map(len, encoded[1:])) and reader.partial == 0
+    a.sendall(encoded[0][:5])
+    assert reader.read() is not None and reader.read() is not None  # the whole ones, from the first receive
+    assert reader.wait_readable(5)  # the five bytes arrive
+    assert reader.partial == reader.buffered == 5
+
+
 def test_a_record_split_across_segments(pair):
     a, b = pair
     data = frame.write_reply(_replies()[0])
