@@ -129,6 +129,11 @@ def _one_error_line(err: str) -> str:
                               (["run"], "-f/--file"))),
     (["conformance", ""], "argument DIR: an empty path names no file or directory"),
     (["api", "--api-key-file", ""], "argument --api-key-file: an empty path names no file or directory"),
+    # a host nothing can resolve or bind: status 1 after the model had loaded (a topology refused it)
+    (["run", "--connect", "bad host:9000", "hi"],
+     "argument --connect: host 'bad host' is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"),
+    (["serve", "--listen", "999.1.1.1:9000"], "argument --listen: host '999.1.1.1' is not a valid IPv4 address "
+                                               "(four numbers of 0-255, or a shorter form the C library reads)"),
     (["inspect", ""], "argument file: an empty path names no file or directory"),
     (["run", "--interactive-first", "hi"], "--interactive-first is not supported: run generates once, as "
                                            "llama-cli's -cnv -st; for a conversation, serve it with `api`"),

@@ -42,7 +42,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import socket
 import stat
 import time
@@ -56,7 +55,7 @@ from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import MAX_CTX_SIZE, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .supervision import layer_chain_problem
-from .transport import ipv4_addresses, is_wildcard, parse_address
+from .transport import BadHost, ipv4_addresses, is_wildcard, parse_address
 
 #: Model identities a file may name without a ``model_path``.
 PACKAGED_MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
@@ -75,9 +74,6 @@ MAX_TOPOLOGY_BYTES = 1 << 20
 MAX_NUMBER_DIGITS = 100
 #: The longest value an error quotes (a key or a value of the wrong type, as the file spells it).
 MAX_QUOTED_CHARS = 80
-#: One label of a host name (IDNA names are checked in their ASCII form; ``_`` as resolvers allow it).
-_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}\Z")
-_NUMERIC_HOST = re.compile(r"[0-9.]+\Z")
 
 _TOP_KEYS = {"topology_id", "model_id", "model_path", "ctx_size", "stages"}
 _STAGE_KEYS = {"stage_id", "endpoint", "bind_addr", "layer_start", "layer_end", "activation_codec",
@@ -222,40 +218,17 @@ def _int(where: str, obj: dict, key: str, *, minimum: int = 0, default=None) -> 
     return value
 
 
-def _host_problem(host: str) -> str | None:
-    """Why ``host`` (of ``HOST:PORT``) is no IPv4 address or host name, or None: a space, a
-    control character or a slash would only fail where the stage listens or connects (a NUL
-    with a traceback, a newline splitting the error line), a label over 63 characters with
-    "text is not valid UTF-8"."""
-    try:
-        ascii_host = host.encode("idna").decode("ascii")
-    except UnicodeError:
-        return "is not a valid host name (an empty label, or one over 63 characters?)"
-    name = ascii_host[:-1] if ascii_host.endswith(".") else ascii_host
-    if len(name) > 253:
-        return "is longer than a host name may be (253 characters)"
-    if not all(_HOST_LABEL.match(label) for label in name.split(".")):
-        return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
-    if _NUMERIC_HOST.match(name):  # no host name is all digits (RFC 3696): meant as an address
-        try:
-            socket.inet_aton(name)  # as the C library reads it: 10.1.2 is 10.1.0.2, 127.1 127.0.0.1
-        except OSError:
-            return "is not a valid IPv4 address (four numbers of 0-255, or a shorter form the C library reads)"
-    return None
-
-
 def _address(where: str, key: str, text) -> str:
     if not isinstance(text, str):
         raise TopologyError(f"{where}: {key} must be a \"HOST:PORT\" string, not {_shown(text)}")
     try:
         host, port = parse_address(text)
+    except BadHost as exc:
+        raise TopologyError(f"{where}: {key} {exc}") from None
     except ValueError as exc:
         raise TopologyError(f"{where}: {key}: {exc}") from None
     if not 0 < port < 65536:
         raise TopologyError(f"{where}: {key} port {port} is out of range 1..65535")
-    problem = _host_problem(host)
-    if problem:
-        raise TopologyError(f"{where}: {key} host {_shown(host)} {problem}")
     if key == "endpoint" and is_wildcard(host):
         raise TopologyError(f"{where}: endpoint host {_shown(host)} is every address of a machine, none to connect "
                             "to: give the address the stage is reached at (its bind_addr may be 0.0.0.0)")

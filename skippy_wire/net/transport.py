@@ -14,6 +14,7 @@ import collections
 import errno
 import logging
 import os
+import re
 import select
 import socket
 import ssl
@@ -175,6 +176,37 @@ def accept_connection(listener: socket.socket, stopped, log_error) -> tuple | No
     return sock, addr
 
 
+#: One label of a host name (IDNA names are checked in their ASCII form; ``_`` as resolvers allow it).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}\Z")
+_NUMERIC_HOST = re.compile(r"[0-9.]+\Z")
+
+
+class BadHost(ValueError):
+    """The host of a ``HOST:PORT`` is no IPv4 address or host name (:func:`host_problem`)."""
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` (of ``HOST:PORT``) is no IPv4 address or host name, or None: a space, a
+    control character or a slash would only fail where the stage listens or connects (a NUL
+    with a traceback, a newline splitting the error line), a label over 63 characters with
+    "text is not valid UTF-8"."""
+    try:
+        ascii_host = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return "is not a valid host name (an empty label, or one over 63 characters?)"
+    name = ascii_host[:-1] if ascii_host.endswith(".") else ascii_host
+    if len(name) > 253:
+        return "is longer than a host name may be (253 characters)"
+    if not all(_HOST_LABEL.match(label) for label in name.split(".")):
+        return "is not an IPv4 address or a host name (letters, digits, '-', '_', dots)"
+    if _NUMERIC_HOST.match(name):  # no host name is all digits (RFC 3696): meant as an address
+        try:
+            socket.inet_aton(name)  # as the C library reads it: 10.1.2 is 10.1.0.2, 127.1 127.0.0.1
+        except OSError:
+            return "is not a valid IPv4 address (four numbers of 0-255, or a shorter form the C library reads)"
+    return None
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"tcp://host:port"``) to ``(host, port)``.  IPv6 literals
     (``[::1]:9000``) are refused: listeners and connections are IPv4 (a host name resolves
@@ -191,6 +223,9 @@ def parse_address(text: str) -> tuple[str, int]:
     host = host.strip("[]")
     if ":" in host:
         raise ValueError(f"IPv6 addresses are not supported: {text!r} (use an IPv4 address or a host name)")
+    problem = host_problem(host) if host else None
+    if problem:
+        raise BadHost(f"host {host!r} {problem}")
     return host or "127.0.0.1", int(port)
 
 
