@@ -169,7 +169,7 @@ def _error_examples():
             e.ModelFileError("m.gguf is not a GGUF file"),
             e.SamplingConfigError("sampling", e.Status.INVALID_ARGUMENT), e.StageArgumentError("token"),
             e.PartialBatchExecution(3, e.StageRuntimeError("boom")), e.StageError("stage"), e.PipelineError("p"),
-            e.PipelineMismatch("m"), e.PipelineClosed("c"),
+            e.PipelineMismatch("m"), e.PipelineTimeout("t"), e.PipelineClosed("c"),
             e.StateVersionMismatch(16, 15, who="downstream 1.2.3.4:5", me="stage 2"),
             e.StateVersionMismatch(None, 17, peer_text="state version 15 or 16"),
             e.TlsRequired("stage 1", "the driver"), e.TopologyError("t"), e.NetnsError("n"), e.ToolError("tool"),
