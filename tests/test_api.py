@@ -484,15 +484,16 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_request_that_fails_in_the_pipeline_is_logged_by_the_api():
-    # --connect to a port nobody listens on: served anyway (the stages may start later), and
-    # an operator reads why each request failed, not only a counter in /metrics.
+    # --connect to a port nobody listens on: served anyway (the stages may start later, their
+    # requests a 503 to retry until then), and an operator reads why a request failed, not only
+    # a counter in /metrics.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = ApiServer("--connect", f"127.0.0.1:{port}")
     try:
         r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-        assert r.status_code == 502, r.text
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     finally:
         log = server.close()
     assert "Traceback" not in log, log

@@ -471,12 +471,14 @@ class GenerationEngine:
         try:
             self.check_ready()
         except PipelineError as exc:
+            since = "since a request failed" if self.failing else "yet"
             with self._lock:
                 self.counters["failed"] += 1
                 self.counters["requests"] += 1
+            if not self.failing:
+                self._answered(exc)  # an operator reads why (once, until the pipeline answers again)
             if isinstance(exc, PipelineMismatch):
                 raise
-            since = "since a request failed" if self.failing else "yet"
             raise PipelineUnavailable(f"{exc} (the pipeline has not answered {since}; retry later)") from None
 
 
