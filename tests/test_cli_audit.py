@@ -26,6 +26,7 @@ from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, cluster_bench, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
+from process_helpers import default_sigint
 from test_cli import (_main, _one_error_line, assert_usage_error, fake_client, fake_cluster_runs,  # noqa: F401
                       tiny_model)  # (fixtures)
 
@@ -807,7 +808,8 @@ def test_a_ctrl_c_during_bench_backend_s_llama_cpp_is_quiet(tmp_path, tiny_model
         "        time.sleep(60)\n"))
     bench = subprocess.Popen([sys.executable, "-m", "skippy_wire", "bench-backend", "-m", str(tiny_model),
                               "--prefill", "8", "--decode", "4", "--repeat", "1", "-t", "1"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                             preexec_fn=default_sigint)  # a runner in the background ignores SIGINT
     try:
         for _ in range(600):  # until the worker sits in eval (bounded: 60 s)
             if bench.poll() is not None or evaluating.exists():
@@ -819,7 +821,7 @@ def test_a_ctrl_c_during_bench_backend_s_llama_cpp_is_quiet(tmp_path, tiny_model
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(30)
+            bench.communicate(timeout=30)  # (its pipes closed too)
     assert bench.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
