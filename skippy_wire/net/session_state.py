@@ -119,5 +119,6 @@ class FreedSessions:
         self._ids.pop(session_id, None)
         return freed
 
+
 __all__ = ["DECODE_STRETCHES", "DecodeTimer", "SessionStats", "AheadStep", "ServedSession", "FreedSessions",
            "FREED_IDS_KEPT"]

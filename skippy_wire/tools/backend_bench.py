@@ -191,12 +191,11 @@ class LlamaCpp:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             failed = self._read().get("error")
-        except BaseException:  # a Ctrl-C while llama.cpp loads: the worker, deaf to it, would load on
+            if failed is not None:
+                raise LlamaUnavailable(failed)
+        except BaseException:  # also a Ctrl-C while llama.cpp loads: the worker, deaf to it, would load on
             self.close()
             raise
-        if failed is not None:
-            self.close()
-            raise LlamaUnavailable(failed)
 
     def _read(self):
         line = self.proc.stdout.readline()
