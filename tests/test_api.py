@@ -128,6 +128,42 @@ def test_a_llama_server_command_line_names_the_model_by_its_alias():
     assert "(model smol, " in log, log
 
 
+def test_log_disable_writes_nothing_while_the_api_serves_and_stops():
+    """llama-server's `--log-disable` was an unknown option: the API writes no progress line, no
+    request's failure and no uvicorn warning for a malformed request; Ctrl-C still stops it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_wire", "api", "--listen", f"127.0.0.1:{port}",
+                             "--ctx-size", "512", "--stages", "1", "--log-disable"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                            json={"prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as bad:  # uvicorn warns of it
+            bad.sendall(b"NOT HTTP\r\n\r\n")
+            bad.recv(4096)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log = proc.stderr.read()
+        proc.stderr.close()
+    assert proc.returncode == 130 and log == "", (proc.returncode, log)
+
+
 def _stat_fields(path: str) -> list[str]:
     """The fields of a /proc stat file after the command name (field 3 first)."""
     with open(path, encoding="ascii") as fh:

@@ -493,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(parser: argparse.ArgumentParser, args) -> int:
 
-    def progress(text: str) -> None:
+    def warn(text: str) -> None:
         print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
+
+    progress = (lambda text: None) if args.quiet else warn
 
     try:
         model = default_model(args.model)
@@ -529,8 +531,9 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                                       session_events_kept=0)
             entry = cluster.entry
             lanes = lanes_that_fit(model, args.ctx_size, lanes, progress)
-        # each request that fails in the pipeline, and its recovery, as a progress line
-        engine_log = logging.StreamHandler(sys.stderr)
+        # each request that fails in the pipeline, and its recovery, as a progress line (quiet: not even
+        # as logging's last resort, which writes a logger's warnings when it has no handler)
+        engine_log = logging.NullHandler() if args.quiet else logging.StreamHandler(sys.stderr)
         engine_log.setFormatter(logging.Formatter(LOG_FORMAT))
         engine_log.addFilter(RateLimitedRecords())
         logging.getLogger("skippy_wire.net.service").addHandler(engine_log)
@@ -551,7 +554,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                       model_path=path_text(model), max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
                       cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
-            config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off",
+            config = uvicorn.Config(api.app(), log_level="error" if args.quiet else "warning", access_log=False, lifespan="off",
                                     limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
@@ -566,7 +569,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 progress(f"OpenAI-compatible API on http://{netloc(host, port)}/v1 (model {api.model_id}, "
                          f"{lanes} in flight, Ctrl-C to stop)")
                 if warning := open_api_warning(host, port, args.api_keys):
-                    progress(warning)
+                    warn(warning)
                 if not args.connect_address:
                     threading.Thread(target=server.stop_when, args=(cluster.exited, STAGE_WATCH_S),
                                      name="stage-watch", daemon=True).start()
