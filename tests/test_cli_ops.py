@@ -369,7 +369,9 @@ def test_serve_prints_session_events_within_the_log_budget(tiny_model, tmp_path)
     sessions = [json.loads(line) for line in out.splitlines() if '"session"' in line]
     assert LOG_BURST <= len(sessions) <= LOG_BURST + LOG_RATE * elapsed + 2, (len(sessions), elapsed)
     assert sessions[-1]["session_id"] == opened + 1 and sessions[-1]["decode_tokens"] >= 1
-    assert sessions[-1]["session_events_dropped"] == opened - (len(sessions) - 1)
+    # each printed event counts those dropped since the one before (a slow run prints some in between)
+    assert sum(event.get("session_events_dropped", 0) for event in sessions) == opened - (len(sessions) - 1)
+    assert sessions[-1]["session_events_dropped"] > 0
     assert "Traceback" not in err
 
 
