@@ -8,6 +8,7 @@ import inspect
 import io
 import pickle
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -121,6 +122,34 @@ def test_a_reply_field_of_the_wrong_kind_is_named(impl, change, text):
     with pytest.raises(sw.InvalidInputError) as info:
         sw.write_reply(sw.StageReply(**change), impl=impl)
     assert str(info.value) == text
+
+
+@pytest.mark.parametrize("tokens", [b"\x05\x06", None, iter([5, 6])])
+def test_the_reply_helpers_refuse_what_write_reply_refuses_as_a_token_list(impl, tokens):
+    """The send_reply_* helpers made a list of whatever they were given first: raw bytes were
+    written as token ids 5 and 6, an iterator was taken, None was a bare TypeError."""
+    text = f"predicted_tokens must be a sequence of ints, not {type(tokens).__name__}"
+    for send in (lambda out: sw.send_reply_predicted_tokens_with_stats(out, tokens, impl=impl),
+                 lambda out: sw.send_reply_predicted_with_tokens_and_stats(out, 9, tokens, impl=impl)):
+        out = io.BytesIO()
+        with pytest.raises(sw.InvalidInputError, match=f"^{re.escape(text)}$"):
+            send(out)
+        assert out.getvalue() == b""
+
+
+@pytest.mark.parametrize("stream", [None, "out", socket.socket])
+def test_a_writer_s_stream_without_write_is_a_type_error_before_anything_is_written(impl, stream):
+    """``send_reply_ack(None)`` or a plain socket was a bare AttributeError from inside the package."""
+    target = stream() if stream is socket.socket else stream
+    try:
+        for call in (lambda: sw.send_reply_ack(target, impl=impl), lambda: sw.send_ready(target),
+                     lambda: sw.write_stage_message_to(target, sw.StageWireMessage.stop(), impl=impl)):
+            with pytest.raises(TypeError, match=f"^stream must be a binary stream with a write method, not "
+                                                f"{type(target).__name__}$"):
+                call()
+    finally:
+        if stream is socket.socket:
+            target.close()
 
 
 def test_not_a_message_or_an_int_is_a_clear_type_error(impl):

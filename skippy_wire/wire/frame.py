@@ -34,7 +34,7 @@ from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, Wi
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
 from .field_checks import (byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range,
-                           flat_bytes)
+                           flat_bytes, int_list_checks)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -85,6 +85,15 @@ def _is_stream(obj: Any) -> bool:
     return hasattr(obj, "read") and not isinstance(obj, (bytes, bytearray, memoryview))
 
 
+def _write_to(stream, data: bytes) -> None:
+    """``stream.write(data)``; a TypeError, before anything is written, when ``stream`` has no
+    ``write`` (``None``, a plain socket: wrap one in ``socket.makefile("wb")``)."""
+    write = getattr(stream, "write", None)
+    if not callable(write):
+        raise TypeError(f"stream must be a binary stream with a write method, not {type(stream).__name__}")
+    write(data)
+
+
 def _check_type(value: Any, cls: type, what: str) -> None:
     """A clear one-line TypeError for the commonest mistake (``None``, a dict, raw bytes
     where a message or reply object belongs)."""
@@ -124,7 +133,7 @@ def write_stage_message_to(stream, msg: StageWireMessage, *, impl: Optional[str]
     """Write ``msg`` to ``stream``; returns the byte count.  On error nothing is written
     (a buffer-based port may discard partial output, section 0.2)."""
     data = write_stage_message(msg, impl=impl)
-    stream.write(data)
+    _write_to(stream, data)
     return len(data)
 
 
@@ -399,7 +408,7 @@ READY = READY_BYTES
 
 def send_ready(stream) -> None:
     """Write the 4-byte READY magic (``READY_MAGIC``, bytes ``59 44 52 53``) to ``stream``."""
-    stream.write(READY_BYTES)
+    _write_to(stream, READY_BYTES)
 
 
 def recv_ready(stream_or_data) -> None:
@@ -431,7 +440,7 @@ def write_reply(reply: StageReply, *, impl: Optional[str] = None) -> bytes:
 def send_reply_message(stream, reply: StageReply, *, impl: Optional[str] = None) -> None:
     """Write ``reply`` to ``stream`` (upstream ``send_reply_message``); on error nothing is
     written."""
-    stream.write(write_reply(reply, impl=impl))
+    _write_to(stream, write_reply(reply, impl=impl))
 
 
 def read_reply_from_buffer(data, *, offset: int = 0, impl: Optional[str] = None) -> tuple[StageReply, int]:
@@ -475,6 +484,15 @@ def send_reply_predicted(stream, predicted: int, stats: Optional[StageReplyStats
 send_reply_predicted_with_stats = send_reply_predicted
 
 
+def _token_list(tokens) -> list:
+    """``tokens`` as a list, once write_reply would take them as one (raw bytes, an iterator
+    without a length and ``None`` are no token list: its InvalidInputError, as write_reply's)."""
+    problem = next(int_list_checks("predicted_tokens", tokens), None)
+    if isinstance(problem, str):
+        raise InvalidInputError(problem)
+    return list(tokens)
+
+
 def send_reply_predicted_with_tokens_and_stats(
     stream, predicted: int, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *, impl: Optional[str] = None
 ) -> None:
@@ -487,8 +505,8 @@ def send_reply_predicted_with_tokens_window_and_stats(
     *, impl: Optional[str] = None
 ) -> None:
     """Write a PredictedToken reply: ``predicted``, the token list ``tokens`` and ``window``."""
-    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, list(tokens), window, None,
-                                          _stats(stats)), impl=impl)
+    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, _token_list(tokens), window,
+                                          None, _stats(stats)), impl=impl)
 
 
 def send_reply_predicted_tokens_with_stats(stream, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *,
@@ -502,7 +520,7 @@ def send_reply_predicted_tokens_with_window_and_stats(
     impl: Optional[str] = None
 ) -> None:
     """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0) and ``window``."""
-    tokens = list(tokens)
+    tokens = _token_list(tokens)
     first = tokens[0] if tokens else 0
     try:
         fits = not isinstance(first, bool) and I32_MIN <= operator.index(first) <= I32_MAX
