@@ -360,9 +360,12 @@ class StageWireMessage:
 
     # constructors (section 12)
     @classmethod
-    def stop(cls, request_id: int = 0, session_id: int = 0) -> "StageWireMessage":
-        """``StageWireMessage::stop()`` / ``stop_with_identity(request_id, session_id)``."""
-        return cls(WireMessageKind.STOP, 0, 0, StageStateHeader.new(WireMessageKind.STOP), request_id, session_id)
+    def stop(cls, request_id: int = 0, session_id: int = 0, *, version: int = STAGE_STATE_VERSION
+             ) -> "StageWireMessage":
+        """``StageWireMessage::stop()`` / ``stop_with_identity(request_id, session_id)``, its
+        header of state ``version`` (a writer writes the header's version as given)."""
+        return cls(WireMessageKind.STOP, 0, 0, StageStateHeader.new(WireMessageKind.STOP, version), request_id,
+                   session_id)
 
     stop_with_identity = stop
 
@@ -374,8 +377,11 @@ class StageWireMessage:
         prompt_token_count: int,
         sampling: Optional[SamplingConfig] = None,
         chat_sampling_metadata: Optional[str] = None,
+        *,
+        version: int = STAGE_STATE_VERSION,
     ) -> "StageWireMessage":
-        state = StageStateHeader.new(WireMessageKind.CONFIGURE_GENERATION)
+        """``StageWireMessage::configure_generation(...)``, its header of state ``version``."""
+        state = StageStateHeader.new(WireMessageKind.CONFIGURE_GENERATION, version)
         state.prompt_token_count = prompt_token_count
         return cls(
             WireMessageKind.CONFIGURE_GENERATION, 0, 0, state, request_id, session_id, sampling, chat_sampling_metadata
