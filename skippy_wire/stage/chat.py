@@ -155,7 +155,8 @@ def check_messages(messages: Any) -> list[dict]:
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise MalformedMessages(f"{field}.content must be a string", f"{field}.content", "type")
+            raise MalformedMessages(f"{field}.content must be a string or a list of content parts",
+                                    f"{field}.content", "type")
         message = {**m, "role": _TEMPLATE_ROLE.get(role, role), "content": content}
         if "name" in message and message["name"] is None:
             del message["name"]  # null, as clients that send every field send those unset: absent
