@@ -554,8 +554,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                       model_path=path_text(model), max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
                       cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
-            config = uvicorn.Config(api.app(), log_level="error" if args.quiet else "warning", access_log=False, lifespan="off",
-                                    limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
+            config = uvicorn.Config(api.app(), log_level="error" if args.quiet else "warning", access_log=False,
+                                    lifespan="off", limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                     timeout_graceful_shutdown=GRACEFUL_STOP_S)
             logging.getLogger("uvicorn.error").addFilter(RateLimitedRecords())  # a line per bad request a peer sends
