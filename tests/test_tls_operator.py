@@ -38,6 +38,9 @@ policy = p
 copy_extensions = none
 [p]
 commonName = supplied
+[v3ca]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign
 """
 
 
@@ -76,6 +79,14 @@ def pki(tmp_path_factory):
         (d / f"{name}.ext").write_text(extension + "\n")
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)
+    for name, start, end in (("old-ca", "20200101000000Z", "20200102000000Z"),
+                             ("early-ca", "20990101000000Z", "20990102000000Z")):  # a leaf of theirs in date
+        _request(name, d)
+        _openssl("ca", "-batch", "-selfsign", "-config", "ca.cnf", "-keyfile", f"{name}.key", "-in", f"{name}.csr",
+                 "-out", f"{name}.pem", "-startdate", start, "-enddate", end, "-extensions", "v3ca", "-notext", cwd=d)
+        _request(f"{name}-leaf", d)
+        _openssl("x509", "-req", "-in", f"{name}-leaf.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key",
+                 "-CAcreateserial", "-days", "2", "-out", f"{name}-leaf.pem", cwd=d)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ec.key", cwd=d)
     return d
 
@@ -100,6 +111,19 @@ def test_a_certificate_its_peers_would_refuse_is_refused_at_start_up(pki, cert, 
         config.check()
     assert str(caught.value) == (f"--tls-cert {config.cert} does not verify against --tls-ca {config.ca}: {reason} "
                                  "(a peer with the same --tls-ca would refuse it)")
+
+
+@pytest.mark.parametrize("ca, reason, dates", [
+    ("old-ca", "certificate has expired", "expired on Jan 2 00:00:00 2020 GMT"),
+    ("early-ca", "certificate is not yet valid", "is not valid before Jan 1 00:00:00 2099 GMT"),
+])
+def test_a_ca_out_of_its_dates_is_named_as_the_certificate_that_is(pki, ca, reason, dates):
+    """OpenSSL's "certificate has expired" blamed --tls-cert when the CA had expired."""
+    config = _config(pki, f"{ca}-leaf.pem", f"{ca}-leaf.key", f"{ca}.pem")
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-cert {config.cert} does not verify against --tls-ca {config.ca}: {reason} "
+                                 f"(the CA certificate commonName={ca} of --tls-ca {dates})")
 
 
 def test_good_files_still_load(pki):

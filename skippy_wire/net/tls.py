@@ -24,6 +24,7 @@ import ipaddress
 import select
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,6 +69,22 @@ def _certificates_in(path: str) -> dict:
     return probe.cert_store_stats()
 
 
+def _ca_out_of_date(path: str) -> str:
+    """Which CA certificate of the PEM file ``path`` is outside its validity now, and since or
+    until when ("" when none is): OpenSSL's "certificate has expired" does not say whether it
+    is the CA's or the certificate it signed."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.load_verify_locations(cafile=path)
+    now = time.time()
+    for ca in probe.get_ca_certs():
+        name = ", ".join(f"{key}={value}" for rdn in ca["subject"] for key, value in rdn)
+        if ssl.cert_time_to_seconds(ca["notAfter"]) < now:
+            return f"the CA certificate {name} of --tls-ca expired on {' '.join(ca['notAfter'].split())}"
+        if ssl.cert_time_to_seconds(ca["notBefore"]) > now:
+            return f"the CA certificate {name} of --tls-ca is not valid before {' '.join(ca['notBefore'].split())}"
+    return ""
+
+
 def _not_a_file(option: str, path: str) -> None:
     """ValueError naming ``option`` when ``path`` exists but is a FIFO, a device or a socket:
     opening a FIFO waits for a writer for ever, /dev/zero never ends, and each file is read
@@ -83,6 +100,8 @@ def _not_a_file(option: str, path: str) -> None:
 #: the role it does play (a serverAuth-only one on a last stage), so only one that suits
 #: neither role is refused at start-up.
 _INVALID_PURPOSE = 26
+#: OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID and X509_V_ERR_CERT_HAS_EXPIRED.
+_OUT_OF_DATE = (9, 10)
 
 
 def _no_passphrase() -> bytes:
@@ -235,9 +254,10 @@ class TlsConfig:
             raise ValueError(f"--tls-cert {self.cert} suits neither end of a stage link: its key usage allows "
                              "neither TLS server nor TLS client authentication")
         if refused is not None:
+            ca_dates = _ca_out_of_date(self.ca) if refused.verify_code in _OUT_OF_DATE else ""
             raise ValueError(f"--tls-cert {self.cert} does not verify against --tls-ca {self.ca}: "
                              f"{refused.verify_message or refused.reason} "
-                             "(a peer with the same --tls-ca would refuse it)")
+                             + f"({ca_dates or 'a peer with the same --tls-ca would refuse it'})")
 
     def _context(self, purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=self.ca)
