@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from skippy_wire.tools import verify
+from skippy_wire.tools.progress_bar import Progress
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError
 
@@ -65,13 +66,28 @@ def test_cli_rejects_bad_range():
 
 def test_progress_bar_plain_text():
     stream = io.StringIO()
-    bar = verify.Progress(100, stream=stream)
+    bar = Progress(100, stream=stream)
     bar.update(50, 0)
     bar.update(100, 3)
     bar.close()
     lines = stream.getvalue().splitlines()
     assert lines[-1].startswith("[" + "#" * 30 + "] 100.0%")
     assert lines[-1].endswith("mismatches 3")
+
+
+@pytest.mark.parametrize("stderr", [None, "closed"])
+def test_the_check_runs_and_reports_without_a_stderr_to_show_progress_on(capsys, monkeypatch, stderr):
+    """`verify-exhaustive 2>&-` (Python's sys.stderr None) checked nothing and exited 1 in
+    silence: the bar's first write failed; a closed stream failed the same way."""
+    if stderr == "closed":
+        stream = io.StringIO()
+        stream.close()
+        monkeypatch.setattr(verify.sys, "stderr", stream)
+    else:
+        monkeypatch.setattr(verify.sys, "stderr", None)
+    rc = verify.main(["--impl", "python", "--limit", "16", "--workers", "1"])
+    assert rc == 0
+    assert "mismatches: 0" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- mutants

@@ -57,6 +57,7 @@ from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
 from .options import MAX_THREADS, Parser, doc_summary, int_at_least, int_between
+from .progress_bar import Progress
 from .signals import end_workers, exiting_on_signals, ignore_stop_signals, signals_deferred, stop_signals_blocked
 
 TOTAL = 1 << 32
@@ -439,35 +440,6 @@ def _chunks(start: int, limit: int, size: int):
         n = min(size, end - pos)
         yield pos, n
         pos += n
-
-
-class Progress:
-    """A plain-text progress bar on stderr ("\\r" redraws on a terminal, lines otherwise)."""
-
-    def __init__(self, total: int, stream=None, width: int = 30) -> None:
-        self.total, self.stream, self.width = total, stream or sys.stderr, width
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.monotonic()
-        self.last_line = -1.0
-
-    def update(self, done: int, mismatches: int) -> None:
-        now = time.monotonic()
-        frac = done / self.total if self.total else 1.0
-        if not self.tty and done < self.total and now - self.last_line < 10.0:
-            return
-        self.last_line = now
-        rate = done / (now - self.t0) if now > self.t0 else 0.0
-        filled = int(self.width * frac)
-        bar = "#" * filled + "." * (self.width - filled)
-        eta_s = f"{(self.total - done) / rate:5.0f}s" if rate > 0 else "--"
-        line = f"[{bar}] {100 * frac:5.1f}% {done:>10}/{self.total} {rate / 1e6:6.1f} M/s eta {eta_s} mismatches {mismatches}"
-        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
