@@ -220,7 +220,7 @@ def test_text_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):
     path.write_text('{"id": "z-\\ud800", "group": "mystery", "note": "\\udcff"}\nnot json\n')
     assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "FAIL z-\\ud800 [mystery] cases-\\udcff.jsonl:1\n     note: \\udcff\n" in out
+    assert f"FAIL z-\\ud800 [mystery] {tmp_path}/cases-\\udcff.jsonl:1\n     note: \\udcff\n" in out
     assert f"FAIL {tmp_path}/cases-\\udcff.jsonl:2: not JSON" in out
     assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
 
@@ -254,7 +254,24 @@ def test_a_case_without_a_field_it_needs_names_the_field(vectors_dir, tmp_path, 
     (tmp_path / "cases.jsonl").write_text(json.dumps(case) + "\n")
     assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert f"FAIL {case['id']} [frame] cases.jsonl:1: the case has no field 'write'\n" in out
+    assert f"FAIL {case['id']} [frame] {tmp_path / 'cases.jsonl'}:1: the case has no field 'write'\n" in out
+
+
+@pytest.mark.parametrize("version", ["v16", "v17"])
+def test_a_failed_case_names_its_file_by_path_and_the_first_differing_byte(version, tmp_path, capsys):
+    """A v16/v17 write that differed said only "88 bytes differ from the expected 88", under
+    the bare name frame.jsonl, which v15, v16 and v17 all have."""
+    case = _read(GOLDEN / version / "frame.jsonl")[0]
+    wire = bytearray.fromhex(case["write"]["hex"])
+    wire[30] ^= 0xFF
+    case["write"]["hex"] = wire.hex()
+    path = tmp_path / version / "frame.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(case) + "\n")
+    assert conformance.main([str(tmp_path), "--protocol", version[1:]]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {case['id']} [frame] {path}:1\n" in out
+    assert f"write.hex: {len(wire)} bytes; first difference at byte 30: got " in out
 
 
 @pytest.mark.parametrize("version, file", [("v15", "activation.jsonl"), ("v16", "activation_frame.jsonl"),
@@ -266,5 +283,5 @@ def test_a_case_naming_its_codec_two_different_ways_fails(version, file, tmp_pat
     (tmp_path / "cases.jsonl").write_text(json.dumps(case) + "\n")
     assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert f"FAIL {case['id']} [{case['group']}] cases.jsonl:1\n" in out
+    assert f"FAIL {case['id']} [{case['group']}] {tmp_path / 'cases.jsonl'}:1\n" in out
     assert f"     case names codec Bf16RneV1 with id {case['codec_id']}\n" in out

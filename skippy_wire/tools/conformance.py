@@ -289,7 +289,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
                 failed += 1
                 tally[1] += 1
                 if failed <= max_report:
-                    say(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}")
+                    say(f"FAIL {case.get('id', '?')} [{group}] {path}:{lineno}")
                     say(f"     note: {case.get('note', '')}")
                     say(f"     {exc}")
                 continue
@@ -300,7 +300,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
                     # a KeyError is a case written without a field its group needs
                     why = (f"the case has no field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args
                            else f"runner error {type(exc).__name__}: {exc}")
-                    say(f"FAIL {case.get('id', '?')} [{group}] {path.name}:{lineno}: {why}")
+                    say(f"FAIL {case.get('id', '?')} [{group}] {path}:{lineno}: {why}")
                 continue
             passed += 1
             tally[0] += 1

@@ -19,7 +19,7 @@ from ..wire.frame import reader_expectation, recv_ready
 from ..wire.protocol import StageConnection, estimated_buffer_bytes, kernels
 from ..wire.messages import StageWireMessage
 from . import conformance_setup, vector_cases
-from .vector_cases import check_error, check_read, diff, outcome, read_expectation, require_ok
+from .vector_cases import check_error, check_read, diff, hex_diff, outcome, read_expectation, require_ok
 
 _VERSION_ID = re.compile(r"^v(1[67])-")
 
@@ -127,7 +127,7 @@ class GenRunner:
             return
         wire = bytes(require_ok("encode", got))
         if wire.hex() != enc["hex"] or len(wire) != enc["len"]:
-            raise Mismatch(f"encode: {len(wire)} bytes differ from the expected {enc['len']}")
+            raise Mismatch(hex_diff("encode", wire.hex(), enc["hex"]))
         if c["decode"] is not None:
             self._check_decoded("decode", decode(wire), c["decode"], desc, payload)
 
@@ -193,7 +193,7 @@ class GenRunner:
             return None
         data = bytes(require_ok(label, got))
         if data.hex() != w["hex"]:
-            raise Mismatch(f"{label}.hex: {len(data)} bytes differ from the expected {w['len']}")
+            raise Mismatch(hex_diff(f"{label}.hex", data.hex(), w["hex"]))
         return data
 
     def case_frame(self, c: dict) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 from ..errors import Mismatch
 from ..wire.agreement import ActivationAgreement, ActivationProfile
 from ..wire.setup import PlanStage, SetupError, StagePeer, StageSetupConfig, client_setup, server_setup
+from .vector_cases import hex_diff
 
 _JOIN_SECONDS = 10.0
 
@@ -130,7 +131,7 @@ def run_client_case(case: dict, impl: str) -> None:
         impl=impl), script)
     _check_result(got, case["result"])
     if sent.hex() != case["client_sent_hex"]:
-        raise Mismatch(f"client_sent_hex: {len(sent)} bytes differ from the expected {len(case['client_sent_hex']) // 2}")
+        raise Mismatch(hex_diff("client_sent_hex", sent.hex(), case["client_sent_hex"]))
     want = case["established"]
     if (want is None) != (got[0] != "ok") or want is not None and got[1] != ActivationAgreement.from_json(want):
         raise Mismatch("established agreement differs")
@@ -179,7 +180,7 @@ def run_server_case(case: dict, impl: str) -> None:
         body = p["body_template"].replace("@GEN@", gen).encode("utf-8")
         expected += bytes.fromhex(p["header_prefix_hex"]) + struct.pack("<I", len(body)) + body
     if sent != expected:
-        raise Mismatch(f"server packets: {len(sent)} bytes differ from the expected {len(expected)}")
+        raise Mismatch(hex_diff("server packets", sent.hex(), expected.hex()))
     want = case["established_profiles"]
     if (want is None) != (got[0] != "ok"):
         raise Mismatch("established differs")
