@@ -289,6 +289,30 @@ def test_a_third_setup_packet_is_malformed(tmp_path, capsys):
     assert code == 1 and "#2 @" in err and "a side of a link sends 2" in err
 
 
+@pytest.mark.parametrize("cut", [8, 17])
+def test_a_truncated_setup_packet_says_how_many_bytes_are_left_once(tmp_path, capsys, cut):
+    """"setup packet of 716 bytes truncated (17 bytes left) (17 bytes left)": said twice."""
+    messages, _ = _capture(tmp_path, 17)
+    path = tmp_path / "cut.bin"
+    path.write_bytes(messages.read_bytes()[:cut])
+    code, _, err = _inspect(capsys, path)
+    assert code == 1 and err.count("bytes left") == 1 and err.rstrip().endswith(f"({cut} bytes left)"), err
+
+
+@pytest.mark.parametrize("prefix", ["replies", "messages"])
+def test_a_capture_prefix_holding_messages_or_replies_is_read_by_its_files_ends(tmp_path, capsys, prefix):
+    """`serve --capture DIR/replies` writes replies-messages.bin, which was read as replies
+    ("unknown stage reply kind"); under DIR/messages the sibling was looked for as
+    replies-replies.bin, so the activations were not decoded."""
+    messages, replies = _capture(tmp_path, 17)
+    renamed = messages.rename(tmp_path / f"{prefix}-messages.bin")
+    replies.rename(tmp_path / f"{prefix}-replies.bin")
+    code, out, err = _inspect(capsys, renamed)
+    assert (code, err) == (0, "")
+    assert "message (state version 17)" in out and UNDECODED not in out
+    assert "values: [1, 2, 3, 4, 5, 6, 7, 8]" in out
+
+
 def test_a_sibling_offer_whose_agreement_does_not_parse_leaves_the_activations_undecoded(tmp_path, capsys):
     messages, replies = _capture(tmp_path, 17)
     replies.write_bytes(encode_packet({"role": "Activation", "agreement": {}}))

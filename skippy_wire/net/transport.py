@@ -39,6 +39,8 @@ ACCEPT_RETRY_S = 0.1
 #: up too, its thread ends, and the session is freed at once on it and on the stages after
 #: it, rather than when the wait's own timeout ends.
 UPSTREAM_CHECK_S = 1.0
+#: The ends of a capture's two file names: what one end sent, what it received.
+CAPTURE_SENT_SUFFIX, CAPTURE_RECEIVED_SUFFIX = "-messages.bin", "-replies.bin"
 
 log = logging.getLogger("skippy_wire.net.transport")
 
@@ -467,8 +469,8 @@ class Peer:
         self.sock = sock
         self._cap_out = self._cap_in = None
         if capture_prefix:
-            self._cap_out = DiagnosticFile(capture_prefix + "-messages.bin", "--capture")
-            self._cap_in = DiagnosticFile(capture_prefix + "-replies.bin", "--capture")
+            self._cap_out = DiagnosticFile(capture_prefix + CAPTURE_SENT_SUFFIX, "--capture")
+            self._cap_in = DiagnosticFile(capture_prefix + CAPTURE_RECEIVED_SUFFIX, "--capture")
         self.reader = SocketReader(sock, decoder if decoder is not None else StageReplyDecoder(), self._cap_in)
         self.sent = 0
         self.unasked = False  # bytes arrived between messages (open_between_messages)

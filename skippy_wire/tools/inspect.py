@@ -42,12 +42,12 @@ import os
 import stat
 import struct
 import sys
-from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
 from ..errors import DissectError, UnexpectedEofError, WireError
+from ..net.transport import CAPTURE_RECEIVED_SUFFIX
 from ..wire.activation_frame import (
     PROTOCOL_VERSIONS,
     STAGE_STATE_VERSION_V15,
@@ -383,7 +383,8 @@ def dissect_input(src: CaptureInput, *, replies: bool | None = None, n_embd: int
         length = struct.unpack_from("<I", src.window, 8)[0] if len(src.window) >= SETUP_HEADER_BYTES else 0
         src.fill(SETUP_HEADER_BYTES + min(length, MAX_STAGE_SETUP_MESSAGE_BYTES))
     if replies is None:
-        replies = src.window[:4] == READY_BYTES or starts_with_offer(src.window) or "replies" in Path(name).name
+        replies = (src.window[:4] == READY_BYTES or starts_with_offer(src.window)
+                   or name.endswith(CAPTURE_RECEIVED_SUFFIX))
     if protocol is None:
         protocol = detect_protocol(src.window, replies)
     index = 0
@@ -426,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--messages", action="store_true",
                            help="the stream is stage messages (default: detected as for --replies)")
     p.add_argument("--n-embd", type=int_between(1, I32_MAX), default=None,
-                   help="activation width (default: inferred per message)")
+                   help="activation width of state version 15 messages (v16/v17 frames carry their dimensions; "
+                        "default: inferred per message)")
     p.add_argument("--values", action="store_true", help="print every activation value")
     p.add_argument("--protocol", type=int, choices=PROTOCOL_VERSIONS, default=None,
                    help="state version of the capture (default: detected from its bytes)")

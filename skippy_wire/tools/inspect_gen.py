@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import InvalidDataError, UnexpectedEofError
+from ..net.transport import CAPTURE_RECEIVED_SUFFIX, CAPTURE_SENT_SUFFIX
 from ..wire.activation_frame import (
     ACTIVATION_AGREEMENT_GENERATION_BYTES,
     ACTIVATIONLESS_KINDS_V16,
@@ -79,15 +80,13 @@ def read_setup_packet(data, offset: int) -> tuple:
     (its ``needed``: the packet's bytes known so far, as the wire readers say it), InvalidData
     for what a peer would refuse (a body over the limit, or no JSON)."""
     if len(data) - offset < SETUP_HEADER_BYTES:
-        raise UnexpectedEofError(f"setup packet header truncated ({len(data) - offset} bytes left)",
-                                 needed=SETUP_HEADER_BYTES)
+        raise UnexpectedEofError("setup packet header truncated", needed=SETUP_HEADER_BYTES)  # (the bytes left: the caller)
     length = struct.unpack_from("<I", data, offset + 8)[0]
     if length > MAX_STAGE_SETUP_MESSAGE_BYTES:
         raise InvalidDataError(f"stage setup message exceeds limit ({length} bytes)")
     end = offset + SETUP_HEADER_BYTES + length
     if end > len(data):
-        raise UnexpectedEofError(f"setup packet of {length} bytes truncated ({len(data) - offset} bytes left)",
-                                 needed=SETUP_HEADER_BYTES + length)
+        raise UnexpectedEofError(f"setup packet of {length} bytes truncated", needed=SETUP_HEADER_BYTES + length)
     body = bytes(data[offset + SETUP_HEADER_BYTES:end])
     try:
         parse_json(body)
@@ -126,8 +125,8 @@ def find_agreement(data: bytes, name: str = "") -> Optional[ActivationAgreement]
     (a regular file: a pipe or device there is not read); an Offer whose agreement does not
     parse gives none, and the activations are then shown undecoded."""
     sources = [data]
-    if "messages" in Path(name).name:
-        sibling = Path(name).with_name(Path(name).name.replace("messages", "replies"))
+    if name.endswith(CAPTURE_SENT_SUFFIX):
+        sibling = Path(name[:-len(CAPTURE_SENT_SUFFIX)] + CAPTURE_RECEIVED_SUFFIX)
         try:
             if sibling.is_file():
                 with open(sibling, "rb") as fh:  # its Offer is among its first two packets
