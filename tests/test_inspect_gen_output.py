@@ -313,6 +313,18 @@ def test_a_capture_prefix_holding_messages_or_replies_is_read_by_its_files_ends(
     assert "values: [1, 2, 3, 4, 5, 6, 7, 8]" in out
 
 
+@pytest.mark.parametrize("version, forced, which, why", [
+    (16, 17, 1, "READY in a state version 17 stream (a v17 link starts with the setup handshake instead)"),
+    (17, 16, 1, "a setup packet in a state version 16 stream (only a v17 link starts with the setup handshake)"),
+    (17, 15, 0, "a setup packet in a state version 15 stream (only a v17 link starts with the setup handshake)"),
+])
+def test_a_forced_protocol_refuses_the_opening_of_another_version(tmp_path, capsys, version, forced, which, why):
+    """`--protocol 17` showed a v16 capture's READY as a record, `--protocol 16` a v17 capture's
+    setup packets: neither opening exists in the version forced."""
+    code, _, err = _inspect(capsys, _capture(tmp_path, version)[which], "--protocol", forced)
+    assert code == 1 and f"#0 @0: InvalidData: {why} (" in err, err
+
+
 def test_a_sibling_offer_whose_agreement_does_not_parse_leaves_the_activations_undecoded(tmp_path, capsys):
     messages, replies = _capture(tmp_path, 17)
     replies.write_bytes(encode_packet({"role": "Activation", "agreement": {}}))

@@ -46,7 +46,7 @@ from typing import TextIO
 
 import numpy as np
 
-from ..errors import DissectError, UnexpectedEofError, WireError
+from ..errors import DissectError, InvalidDataError, UnexpectedEofError, WireError
 from ..net.transport import CAPTURE_RECEIVED_SUFFIX
 from ..wire.activation_frame import (
     PROTOCOL_VERSIONS,
@@ -495,8 +495,8 @@ class iter_records:
     def __init__(self, data: bytes, *, replies: bool, n_embd: int | None = None,
                  protocol: int = STAGE_STATE_VERSION_V15, name: str = "") -> None:
         self.data, self.base, self.replies, self.n_embd, self.offset = data, 0, replies, n_embd, 0
-        self.setup_count = 0
-        self.in_setup = protocol != STAGE_STATE_VERSION_V15
+        self.setup_count, self.protocol = 0, protocol
+        self.in_setup = protocol == STAGE_STATE_VERSION_V17  # a v17 link starts with the setup handshake
         self.gen = None if replies or protocol == STAGE_STATE_VERSION_V15 else GenMessageReader(protocol, data, name)
 
     def view(self, data, base: int) -> None:
@@ -519,7 +519,13 @@ class iter_records:
             size, body = read_setup_packet(data, offset)
             record = SetupPacket(setup_label(self.setup_count, self.replies), body)
             self.setup_count += 1
+        elif self.offset == 0 and is_setup_packet(data, offset):  # --protocol 15 or 16 on a v17 capture
+            raise InvalidDataError(f"a setup packet in a state version {self.protocol} stream (only a v17 link "
+                                   "starts with the setup handshake)")
         elif self.replies and self.offset == 0 and data[:4] == READY_BYTES:
+            if self.protocol == STAGE_STATE_VERSION_V17:  # --protocol 17 on a v15 or v16 capture
+                raise InvalidDataError("READY in a state version 17 stream (a v17 link starts with the setup "
+                                       "handshake instead)")
             record, size = READY, 4
         elif self.replies:
             record, size = read_reply_from_buffer(data, offset=offset)
