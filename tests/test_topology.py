@@ -11,10 +11,10 @@ import pytest
 
 from skippy_wire.errors import TopologyError
 from skippy_wire.net.netns import format_rate, parse_rate, tbf_args
-from skippy_wire.net import transport
+from skippy_wire.net import topology, transport
 from skippy_wire.net.topology import PROBE_SETTLE_S, build_topology, load_topology, parse_topology
-from skippy_wire.stage.models import model_shape, smollm2_path
-from skippy_wire.tools import serve
+from skippy_wire.stage.models import TINY_CONTEXT, model_shape, smollm2_path, write_tiny_llama_gguf
+from skippy_wire.tools import api, serve
 
 N_LAYER, N_EMBD = 30, 576
 
@@ -567,7 +567,7 @@ def test_a_nul_in_model_path_is_the_file_s_error():
 
 BOUNDS = [
     ("threads", _set(1, "threads", 513), "stage 1: threads 513 is not between 1 and 512"),
-    ("ctx_size", lambda d: d.update(ctx_size=2**24 + 1), "ctx_size 16777217 is not between 1 and 16777216"),
+    ("ctx_size", lambda d: d.update(ctx_size=2**24 + 1), "ctx_size 16777217 is not between 0 and 16777216"),
 ]
 
 
@@ -597,7 +597,37 @@ def test_serve_run_and_api_refuse_one_file_alike(tmp_path, command):
         pytest.fail(f"{command} --topology took the file and ran")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == \
-        f"skippy-wire: error: {path}: ctx_size 16777217 is not between 1 and 16777216"
+        f"skippy-wire: error: {path}: ctx_size 16777217 is not between 0 and 16777216"
+
+
+def test_ctx_size_0_is_the_model_s_training_context_as_serve_s_c_0(tmp_path, monkeypatch):
+    """`serve -c 0` is the training context, but a file saying ctx_size 0 was refused
+    ("ctx_size must be >= 1, not 0")."""
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    n_layer, _ = model_shape(model)
+    data = {"model_path": str(model), "ctx_size": 0,
+            "stages": [{"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}
+    assert parse_topology(data, name="f.json").ctx_size == TINY_CONTEXT
+    monkeypatch.setattr(topology, "training_context", lambda path: None)
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, name="f.json")
+    assert str(info.value) == ("f.json: ctx_size 0 asks for the training context of tiny.gguf, which it does not "
+                               "record; give ctx_size")
+
+
+def test_api_refuses_a_file_s_ctx_size_under_its_own_c_bound(tmp_path, capsys):
+    """`api -c 8` is a usage error (16 at least), but a topology file's ctx_size 8 was taken:
+    the API served with a context no request fits in."""
+    n_layer, _ = model_shape(smollm2_path())
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"model_id": "smollm2-135m", "ctx_size": 8, "stages": [
+        {"endpoint": "127.0.0.1:1", "layer_start": 0, "layer_end": n_layer}]}))
+    parser = api.build_parser()
+    with pytest.raises(SystemExit) as stopped:
+        api._check_args(parser, parser.parse_args(["--topology", str(path)]))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"skippy-wire: error: {path}: ctx_size 8 is under the least --ctx-size skippy-wire api takes (16)"
 
 
 def test_a_byte_order_mark_is_skipped(tmp_path):

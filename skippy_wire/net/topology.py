@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import TopologyError, not_a_regular_file, os_reason
-from ..stage.models import model_shape, smollm2_path
+from ..stage.models import model_shape, smollm2_path, training_context
 from ..stage.threads import DEFAULT_THREADS, MAX_THREADS
 from ..wire.constants import MAX_CTX_SIZE, named_codec_setting
 from ..wire.forwarding import DEFAULT_CTX_SIZE
@@ -370,9 +370,9 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
             raise TopologyError(f"{name}: stage {s.index}: codec {s.activation_codec}/"
                                 f"{s.activation_codec_policy} differs from stage 0's "
                                 f"{first.activation_codec}/{first.activation_codec_policy}")
-    ctx_size = _int(name, data, "ctx_size", minimum=1, default=DEFAULT_CTX_SIZE)
+    ctx_size = _int(name, data, "ctx_size", minimum=0, default=DEFAULT_CTX_SIZE)  # 0: as `serve -c 0`
     if ctx_size > MAX_CTX_SIZE:
-        raise TopologyError(f"{name}: ctx_size {ctx_size} is not between 1 and {MAX_CTX_SIZE}")
+        raise TopologyError(f"{name}: ctx_size {ctx_size} is not between 0 and {MAX_CTX_SIZE}")
     topology_id = data.get("topology_id", "topology")
     if not isinstance(topology_id, str) or not topology_id:
         raise TopologyError(f"{name}: topology_id must be a non-empty string")
@@ -386,6 +386,12 @@ def parse_topology(data, *, name: str = "topology", model: str | Path | None = N
     problem = layer_chain_problem(ranges, n_layer, model_path.name)
     if problem:
         raise TopologyError(f"{name}: {problem}")
+    if ctx_size == 0:
+        ctx_size = training_context(model_path) or 0
+        if not 1 <= ctx_size <= MAX_CTX_SIZE:
+            raise TopologyError(f"{name}: ctx_size 0 asks for the training context of {model_path.name}, which "
+                                + (f"is {ctx_size} tokens, over the stages' limit of {MAX_CTX_SIZE}" if ctx_size
+                                   else "it does not record") + "; give ctx_size")
     return Topology(model_path, tuple(stages), n_layer, n_embd, topology_id, model_id, ctx_size, name)
 
 

@@ -280,6 +280,17 @@ def _shape(path: PathLike, found: dict) -> Tuple[int, int]:
     return tuple(_count(path, found, f"{arch}.{key}") for key in ("block_count", "embedding_length"))
 
 
+def _has_context(found: dict) -> bool:
+    arch = found.get("general.architecture")
+    return bool(arch) and f"{arch}.context_length" in found
+
+
+def training_context(path: PathLike) -> Optional[int]:
+    """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
+    found = read_gguf_metadata(path, stop=_has_context)
+    return int(found[f"{found['general.architecture']}.context_length"]) if _has_context(found) else None
+
+
 def kv_cache_bytes(path: PathLike, ctx_size: int) -> int:
     """The K/V cache one session of the whole model holds at ``ctx_size`` positions, sized
     as the backend sizes it (``skippy_session_create``: an f32 K and V row of

@@ -468,7 +468,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("give the address once: --listen HOST:PORT, or llama-server's --host and --port")
     host, port = args.listen or address(DEFAULT_LISTEN)
     args.listen_address = (host if args.host is None else args.host, port if args.port is None else args.port)
-    args.connect_address = apply_topology(p, args) or args.connect
+    args.connect_address = apply_topology(p, args, MIN_CTX_SIZE) or args.connect
     args.model_id = expected_model_id(p, args, running=bool(args.connect_address))
     if args.ctx_size is None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE

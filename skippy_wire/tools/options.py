@@ -207,16 +207,10 @@ model_file, given_path = _named_path("model file"), _named_path("file or directo
 
 
 def training_context(model: Path) -> int | None:
-    """The context the model was trained with (``{arch}.context_length``), None if unsaid."""
+    """The context the model was trained with, None if unsaid (:func:`skippy_wire.stage.models.training_context`)."""
+    from ..stage.models import training_context as trained  # here: the GGUF reader loads numpy
 
-    def has_it(found: dict) -> bool:
-        arch = found.get("general.architecture")
-        return bool(arch) and f"{arch}.context_length" in found
-
-    from ..stage.models import read_gguf_metadata  # here: the GGUF reader loads numpy
-
-    found = read_gguf_metadata(model, stop=has_it)
-    return int(found[f"{found['general.architecture']}.context_length"]) if has_it(found) else None
+    return trained(model)
 
 
 def context_overflow(ctx_size: int, model: Path) -> str | None:
@@ -547,10 +541,11 @@ def utf8(text: str) -> str:
     return text
 
 
-def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | None:
+def apply_topology(parser: argparse.ArgumentParser, args, min_ctx_size: int = 1) -> tuple[str, int] | None:
     """``--topology FILE``: its model replaces ``args``', and its ctx_size unless ``-c`` asks
-    for less (more than the stages hold is a usage error); returns its stage 0's address
-    (None without the option).  A bad file is a usage error."""
+    for less (more than the stages hold is a usage error, and so is a file's ctx_size under
+    ``min_ctx_size``, the command's own ``-c`` bound); returns its stage 0's address (None
+    without the option).  A bad file is a usage error."""
     if not args.topology:
         return None
     # here: it loads the model reader, which --help need not
@@ -563,6 +558,9 @@ def apply_topology(parser: argparse.ArgumentParser, args) -> tuple[str, int] | N
     given = args.ctx_size  # None unless -c was given
     if given is not None and given > topology.ctx_size:
         parser.error(f"--ctx-size {given} is more than the {topology.ctx_size} tokens of {args.topology}'s stages")
+    if topology.ctx_size < min_ctx_size:
+        parser.error(f"{args.topology}: ctx_size {topology.ctx_size} is under the least --ctx-size {parser.prog} "
+                     f"takes ({min_ctx_size})")
     args.model, args.ctx_size = str(topology.model_path), given or topology.ctx_size
     args.topology_model_id = topology.model_id  # the stages' v17 model id, as serve --topology takes it
     drive_topology(topology)  # a failed request names the stage that no longer answers
