@@ -225,6 +225,15 @@ def test_text_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):
     assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
 
 
+def test_a_byte_order_mark_opening_a_file_is_skipped(vectors_dir, tmp_path, capsys):
+    """A Windows editor's BOM failed the first case as "not JSON (Unexpected UTF-8 BOM ...)"."""
+    lines = (vectors_dir / "frame.jsonl").read_text().splitlines()[:2]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    assert conformance.main([str(path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("conformance: 2 passed, 0 failed")
+
+
 def test_json_nested_too_deeply_fails_as_a_line(tmp_path, capsys):
     """Python's JSON decoder recurses per level: a fuzzed line of 100 000 brackets is a
     failed line, not a RecursionError traceback."""

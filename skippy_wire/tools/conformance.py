@@ -222,8 +222,8 @@ def _cases(path: Path):
                 if raw is None:
                     yield lineno, None, f"a line over {MAX_CASE_LINE_BYTES >> 20} MiB, longer than any case"
                     continue
-                try:
-                    line = raw.decode("utf-8")
+                try:  # a byte order mark opening the file is skipped, as topology files' is
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError as exc:
                     yield lineno, None, f"not UTF-8 (byte {exc.start + 1} of the line)"
                     continue
