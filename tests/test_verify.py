@@ -90,6 +90,14 @@ def test_the_check_runs_and_reports_without_a_stderr_to_show_progress_on(capsys,
     assert "mismatches: 0" in capsys.readouterr().out
 
 
+def test_the_wall_time_estimate_counts_the_cores_there_are_not_the_workers(capsys, monkeypatch):
+    """`--workers 512` on two cores said "on 512 idle core(s)"."""
+    monkeypatch.setattr(verify, "available_cpus", lambda: 1)
+    assert verify.main(["--impl", "python", "--limit", "16", "--workers", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "with 2 worker(s)" in out and "on 1 idle core(s))" in out
+
+
 # --------------------------------------------------------------------------- mutants
 
 

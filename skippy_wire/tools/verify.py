@@ -554,9 +554,9 @@ def main(argv=None) -> int:
     end = args.start + args.limit - 1
     print(f"verify-exhaustive: impl={args.impl} patterns 0x{args.start:08x}..0x{end:08x} ({args.limit}) "
           f"in {elapsed:.1f} s with {workers} worker(s)")
-    cpu = sum(r.cpu for r in results)
+    cpu, cores = sum(r.cpu for r in results), min(workers, available_cpus())  # more workers share the cores
     print(f"cpu: {cpu:.1f} s in the checks ({cpu / max(elapsed, 1e-9):.2f} cores busy on average; "
-          f"about {cpu / workers:.0f} s of wall time on {workers} idle core(s))")
+          f"about {cpu / cores:.0f} s of wall time on {cores} idle core(s))")
     print("checked: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
     print(f"mismatches: {mismatches}" + ("" if not by_check else " (" + ", ".join(f"{k}={v}" for k, v in sorted(by_check.items())) + ")"))
     for m in first[: args.show]:
