@@ -325,6 +325,17 @@ def test_a_forced_protocol_refuses_the_opening_of_another_version(tmp_path, caps
     assert code == 1 and f"#0 @0: InvalidData: {why} (" in err, err
 
 
+def test_a_sibling_replies_file_of_another_link_leaves_the_activations_undecoded(tmp_path, capsys):
+    """A hop1-replies.bin left from another run made a valid capture fail ("stale activation
+    agreement"): its Offer's generation is not the one this capture's accept packet names."""
+    messages, replies = _capture(tmp_path, 17)
+    offer = {"role": "Activation", "receiver": None,
+             "agreement": dict(_agreement().to_json(), generation=list(range(16, 32)))}
+    replies.write_bytes(encode_packet(offer) + encode_packet(list(range(16, 32))))
+    code, out, err = _inspect(capsys, messages)
+    assert (code, err) == (0, "") and UNDECODED in out
+
+
 def test_a_sibling_offer_whose_agreement_does_not_parse_leaves_the_activations_undecoded(tmp_path, capsys):
     messages, replies = _capture(tmp_path, 17)
     replies.write_bytes(encode_packet({"role": "Activation", "agreement": {}}))

@@ -30,7 +30,7 @@ from ..wire.activation_frame import (
     STAGE_STATE_VERSION_V17,
     ActivationFrameV16,
 )
-from ..wire.agreement import ActivationAgreement, parse_json
+from ..wire.agreement import ActivationAgreement, generation_from_json, parse_json
 from ..wire.constants import ActivationCodec
 from ..wire.protocol import ACTIVATION_COUNT_OFFSET, VERSION_WORD_OFFSET, WireProtocol
 from ..wire.setup import MAX_STAGE_SETUP_MESSAGE_BYTES, SETUP_HEADER_BYTES, SETUP_MAGIC, STAGE_PROTOCOL_GENERATION
@@ -138,9 +138,22 @@ def find_agreement(data: bytes, name: str = "") -> Optional[ActivationAgreement]
             offered = _offered(body)
             if offered is not None:
                 try:
-                    return ActivationAgreement.from_json(offered)
+                    agreement = ActivationAgreement.from_json(offered)
                 except ValueError:  # its shape is wrong (JsonShapeError)
                     return None
+                accepted = _accepted_generation(data)
+                # a sibling from another link (another run's file): its agreement is not this one's
+                return None if accepted is not None and accepted != agreement.generation else agreement
+    return None
+
+
+def _accepted_generation(data) -> Optional[bytes]:
+    """The generation the accept packet of a messages capture names, None without one."""
+    for body in _setup_bodies(data):
+        try:
+            return generation_from_json(parse_json(body))
+        except ValueError:  # not the accept packet (the Hello), or not a generation
+            continue
     return None
 
 
