@@ -234,6 +234,18 @@ def test_a_byte_order_mark_opening_a_file_is_skipped(vectors_dir, tmp_path, caps
     assert capsys.readouterr().out.rstrip().endswith("conformance: 2 passed, 0 failed")
 
 
+def test_the_per_group_counts_add_up_to_the_total(vectors_dir, tmp_path, capsys):
+    """`-v` left the lines that are no case out of its per-group counts (0 failed beside a
+    total of 1 failed)."""
+    good = (vectors_dir / "frame.jsonl").read_text().splitlines()[0]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(f"{good}\nnot json\n")
+    assert conformance.main([str(path), "-v"]) == 1
+    out = capsys.readouterr().out
+    assert "  (not a case): 0 passed, 1 failed\n" in out and "  frame: 1 passed, 0 failed\n" in out
+    assert out.rstrip().endswith("conformance: 1 passed, 1 failed")
+
+
 def test_json_nested_too_deeply_fails_as_a_line(tmp_path, capsys):
     """Python's JSON decoder recurses per level: a fuzzed line of 100 000 brackets is a
     failed line, not a RecursionError traceback."""

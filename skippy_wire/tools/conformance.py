@@ -252,6 +252,10 @@ def _cases(path: Path):
         yield 0, None, f"cannot read it: {why.removeprefix(f'{exc.filename}: ')}"
 
 
+#: The per-group line that counts the lines that are no case (not JSON, no group, unreadable files).
+NOT_A_CASE = "(not a case)"
+
+
 def _json_kind(value) -> str:
     if isinstance(value, bool):
         return "a boolean"
@@ -277,6 +281,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
         for lineno, case, problem in _cases(path):
             if case is None:
                 failed += 1
+                per_group.setdefault(NOT_A_CASE, [0, 0])[1] += 1
                 if failed <= max_report:
                     say(f"FAIL {path}{f':{lineno}' if lineno else ''}: {problem}")
                 continue
