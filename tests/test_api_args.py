@@ -238,6 +238,7 @@ def _health(engine, monkeypatch, ready_timeout: float, **patch) -> dict:
         with TestClient(api.app()) as client:
             r = client.get("/health")
         assert r.status_code == 503
+        assert r.headers["Retry-After"] == "1"  # as every other 503 of the API (docs/pipeline.md)
         return r.json()
     finally:
         api.close()
