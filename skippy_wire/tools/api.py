@@ -210,8 +210,8 @@ class Api:
         else:
             return JSONResponse({"status": "ok"})
         # llama-server's error object (clients read error.message), beside a status word
-        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": error, "type": "unavailable_error"}},
-                            status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        body = {"status": "unavailable", "error": {"code": 503, "message": error, "type": "unavailable_error"}}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(prometheus_text(self.engine.counters, self.admission), media_type=PROMETHEUS_TEXT)

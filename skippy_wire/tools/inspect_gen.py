@@ -80,7 +80,7 @@ def read_setup_packet(data, offset: int) -> tuple:
     (its ``needed``: the packet's bytes known so far, as the wire readers say it), InvalidData
     for what a peer would refuse (a body over the limit, or no JSON)."""
     if len(data) - offset < SETUP_HEADER_BYTES:
-        raise UnexpectedEofError("setup packet header truncated", needed=SETUP_HEADER_BYTES)  # (the bytes left: the caller)
+        raise UnexpectedEofError("setup packet header truncated", needed=SETUP_HEADER_BYTES)  # bytes left: the caller
     length = struct.unpack_from("<I", data, offset + 8)[0]
     if length > MAX_STAGE_SETUP_MESSAGE_BYTES:
         raise InvalidDataError(f"stage setup message exceeds limit ({length} bytes)")

@@ -28,7 +28,8 @@ class Progress:
         filled = int(self.width * frac)
         bar = "#" * filled + "." * (self.width - filled)
         eta_s = f"{(self.total - done) / rate:5.0f}s" if rate > 0 else "--"
-        line = f"[{bar}] {100 * frac:5.1f}% {done:>10}/{self.total} {rate / 1e6:6.1f} M/s eta {eta_s} mismatches {mismatches}"
+        line = (f"[{bar}] {100 * frac:5.1f}% {done:>10}/{self.total} {rate / 1e6:6.1f} M/s eta {eta_s} "
+                f"mismatches {mismatches}")
         self._write(("\r" + line) if self.tty else (line + "\n"))
 
     def close(self) -> None:
