@@ -206,7 +206,7 @@ def test_a_topology_context_out_of_bounds_is_a_usage_error(capsys, tmp_path, tin
     code, out, err = _main(capsys, "serve", "--topology", str(topology), "--stage", "0")
     assert code == 2
     assert _one_error_line(err) == \
-        f"skippy-wire: error: {topology}: ctx_size 99999999999 is not between 1 and 16777216"
+        f"skippy-wire: error: {topology}: ctx_size 99999999999 is not between 0 and 16777216"
 
 
 def test_threads_minus_one_is_the_default_everywhere_as_in_llama_cpp():

@@ -551,6 +551,24 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
         assert not engine.tokenizer.encoding.is_set()  # 16 tokens of at most 4 bytes: never encoded
 
 
+def test_messages_that_cannot_fit_the_context_are_refused_before_they_are_rendered():
+    """280,000 empty messages (7.7 MiB) waited for the one rendering thread and held it 3 s
+    before their 400; twenty such requests held the API's memory at 1.7 GB."""
+    engine = FakeEngine(ctx_size=16)
+    api = _fake_api(engine)
+    rendered, render = [], api.prompt_reader.rendered
+    api.prompt_reader.rendered = lambda body: rendered.append(body) or render(body)
+    many = [{"role": "user", "content": ""}] * 17  # a token each at least: 17 > 16
+    texts = [{"role": "user", "content": [{"type": "text", "text": "x" * 33}]}, {"role": "user", "content": "y" * 32}]
+    with TestClient(api.app()) as client:
+        for messages in (many, texts):  # (texts: 65 bytes > 16 tokens x 4)
+            r = client.post("/v1/chat/completions", json={"messages": messages})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert client.post("/apply-template", json={"messages": messages}).status_code == 400
+        assert not rendered
+        assert client.post("/apply-template", json={"messages": many[:16]}).status_code == 200 and rendered
+
+
 def test_a_mixed_prompt_too_long_for_the_context_is_refused_before_any_piece_is_tokenized():
     # A million one-letter texts: each piece is a token at least, and each passed the size
     # check on its own, so they were tokenized one call at a time (seconds) before the 400.

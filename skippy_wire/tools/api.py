@@ -190,8 +190,7 @@ class Api:
         return JSONResponse({"default_generation_settings": {
                                  "n_ctx": self.engine.ctx_size, "params": generation_settings(defaults)},
                              "total_slots": self.max_inflight, "model_path": self.model_path,
-                             "chat_template": self.chat_template.source if self.chat_template else "",
-                             **special,
+                             "chat_template": self.chat_template.source if self.chat_template else "", **special,
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
 
     async def health(self, request: Request) -> Response:
@@ -232,7 +231,8 @@ class Api:
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
-        return await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)})
+        return await self._answer_body(request, lambda body: {"prompt": self.prompt_reader.rendered(body)},
+                                       read=lambda body: self.prompt_reader.check_messages_fit(body) or body)
 
     async def _answer_body(self, request: Request, answer, read=None) -> Response:
         """``answer(body)`` of the request's JSON body, or ``answer(read(body))``, computed off

@@ -19,6 +19,23 @@ class PromptReader:
     def __init__(self, engine, chat_template: Optional[ChatTemplate], model_id: str) -> None:
         self.engine, self.chat_template, self.model_id = engine, chat_template, model_id
 
+    def check_messages_fit(self, body: dict) -> None:
+        """Refuse, unrendered, ``messages`` that cannot fit the context: more messages than it
+        holds tokens (a template gives each a token at least), or more text in them than those
+        tokens can stand for.  Run on the event loop, before the request waits for the one
+        rendering thread: 280,000 empty messages took it 3 s to render and refuse."""
+        messages, ctx = body.get("messages"), self.engine.ctx_size
+        if not isinstance(messages, list):
+            return  # (the renderer names what is wrong with it)
+        if len(messages) > ctx:
+            raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, 'messages' holds "
+                             f"{len(messages)} messages, a token each at least. Please reduce the number of "
+                             "messages.", "messages", "context_length_exceeded")
+        texts = [m.get("content") for m in messages if isinstance(m, dict)]
+        texts += [p.get("text") for parts in texts if isinstance(parts, list) for p in parts if isinstance(p, dict)]
+        check_text_fits("".join(t for t in texts if isinstance(t, str)), self.engine.tokenizer.max_token_bytes, ctx,
+                        "the text of 'messages'", "messages")
+
     def rendered(self, body: dict) -> str:
         """A chat request's ``messages`` through the model's chat template (with its
         ``add_generation_prompt`` and ``chat_template_kwargs``, as llama-server renders them)."""
@@ -40,6 +57,7 @@ class PromptReader:
         chat; a completion's ``prompt`` may be a batch (a list of strings or of token-id
         lists), up to :data:`.api_params.MAX_PROMPTS` generations with ``n`` choices each."""
         if chat:
+            self.check_messages_fit(body)
             return [lambda: self.encode(self.rendered(body), "the rendered 'messages'", "messages")]
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
