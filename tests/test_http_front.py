@@ -594,6 +594,30 @@ def test_a_request_with_both_body_lengths_is_refused_and_its_connection_closed()
     assert answer.count(b"HTTP/1.1 ") == 1  # the request behind it was not served
 
 
+def test_a_body_in_tiny_chunks_is_refused_before_it_holds_the_event_loop():
+    """150,000 one-byte chunks a write held the event loop a second a MiB: every other client
+    waited (an 8-token stream took 10 s against 0.2 s).  Chunks of a few hundred bytes pass."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        s = _connect(url)
+        s.sendall(head + b"1\r\n \r\n" * 150_000)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert b"request body in pieces of 1 bytes on average (at least 256 after the first 1024" in answer
+        body = json.dumps({"prompt": "hi", "max_tokens": 1, "pad": "x" * 600_000}).encode()
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 300]), body[i:i + 300]) for i in range(0, len(body), 300))
+        s = _connect(url)
+        s.sendall(head.replace(b"Host: x", b"Host: x\r\nConnection: close") + chunked + b"0\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
 @pytest.mark.parametrize("request_head, status, reason", [
     (b"GARBAGE\r\n\r\n", 400, "illegal request line: bytearray(b'GARBAGE')"),
     (b"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\n\r\n", 400, "illegal request line: bytearray(b'GET /v1/models/"),

@@ -37,6 +37,10 @@ MAX_HEAD_BYTES = 16 << 10
 #: Bytes of request bodies buffered at once, all connections together: each may hold up
 #: to MAX_BODY_BYTES while its body arrives, and --max-connections of them would hold GiBs.
 MAX_BUFFERED_BODY_BYTES = 64 << 20
+#: A body's pieces (its chunks, or what each read of a plain one brought) must average this
+#: many bytes once there are BODY_PIECES_FREE of them: the HTTP parser's cost is per piece, and
+#: a body of one-byte chunks held the event loop, and every other client, a second a MiB.
+MIN_BODY_PIECE_BYTES, BODY_PIECES_FREE = 256, 1024
 #: Seconds a request body may take once its head has arrived (as a stage's --message-timeout); slower: 408.
 BODY_TIMEOUT_S = 30
 #: After an answer given while the request's body still arrives (413, 408, 401, 404 ...),
@@ -262,6 +266,11 @@ class _ProtocolLog(logging.LoggerAdapter):
             super().warning(msg, *args, **kwargs)
 
 
+class RefusedRequest(h11.RemoteProtocolError):
+    """A request this front refuses as h11 refuses a malformed one, its text the answer's
+    message (h11's own reasons quote the peer's bytes: those go to the log alone)."""
+
+
 class IdleSheddingProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, except that a new connection at the connection limit
     closes the one that has been quiet longest instead of leaving every request 503, and
@@ -290,15 +299,24 @@ class IdleSheddingProtocol(H11Protocol):
         def remembering_next_event():
             try:
                 event = next_event()
-                if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
-                    raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES >> 10} KiB",
-                                                  error_status_hint=431)
+                if isinstance(event, h11.Request):
+                    if _head_bytes(event) > MAX_HEAD_BYTES:
+                        raise RefusedRequest(f"request head over {MAX_HEAD_BYTES >> 10} KiB", error_status_hint=431)
+                    self.body_pieces = self.body_bytes = 0
+                elif isinstance(event, h11.Data):
+                    self.body_pieces, self.body_bytes = self.body_pieces + 1, self.body_bytes + len(event.data)
+                    pieces = self.body_pieces
+                    if pieces > BODY_PIECES_FREE and self.body_bytes < MIN_BODY_PIECE_BYTES * pieces:
+                        raise RefusedRequest(
+                            f"request body in pieces of {self.body_bytes // pieces} bytes on average (at "
+                            f"least {MIN_BODY_PIECE_BYTES} after the first {BODY_PIECES_FREE}: send larger chunks)")
                 return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
                 raise
 
         self.conn.next_event = remembering_next_event
+        self.body_pieces = self.body_bytes = 0  # of the request whose body arrives
         self.lingering: Optional[int] = None  # bytes dropped since the close was asked for
         self.linger_end: Optional[asyncio.TimerHandle] = None
         self.stalled: Optional[asyncio.TimerHandle] = None  # set while the client reads nothing
@@ -404,7 +422,7 @@ class IdleSheddingProtocol(H11Protocol):
         status = getattr(error, "error_status_hint", 400)
         peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
         self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
-        body = json.dumps(error_object(msg)).encode()
+        body = json.dumps(error_object(str(error) if isinstance(error, RefusedRequest) else msg)).encode()
         headers = [*self.server_state.default_headers,  # Date and Server, as every other answer
                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), (b"x-request-id", new_request_id())]
