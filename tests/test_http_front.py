@@ -551,6 +551,16 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
         assert not engine.tokenizer.encoding.is_set()  # 16 tokens of at most 4 bytes: never encoded
 
 
+def test_an_out_of_range_number_is_echoed_cut_short():
+    """A 4,000-digit max_tokens came back whole in the error message."""
+    with TestClient(_fake_api().app()) as client:
+        r = client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": ' + b"9" * 4000 + b"}",
+                        headers={"Content-Type": "application/json"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("'max_tokens' must be between -1 and 2147483647, got 999")
+    assert message.endswith("... (3700 more characters)") and len(message) < 400, message
+
+
 def test_messages_that_cannot_fit_the_context_are_refused_before_they_are_rendered():
     """280,000 empty messages (7.7 MiB) waited for the one rendering thread and held it 3 s
     before their 400; twenty such requests held the API's memory at 1.7 GB."""

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..net.connlog import peer_text
 from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.chat import MESSAGES
 from ..stage.models import SURROGATE
@@ -153,7 +154,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
     if not low_ok or not value <= hi:
         low, high = (lo, hi) if integer else (f"{lo:g}", f"{hi:g}")
         span = f"above {low} and at most {high}" if above else f"between {low} and {high}"
-        raise BadRequest(f"'{name}' must be {span}, got {value}", name, _range_code(integer, below=not low_ok))
+        raise BadRequest(f"'{name}' must be {span}, got {peer_text(value)}", name,  # (a long one cut: it is echoed)
+                         _range_code(integer, below=not low_ok))
     return value
 
 
