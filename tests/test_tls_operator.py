@@ -126,6 +126,17 @@ def test_a_ca_out_of_its_dates_is_named_as_the_certificate_that_is(pki, ca, reas
                                  f"(the CA certificate commonName={ca} of --tls-ca {dates})")
 
 
+def test_an_out_of_date_ca_in_a_bundle_is_not_blamed_for_a_certificate_another_ca_signed(pki, tmp_path):
+    """A bundle of an expired CA and the valid CA that signed an expired certificate named the
+    expired CA as the cause."""
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_text((pki / "old-ca.pem").read_text() + (pki / "ca.pem").read_text())
+    config = TlsConfig(str(pki / "expired.pem"), str(pki / "expired.key"), str(bundle))
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value).endswith("certificate has expired (a peer with the same --tls-ca would refuse it)")
+
+
 def test_good_files_still_load(pki):
     _config(pki, "node.pem", "node.key").check()
     _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").check()  # its own CA: fine

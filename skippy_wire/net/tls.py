@@ -70,13 +70,14 @@ def _certificates_in(path: str) -> dict:
 
 
 def _ca_out_of_date(path: str) -> str:
-    """Which CA certificate of the PEM file ``path`` is outside its validity now, and since or
-    until when ("" when none is): OpenSSL's "certificate has expired" does not say whether it
-    is the CA's or the certificate it signed."""
+    """Whether the one CA certificate of the PEM file ``path`` is outside its validity now, and
+    since or until when ("" when it is not, or the file holds several: which of them signed
+    the certificate is not known here): OpenSSL's "certificate has expired" does not say
+    whether it is the CA's or the certificate it signed."""
     probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     probe.load_verify_locations(cafile=path)
-    now = time.time()
-    for ca in probe.get_ca_certs():
+    now, cas = time.time(), probe.get_ca_certs()
+    for ca in cas if len(cas) == 1 else ():
         name = ", ".join(f"{key}={value}" for rdn in ca["subject"] for key, value in rdn)
         if ssl.cert_time_to_seconds(ca["notAfter"]) < now:
             return f"the CA certificate {name} of --tls-ca expired on {' '.join(ca['notAfter'].split())}"
