@@ -37,9 +37,10 @@ MAX_HEAD_BYTES = 16 << 10
 #: Bytes of request bodies buffered at once, all connections together: each may hold up
 #: to MAX_BODY_BYTES while its body arrives, and --max-connections of them would hold GiBs.
 MAX_BUFFERED_BODY_BYTES = 64 << 20
-#: A body's pieces (its chunks, or what each read of a plain one brought) must average this
-#: many bytes once there are BODY_PIECES_FREE of them: the HTTP parser's cost is per piece, and
-#: a body of one-byte chunks held the event loop, and every other client, a second a MiB.
+#: A body of more than BODY_PIECES_FREE pieces (its chunks, or what each read of a plain one
+#: brought) must average this many bytes a piece, all of them counted: the HTTP parser's cost
+#: is per piece, and a body of one-byte chunks held the event loop, and every other client, a
+#: second a MiB.
 MIN_BODY_PIECE_BYTES, BODY_PIECES_FREE = 256, 1024
 #: Seconds a request body may take once its head has arrived (as a stage's --message-timeout); slower: 408.
 BODY_TIMEOUT_S = 30
@@ -308,8 +309,8 @@ class IdleSheddingProtocol(H11Protocol):
                     pieces = self.body_pieces
                     if pieces > BODY_PIECES_FREE and self.body_bytes < MIN_BODY_PIECE_BYTES * pieces:
                         raise RefusedRequest(
-                            f"request body in pieces of {self.body_bytes // pieces} bytes on average (at "
-                            f"least {MIN_BODY_PIECE_BYTES} after the first {BODY_PIECES_FREE}: send larger chunks)")
+                            f"request body in pieces of {self.body_bytes // pieces} bytes on average (a body of more "
+                            f"than {BODY_PIECES_FREE} pieces must average {MIN_BODY_PIECE_BYTES}: send larger chunks)")
                 return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
