@@ -295,6 +295,17 @@ def test_a_failed_case_names_its_file_by_path_and_the_first_differing_byte(versi
     assert f"write.hex: {len(wire)} bytes; first difference at byte 30: got " in out
 
 
+def test_a_case_whose_length_alone_is_wrong_says_so(tmp_path, capsys):
+    """With the bytes equal and only the case's encode.len off, the failure read "one is a
+    prefix of the other (common 200 bytes)"."""
+    case = next(c for c in _read(GOLDEN / "v16" / "activation_frame.jsonl") if c["encode"]["ok"])
+    case["encode"]["len"] += 1
+    (tmp_path / "activation_frame.jsonl").write_text(json.dumps(case) + "\n")
+    assert conformance.main([str(tmp_path), "--protocol", "16"]) == 1
+    length = len(case["encode"]["hex"]) // 2
+    assert f"     encode.len: got {length}, expected {length + 1}\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("version, file", [("v15", "activation.jsonl"), ("v16", "activation_frame.jsonl"),
                                            ("v17", "activation_frame.jsonl")])
 def test_a_case_naming_its_codec_two_different_ways_fails(version, file, tmp_path, capsys):

@@ -126,8 +126,10 @@ class GenRunner:
             check_error("encode", got, enc["error"])
             return
         wire = bytes(require_ok("encode", got))
-        if wire.hex() != enc["hex"] or len(wire) != enc["len"]:
+        if wire.hex() != enc["hex"]:
             raise Mismatch(hex_diff("encode", wire.hex(), enc["hex"]))
+        if len(wire) != enc["len"]:
+            raise Mismatch(f"encode.len: got {len(wire)}, expected {enc['len']}")
         if c["decode"] is not None:
             self._check_decoded("decode", decode(wire), c["decode"], desc, payload)
 
