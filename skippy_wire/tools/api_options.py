@@ -69,8 +69,8 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
                        (("--reranking", "--rerank"), "the stages compute next tokens only (/v1/rerank answers 501)")):
         p.add_argument(*names, action=Refused, reason=why)
     p.add_argument("--log-disable", "--quiet", dest="quiet", action="store_true",
-                   help="no progress lines, as llama-server's --log-disable (a warning or the error that stops "
-                        "the API is still written; default: off)")
+                   help="no progress lines, as llama-server's --log-disable (a warning about an open API and "
+                        "the error that stops it are still written; default: off)")
     p.add_argument("--jinja", "--metrics", "--no-webui", "-cb", "--cont-batching", action="store_true",
                    dest="llama_server_defaults",
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "
