@@ -171,6 +171,15 @@ def int_list_checks(name: str, values: Any, lo: int = I32_MIN, hi: int = I32_MAX
         yield name, value, lo, hi
 
 
+def int_list(name: str, values: Any) -> list:
+    """``values`` as a list, once a writer would take it as a list of wire integers (raw
+    bytes, an iterator without a length, ``None``: the InvalidInputError naming ``name``)."""
+    problem = next(int_list_checks(name, values), None)
+    if isinstance(problem, str):
+        raise InvalidInputError(problem)
+    return list(values)
+
+
 def _sampling_checks(s: Any):
     if not isinstance(s, SamplingConfig):
         yield f"sampling must be a SamplingConfig or None, not {type_name(s)}"
@@ -264,4 +273,4 @@ def check_admission(expected_codec, policy) -> None:
 
 
 __all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "bytes_like_view", "check_admission", "wire_int", "wire_bool", "wire_f32",
-           "first_out_of_range", "int_list_checks", "out_of_range_error", "type_name"]
+           "first_out_of_range", "int_list", "int_list_checks", "out_of_range_error", "type_name"]

@@ -34,7 +34,7 @@ from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, Wi
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
 from .field_checks import (byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range,
-                           flat_bytes, int_list_checks)
+                           flat_bytes, int_list)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -484,15 +484,6 @@ def send_reply_predicted(stream, predicted: int, stats: Optional[StageReplyStats
 send_reply_predicted_with_stats = send_reply_predicted
 
 
-def _token_list(tokens) -> list:
-    """``tokens`` as a list, once write_reply would take them as one (raw bytes, an iterator
-    without a length and ``None`` are no token list: its InvalidInputError, as write_reply's)."""
-    problem = next(int_list_checks("predicted_tokens", tokens), None)
-    if isinstance(problem, str):
-        raise InvalidInputError(problem)
-    return list(tokens)
-
-
 def send_reply_predicted_with_tokens_and_stats(
     stream, predicted: int, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *, impl: Optional[str] = None
 ) -> None:
@@ -505,8 +496,9 @@ def send_reply_predicted_with_tokens_window_and_stats(
     *, impl: Optional[str] = None
 ) -> None:
     """Write a PredictedToken reply: ``predicted``, the token list ``tokens`` and ``window``."""
-    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, _token_list(tokens), window,
-                                          None, _stats(stats)), impl=impl)
+    tokens = int_list("predicted_tokens", tokens)  # what write_reply takes as one, or its error
+    send_reply_message(stream, StageReply(WireReplyKind.PREDICTED_TOKEN, predicted, tokens, window, None,
+                                          _stats(stats)), impl=impl)
 
 
 def send_reply_predicted_tokens_with_stats(stream, tokens: Sequence[int], stats: Optional[StageReplyStats] = None, *,
@@ -520,7 +512,7 @@ def send_reply_predicted_tokens_with_window_and_stats(
     impl: Optional[str] = None
 ) -> None:
     """Write a PredictedTokens reply: ``tokens`` (``predicted`` = the first, or 0) and ``window``."""
-    tokens = _token_list(tokens)
+    tokens = int_list("predicted_tokens", tokens)  # what write_reply takes as one, or its error
     first = tokens[0] if tokens else 0
     try:
         fits = not isinstance(first, bool) and I32_MIN <= operator.index(first) <= I32_MAX
