@@ -76,13 +76,15 @@ def _ca_out_of_date(path: str) -> str:
     whether it is the CA's or the certificate it signed."""
     probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     probe.load_verify_locations(cafile=path)
-    now, cas = time.time(), probe.get_ca_certs()
-    for ca in cas if len(cas) == 1 else ():
-        name = ", ".join(f"{key}={value}" for rdn in ca["subject"] for key, value in rdn)
-        if ssl.cert_time_to_seconds(ca["notAfter"]) < now:
-            return f"the CA certificate {name} of --tls-ca expired on {' '.join(ca['notAfter'].split())}"
-        if ssl.cert_time_to_seconds(ca["notBefore"]) > now:
-            return f"the CA certificate {name} of --tls-ca is not valid before {' '.join(ca['notBefore'].split())}"
+    cas = probe.get_ca_certs()
+    if len(cas) != 1:
+        return ""
+    ca, now = cas[0], time.time()
+    name = ", ".join(f"{key}={value}" for rdn in ca["subject"] for key, value in rdn)
+    if ssl.cert_time_to_seconds(ca["notAfter"]) < now:
+        return f"the CA certificate {name} of --tls-ca expired on {' '.join(ca['notAfter'].split())}"
+    if ssl.cert_time_to_seconds(ca["notBefore"]) > now:
+        return f"the CA certificate {name} of --tls-ca is not valid before {' '.join(ca['notBefore'].split())}"
     return ""
 
 
