@@ -658,6 +658,20 @@ def test_a_request_that_cannot_be_parsed_is_an_openai_error(request_head, status
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("coding", [b"Transfer-Encoding: gzip, chunked",
+                                    b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked"])
+def test_a_transfer_coding_not_supported_is_a_501_that_says_so(coding):
+    """It was a 501 saying only "Invalid HTTP request received." (uvicorn's text for any request h11 refuses)."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn():
+        with _connect(url) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + coding + b"\r\n\r\n")
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            error = json.loads(response.read())["error"]
+    assert response.status == 501 and error["type"] == "not_supported_error"
+    assert "Transfer-Encoding" in error["message"], error
+
+
 def test_a_stream_whose_client_reset_writes_nothing_more_and_asyncio_logs_nothing():
     """Pieces written after a reset, before the loop told the request its client had gone
     (here after a stall of the loop), each logged asyncio's "socket.send() raised exception."."""

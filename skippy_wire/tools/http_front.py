@@ -416,14 +416,17 @@ class IdleSheddingProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
-        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit;
+        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit, 501 naming
+        the transfer coding refused;
         logged with the peer and h11's reason (uvicorn's line gives neither); the connection
         then closes."""
         error, self.protocol_error = self.protocol_error, None
         status = getattr(error, "error_status_hint", 400)
         peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
         self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
-        body = json.dumps(error_object(str(error) if isinstance(error, RefusedRequest) else msg)).encode()
+        said = isinstance(error, RefusedRequest) or status == 501  # h11's 501 reasons are fixed texts
+        type_ = "not_supported_error" if status == 501 else "invalid_request_error"
+        body = json.dumps(error_object(str(error) if said else msg, type_=type_)).encode()
         headers = [*self.server_state.default_headers,  # Date and Server, as every other answer
                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), (b"x-request-id", new_request_id())]
