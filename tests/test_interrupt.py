@@ -16,8 +16,10 @@ import pytest
 
 from skippy_wire.errors import StageRuntimeError
 from skippy_wire.stage import _backend as B
+from skippy_wire.stage.batch import IterationBatchRequest, iteration_batch_sampled
 from skippy_wire.stage.interrupt import interruptible_compute
 from skippy_wire.stage.native import retry_with_required_capacity
+from skippy_wire.stage.runtime import StageModel
 
 from process_helpers import default_sigint
 from test_backend_smollm2 import smollm2  # noqa: F401  (a fixture)
@@ -72,6 +74,28 @@ def test_without_a_pending_signal_an_interrupted_call_says_so(smollm2):
     finally:
         B.set_interrupted(False)
     assert session.position == 0
+
+
+def test_a_batch_past_n_batch_interrupted_midway_moves_no_session(smollm2):
+    """Rows past n_batch run request by request: the first request's session advanced in the
+    backend while the adapter's token_count stayed, and every later call ran one past it."""
+    model = StageModel.open(smollm2, 0, None, n_threads=1, lane_count=2, ctx_size=LONG + 64, n_batch=256)
+    quick, long_ = model.create_session(), model.create_session()
+    requests = [IterationBatchRequest(quick, [10, 11, 12, 13]),
+                IterationBatchRequest(long_, [(7 * i) % 1000 + 10 for i in range(LONG)])]
+    # the 4-token request takes milliseconds, the long one seconds: the flag lands in the long one
+    timer = threading.Timer(SIGNAL_AFTER_S, B.set_interrupted, (True,))
+    timer.start()
+    try:
+        with pytest.raises(StageRuntimeError, match="request 1: computation interrupted"):
+            iteration_batch_sampled(requests)
+    finally:
+        timer.join()
+        B.set_interrupted(False)
+    for session in (quick, long_):
+        assert session.token_count == session.native_position() == 0
+    retry_with_required_capacity(quick.prefill_chunk_frame, [10, 11, 12, 13])
+    assert quick.token_count == quick.native_position() == 4
 
 
 def test_a_ctrl_c_caught_inside_the_block_leaves_the_backend_computing(smollm2):

@@ -7,17 +7,20 @@ namespace skippy_stage {
 // Several prepared prefill/decode requests (distinct sessions of one model, each within
 // n_batch rows in total) as ONE graph: the weight matmuls run over all rows together and
 // attention runs per session over its own cache.  All or nothing: on failure no session
-// moves.  Falls back to one request at a time when the rows exceed n_batch.
+// moves.  Falls back to one request at a time when the rows exceed n_batch, all or nothing
+// too: every request computes before any commits.
 result run_prepared_batch(skippy_model * m, call_kind kind, std::vector<skippy_session *> & ss,
                           std::vector<request_io> & ios) {
     const size_t R = ss.size();
     size_t total = 0;
     for (auto & io : ios) total += io.n;
     if (R < 2 || total > (size_t) m->n_batch) {
+        std::vector<std::vector<float>> logits(R);
         for (size_t i = 0; i < R; i++) {
-            result r = run_prepared(ss[i], kind, ios[i]);
+            result r = execute_prepared(ss[i], kind, ios[i], logits[i]);
             if (!r.is_ok()) return err(r.status, strf("request %zu: %s", i, r.message.c_str()));
         }
+        for (size_t i = 0; i < R; i++) commit(ss[i], kind, ios[i], logits[i]);
         return {};
     }
     const int N = (int) total;

@@ -155,14 +155,20 @@ void commit(skippy_session * s, call_kind kind, request_io & io, std::vector<flo
     fill_output_desc(m, io.out_desc, io.n);
 }
 
-// Steps (d)–(e); `prepare` must have returned OK.
-result run_prepared(skippy_session * s, call_kind kind, request_io & io) {
+// Step (d); `prepare` must have returned OK.  The session does not move: the cache cells
+// written lie past n_past until commit.
+result execute_prepared(skippy_session * s, call_kind kind, request_io & io, std::vector<float> & logits) {
     skippy_model * m = s->model;
     const logit_rows lr = !m->is_terminal ? logit_rows::none : kind == call_kind::verify ? logit_rows::all : logit_rows::last;
-    std::vector<float> logits;
     const bool use_pos = io.positions && io.position_count > 0;
-    result r = execute(s, io.tokens, io.n, use_pos ? io.positions : nullptr,
-                       m->is_source ? nullptr : io.in_payload, lr, io.out_payload, &logits);
+    return execute(s, io.tokens, io.n, use_pos ? io.positions : nullptr,
+                   m->is_source ? nullptr : io.in_payload, lr, io.out_payload, &logits);
+}
+
+// Steps (d)–(e); `prepare` must have returned OK.
+result run_prepared(skippy_session * s, call_kind kind, request_io & io) {
+    std::vector<float> logits;
+    result r = execute_prepared(s, kind, io, logits);
     if (!r.is_ok()) return r;
     commit(s, kind, io, logits);
     return {};

@@ -26,8 +26,7 @@
  *      (d) build the graph, compute (GIL released by the binding);
  *      (e) copy outputs, sample (terminal: last row; verify: every row), then advance
  *          n_past and the token history.
- *    So on any non-OK status the session is unchanged (exception: a batch larger than n_batch
- *    rows whose compute fails after earlier requests ran; see item 7).
+ *    So on any non-OK status the session is unchanged.
  * 3. Frames (runtime.md §2.3): v2 ActivationDesc with ONE part: F32, rank 2, token_axis 1,
  *    dims [n_embd, n_tokens], strides [4, 4*n_embd], payload_offset 0, flags 0; the payload
  *    is the residual stream after the producer's last layer, token-major F32 rows.
@@ -64,9 +63,9 @@
  *    context room, capacities; BUFFER_TOO_SMALL reports every request's size).  When all
  *    rows fit in n_batch they run as ONE graph (weight matmuls over all rows, attention per
  *    session over its own cache) and either every session advances or none does; larger
- *    batches run request by request (a compute failure then keeps earlier requests'
- *    progress).  Samples are compact: one {request index, token} per request with
- *    sample_last on a terminal stage, in request order.
+ *    batches compute request by request and advance the sessions once all have computed
+ *    (all or nothing too).  Samples are compact: one {request index, token} per request
+ *    with sample_last on a terminal stage, in request order.
  * 8. Lifetime: a session keeps its model alive; skippy_model_free and skippy_session_free may
  *    come in any order (the model is destroyed with its last handle).
  *    Threads: n_threads 0 = physical cores, at most GGML_MAX_N_THREADS (512, INVALID_ARGUMENT

@@ -232,6 +232,7 @@ result validate_request(const skippy_session * s, const int32_t * tokens, size_t
 result check_room(const skippy_session * s, size_t n);
 result prepare(skippy_session * s, call_kind kind, request_io & io);
 void commit(skippy_session * s, call_kind kind, request_io & io, std::vector<float> & logits);
+result execute_prepared(skippy_session * s, call_kind kind, request_io & io, std::vector<float> & logits);
 result run_prepared(skippy_session * s, call_kind kind, request_io & io);
 skippy_status run_single(skippy_session * s, call_kind kind, request_io & io, skippy_error ** out_error);
 void mtp_unavailable(skippy_native_mtp_draft * d);
