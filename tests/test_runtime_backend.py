@@ -4,6 +4,7 @@ BUFFER_TOO_SMALL retry works natively, bad input is a clear exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import struct
@@ -238,6 +239,10 @@ def test_mismatched_frames_are_clear_errors(tiny):
     with pytest.raises(StageRuntimeError) as info:
         first.decode_step_frame(7, out)  # the source stage takes tokens, not activations
     assert info.value.status is Status.INVALID_ARGUMENT
+    for sequences in (0, 7):  # a frame carries one sequence (runtime.md 2.2); it was taken as one
+        many = ActivationFrame(dataclasses.replace(out.desc, sequence_count=sequences), out.payload)
+        with pytest.raises(StageRuntimeError, match=f"activation frame has {sequences} sequences, expected 1"):
+            second.prefill_chunk_frame(PROMPT, many)
     broken = ActivationFrame(out.desc, out.payload[:-4])
     with pytest.raises(StageRuntimeError, match="does not match descriptor payload_bytes"):
         second.prefill_chunk_frame(PROMPT, broken)

@@ -35,7 +35,7 @@
  *        for each part: identity[32] || u32le ggml_type || u32le rank || i32le token_axis ||
  *        i64le of every non-token dimension in order).
  *    An input frame must have version 2, part_count 1, that part layout, the same
- *    identities, token_count == n, layer_end == this stage's layer_start and
+ *    identities, token_count == n, sequence_count 1, layer_end == this stage's layer_start and
  *    payload_bytes == 4*n_embd*n.  The source stage takes no activation input
  *    (INVALID_ARGUMENT if a non-empty payload is given); every other stage requires one.
  *    Output: a non-terminal stage exports all n rows (4*n_embd*n bytes) with
