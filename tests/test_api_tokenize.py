@@ -17,7 +17,7 @@ from skippy_wire.tools.api_params import MAX_TOKENIZE_BYTES
 def client():
     engine = FakeEngine()
     engine.tokenizer = Tokenizer.from_gguf(smollm2_path())
-    api = Api(engine, model_id="m", chat_template=ChatTemplate.from_gguf(smollm2_path(), engine.tokenizer.tokens),
+    api = Api(engine, model_id="m", chat_template=ChatTemplate.from_gguf(smollm2_path(), engine.tokenizer),
               max_inflight=1)
     with TestClient(api.app()) as client:
         client.tokenizer = engine.tokenizer

@@ -98,7 +98,38 @@ def test_an_assistant_refusal_part_is_its_text():
                                                {"type": "refusal", "refusal": "it is harmful."}]}]
     assert template.render(turns) == \
         "[user: Hack it][assistant: I can't help with that.][user: Why?][assistant: Because\nit is harmful.]"
-    assert template.render(turns, continue_final_message=True).endswith("[user: Why?]Because\nit is harmful.")
+    # the continued message's parts are joined with nothing between, as llama-server appends them
+    assert template.render(turns, continue_final_message=True).endswith("[user: Why?]Becauseit is harmful.")
+
+
+def test_text_parts_are_joined_as_llama_cpp_joins_them():
+    """A newline before each part once there is text: leading empty parts added newlines, and a
+    continued assistant message's parts were joined with newlines (llama-server appends them)."""
+    template = ChatTemplate("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    parts = [{"type": "text", "text": t} for t in ("", "", "A", "", "B")]
+    assert template.render([{"role": "user", "content": parts}]) == "[A\n\nB]"
+    turns = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]}]
+    assert template.render(turns, continue_final_message=True) == "[Hi]Hello there"
+    assert template.render(turns) == "[Hi][Hello\n there]"  # not continued: a message as any other
+
+
+def test_a_bos_the_template_writes_is_dropped_where_the_tokenizer_adds_one():
+    """llama.cpp drops it: with both, the model saw two BOS tokens."""
+    source = "{{ bos_token }}{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    turns = [{"role": "user", "content": "Hi"}]
+    assert ChatTemplate(source, bos_token="<s>", add_bos=True).render(turns) == "<Hi>"
+    assert ChatTemplate(source, bos_token="<s>").render(turns) == "<s><Hi>"
+
+
+def test_a_template_made_for_training_renders_its_generation_blocks():
+    """``{% generation %}`` (transformers' mark of the assistant's turns) did not compile: the
+    model was taken to have no chat template."""
+    template = ChatTemplate("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+                            "<{{ m['content'] }}>{% endgeneration %}{% else %}[{{ m['content'] }}]{% endif %}"
+                            "{% endfor %}")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert template.render(turns) == "[Hi]<Yo>"
 
 
 def test_a_message_name_is_passed_on_when_it_is_a_string():

@@ -725,7 +725,7 @@ def test_json_is_one_object_with_text_and_summary(capsys, smollm2_pipeline):
 def test_chat_template_is_applied_by_default_and_raw_is_not(capsys, smollm2_pipeline):
     prompt = "What is the capital of France?"
     tokenizer = Tokenizer.from_gguf(smollm2_path())
-    rendered = ChatTemplate.from_gguf(smollm2_path(), tokenizer.tokens).render([{"role": "user", "content": prompt}])
+    rendered = ChatTemplate.from_gguf(smollm2_path(), tokenizer).render([{"role": "user", "content": prompt}])
     chat = _run_json(capsys, smollm2_pipeline, "--temp", "0", prompt)
     raw = _run_json(capsys, smollm2_pipeline, "--temp", "0", "--raw", prompt)
     assert chat["summary"]["prompt_tokens"] == len(tokenizer.encode(rendered))
@@ -765,6 +765,15 @@ def test_an_empty_system_prompt_keeps_the_template_s_own_as_in_llama_cli():
 
     assert prompt("-sys", "") == prompt() != prompt("-sys", "Be brief.")
     assert "Be brief." in prompt("-sys", "Be brief.")
+
+
+def test_a_bos_the_chat_template_writes_is_not_doubled_where_the_tokenizer_adds_one(tmp_path):
+    # llama.cpp drops the template's: the model saw two BOS tokens (a Llama-3 style GGUF)
+    model = write_tiny_llama_gguf(tmp_path / "bos.gguf", chat_template="{{ bos_token }}{% for m in messages %}"
+                                  "{{ m['content'] }}{% endfor %}")
+    parser, tokenizer = run.build_parser(), Tokenizer.from_gguf(model)
+    text, chat = run._prompt_text(parser, parser.parse_args(["hi"]), model, tokenizer, print)
+    assert chat and text == "hi" and tokenizer.encode(text).count(tokenizer.bos_id) == 1
 
 
 def test_a_temperature_at_or_below_zero_is_greedy_as_in_llama_cli():

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import json
 from os import PathLike
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
 from ..errors import StageRuntimeError
-from .models import read_gguf_metadata
+from .models import Tokenizer, read_gguf_metadata
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
@@ -115,8 +116,19 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which templates made for training put around the
+    assistant's turns (to find them), rendered as its body alone, as transformers renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> jinja2.Environment:
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -124,14 +136,16 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def check_messages(messages: Any) -> list[dict]:
+def check_messages(messages: Any, *, continued: bool = False) -> list[dict]:
     """Messages as a list of ``{"role", "content"}`` dicts; content parts of type "text"
-    are joined with newlines, as llama.cpp joins them (the OpenAI list form), and so are an
-    assistant message's parts of type "refusal" (OpenAI's form of a refusal: the assistant's
-    text).  A ``developer`` message is the system instructions (OpenAI's newer name for
-    them), so it reaches the template as ``system``, as llama.cpp passes it: templates know
-    only ``system``.  A ``name`` must be a string (a null one is dropped).  Raises
-    MalformedMessages with one line, the field and the problem."""
+    are joined as llama.cpp joins them (the OpenAI list form): a newline before each part
+    once there is text, and so are an assistant message's parts of type "refusal" (OpenAI's
+    form of a refusal: the assistant's text); with ``continued``, a last message of the
+    assistant's, which the generation continues, has its parts joined with nothing between
+    (llama-server's prefill).  A ``developer`` message is the system instructions (OpenAI's
+    newer name for them), so it reaches the template as ``system``, as llama.cpp passes it:
+    templates know only ``system``.  A ``name`` must be a string (a null one is dropped).
+    Raises MalformedMessages with one line, the field and the problem."""
     if not isinstance(messages, list) or not messages:
         problem = "missing" if messages is None else "empty" if isinstance(messages, list) else "type"
         raise MalformedMessages(f"'{MESSAGES}' must be a non-empty list", MESSAGES, problem)
@@ -151,7 +165,9 @@ def check_messages(messages: Any) -> list[dict]:
                                     + (" (a list of at least one part)" if content == [] else ""),
                                     f"{field}.content", "missing" if content is None else "empty")
         if isinstance(content, list):
-            content = "\n".join(_part_text(part, field, j, role) for j, part in enumerate(content))
+            texts = [_part_text(part, field, j, role) for j, part in enumerate(content)]
+            prefill = continued and role == "assistant" and i == len(messages) - 1
+            content = "".join(texts) if prefill else functools.reduce(_next_line, texts, "")
         if content is None:
             content = ""
         if not isinstance(content, str):
@@ -162,6 +178,10 @@ def check_messages(messages: Any) -> list[dict]:
             del message["name"]  # null, as clients that send every field send those unset: absent
         out.append(message)
     return out
+
+
+def _next_line(text: str, part: str) -> str:
+    return f"{text}\n{part}" if text else part
 
 
 def _problem(part: Mapping, key: str) -> str:
@@ -195,7 +215,9 @@ def _part_text(part: Any, message: str, j: int, role: str) -> str:
 class ChatTemplate:
     """A compiled chat template with the special-token texts it may refer to."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", add_bos: bool = False) -> None:
+        """``add_bos``: the tokenizer puts the BOS token before the prompt itself, so a BOS text
+        that opens the rendered prompt is dropped (llama.cpp's rule: else the model saw two)."""
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateError as exc:
@@ -203,22 +225,25 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.add_bos = add_bos
 
     @classmethod
-    def from_gguf(cls, path: str | PathLike, tokens: Optional[Sequence[str]] = None) -> "ChatTemplate":
-        """The template of a GGUF file; ChatTemplateError when the model has none."""
+    def from_gguf(cls, path: str | PathLike, tokenizer: Optional[Tokenizer] = None) -> "ChatTemplate":
+        """The template of a GGUF file; ChatTemplateError when the model has none.  ``tokenizer``:
+        the model's, whose vocabulary names the BOS and EOS texts and which may add a BOS itself
+        (without it: the file's vocabulary, and a BOS the template writes is kept)."""
         kv = read_gguf_metadata(path, "tokenizer.")
         source = kv.get(CHAT_TEMPLATE_KEY)
         if not isinstance(source, str) or not source.strip():
             raise NoChatTemplate(f"{path} has no chat template ({CHAT_TEMPLATE_KEY}); send a raw prompt instead")
-        vocab = tokens if tokens is not None else kv.get("tokenizer.ggml.tokens") or []
+        vocab = tokenizer.tokens if tokenizer is not None else kv.get("tokenizer.ggml.tokens") or []
 
         def text_of(key: str) -> str:
             i = kv.get(key)
             return vocab[i] if isinstance(i, int) and 0 <= i < len(vocab) else ""
 
-        return cls(source, bos_token=text_of("tokenizer.ggml.bos_token_id"),
-                   eos_token=text_of("tokenizer.ggml.eos_token_id"))
+        return cls(source, bos_token=text_of("tokenizer.ggml.bos_token_id"), eos_token=text_of("tokenizer.ggml.eos_token_id"),
+                   add_bos=tokenizer is not None and tokenizer.add_bos)
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
                extra: Optional[Mapping[str, Any]] = None) -> str:
@@ -231,7 +256,7 @@ class ChatTemplate:
         extra = dict(extra or {})
         if MESSAGES in extra:
             raise ChatTemplateError(f"an extra name may not replace the conversation, {MESSAGES!r}")
-        checked = check_messages(messages)
+        checked = check_messages(messages, continued=continue_final_message)
         prefill = None
         if continue_final_message and checked[-1]["role"] == "assistant":
             prefill, add_generation_prompt = checked.pop()["content"], True
@@ -248,7 +273,10 @@ class ChatTemplate:
                 if size > MAX_RENDERED_CHARS:
                     raise jinja2.exceptions.SecurityError(f"it wrote more than {MAX_RENDERED_CHARS} characters")
                 pieces.append(piece)
-            return "".join(pieces) + (prefill or "")
+            text = "".join(pieces)
+            if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+                text = text[len(self.bos_token):]
+            return text + (prefill or "")
         except Exception as exc:  # noqa: BLE001 -- over the client's data, any failure is the request's
             # (a TemplateError, or e.g. a TypeError from a message field of an unexpected type)
             lone = prefill is not None and not checked

@@ -46,14 +46,16 @@ TINY_N_HEAD_KV = 2
 TINY_CONTEXT = 256
 
 
-def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int = 1234) -> Path:
+def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int = 1234,
+                          chat_template: Optional[str] = None) -> Path:
     """Write the deterministic tiny random llama GGUF of runtime.md §6.2 and return its path.
 
     ``file_type`` "f32" stores every tensor as F32; "f16" stores the matrices as F16 (norms
     stay F32).  Weights come from ``np.random.default_rng(seed)`` (standard normal)
     scaled by 1/sqrt(fan_in) in float64 and stored as float32; embeddings are unscaled;
     norms are ones.  With the default seed the per-row greedy outputs for tokens
-    [1, 10, 20, 30, 40] are the spec's [221, 181, 221, 92, 56].
+    [1, 10, 20, 30, 40] are the spec's [221, 181, 221, 92, 56].  ``chat_template``: a
+    ``tokenizer.chat_template`` to carry (none by default).
     """
     if file_type not in ("f32", "f16"):
         raise ValueError(f"file_type must be 'f32' or 'f16', not {file_type!r}")
@@ -106,6 +108,8 @@ def write_tiny_llama_gguf(path: PathLike, *, file_type: str = "f32", seed: int =
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     for name, arr in tensors:
         if file_type == "f16" and arr.ndim == 2:
             arr = arr.astype(np.float16)

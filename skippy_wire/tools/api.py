@@ -508,7 +508,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     if not args.connect_address and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
-        chat_template: Optional[ChatTemplate] = ChatTemplate.from_gguf(model, tokenizer.tokens)
+        chat_template = ChatTemplate.from_gguf(model, tokenizer)
     except ChatTemplateError as exc:
         progress(f"{exc}: /v1/chat/completions will refuse requests")
         chat_template = None

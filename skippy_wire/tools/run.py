@@ -275,7 +275,7 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
     if args.raw:
         return args.prompt, False
     try:
-        template = ChatTemplate.from_gguf(model, tokenizer.tokens)
+        template = ChatTemplate.from_gguf(model, tokenizer)
     except ChatTemplateError as exc:
         # (a template that does not compile is named, not taken for none)
         why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
