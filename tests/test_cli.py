@@ -28,6 +28,7 @@ from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import api, cli, cluster, cluster_bench, run, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_HANGUP, EXIT_INTERRUPTED, describe
 from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
+from skippy_wire.tools.template_options import load_chat_template
 from process_helpers import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -774,6 +775,32 @@ def test_a_bos_the_chat_template_writes_is_not_doubled_where_the_tokenizer_adds_
     parser, tokenizer = run.build_parser(), Tokenizer.from_gguf(model)
     text, chat = run._prompt_text(parser, parser.parse_args(["hi"]), model, tokenizer, print)
     assert chat and text == "hi" and tokenizer.encode(text).count(tokenizer.bos_id) == 1
+
+
+def test_a_chat_template_given_on_the_command_line_replaces_the_model_s(tmp_path, capsys):
+    """llama-cli's and llama-server's --chat-template / --chat-template-file were unrecognized."""
+    model, tokenizer = Path(smollm2_path()), Tokenizer.from_gguf(smollm2_path())
+    source = "{% for m in messages %}<{{ m['role'] }}:{{ m['content'] }}>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(source, encoding="utf-8")
+    for command in (run, api):
+        parser = command.build_parser()
+        for flags in (["--chat-template", source], ["--chat-template-file", str(tmp_path / "t.jinja")]):
+            args = parser.parse_args([*flags] if command is api else [*flags, "hi"])
+            template = load_chat_template(parser, args, model, tokenizer)
+            assert template.render([{"role": "user", "content": "hi"}]) == "<user:hi>"
+    parser = run.build_parser()
+    assert run._prompt_text(parser, parser.parse_args(["--chat-template", source, "hi"]), model, tokenizer,
+                            print)[0] == "<user:hi>"
+    for flags, said in ((["--chat-template", "chatml"], "is no Jinja template"),
+                        (["--chat-template-file", str(tmp_path / "none.jinja")], "none.jinja"),
+                        (["--chat-template", source, "--chat-template-file", str(tmp_path / "t.jinja")],
+                         "not allowed with argument"),
+                        (["--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
+                        (["--raw", "--chat-template", source], "--raw")):
+        with pytest.raises(SystemExit) as exc:
+            args = parser.parse_args([*flags, "hi"])
+            run._prompt_text(parser, args, model, tokenizer, print) if not args.raw else run._check_args(parser, args)
+        assert exc.value.code == 2 and said in capsys.readouterr().err, flags
 
 
 def test_a_temperature_at_or_below_zero_is_greedy_as_in_llama_cli():

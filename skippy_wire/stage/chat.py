@@ -228,12 +228,14 @@ class ChatTemplate:
         self.add_bos = add_bos
 
     @classmethod
-    def from_gguf(cls, path: str | PathLike, tokenizer: Optional[Tokenizer] = None) -> "ChatTemplate":
-        """The template of a GGUF file; ChatTemplateError when the model has none.  ``tokenizer``:
-        the model's, whose vocabulary names the BOS and EOS texts and which may add a BOS itself
-        (without it: the file's vocabulary, and a BOS the template writes is kept)."""
+    def from_gguf(cls, path: str | PathLike, tokenizer: Optional[Tokenizer] = None, *,
+                  source: Optional[str] = None) -> "ChatTemplate":
+        """The template of a GGUF file, or ``source`` with the file's special tokens;
+        ChatTemplateError when the model has none.  ``tokenizer``: the model's, whose vocabulary
+        names the BOS and EOS texts and which may add a BOS itself (without it: the file's
+        vocabulary, and a BOS the template writes is kept)."""
         kv = read_gguf_metadata(path, "tokenizer.")
-        source = kv.get(CHAT_TEMPLATE_KEY)
+        source = kv.get(CHAT_TEMPLATE_KEY) if source is None else source
         if not isinstance(source, str) or not source.strip():
             raise NoChatTemplate(f"{path} has no chat template ({CHAT_TEMPLATE_KEY}); send a raw prompt instead")
         vocab = tokenizer.tokens if tokenizer is not None else kv.get("tokenizer.ggml.tokens") or []

@@ -64,6 +64,7 @@ from .options import (DEFAULT_STAGES, EXIT_HANGUP, LOG_FORMAT, MAX_CTX_SIZE, MAX
                       refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
+from .template_options import load_chat_template
 from .tls_options import add_tls_options, tls_config
 from .signals import exiting_on_signals, handling_signals
 
@@ -392,11 +393,8 @@ def _fingerprint() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="skippy-wire api",
-        description="Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) "
-                    "from a pipeline of stage processes.",
-        formatter_class=DefaultsFormatter)
+    p = Parser(prog="skippy-wire api", description="Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+               "/v1/chat/completions) from a pipeline of stage processes.", formatter_class=DefaultsFormatter)
     p.add_argument("--listen", default=None, type=listen_address,
                    help=f"HOST:PORT ([IPv6]:PORT) of the HTTP endpoint (port 0: any free port; default: "
                         f"{DEFAULT_LISTEN})")
@@ -508,7 +506,7 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
     if not args.connect_address and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
     try:
-        chat_template = ChatTemplate.from_gguf(model, tokenizer)
+        chat_template = load_chat_template(parser, args, model, tokenizer)
     except ChatTemplateError as exc:
         progress(f"{exc}: /v1/chat/completions will refuse requests")
         chat_template = None

@@ -10,6 +10,7 @@ import urllib.parse
 
 from .llama_sampling import max_tokens
 from .options import MAX_PORT, UNTIL_FULL, Refused, address
+from .template_options import add_chat_template_options
 
 
 def _ipv6(text: str) -> str | None:
@@ -75,6 +76,7 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
                    dest="llama_server_defaults",
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "
                         "always served, batching is continuous, and there is no web UI (default: off)")
+    add_chat_template_options(p)
 
 
 #: The port a browser leaves out of an Origin header, by scheme.

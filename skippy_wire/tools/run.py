@@ -26,7 +26,7 @@ from ..net.driver import (DEFAULT_CHUNK, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT, ST
                           generate_local, yielding_to_stages)
 from ..net.service import SamplingParams
 from ..net.supervision import default_model, launch_pipeline
-from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
+from ..stage.chat import ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.forwarding import DEFAULT_CTX_SIZE
@@ -41,6 +41,7 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, LOG_FORMAT, MAX_CTX_SIZE, MA
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
+from .template_options import add_chat_template_options, load_chat_template
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
 from .tls_options import add_tls_options, tls_config
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-sys", "--system-prompt", default=None, type=_system_prompt,
                    help="a system message for the chat template, so not with --raw (default, and an empty one: the "
                         "template's own, if any)")
+    add_chat_template_options(p)
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
                    type=max_tokens, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (-1 or -2: until the context is full)")
@@ -236,6 +238,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("-sys/--system-prompt goes into the chat template, which --raw (-no-cnv) leaves out")
     if args.raw and args.chat_turn:
         parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
+    if args.raw and args.chat_template is not None:
+        parser.error("--chat-template is the chat template, which --raw (-no-cnv) leaves out")
     # before the checks of their values: with running stages they configure nothing
     refuse_started_stage_options(parser, args, used=("threads",) if args.check else ())
     args.stages = args.stages or DEFAULT_STAGES
@@ -275,7 +279,7 @@ def _prompt_text(parser: argparse.ArgumentParser, args, model: Path, tokenizer, 
     if args.raw:
         return args.prompt, False
     try:
-        template = ChatTemplate.from_gguf(model, tokenizer)
+        template = load_chat_template(parser, args, model, tokenizer)
     except ChatTemplateError as exc:
         # (a template that does not compile is named, not taken for none)
         why = f"{model.name} has no chat template" if isinstance(exc, NoChatTemplate) else describe(exc)
