@@ -106,18 +106,47 @@ def test_a_generation_cut_off_by_the_engine_s_close_is_no_pipeline_failure_in_th
         silent.close()
 
 
-def test_a_generation_that_ends_after_the_engine_s_close_leaves_no_connection_open():
-    """A connection given back after close() was pooled where nothing would close it again."""
+def test_the_engine_s_close_cuts_off_a_generation_waiting_on_a_quiet_stage():
+    """The API said "stopped" and then waited --timeout on the reply of a stage that had gone
+    quiet: its close() closed only the pooled connections, and the read held the process."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    read = threading.Event()
+
+    def quiet_after_ready():  # READY, then reads the request and answers nothing
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            while conn.recv(65536):
+                read.set()
+
+    threading.Thread(target=quiet_after_ready, daemon=True).start()
+    engine = GenerationEngine(listener.getsockname()[:2], FakeTokenizer(), ctx_size=64, timeout=60.0, chunk_size=4)
+    failed: list = []
+    generating = threading.Thread(target=lambda: failed.append(pytest.raises(PipelineError, _generate, engine)))
+    try:
+        generating.start()
+        assert read.wait(10)  # the request is out, its reply awaited
+        engine.close()
+        generating.join(10)
+        assert not generating.is_alive() and failed  # cut off, not waiting the 60 s out
+    finally:
+        engine.close()
+        listener.close()
+
+
+def test_a_generation_running_at_the_engine_s_close_leaves_no_connection_open():
+    """A connection given back after close() was pooled where nothing would close it again;
+    now close() cuts the generation off, and it fails as one cut off (not logged)."""
     chain = Chain([(0, 3), (3, 6)])
     engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
     clients = []
     real_take = engine._take
     engine._take = lambda timeout=None: clients.append(real_take(timeout)) or clients[-1]
     try:
-        out = engine.generate([1, 2, 3], max_tokens=3, sampling=SamplingParams(temperature=0.0), stop=[],
-                              on_text=lambda text, tokens: engine.close(), cancelled=threading.Event())
-        assert out.completion_tokens >= 1 and engine.closed
-        assert engine._idle == [] and not clients[0].alive()
+        with pytest.raises(PipelineError):
+            engine.generate([1, 2, 3], max_tokens=3, sampling=SamplingParams(temperature=0.0), stop=[],
+                            on_text=lambda text, tokens: engine.close(), cancelled=threading.Event())
+        assert engine.closed and engine._idle == [] and not clients[0].alive()
     finally:
         engine.close()
         chain.close()

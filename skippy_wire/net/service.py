@@ -271,6 +271,7 @@ class GenerationEngine:
         #: prompt_tokens, completion_tokens, sent_bytes, received_bytes); absent ones read 0.
         self.counters: collections.Counter = collections.Counter()
         self._idle: list[PipelineClient] = []
+        self._busy: set[PipelineClient] = set()  # the connections generations use (close() cuts them off)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         #: A request failed in the pipeline, and no probe or request has got through since.
@@ -356,10 +357,13 @@ class GenerationEngine:
         self._give_back(client)
 
     def close(self) -> None:
+        """Close every connection: the pooled ones, and those of generations still running, whose
+        reads of a stage that stopped answering would hold them, and the process, until --timeout."""
         self.closed = True
         with self._lock:
             idle, self._idle = self._idle, []
-        for client in idle:
+            busy = list(self._busy)
+        for client in idle + busy:
             client.close()
 
     def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams | None,
@@ -406,6 +410,8 @@ class GenerationEngine:
         try:  # a new connection's READY comes within the probe's bound, or the chain is down
             client = self._take(min(self.timeout, READY_TIMEOUT_S))
             client.timeout = self.timeout
+            with self._lock:
+                self._busy.add(client)
         except PipelineError as exc:  # no READY from the chain: as a failure within it
             with self._lock:
                 self.counters["failed"] += 1
@@ -443,6 +449,7 @@ class GenerationEngine:
             raise
         finally:
             with self._lock:
+                self._busy.discard(client)
                 self.counters["sent_bytes"] += client.sent_bytes - sent0
                 self.counters["received_bytes"] += client.received_bytes - received0
                 self.counters["requests"] += 1
