@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -286,9 +287,10 @@ def test_a_v17_driver_of_a_topology_expects_its_model_id_as_serve_takes_it(tmp_p
 
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED),
                                            (signal.SIGHUP, EXIT_HANGUP)])
-def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, tiny_model, signum, status):
+def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, caplog, monkeypatch, tiny_model, signum, status):
     """Once listening, the stage gets the signal; a stage that ignores it is stopped with
-    Ctrl-C after 5 s (the test's own handlers keep pytest alive)."""
+    Ctrl-C after 5 s (the test's own handlers keep pytest alive).  It says why it stops: it
+    logged nothing, and the stage before it wrote "(see its log)" of the closed link."""
     import threading
 
     from skippy_wire.tools import serve
@@ -307,6 +309,7 @@ def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, t
             threading.Thread(target=signal_then_interrupt, daemon=True).start()
 
     monkeypatch.setattr(serve, "_print_event", event)
+    caplog.set_level(logging.INFO, logger=serve.log.name)
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGHUP)}
     # Ctrl-C as a terminal delivers it, also where this runs as a background job (SIGINT ignored)
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -318,6 +321,7 @@ def test_serve_ends_like_run_on_ctrl_c_sigterm_and_sighup(capsys, monkeypatch, t
             signal.signal(sig, handler)
     assert code == status
     assert json.loads(out.splitlines()[0])["event"] == "listening"
+    assert f"stage 0: stopping on {signal.Signals(signum).name}; 0 session(s) open are cut off" in caplog.messages
 
 
 @pytest.mark.parametrize("option,value,message", [

@@ -14,6 +14,7 @@ import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -387,7 +388,17 @@ def _serve(args, stage_index: int) -> int:
     _print_event({"event": "listening", "host": bound_host, "port": bound_port, "stage": stage_index,
                   "layer_start": args.layer_start, "layer_end": args.layer_end, "n_embd": backend.n_embd,
                   "protocol": args.protocol})
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except (KeyboardInterrupt, SystemExit) as exc:  # the stage before it logs the closed link: say why
+        code = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else exc.code
+        try:
+            how = signal.Signals(code - 128).name
+        except (TypeError, ValueError):
+            how = f"exit {code}"
+        log.info("stage %d: stopping on %s; %d session(s) open are cut off", stage_index, how,
+                 server.admission.lanes.busy)
+        raise
     return 0
 
 
