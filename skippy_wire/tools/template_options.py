@@ -33,7 +33,7 @@ def add_chat_template_options(p: argparse.ArgumentParser) -> None:
                             "file's, as llama-server's --chat-template with --jinja (default: the GGUF's "
                             "tokenizer.chat_template)")
     group.add_argument("--chat-template-file", dest="chat_template", type=_template_file, metavar="FILE",
-                       help="the same, read from FILE (UTF-8)")
+                       help="the same, read from FILE (UTF-8; default: none)")
 
 
 def load_chat_template(parser: argparse.ArgumentParser, args, model: Path, tokenizer: Tokenizer) -> ChatTemplate:
