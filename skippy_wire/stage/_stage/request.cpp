@@ -59,7 +59,8 @@ result validate_request(const skippy_session * s, const int32_t * tokens, size_t
                    strf("activation frame has %u tokens, request has %zu", in->token_count, n));
     }
     if (in->sequence_count != 1) {  // runtime.md 2.2: one sequence, as every frame a stage exports
-        return err(SKIPPY_STATUS_INVALID_ARGUMENT, strf("activation frame has %u sequences, expected 1", in->sequence_count));
+        return err(SKIPPY_STATUS_INVALID_ARGUMENT,
+                   strf("activation frame has %u sequences, expected 1", in->sequence_count));
     }
     if (in->part_count != 1) {
         return err(SKIPPY_STATUS_INVALID_ARGUMENT, strf("activation frame has %u parts, expected 1", in->part_count));
