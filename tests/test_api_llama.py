@@ -246,6 +246,35 @@ def test_llama_servers_list_of_logit_bias_pairs_with_false_for_never():
     assert pairs == {15: float("-inf"), 16: -100.0, 17: 2.5} and banned == {15: float("-inf")}
 
 
+def test_a_token_biased_twice_gets_both_biases_as_in_llama_cpp():
+    # the second replaced the first ("5" and "05" name one token too)
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": "hi", "logit_bias": [[5, 1.0], [5, 2.0], [6, False], [6, 3]]}).status_code == 200
+        assert _post(client, {"prompt": "hi", "logit_bias": {"5": 1.5, "05": -0.5}}).status_code == 200
+    pairs, keys = (r["sampling"].logit_bias for r in engine.requests)
+    assert pairs == {5: 3.0, 6: float("-inf")} and keys == {5: 1.0}
+
+
+def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():
+    """``samplers`` was ignored: ["temperature"] still cut the draw with top-k 40, top-p 0.95 and
+    min-p 0.05, and penalised repeats."""
+    engine = ScriptedEngine()
+    asked = {"prompt": "hi", "temperature": 0.7, "top_k": 7, "top_p": 0.5, "min_p": 0.2, "repeat_penalty": 1.3,
+             "repeat_last_n": 16}
+    with TestClient(_fake_api(engine).app()) as client:
+        for samplers in (["temperature"], "t", ["penalties", "dry", "top-k", "typ_p", "temperature"], "edkypmxt",
+                         None, []):
+            assert _post(client, {**asked, "samplers": samplers}).status_code == 200, samplers
+        for bad in (["temperature", "top_k"], "tk", ["top_k", "top_k"], 7, [1]):
+            reply = _post(client, {**asked, "samplers": bad})
+            assert reply.status_code == 400 and "'samplers'" in reply.json()["error"]["message"], (bad, reply.text)
+    got = [(s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_last_n)
+           for s in (r["sampling"] for r in engine.requests)]
+    full = (0.7, 7, 0.5, 0.2, 16)
+    assert got == [(0.7, 0, 1.0, 0.0, 0)] * 2 + [(0.7, 7, 1.0, 0.0, 16)] + [full] * 2 + [(1.0, 0, 1.0, 0.0, 0)]
+
+
 class BosTokenizer(ByteTokenizer):
     """Adds BOS (token 2) where the model asks for it, as a GGUF's add_bos_token does."""
 

@@ -59,9 +59,16 @@ _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([]
              "modalities": (["text"],), "audio": (), "web_search_options": ()}
 #: llama-server's own sampling and output controls that the stages cannot honour, with the
 #: values that ask for nothing (llama-server's defaults; its web UI sends them all).
-_LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0,), "typical_p": (1, 1.0),
+_LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0, 0.0), "typical_p": (1, 1.0),
                   "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0),
-                  "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0,)}
+                  "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0, 0.0)}
+#: llama-server's ``samplers`` (common/sampling.cpp's names, their dashed forms, or a letter each)
+#: for the samplers the stages run, in the stages' fixed order; the others' names are skipped
+#: (their fields above must leave them off).
+_STAGE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
+_SAMPLER_NAMES = {**{n: n for n in _STAGE_SAMPLERS}, **{n.replace("_", "-"): n for n in _STAGE_SAMPLERS},
+                  "temp": "temperature"}
+_SAMPLER_LETTERS = dict(zip("ekpmt", _STAGE_SAMPLERS))
 #: ``max_tokens`` and its other names, first given first: llama-server's (which it reads
 #: before ``max_tokens``), OpenAI's newer name, OpenAI's older one.  -1 (llama.cpp's "no
 #: limit") generates until the context is full.
@@ -267,6 +274,26 @@ def _check_unsupported(body: dict, chat: bool) -> None:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
+def _samplers(body: dict) -> frozenset:
+    """The stages' samplers that llama-server's ``samplers`` keeps (all of them when absent);
+    a 400 for an order of them other than theirs, which they cannot run."""
+    given = body.get("samplers")
+    if given is None:
+        return frozenset(_STAGE_SAMPLERS)
+    if isinstance(given, str):
+        names = [_SAMPLER_LETTERS.get(letter) for letter in given]
+    elif isinstance(given, list) and all(isinstance(name, str) for name in given):
+        names = [_SAMPLER_NAMES.get(name) for name in given]
+    else:
+        raise BadRequest("'samplers' must be a list of sampler names or a string of their letters", "samplers",
+                         INVALID_TYPE)
+    kept = [name for name in names if name is not None]
+    if kept != sorted(set(kept), key=_STAGE_SAMPLERS.index):
+        raise BadRequest(f"'samplers' may keep {', '.join(_STAGE_SAMPLERS)} only in that order, once each (the "
+                         "stages' fixed order)", "samplers")
+    return frozenset(kept)
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's object of token id -> bias, or llama-server's list of [token id, bias]
     pairs; a bias of ``false`` (llama-server's) bans the token."""
@@ -292,7 +319,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
             raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
         if not -100 <= value <= 100:
             raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
-        out[int(key)] = float(value)
+        out[int(key)] = out.get(int(key), 0.0) + value  # a token given twice: both, as llama.cpp adds them
     return out
 
 
@@ -349,19 +376,24 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         seed %= SEED_RANGE
         if seed == LLAMA_DEFAULT_SEED:
             seed = None
+    kept = _samplers(body)
+
+    def unless_left_out(sampler: str, value, off):  # as it runs left out: temperature 1 (the draw alone), no cut
+        return value if sampler in kept else off
+
     sampling = SamplingParams(
-        temperature=max(0.0, _number(body, "temperature", defaults["temperature"], -hottest if native else 0.0,
-                                     hottest)),
-        top_p=_number(body, "top_p", defaults["top_p"], 0.0, 1.0),
-        top_k=count("top_k", defaults["top_k"], -(2**31), 2**31 - 1),
-        min_p=_number(body, "min_p", defaults["min_p"], 0.0, 1.0),
+        temperature=unless_left_out("temperature", max(0.0, _number(
+            body, "temperature", defaults["temperature"], -hottest if native else 0.0, hottest)), 1.0),
+        top_p=unless_left_out("top_p", _number(body, "top_p", defaults["top_p"], 0.0, 1.0), 1.0),
+        top_k=unless_left_out("top_k", count("top_k", defaults["top_k"], -(2**31), 2**31 - 1), 0),
+        min_p=unless_left_out("min_p", _number(body, "min_p", defaults["min_p"], 0.0, 1.0), 0.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
         repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
-        repeat_last_n=count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1),
+        repeat_last_n=unless_left_out("penalties", count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1), 0),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
