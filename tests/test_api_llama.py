@@ -263,6 +263,9 @@ def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():
     asked = {"prompt": "hi", "temperature": 0.7, "top_k": 7, "top_p": 0.5, "min_p": 0.2, "repeat_penalty": 1.3,
              "repeat_last_n": 16}
     with TestClient(_fake_api(engine).app()) as client:
+        # llama-server's "off" written as a whole float, as /completion reads integers (was a 400)
+        assert _post(client, {"prompt": "hi", "mirostat": 0.0, "n_probs": 0.0}).status_code == 200
+        engine.requests.clear()
         for samplers in (["temperature"], "t", ["penalties", "dry", "top-k", "typ_p", "temperature"], "edkypmxt",
                          None, []):
             assert _post(client, {**asked, "samplers": samplers}).status_code == 200, samplers
