@@ -250,7 +250,8 @@ def test_a_token_biased_twice_gets_both_biases_as_in_llama_cpp():
     # the second replaced the first ("5" and "05" name one token too)
     engine = ScriptedEngine()
     with TestClient(_fake_api(engine).app()) as client:
-        assert _post(client, {"prompt": "hi", "logit_bias": [[5, 1.0], [5, 2.0], [6, False], [6, 3]]}).status_code == 200
+        twice = [[5, 1.0], [5, 2.0], [6, False], [6, 3]]
+        assert _post(client, {"prompt": "hi", "logit_bias": twice}).status_code == 200
         assert _post(client, {"prompt": "hi", "logit_bias": {"5": 1.5, "05": -0.5}}).status_code == 200
     pairs, keys = (r["sampling"].logit_bias for r in engine.requests)
     assert pairs == {5: 3.0, 6: float("-inf")} and keys == {5: 1.0}
@@ -266,8 +267,9 @@ def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():
         # llama-server's "off" written as a whole float, as /completion reads integers (was a 400)
         assert _post(client, {"prompt": "hi", "mirostat": 0.0, "n_probs": 0.0}).status_code == 200
         engine.requests.clear()
-        for samplers in (["temperature"], "t", ["penalties", "dry", "top-k", "typ_p", "temperature"], "edkypmxt",
-                         None, []):
+        # (llama-server reads the names exactly: "top-k" is no sampler of its, and is skipped)
+        for samplers in (["temperature"], "t", ["penalties", "dry", "top_k", "typ_p", "top-p", "temperature"],
+                         "edkypmxt", None, []):
             assert _post(client, {**asked, "samplers": samplers}).status_code == 200, samplers
         for bad in (["temperature", "top_k"], "tk", ["top_k", "top_k"], 7, [1]):
             reply = _post(client, {**asked, "samplers": bad})

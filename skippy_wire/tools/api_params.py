@@ -62,12 +62,10 @@ _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([]
 _LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0, 0.0), "typical_p": (1, 1.0),
                   "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0),
                   "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0, 0.0)}
-#: llama-server's ``samplers`` (common/sampling.cpp's names, their dashed forms, or a letter each)
-#: for the samplers the stages run, in the stages' fixed order; the others' names are skipped
-#: (their fields above must leave them off).
+#: llama-server's ``samplers`` (common/sampling.cpp's names exactly, as llama-server reads them,
+#: or a letter each) for the samplers the stages run, in the stages' fixed order; the others'
+#: names are skipped (their fields above must leave them off).
 _STAGE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
-_SAMPLER_NAMES = {**{n: n for n in _STAGE_SAMPLERS}, **{n.replace("_", "-"): n for n in _STAGE_SAMPLERS},
-                  "temp": "temperature"}
 _SAMPLER_LETTERS = dict(zip("ekpmt", _STAGE_SAMPLERS))
 #: ``max_tokens`` and its other names, first given first: llama-server's (which it reads
 #: before ``max_tokens``), OpenAI's newer name, OpenAI's older one.  -1 (llama.cpp's "no
@@ -283,7 +281,7 @@ def _samplers(body: dict) -> frozenset:
     if isinstance(given, str):
         names = [_SAMPLER_LETTERS.get(letter) for letter in given]
     elif isinstance(given, list) and all(isinstance(name, str) for name in given):
-        names = [_SAMPLER_NAMES.get(name) for name in given]
+        names = [name if name in _STAGE_SAMPLERS else None for name in given]
     else:
         raise BadRequest("'samplers' must be a list of sampler names or a string of their letters", "samplers",
                          INVALID_TYPE)
