@@ -134,6 +134,22 @@ def test_the_engine_s_close_cuts_off_a_generation_waiting_on_a_quiet_stage():
         listener.close()
 
 
+def test_a_generation_that_takes_its_connection_after_the_engine_s_close_is_cut_off_too():
+    """close() cut off the connections in use when it ran: one taken just after it (its
+    handshake under way) ran on, and waited out --timeout on a stage gone quiet."""
+    chain = Chain([(0, 3), (3, 6)])
+    engine = GenerationEngine(chain.entry, ByteTokenizer(), ctx_size=64, timeout=TIMEOUT_S, chunk_size=4)
+    real_take = engine._take
+    engine._take = lambda timeout=None: (real_take(timeout), engine.close())[0]  # close() lands after the take
+    try:
+        with pytest.raises(PipelineError, match="the API is stopping"):
+            _generate(engine)
+        assert engine.counters["failed"] == 1 and engine._busy == set()
+    finally:
+        engine.close()
+        chain.close()
+
+
 def test_a_generation_running_at_the_engine_s_close_leaves_no_connection_open():
     """A connection given back after close() was pooled where nothing would close it again;
     now close() cuts the generation off, and it fails as one cut off (not logged)."""

@@ -411,6 +411,9 @@ class GenerationEngine:
             client = self._take(min(self.timeout, READY_TIMEOUT_S))
             client.timeout = self.timeout
             with self._lock:
+                if self.closed:  # close() has cut the others off already: this one too
+                    client.close()
+                    raise PipelineError("the API is stopping")
                 self._busy.add(client)
         except PipelineError as exc:  # no READY from the chain: as a failure within it
             with self._lock:
