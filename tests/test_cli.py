@@ -782,6 +782,7 @@ def test_a_chat_template_given_on_the_command_line_replaces_the_model_s(tmp_path
     model, tokenizer = Path(smollm2_path()), Tokenizer.from_gguf(smollm2_path())
     source = "{% for m in messages %}<{{ m['role'] }}:{{ m['content'] }}>{% endfor %}"
     (tmp_path / "t.jinja").write_text(source, encoding="utf-8")
+    (empty := tmp_path / "empty.jinja").write_text(" \n", encoding="utf-8")
     for command in (run, api):
         parser = command.build_parser()
         for flags in (["--chat-template", source], ["--chat-template-file", str(tmp_path / "t.jinja")]):
@@ -795,7 +796,9 @@ def test_a_chat_template_given_on_the_command_line_replaces_the_model_s(tmp_path
                         (["--chat-template-file", str(tmp_path / "none.jinja")], "none.jinja"),
                         (["--chat-template", source, "--chat-template-file", str(tmp_path / "t.jinja")],
                          "not allowed with argument"),
-                        (["--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
+                        (["--chat-template", "{% if %}"],
+                         "--chat-template/--chat-template-file: the chat template does not compile"),
+                        (["--chat-template-file", str(empty)], "empty.jinja: the file holds no template"),
                         (["--raw", "--chat-template", source], "--raw")):
         with pytest.raises(SystemExit) as exc:
             args = parser.parse_args([*flags, "hi"])

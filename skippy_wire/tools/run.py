@@ -41,7 +41,7 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, LOG_FORMAT, MAX_CTX_SIZE, MA
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
-from .template_options import add_chat_template_options, load_chat_template
+from .template_options import CHAT_TEMPLATE_OPTIONS, add_chat_template_options, load_chat_template
 from .run_report import TextStreamer, check_tokens, format_summary, json_summary, warn_if_unended
 from .tls_options import add_tls_options, tls_config
 
@@ -239,7 +239,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.raw and args.chat_turn:
         parser.error("-cnv/-st ask for the chat template, which --raw (-no-cnv) leaves out")
     if args.raw and args.chat_template is not None:
-        parser.error("--chat-template is the chat template, which --raw (-no-cnv) leaves out")
+        parser.error(f"{CHAT_TEMPLATE_OPTIONS} give the chat template, which --raw (-no-cnv) leaves out")
     # before the checks of their values: with running stages they configure nothing
     refuse_started_stage_options(parser, args, used=("threads",) if args.check else ())
     args.stages = args.stages or DEFAULT_STAGES

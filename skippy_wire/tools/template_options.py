@@ -12,6 +12,10 @@ from ..stage.models import Tokenizer
 from .options import file_error
 
 
+#: How a usage error names the two options (it cannot tell which one gave the template).
+CHAT_TEMPLATE_OPTIONS = "--chat-template/--chat-template-file"
+
+
 def _template_text(text: str) -> str:
     if "{" not in text:  # no Jinja in it: one of llama.cpp's built-in names (chatml, llama3 ...)
         raise argparse.ArgumentTypeError(f"{text!r} is no Jinja template (llama.cpp's built-in template names are "
@@ -21,9 +25,12 @@ def _template_text(text: str) -> str:
 
 def _template_file(path: str) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(file_error(path, exc)) from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path}: the file holds no template")
+    return text
 
 
 def add_chat_template_options(p: argparse.ArgumentParser) -> None:
@@ -44,7 +51,7 @@ def load_chat_template(parser: argparse.ArgumentParser, args, model: Path, token
     except ChatTemplateError as exc:
         if args.chat_template is None:
             raise
-        parser.error(f"--chat-template: {exc}")
+        parser.error(f"{CHAT_TEMPLATE_OPTIONS}: {exc}")
 
 
-__all__ = ["add_chat_template_options", "load_chat_template"]
+__all__ = ["CHAT_TEMPLATE_OPTIONS", "add_chat_template_options", "load_chat_template"]
