@@ -244,8 +244,9 @@ class ChatTemplate:
             i = kv.get(key)
             return vocab[i] if isinstance(i, int) and 0 <= i < len(vocab) else ""
 
+        add_bos = tokenizer is not None and tokenizer.add_bos
         return cls(source, bos_token=text_of("tokenizer.ggml.bos_token_id"),
-                   eos_token=text_of("tokenizer.ggml.eos_token_id"), add_bos=tokenizer is not None and tokenizer.add_bos)
+                   eos_token=text_of("tokenizer.ggml.eos_token_id"), add_bos=add_bos)
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
                extra: Optional[Mapping[str, Any]] = None) -> str:

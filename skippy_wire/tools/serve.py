@@ -394,8 +394,8 @@ def _serve(args, stage_index: int) -> int:
         code = EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else exc.code
         try:
             how = signal.Signals(code - 128).name
-        except (TypeError, ValueError):
-            how = f"exit {code}"
+        except (TypeError, ValueError):  # not a signal's (128 + N)
+            how = "exit" if code is None else f"exit {code}"
         log.info("stage %d: stopping on %s; %d session(s) open are cut off", stage_index, how,
                  server.admission.lanes.busy)
         raise
