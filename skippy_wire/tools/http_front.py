@@ -416,10 +416,9 @@ class IdleSheddingProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
-        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit, 501 naming
-        the transfer coding refused;
-        logged with the peer and h11's reason (uvicorn's line gives neither); the connection
-        then closes."""
+        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit,
+        501 naming the transfer coding refused; logged with the peer and h11's reason
+        (uvicorn's line gives neither); the connection then closes."""
         error, self.protocol_error = self.protocol_error, None
         status = getattr(error, "error_status_hint", 400)
         peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
