@@ -799,6 +799,7 @@ def test_a_chat_template_given_on_the_command_line_replaces_the_model_s(tmp_path
                         (["--chat-template", "{% if %}"],
                          "--chat-template/--chat-template-file: the chat template does not compile"),
                         (["--chat-template-file", str(empty)], "empty.jinja: the file holds no template"),
+                        (["--chat-template-file", "/dev/zero"], "/dev/zero: longer than 1 MiB"),  # read on for ever
                         (["--raw", "--chat-template", source], "--raw")):
         with pytest.raises(SystemExit) as exc:
             args = parser.parse_args([*flags, "hi"])

@@ -14,6 +14,9 @@ from .options import file_error
 
 #: How a usage error names the two options (it cannot tell which one gave the template).
 CHAT_TEMPLATE_OPTIONS = "--chat-template/--chat-template-file"
+#: The most ``--chat-template-file`` reads: templates run to a few KiB; a longer file
+#: (``/dev/zero``) is refused, not read on, as ``run -f`` refuses one.
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
 
 
 def _template_text(text: str) -> str:
@@ -25,7 +28,11 @@ def _template_text(text: str) -> str:
 
 def _template_file(path: str) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_TEMPLATE_FILE_BYTES + 1)
+        if len(data) > MAX_TEMPLATE_FILE_BYTES:
+            raise argparse.ArgumentTypeError(f"{path}: longer than {MAX_TEMPLATE_FILE_BYTES >> 20} MiB")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(file_error(path, exc)) from None
     if not text.strip():
