@@ -56,6 +56,8 @@ def test_a_completion_in_llama_servers_shape():
     assert body["has_new_line"] is True and body["truncated"] is False and body["prompt"] == "Say hi"
     settings = body["generation_settings"]
     assert settings["n_predict"] == 20 and settings["temperature"] == 0.5 and settings["stop"] == ["!"]
+    assert settings["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                                    "temperature"]  # llama-server's default chain, as it reports it
     assert engine.requests[0]["max_tokens"] == 20 and engine.requests[0]["stop"] == ["!"]
     timings = body["timings"]
     assert timings["prompt_n"] == 6 and timings["predicted_n"] == 11
@@ -274,6 +276,9 @@ def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():
         for bad in (["temperature", "top_k"], "tk", ["top_k", "top_k"], 7, [1]):
             reply = _post(client, {**asked, "samplers": bad})
             assert reply.status_code == 400 and "'samplers'" in reply.json()["error"]["message"], (bad, reply.text)
+        reported = _post(client, {"prompt": "hi", "samplers": "tyxq"}).json()["generation_settings"]["samplers"]
+        assert reported == ["temperature", "typ_p", "xtc"]  # as asked, in its order; an unknown letter skipped
+        engine.requests.pop()
     got = [(s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_last_n)
            for s in (r["sampling"] for r in engine.requests)]
     full = (0.7, 7, 0.5, 0.2, 16)

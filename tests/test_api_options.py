@@ -184,6 +184,34 @@ def test_what_asks_for_nothing_passes():
     assert parse_options(web_ui).max_tokens is None
 
 
+@pytest.mark.parametrize("body", [
+    {"typical_p": 1.5}, {"top_n_sigma": 0}, {"top_n_sigma": -2.5}, {"dynatemp_range": -1}, {"n_probs": -1},
+    {"xtc_probability": 0.5, "xtc_threshold": 0.6}, {"xtc_probability": -1},
+    {"dry_multiplier": 0.8, "dry_base": 0.5}, {"dry_multiplier": 0.8, "dry_penalty_last_n": 0},
+    # a sampler llama-server's samplers leave out runs nowhere there, whatever its field says
+    {"typical_p": 0.5, "samplers": ["top_k", "temperature"]}, {"xtc_probability": 0.5, "samplers": "kt"},
+    {"dry_multiplier": 0.8, "samplers": "ekpmt"}, {"top_n_sigma": 2, "samplers": []},
+    {"dynatemp_range": 0.5, "samplers": ["top_k"]},
+])
+def test_what_llama_cpp_reads_as_off_passes(body):
+    """llama.cpp's samplers skip their work at these values (typical_p 1.5 was a 400 where 1 passed)."""
+    assert parse_options(body).sampling == parse_options({k: v for k, v in body.items()
+                                                          if k == "samplers"}).sampling
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"typical_p": 0.5, "samplers": ["typ_p", "temperature"]}, "typical_p"),
+    ({"xtc_probability": 0.5, "xtc_threshold": 0.5}, "xtc_probability"),
+    ({"dry_multiplier": -0.5, "dry_base": 1}, "dry_multiplier"),
+    ({"top_n_sigma": 0.1, "samplers": "st"}, "top_n_sigma"),
+    ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"typical_p": True}, "typical_p"),
+])
+def test_what_a_kept_sampler_would_run_is_refused(body, param):
+    with pytest.raises(BadRequest, match=f"^'{param}' is not supported$"):
+        parse_options(body)
+
+
 def test_seed_minus_one_draws_one_and_others_are_reduced_to_32_bits():
     # as llama-server, which reads the seed as a uint32 where -1 is LLAMA_DEFAULT_SEED
     assert parse_options({"seed": -1}).sampling.seed is None

@@ -114,7 +114,8 @@ def generation_settings(options: Options) -> dict:
             "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
             "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
             "frequency_penalty": sampling.frequency_penalty, "repeat_last_n": sampling.repeat_last_n,
-            "ignore_eos": sampling.ignore_eos, "stop": options.stop, "stream": options.stream}
+            "ignore_eos": sampling.ignore_eos, "stop": options.stop, "stream": options.stream,
+            "samplers": list(options.samplers)}
 
 
 def check_llama_context(prompt_tokens: int, ctx: int) -> None:

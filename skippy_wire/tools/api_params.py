@@ -14,7 +14,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..net.connlog import peer_text
 from ..net.service import WHOLE_HISTORY, SamplingParams
@@ -57,16 +57,48 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: ``logprobs`` is told apart below.
 _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,),
              "modalities": (["text"],), "audio": (), "web_search_options": ()}
-#: llama-server's own sampling and output controls that the stages cannot honour, with the
-#: values that ask for nothing (llama-server's defaults; its web UI sends them all).
-_LLAMA_NEUTRAL = {"grammar": ("",), "json_schema": ({},), "mirostat": (0, 0.0), "typical_p": (1, 1.0),
-                  "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0),
-                  "dry_multiplier": (0, 0.0), "top_n_sigma": (-1, -1.0), "n_probs": (0, 0.0)}
-#: llama-server's ``samplers`` (common/sampling.cpp's names exactly, as llama-server reads them,
-#: or a letter each) for the samplers the stages run, in the stages' fixed order; the others'
-#: names are skipped (their fields above must leave them off).
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _number_where(test: Callable[[float], bool]) -> Callable[[Any, dict], bool]:
+    """A field's value test: a number ``test`` accepts."""
+    return lambda value, body: _is_number(value) and test(value)
+
+
+def _xtc_off(value, body: dict) -> bool:
+    """XTC's probability asks for nothing at 0 or below, or beside a threshold over 0.5."""
+    threshold = body.get("xtc_threshold")
+    return (_is_number(value) and value <= 0) or (_is_number(threshold) and threshold > 0.5)
+
+
+def _dry_off(value, body: dict) -> bool:
+    """DRY's multiplier asks for nothing at 0, or beside a base under 1 or a window of 0 tokens."""
+    base, window = body.get("dry_base"), body.get("dry_penalty_last_n")
+    return (_is_number(value) and value == 0) or (_is_number(base) and base < 1) or (_is_number(window) and window == 0)
+
+
+#: llama-server's own sampling and output controls that the stages cannot honour, each with
+#: the test of a value that asks for nothing (where llama.cpp's sampler skips its work:
+#: src/llama-sampling.cpp; its web UI sends them all) and the name of its sampler in
+#: llama-server's ``samplers``: left out there, the field asks for nothing either.
+_LLAMA_OFF = {"grammar": (lambda value, body: value == "", None),
+              "json_schema": (lambda value, body: value == {}, None),
+              "mirostat": (_number_where(lambda v: v == 0), None),
+              "typical_p": (_number_where(lambda v: v >= 1), "typ_p"),
+              "tfs_z": (_number_where(lambda v: v == 1), None),
+              "dynatemp_range": (_number_where(lambda v: v <= 0), "temperature"),
+              "xtc_probability": (_xtc_off, "xtc"),
+              "dry_multiplier": (_dry_off, "dry"),
+              "top_n_sigma": (_number_where(lambda v: v <= 0), "top_n_sigma"),
+              "n_probs": (_number_where(lambda v: v <= 0), None)}
+#: llama-server's sampler names (common/sampling.cpp's, read exactly) by their letters, and
+#: the chain it runs when a request names none.
+_LLAMA_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                          "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties"}
+LLAMA_DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+#: The samplers the stages run, in their fixed order.
 _STAGE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
-_SAMPLER_LETTERS = dict(zip("ekpmt", _STAGE_SAMPLERS))
 #: ``max_tokens`` and its other names, first given first: llama-server's (which it reads
 #: before ``max_tokens``), OpenAI's newer name, OpenAI's older one.  -1 (llama.cpp's "no
 #: limit") generates until the context is full.
@@ -241,9 +273,10 @@ class Options:
     stream: bool
     include_usage: bool
     n: int = 1  # choices per prompt
+    samplers: tuple = LLAMA_DEFAULT_SAMPLERS  # llama-server's ``samplers``, as asked (reported back)
 
 
-def _check_unsupported(body: dict, chat: bool) -> None:
+def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", "model", INVALID_TYPE)
@@ -257,10 +290,14 @@ def _check_unsupported(body: dict, chat: bool) -> None:
     # Chat's logprobs is a boolean (false asks for nothing); a completion's is a count, and
     # 0 still asks for the sampled token's log probability, which no stage returns.
     # (first: top_logprobs beside it is refused as part of it)
-    harmless = {"logprobs": (False,) if chat else (), **_HARMLESS, **_LLAMA_NEUTRAL}
+    harmless = {"logprobs": (False,) if chat else (), **_HARMLESS}
     for name, values in harmless.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in values):
+            raise BadRequest(f"'{name}' is not supported", name)
+    for name, (off, sampler) in _LLAMA_OFF.items():
+        value = body.get(name)
+        if value is not None and not off(value, body) and (sampler is None or sampler in samplers):
             raise BadRequest(f"'{name}' is not supported", name)
     for name, needs in _NEEDS:
         if body.get(name) is not None and not _given(body, needs):
@@ -272,20 +309,26 @@ def _check_unsupported(body: dict, chat: bool) -> None:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
-def _samplers(body: dict) -> frozenset:
-    """The stages' samplers that llama-server's ``samplers`` keeps (all of them when absent);
-    a 400 for an order of them other than theirs, which they cannot run."""
+def llama_samplers(body: dict) -> tuple:
+    """The names of the samplers llama-server's ``samplers`` asks for, in its order (names
+    read exactly, or a letter each; others are skipped, as there), or its default chain."""
     given = body.get("samplers")
     if given is None:
-        return frozenset(_STAGE_SAMPLERS)
+        return LLAMA_DEFAULT_SAMPLERS
     if isinstance(given, str):
-        names = [_SAMPLER_LETTERS.get(letter) for letter in given]
+        names = [_LLAMA_SAMPLER_LETTERS.get(letter) for letter in given]
     elif isinstance(given, list) and all(isinstance(name, str) for name in given):
-        names = [name if name in _STAGE_SAMPLERS else None for name in given]
+        names = [name if name in _LLAMA_SAMPLER_LETTERS.values() else None for name in given]
     else:
         raise BadRequest("'samplers' must be a list of sampler names or a string of their letters", "samplers",
                          INVALID_TYPE)
-    kept = [name for name in names if name is not None]
+    return tuple(name for name in names if name is not None)
+
+
+def _stage_samplers(samplers: tuple) -> frozenset:
+    """The stages' samplers among llama-server's ``samplers``; a 400 for an order of them
+    other than theirs, which they cannot run."""
+    kept = [name for name in samplers if name in _STAGE_SAMPLERS]
     if kept != sorted(set(kept), key=_STAGE_SAMPLERS.index):
         raise BadRequest(f"'samplers' may keep {', '.join(_STAGE_SAMPLERS)} only in that order, once each (the "
                          "stages' fixed order)", "samplers")
@@ -339,7 +382,8 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     llama-server's /completion, with llama.cpp's sampling defaults and its temperatures:
     any, a negative one greedy); BadRequest for a field out of range, of the wrong type, or
     asking for what the stages cannot do."""
-    _check_unsupported(body, chat)
+    samplers = llama_samplers(body)
+    _check_unsupported(body, chat, samplers)
     defaults = LLAMA_SAMPLING if native else OPENAI_SAMPLING
     hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
     name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
@@ -374,7 +418,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         seed %= SEED_RANGE
         if seed == LLAMA_DEFAULT_SEED:
             seed = None
-    kept = _samplers(body)
+    kept = _stage_samplers(samplers)
 
     def unless_left_out(sampler: str, value, off):  # as it runs left out: temperature 1 (the draw alone), no cut
         return value if sampler in kept else off
@@ -396,7 +440,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
     n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
-    return Options(max_tokens, sampling, stop, stream, include_usage, n)
+    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers)
 
 
 def parse_template_options(body: dict) -> tuple[bool, dict]:
