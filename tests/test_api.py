@@ -725,3 +725,20 @@ def test_a_topology_api_starts_before_its_stages_and_serves_once_they_answer(tmp
         log = server.close()
     assert "Traceback" not in log, log
     assert "until the stages answer" in log, log
+
+
+def test_a_chat_template_that_does_not_compile_is_named_to_a_chat_client(tmp_path):
+    """A chat request was told the model "has no chat template" where the start-up line said it
+    had one that does not compile."""
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf", chat_template="{% for %}")
+    server = ApiServer("-m", str(model), "--stages", "1")
+    try:
+        chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60)
+        text = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    finally:
+        log = server.close()
+    assert chat.status_code == 400 and text.status_code == 200, (chat.text, text.text)
+    message = chat.json()["error"]["message"]
+    assert message.startswith("model tiny cannot chat: the chat template does not compile: "), message
+    assert message.endswith("; use /v1/completions") and "has no chat template" not in message
+    assert "the chat template does not compile" in log and "Traceback" not in log

@@ -39,7 +39,7 @@ from ..net.backend import DEFAULT_LANES
 from ..net.connlog import RateLimitedRecords
 from ..net.service import (READY_TIMEOUT_S, Admission, Cancelled, GenerationEngine, PipelineUnavailable, QueueFullError,
                            ServerStopping)
-from ..stage.chat import ChatTemplate, ChatTemplateError
+from ..stage.chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, default_model_id, model_shape, path_text
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .api_job import DISCONNECT_POLL_S, GenerationJob
@@ -93,11 +93,12 @@ class Api:
 
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
                  max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_keys: str | Sequence[str] = (),
-                 cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "") -> None:
+                 cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "",
+                 template_problem: str = "") -> None:
         self.engine, self.api_keys, self.cors_origins = engine, as_keys(api_keys), cors_origins
         self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
         self.model_id, self.model_path, self.chat_template = model_id, model_path or model_id, chat_template
-        self.prompt_reader = PromptReader(engine, chat_template, model_id)
+        self.prompt_reader = PromptReader(engine, chat_template, model_id, template_problem)
         self.max_inflight, self.max_queue = max_inflight, max_queue
         self.created = int(time.time())
         self.fingerprint = _fingerprint()
@@ -505,11 +506,12 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
         return 1
     if not args.connect_address and args.stages > n_layer:
         parser.error(f"--stages {args.stages}: {model.name} has only {n_layer} layers")
+    chat_template, template_problem = None, ""
     try:
         chat_template = load_chat_template(parser, args, model, tokenizer)
     except ChatTemplateError as exc:
         progress(f"{exc}: /v1/chat/completions will refuse requests")
-        chat_template = None
+        template_problem = "" if isinstance(exc, NoChatTemplate) else f"cannot chat: {exc}"
     try:
         listener = listening_socket(*args.listen_address)
     except OSError as exc:
@@ -549,8 +551,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
                 # someone else's stages may start after the API (a supervisor's order): serve anyway
                 progress(f"{describe(exc)}: /health and requests answer 503 until the stages answer")
             api = Api(engine, model_id=args.alias or default_model_id(model), chat_template=chat_template,
-                      model_path=path_text(model), max_inflight=lanes, max_queue=args.max_queue, api_keys=args.api_keys,
-                      cors_origins=tuple(args.cors_origin),
+                      model_path=path_text(model), template_problem=template_problem, max_inflight=lanes,
+                      max_queue=args.max_queue, api_keys=args.api_keys, cors_origins=tuple(args.cors_origin),
                       max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
             config = uvicorn.Config(api.app(), log_level="error" if args.quiet else "warning", access_log=False,
                                     lifespan="off", limit_concurrency=args.max_connections, http=IdleSheddingProtocol,

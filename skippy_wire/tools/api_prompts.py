@@ -14,10 +14,12 @@ from .api_params import (INVALID_TYPE, MAX_PROMPTS, MESSAGES_CODES, BadRequest, 
 
 class PromptReader:
     """Reads the prompts of requests to ``engine`` (a GenerationEngine: its tokenizer and
-    context) and its model's ``chat_template`` (None: chat refused)."""
+    context) and its model's ``chat_template`` (None: chat refused, saying why: ``template_problem``,
+    the reason it failed to load, or that the model has none)."""
 
-    def __init__(self, engine, chat_template: Optional[ChatTemplate], model_id: str) -> None:
+    def __init__(self, engine, chat_template: Optional[ChatTemplate], model_id: str, template_problem: str = "") -> None:
         self.engine, self.chat_template, self.model_id = engine, chat_template, model_id
+        self.template_problem = template_problem or "has no chat template"
 
     def check_messages_fit(self, body: dict) -> None:
         """Refuse, unrendered, ``messages`` that cannot fit the context: more messages than it
@@ -40,7 +42,7 @@ class PromptReader:
         """A chat request's ``messages`` through the model's chat template (with its
         ``add_generation_prompt`` and ``chat_template_kwargs``, as llama-server renders them)."""
         if self.chat_template is None:
-            raise BadRequest(f"model {self.model_id} has no chat template; use /v1/completions", "messages")
+            raise BadRequest(f"model {self.model_id} {self.template_problem}; use /v1/completions", "messages")
         add_generation_prompt, extra = parse_template_options(body)
         try:
             return self.chat_template.render(body.get("messages"), add_generation_prompt=add_generation_prompt,
