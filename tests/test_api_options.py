@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from skippy_wire.tools import api_params
@@ -277,3 +279,12 @@ def test_a_long_logit_bias_list_is_refused_by_its_length_before_its_pairs_are_re
     pairs = [[1, 2]] * (MAX_STAGE_LOGIT_BIAS + 1) + ["not a pair"]
     with pytest.raises(BadRequest, match=f"may hold at most {MAX_STAGE_LOGIT_BIAS} tokens"):
         parse_options({"logit_bias": pairs})
+
+
+def test_a_repeat_penalty_below_the_smallest_f32_is_not_sent_as_unset():
+    """1e-46 is 0 as an f32, which the wire reads as unset: no penalty at all, where the
+    smallest one was asked for; it travels as the nearest f32 above 0."""
+    for penalty in (1e-46, 2.0**-150, 1e-300):
+        wire = parse_options({"repeat_penalty": penalty, "temperature": 1}).sampling.wire()
+        assert struct.unpack("<f", struct.pack("<f", wire.repeat_penalty))[0] == 2.0**-149, penalty
+    assert parse_options({"repeat_penalty": 1e-30, "temperature": 1}).sampling.wire().repeat_penalty == 1e-30

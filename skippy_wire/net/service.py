@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from ..errors import PipelineClosed, PipelineError, PipelineMismatch, PipelineTimeout, SkippyError
+from ..wire.constants import F32_SMALLEST
 from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient, check_model_id
@@ -112,6 +113,8 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
         seed = self.seed if self.seed is not None else random.randint(1, _SEED_RANGE)
         fields = {name: getattr(self, name) for name in REQUEST_SAMPLING_FIELDS}
         fields["penalty_last_n"] = self.repeat_last_n
+        if 0.0 < self.repeat_penalty < F32_SMALLEST:  # an f32 0 would read as unset (1): the nearest f32 above 0
+            fields["repeat_penalty"] = F32_SMALLEST
         if self.repeat_last_n == 0:  # the wire reads a window of 0 as the whole history: no penalty sent
             fields.update(repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=WHOLE_HISTORY)
         return SamplingConfig(

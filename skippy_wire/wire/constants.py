@@ -53,6 +53,8 @@ I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 U32_MAX = 2**32 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 U64_MAX = 2**64 - 1
+#: The smallest positive f32 (a subnormal); a smaller positive number is 0 as an f32.
+F32_SMALLEST = 2.0**-149
 
 
 def wrapped_i32(value: int) -> int:
