@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from starlette.testclient import TestClient
 from test_http_front import FakeEngine, FakeTokenizer, _fake_api
 
 from skippy_wire.net.service import Generation
+from skippy_wire.tools import api
 from skippy_wire.tools.api_params import MAX_NATIVE_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from skippy_wire.tools.llama_sampling import given_sampling
 
 
 class ByteTokenizer(FakeTokenizer):
@@ -309,3 +312,27 @@ def test_an_empty_text_in_a_mixed_prompt_adds_nothing():
         assert _post(client, {"prompt": ""}).status_code == 400
         assert _post(client, {"prompt": [["", ""]]}).status_code == 400  # a batch's prompt of empty texts
     assert engine.prompts == ["Sa"]
+
+
+def test_llama_servers_sampling_options_are_every_requests_defaults():
+    """`api --temp 0.7 -s 42` was an unknown option: llama-server's sampling options set every
+    request's defaults, on every route; a field a request gives still wins."""
+    args = api.build_parser().parse_args(["--temp", "0", "-s", "-2", "--top-k", "5", "--repeat-penalty", "1.2",
+                                          "--ignore-eos"])
+    given = given_sampling(args)
+    assert given == {"temperature": 0.0, "top_k": 5, "repeat_penalty": 1.2, "seed": 2**32 - 2, "ignore_eos": True}
+    assert given_sampling(api.build_parser().parse_args([])) == {}
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine, sampling=given).app()) as client:
+        for path in ("/v1/completions", "/completion"):
+            assert client.post(path, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0.5,
+                                                    "seed": 7, "ignore_eos": False}).status_code == 200
+        props = client.get("/props").json()["default_generation_settings"]["params"]
+    first, native, asked = (r["sampling"] for r in engine.requests)
+    for sampling in (first, native):
+        assert (sampling.temperature, sampling.top_k, sampling.repeat_penalty, sampling.seed, sampling.ignore_eos) \
+            == (0.0, 5, pytest.approx(1.2), 2**32 - 2, True)
+    assert first.top_p == 1.0 and native.top_p == 0.95  # not given: each route's own
+    assert (asked.temperature, asked.seed, asked.ignore_eos, asked.top_k) == (0.5, 7, False, 5)
+    assert (props["temperature"], props["top_k"], props["seed"], props["ignore_eos"]) == (0.0, 5, 2**32 - 2, True)

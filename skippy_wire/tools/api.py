@@ -47,6 +47,7 @@ from .api_metrics import PROMETHEUS_TEXT, prometheus_text
 from .api_llama import LlamaCompletionJob, check_llama_context, generation_settings, llama_piece
 from .api_keys import RequireApiKey, as_keys, key_file, key_list, open_api_warning
 from .api_options import add_llama_server_options, listen_address, listen_host, web_origin
+from .llama_sampling import given_sampling
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
                          parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
@@ -94,9 +95,10 @@ class Api:
     def __init__(self, engine: GenerationEngine, *, model_id: str, chat_template: Optional[ChatTemplate],
                  max_inflight: int, max_queue: int = DEFAULT_MAX_QUEUE, api_keys: str | Sequence[str] = (),
                  cors_origins: tuple[str, ...] = (), max_tokens: Optional[int] = None, model_path: str = "",
-                 template_problem: str = "") -> None:
+                 template_problem: str = "", sampling: Optional[dict] = None) -> None:
         self.engine, self.api_keys, self.cors_origins = engine, as_keys(api_keys), cors_origins
         self.max_tokens = max_tokens  # the most any request generates (-n; None: the context's room)
+        self.sampling = sampling  # the requests' sampling defaults given (--temp ...), replacing the routes'
         self.model_id, self.model_path, self.chat_template = model_id, model_path or model_id, chat_template
         self.prompt_reader = PromptReader(engine, chat_template, model_id, template_problem)
         self.max_inflight, self.max_queue = max_inflight, max_queue
@@ -182,12 +184,11 @@ class Api:
 
     async def props(self, request: Request) -> Response:
         """llama-server's ``GET /props``: what its clients read of it (the context size and
-        ``/completion``'s defaults, the slots, the model, the chat template and special tokens,
-        the build)."""
+        ``/completion``'s defaults, the slots, the model, the chat template and special tokens, the build)."""
         tokenizer = self.engine.tokenizer
         special = {f"{name}_token": "" if i is None else tokenizer.tokens[i]
                    for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
-        defaults = parse_options({}, native=True)
+        defaults = parse_options({}, native=True, server=self.sampling)
         defaults.max_tokens = self._capped(None)
         return JSONResponse({"default_generation_settings": {
                                  "n_ctx": self.engine.ctx_size, "params": generation_settings(defaults)},
@@ -299,7 +300,7 @@ class Api:
             return body
         try:
             check_text(body)
-            options = parse_options(body, chat=chat, native=native)
+            options = parse_options(body, chat=chat, native=native, server=self.sampling)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's (under -n) must fit
@@ -439,16 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
                    help="open HTTP connections at most, so idle or slow clients cannot take every file "
                         "descriptor (a new one beyond it closes the one quiet longest; none quiet: 503)")
-    p.add_argument("-c", "--ctx-size", default=None,
-                   type=int_between(MIN_CTX_SIZE, MAX_CTX_SIZE,
-                                    special=(TRAINING_CONTEXT, "the model's training context")),
+    p.add_argument("-c", "--ctx-size", default=None, type=int_between(
+        MIN_CTX_SIZE, MAX_CTX_SIZE, special=(TRAINING_CONTEXT, "the model's training context")),
                    help=f"tokens per request (prompt + completion; {TRAINING_CONTEXT}: the model's training context, "
                         "which with --connect the running stages must hold too, e.g. started with `serve -c 0`; "
                         f"default: {STARTED_CTX_SIZE} starting stages, the stages' {DEFAULT_CTX_SIZE} with --connect; "
                         f"--topology: its ctx_size, else {DEFAULT_CTX_SIZE})")
     p.add_argument("--chunk-size", type=int_at_least(1), default=DEFAULT_CHUNK, help="prefill chunk (tokens)")
-    p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT,
-                   help="seconds to wait for each stage reply")
+    p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each stage reply")
     p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR", action=StartedStagesOption,
                    help=f"write each stage's log to DIR/stageK.log ({STARTED_STAGES_ONLY}; default: discarded)")
     add_link_options(p)
@@ -553,7 +552,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> int:
             api = Api(engine, model_id=args.alias or default_model_id(model), chat_template=chat_template,
                       model_path=path_text(model), template_problem=template_problem, max_inflight=lanes,
                       max_queue=args.max_queue, api_keys=args.api_keys, cors_origins=tuple(args.cors_origin),
-                      max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens)
+                      max_tokens=None if args.max_tokens == UNTIL_FULL else args.max_tokens,
+                      sampling=given_sampling(args))
             config = uvicorn.Config(api.app(), log_level="error" if args.quiet else "warning", access_log=False,
                                     lifespan="off", limit_concurrency=args.max_connections, http=IdleSheddingProtocol,
                                     h11_max_incomplete_event_size=MAX_HEAD_BYTES,

@@ -8,7 +8,7 @@ import argparse
 import ipaddress
 import urllib.parse
 
-from .llama_sampling import max_tokens
+from .llama_sampling import add_sampling_options, max_tokens
 from .options import MAX_PORT, UNTIL_FULL, Refused, address
 from .template_options import add_chat_template_options
 
@@ -77,6 +77,7 @@ def add_llama_server_options(p: argparse.ArgumentParser) -> None:
                    help="taken as llama-server takes them: chat templates are rendered by jinja2, /metrics is "
                         "always served, batching is continuous, and there is no web UI (default: off)")
     add_chat_template_options(p)
+    add_sampling_options(p, per_request=True)
 
 
 #: The port a browser leaves out of an Origin header, by scheme.

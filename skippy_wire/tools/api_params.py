@@ -21,7 +21,8 @@ from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.chat import MESSAGES
 from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
-from .llama_sampling import LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE
+from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
+                             SHARED_SAMPLING)
 from .options import UNTIL_FULL
 
 #: Stop strings a request may give: OpenAI's 4 on the /v1 routes; llama-server's /completion
@@ -377,14 +378,15 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _flag(options, "include_usage", False, "stream_options.include_usage")
 
 
-def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Options:
+def parse_options(body: dict, *, chat: bool = False, native: bool = False, server: Optional[dict] = None) -> Options:
     """The generation options of a request body (``chat``: /v1/chat/completions; ``native``:
     llama-server's /completion, with llama.cpp's sampling defaults and its temperatures:
-    any, a negative one greedy); BadRequest for a field out of range, of the wrong type, or
-    asking for what the stages cannot do."""
+    any, a negative one greedy; ``server``: the sampling defaults the server was given, which
+    replace the route's, as llama-server's options do); BadRequest for a field out of range,
+    of the wrong type, or asking for what the stages cannot do."""
     samplers = llama_samplers(body)
     _check_unsupported(body, chat, samplers)
-    defaults = LLAMA_SAMPLING if native else OPENAI_SAMPLING
+    defaults = {**(LLAMA_SAMPLING if native else OPENAI_SAMPLING), **SHARED_SAMPLING, **(server or {})}
     hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
     name = next((n for n in _MAX_TOKENS_NAMES if body.get(n) is not None), "max_tokens")
 
@@ -397,7 +399,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
                          _range_code(True, below=True))
     if max_tokens == UNTIL_FULL:
         max_tokens = None
-    ignore_eos = _flag(body, "ignore_eos", False)
+    ignore_eos = _flag(body, "ignore_eos", defaults["ignore_eos"])
     stop, most_stops = body.get("stop"), MAX_NATIVE_STOP_STRINGS if native else MAX_STOP_STRINGS
     if stop is None:
         stop = []
@@ -413,11 +415,9 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
     if sum(map(len, stop)) > MAX_STOP_STRINGS * MAX_STOP_CHARS:
         raise BadRequest(f"'stop' strings may hold at most {MAX_STOP_STRINGS * MAX_STOP_CHARS} characters together",
                          "stop")
-    seed = count("seed", None, -(2**63), 2**64 - 1)
-    if seed is not None:
-        seed %= SEED_RANGE
-        if seed == LLAMA_DEFAULT_SEED:
-            seed = None
+    seed = count("seed", defaults["seed"], -(2**63), 2**64 - 1) % SEED_RANGE
+    if seed == LLAMA_DEFAULT_SEED:
+        seed = None
     kept = _stage_samplers(samplers)
 
     def unless_left_out(sampler: str, value, off):  # as it runs left out: temperature 1 (the draw alone), no cut
@@ -430,10 +430,10 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False) -> Op
         top_k=unless_left_out("top_k", count("top_k", defaults["top_k"], -(2**31), 2**31 - 1), 0),
         min_p=unless_left_out("min_p", _number(body, "min_p", defaults["min_p"], 0.0, 1.0), 0.0),
         seed=seed,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", defaults["presence_penalty"], -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", defaults["frequency_penalty"], -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, MAX_REPEAT_PENALTY, above=True),
+        repeat_penalty=_number(body, "repeat_penalty", defaults["repeat_penalty"], 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
         repeat_last_n=unless_left_out("penalties", count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1), 0),
         logit_bias=_logit_bias(body), ignore_eos=ignore_eos)

@@ -30,14 +30,12 @@ from ..stage.chat import ChatTemplateError, NoChatTemplate
 from ..stage.models import Tokenizer, model_shape
 from ..stage.threads import default_threads
 from ..wire.forwarding import DEFAULT_CTX_SIZE
-from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, cli_seed,
-                             max_tokens)
+from .llama_sampling import LLAMA_DEFAULT_SEED, RANDOM_SEED, add_sampling_options, max_tokens
 from .options import (DEFAULT_STAGES, EXIT_FAILURE, LOG_FORMAT, MAX_CTX_SIZE, MAX_THREADS, STARTED_STAGES_ONLY,
                       TRAINING_CONTEXT, UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, apply_topology, check_codec_options, check_output_dir, context_overflow,
-                      describe, error_line, file_error, float_above, float_between, given_path, int_at_least,
-                      int_between, model_file, refuse_started_stage_options, seconds, stage_address, thread_count,
-                      training_context_size, utf8)
+                      describe, error_line, file_error, given_path, int_at_least, int_between, model_file,
+                      refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size, utf8)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
@@ -56,9 +54,6 @@ _ESCAPED = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\"
 DEFAULT_RAW_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
-DEFAULT_REPEAT_PENALTY = 1.0
-#: ``--seed`` -1 draws a random seed (printed in the summary, so a run can be repeated).
-RANDOM_SEED = -1
 # llama-cli's special values -n -1, -t -1 and -c 0 are options.UNTIL_FULL,
 # stage.threads.DEFAULT_THREADS and options.TRAINING_CONTEXT.
 
@@ -98,27 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens",
                    type=max_tokens, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (-1 or -2: until the context is full)")
-    p.add_argument("-s", "--seed", type=cli_seed, default=RANDOM_SEED,
-                   help="sampling seed, its low 32 bits as llama-cli keeps them (-1 or 4294967295, llama.cpp's "
-                        "LLAMA_DEFAULT_SEED: random)")
-    p.add_argument("--temp", "--temperature", dest="temperature",
-                   type=float_between(-MAX_NATIVE_TEMPERATURE, MAX_NATIVE_TEMPERATURE),
-                   default=LLAMA_SAMPLING["temperature"], help="temperature (0 or below: greedy, as llama-cli's)")
-    p.add_argument("--top-k", type=int_between(-(2**31), 2**31 - 1), default=LLAMA_SAMPLING["top_k"],
-                   help="top-k (0 or below: off)")
-    p.add_argument("--top-p", type=float_between(0, 1), default=LLAMA_SAMPLING["top_p"], help="top-p (1: off)")
-    p.add_argument("--min-p", type=float_between(0, 1), default=LLAMA_SAMPLING["min_p"], help="min-p (0: off)")
-    p.add_argument("--repeat-penalty", type=float_above(0, MAX_REPEAT_PENALTY), default=DEFAULT_REPEAT_PENALTY,
-                   help="repetition penalty (1: off)")
-    p.add_argument("--repeat-last-n", type=int_between(-1, 2**31 - 1), default=LLAMA_SAMPLING["repeat_last_n"],
-                   help="last tokens the repeat, presence and frequency penalties consider (-1: the whole context, "
-                        "0: no penalties)")
-    p.add_argument("--presence-penalty", type=float_between(-2, 2), default=0.0, help="presence penalty (0: off)")
-    p.add_argument("--frequency-penalty", type=float_between(-2, 2), default=0.0,
-                   help="frequency penalty (0: off)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="never end at an end-of-generation token: -n tokens are generated, as llama-cli's "
-                        "(their logits become -inf) (default: off)")
+    add_sampling_options(p)
     # llama-cli's modes: its completion mode is --raw; one chat turn is what run does anyway
     p.add_argument("-no-cnv", "--no-conversation", dest="raw", action="store_true",
                    help="llama-cli's completion mode: the same as --raw (default: off)")
