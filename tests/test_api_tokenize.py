@@ -157,3 +157,25 @@ def test_apply_template_and_chat_take_llama_server_s_rendering_fields(client):
     api.close()
     with pytest.raises(ValueError, match="may not replace the conversation, 'messages'"):
         template.render(messages, extra={"messages": []})
+
+
+def test_detokenize_refuses_more_ids_than_tokenize_makes_before_it_queues(client, monkeypatch):
+    """4 million ids of a token that stands for no text held the one tokenizer thread 8-17 s
+    each (every prompt waited behind them); their count is checked on arrival."""
+    monkeypatch.setattr(client.tokenizer, "text_bytes", lambda ids: pytest.fail("counted on the tokenizer thread"))
+    r = client.post("/detokenize", json={"tokens": [0] * (MAX_TOKENIZE_BYTES + 1)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (f"'tokens' holds {MAX_TOKENIZE_BYTES + 1} token ids; /detokenize takes at "
+                                            f"most {MAX_TOKENIZE_BYTES} (detokenize a long list in parts)")
+
+
+def test_tokenize_s_answer_is_bounded_as_a_request_body_is(client):
+    """The pieces of 1 MiB of control characters took 29 MB, held while a client did not read
+    them (a dozen such clients took the api from 139 to 590 MB)."""
+    text = "\x01" * MAX_TOKENIZE_BYTES
+    assert len(client.post("/tokenize", json={"content": text}).json()["tokens"]) == MAX_TOKENIZE_BYTES
+    r = client.post("/tokenize", json={"content": text, "with_pieces": True})
+    assert r.status_code == 400, r.text[:200]
+    message = r.json()["error"]["message"]
+    assert message.startswith("the answer would take ") and message.endswith(f" bytes, more than {8 << 20}: ask for "
+                                                                            "less at once"), message

@@ -49,8 +49,8 @@ from .api_keys import RequireApiKey, as_keys, key_file, key_list, open_api_warni
 from .api_options import add_llama_server_options, listen_address, listen_host, web_origin
 from .llama_sampling import given_sampling
 from .api_prompts import PromptReader
-from .api_params import (BadRequest, check_context, check_detokenize_size, check_text, check_token_ids,
-                         parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
+from .api_params import (BadRequest, check_answer_size, check_context, check_detokenize_count, check_text,
+                         check_token_ids, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
 from .cli import package_version
 from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
@@ -224,13 +224,10 @@ class Api:
         return await self._answer_body(request, self._tokenized, read=parse_tokenize)
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._answer_body(request, self._detokenized)
+        return await self._answer_body(request, self._detokenized, read=check_detokenize_count)
 
     def _detokenized(self, body: dict) -> dict:
-        tokenizer = self.engine.tokenizer
-        tokens = parse_detokenize(body, tokenizer.n_vocab)
-        check_detokenize_size(tokenizer.text_bytes(tokens))  # before the text is made
-        return {"content": tokenizer.decode(tokens)}
+        return {"content": self.engine.tokenizer.decode(parse_detokenize(body, self.engine.tokenizer))}
 
     async def apply_template(self, request: Request) -> Response:
         """The prompt text a chat request's ``messages`` become (as /v1/chat/completions renders them)."""
@@ -238,15 +235,16 @@ class Api:
                                        read=lambda body: self.prompt_reader.check_messages_fit(body) or body)
 
     async def _answer_body(self, request: Request, answer, read=None) -> Response:
-        """``answer(body)`` of the request's JSON body, or ``answer(read(body))``, computed off
-        the event loop (a long text takes a while to tokenize); ``read`` runs before, on the
-        loop; a BadRequest as a 400."""
+        """``answer(body)`` of the request's JSON body, or ``answer(read(body))``, computed and
+        rendered off the event loop (a long text takes a while to tokenize; :func:`check_answer_size`);
+        ``read`` runs before, on the loop; a BadRequest as a 400."""
         body = await json_body(request)
         if isinstance(body, Response):
             return body
         try:
             check_text(body)
-            return JSONResponse(await self._tokenize(answer, body if read is None else read(body)))
+            return await self._tokenize(lambda value: check_answer_size(JSONResponse(answer(value))),
+                                        body if read is None else read(body))
         except BadRequest as exc:
             return _bad_request(exc)
         except QueueFullError as exc:

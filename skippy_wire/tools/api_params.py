@@ -23,6 +23,7 @@ from ..stage.models import SURROGATE
 from ..wire.constants import MAX_STAGE_LOGIT_BIAS
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
                              SHARED_SAMPLING)
+from .http_front import MAX_BODY_BYTES
 from .options import UNTIL_FULL
 
 #: Stop strings a request may give: OpenAI's 4 on the /v1 routes; llama-server's /completion
@@ -250,11 +251,25 @@ def check_tokenize_size(text: str) -> None:
                          "text in parts)", "content")
 
 
-def check_detokenize_size(size: int) -> None:
-    """``/detokenize`` gives at most :data:`MAX_TOKENIZE_BYTES` of text (``size``: what its tokens stand for)."""
-    if size > MAX_TOKENIZE_BYTES:
-        raise BadRequest(f"'tokens' stand for {size} bytes of text; /detokenize gives at most {MAX_TOKENIZE_BYTES} "
+def check_detokenize_count(body: dict) -> dict:
+    """``body``, unless its ``tokens`` are more than /detokenize takes: :data:`MAX_TOKENIZE_BYTES`
+    ids, what 1 MiB of text becomes at most (counted on the event loop, before it queues: 4
+    million ids held the tokenizer 8-17 s)."""
+    tokens = body.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > MAX_TOKENIZE_BYTES:
+        raise BadRequest(f"'tokens' holds {len(tokens)} token ids; /detokenize takes at most {MAX_TOKENIZE_BYTES} "
                          "(detokenize a long list in parts)", "tokens")
+    return body
+
+
+def check_answer_size(response):
+    """``response`` (a rendered answer), unless it takes more than a request body may,
+    :data:`.http_front.MAX_BODY_BYTES`: a client that does not read it holds it meanwhile
+    (``/tokenize``'s pieces of 1 MiB of text took 25 MB)."""
+    size = len(response.body)
+    if size > MAX_BODY_BYTES:
+        raise BadRequest(f"the answer would take {size} bytes, more than {MAX_BODY_BYTES}: ask for less at once")
+    return response
 
 
 def suppress_end_of_generation(sampling: SamplingParams, eog_ids: tuple[int, ...]) -> None:
@@ -469,17 +484,24 @@ def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
             _flag(body, "with_pieces", False))
 
 
-def parse_detokenize(body: dict, n_vocab: int) -> list[int]:
-    """llama-server's ``/detokenize`` body: ``tokens``, a list of token ids of the vocabulary."""
+def parse_detokenize(body: dict, tokenizer) -> list[int]:
+    """llama-server's ``/detokenize`` body: ``tokens``, a list of token ids of ``tokenizer``'s
+    vocabulary that stand for at most :data:`MAX_TOKENIZE_BYTES` of text (counted before the
+    text is made)."""
     tokens = _given(body, "tokens", [])
     if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
         raise BadRequest("'tokens' must be a list of token ids", "tokens", INVALID_TYPE)
-    check_token_ids(tokens, n_vocab, "tokens")
+    check_token_ids(tokens, tokenizer.n_vocab, "tokens")
+    size = tokenizer.text_bytes(tokens)
+    if size > MAX_TOKENIZE_BYTES:
+        raise BadRequest(f"'tokens' stand for {size} bytes of text; /detokenize gives at most {MAX_TOKENIZE_BYTES} "
+                         "(detokenize a long list in parts)", "tokens")
     return tokens
 
 
 __all__ = ["BadRequest", "INVALID_TYPE", "MESSAGES_CODES", "Options", "parse_options", "parse_template_options",
            "parse_tokenize",
-           "parse_detokenize", "check_text", "check_token_ids", "check_detokenize_size", "check_context",
+           "parse_detokenize", "check_text", "check_token_ids", "check_context",
+           "check_detokenize_count", "check_answer_size",
            "suppress_end_of_generation", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]
