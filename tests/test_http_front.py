@@ -1371,3 +1371,20 @@ def test_an_api_open_beyond_loopback_without_a_key_is_warned_about():
         assert open_api_warning(host, 9337, []) == (
             f"warning: listening on {host}:9337, beyond loopback, without --api-key: anyone who can reach this port "
             "can generate (docs/security.md)")
+
+
+@pytest.mark.parametrize("size_line", [b"800001", b"ffffffffffffffffff"])
+def test_a_chunk_declared_past_the_body_limit_is_refused_at_its_size_line(size_line):
+    """A chunk of 8 MiB + 1 (or of more than 2^64 bytes) held its connection until the body
+    timeout (30 s, then 408), where a Content-Length past the limit got 413 at once."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url:
+        s = _connect(url)
+        s.settimeout(10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"10\r\n" + b"x" * 16 + b"\r\n" + size_line + b"\r\nabc")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b"the request body is larger than 8 MiB" in answer

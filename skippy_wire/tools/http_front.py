@@ -32,6 +32,7 @@ PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: The largest request body read (a context's worth of text is far smaller); a larger one
 #: gets 413 before more of it is buffered.
 MAX_BODY_BYTES = 8 << 20
+BODY_TOO_LARGE = f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"
 #: The largest request head read (h11's default, 431 past it, arriving or complete: IdleSheddingProtocol).
 MAX_HEAD_BYTES = 16 << 10
 #: Bytes of request bodies buffered at once, all connections together: each may hold up
@@ -311,6 +312,11 @@ class IdleSheddingProtocol(H11Protocol):
                         raise RefusedRequest(
                             f"request body in pieces of {self.body_bytes // pieces} bytes on average (a body of more "
                             f"than {BODY_PIECES_FREE} pieces must average {MIN_BODY_PIECE_BYTES}: send larger chunks)")
+                # a chunk's size line says what it brings (h11's chunked reader keeps the rest of it): one
+                # past the limit is refused at once, as a Content-Length is, not after the body timeout
+                chunk_rest = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+                if self.body_bytes + chunk_rest > MAX_BODY_BYTES:
+                    raise RefusedRequest(BODY_TOO_LARGE, error_status_hint=413)
                 return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
@@ -571,7 +577,7 @@ async def json_body(request: Request) -> dict | Response:
     except LongNumber as exc:
         return error_response(400, str(exc))
     except BodyTooLarge:
-        return error_response(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", headers=CLOSE)
+        return error_response(413, BODY_TOO_LARGE, headers=CLOSE)
     except BodiesBufferFull:
         return error_response(503, "the server is receiving too many request bodies at once; retry later",
                               type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
