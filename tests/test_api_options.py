@@ -189,7 +189,10 @@ def test_what_asks_for_nothing_passes():
 @pytest.mark.parametrize("body", [
     {"typical_p": 1.5}, {"top_n_sigma": 0}, {"top_n_sigma": -2.5}, {"dynatemp_range": -1}, {"n_probs": -1},
     {"xtc_probability": 0.5, "xtc_threshold": 0.6}, {"xtc_probability": -1},
-    {"dry_multiplier": 0.8, "dry_base": 0.5}, {"dry_multiplier": 0.8, "dry_penalty_last_n": 0},
+    {"dry_multiplier": 0.8, "dry_penalty_last_n": 0},
+    # as llama.cpp reads them, f32s: 1.0 and 0 there
+    {"typical_p": 0.99999999999}, {"top_n_sigma": 1e-50}, {"top_n_sigma": -1e300}, {"tfs_z": 2.0},
+    {"json_schema": {}, "grammar": ""},  # a grammar given replaces the schema
     # a sampler llama-server's samplers leave out runs nowhere there, whatever its field says
     {"typical_p": 0.5, "samplers": ["top_k", "temperature"]}, {"xtc_probability": 0.5, "samplers": "kt"},
     {"dry_multiplier": 0.8, "samplers": "ekpmt"}, {"top_n_sigma": 2, "samplers": []},
@@ -207,6 +210,11 @@ def test_what_llama_cpp_reads_as_off_passes(body):
     ({"dry_multiplier": -0.5, "dry_base": 1}, "dry_multiplier"),
     ({"top_n_sigma": 0.1, "samplers": "st"}, "top_n_sigma"),
     ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    # llama-server puts its default base (1.75) in place of one under 1: DRY runs
+    ({"dry_multiplier": 0.8, "dry_base": 0.5}, "dry_multiplier"),
+    ({"xtc_probability": 0.5, "xtc_threshold": 0.50000001}, "xtc_probability"),  # 0.5 as an f32: not over it
+    ({"json_schema": {}}, "json_schema"),  # any JSON object
+    ({"tfs_z": 0.9}, "tfs_z"),
     ({"typical_p": True}, "typical_p"),
 ])
 def test_what_a_kept_sampler_would_run_is_refused(body, param):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -59,25 +60,33 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: ``logprobs`` is told apart below.
 _HARMLESS = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "top_logprobs": (0,),
              "modalities": (["text"],), "audio": (), "web_search_options": ()}
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
-def _number_where(test: Callable[[float], bool]) -> Callable[[Any, dict], bool]:
-    """A field's value test: a number ``test`` accepts."""
-    return lambda value, body: _is_number(value) and test(value)
+def _holds(test: Callable[[float], bool], value) -> bool:
+    """Whether ``value`` is a number ``test`` accepts as llama.cpp reads it: an f32 (rounded,
+    infinite past its range; 0.50000001 is 0.5 there)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        value = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        value = math.inf if value > 0 else -math.inf
+    return test(value)
+
+
+def _where(test: Callable[[float], bool]) -> Callable[[Any, dict], bool]:
+    return lambda value, body: _holds(test, value)
 
 
 def _xtc_off(value, body: dict) -> bool:
-    """XTC's probability asks for nothing at 0 or below, or beside a threshold over 0.5."""
-    threshold = body.get("xtc_threshold")
-    return (_is_number(value) and value <= 0) or (_is_number(threshold) and threshold > 0.5)
+    """XTC asks for nothing at a probability of 0 or below, or beside a threshold over 0.5."""
+    return _holds(lambda p: p <= 0, value) or _holds(lambda t: t > 0.5, body.get("xtc_threshold"))
 
 
 def _dry_off(value, body: dict) -> bool:
-    """DRY's multiplier asks for nothing at 0, or beside a base under 1 or a window of 0 tokens."""
-    base, window = body.get("dry_base"), body.get("dry_penalty_last_n")
-    return (_is_number(value) and value == 0) or (_is_number(base) and base < 1) or (_is_number(window) and window == 0)
+    """DRY asks for nothing at a multiplier of 0, or beside a window of 0 tokens (a base under 1
+    does not turn it off: llama-server puts its default, 1.75, in its place)."""
+    return _holds(lambda m: m == 0, value) or _holds(lambda n: n == 0, body.get("dry_penalty_last_n"))
 
 
 #: llama-server's own sampling and output controls that the stages cannot honour, each with
@@ -85,15 +94,16 @@ def _dry_off(value, body: dict) -> bool:
 #: src/llama-sampling.cpp; its web UI sends them all) and the name of its sampler in
 #: llama-server's ``samplers``: left out there, the field asks for nothing either.
 _LLAMA_OFF = {"grammar": (lambda value, body: value == "", None),
-              "json_schema": (lambda value, body: value == {}, None),
-              "mirostat": (_number_where(lambda v: v == 0), None),
-              "typical_p": (_number_where(lambda v: v >= 1), "typ_p"),
-              "tfs_z": (_number_where(lambda v: v == 1), None),
-              "dynatemp_range": (_number_where(lambda v: v <= 0), "temperature"),
+              # any schema is a grammar (``{}``: any JSON object), unless a grammar is given (checked itself)
+              "json_schema": (lambda value, body: "grammar" in body, None),
+              "mirostat": (_where(lambda v: v == 0), None),
+              "typical_p": (_where(lambda v: v >= 1), "typ_p"),
+              "tfs_z": (_where(lambda v: v >= 1), None),
+              "dynatemp_range": (_where(lambda v: v <= 0), "temperature"),
               "xtc_probability": (_xtc_off, "xtc"),
               "dry_multiplier": (_dry_off, "dry"),
-              "top_n_sigma": (_number_where(lambda v: v <= 0), "top_n_sigma"),
-              "n_probs": (_number_where(lambda v: v <= 0), None)}
+              "top_n_sigma": (_where(lambda v: v <= 0), "top_n_sigma"),
+              "n_probs": (_where(lambda v: v <= 0), None)}
 #: llama-server's sampler names (common/sampling.cpp's, read exactly) by their letters, and
 #: the chain it runs when a request names none.
 _LLAMA_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
