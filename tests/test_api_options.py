@@ -129,6 +129,9 @@ def test_given_values_are_still_checked(body, param):
     ({"logit_bias": {"5": "3"}}, "logit_bias"),
     ({"logit_bias": {"5": True}}, "logit_bias"),
     ({"logit_bias": [[5]]}, "logit_bias"),
+    # a text llama-server tokenizes: "7042" is not the token 7042 (that one was biased)
+    ({"logit_bias": [["7042", False]]}, "logit_bias"),
+    ({"logit_bias": [[7, 1], ["Hello", 1]]}, "logit_bias"),
     ({"logit_bias": ""}, "logit_bias"),
     ({"logit_bias": 0}, "logit_bias"),
     ({"n": True}, "n"),

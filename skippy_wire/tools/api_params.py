@@ -368,9 +368,11 @@ def _logit_bias(body: dict) -> dict[int, float]:
     if isinstance(bias, (list, dict)) and len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
         raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     if isinstance(bias, list):
-        if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
-            raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs", "logit_bias")
-        bias = [(str(token) if type(token) is int else token, value) for token, value in bias]
+        if not all(isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int for pair in bias):
+            # (a text, "7042" too, is one llama-server tokenizes: not the token 7042)
+            raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs (texts are not taken)",
+                             "logit_bias")
+        bias = [(str(token), value) for token, value in bias]
     elif isinstance(bias, dict):
         bias = list(bias.items())
     else:
