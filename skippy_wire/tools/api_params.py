@@ -21,7 +21,7 @@ from ..net.connlog import peer_text
 from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.chat import MESSAGES
 from ..stage.models import SURROGATE
-from ..wire.constants import MAX_STAGE_LOGIT_BIAS
+from ..wire.constants import DEFAULT_SAMPLERS, MAX_STAGE_LOGIT_BIAS
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
                              SHARED_SAMPLING)
 from .http_front import MAX_BODY_BYTES
@@ -105,10 +105,10 @@ _LLAMA_OFF = {"grammar": (lambda value, body: value == "", None),
               "top_n_sigma": (_where(lambda v: v <= 0), "top_n_sigma"),
               "n_probs": (_where(lambda v: v <= 0), None)}
 #: llama-server's sampler names (common/sampling.cpp's, read exactly) by their letters, and
-#: the chain it runs when a request names none.
+#: the chain it runs when a request names none (the wire's default, named as llama-server names it).
 _LLAMA_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
                           "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties"}
-LLAMA_DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+LLAMA_DEFAULT_SAMPLERS = tuple("typ_p" if name == "typical_p" else name for name in DEFAULT_SAMPLERS)
 #: The samplers the stages run, in their fixed order.
 _STAGE_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
 #: ``max_tokens`` and its other names, first given first: llama-server's (which it reads
@@ -335,7 +335,7 @@ def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
-def llama_samplers(body: dict) -> tuple:
+def _llama_samplers(body: dict) -> tuple:
     """The names of the samplers llama-server's ``samplers`` asks for, in its order (names
     read exactly, or a letter each; others are skipped, as there), or its default chain."""
     given = body.get("samplers")
@@ -411,7 +411,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
     any, a negative one greedy; ``server``: the sampling defaults the server was given, which
     replace the route's, as llama-server's options do); BadRequest for a field out of range,
     of the wrong type, or asking for what the stages cannot do."""
-    samplers = llama_samplers(body)
+    samplers = _llama_samplers(body)
     _check_unsupported(body, chat, samplers)
     defaults = {**(LLAMA_SAMPLING if native else OPENAI_SAMPLING), **SHARED_SAMPLING, **(server or {})}
     hottest = MAX_NATIVE_TEMPERATURE if native else MAX_OPENAI_TEMPERATURE
