@@ -1286,3 +1286,21 @@ def test_a_thread_count_an_embedder_gives_is_checked(threads):
     with pytest.raises(ValueError, match=f"threads must be between 1 and {MAX_THREADS}"):
         resolved_threads(threads)
     assert resolved_threads(None) >= 1 and resolved_threads(3) == 3
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"protocol": 18}, ValueError, "protocol must be one of 15, 16, 17, got 18"),
+    ({"io_timeout": -1}, ValueError, "io_timeout must be a number of seconds above 0"),
+    ({"reply_timeout": 0}, ValueError, "reply_timeout must be a number of seconds above 0"),
+    ({"idle_timeout": float("nan")}, ValueError, "idle_timeout must be a number of seconds above 0"),
+    ({"poll_s": "x"}, ValueError, "poll_s must be a number of seconds from 0"),
+    ({"link_delay": -0.5}, ValueError, "link_delay must be a number of seconds from 0"),
+    ({"port": 70000}, ValueError, "port must be from 0 to 65535, got 70000"),
+    ({"port": True}, TypeError, "port must be an int, not bool"),
+    ({"host": None}, TypeError, "host must be a host name or address"),
+])
+def test_a_stage_server_checks_its_arguments_before_it_binds(kwargs, error, text):
+    """protocol=18, io_timeout=-1 or poll_s="x" were taken, and every connection then failed with a
+    traceback in the log (port=70000 gave a raw OverflowError from bind)."""
+    with pytest.raises(error, match=f"^{re.escape(text)}"):
+        StageServer(FakeBackend(3, N_LAYER, 1), stage_config(1, 3, N_LAYER, "raw-f32-v1", "fixed"), **kwargs)

@@ -50,4 +50,20 @@ def protocol_argument(name: str, value) -> int:
     return value
 
 
-__all__ = ["int_argument", "seconds_argument", "instance_argument", "protocol_argument"]
+def check_server_arguments(*, host, port, protocol, io_timeout, idle_timeout, reply_timeout, poll_s,
+                           link_delay) -> None:
+    """A :class:`~skippy_wire.net.server.StageServer`'s arguments, before it binds (each had
+    failed only once a peer connected, with a traceback in its log)."""
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"host must be a host name or address (a str), not {host!r}")
+    int_argument("port", port, 0, 65535)
+    protocol_argument("protocol", protocol)
+    for name, value in (("io_timeout", io_timeout), ("reply_timeout", reply_timeout)):
+        seconds_argument(name, value)
+    if idle_timeout is not None:
+        seconds_argument("idle_timeout", idle_timeout)
+    for name, value in (("poll_s", poll_s), ("link_delay", link_delay)):
+        seconds_argument(name, value, zero=True)
+
+
+__all__ = ["int_argument", "seconds_argument", "instance_argument", "protocol_argument", "check_server_arguments"]

@@ -49,6 +49,7 @@ from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predi
 from ..wire.messages import StageWireMessage, WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
+from .arguments import check_server_arguments
 from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, DOWNSTREAM_SETUP_WORDS, MAX_DOWNSTREAM_SETUPS,
                         ConnectionLimit, LaneGate, SessionAdmission, StageLimits, check_position, check_runnable,
                         idle_sessions, max_message_bytes, overdue_message)
@@ -65,7 +66,6 @@ log = logging.getLogger("skippy_wire.net.server")
 
 #: Prefill kinds whose compute and edge timings a stage reports (wire-format.md 11.3).
 _OBSERVED_PREFILL_KINDS = (K.PREFILL_EMBD, K.PREFILL_FINAL_EMBD)
-
 DEFAULT_IO_TIMEOUT = 30.0
 DEFAULT_REPLY_TIMEOUT = 120.0
 #: A downstream that has not taken a connection within this long is reported unreachable
@@ -108,6 +108,8 @@ class StageServer:
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
                  limits: StageLimits | None = None, tls=None, poll_s: float = 0.0, decode_ahead: bool = True) -> None:
+        check_server_arguments(host=host, port=port, protocol=protocol, io_timeout=io_timeout, poll_s=poll_s,
+                               idle_timeout=idle_timeout, reply_timeout=reply_timeout, link_delay=link_delay)
         self.backend, self.poll_s, self.compute_trace, self.protocol = backend, poll_s, compute_trace, protocol
         self.identity = identity or link_identity(config, downstream is not None)
         self.plan, self.config, self.downstream = plan, config, downstream
@@ -288,8 +290,7 @@ class StageServer:
         except (StageError, ConnectionError, OSError) as exc:  # a peer that sent nothing and left: its choice
             if not self._stop.is_set():  # (a TLS peer sent its handshake: refused, it is an error)
                 left = upstream.received == 0 and self._tls_server is None and peer_gone(upstream.sock)
-                (clog.info if left else clog.error)(
-                    "%s: %s; closing", name, exc)
+                (clog.info if left else clog.error)("%s: %s; closing", name, exc)
         except StageRuntimeError as exc:  # e.g. context full
             clog.error("%s: stage runtime error: %s; closing", name, exc)
         except Exception as exc:  # noqa: BLE001 -- a connection must never kill the server
@@ -580,9 +581,8 @@ class StageServer:
         if observed:
             stats = reply.stats
             if hasattr(stats, "observe_prefill_edge_transport"):
-                stats.observe_prefill_edge_transport(
-                    self.config.stage_index, int((written - started) * 1e6),
-                    int((done - written) * 1e6), activation_bytes)
+                stats.observe_prefill_edge_transport(self.config.stage_index, int((written - started) * 1e6),
+                                                     int((done - written) * 1e6), activation_bytes)
                 stats.observe_prefill_compute(self.config.stage_index, compute_us, msg.token_count)
         return write_reply(reply)
 
