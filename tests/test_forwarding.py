@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 
 from skippy_wire.wire import frame
@@ -96,6 +97,11 @@ def test_compact_activation_encode_failure_does_not_fall_back_to_raw(impl):
         "activation_width=2 payload_bytes=8 frame_payload_bytes=8 state_flags=0: F16 activation value is out of range"
     )
     assert isinstance(info.value.cause, InvalidDataError)
+    # a numpy payload: its bytes, not its element count (it read payload_bytes=2)
+    numpy_frame = f32_frame(0, 1, [F32_MAX, 1.0])
+    numpy_frame.payload = np.frombuffer(numpy_frame.payload, dtype=np.float32)
+    with pytest.raises(ForwardingError, match="activation_width=2 payload_bytes=8 frame_payload_bytes=8 "):
+        forward(impl, stage_config(activation_codec=F16), incoming(), numpy_frame)
 
 
 def test_non_first_stage_must_not_emit_a_short_activation_frame(impl):

@@ -169,6 +169,14 @@ def test_not_a_message_or_an_int_is_a_clear_type_error(impl):
          "output must be an ActivationFrameV1, not bytes"),
         (lambda: sw.forwarded_stage_message({}, _message(), sw.ActivationFrameV1.f32([0.0] * 8, 1), 8, impl=impl),
          "config must be a StageConfig, not dict"),
+        # the fields it reads: a raw AttributeError or TypeError deep inside, and a bool taken as 1
+        (lambda: sw.forwarded_stage_message(sw.StageConfig(), sw.StageWireMessage(kind=2, token_count=1, state=None),
+                                            sw.ActivationFrameV1.f32([0.0] * 8, 1), 8, impl=impl),
+         "incoming.state must be a StageStateHeader, not NoneType"),
+        (lambda: sw.forwarded_stage_message(sw.StageConfig(), _message(), sw.ActivationFrameV1(None, b""), 8, impl=impl),
+         "output.desc must be an ActivationDescV1, not NoneType"),
+        (lambda: sw.forwarded_stage_message(sw.StageConfig(), _message(), sw.ActivationFrameV1.f32([0.0] * 8, 1), True,
+                                            impl=impl), "activation_width must be an int, not bool"),
     ]
     for call, text in cases:
         with pytest.raises(TypeError, match=re.escape(text)):

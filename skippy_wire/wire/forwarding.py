@@ -34,7 +34,7 @@ from .constants import (
 )
 from ..errors import ForwardingError, WireError
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
-from .messages import StageWireMessage, WireMessageKind, f32_bits
+from .messages import StageStateHeader, StageWireMessage, WireMessageKind, f32_bits
 
 
 class ActivationDType(UpstreamEnum):
@@ -167,6 +167,14 @@ def _select_codec(config: StageConfig, incoming: StageWireMessage, output: Activ
     return ActivationCodec(codec), wire
 
 
+def _check_types(*arguments) -> None:
+    """A one-line TypeError for the first ``(name, value, kind)`` whose value is no ``kind`` (a bool is no int)."""
+    for name, value, kind in arguments:
+        if not isinstance(value, kind) or isinstance(value, bool):
+            article = "an" if kind.__name__[0] in "AEIOUi" else "a"
+            raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
+
+
 def forwarded_stage_message_timed(
     config: StageConfig,
     incoming: StageWireMessage,
@@ -176,11 +184,9 @@ def forwarded_stage_message_timed(
     impl: Optional[str] = None,
 ) -> ForwardedStageMessage:
     """Build the message forwarded downstream and time its activation encoding (ms)."""
-    for name, value, kind in (("config", config, StageConfig), ("incoming", incoming, StageWireMessage),
-                              ("output", output, ActivationFrameV1)):
-        if not isinstance(value, kind):
-            article = "an" if kind.__name__[0] in "AEIOU" else "a"
-            raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
+    _check_types(("config", config, StageConfig), ("incoming", incoming, StageWireMessage),
+                 ("output", output, ActivationFrameV1), ("activation_width", activation_width, int))
+    _check_types(("incoming.state", incoming.state, StageStateHeader), ("output.desc", output.desc, ActivationDescV1))
     codec_module = _impl.cached_kernel_module("codec", impl)
     desc = output.desc
     check_full_range(config, incoming, desc.token_count)
@@ -202,12 +208,20 @@ def forwarded_stage_message_timed(
             context = (
                 f"encode f32 output activation payload; frame_dtype={_dtype_name(desc.dtype)} "
                 f"incoming_tokens={incoming.token_count} output_tokens={desc.token_count} "
-                f"activation_width={activation_width} payload_bytes={len(output.payload)} "
+                f"activation_width={activation_width} payload_bytes={_byte_length(output.payload)} "
                 f"frame_payload_bytes={desc.payload_bytes} state_flags={state.flags}"
             )
             raise ForwardingError(f"{context}: {error}", error) from error
     encode_ms = (time.perf_counter() - started) * 1000.0
     return ForwardedStageMessage(forwarded_message(incoming, state, wire), encode_ms)
+
+
+def _byte_length(payload) -> int:
+    """A payload's size in bytes (a numpy array's, not its element count), as far as it has one."""
+    try:
+        return memoryview(payload).nbytes
+    except TypeError:
+        return len(payload)
 
 
 def check_full_range(config: StageConfig, incoming: StageWireMessage, produced_tokens: int) -> None:
@@ -346,7 +360,8 @@ def forwarded_stage_message(
 
 __all__ = [
     "ForwardingError", "ActivationDType", "ActivationLayout", "ActivationDescV1", "ActivationFrameV1",
-    "DEFAULT_CTX_SIZE", "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes", "forwarded_stage_message",
+    "DEFAULT_CTX_SIZE", "StageConfig", "ForwardedStageMessage", "ForwardedBytes", "forwarded_decode_bytes",
+    "forwarded_stage_message",
     "forwarded_stage_message_timed",
     "forwarded_frame_message_timed", "checked_codec_policy", "check_full_range", "forwarded_state", "forwarded_message",
 ]
