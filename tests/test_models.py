@@ -48,9 +48,10 @@ def test_tiny_tokenizer_round_trips_bytes(tmp_path):
 
 @pytest.mark.parametrize("call", [lambda tk: tk.encode(None), lambda tk: tk.encode(b"hi"),
                                   lambda tk: tk.decode([3 + ord("h"), 107.9]), lambda tk: tk.decode("hi"),
-                                  lambda tk: tk.token_bytes("7"), lambda tk: tk.decode([True])],
+                                  lambda tk: tk.token_bytes("7"), lambda tk: tk.decode([True]),
+                                  lambda tk: tk.is_eog("2"), lambda tk: tk.is_eog(2.7), lambda tk: tk.is_eog(True)],
                          ids=["encode_none", "encode_bytes", "decode_float", "decode_str", "token_bytes_str",
-                              "decode_bool"])
+                              "decode_bool", "is_eog_str", "is_eog_float", "is_eog_bool"])
 def test_the_tokenizer_refuses_arguments_of_the_wrong_type(tmp_path, call):
     """encode(None) failed as an AttributeError of str's internals, decode([107.9]) gave
     token 107's text and decode("hi") the characters' code points as ids."""

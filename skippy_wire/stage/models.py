@@ -539,5 +539,7 @@ class Tokenizer:
 
     def is_eog(self, token_id: int) -> bool:
         """True for end-of-generation tokens (EOS/EOT/EOM and known end-of-turn controls)."""
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):  # "2" and 2.7 read as 2
+            raise TypeError(f"a token id must be an integer, not {type(token_id).__name__}")
         return int(token_id) in self._eog
 
