@@ -7,10 +7,11 @@ import io
 import struct
 import traceback
 
+import numpy as np
 import pytest
 
 from skippy_wire.wire import codec, frame
-from skippy_wire.wire.protocol import WireProtocol
+from skippy_wire.wire.protocol import StageConnection, WireProtocol
 from skippy_wire.tools.vector_cases import message_to_case
 from skippy_wire.wire.constants import ActivationCodec
 from skippy_wire.errors import InvalidDataError, InvalidInputError, UnexpectedEofError
@@ -389,9 +390,13 @@ def test_reader_arguments_are_checked_alike_in_every_version(impl):
     for version in (16, 17):
         with pytest.raises(TypeError, match="expects a StageWireMessage, not NoneType"):
             WireProtocol(version, impl=impl).write(None)
-    for version in (16.0, True):
+    for version in (16.0, True, np.float64(16)):
         with pytest.raises(ValueError, match="unknown stage protocol version"):
             WireProtocol(version)
+    # numpy's integers are integers, as everywhere else (np.int64(16) was "unknown")
+    for version in (np.int64(16), np.uint8(17), np.int32(15)):
+        assert type(WireProtocol(version).version) is int and WireProtocol(version).version == version
+        assert StageConnection(io.BytesIO(), version).protocol.version == version
 
 
 def test_an_offset_outside_the_buffer_is_named_however_far_out(impl):

@@ -9,6 +9,7 @@ import operator
 
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import MAX_WAIT_S
+from ..wire.protocol import protocol_version
 
 
 def int_argument(name: str, value, least: int, most: int | None = None) -> int:
@@ -44,10 +45,11 @@ def instance_argument(name: str, value, kind: type) -> None:
 
 
 def protocol_argument(name: str, value) -> int:
-    """``value`` of the argument ``name``: a state version this package speaks."""
-    if isinstance(value, bool) or value not in PROTOCOL_VERSIONS:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {value!r}")
-    return value
+    """``value`` of the argument ``name``: a state version this package speaks, as an int."""
+    try:
+        return protocol_version(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {value!r}") from None
 
 
 def check_server_arguments(*, host, port, protocol, io_timeout, idle_timeout, reply_timeout, poll_s,

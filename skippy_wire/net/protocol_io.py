@@ -47,7 +47,7 @@ from ..wire.forwarding import (
 )
 from ..wire.frame import MESSAGE_SIDEBAND_COUNTS_OFFSET, RecordDecoder, recv_ready, write_stage_message
 from ..wire.frame import kernels as frame_kernels
-from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection
+from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection, protocol_version
 from .tls import TLS_REQUIRED_NOTICE
 from .transport import UPSTREAM_CHECK_S, PeerClosedError
 from ..wire.setup import (
@@ -176,9 +176,7 @@ class LinkProtocol:
                  who: str = "peer", me: str = "this stage", impl: Optional[str] = None,
                  max_message_bytes: Optional[int] = None, max_tokens: Optional[int] = None,
                  upstream: Optional[socket.socket] = None) -> None:
-        if version not in PROTOCOL_VERSIONS:
-            raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
-        self.version = version
+        self.version = version = protocol_version(version)
         self.peer = peer
         self.who, self.me = who, me
         self.conn = StageConnection(peer.sock, version, impl=impl)
@@ -449,5 +447,5 @@ class LinkProtocol:
 
 
 __all__ = ["peer_gone", "DEFAULT_RUN_ID", "stage_id", "link_identity", "driver_identity",
-           "parse_plan", "rows_boundary", "VERSION_NOTICE_MAGIC", "VERSION_NOTICE_BYTES", "version_notice", "parse_version_notice",
-           "peer_version_of", "LinkProtocol", "WireError"]
+           "parse_plan", "rows_boundary", "VERSION_NOTICE_MAGIC", "VERSION_NOTICE_BYTES", "version_notice",
+           "parse_version_notice", "peer_version_of", "LinkProtocol", "WireError"]

@@ -20,6 +20,7 @@ state version Y"), ``received`` and ``expected`` name both versions.
 from __future__ import annotations
 
 import io
+import operator
 import struct
 from typing import Any, Optional
 
@@ -71,13 +72,23 @@ def estimated_buffer_bytes(msg: StageWireMessage) -> int:
     return msg.estimated_wire_bytes()
 
 
+def protocol_version(version) -> int:
+    """``version`` as an int, a state version this package speaks (numpy's integers are
+    integers; 16.0 and True are no versions)."""
+    try:
+        number = None if isinstance(version, bool) else operator.index(version)
+    except TypeError:
+        number = None
+    if number not in PROTOCOL_VERSIONS:
+        raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
+    return number
+
+
 class WireProtocol:
     """Stage-message framing of one state version (15, 16 or 17)."""
 
     def __init__(self, version: int = STAGE_STATE_VERSION_V15, *, impl: Optional[str] = None) -> None:
-        if type(version) is not int or version not in PROTOCOL_VERSIONS:  # 16.0 and True are no versions
-            raise ValueError(f"unknown stage protocol version {version!r}; this package speaks {PROTOCOL_VERSIONS}")
-        self.version = version
+        self.version = protocol_version(version)
         self.impl = impl
         self._k = None if version == STAGE_STATE_VERSION_V15 else kernels(impl)
 
@@ -266,5 +277,6 @@ def read_stage_message(data_or_stream, n_embd: int = 0, codec=None, policy=None,
 
 __all__ = [
     "WireProtocol", "StageConnection", "SocketStream", "ProtocolVersionError", "as_stream", "kernels",
+    "protocol_version",
     "estimated_buffer_bytes", "write_stage_message", "read_stage_message", "WireError",
 ]
