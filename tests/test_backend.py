@@ -189,6 +189,17 @@ def test_buffer_too_small_is_reported_before_compute_without_state_change(tiny_p
     assert status_of(s.copy_output_activation_frame, 5)[0] == Status.BUFFER_TOO_SMALL
 
 
+def test_a_capacity_past_the_largest_buffer_is_an_invalid_argument(tiny_path):
+    """2**63 bytes read as a negative size: a SystemError from the interpreter."""
+    s = open_model(tiny_path, layer_end=2).create_session()
+    for call in (lambda: s.prefill_chunk_frame(PROMPT, capacity=2**63),
+                 lambda: s.copy_output_activation_frame(1, capacity=2**64 - 1)):
+        with pytest.raises(StageRuntimeError, match="output capacity [0-9]+ exceeds the largest buffer") as error:
+            call()
+        assert error.value.status == Status.INVALID_ARGUMENT
+    assert s.position == 0
+
+
 def test_verify_token_capacity_too_small_changes_nothing(tiny_path):
     s = open_model(tiny_path).create_session()
     assert status_of(s.verify_tokens_frame_sampled, PROMPT, token_capacity=2)[0] == Status.BUFFER_TOO_SMALL

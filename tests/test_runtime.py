@@ -5,6 +5,8 @@ path, errors.  Struct layouts, sampling and frame conversions are test_runtime_s
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import fake_native
@@ -549,8 +551,12 @@ def decode_step_frame_batch_sampled_request(session, token_id, **kwargs):
 
 def test_output_capacities_beyond_a_buffer_are_argument_errors():
     session = open_stage().create_session()
-    with pytest.raises(rt.StageArgumentError, match="exceeds the largest buffer"):
-        session.prefill_chunk_frame([1], output_capacity=2**63)
+    # 2**63 - 1 passed the bound the message named and failed as a raw OverflowError; True was 1
+    for capacity in (2**63, 2**63 - 1, sys.maxsize - sys.getsizeof(b"") + 1):
+        with pytest.raises(rt.StageArgumentError, match="exceeds the largest buffer"):
+            session.prefill_chunk_frame([1], output_capacity=capacity)
+    with pytest.raises(rt.StageArgumentError, match="output capacity must be an integer, not bool"):
+        session.prefill_chunk_frame([1], output_capacity=True)
     # the native decode batch path checks its capacities as the single calls do
     for capacity in (-1, 2**64 - 1):
         with pytest.raises(rt.StageArgumentError, match="output capacity"):

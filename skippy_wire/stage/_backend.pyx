@@ -14,6 +14,7 @@ GIL is released around every native execution call.
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
@@ -213,6 +214,8 @@ cdef int _check_payload(_Blob desc, _Payload payload, str where) except -1:
 
 cdef bytes _new_payload(size_t capacity):
     """A bytes object native may fill before anyone else sees it (saves a copy)."""
+    if capacity > <size_t> PY_SSIZE_T_MAX:  # read as a negative size: a SystemError
+        _check(SKIPPY_STATUS_INVALID_ARGUMENT, f"output capacity {capacity} exceeds the largest buffer")
     return PyBytes_FromStringAndSize(NULL, capacity)
 
 

@@ -50,8 +50,10 @@ def checked_add(count: int, delta: int) -> int:
 
 
 def _integer(value: Any, what: str) -> int:
-    # operator.index, not int(): a float or a numeric string is not silently truncated.
+    # operator.index, not int(): a float or a numeric string is not silently truncated (nor a bool taken as 1).
     try:
+        if isinstance(value, bool):
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise StageArgumentError(f"{what} must be an integer, not {type(value).__name__}") from None
@@ -71,11 +73,15 @@ def to_count(value: Any, what: str) -> int:
     return number
 
 
+#: The largest bytes object Python makes (its size, less the object's own header).
+_LARGEST_BUFFER = sys.maxsize - sys.getsizeof(b"")
+
+
 def to_capacity(value: Any) -> int:
     """An output buffer size in bytes: an unsigned count no larger than a buffer can be."""
     number = to_count(value, "output capacity")
-    if number > sys.maxsize:
-        raise StageArgumentError(f"output capacity {number} exceeds the largest buffer ({sys.maxsize} bytes)")
+    if number > _LARGEST_BUFFER:
+        raise StageArgumentError(f"output capacity {number} exceeds the largest buffer ({_LARGEST_BUFFER} bytes)")
     return number
 
 
