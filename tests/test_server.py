@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -1297,10 +1298,21 @@ def test_a_thread_count_an_embedder_gives_is_checked(threads):
     ({"link_delay": -0.5}, ValueError, "link_delay must be a number of seconds from 0"),
     ({"port": 70000}, ValueError, "port must be from 0 to 65535, got 70000"),
     ({"port": True}, TypeError, "port must be an int, not bool"),
-    ({"host": None}, TypeError, "host must be a host name or address"),
+    ({"host": None}, TypeError, "host must be a host name or address (a str), not NoneType"),
 ])
 def test_a_stage_server_checks_its_arguments_before_it_binds(kwargs, error, text):
     """protocol=18, io_timeout=-1 or poll_s="x" were taken, and every connection then failed with a
     traceback in the log (port=70000 gave a raw OverflowError from bind)."""
     with pytest.raises(error, match=f"^{re.escape(text)}"):
         StageServer(FakeBackend(3, N_LAYER, 1), stage_config(1, 3, N_LAYER, "raw-f32-v1", "fixed"), **kwargs)
+
+
+def test_a_stage_server_serves_with_the_numbers_its_check_takes(chain_factory):
+    """A numpy float timeout passed the check and then failed every connection in settimeout()."""
+    chain = chain_factory([(0, 3), (3, N_LAYER)], io_timeout=np.float32(5), reply_timeout=Fraction(5))
+    assert all(type(server.io_timeout) is float and type(server.reply_timeout) is float for server in chain.servers)
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        assert client.generate(PROMPT, max_tokens=4, chunk_size=4).tokens == fake_reference(PROMPT, 4)
+    server = StageServer(FakeBackend(0, N_LAYER), stage_config(0, 0, N_LAYER, "raw-f32-v1", "fixed"), host="")
+    assert server.address[0] == "0.0.0.0"  # "" binds every interface, as Python's own servers take it
+    server.shutdown()

@@ -52,20 +52,18 @@ def protocol_argument(name: str, value) -> int:
         raise ValueError(f"{name} must be one of {', '.join(map(str, PROTOCOL_VERSIONS))}, got {value!r}") from None
 
 
-def check_server_arguments(*, host, port, protocol, io_timeout, idle_timeout, reply_timeout, poll_s,
-                           link_delay) -> None:
-    """A :class:`~skippy_wire.net.server.StageServer`'s arguments, before it binds (each had
-    failed only once a peer connected, with a traceback in its log)."""
-    if not isinstance(host, str) or not host:
-        raise TypeError(f"host must be a host name or address (a str), not {host!r}")
+def server_arguments(host, port, protocol, io_timeout, idle_timeout, reply_timeout, poll_s, link_delay) -> tuple:
+    """A :class:`~skippy_wire.net.server.StageServer`'s arguments, checked before it binds (each
+    had failed only once a peer connected, with a traceback in its log): ``protocol``, the
+    three timeouts, ``poll_s`` and ``link_delay``, as an int and floats (a numpy float is one
+    to the check, not to ``settimeout``)."""
+    if not isinstance(host, str):  # "" binds every interface
+        raise TypeError(f"host must be a host name or address (a str), not {type(host).__name__}")
     int_argument("port", port, 0, 65535)
-    protocol_argument("protocol", protocol)
-    for name, value in (("io_timeout", io_timeout), ("reply_timeout", reply_timeout)):
-        seconds_argument(name, value)
-    if idle_timeout is not None:
-        seconds_argument("idle_timeout", idle_timeout)
-    for name, value in (("poll_s", poll_s), ("link_delay", link_delay)):
-        seconds_argument(name, value, zero=True)
+    return (protocol_argument("protocol", protocol), seconds_argument("io_timeout", io_timeout),
+            None if idle_timeout is None else seconds_argument("idle_timeout", idle_timeout),
+            seconds_argument("reply_timeout", reply_timeout), seconds_argument("poll_s", poll_s, zero=True),
+            seconds_argument("link_delay", link_delay, zero=True))
 
 
-__all__ = ["int_argument", "seconds_argument", "instance_argument", "protocol_argument", "check_server_arguments"]
+__all__ = ["int_argument", "seconds_argument", "instance_argument", "protocol_argument", "server_arguments"]

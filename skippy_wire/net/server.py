@@ -49,7 +49,7 @@ from ..wire.frame import predicted_reply_bytes, send_reply_ack, send_reply_predi
 from ..wire.messages import StageWireMessage, WireMessageKind as K
 from ..wire.replies import StageReplyStats, WireReplyKind
 from ..wire.setup import SetupError, SetupRole
-from .arguments import check_server_arguments
+from .arguments import server_arguments
 from .admission import (COMPUTED_KINDS, DEFAULT_IDLE_TIMEOUT, DOWNSTREAM_SETUP_WORDS, MAX_DOWNSTREAM_SETUPS,
                         ConnectionLimit, LaneGate, SessionAdmission, StageLimits, check_position, check_runnable,
                         idle_sessions, max_message_bytes, overdue_message)
@@ -108,8 +108,8 @@ class StageServer:
                  compute_trace=None, protocol: int = STAGE_STATE_VERSION_V15, identity=None,
                  plan=None, link_delay: float = 0.0, prefill_overlap: bool = True,
                  limits: StageLimits | None = None, tls=None, poll_s: float = 0.0, decode_ahead: bool = True) -> None:
-        check_server_arguments(host=host, port=port, protocol=protocol, io_timeout=io_timeout, poll_s=poll_s,
-                               idle_timeout=idle_timeout, reply_timeout=reply_timeout, link_delay=link_delay)
+        protocol, io_timeout, idle_timeout, reply_timeout, poll_s, link_delay = server_arguments(
+            host, port, protocol, io_timeout, idle_timeout, reply_timeout, poll_s, link_delay)
         self.backend, self.poll_s, self.compute_trace, self.protocol = backend, poll_s, compute_trace, protocol
         self.identity = identity or link_identity(config, downstream is not None)
         self.plan, self.config, self.downstream = plan, config, downstream
