@@ -178,6 +178,10 @@ def test_not_a_message_or_an_int_is_a_clear_type_error(impl):
         (lambda: sw.forwarded_stage_message(sw.StageConfig(), _message(), sw.ActivationFrameV1.f32([0.0] * 8, 1), True,
                                             impl=impl), "activation_width must be an int, not bool"),
     ]
+    # numpy's integers are integers there too
+    frame = sw.ActivationFrameV1.f32([0.0] * 8, 1)
+    assert sw.forwarded_stage_message(sw.StageConfig(), _message(), frame, np.int64(8), impl=impl) == \
+        sw.forwarded_stage_message(sw.StageConfig(), _message(), frame, 8, impl=impl)
     for call, text in cases:
         with pytest.raises(TypeError, match=re.escape(text)):
             call()

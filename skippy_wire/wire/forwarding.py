@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import operator
 import struct
 import time
 from dataclasses import dataclass, field, replace
@@ -168,10 +169,10 @@ def _select_codec(config: StageConfig, incoming: StageWireMessage, output: Activ
 
 
 def _check_types(*arguments) -> None:
-    """A one-line TypeError for the first ``(name, value, kind)`` whose value is no ``kind`` (a bool is no int)."""
+    """A one-line TypeError for the first ``(name, value, kind)`` whose value is no ``kind``."""
     for name, value, kind in arguments:
-        if not isinstance(value, kind) or isinstance(value, bool):
-            article = "an" if kind.__name__[0] in "AEIOUi" else "a"
+        if not isinstance(value, kind):
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
             raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__}")
 
 
@@ -185,8 +186,12 @@ def forwarded_stage_message_timed(
 ) -> ForwardedStageMessage:
     """Build the message forwarded downstream and time its activation encoding (ms)."""
     _check_types(("config", config, StageConfig), ("incoming", incoming, StageWireMessage),
-                 ("output", output, ActivationFrameV1), ("activation_width", activation_width, int))
+                 ("output", output, ActivationFrameV1))
     _check_types(("incoming.state", incoming.state, StageStateHeader), ("output.desc", output.desc, ActivationDescV1))
+    try:  # numpy's integers are integers; a bool is none
+        activation_width = operator.index(None if isinstance(activation_width, bool) else activation_width)
+    except TypeError:
+        raise TypeError(f"activation_width must be an int, not {type(activation_width).__name__}") from None
     codec_module = _impl.cached_kernel_module("codec", impl)
     desc = output.desc
     check_full_range(config, incoming, desc.token_count)
