@@ -193,6 +193,7 @@ def test_a_capacity_past_the_largest_buffer_is_an_invalid_argument(tiny_path):
     """2**63 bytes read as a negative size: a SystemError from the interpreter."""
     s = open_model(tiny_path, layer_end=2).create_session()
     for call in (lambda: s.prefill_chunk_frame(PROMPT, capacity=2**63),
+                 lambda: s.prefill_chunk_frame(PROMPT, capacity=2**63 - 1),  # (a raw OverflowError there)
                  lambda: s.copy_output_activation_frame(1, capacity=2**64 - 1)):
         with pytest.raises(StageRuntimeError, match="output capacity [0-9]+ exceeds the largest buffer") as error:
             call()

@@ -21,6 +21,7 @@ from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
 import os
+import sys
 
 from skippy_wire.errors import StageRuntimeError
 
@@ -212,9 +213,14 @@ cdef int _check_payload(_Blob desc, _Payload payload, str where) except -1:
     return 0
 
 
+#: The largest bytes object Python makes (its size less the object's own header); past
+#: PY_SSIZE_T_MAX a size reads as negative (a SystemError), below it as too large (an OverflowError).
+cdef size_t _LARGEST_BUFFER = <size_t> (PY_SSIZE_T_MAX - sys.getsizeof(b""))
+
+
 cdef bytes _new_payload(size_t capacity):
     """A bytes object native may fill before anyone else sees it (saves a copy)."""
-    if capacity > <size_t> PY_SSIZE_T_MAX:  # read as a negative size: a SystemError
+    if capacity > _LARGEST_BUFFER:
         _check(SKIPPY_STATUS_INVALID_ARGUMENT, f"output capacity {capacity} exceeds the largest buffer")
     return PyBytes_FromStringAndSize(NULL, capacity)
 
