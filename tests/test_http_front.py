@@ -1388,3 +1388,19 @@ def test_a_chunk_declared_past_the_body_limit_is_refused_at_its_size_line(size_l
         s.close()
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     assert b"the request body is larger than 8 MiB" in answer
+
+
+@pytest.mark.parametrize("body", [b"800001\r\nabc", b"1\r\na\r\n" * 1100], ids=["413", "tiny-pieces"])
+def test_a_body_refused_mid_way_leaves_no_traceback_in_the_log(body):
+    """A route that does not read its body answered after the refusal had: h11 refused that second
+    answer and uvicorn logged "Exception in ASGI application" with a traceback, one per request."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn() as records:
+        s = _connect(url)
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200  # (the task ended meanwhile)
+    assert answer.startswith((b"HTTP/1.1 413 ", b"HTTP/1.1 400 ")) and answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    assert not _errors(records), _errors(records)

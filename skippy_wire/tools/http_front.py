@@ -438,6 +438,9 @@ class IdleSheddingProtocol(H11Protocol):
         for event in (h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase.encode()),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
+        if self.cycle is not None:  # a body refused mid-way: its request's own answer goes to no one (h11
+            self.cycle.disconnected = True  # would refuse it, logging a traceback), its reads end at once
+            self.cycle.message_event.set()
         self.transport.close()
 
 
