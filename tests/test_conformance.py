@@ -4,6 +4,7 @@ reports, the final line and the exit status."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -317,3 +318,31 @@ def test_a_case_naming_its_codec_two_different_ways_fails(version, file, tmp_pat
     out = capsys.readouterr().out
     assert f"FAIL {case['id']} [{case['group']}] {tmp_path / 'cases.jsonl'}:1\n" in out
     assert f"     case names codec Bf16RneV1 with id {case['codec_id']}\n" in out
+
+
+def test_a_folder_that_cannot_be_listed_fails_and_a_linked_one_is_run(vectors_dir, tmp_path, capsys, monkeypatch):
+    """An unreadable subfolder and a symlinked one were skipped in silence (rglob), and the run
+    passed without their cases; a link back up the tree is followed once."""
+    good = (vectors_dir / "select.jsonl").read_text().splitlines()[0] + "\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "s.jsonl").write_text(good)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "s.jsonl").write_text(good * 2)
+    root = tmp_path / "root"
+    (root / "locked").mkdir(parents=True)
+    (root / "locked" / "s.jsonl").write_text(good)
+    (root / "linked").symlink_to(tmp_path / "elsewhere")
+    (root / "up").symlink_to(root)
+    (root / "a").symlink_to(tmp_path / "a")
+    listed = os.scandir
+
+    def scandir(path="."):  # (the tests run as root, whom chmod 000 does not stop)
+        if os.path.basename(os.fspath(path)) == "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listed(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert conformance.main([str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {root / 'locked'}: cannot read it: permission denied" in out, out
+    assert out.rstrip().endswith("conformance: 3 passed, 1 failed"), out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,7 +28,7 @@ from typing import Optional
 from .. import _impl
 from . import conformance_gen
 from ..wire.constants import ActivationCodec
-from ..errors import Mismatch
+from ..errors import Mismatch, os_reason
 from ..wire.frame import reader_expectation
 from .options import Parser, describe, doc_summary, error_line, given_path, int_at_least
 from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
@@ -169,16 +170,30 @@ class Runner:
 
 
 # --- the command --------------------------------------------------------------------------
-def _files(paths: list[str]) -> list[Path]:
-    """The vector files: each path given that is not a directory, and everything named
-    ``*.jsonl`` under each directory but a subdirectory (sorted: a dangling link or a device
-    that bears the name fails as a file that cannot be read)."""
-    found: list[Path] = []
+def _files(paths: list[str]) -> list[tuple[Path, Optional[str]]]:
+    """The vector files, each with why it cannot be read where a folder already says so: each
+    path given that is not a directory, and everything named ``*.jsonl`` under each directory
+    but a subdirectory (sorted; a dangling link or a device that bears the name fails as a file
+    that cannot be read), symlinked folders followed, once each; a folder that cannot be listed
+    is itself one that fails (it was skipped, and the run passed without its cases)."""
+    found: list[tuple[Path, Optional[str]]] = []
     for p in map(Path, paths):
-        if p.is_dir():
-            found += sorted(f for f in p.rglob("*.jsonl") if not f.is_dir())
-        else:
-            found.append(p)
+        if not p.is_dir():
+            found.append((p, None))
+            continue
+        under: list[tuple[Path, Optional[str]]] = []
+        seen: set[str] = set()
+        def unlisted(exc: OSError) -> None:
+            under.append((Path(exc.filename), os_reason(exc)))
+
+        for folder, subfolders, names in os.walk(p, onerror=unlisted, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen:  # a link back up the tree
+                subfolders.clear()
+                continue
+            seen.add(real)
+            under += [(Path(folder, name), None) for name in names if name.endswith(".jsonl")]
+        found += sorted(under)
     return found
 
 
@@ -277,8 +292,8 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
     runner = Runner(impl)
     passed = failed = 0
     per_group: dict[str, list[int]] = {}
-    for path in _files(paths):
-        for lineno, case, problem in _cases(path):
+    for path, why in _files(paths):
+        for lineno, case, problem in _cases(path) if why is None else [(0, None, f"cannot read it: {why}")]:
             if case is None:
                 failed += 1
                 per_group.setdefault(NOT_A_CASE, [0, 0])[1] += 1
