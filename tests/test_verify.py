@@ -7,6 +7,7 @@ neighbourhoods of the f32 space, and must catch deliberately broken kernels.
 from __future__ import annotations
 
 import io
+import tracemalloc
 import types
 
 import numpy as np
@@ -210,3 +211,18 @@ def test_mutant_missing_finiteness_check_is_caught():
     ns.encode_activation = encode
     result = verify.check_chunk(0x7F800000, 4096, kernel=ns)
     assert "bf16-encode-error" in _checks(result)
+
+
+def test_the_samples_drawn_take_memory_by_the_chunk_not_by_their_count():
+    """--samples 30000000 took 8 GB to check 1,000 patterns: 16 draws a sample were made,
+    however few patterns the chunk held."""
+    mask = np.zeros(1000, dtype=bool)
+    mask[::7] = True
+    tracemalloc.start()
+    try:
+        picks = verify._picks(mask, np.random.default_rng(1), 2_000_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert picks.tolist() == np.flatnonzero(mask).tolist()  # as many samples as members: every one
+    assert peak < 16 << 20, peak  # (it drew 256 MB)

@@ -230,7 +230,7 @@ def _picks(mask: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarr
         return np.zeros(0, dtype=np.int64)
     edges = np.flatnonzero(mask[1:] != mask[:-1])
     # edges[k] is the last index before a change: keep the side that is in the mask.
-    probe = rng.integers(0, mask.size, size=16 * samples)
+    probe = rng.integers(0, mask.size, size=min(16 * samples, mask.size))  # memory bounded by the chunk's
     probe = probe[mask[probe]][:samples]
     if probe.size < samples:  # a sparse mask: draw from its members
         idx = np.flatnonzero(mask)
@@ -502,8 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int_between(1, MAX_THREADS), default=None,
                    help="worker processes (default: one per core; 1: in this process)")
     p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test")
-    p.add_argument("--samples", type=int_at_least(0), default=SAMPLES,
-                   help="error and inexact elements checked alone per chunk")
+    p.add_argument("--samples", type=int_between(0, MAX_CHUNK), default=SAMPLES,
+                   help="error and inexact elements checked alone per chunk (at most 2^26, a chunk's most)")
     p.add_argument("--show", type=int_at_least(0), default=20, help="mismatches to print")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on stderr)")
     return p
