@@ -346,3 +346,25 @@ def test_a_folder_that_cannot_be_listed_fails_and_a_linked_one_is_run(vectors_di
     out = capsys.readouterr().out
     assert f"FAIL {root / 'locked'}: cannot read it: permission denied" in out, out
     assert out.rstrip().endswith("conformance: 3 passed, 1 failed"), out
+
+
+def test_a_misspelt_choice_or_an_endless_deadline_fails_as_the_case(tmp_path, capsys):
+    """A misspelt step, mode, op or policy ran as another check (echo, server_setup,
+    recv_ready, Fixed) and could pass; a deadline of 1e12 ms held the run without end."""
+    server = _read(GOLDEN / "v17" / "setup_server.jsonl")[0]
+    ready = _read(GOLDEN / "v16" / "ready.jsonl")[0]
+    frame = next(c for c in _read(GOLDEN / "v15" / "frame.jsonl") if any("policy" in r for r in c["reads"]))
+    reads = [{**r, "policy": "NoSuchPolicy"} if "policy" in r else r for r in frame["reads"]]
+    cases = [{**server, "client_script": {**server["client_script"], "then": "no_such_step"}},
+             {**server, "mode": "no_such_mode"}, {**ready, "op": "send_raedy"}, {**frame, "reads": reads},
+             {**server, "client_script": {**server["client_script"], "then": "wait"}, "deadline_ms": 1e12}]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
+    assert conformance.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    for text in ("unknown client_script.then 'no_such_step' (close, wait, raw, echo_spaced, wrong_generation, echo)",
+                 "unknown mode 'no_such_mode' (server_setup, recording_setup)",
+                 "unknown op 'send_raedy' (send_ready or recv_ready)",
+                 "unknown activation codec policy 'NoSuchPolicy'",
+                 "deadline_ms 1000000000000.0: a case waits 0 to 60000 ms"):
+        assert text in out, (text, out)
+    assert out.rstrip().endswith("conformance: 0 passed, 5 failed"), out

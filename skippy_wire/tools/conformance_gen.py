@@ -143,6 +143,8 @@ class GenRunner:
         _expect_value("select", got, c["result"], "codec_id")
 
     def case_ready(self, c: dict) -> None:
+        if c["op"] not in ("send_ready", "recv_ready"):  # a misspelt one ran as recv_ready
+            raise Mismatch(f"unknown op {c['op']!r} (send_ready or recv_ready)")
         if c["op"] == "send_ready":
             if READY_BYTES.hex() != c["result"]["hex"]:
                 raise Mismatch("send_ready bytes differ")

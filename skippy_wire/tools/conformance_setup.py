@@ -17,6 +17,11 @@ from ..wire.setup import PlanStage, SetupError, StagePeer, StageSetupConfig, cli
 from .vector_cases import hex_diff
 
 _JOIN_SECONDS = 10.0
+#: The longest deadline a case may give its setup (the vectors give 0 or 2,000 ms).
+MAX_DEADLINE_MS = 60_000
+#: What a server case's scripted client does after its hello, and the setups a server case runs.
+_CLIENT_STEPS = ("close", "wait", "raw", "echo_spaced", "wrong_generation", "echo")
+_SERVER_MODES = ("server_setup", "recording_setup")
 
 
 def config_from_case(d: Optional[dict]) -> Optional[StageSetupConfig]:
@@ -75,6 +80,9 @@ def _check_result(got: tuple, want: dict) -> None:
 
 
 def _run(case: dict, ours, script) -> tuple:
+    wait_ms = case["deadline_ms"]
+    if isinstance(wait_ms, bool) or not isinstance(wait_ms, (int, float)) or not 0 <= wait_ms <= MAX_DEADLINE_MS:
+        raise Mismatch(f"deadline_ms {wait_ms!r}: a case waits 0 to {MAX_DEADLINE_MS} ms")  # (1e12 ran without end)
     a, b = socket.socketpair()
     seen = bytearray()
     state: dict = {}
@@ -93,7 +101,7 @@ def _run(case: dict, ours, script) -> tuple:
     thread = threading.Thread(target=peer, daemon=True)
     thread.start()
     cancelled = bool(case["cancelled"])
-    deadline = time.monotonic() + case["deadline_ms"] / 1000.0
+    deadline = time.monotonic() + wait_ms / 1000.0
     try:
         got = _outcome(lambda: ours(a, deadline, lambda: cancelled))
     finally:
@@ -139,6 +147,9 @@ def run_client_case(case: dict, impl: str) -> None:
 
 def run_server_case(case: dict, impl: str) -> None:
     s = case["client_script"]
+    for name, value, known in (("client_script.then", s["then"], _CLIENT_STEPS), ("mode", case["mode"], _SERVER_MODES)):
+        if value not in known:  # a misspelt one ran as the last branch (echo, server_setup)
+            raise Mismatch(f"unknown {name} {value!r} ({', '.join(known)})")
 
     def script(sock, seen, state):
         sock.sendall(bytes.fromhex(s["hello_hex"]))

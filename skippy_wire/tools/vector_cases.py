@@ -121,7 +121,7 @@ def read_expectation(read: dict) -> tuple[Optional[int], Optional[int]]:
     if api == "read_stage_message_for_codec":
         return int(ActivationCodec.from_rust_name(read["expected_codec"])), None
     if api == "read_stage_message_for_codec_policy":
-        policy = CodecPolicy.AUTO_LOSSLESS_V1 if read["policy"] == "AutoLosslessV1" else CodecPolicy.FIXED
+        policy = CodecPolicy.from_rust_name(read["policy"])  # a misspelt one ran as Fixed
         return int(ActivationCodec.from_rust_name(read["configured_codec"])), int(policy)
     raise Mismatch(f"unknown reader api {api!r}")
 
