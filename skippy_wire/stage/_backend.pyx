@@ -2,13 +2,11 @@
 # distutils: language = c++
 """1:1 binding of the C stage backend (skippy_wire/stage/_stage/skippy_stage.h).
 
-No policy (retries, token-count mirrors and one-at-a-time decisions belong to
-skippy_wire.stage.runtime).  Every native status other than OK is raised in one place,
-``_check``, as ``skippy_wire.errors.StageRuntimeError`` (``.status``, ``.message``; with
-BUFFER_TOO_SMALL also ``.required``, the output size native asked for).  Execution calls
-return small result objects with named fields (``FrameResult``, ``VerifyResult``,
-``BatchResult``).  Packed C structs (ActivationDesc, SamplingConfig) travel as bytes.  The
-GIL is released around every native execution call.
+No policy (retries, token-count mirrors and one-at-a-time decisions belong to skippy_wire.stage.runtime).
+Every native status other than OK is raised in one place, ``_check``, as ``skippy_wire.errors.StageRuntimeError``
+(``.status``, ``.message``; with BUFFER_TOO_SMALL also ``.required``, the output size native asked for).  Execution
+calls return small result objects with named fields (``FrameResult``, ``VerifyResult``, ``BatchResult``).  Packed
+C structs (ActivationDesc, SamplingConfig) travel as bytes.  The GIL is released around every native execution call.
 """
 
 cimport cython
@@ -104,8 +102,7 @@ cdef int _check(int status, object message, object required=None) except -1:
     if skippy_interrupted():  # stopped by set_interrupted: the signal's own handler raises (Ctrl-C: KeyboardInterrupt)
         skippy_set_interrupted(False)  # its work is done: the next call computes
         PyErr_CheckSignals()
-    raise StageRuntimeError.from_native(status, message,
-                                        required if status == SKIPPY_STATUS_BUFFER_TOO_SMALL else None)
+    raise StageRuntimeError.from_native(status, message, required if status == SKIPPY_STATUS_BUFFER_TOO_SMALL else None)
 
 
 def abi_version():
@@ -213,10 +210,7 @@ cdef int _check_payload(_Blob desc, _Payload payload, str where) except -1:
     return 0
 
 
-#: The largest bytes object Python makes (its size less the object's own header); past
-#: PY_SSIZE_T_MAX a size reads as negative (a SystemError), below it as too large (an OverflowError).
-cdef size_t _LARGEST_BUFFER = <size_t> (PY_SSIZE_T_MAX - sys.getsizeof(b""))
-
+cdef size_t _LARGEST_BUFFER = <size_t> (PY_SSIZE_T_MAX - sys.getsizeof(b""))  # a bytes object's most, less its header
 
 cdef bytes _new_payload(size_t capacity):
     """A bytes object native may fill before anyone else sees it (saves a copy)."""
