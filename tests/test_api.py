@@ -253,6 +253,9 @@ def test_top_k_at_or_below_zero_is_off_and_logit_bias_reaches_the_sampler(api):
     first = Tokenizer.from_gguf(default_model()).encode(greedy.choices[0].text)[0]
     banned = _complete(api, max_tokens=1, temperature=0, logit_bias={str(first): -100})
     assert banned.choices[0].text and banned.choices[0].text != greedy.choices[0].text
+    # llama-server's text key: the token(s) the text encodes to (a 400 before)
+    by_text = _complete(api, max_tokens=1, temperature=0, logit_bias={greedy.choices[0].text: -100})
+    assert by_text.choices[0].text == banned.choices[0].text
 
 
 def test_top_p_0_is_greedy_and_ignore_eos_runs_to_max_tokens(api):

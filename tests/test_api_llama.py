@@ -14,6 +14,7 @@ from skippy_wire.net.service import Generation
 from skippy_wire.tools import api
 from skippy_wire.tools.api_params import MAX_NATIVE_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from skippy_wire.tools.llama_sampling import given_sampling
+from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
 
 class ByteTokenizer(FakeTokenizer):
@@ -244,7 +245,7 @@ def test_llama_servers_list_of_logit_bias_pairs_with_false_for_never():
     with TestClient(_fake_api(engine).app()) as client:
         assert _post(client, {"prompt": "hi", "logit_bias": [[15, False], [16, -100], [17, 2.5]]}).status_code == 200
         assert client.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"15": False}}).status_code == 200
-        for bad in ([[15]], [["Hello", 1.0]], [[-1, 1.0]], [[15, True]], 7):
+        for bad in ([[15]], [[-1, 1.0]], [[15, True]], 7):
             reply = _post(client, {"prompt": "hi", "logit_bias": bad})
             assert reply.status_code == 400 and "'logit_bias'" in reply.json()["error"]["message"], (bad, reply.text)
     pairs, banned = (r["sampling"].logit_bias for r in engine.requests)
@@ -260,6 +261,21 @@ def test_a_token_biased_twice_gets_both_biases_as_in_llama_cpp():
         assert _post(client, {"prompt": "hi", "logit_bias": {"5": 1.5, "05": -0.5}}).status_code == 200
     pairs, keys = (r["sampling"].logit_bias for r in engine.requests)
     assert pairs == {5: 3.0, 6: float("-inf")} and keys == {5: 1.0}
+
+
+def test_a_logit_bias_text_biases_each_of_its_tokens_as_llama_server_does():
+    # texts were refused (a 400), where llama-server tokenizes them (one token a byte here)
+    engine = ScriptedEngine()
+    with TestClient(_fake_api(engine).app()) as client:
+        assert _post(client, {"prompt": "hi", "logit_bias": [["ab", -1.5], [98, 1.0], ["7", False]]}).status_code == 200
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "logit_bias": {"aa": 2, "99": 1}}).status_code == 200
+        too_long = {"x" * (MAX_STAGE_LOGIT_BIAS * FakeTokenizer.max_token_bytes + 1): 1}
+        reply = _post(client, {"prompt": "hi", "logit_bias": too_long})
+        assert reply.status_code == 400 and "'logit_bias' texts may hold at most" in reply.json()["error"]["message"]
+    pairs, keys = (r["sampling"].logit_bias for r in engine.requests)
+    # "b" (98) biased by the text and by its id: both; "a" met twice in "aa": twice
+    assert pairs == {97: -1.5, 98: -0.5, 55: float("-inf")} and keys == {97: 4.0, 99: 1.0}
 
 
 def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from skippy_wire.tools import api_params
-from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, check_text, check_text_fits,
+from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, add_text_biases, check_text, check_text_fits,
                                           check_tokenize_size, parse_options, suppress_end_of_generation)
 from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
@@ -129,9 +129,12 @@ def test_given_values_are_still_checked(body, param):
     ({"logit_bias": {"5": "3"}}, "logit_bias"),
     ({"logit_bias": {"5": True}}, "logit_bias"),
     ({"logit_bias": [[5]]}, "logit_bias"),
-    # a text llama-server tokenizes: "7042" is not the token 7042 (that one was biased)
-    ({"logit_bias": [["7042", False]]}, "logit_bias"),
-    ({"logit_bias": [[7, 1], ["Hello", 1]]}, "logit_bias"),
+    ({"logit_bias": [[True, 1]]}, "logit_bias"),
+    ({"logit_bias": [[1.5, 1]]}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),  # a number, but no token id (no text either)
+    ({"logit_bias": {"12345678901": 1}}, "logit_bias"),
+    ({"logit_bias": [[-5, 1]]}, "logit_bias"),
+    ({"logit_bias": {"Hello": 101}}, "logit_bias"),
     ({"logit_bias": ""}, "logit_bias"),
     ({"logit_bias": 0}, "logit_bias"),
     ({"n": True}, "n"),
@@ -299,3 +302,30 @@ def test_a_repeat_penalty_below_the_smallest_f32_is_not_sent_as_unset():
         wire = parse_options({"repeat_penalty": penalty, "temperature": 1}).sampling.wire()
         assert struct.unpack("<f", struct.pack("<f", wire.repeat_penalty))[0] == 2.0**-149, penalty
     assert parse_options({"repeat_penalty": 1e-30, "temperature": 1}).sampling.wire().repeat_penalty == 1e-30
+
+
+def test_a_logit_bias_text_is_kept_to_be_tokenized_as_llama_server_does():
+    # "7042" in a pair is a text llama-server tokenizes, not the token 7042 (that one was biased)
+    options = parse_options({"logit_bias": [["7042", False], [7, 1], ["Hello", -2]]})
+    assert options.sampling.logit_bias == {7: 1.0}
+    assert options.bias_texts == [("7042", float("-inf")), ("Hello", -2.0)]
+    options = parse_options({"logit_bias": {" world": 3, "5": 1, "007": 2}})
+    assert options.sampling.logit_bias == {5: 1.0, 7: 2.0} and options.bias_texts == [(" world", 3.0)]
+
+
+def test_a_logit_bias_texts_tokens_count_within_what_the_wire_carries():
+    class OneTokenACharacter:
+        max_token_bytes = 1
+
+        def encode(self, text, add_bos, parse_special):
+            assert add_bos is False and parse_special is False  # as llama-server tokenizes them
+            return [ord(c) for c in text]
+
+    body = {"logit_bias": {**{str(t): 1 for t in range(MAX_STAGE_LOGIT_BIAS - 2)}, "\x00\x00": 1, "\xfe\xff": -1}}
+    options = parse_options(body)  # 254 ids, and texts of the ids 0, 254 and 255: the most there may be
+    add_text_biases(options, OneTokenACharacter())
+    assert len(options.sampling.logit_bias) == MAX_STAGE_LOGIT_BIAS and options.sampling.logit_bias[0] == 3.0
+    options = parse_options({"logit_bias": {**{str(t): 1 for t in range(MAX_STAGE_LOGIT_BIAS - 2)}, "\xfe\xff\u0100": 1}})
+    with pytest.raises(BadRequest, match="its texts' tokens counted") as err:
+        add_text_biases(options, OneTokenACharacter())
+    assert err.value.param == "logit_bias"

@@ -354,7 +354,7 @@ class FakeTokenizer:
         self.hold, self.encoding = threading.Event(), threading.Event()
         self.hold.set()
 
-    def encode(self, text: str, add_bos=None) -> list[int]:
+    def encode(self, text: str, add_bos=None, parse_special=True) -> list[int]:
         self.encoding.set()
         assert self.hold.wait(30)
         return list(text.encode("utf-8"))

@@ -49,8 +49,9 @@ from .api_keys import RequireApiKey, as_keys, key_file, key_list, open_api_warni
 from .api_options import add_llama_server_options, listen_address, listen_host, web_origin
 from .llama_sampling import given_sampling
 from .api_prompts import PromptReader
-from .api_params import (BadRequest, check_answer_size, check_context, check_detokenize_count, check_text,
-                         check_token_ids, parse_detokenize, parse_options, parse_tokenize, suppress_end_of_generation)
+from .api_params import (BadRequest, add_text_biases, check_answer_size, check_context, check_detokenize_count,
+                         check_text, check_token_ids, parse_detokenize, parse_options, parse_tokenize,
+                         suppress_end_of_generation)
 from .cli import package_version
 from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
@@ -135,8 +136,7 @@ class Api:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ]
+            Route("/metrics", self.metrics, methods=["GET"])]
         # The request id outermost (after the path is read from a proxy-style target), on the
         # other middleware's refusals too; CORS before the key: a browser's preflight carries none.
         middleware = [Middleware(OriginForm), Middleware(RequestIds), Middleware(ErrorObjects),
@@ -299,6 +299,8 @@ class Api:
         try:
             check_text(body)
             options = parse_options(body, chat=chat, native=native, server=self.sampling)
+            if options.bias_texts:  # llama-server's logit_bias texts, tokenized off the event loop
+                await self._tokenize(add_text_biases, options, self.engine.tokenizer)
             check_token_ids(options.sampling.logit_bias, self.engine.tokenizer.n_vocab, "logit_bias")
             suppress_end_of_generation(options.sampling, self.engine.tokenizer.eog_ids)
             # llama-server's n_predict runs to the end of the context at most; OpenAI's (under -n) must fit

@@ -14,7 +14,7 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..net.connlog import peer_text
@@ -52,8 +52,10 @@ MAX_STOP_CHARS = 65536
 OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
 #: The hottest temperature OpenAI takes (llama-server's route: :data:`.llama_sampling.MAX_NATIVE_TEMPERATURE`).
 MAX_OPENAI_TEMPERATURE = 2.0
-#: A logit_bias key is a token id: decimal digits, no more than a u32 has.
+#: A logit_bias key is a token id: decimal digits, no more than a u32 has; any other number
+#: is refused, any other key is a text whose tokens get the bias (llama-server's rule).
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+_NUMBER_KEY = re.compile(r"\s*[+-]?[0-9]+")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
 #: (compared with their type: ``0`` is not ``false``; ``audio``, the spoken reply's voice,
 #: and ``web_search_options``, a search before answering even when empty, have none).
@@ -300,6 +302,7 @@ class Options:
     include_usage: bool
     n: int = 1  # choices per prompt
     samplers: tuple = LLAMA_DEFAULT_SAMPLERS  # llama-server's ``samplers``, as asked (reported back)
+    bias_texts: list = field(default_factory=list)  # ``logit_bias`` texts, [(text, bias)], to tokenize
 
 
 def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
@@ -361,35 +364,59 @@ def _stage_samplers(samplers: tuple) -> frozenset:
     return frozenset(kept)
 
 
-def _logit_bias(body: dict) -> dict[int, float]:
+def _logit_bias(body: dict) -> tuple[dict[int, float], list[tuple[str, float]]]:
     """OpenAI's object of token id -> bias, or llama-server's list of [token id, bias]
-    pairs; a bias of ``false`` (llama-server's) bans the token."""
+    pairs; a bias of ``false`` (llama-server's) bans the token.  As llama-server, a key (or
+    a pair's first item) that is a text biases each of its tokens: those texts come back
+    beside the ids, for :func:`add_text_biases` to tokenize."""
     bias = _given(body, "logit_bias", {})
     if isinstance(bias, (list, dict)) and len(bias) > MAX_STAGE_LOGIT_BIAS:  # the wire's sampling block carries no more
         raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens", "logit_bias")
     if isinstance(bias, list):
-        if not all(isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int for pair in bias):
-            # (a text, "7042" too, is one llama-server tokenizes: not the token 7042)
-            raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs (texts are not taken)",
-                             "logit_bias")
-        bias = [(str(token), value) for token, value in bias]
+        if not all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (int, str))
+                   and not isinstance(pair[0], bool) for pair in bias):
+            raise BadRequest("'logit_bias' as a list must hold [token id or text, bias] pairs", "logit_bias")
+        # (key, whether it is a token id): a text, "7042" too, is one llama-server tokenizes, not the token 7042
+        entries = [((str(token), value), isinstance(token, int)) for token, value in bias]
     elif isinstance(bias, dict):
-        bias = list(bias.items())
+        entries = [((key, value), bool(_NUMBER_KEY.fullmatch(key))) for key, value in bias.items()]
     else:
         raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias", INVALID_TYPE)
-    out = {}
-    for key, value in bias:
-        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
-            raise BadRequest("'logit_bias' keys must be token ids", "logit_bias")
+    ids: dict[int, float] = {}
+    texts: list[tuple[str, float]] = []
+    for (key, value), is_id in entries:
         if value is False:
-            out[int(key)] = -math.inf
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = -math.inf
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
-        if not -100 <= value <= 100:
+        elif not -100 <= value <= 100:
             raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
-        out[int(key)] = out.get(int(key), 0.0) + value  # a token given twice: both, as llama.cpp adds them
-    return out
+        if is_id:
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise BadRequest("'logit_bias' keys that are numbers must be token ids", "logit_bias")
+            ids[int(key)] = ids.get(int(key), 0.0) + value  # a token given twice: both, as llama.cpp adds them
+        else:
+            texts.append((key, float(value)))
+    return ids, texts
+
+
+def add_text_biases(options: Options, tokenizer) -> None:
+    """``options``' ``logit_bias`` texts (:func:`_logit_bias`) added to its sampling's
+    biases, each on every token the text encodes to, as llama-server tokenizes them (no
+    BOS, control tokens spelled out): a token met again gets the bias again.  Texts longer
+    than 256 tokens could be are refused unread, as are more tokens than the wire carries."""
+    most = MAX_STAGE_LOGIT_BIAS * max(1, tokenizer.max_token_bytes)
+    if sum(len(text) for text, _ in options.bias_texts) > most:
+        raise BadRequest(f"'logit_bias' texts may hold at most {most} characters together (more would be more than "
+                         f"{MAX_STAGE_LOGIT_BIAS} tokens)", "logit_bias")
+    biases = dict(options.sampling.logit_bias)
+    for text, bias in options.bias_texts:
+        for token in tokenizer.encode(text, add_bos=False, parse_special=False):
+            biases[token] = biases.get(token, 0.0) + bias
+    if len(biases) > MAX_STAGE_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_STAGE_LOGIT_BIAS} tokens (its texts' tokens counted)",
+                         "logit_bias")
+    options.sampling.logit_bias = biases
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -450,6 +477,7 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
     def unless_left_out(sampler: str, value, off):  # as it runs left out: temperature 1 (the draw alone), no cut
         return value if sampler in kept else off
 
+    bias_ids, bias_texts = _logit_bias(body)
     sampling = SamplingParams(
         temperature=unless_left_out("temperature", max(0.0, _number(
             body, "temperature", defaults["temperature"], -hottest if native else 0.0, hottest)), 1.0),
@@ -463,11 +491,11 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
         repeat_penalty=_number(body, "repeat_penalty", defaults["repeat_penalty"], 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
         repeat_last_n=unless_left_out("penalties", count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1), 0),
-        logit_bias=_logit_bias(body), ignore_eos=ignore_eos)
+        logit_bias=bias_ids, ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
     n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
-    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers)
+    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts)
 
 
 def parse_template_options(body: dict) -> tuple[bool, dict]:
@@ -515,5 +543,5 @@ __all__ = ["BadRequest", "INVALID_TYPE", "MESSAGES_CODES", "Options", "parse_opt
            "parse_tokenize",
            "parse_detokenize", "check_text", "check_token_ids", "check_context",
            "check_detokenize_count", "check_answer_size",
-           "suppress_end_of_generation", "UNTIL_FULL",
+           "suppress_end_of_generation", "add_text_biases", "UNTIL_FULL",
            "MAX_STOP_STRINGS", "MAX_NATIVE_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_PROMPTS"]
