@@ -368,3 +368,32 @@ def test_a_misspelt_choice_or_an_endless_deadline_fails_as_the_case(tmp_path, ca
                  "deadline_ms 1000000000000.0: a case waits 0 to 60000 ms"):
         assert text in out, (text, out)
     assert out.rstrip().endswith("conformance: 0 passed, 5 failed"), out
+
+
+def test_a_file_given_twice_runs_once(vectors_dir, tmp_path, capsys):
+    """A file named again, or reached under two folders given, counted its cases twice."""
+    good = (vectors_dir / "select.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "s.jsonl").write_text("\n".join(good) + "\n")
+    (tmp_path / "again.jsonl").symlink_to(tmp_path / "s.jsonl")
+    assert conformance.main([str(tmp_path), str(tmp_path / "s.jsonl"), str(tmp_path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("conformance: 2 passed, 0 failed")
+
+
+@pytest.mark.parametrize("version", ["v15", "v16", "v17"])
+def test_a_malformed_case_without_reads_or_with_a_wrong_length_fails(version, tmp_path, capsys):
+    """v16/v17 compared neither a malformed case's len nor a write's len, and a malformed
+    case with no reads passed in every version, having checked nothing."""
+    folder = GOLDEN / version
+    malformed = _read(folder / "malformed.jsonl")[0]
+    cases = [dict(malformed, reads=[]), dict(malformed, len=malformed["len"] + 1)]
+    if version != "v15":
+        frame = next(c for c in _read(folder / "frame.jsonl") if c["write"]["ok"])
+        cases.append(dict(frame, write=dict(frame["write"], len=frame["write"]["len"] - 1)))
+    (tmp_path / "cases.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
+    assert conformance.main([str(tmp_path)] + ([] if version == "v15" else ["--protocol", version[1:]])) == 1
+    out = capsys.readouterr().out
+    assert "     case records no reads: it checks nothing\n" in out
+    assert f"     case bytes_hex has {malformed['len']} bytes, len says {malformed['len'] + 1}\n" in out
+    if version != "v15":
+        assert f"     write.len: {frame['write']['len']}, expected {frame['write']['len'] - 1}\n" in out
+    assert out.rstrip().endswith(f"conformance: 0 passed, {len(cases)} failed")

@@ -31,8 +31,8 @@ from ..wire.constants import ActivationCodec
 from ..errors import Mismatch, os_reason
 from ..wire.frame import reader_expectation
 from .options import Parser, describe, doc_summary, error_line, given_path, int_at_least
-from .vector_cases import (check_error, check_read, diff, hex_diff, message_from_case, message_to_case, outcome,
-                           read_expectation, require_ok)
+from .vector_cases import (check_error, check_read, diff, hex_diff, malformed_bytes, message_from_case, message_to_case,
+                           outcome, read_expectation, require_ok)
 
 GROUPS = ("activation", "activation_decode", "select", "frame", "malformed")
 
@@ -162,9 +162,7 @@ class Runner:
             self._check_read(f"reads[{i}] {read['api']}", data, read)
 
     def case_malformed(self, c: dict) -> None:
-        data = bytes.fromhex(c["bytes_hex"])
-        if len(data) != c["len"]:
-            raise Mismatch(f"case bytes_hex has {len(data)} bytes, len says {c['len']}")
+        data = malformed_bytes(c)
         for i, read in enumerate(c["reads"]):
             self._check_read(f"reads[{i}] {read['api']}", data, read)
 
@@ -175,7 +173,9 @@ def _files(paths: list[str]) -> list[tuple[Path, Optional[str]]]:
     path given that is not a directory, and everything named ``*.jsonl`` under each directory
     but a subdirectory (sorted; a dangling link or a device that bears the name fails as a file
     that cannot be read), symlinked folders followed, once each; a folder that cannot be listed
-    is itself one that fails (it was skipped, and the run passed without its cases)."""
+    is itself one that fails (it was skipped, and the run passed without its cases).  A file
+    reached twice (named again, or under two folders given) runs once: its cases counted twice
+    made the totals lie."""
     found: list[tuple[Path, Optional[str]]] = []
     for p in map(Path, paths):
         if not p.is_dir():
@@ -194,7 +194,14 @@ def _files(paths: list[str]) -> list[tuple[Path, Optional[str]]]:
             seen.add(real)
             under += [(Path(folder, name), None) for name in names if name.endswith(".jsonl")]
         found += sorted(under)
-    return found
+    kept, ran = [], set()  # ran: the real paths of the files kept
+    for path, why in found:
+        real = os.path.realpath(path)
+        if why is None and real in ran:
+            continue
+        ran.add(real)
+        kept.append((path, why))
+    return kept
 
 
 def not_readable(path: str) -> Optional[str]:

@@ -19,7 +19,8 @@ from ..wire.frame import reader_expectation, recv_ready
 from ..wire.protocol import StageConnection, estimated_buffer_bytes, kernels
 from ..wire.messages import StageWireMessage
 from . import conformance_setup, vector_cases
-from .vector_cases import check_error, check_read, diff, hex_diff, outcome, read_expectation, require_ok
+from .vector_cases import (check_error, check_read, diff, hex_diff, malformed_bytes, outcome, read_expectation,
+                           require_ok)
 
 _VERSION_ID = re.compile(r"^v(1[67])-")
 
@@ -198,6 +199,8 @@ class GenRunner:
         data = bytes(require_ok(label, got))
         if data.hex() != w["hex"]:
             raise Mismatch(hex_diff(f"{label}.hex", data.hex(), w["hex"]))
+        if len(data) != w["len"]:
+            raise Mismatch(f"{label}.len: {len(data)}, expected {w['len']}")
         return data
 
     def case_frame(self, c: dict) -> None:
@@ -221,7 +224,7 @@ class GenRunner:
             self._check_read(f"reads[{i}] {read['api']}", c, data, read)
 
     def case_malformed(self, c: dict) -> None:
-        data = bytes.fromhex(c["bytes_hex"])
+        data = malformed_bytes(c)
         for i, read in enumerate(c["reads"]):
             self._check_read(f"reads[{i}] {read['api']}", c, data, read)
 

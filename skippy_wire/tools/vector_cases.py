@@ -208,3 +208,14 @@ def check_read(label: str, got: tuple, read: dict, to_case: Callable[[StageWireM
     d = diff(f"{label}.message", to_case(message), read["message"])
     if d:
         raise Mismatch(d)
+
+
+def malformed_bytes(case: dict) -> bytes:
+    """A malformed case's bytes, checked against its own ``len``; a case with no reads checks
+    nothing and fails (it passed)."""
+    data = bytes.fromhex(case["bytes_hex"])
+    if len(data) != case["len"]:
+        raise Mismatch(f"case bytes_hex has {len(data)} bytes, len says {case['len']}")
+    if not case["reads"]:
+        raise Mismatch("case records no reads: it checks nothing")
+    return data
