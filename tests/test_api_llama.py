@@ -278,6 +278,20 @@ def test_a_logit_bias_text_biases_each_of_its_tokens_as_llama_server_does():
     assert pairs == {97: -1.5, 98: -0.5, 55: float("-inf")} and keys == {97: 4.0, 99: 1.0}
 
 
+def test_generation_settings_report_the_samplers_settings_as_asked():
+    """They reported what ran: top_k 1 for top_p 0, 0 for a negative temperature, the off
+    values of the samplers left out, where llama-server reports what was asked."""
+    engine = ScriptedEngine()
+    asked = {"temperature": -1.0, "top_k": 7, "top_p": 0.0, "min_p": 0.25, "repeat_last_n": 16}
+    with TestClient(_fake_api(engine).app()) as client:
+        first = _post(client, {"prompt": "hi", **asked}).json()["generation_settings"]
+        left_out = _post(client, {"prompt": "hi", **asked, "samplers": ["temperature"]}).json()["generation_settings"]
+    assert {name: first[name] for name in asked} == {name: left_out[name] for name in asked} == asked
+    ran, ran_left_out = (r["sampling"] for r in engine.requests)
+    assert (ran.temperature, ran.top_k) == (0.0, 1)  # what runs is unchanged
+    assert (ran_left_out.top_k, ran_left_out.min_p, ran_left_out.repeat_last_n) == (0, 0.0, 0)
+
+
 def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():
     """``samplers`` was ignored: ["temperature"] still cut the draw with top-k 40, top-p 0.95 and
     min-p 0.05, and penalised repeats."""

@@ -110,10 +110,11 @@ def generation_settings(options: Options) -> dict:
     sampling = options.sampling
     return {"n_predict": UNTIL_FULL if options.max_tokens is None else options.max_tokens,
             "seed": LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed,
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
+            # temperature, top_k, top_p, min_p, repeat_last_n as asked, as llama-server reports them
+            # (what runs may differ: a sampler left out, top_p 0 as top_k 1, a negative temperature as 0)
+            **options.asked,
             "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
-            "frequency_penalty": sampling.frequency_penalty, "repeat_last_n": sampling.repeat_last_n,
+            "frequency_penalty": sampling.frequency_penalty,
             "ignore_eos": sampling.ignore_eos, "stop": options.stop, "stream": options.stream,
             "samplers": list(options.samplers)}
 

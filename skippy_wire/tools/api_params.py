@@ -303,6 +303,8 @@ class Options:
     n: int = 1  # choices per prompt
     samplers: tuple = LLAMA_DEFAULT_SAMPLERS  # llama-server's ``samplers``, as asked (reported back)
     bias_texts: list = field(default_factory=list)  # ``logit_bias`` texts, [(text, bias)], to tokenize
+    # temperature, top_k, top_p, min_p and repeat_last_n as asked (what runs may differ): reported back
+    asked: dict = field(default_factory=dict)
 
 
 def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
@@ -474,28 +476,33 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
         seed = None
     kept = _stage_samplers(samplers)
 
+    asked = {"temperature": _number(body, "temperature", defaults["temperature"], -hottest if native else 0.0, hottest),
+             "top_p": _number(body, "top_p", defaults["top_p"], 0.0, 1.0),
+             "top_k": count("top_k", defaults["top_k"], -(2**31), 2**31 - 1),
+             "min_p": _number(body, "min_p", defaults["min_p"], 0.0, 1.0),
+             "repeat_last_n": count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1)}
+
     def unless_left_out(sampler: str, value, off):  # as it runs left out: temperature 1 (the draw alone), no cut
         return value if sampler in kept else off
 
     bias_ids, bias_texts = _logit_bias(body)
     sampling = SamplingParams(
-        temperature=unless_left_out("temperature", max(0.0, _number(
-            body, "temperature", defaults["temperature"], -hottest if native else 0.0, hottest)), 1.0),
-        top_p=unless_left_out("top_p", _number(body, "top_p", defaults["top_p"], 0.0, 1.0), 1.0),
-        top_k=unless_left_out("top_k", count("top_k", defaults["top_k"], -(2**31), 2**31 - 1), 0),
-        min_p=unless_left_out("min_p", _number(body, "min_p", defaults["min_p"], 0.0, 1.0), 0.0),
+        temperature=unless_left_out("temperature", max(0.0, asked["temperature"]), 1.0),
+        top_p=unless_left_out("top_p", asked["top_p"], 1.0),
+        top_k=unless_left_out("top_k", asked["top_k"], 0),
+        min_p=unless_left_out("min_p", asked["min_p"], 0.0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", defaults["presence_penalty"], -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", defaults["frequency_penalty"], -2.0, 2.0),
         # the wire reads 0 as unset (1): a 0 asked for would silently mean no penalty
         repeat_penalty=_number(body, "repeat_penalty", defaults["repeat_penalty"], 0.0, MAX_REPEAT_PENALTY, above=True),
         # llama-server's window of the three penalties: -1 the whole context, 0 none
-        repeat_last_n=unless_left_out("penalties", count("repeat_last_n", defaults["repeat_last_n"], -1, 2**31 - 1), 0),
+        repeat_last_n=unless_left_out("penalties", asked["repeat_last_n"], 0),
         logit_bias=bias_ids, ignore_eos=ignore_eos)
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
     n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
-    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts)
+    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts, asked)
 
 
 def parse_template_options(body: dict) -> tuple[bool, dict]:
