@@ -74,7 +74,7 @@ def pki(tmp_path_factory):
         _openssl("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in",
                  f"{name}.csr", "-out", f"{name}.pem", "-startdate", start, "-enddate", end, "-notext", cwd=d)
     for name, extension in (("codesign", "extendedKeyUsage=codeSigning"), ("crlsign", "keyUsage=critical,cRLSign"),
-                            ("serveronly", "extendedKeyUsage=serverAuth")):
+                            ("serveronly", "extendedKeyUsage=serverAuth"), ("clientonly", "extendedKeyUsage=clientAuth")):
         _request(name, d)
         (d / f"{name}.ext").write_text(extension + "\n")
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
@@ -140,7 +140,48 @@ def test_an_out_of_date_ca_in_a_bundle_is_not_blamed_for_a_certificate_another_c
 def test_good_files_still_load(pki):
     _config(pki, "node.pem", "node.key").check()
     _config(pki, "stranger.pem", "stranger.key", "other-ca.pem").check()  # its own CA: fine
-    _config(pki, "serveronly.pem", "serveronly.key").check()  # fit for a listener: a last stage may use it
+    _config(pki, "serveronly.pem", "serveronly.key").check(connects=False)  # a last stage's: it listens only
+    _config(pki, "clientonly.pem", "clientonly.key").check(listens=False)  # a driver's of running stages
+
+
+def test_a_certificate_unfit_for_a_role_the_process_plays_is_refused_at_start_up(pki, capsys):
+    """A serverAuth-only certificate passed for a stage with a downstream, for run and api (whose
+    driver connects), a clientAuth-only one for any stage: each then failed every link."""
+    server_only, client_only = _config(pki, "serveronly.pem", "serveronly.key"), \
+        _config(pki, "clientonly.pem", "clientonly.key")
+    with pytest.raises(ValueError) as caught:
+        server_only.check()
+    assert str(caught.value) == (f"--tls-cert {server_only.cert} cannot open a stage link: its key usage does not "
+                                 "allow TLS client authentication (clientAuth), which a driver and a stage with a "
+                                 "downstream need")
+    with pytest.raises(ValueError) as caught:
+        client_only.check(connects=False)
+    assert str(caught.value) == (f"--tls-cert {client_only.cert} cannot serve a stage link: its key usage does not "
+                                 "allow TLS server authentication (serverAuth), which every stage needs")
+    for config, downstream, why in ((server_only, ["--downstream", "127.0.0.1:9"], "cannot open a stage link"),
+                                    (client_only, [], "cannot serve a stage link")):
+        with pytest.raises(SystemExit) as info:
+            serve.main(["-m", str(pki / "none.gguf"), "--layer-start", "0", "--layer-end", "1", *downstream,
+                        *config.as_args()])
+        assert info.value.code == 2
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last.startswith(f"skippy-wire: error: --tls-cert {config.cert} {why}: its key usage does not"), last
+
+
+def test_a_key_no_cipher_suite_can_use_is_refused_at_start_up(pki, tmp_path):
+    """A DSA certificate passed: every handshake then failed with "no shared cipher" at the stage
+    and "(does it use mutual TLS with the same CA?)" at the driver, which used the same CA."""
+    _openssl("genpkey", "-genparam", "-algorithm", "DSA", "-pkeyopt", "dsa_paramgen_bits:2048", "-out", "p.pem",
+             cwd=tmp_path)
+    _openssl("genpkey", "-paramfile", "p.pem", "-out", "dsa.key", cwd=tmp_path)
+    _openssl("req", "-new", "-key", "dsa.key", "-subj", "/CN=dsa", "-out", "dsa.csr", cwd=tmp_path)
+    _openssl("x509", "-req", "-in", "dsa.csr", "-CA", str(pki / "ca.pem"), "-CAkey", str(pki / "ca.key"),
+             "-CAcreateserial", "-CAserial", "dsa.srl", "-days", "2", "-out", "dsa.pem", cwd=tmp_path)
+    config = TlsConfig(str(tmp_path / "dsa.pem"), str(tmp_path / "dsa.key"), str(pki / "ca.pem"))
+    with pytest.raises(ValueError) as caught:
+        config.check()
+    assert str(caught.value) == (f"--tls-cert {config.cert}: a TLS handshake with it fails: no shared cipher "
+                                 "(use an RSA or EC key)")
 
 
 @pytest.mark.parametrize("cert", ["codesign", "crlsign"])
@@ -208,7 +249,8 @@ def test_a_fifo_or_a_device_as_a_tls_file_is_refused_not_waited_on(pki, tmp_path
     os.mkfifo(fifo)
     probe = ("import sys, types; from skippy_wire.tools.tls_options import tls_config\n"
              "try:\n"
-             "    tls_config(types.SimpleNamespace(tls_cert=sys.argv[1], tls_key=sys.argv[2], tls_ca=sys.argv[3]))\n"
+             "    tls_config(types.SimpleNamespace(tls_cert=sys.argv[1], tls_key=sys.argv[2], tls_ca=sys.argv[3]), "
+             "listens=True)\n"
              "except ValueError as exc:\n"
              "    print(exc)\n")
     try:
@@ -382,9 +424,12 @@ def test_a_client_names_the_verification_failure_not_only_openssl_s_code():
     certificate had expired or came from another CA."""
     exc = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
     exc.reason, exc.verify_code, exc.verify_message = "CERTIFICATE_VERIFY_FAILED", 10, "certificate has expired"
+    assert handshake_failure("stage 0 at h:1", exc) == (  # the CA is not what is wrong: no question after it
+        "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: certificate has expired")
+    exc.verify_code, exc.verify_message = 20, "unable to get local issuer certificate"
     assert handshake_failure("stage 0 at h:1", exc) == (
-        "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: certificate has expired "
-        "(does it use mutual TLS with the same CA?)")
+        "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: unable to get local issuer "
+        "certificate (does it use mutual TLS with the same CA?)")
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
     eof.reason = "UNEXPECTED_EOF_WHILE_READING"
     assert handshake_failure("stage 0 at h:1", eof) == (

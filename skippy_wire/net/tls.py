@@ -100,9 +100,13 @@ def _not_a_file(option: str, path: str) -> None:
 
 #: The verification error of a certificate whose (extended) key usage does not cover the
 #: role it was checked in (X509_V_ERR_INVALID_PURPOSE): a stage's certificate may be fine for
-#: the role it does play (a serverAuth-only one on a last stage), so only one that suits
-#: neither role is refused at start-up.
+#: the roles it does play (a serverAuth-only one on a last stage), so it is refused at
+#: start-up for the roles the process plays only.
 _INVALID_PURPOSE = 26
+#: The verification errors another CA's certificate gives (OpenSSL's X509_V_ERR_
+#: UNABLE_TO_GET_ISSUER_CERT, DEPTH_ZERO_SELF_SIGNED_CERT, SELF_SIGNED_CERT_IN_CHAIN,
+#: UNABLE_TO_GET_ISSUER_CERT_LOCALLY, UNABLE_TO_VERIFY_LEAF_SIGNATURE).
+_ANOTHER_CA = (2, 18, 19, 20, 21)
 #: OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID and X509_V_ERR_CERT_HAS_EXPIRED.
 _OUT_OF_DATE = (9, 10)
 
@@ -113,32 +117,33 @@ def _no_passphrase() -> bytes:
     raise ValueError(ENCRYPTED_KEY)
 
 
-def _verify_own(config: "TlsConfig") -> "ssl.SSLCertVerificationError | None":
+def _verify_own(config: "TlsConfig") -> tuple:
     """Check ``config``'s certificate as its peers will, in memory before any connection:
-    presented by a connecting side to a listener with its context, and, when that refuses
-    it only for its purpose, by a listener to a connecting side.  The verification error
-    (expired, not yet valid, not signed by the CA, fit for neither role, ...), or None."""
+    presented by a connecting side to a listener with its context, and by a listener to a
+    connecting side.  The failure of each handshake (an ``ssl.SSLError``: a verification
+    error, expired, not signed by the CA, unfit for the role, ...; or another, a key no
+    cipher suite can use), or None."""
     try:
         server = config.server_context()
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
         client.load_cert_chain(config.cert, config.key, password=_no_passphrase)
-        as_client = _refusal(client, server)
-        if as_client is None or as_client.verify_code != _INVALID_PURPOSE:
-            return as_client
         listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         listener.load_cert_chain(config.cert, config.key, password=_no_passphrase)
         verifier = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         verifier.check_hostname = False
         verifier.load_verify_locations(config.ca)
     except (ssl.SSLError, OSError):  # not the certificate's validity: loading the contexts will say what
-        return None
-    as_listener = _refusal(verifier, listener)
-    return as_client if as_listener is not None and as_listener.verify_code == _INVALID_PURPOSE else None
+        return None, None
+    return _refusal(client, server), _refusal(verifier, listener)
 
 
-def _refusal(client: ssl.SSLContext, server: ssl.SSLContext) -> "ssl.SSLCertVerificationError | None":
-    """The verification error of an in-memory handshake between the two contexts, or None."""
+def _unfit(refused) -> bool:
+    return isinstance(refused, ssl.SSLCertVerificationError) and refused.verify_code == _INVALID_PURPOSE
+
+
+def _refusal(client: ssl.SSLContext, server: ssl.SSLContext) -> "ssl.SSLError | None":
+    """How an in-memory handshake between the two contexts fails, or None."""
     to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
     pending = [client.wrap_bio(to_client, to_server, server_hostname=None),
                server.wrap_bio(to_server, to_client, server_side=True)]
@@ -149,10 +154,8 @@ def _refusal(client: ssl.SSLContext, server: ssl.SSLContext) -> "ssl.SSLCertVeri
                 pending.remove(end)
             except ssl.SSLWantReadError:
                 pass
-            except ssl.SSLCertVerificationError as exc:
+            except ssl.SSLError as exc:
                 return exc
-            except ssl.SSLError:
-                return None  # not the certificate's validity: the links will say what it is
         if not pending:
             break
     return None
@@ -172,9 +175,13 @@ def tls_failure(exc: ssl.SSLError) -> str:
         if _certificate_alert(reason):
             return f"the peer refused this side's certificate ({alert})"
         return f"the peer aborted the handshake ({alert})"
-    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or reason == "UNEXPECTED_EOF_WHILE_READING":
+    if _closed(exc):
         return "the peer closed the connection during the handshake"
     return reason.replace("_", " ").lower() if reason else str(exc)
+
+
+def _closed(exc: ssl.SSLError) -> bool:
+    return isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or exc.reason == "UNEXPECTED_EOF_WHILE_READING"
 
 
 def _certificate_alert(reason: str) -> bool:
@@ -217,12 +224,14 @@ class TlsConfig:
             _not_a_file(option, path)
         return cls(cert, key, ca)
 
-    def check(self) -> None:
+    def check(self, *, listens: bool = True, connects: bool = True) -> None:
         """Load the certificate, the key and the CA as a context will, before any connection:
         ValueError naming the option and the file at fault (a key that does not match the
         certificate, a file without a PEM certificate, a CA file without a CA certificate, a
         key or signature too weak for OpenSSL), and a certificate that its peers would refuse
-        (expired, not yet valid, not signed by the CA: :func:`_verify_own`)."""
+        (expired, not yet valid, not signed by the CA, a key no cipher suite can use, unfit for
+        a role the process plays: it ``listens`` (a stage), it ``connects`` (a driver, a stage
+        with a downstream): :func:`_verify_own`)."""
         if not _certificates_in(self.cert)["x509"]:
             raise ValueError(f"--tls-cert {self.cert}: not a PEM certificate")
         probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -252,15 +261,25 @@ class TlsConfig:
             raise ValueError(f"--tls-key {self.key}: {ENCRYPTED_KEY}")
         if not _certificates_in(self.ca)["x509_ca"]:
             raise ValueError(f"--tls-ca {self.ca}: no CA certificate in it")
-        refused = _verify_own(self)
-        if refused is not None and refused.verify_code == _INVALID_PURPOSE:
-            raise ValueError(f"--tls-cert {self.cert} suits neither end of a stage link: its key usage allows "
-                             "neither TLS server nor TLS client authentication")
-        if refused is not None:
+        as_client, as_listener = _verify_own(self)
+        refused = next((r for r in (as_client, as_listener) if r is not None and not _unfit(r)), None)
+        if isinstance(refused, ssl.SSLCertVerificationError):
             ca_dates = _ca_out_of_date(self.ca) if refused.verify_code in _OUT_OF_DATE else ""
             raise ValueError(f"--tls-cert {self.cert} does not verify against --tls-ca {self.ca}: "
                              f"{refused.verify_message or refused.reason} "
                              + f"({ca_dates or 'a peer with the same --tls-ca would refuse it'})")
+        if refused is not None:  # e.g. a DSA key: no TLS 1.2 or 1.3 cipher suite signs with it
+            raise ValueError(f"--tls-cert {self.cert}: a TLS handshake with it fails: {tls_failure(refused)}"
+                             + (" (use an RSA or EC key)" if refused.reason == "NO_SHARED_CIPHER" else ""))
+        if _unfit(as_client) and _unfit(as_listener):
+            raise ValueError(f"--tls-cert {self.cert} suits neither end of a stage link: its key usage allows "
+                             "neither TLS server nor TLS client authentication")
+        if listens and _unfit(as_listener):
+            raise ValueError(f"--tls-cert {self.cert} cannot serve a stage link: its key usage does not allow TLS "
+                             "server authentication (serverAuth), which every stage needs")
+        if connects and _unfit(as_client):
+            raise ValueError(f"--tls-cert {self.cert} cannot open a stage link: its key usage does not allow TLS "
+                             "client authentication (clientAuth), which a driver and a stage with a downstream need")
 
     def _context(self, purpose) -> ssl.SSLContext:
         ctx = ssl.create_default_context(purpose, cafile=self.ca)
@@ -348,8 +367,12 @@ def starts_tls_handshake(head: bytes) -> bool:
 
 
 def handshake_failure(who: str, exc: ssl.SSLError) -> str:
-    """The one-line error of a failed client handshake with ``who``."""
-    return f"TLS handshake with {who} failed: {tls_failure(exc)} (does it use mutual TLS with the same CA?)"
+    """The one-line error of a failed client handshake with ``who``, asking after the CA where
+    another CA (or a plain stage, which closes) may be the cause."""
+    another_ca = exc.verify_code in _ANOTHER_CA if isinstance(exc, ssl.SSLCertVerificationError) \
+        else "UNKNOWN_CA" in (exc.reason or "") or _closed(exc)
+    return f"TLS handshake with {who} failed: {tls_failure(exc)}" + \
+        (" (does it use mutual TLS with the same CA?)" if another_ca else "")
 
 
 def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:

@@ -472,7 +472,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         args.ctx_size = DEFAULT_CTX_SIZE if args.connect_address else STARTED_CTX_SIZE
     args.api_keys = [key for keys in args.api_key + args.api_key_file for key in keys]
     try:
-        args.tls = tls_config(args)
+        args.tls = tls_config(args, listens=not args.connect_address)  # the stages it starts listen
     except ValueError as exc:
         p.error(str(exc))
 

@@ -222,7 +222,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     check_output_dir(parser, "--capture", args.capture)
     check_output_dir(parser, "--log-dir", args.log_dir)
     try:
-        args.tls = tls_config(args)
+        args.tls = tls_config(args, listens=not (args.connect or args.topology))  # the stages it starts listen
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -243,7 +243,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.trace_compute:
         _check_output_dir(parser, "--trace-compute", args.trace_compute)
     try:
-        args.tls = tls_config(args)
+        args.tls = tls_config(args, listens=True, connects=args.downstream is not None)
     except ValueError as exc:
         parser.error(str(exc))
 

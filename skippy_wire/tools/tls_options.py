@@ -20,10 +20,11 @@ def add_tls_options(p: argparse.ArgumentParser, what: str) -> None:
                         "default: none)")
 
 
-def tls_config(args):
+def tls_config(args, *, listens: bool, connects: bool = True):
     """The ``TlsConfig`` of parsed ``--tls-*`` options (None without them); ValueError
     unless all three are given, each names a readable file (the option and the path) and
-    they load: a certificate, its key, a CA (:meth:`TlsConfig.check`)."""
+    they load: a certificate, its key, a CA, fit for the ends of links the process (and the
+    stages it starts) plays: it ``listens``, it ``connects`` (:meth:`TlsConfig.check`)."""
     config = TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
     if config is not None:
         for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
@@ -31,5 +32,5 @@ def tls_config(args):
                 open(path, "rb").close()
             except OSError as exc:
                 raise ValueError(f"{option}: {describe(exc)}") from None
-        config.check()
+        config.check(listens=listens, connects=connects)
     return config
