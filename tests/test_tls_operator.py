@@ -74,7 +74,8 @@ def pki(tmp_path_factory):
         _openssl("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in",
                  f"{name}.csr", "-out", f"{name}.pem", "-startdate", start, "-enddate", end, "-notext", cwd=d)
     for name, extension in (("codesign", "extendedKeyUsage=codeSigning"), ("crlsign", "keyUsage=critical,cRLSign"),
-                            ("serveronly", "extendedKeyUsage=serverAuth"), ("clientonly", "extendedKeyUsage=clientAuth")):
+                            ("serveronly", "extendedKeyUsage=serverAuth"),
+                            ("clientonly", "extendedKeyUsage=clientAuth")):
         _request(name, d)
         (d / f"{name}.ext").write_text(extension + "\n")
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
