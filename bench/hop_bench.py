@@ -30,7 +30,7 @@ import time
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import (comma_list, cpu_model, one_of, progress, round_ratios, script_main,
+from skippy_wire.tools.bench_rows import (comma_list, cpu_text, one_of, progress, round_ratios, script_main,
                                           script_options, within_layers)
 from skippy_wire.tools.options import int_between, int_list
 from skippy_wire.tools.poll_options import driver_poll_s, poll_args, poll_window
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                     ratios.setdefault((setting, n), []).append(run[0].decode_tok_s / base)
         progress()
     print(f"# decode through stage processes: 1 thread per stage, SmolLM2-135M Q4_1, greedy, {args.tokens} new "
-          f"tokens, best of {args.rounds} alternating rounds on running stages; CPU: {cpu_model()}, {os.cpu_count()} cores")
+          f"tokens, best of {args.rounds} alternating rounds on running stages; CPU: {cpu_text()}")
     print(f"| poll | ahead | stages | decode tok/s | ratio to {counts[0]} stage(s) | ratio within a round | "
           "compute per token "
           "| outside compute per token | per hop | stages' CPU (cores) |")

@@ -14,13 +14,12 @@ same path (the output says so).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer
-from skippy_wire.tools.bench_rows import cpu_model, progress, round_ratios, script_main, script_options, within_layers
+from skippy_wire.tools.bench_rows import cpu_text, progress, round_ratios, script_main, script_options, within_layers
 from skippy_wire.tools.options import int_at_least, int_between
 
 #: The longest prompt measured: SmolLM2's training context.
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
         progress()
     print(f"# prefill overlap: {args.stages} stage processes x 1 thread, SmolLM2-135M Q4_1, {len(prompt)}-token "
           f"prompt in {args.chunk}-token chunks, best of {args.rounds} alternating rounds on running stages; "
-          f"CPU: {cpu_model()}, {os.cpu_count()} cores")
+          f"CPU: {cpu_text()}")
     if args.stages == 1 or args.chunk >= len(prompt):
         print(f"# overlap cannot apply ({'one stage' if args.stages == 1 else 'one chunk'}): both rows measure the "
               "same path, their ratio is the noise")

@@ -51,7 +51,7 @@ from pathlib import Path
 from skippy_wire.net.driver import PipelineClient, yielding_to_stages
 from skippy_wire.net.supervision import default_model, launch_pipeline
 from skippy_wire.stage.models import Tokenizer, model_shape
-from skippy_wire.tools.bench_rows import (cpu_model, one_of, progress, round_ratios, script_main,
+from skippy_wire.tools.bench_rows import (cpu_text, one_of, progress, round_ratios, script_main,
                                           script_options, within_layers)
 from skippy_wire.tools.options import int_at_least, int_between, int_list
 from skippy_wire.tools.poll_options import poll_args, poll_window
@@ -252,8 +252,7 @@ def main(argv=None) -> int:
           f"{','.join(map(str, args.split)) or 'even'}, decode ahead {args.ahead}, stages poll "
           f"{'auto' if poll_ms is None else poll_ms}), "
           "SmolLM2-135M Q4_1, greedy, "
-          f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_model()}, "
-          f"{os.cpu_count()} cores")
+          f"{args.tokens} new tokens per request, best of {args.rounds} rounds; CPU: {cpu_text()}")
     print("| figure | value | ratio |")
     print("|---|---|---|")
     print(f"| `run` (driver alone): decode tok/s | {run['decode_tok_s']:.1f} | |")

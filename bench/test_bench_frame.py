@@ -30,13 +30,20 @@ def _expected(message):
     return message_to_case(ref.read_stage_message_from_buffer(ref.write_stage_message(message), N_EMBD, BF16, 0, 0)[0])
 
 
+def _record(benchmark, correct: bool, **info) -> None:
+    """``info`` and ``correct`` (the result matched the reference twin's) in the report; a
+    wrong result fails the benchmark, as the codec benchmarks' do."""
+    benchmark.extra_info.update(correct=correct, **info)
+    assert correct, f"{info['impl']} result differs from the reference twin's"
+
+
 def test_bench_write(benchmark, kernels, message):
     """Serialize the message to bytes."""
     impl, k = kernels
     benchmark.group = "frame write"
     data = benchmark(k.write_stage_message, message)
-    benchmark.extra_info.update(impl=impl, nbytes=len(data),
-                                correct=data == kernel_module("frame", "python").write_stage_message(message))
+    _record(benchmark, data == kernel_module("frame", "python").write_stage_message(message), impl=impl,
+            nbytes=len(data))
 
 
 def test_bench_read(benchmark, kernels, message):
@@ -45,7 +52,7 @@ def test_bench_read(benchmark, kernels, message):
     benchmark.group = "frame read"
     data = k.write_stage_message(message)
     got, consumed = benchmark(k.read_stage_message_from_buffer, data, N_EMBD, BF16, 0, 0)
-    benchmark.extra_info.update(impl=impl, nbytes=len(data), correct=message_to_case(got) == _expected(message))
+    _record(benchmark, message_to_case(got) == _expected(message), impl=impl, nbytes=len(data))
 
 
 def test_bench_round_trip(benchmark, kernels, message):
@@ -54,7 +61,7 @@ def test_bench_round_trip(benchmark, kernels, message):
     benchmark.group = "frame write+read round trip"
     write, read = k.write_stage_message, k.read_stage_message_from_buffer
     got, consumed = benchmark(lambda: read(write(message), N_EMBD, BF16, 0, 0))
-    benchmark.extra_info.update(impl=impl, nbytes=consumed, correct=message_to_case(got) == _expected(message))
+    _record(benchmark, message_to_case(got) == _expected(message), impl=impl, nbytes=consumed)
 
 
 def test_bench_streaming_decoder(benchmark, kernels, message):
@@ -67,5 +74,5 @@ def test_bench_streaming_decoder(benchmark, kernels, message):
         return StageMessageDecoder(N_EMBD, BF16, impl=impl).feed(stream)
 
     got = benchmark(run)
-    benchmark.extra_info.update(impl=impl, nbytes=len(stream), messages=len(got),
-                                correct=len(got) == 64 and message_to_case(got[-1]) == _expected(message))
+    _record(benchmark, len(got) == 64 and message_to_case(got[-1]) == _expected(message), impl=impl,
+            nbytes=len(stream), messages=len(got))

@@ -37,7 +37,7 @@ import numpy as np
 from skippy_wire import ActivationCodec, encode_activation
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.supervision import default_model
-from skippy_wire.tools.bench_rows import comma_list, cpu_model, script_main
+from skippy_wire.tools.bench_rows import comma_list, cpu_text, script_main
 from skippy_wire.tools.options import float_between, int_at_least, int_between
 
 ANSWER_BYTES = 64
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     gaps = [0.0] + [g for g in args.gaps if g]  # the reference row first
     print(f"# loopback round trip of a {args.size}-byte message after the peer idled; "
-          f"{args.count} per row; CPU: {cpu_model()}, {os.cpu_count()} cores")
+          f"{args.count} per row; CPU: {cpu_text()}")
     print("| idle before (ms) | median us | p90 us | median vs back-to-back | both ends polling: median us | p90 us |")
     print("|---|---|---|---|---|---|")
     base = None

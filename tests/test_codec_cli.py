@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 from skippy_wire.tools import bench, demo
 
@@ -85,3 +88,13 @@ def test_framing_rows_time_both_sides_alternately_with_the_commands_rounds(monke
     assert calls and set(calls) == {(2, 0.003)} and len(rows) == 2 * len(calls)
     assert {row.nbytes for row in rows} == {4 * frame_bench.N_EMBD}
     assert any(isinstance(item, bench.Ratio) and item.ratio == 100.0 for item in items)
+
+
+def test_every_figure_records_the_cores_the_run_may_use_not_the_machine_s():
+    """Under ``taskset -c 0`` the header said "(2 CPUs)" and a 2-thread goal read as missed."""
+    probe = ("import os; os.sched_setaffinity(0, {0})\n"
+             "from skippy_wire.tools.bench_rows import cpu_text, cpu_model; print(cpu_text()); print(cpu_model())")
+    text, model = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                 timeout=60).stdout.splitlines()
+    total = os.cpu_count()
+    assert text == (f"{model}, 1 of {total} cores usable" if total > 1 else f"{model}, 1 core")

@@ -80,11 +80,27 @@ def test_generation_is_the_same_with_ggml_mul_mat(monkeypatch):
 
 
 def test_bench_backend_matmul_table_is_consistent(capsys):
-    assert backend_bench.main(["--matmul", "--prefill", "16", "--batch", "2", "--repeat", "1"]) == 0
+    assert backend_bench.main(["--matmul", "--prefill", "16", "--decode", "8", "--batch", "2", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
+    assert "prefill-16 and 8 batched decode steps" in out  # --decode was taken and ignored (16 steps)
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
             for line in out.splitlines() if "tok/s" in line.split("|")[0] or "rows/s" in line.split("|")[0]}
     assert set(rows) == {"prefill-16 tok/s", "decode batch 2 rows/s"}
     for kernel, ggml, ratio in rows.values():  # no timing claim: the ratio is kernel / ggml
         assert float(ratio.rstrip("x")) == pytest.approx(float(kernel) / float(ggml), abs=0.011)
     assert backend_bench.MATMUL_ENV not in os.environ  # the switch is undone
+
+
+def test_bench_backend_refuses_a_comparison_that_compares_nothing(tmp_path, capsys, monkeypatch):
+    """--matmul on F32 weights printed a kernel / ggml ratio of ggml against itself; --stages
+    on a one-layer model failed after its header ("invalid layer range [0, 0)")."""
+    f32 = models.write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(models, "TINY_N_LAYER", 1)
+    one_layer = models.write_tiny_llama_gguf(tmp_path / "one.gguf")
+    for args, why in ((["-m", str(f32), "--matmul"], f"{f32} has no such weights"),
+                      (["-m", str(one_layer), "--stages"],
+                       f"--stages splits the model in two; {one_layer} has 1 layer")):
+        with pytest.raises(SystemExit) as info:
+            backend_bench.main([*args, "--repeat", "1"])
+        captured = capsys.readouterr()
+        assert info.value.code == 2 and captured.err.rstrip().endswith(why) and not captured.out, captured

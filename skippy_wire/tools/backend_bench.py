@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from skippy_wire.errors import ToolError
@@ -333,10 +334,10 @@ def matmul_mode(value):
             os.environ[MATMUL_ENV] = saved
 
 
-def matmul_ab(path, threads, n_prefill, sizes, repeat):
+def matmul_ab(path, threads, n_prefill, n_decode, sizes, repeat):
     print(header())
-    print(f"model: {path}; one stage, all layers, {threads} thread(s); prefill-{n_prefill} and batched decode "
-          f"steps, best of {repeat}, alternating; kernel = our Q4_1 / Q8_0 weight products, ggml = ggml_mul_mat")
+    print(f"model: {path}; one stage, all layers, {threads} thread(s); prefill-{n_prefill} and {n_decode} batched "
+          f"decode steps, best of {repeat}, alternating; kernel = our Q4_1 / Q8_0 weight products, ggml = ggml_mul_mat")
     runners = {}
     for label, value in MATMUL_MODES.items():
         with matmul_mode(value):
@@ -347,7 +348,7 @@ def matmul_ab(path, threads, n_prefill, sizes, repeat):
         for label, value in MATMUL_MODES.items():
             with matmul_mode(value):
                 prefill[label] = min(prefill[label], runners[label].prefill(n_prefill))
-                for size, step in batch_costs(path, threads, sizes, 16, 1).items():
+                for size, step in batch_costs(path, threads, sizes, n_decode, 1).items():
                     steps[label, size] = min(steps[label, size], step)
     print(f"{'figure':>24} | {'kernel':>9} | {'ggml':>9} | {'kernel / ggml':>13}")
     rows = [(f"prefill-{n_prefill} tok/s", n_prefill / prefill["kernel"], n_prefill / prefill["ggml"])]
@@ -392,6 +393,10 @@ def main(argv=None):
     n_layer = _model_layers(path)  # a bad model is reported before any table starts
     if args.stages and (args.batch or args.matmul):  # one table a run: --stages would be dropped unsaid
         ap.error(f"--stages compares one stage with two; it does not go with {'--batch' if args.batch else '--matmul'}")
+    if args.stages and n_layer < 2:
+        ap.error(f"--stages splits the model in two; {path} has {n_layer} layer")
+    if args.matmul:
+        check_kernels_apply(ap, path)
     if args.split is not None and not (args.stages and args.split < n_layer):
         ap.error(f"--split {args.split}: needs --stages and a layer below the model's {n_layer}")
     if args.prefill + args.decode + CTX_SLACK > MAX_CTX_SIZE:  # else the backend refuses it mid-table
@@ -407,7 +412,7 @@ def main(argv=None):
         print(f"[skippy-wire] warning: -t {max(args.threads)}: {warning}", file=sys.stderr, flush=True)
     with interruptible_compute():  # Ctrl-C stops a long prefill at once, not when it ends
         if args.matmul:
-            matmul_ab(path, (args.threads or [default_threads()])[0], args.prefill, sizes, args.repeat)
+            matmul_ab(path, (args.threads or [default_threads()])[0], args.prefill, args.decode, sizes, args.repeat)
         elif args.batch:
             batched_decode(path, args.threads or [default_threads()], sizes, args.decode, args.repeat)
         elif not args.stages:
@@ -441,6 +446,20 @@ def one_vs_two(path, threads_list, split, n_prefill, n_decode, repeat):
         (pf1, _, dc1, _), (pf2, _, dc2, _) = best.values()
         print(f"{'two stages / one':28s} threads={threads} prefill: {pf2 / pf1:.2f}x   decode: {dc2 / dc1:.2f}x",
               flush=True)
+
+
+#: The weight types our product kernels take (``kernel_applies`` in ``_stage/matmul.cpp``).
+KERNEL_WEIGHTS = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+
+
+def check_kernels_apply(ap, path: str) -> None:
+    """``--matmul`` compares nothing where our kernels never run: on a model without Q4_1 or
+    Q8_0 weights, or a CPU without AVX2 and FMA (both columns then time ggml_mul_mat)."""
+    if not any(t.tensor_type in KERNEL_WEIGHTS for t in gguf.GGUFReader(path).tensors):
+        ap.error(f"--matmul compares our Q4_1 / Q8_0 weight products with ggml's: {path} has no such weights")
+    flags = _ggml.cpu_flags()  # (none where there is no /proc/cpuinfo: not known, not refused)
+    if flags and not {"avx2", "fma"} <= flags:
+        ap.error("--matmul compares our weight products with ggml's: they need AVX2 and FMA, which this CPU lacks")
 
 
 def _model_layers(path: str) -> int:

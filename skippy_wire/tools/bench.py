@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import platform
 import sys
 import time
@@ -27,10 +26,11 @@ import ml_dtypes
 import numpy as np
 
 from .._impl import IMPLEMENTATION, kernel_module
+from ..stage.threads import available_cpus
 from ..wire import codec as api
 from ..wire.constants import MAX_STAGE_DECODED_ACTIVATION_BYTES
 from . import bench_gen, frame_bench
-from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_model, paired_seconds, progress
+from .bench_rows import Producer, Ratio, Row, best_seconds, cpu_text, paired_seconds, progress
 from .options import EXIT_INTERRUPTED, MAX_ROUNDS, Parser, doc_summary, int_between, once_each, seconds
 
 SIZES = ((1, 4096), (128, 4096), (2048, 4096))
@@ -150,7 +150,8 @@ def thread_scaling(opts: argparse.Namespace) -> Iterable[Union[Row, Ratio]]:
     yield Row("encode bf16, 2 threads", label, ours, d, 2 * nbytes)
     yield Ratio(f"2-thread bf16 encode scaling, out= buffers @{label}", 2 * so / do, 1.6,
                 f"aggregate throughput, 2 threads / 1; default allocation: {2 * s / d:.2f}x; "
-                f"GIL-free sha256: {2 * hs / hd:.2f}x")
+                f"GIL-free sha256: {2 * hs / hd:.2f}x"
+                + ("; one usable CPU: the two threads took turns" if available_cpus() < 2 else ""))
 
 
 #: Row producers run by ``main``; other concepts append theirs (see the module doc).
@@ -188,10 +189,9 @@ def _sizes_text(sizes) -> str:
 
 
 def _machine() -> str:
-    cpu = cpu_model()
     k = api.kernels()
     simd = "AVX2+F16C" if getattr(k, "simd_active", lambda: False)() else "portable"
-    return f"{cpu} ({os.cpu_count()} CPUs); Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
+    return f"{cpu_text()}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
 
 
 def build_parser() -> argparse.ArgumentParser:

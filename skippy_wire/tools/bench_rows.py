@@ -4,6 +4,7 @@ Every benchmark module yields these; ``skippy_wire.tools.bench`` prints them."""
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Union
 
 from ..stage.models import model_shape, smollm2_path
+from ..stage.threads import available_cpus
 from .cli import guarded
 from .options import int_at_least, once_each
 from .signals import exiting_on_signals
@@ -166,4 +168,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_text() -> str:
+    """The CPU and the cores this process may use, as every figure records them ("AMD EPYC,
+    2 cores"; under ``taskset -c 0``: "AMD EPYC, 1 of 2 cores usable")."""
+    usable, total = available_cpus(), os.cpu_count() or 1
+    if usable == total:
+        return f"{cpu_model()}, {total} core{'s' if total > 1 else ''}"
+    return f"{cpu_model()}, {usable} of {total} cores usable"
 
