@@ -175,6 +175,9 @@ def _one_error_line(err: str) -> str:
      "argument --listen: port 99999 is out of range (0-65535)"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--threads", "0"],
      "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 0"),
+    # (10 was taken, and every message refused: "needs at least 60 bytes, over the decoder limit of 10")
+    (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "1", "--max-message-bytes", "79"],
+     "argument --max-message-bytes: must be at least 80, got 79"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--threads", "99999999999"],
      "argument -t/--threads: must be -1 (the default) or between 1 and 512, got 99999999999"),
     (["serve", "--model", "m.gguf", "--layer-start", "0", "--layer-end", "30", "--ctx-size", "99999999999"],

@@ -32,7 +32,7 @@ from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..stage.models import default_model_id, model_shape
 from ..stage.runtime import MAX_LANES
 from ..stage.threads import default_threads, oversubscription
-from ..wire.constants import ActivationCodec, CodecPolicy
+from ..wire.constants import STAGE_WIRE_FIXED_HEADER_BYTES, ActivationCodec, CodecPolicy
 from ..wire.forwarding import DEFAULT_CTX_SIZE, StageConfig
 from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
@@ -129,8 +129,10 @@ def add_admission_options(p: argparse.ArgumentParser) -> None:
                         "when it opens), as llama-server's -np")
     p.add_argument("--lane-wait", type=seconds(zero=True), default=DEFAULT_LANE_WAIT,
                    help="seconds a new session waits (first come, first served) when all lanes are busy")
-    p.add_argument("--max-message-bytes", type=int_at_least(1), default=None,
-                   help="largest stage message accepted (default: derived from --ctx-size and the model width)")
+    # below the smallest stage message (a Stop's fixed header), every message was refused
+    p.add_argument("--max-message-bytes", type=int_at_least(STAGE_WIRE_FIXED_HEADER_BYTES), default=None,
+                   help=f"largest stage message accepted, at least {STAGE_WIRE_FIXED_HEADER_BYTES} (default: derived "
+                        "from --ctx-size and the model width)")
     add_tls_options(p, "the listener and the downstream connection")
     add_poll_option(p)
 
