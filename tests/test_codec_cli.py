@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
-from skippy_wire.tools import bench, demo
+from skippy_wire import _impl
+from skippy_wire.tools import bench, bench_gen, demo, frame_bench
+from skippy_wire.tools.bench_rows import cpu_text
 
 
 def test_demo_reports_every_codec_and_the_lossless_choice(capsys):
@@ -98,3 +100,16 @@ def test_every_figure_records_the_cores_the_run_may_use_not_the_machine_s():
                                  timeout=60).stdout.splitlines()
     total = os.cpu_count()
     assert text == (f"{model}, 1 of {total} cores usable" if total > 1 else f"{model}, 1 core")
+
+
+def test_the_framing_rows_time_the_live_kernels_and_the_module_commands_say_where(monkeypatch, capsys):
+    """With the Python kernels live, the framing rows (and their goals) still timed the compiled
+    ones; ``python -m ...frame_bench`` and ``...bench_gen`` printed no CPU, and bench_gen's status
+    was 1 for a goal missed (``skippy-wire bench``: 0 whatever the goals)."""
+    monkeypatch.setattr(_impl, "IMPLEMENTATION", "python")
+    assert {row["impl"] for row in frame_bench.rows(repeat=1, min_time=0.001)} == {"python"}
+    assert frame_bench.main(["--repeat", "1", "--min-time", "0.001"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"machine: {cpu_text()}; kernels python"
+    assert bench_gen.main(["--impl", "python", "--repeat", "1", "--min-time", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"machine: {cpu_text()}; kernels python" and "goal v16 1-part" in out

@@ -22,7 +22,7 @@ from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, GgmlT
 from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
-from .bench_rows import Ratio, Row, paired_seconds
+from .bench_rows import Ratio, Row, cpu_text, paired_seconds
 from .cli import guarded
 from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
 
@@ -96,14 +96,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
     parser.add_argument("--min-time", type=seconds(), default=0.2, help="seconds per timing round")
     opts = parser.parse_args(argv)
-    met = True
+    print(f"machine: {cpu_text()}; kernels {opts.impl or _impl.IMPLEMENTATION}")
     for item in frame_gen_rows(opts):
         if isinstance(item, Row):
             print(f"{item.op:28s} {item.size:8s} {item.impl:7s} {1 / item.seconds:12,.0f}/s")
-        else:
-            met = met and item.ratio >= item.target
-            print(f"goal {item.goal}: {item.ratio:.2f}x (target {item.target}x) {item.detail}")
-    return 0 if met else 1
+        else:  # status 0 whatever the goal, as `skippy-wire bench`
+            print(f"goal {item.goal}: {item.ratio:.2f}x (target {item.target}x) {'met' if item.met else 'NOT MET'}"
+                  f" {item.detail}")
+    return 0
 
 
 if __name__ == "__main__":

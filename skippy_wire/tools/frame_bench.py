@@ -22,7 +22,9 @@ from .. import _impl
 from ..wire.constants import ActivationCodec
 from ..wire.frame import StageMessageDecoder
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
-from .bench_rows import Ratio, Row, paired_seconds
+from .bench_rows import Ratio, Row, cpu_text, paired_seconds
+from .cli import guarded
+from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
 
 ROUND_TRIP_GOAL_OPS = 150_000
 ROUND_TRIP_GOAL_RATIO = 10.0
@@ -63,9 +65,10 @@ def _ops(impl: str, msg: StageWireMessage, n_embd: int) -> dict[str, Callable[[]
 
 
 def rows(repeat: int = 5, min_time: float = 0.05, n_embd: int = N_EMBD, impl: Optional[str] = None) -> list[dict]:
-    """Measure every framing operation on ``impl`` (default: the compiled one) and on the
-    twin, the two timed alternately (best of ``repeat`` rounds of about ``min_time`` s)."""
-    impl = impl or "cython"
+    """Measure every framing operation on ``impl`` (default: the live one, as every other row
+    of ``skippy-wire bench``) and on the twin, the two timed alternately (best of ``repeat``
+    rounds of about ``min_time`` s)."""
+    impl = impl or _impl.IMPLEMENTATION
     msg = decode_message(n_embd)
     size = f"1x{n_embd} bf16 DecodeEmbd + sampling ({len(_impl.kernel_module('frame', impl).write_stage_message(msg))} B)"
     ours_ops, ref_ops = _ops(impl, msg, n_embd), _ops("python", msg, n_embd)
@@ -86,8 +89,14 @@ def rows(repeat: int = 5, min_time: float = 0.05, n_embd: int = N_EMBD, impl: Op
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Print the rows (``python -m skippy_wire.tools.frame_bench``)."""
-    for row in rows():
+    """Print the rows (``python -m skippy_wire.tools.frame_bench``); status 0 whatever the
+    goal, as ``skippy-wire bench``."""
+    parser = Parser(prog="python -m skippy_wire.tools.frame_bench", description=doc_summary(__doc__))
+    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
+    parser.add_argument("--min-time", type=seconds(), default=0.05, help="seconds per timing round")
+    opts = parser.parse_args(argv)
+    print(f"machine: {cpu_text()}; kernels {_impl.IMPLEMENTATION}")
+    for row in rows(opts.repeat, opts.min_time):
         met = "" if row["met"] is None else ("  met" if row["met"] else "  NOT MET")
         print(f"{row['op']:<48} {row['ours']:>12,.0f}/s  ref {row['reference']:>10,.0f}/s  "
               f"x{row['ratio']:>7.1f}  {row['goal']}{met}")
@@ -95,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(guarded(main))
 
 
 def frame_rows(opts=None):
