@@ -286,10 +286,14 @@ def test_generation_settings_report_the_samplers_settings_as_asked():
     with TestClient(_fake_api(engine).app()) as client:
         first = _post(client, {"prompt": "hi", **asked}).json()["generation_settings"]
         left_out = _post(client, {"prompt": "hi", **asked, "samplers": ["temperature"]}).json()["generation_settings"]
+        # llama-server reads a window of -1 as its context's size, and reports that (it said -1)
+        whole = _post(client, {"prompt": "hi", "repeat_last_n": -1}).json()["generation_settings"]
+        assert whole["repeat_last_n"] == engine.ctx_size > 0
     assert {name: first[name] for name in asked} == {name: left_out[name] for name in asked} == asked
-    ran, ran_left_out = (r["sampling"] for r in engine.requests)
+    ran, ran_left_out, ran_whole = (r["sampling"] for r in engine.requests)
     assert (ran.temperature, ran.top_k) == (0.0, 1)  # what runs is unchanged
     assert (ran_left_out.top_k, ran_left_out.min_p, ran_left_out.repeat_last_n) == (0, 0.0, 0)
+    assert ran_whole.repeat_last_n == -1
 
 
 def test_llama_servers_samplers_leave_out_the_samplers_they_do_not_name():

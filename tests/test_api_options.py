@@ -309,8 +309,11 @@ def test_a_logit_bias_text_is_kept_to_be_tokenized_as_llama_server_does():
     options = parse_options({"logit_bias": [["7042", False], [7, 1], ["Hello", -2]]})
     assert options.sampling.logit_bias == {7: 1.0}
     assert options.bias_texts == [("7042", float("-inf")), ("Hello", -2.0)]
-    options = parse_options({"logit_bias": {" world": 3, "5": 1, "007": 2}})
-    assert options.sampling.logit_bias == {5: 1.0, 7: 2.0} and options.bias_texts == [(" world", 3.0)]
+    options = parse_options({"logit_bias": {" world": 3, "5": 1, "007": 2, "": 1, "4 ": 1}})
+    assert options.sampling.logit_bias == {5: 1.0, 7: 2.0} and options.bias_texts == [(" world", 3.0), ("", 1.0),
+                                                                                      ("4 ", 1.0)]
+    # a whole integer as strtol reads one (space before it, a sign) is a token id, as llama-server reads it
+    assert parse_options({"logit_bias": {" 12": 1, "+5": 2, "-0": 3}}).sampling.logit_bias == {12: 1, 5: 2, 0: 3}
 
 
 def test_a_logit_bias_texts_tokens_count_within_what_the_wire_carries():
@@ -325,7 +328,8 @@ def test_a_logit_bias_texts_tokens_count_within_what_the_wire_carries():
     options = parse_options(body)  # 254 ids, and texts of the ids 0, 254 and 255: the most there may be
     add_text_biases(options, OneTokenACharacter())
     assert len(options.sampling.logit_bias) == MAX_STAGE_LOGIT_BIAS and options.sampling.logit_bias[0] == 3.0
-    options = parse_options({"logit_bias": {**{str(t): 1 for t in range(MAX_STAGE_LOGIT_BIAS - 2)}, "\xfe\xff\u0100": 1}})
+    ids = {str(t): 1 for t in range(MAX_STAGE_LOGIT_BIAS - 2)}
+    options = parse_options({"logit_bias": {**ids, "\xfe\xff\u0100": 1}})
     with pytest.raises(BadRequest, match="its texts' tokens counted") as err:
         add_text_biases(options, OneTokenACharacter())
     assert err.value.param == "logit_bias"

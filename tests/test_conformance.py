@@ -385,7 +385,8 @@ def test_a_malformed_case_without_reads_or_with_a_wrong_length_fails(version, tm
     case with no reads passed in every version, having checked nothing."""
     folder = GOLDEN / version
     malformed = _read(folder / "malformed.jsonl")[0]
-    cases = [dict(malformed, reads=[]), dict(malformed, len=malformed["len"] + 1)]
+    cases = [dict(malformed, reads=[]), dict(malformed, len=malformed["len"] + 1),
+             dict(malformed, len=str(malformed["len"])), dict(malformed, reads={"a": 1})]
     if version != "v15":
         frame = next(c for c in _read(folder / "frame.jsonl") if c["write"]["ok"])
         cases.append(dict(frame, write=dict(frame["write"], len=frame["write"]["len"] - 1)))
@@ -394,6 +395,8 @@ def test_a_malformed_case_without_reads_or_with_a_wrong_length_fails(version, tm
     out = capsys.readouterr().out
     assert "     case records no reads: it checks nothing\n" in out
     assert f"     case bytes_hex has {malformed['len']} bytes, len says {malformed['len'] + 1}\n" in out
+    assert f"     case len is '{malformed['len']}', not a byte count\n" in out  # it said "0 bytes, len says 0"
+    assert "     case reads is {'a': 1}, not a list of recorded reads (objects)\n" in out  # a runner TypeError
     if version != "v15":
         assert f"     write.len: {frame['write']['len']}, expected {frame['write']['len'] - 1}\n" in out
     assert out.rstrip().endswith(f"conformance: 0 passed, {len(cases)} failed")

@@ -427,10 +427,12 @@ def test_a_client_names_the_verification_failure_not_only_openssl_s_code():
     exc.reason, exc.verify_code, exc.verify_message = "CERTIFICATE_VERIFY_FAILED", 10, "certificate has expired"
     assert handshake_failure("stage 0 at h:1", exc) == (  # the CA is not what is wrong: no question after it
         "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: certificate has expired")
-    exc.verify_code, exc.verify_message = 20, "unable to get local issuer certificate"
-    assert handshake_failure("stage 0 at h:1", exc) == (
-        "TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: unable to get local issuer "
-        "certificate (does it use mutual TLS with the same CA?)")
+    for code, words in ((20, "unable to get local issuer certificate"),
+                        (7, "certificate signature failure")):  # a CA of the same name, another key
+        exc.verify_code, exc.verify_message = code, words
+        assert handshake_failure("stage 0 at h:1", exc) == (
+            f"TLS handshake with stage 0 at h:1 failed: the peer's certificate is refused: {words} "
+            "(does it use mutual TLS with the same CA?)")
     eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
     eof.reason = "UNEXPECTED_EOF_WHILE_READING"
     assert handshake_failure("stage 0 at h:1", eof) == (

@@ -104,9 +104,10 @@ def _not_a_file(option: str, path: str) -> None:
 #: start-up for the roles the process plays only.
 _INVALID_PURPOSE = 26
 #: The verification errors another CA's certificate gives (OpenSSL's X509_V_ERR_
-#: UNABLE_TO_GET_ISSUER_CERT, DEPTH_ZERO_SELF_SIGNED_CERT, SELF_SIGNED_CERT_IN_CHAIN,
+#: UNABLE_TO_GET_ISSUER_CERT, UNABLE_TO_DECRYPT_CERT_SIGNATURE, CERT_SIGNATURE_FAILURE (a CA
+#: of the same name, another key), DEPTH_ZERO_SELF_SIGNED_CERT, SELF_SIGNED_CERT_IN_CHAIN,
 #: UNABLE_TO_GET_ISSUER_CERT_LOCALLY, UNABLE_TO_VERIFY_LEAF_SIGNATURE).
-_ANOTHER_CA = (2, 18, 19, 20, 21)
+_ANOTHER_CA = (2, 4, 7, 18, 19, 20, 21)
 #: OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID and X509_V_ERR_CERT_HAS_EXPIRED.
 _OUT_OF_DATE = (9, 10)
 

@@ -190,8 +190,8 @@ class Api:
                    for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
         defaults = parse_options({}, native=True, server=self.sampling)
         defaults.max_tokens = self._capped(None)
-        return JSONResponse({"default_generation_settings": {
-                                 "n_ctx": self.engine.ctx_size, "params": generation_settings(defaults)},
+        ctx, params = self.engine.ctx_size, generation_settings(defaults, self.engine.ctx_size)
+        return JSONResponse({"default_generation_settings": {"n_ctx": ctx, "params": params},
                              "total_slots": self.max_inflight, "model_path": self.model_path,
                              "chat_template": self.chat_template.source if self.chat_template else "", **special,
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})

@@ -15,6 +15,7 @@ true`` gives the final object the token ids too.  The stages keep no prompt cach
 from __future__ import annotations
 
 from .api_job import GenerationJob, llama_timings
+from ..net.service import WHOLE_HISTORY
 from .api_params import BadRequest, Options
 from .error_shapes import llama_error
 from .llama_sampling import LLAMA_DEFAULT_SEED
@@ -69,7 +70,7 @@ class LlamaCompletionJob(GenerationJob):
             "model": self.api.model_id,
             "tokens_predicted": result.completion_tokens,
             "tokens_evaluated": result.prompt_tokens,
-            "generation_settings": generation_settings(self.options),
+            "generation_settings": generation_settings(self.options, self.api.engine.ctx_size),
             "prompt": self.api.engine.tokenizer.decode(self.prompts[index]),
             "has_new_line": "\n" in result.text,
             "truncated": self._ran_out_of_context(index, result),
@@ -104,15 +105,18 @@ class LlamaCompletionJob(GenerationJob):
 _MISSING = object()
 
 
-def generation_settings(options: Options) -> dict:
+def generation_settings(options: Options, ctx: int) -> dict:
     """A request's settings as llama-server reports them (its ``generation_settings``; a
-    body's defaults are /props' ``default_generation_settings.params``)."""
+    body's defaults are /props' ``default_generation_settings.params``), under a context of
+    ``ctx`` tokens."""
     sampling = options.sampling
     return {"n_predict": UNTIL_FULL if options.max_tokens is None else options.max_tokens,
             "seed": LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed,
             # temperature, top_k, top_p, min_p, repeat_last_n as asked, as llama-server reports them
             # (what runs may differ: a sampler left out, top_p 0 as top_k 1, a negative temperature as 0)
             **options.asked,
+            # llama-server reads a window of -1 as its context's size, and reports that
+            **({"repeat_last_n": ctx} if options.asked.get("repeat_last_n") == WHOLE_HISTORY else {}),
             "repeat_penalty": sampling.repeat_penalty, "presence_penalty": sampling.presence_penalty,
             "frequency_penalty": sampling.frequency_penalty,
             "ignore_eos": sampling.ignore_eos, "stop": options.stop, "stream": options.stream,

@@ -52,10 +52,11 @@ MAX_STOP_CHARS = 65536
 OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": WHOLE_HISTORY}
 #: The hottest temperature OpenAI takes (llama-server's route: :data:`.llama_sampling.MAX_NATIVE_TEMPERATURE`).
 MAX_OPENAI_TEMPERATURE = 2.0
-#: A logit_bias key is a token id: decimal digits, no more than a u32 has; any other number
-#: is refused, any other key is a text whose tokens get the bias (llama-server's rule).
-_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
-_NUMBER_KEY = re.compile(r"\s*[+-]?[0-9]+")
+#: A logit_bias object's key that is a whole integer as C's strtol reads one (leading space, a
+#: sign) is a token id, as llama-server reads it; any other key is a text whose tokens get the
+#: bias.  (llama-server drops an id outside the vocabulary and reads "" as the token 0: here
+#: the one is a 400, the other a text of no tokens.)
+_TOKEN_ID_KEY = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]{1,20}")
 #: Fields the stages cannot honour, with the values that ask for nothing and so pass
 #: (compared with their type: ``0`` is not ``false``; ``audio``, the spoken reply's voice,
 #: and ``web_search_options``, a search before answering even when empty, have none).
@@ -381,7 +382,7 @@ def _logit_bias(body: dict) -> tuple[dict[int, float], list[tuple[str, float]]]:
         # (key, whether it is a token id): a text, "7042" too, is one llama-server tokenizes, not the token 7042
         entries = [((str(token), value), isinstance(token, int)) for token, value in bias]
     elif isinstance(bias, dict):
-        entries = [((key, value), bool(_NUMBER_KEY.fullmatch(key))) for key, value in bias.items()]
+        entries = [((key, value), bool(_TOKEN_ID_KEY.fullmatch(key))) for key, value in bias.items()]
     else:
         raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias", INVALID_TYPE)
     ids: dict[int, float] = {}
@@ -394,9 +395,10 @@ def _logit_bias(body: dict) -> tuple[dict[int, float], list[tuple[str, float]]]:
         elif not -100 <= value <= 100:
             raise BadRequest("'logit_bias' values must be between -100 and 100", "logit_bias")
         if is_id:
-            if not _TOKEN_ID_KEY.fullmatch(key):
+            token = int(key)
+            if not 0 <= token < 2**32:
                 raise BadRequest("'logit_bias' keys that are numbers must be token ids", "logit_bias")
-            ids[int(key)] = ids.get(int(key), 0.0) + value  # a token given twice: both, as llama.cpp adds them
+            ids[token] = ids.get(token, 0.0) + value  # a token given twice: both, as llama.cpp adds them
         else:
             texts.append((key, float(value)))
     return ids, texts

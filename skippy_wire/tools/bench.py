@@ -191,7 +191,8 @@ def _sizes_text(sizes) -> str:
 def _machine() -> str:
     k = api.kernels()
     simd = "AVX2+F16C" if getattr(k, "simd_active", lambda: False)() else "portable"
-    return f"{cpu_text()}; Python {platform.python_version()}; numpy {np.__version__}; ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})"
+    return (f"{cpu_text()}; Python {platform.python_version()}; numpy {np.__version__}; "
+            f"ml_dtypes {ml_dtypes.__version__}; kernels {IMPLEMENTATION} ({simd})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -214,8 +214,13 @@ def malformed_bytes(case: dict) -> bytes:
     """A malformed case's bytes, checked against its own ``len``; a case with no reads checks
     nothing and fails (it passed)."""
     data = bytes.fromhex(case["bytes_hex"])
-    if len(data) != case["len"]:
-        raise Mismatch(f"case bytes_hex has {len(data)} bytes, len says {case['len']}")
-    if not case["reads"]:
+    length, reads = case["len"], case["reads"]
+    if type(length) is not int:
+        raise Mismatch(f"case len is {short(length)}, not a byte count")
+    if len(data) != length:
+        raise Mismatch(f"case bytes_hex has {len(data)} bytes, len says {length}")
+    if not isinstance(reads, list) or not all(isinstance(read, dict) for read in reads):
+        raise Mismatch(f"case reads is {short(reads)}, not a list of recorded reads (objects)")
+    if not reads:
         raise Mismatch("case records no reads: it checks nothing")
     return data
