@@ -37,10 +37,12 @@ def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleT
         try:
             return importlib.import_module(f"skippy_wire.wire._{concept}")
         except ImportError as exc:
+            # with the twin live already, the compiled one was asked for by name (--impl cython)
+            instead = "use the twin (--impl python)" if IMPLEMENTATION == "python" else "set SKIPPY_WIRE_IMPL=python"
             raise ImportError(
                 f"the compiled module skippy_wire.wire._{concept} is not built ({exc}); "
                 "install skippy_wire with its compiled modules (without SKIPPY_WIRE_PUREPYTHON; "
-                "`pip install -e .` in a source tree) or set SKIPPY_WIRE_IMPL=python"
+                f"`pip install -e .` in a source tree) or {instead}"
             ) from exc
     raise ValueError(f"unknown implementation {implementation!r}")
 
@@ -51,6 +53,8 @@ _LOADED: dict = {}
 def cached_kernel_module(concept: str, implementation: Optional[str] = None) -> ModuleType:
     """:func:`kernel_module` looked up once per (concept, implementation); ``implementation``
     defaults to the live one."""
+    if implementation is not None and not isinstance(implementation, str):  # 0, [], False read as "the live one"
+        raise TypeError(f"impl must be a str or None, not {type(implementation).__name__}")
     key = (concept, implementation or IMPLEMENTATION)
     module = _LOADED.get(key)
     if module is None:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from skippy_wire import _impl
 from skippy_wire.tools import bench, bench_gen, demo, frame_bench
 from skippy_wire.tools.bench_rows import cpu_text
@@ -108,8 +110,22 @@ def test_the_framing_rows_time_the_live_kernels_and_the_module_commands_say_wher
     was 1 for a goal missed (``skippy-wire bench``: 0 whatever the goals)."""
     monkeypatch.setattr(_impl, "IMPLEMENTATION", "python")
     assert {row["impl"] for row in frame_bench.rows(repeat=1, min_time=0.001)} == {"python"}
+    goals = [item for item in frame_bench.frame_rows(argparse.Namespace(repeat=1, min_time=0.001))
+             if isinstance(item, bench.Ratio) and "vs reference twin" in item.goal]
+    assert [goal.detail for goal in goals] == ["the live kernels are the twin: it is timed against itself"]
     assert frame_bench.main(["--repeat", "1", "--min-time", "0.001"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"machine: {cpu_text()}; kernels python"
     assert bench_gen.main(["--impl", "python", "--repeat", "1", "--min-time", "0.001"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"machine: {cpu_text()}; kernels python" and "goal v16 1-part" in out
+
+
+def test_demo_says_only_why_when_the_kernels_do_not_load(monkeypatch, capsys):
+    """It printed its header ("kernels: cython") before the import error."""
+    def not_built(*args, **kwargs):
+        raise ImportError("the compiled module skippy_wire.wire._codec is not built")
+
+    monkeypatch.setattr(demo, "_report", not_built)
+    with pytest.raises(ImportError):
+        demo.main([])
+    assert capsys.readouterr().out == ""

@@ -42,3 +42,15 @@ def test_missing_compiled_module_is_an_import_error(monkeypatch):
     with pytest.raises(ImportError, match="not built"):
         _impl.kernel_module("frame", "cython")
     assert _impl.kernel_module("frame", "python").__name__ == "skippy_wire.wire._reference.frame"
+
+
+def test_an_impl_that_is_no_string_is_a_type_error_and_a_missing_build_names_the_way_out(monkeypatch):
+    """``impl=0`` (or [], False) read as "the live one"; with the twin live, a missing compiled
+    module still said "or set SKIPPY_WIRE_IMPL=python", which was set."""
+    for wrong in (0, [], False):
+        with pytest.raises(TypeError, match=f"^impl must be a str or None, not {type(wrong).__name__}$"):
+            _impl.cached_kernel_module("frame", wrong)
+    monkeypatch.setitem(sys.modules, "skippy_wire.wire._frame", None)  # as if it were not built
+    monkeypatch.setattr(_impl, "IMPLEMENTATION", "python")
+    with pytest.raises(ImportError, match=r"or use the twin \(--impl python\)$"):
+        _impl.kernel_module("frame", "cython")

@@ -7,6 +7,9 @@ neighbourhoods of the f32 space, and must catch deliberately broken kernels.
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import tracemalloc
 import types
 
@@ -226,3 +229,13 @@ def test_the_samples_drawn_take_memory_by_the_chunk_not_by_their_count():
         tracemalloc.stop()
     assert picks.tolist() == np.flatnonzero(mask).tolist()  # as many samples as members: every one
     assert peak < 16 << 20, peak  # (it drew 256 MB)
+
+
+def test_the_kernels_under_test_default_to_the_live_ones():
+    """With SKIPPY_WIRE_IMPL=python it checked the compiled kernels (impl=cython), and without
+    them built it failed, telling the user to set the variable that was set."""
+    env = {**os.environ, "SKIPPY_WIRE_IMPL": "python"}
+    done = subprocess.run([sys.executable, "-m", "skippy_wire", "verify-exhaustive", "--limit", "16", "--workers", "1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "verify-exhaustive: impl=python patterns 0x00000000..0x0000000f (16)" in done.stdout + done.stderr

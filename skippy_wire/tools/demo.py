@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     x = residual_stream(seed=opts.seed)
+    first = _report("residual stream", x)  # before the header: kernels that do not load say so alone
     print(f"skippy_wire activation codecs (kernels: {IMPLEMENTATION})\n")
-    print("\n".join(_report("residual stream", x)))
+    print("\n".join(first))
     print()
     print("\n".join(_report("same, rounded to bf16", x.astype(ml_dtypes.bfloat16).astype(np.float32))))
     return 0

@@ -117,7 +117,8 @@ def frame_rows(opts=None):
         yield Row(row["op"], f"1x{N_EMBD}", f"skippy_wire ({row['impl']})", 1.0 / row["ours"], nbytes)
         yield Row(row["op"], f"1x{N_EMBD}", "reference twin (python)", 1.0 / row["reference"], nbytes)
         if row["met"] is not None:
-            yield Ratio(f"{row['op']} vs reference twin @1x{N_EMBD}", row["ratio"], ROUND_TRIP_GOAL_RATIO)
+            itself = "the live kernels are the twin: it is timed against itself" if row["impl"] == "python" else ""
+            yield Ratio(f"{row['op']} vs reference twin @1x{N_EMBD}", row["ratio"], ROUND_TRIP_GOAL_RATIO, itself)
             yield Ratio(f"{row['op']} messages/s vs {ROUND_TRIP_GOAL_OPS:,}/s @1x{N_EMBD}", row["ours"] / ROUND_TRIP_GOAL_OPS, 1.0,
                         f"{row['ours']:,.0f}/s")
 

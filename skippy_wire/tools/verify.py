@@ -52,6 +52,7 @@ from multiprocessing import get_context
 import ml_dtypes
 import numpy as np
 
+from .. import _impl
 from .._impl import kernel_module
 from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
@@ -501,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="patterns per chunk, at most 2^26 (default: 2^22)")
     p.add_argument("--workers", type=int_between(1, MAX_THREADS), default=None,
                    help="worker processes (default: one per core; 1: in this process)")
-    p.add_argument("--impl", choices=("cython", "python"), default="cython", help="kernels under test")
+    p.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=_impl.IMPLEMENTATION,
+                   help=f"kernels under test (default: the live ones, {_impl.IMPLEMENTATION})")
     p.add_argument("--samples", type=int_between(0, MAX_CHUNK), default=SAMPLES,
                    help="error and inexact elements checked alone per chunk (at most 2^26, a chunk's most)")
     p.add_argument("--show", type=int_at_least(0), default=20, help="mismatches to print")
