@@ -26,6 +26,7 @@ from skippy_wire.errors import PipelineClosed, PipelineError
 from skippy_wire.stage.models import Tokenizer, smollm2_path, write_tiny_llama_gguf
 from skippy_wire.stage.chat import ChatTemplate
 from skippy_wire.tools import api, cli, cluster, cluster_bench, run, serve
+from skippy_wire.tools.bench_rows import cpu_text
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_HANGUP, EXIT_INTERRUPTED, describe
 from skippy_wire.tools.poll_options import AUTO_STAGE_POLL_MS, driver_poll_s, poll_args
 from skippy_wire.tools.template_options import load_chat_template
@@ -867,11 +868,19 @@ def test_connect_to_port_0_is_a_usage_error(capsys, command):
                        "argument --connect: port 0 names no stage (give the port the stage listens on)")
 
 
-@pytest.mark.parametrize("status", [EXIT_INTERRUPTED, 1])
-def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsys, monkeypatch, tiny_model, status):
+_STOPS = {"interrupted": (KeyboardInterrupt(), EXIT_INTERRUPTED, "interrupted after 1 rows"),
+          "failed": (PipelineError("gone"), 1, "error: gone"),
+          # an OSError (a run's --log-dir that cannot be made) lost the rows: a traceback-free error line alone
+          "os error": (FileExistsError(17, "File exists", "logs/2hosts-5mbit"), 1, "logs/2hosts-5mbit: file exists")}
+
+
+@pytest.mark.parametrize("stop", list(_STOPS))
+def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsys, monkeypatch, tiny_model, stop):
+    failure, status, said = _STOPS[stop]
+
     def run_cluster(opts, tokenizer):  # Ctrl-C in, or a failure of, the second run (it was: exit status 0)
         if opts.rate != "unlimited":
-            raise KeyboardInterrupt if status == EXIT_INTERRUPTED else PipelineError("gone")
+            raise failure
         result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
         return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
 
@@ -882,7 +891,7 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
     code, out, err = _main(capsys, "bench-cluster", "--hosts", "2", "--rates", "unlimited,5mbit", "--delays", "0",
                            "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet")
     assert code == status, err
-    assert ("interrupted after 1 rows" if status == EXIT_INTERRUPTED else "error: gone") in err
+    assert said in err, err
     # the rates, then their ratios to the same run's one in-process stage
     assert "| 2 | unlimited | 0 | raw-f32 | - | 1 | 2 | 0.25 | 0.25 | 0 | yes |" in out and "5mbit" not in out
     assert "prefill 4.0 tok/s, decode 8.0 tok/s" in out
@@ -893,8 +902,41 @@ def test_bench_cluster_stopped_prints_the_rows_measured_and_exits_130_or_1(capsy
     assert code == status and [(row["link"], row["decode / 1 stage"]) for row in rows] == [("unlimited", 0.25)]
     # each row with what the table says once: the CPU and the reference (they were in the text alone)
     assert (rows[0]["cpu"], rows[0]["1 stage prefill tok/s"], rows[0]["1 stage decode tok/s"]) == \
-        (cluster_bench.cpu_model(), 4.0, 8.0)
+        (cpu_text(), 4.0, 8.0)
     assert "| 2 | unlimited | 0 | raw-f32 |" in err and not Path("-").exists()
+
+
+def test_cluster_options_that_would_shape_or_measure_nothing_are_usage_errors(capsys):
+    """--hosts 1 printed "links 2mbit, delay 50 ms" with no link shaped; --rates ran
+    "100mbit,0.1gbit" twice; --measure-seconds 1e-9 failed after the namespaces were made."""
+    assert_usage_error(capsys, ["cluster", "--hosts", "1", "--rate", "2mbit"],
+                       "--rate and --delay-ms shape the links between hosts: --hosts 1 has none")
+    assert_usage_error(capsys, ["cluster", "--hosts", "1", "--delay-ms", "50"],
+                       "--rate and --delay-ms shape the links between hosts: --hosts 1 has none")
+    assert_usage_error(capsys, ["bench-cluster", "--rates", "unlimited,100mbit,0.1gbit"],
+                       "argument --rates: lists '100mbit' and '0.1gbit', the same value; each value once")
+    assert_usage_error(capsys, ["cluster", "--measure-seconds", "1e-9"],
+                       "argument --measure-seconds: must be 0 (no measurement) or at least 0.05, got 1e-9")
+
+
+def test_bench_cluster_runs_one_host_once_a_codec(capsys, monkeypatch, tiny_model):
+    """Each rate and delay gave one host the same row, labelled as if shaped."""
+    runs = []
+
+    def run_cluster(opts, tokenizer):
+        runs.append((opts.hosts, opts.rate, opts.delay_ms))
+        result = SimpleNamespace(prefill_tok_s=1.0, decode_tok_s=2.0, tokens=[1, 2])
+        return SimpleNamespace(options=opts, link_bits=None, prompt=[1], bytes_per_token_per_hop=0, result=result)
+
+    monkeypatch.setattr(cluster, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(cluster_bench, "run_cluster", run_cluster)
+    monkeypatch.setattr(cluster_bench, "local_reference", lambda res, tokenizer: SimpleNamespace(
+        prefill_tok_s=4.0, decode_tok_s=8.0, tokens=[1, 2]))
+    code, out, err = _main(capsys, "bench-cluster", "--hosts", "1,2", "--rates", "unlimited,5mbit", "--delays", "0,5",
+                           "--codecs", "raw-f32", "--model", str(tiny_model), "--quiet")
+    assert code == 0, err
+    assert runs == [(1, "unlimited", 0.0), (2, "unlimited", 0.0), (2, "unlimited", 5.0), (2, "5mbit", 0.0),
+                    (2, "5mbit", 5.0)]
 
 
 def test_bench_cluster_shows_no_rate_where_nothing_was_timed(capsys, monkeypatch, tiny_model):

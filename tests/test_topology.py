@@ -317,6 +317,9 @@ def test_rates_and_tbf_sizing():
     assert parse_rate("100mbit") == 100_000_000 and parse_rate("2MBIT") == 2_000_000
     assert parse_rate("1gbit") == 10**9 and parse_rate("unlimited") is None and parse_rate(None) is None
     assert format_rate(parse_rate("20mbit")) == "20mbit" and format_rate(None) == "unlimited"
+    # exact, in the largest unit that names it: read back, the same rate ("%g" cut 12345678bit to 12.3457mbit)
+    for text, name in (("1.5mbit", "1500kbit"), ("0.1gbit", "100mbit"), ("12345678bit", "12345678bit")):
+        assert format_rate(parse_rate(text)) == name and parse_rate(name) == parse_rate(text)
     for bad in ("fast", "10 parsecs", "1bit"):
         with pytest.raises(ValueError):
             parse_rate(bad)

@@ -69,13 +69,15 @@ def parse_rate(text: str | None) -> int | None:
     return bits
 
 
-def format_rate(bits: float | None) -> str:
+def format_rate(bits: int | None) -> str:
+    """``100_000_000`` -> ``"100mbit"``, in the largest unit that names it exactly
+    (:func:`parse_rate` reads it back as ``bits``: ``1.5mbit`` is ``1500kbit``)."""
     if bits is None:
         return "unlimited"
     for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits >= scale:
-            return f"{bits / scale:g}{unit}"
-    return f"{bits:g}bit"
+        if bits >= scale and bits % scale == 0:
+            return f"{bits // scale}{unit}"
+    return f"{bits}bit"
 
 
 def tbf_args(rate_bits: int) -> list[str]:

@@ -42,6 +42,8 @@ from .run_report import check_tokens as report_check  # cluster's own takes a Cl
 #: The port every stage listens on inside its own namespace.
 STAGE_PORT = 19000
 DEFAULT_MEASURE_SECONDS = 1.5
+#: The shortest link measurement (its first chunk only starts the clock).
+MIN_MEASURE_SECONDS = 0.05
 PROG = "skippy-wire cluster"
 
 
@@ -294,12 +296,22 @@ def local_reference(res: ClusterResult, tokenizer) -> GenerationResult:
 
 
 def link_rate(text: str) -> str:
-    """``--rate``: a tc rate (``100mbit``, ``unlimited``), checked at parse time."""
+    """``--rate``: a tc rate (``100mbit``, ``unlimited``), checked at parse time, in one
+    spelling per rate (``0.1gbit`` is ``100mbit``, ``none`` is ``unlimited``: a list of rates
+    holds each once)."""
     try:
-        parse_rate(text)
+        return format_rate(parse_rate(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+
+
+def measure_time(text: str) -> float:
+    """``--measure-seconds``: 0 (no measurement) or long enough for the transfer to carry
+    something (1e-9 s was taken, then failed: "bulk transfer ... carried nothing")."""
+    value = seconds(zero=True)(text)
+    if 0 < value < MIN_MEASURE_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be 0 (no measurement) or at least {MIN_MEASURE_SECONDS:g}, got {text}")
+    return value
 
 
 def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, prompt_tokens: int | None = None) -> None:
@@ -319,8 +331,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
                    help=f"compute threads per stage, at most {MAX_THREADS} (default: {default_threads()}; -1: the "
                         "default)")
     p.add_argument("--timeout", type=seconds(), default=DEFAULT_TIMEOUT, help="seconds to wait for each reply")
-    p.add_argument("--measure-seconds", type=seconds(zero=True), default=DEFAULT_MEASURE_SECONDS,
-                   help="bulk transfer over link 0 before the run (0: skip)")
+    p.add_argument("--measure-seconds", type=measure_time, default=DEFAULT_MEASURE_SECONDS,
+                   help=f"bulk transfer over link 0 before the run, at least {MIN_MEASURE_SECONDS:g} s (0: skip)")
     p.add_argument("--log-dir", default=None, type=given_path, metavar="DIR",
                    help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "
                         "(bench-cluster: in a directory of its own per run, DIR/2hosts-100mbit-0ms-bf16; "
@@ -358,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_output_dir(parser, "--log-dir", args.log_dir)
+    if args.hosts == 1 and (parse_rate(args.rate) is not None or args.delay_ms):  # shown as applied, it was not
+        parser.error("--rate and --delay-ms shape the links between hosts: --hosts 1 has none")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = progress_printer(args.quiet, "skippy-wire")
 

@@ -28,7 +28,7 @@ from ..stage.threads import default_threads
 from ..wire.constants import CODEC_SHORT_NAMES, POLICY_SHORT_NAMES, CodecPolicy
 from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context_size, fit_error, link_rate,
                       local_reference, progress_printer, prompt_ids, require_namespace_hosts, run_cluster)
-from .bench_rows import comma_list, cpu_model
+from .bench_rows import comma_list, cpu_text
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, check_output_file,
                       describe, doc_summary, error_line, file_error, int_list, milliseconds)
 from .signals import exiting_on_signals
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(describe(exc)), file=sys.stderr)
         return EXIT_FAILURE
     table = sys.stderr if to_stdout else sys.stdout  # stdout holds the JSON alone
-    cpu = cpu_model()
+    cpu = cpu_text()
     print(f"machine: {cpu}; Python {platform.python_version()}; model {model.name}; prompt "
           f"{args.prompt_tokens} tokens in {args.chunk_size}-token chunks, {args.max_tokens} new tokens; "
           f"{args.threads or default_threads()} thread(s) per stage", file=table)
@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with exiting_on_signals():  # SIGTERM and SIGHUP clean up like Ctrl-C
             for n in hosts:
-                for rate in rates:
-                    for delay in delays:
+                # one host has no link to shape: its rows once, as they run (each rate and delay gave the same row)
+                for rate in rates if n > 1 else [format_rate(None)]:
+                    for delay in delays if n > 1 else [0.0]:
                         for name in codecs:
                             codec, policy = CODECS[name]
                             opts = ClusterOptions(hosts=n, rate=rate, delay_ms=delay, codec=codec, policy=policy,
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the rows measured so far are still printed (and written)
         print(f"[{PROG}] interrupted after {len(rows)} rows", file=sys.stderr)
         status = EXIT_INTERRUPTED
-    except (NetnsError, TopologyError, PipelineError, ToolError) as exc:  # the rows so far, then exit 1
+    # the rows so far, then exit 1 (an OSError too: a run's --log-dir that cannot be made, a full disk)
+    except (NetnsError, TopologyError, PipelineError, ToolError, OSError) as exc:
         print(error_line(describe(exc)), file=sys.stderr)
         status = EXIT_FAILURE
         if not rows:
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-__all__ = ["CODECS", "cpu_model", "markdown", "row_of", "main"]
+__all__ = ["CODECS", "markdown", "row_of", "main"]
 
 
 if __name__ == "__main__":
