@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from skippy_wire.errors import PipelineError
+from skippy_wire.net.supervision import StageProcess
 from skippy_wire.tools import bench, cli
 from skippy_wire.tools.link_options import expected_model_id
 from skippy_wire.tools.options import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_TERMINATED, apply_topology
@@ -449,3 +451,15 @@ def test_bench_backend_names_llama_cpp_only_where_it_is_the_reference():
 
     assert "llama.cpp:" not in backend_bench.header()
     assert backend_bench.header(against_llama=True).splitlines()[-1].startswith("llama.cpp: ")
+
+
+def test_a_stage_killed_before_listening_says_by_what(tmp_path):
+    """It said "exited with status -9", a return code no exit status reads as."""
+    proc = StageProcess(1, (0, 1), [], log_path=tmp_path / "stage1.log",
+                        prefix=[sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    try:
+        with pytest.raises(PipelineError) as error:
+            proc.wait_listening(30)
+    finally:
+        proc.terminate()
+    assert str(error.value) == "stage 1 was killed by SIGKILL before listening"

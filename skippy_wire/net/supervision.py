@@ -256,8 +256,7 @@ class StageProcess:
                 raise PipelineError(str(event.get("message") or f"stage {self.index} cannot start"))
             if event["event"] == "exit":
                 code = self.popen.wait()
-                raise PipelineError(f"stage {self.index} exited with status {code} before listening"
-                                    f"{self._log_hint()}")
+                raise PipelineError(f"stage {self.index} {_ending(code)} before listening{self._log_hint()}")
 
     def _log_hint(self) -> str:
         """``": "`` and the last line of the stage's log (for a traceback: the exception), so
