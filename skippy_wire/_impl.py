@@ -38,7 +38,8 @@ def kernel_module(concept: str, implementation: str = IMPLEMENTATION) -> ModuleT
             return importlib.import_module(f"skippy_wire.wire._{concept}")
         except ImportError as exc:
             # with the twin live already, the compiled one was asked for by name (--impl cython)
-            instead = "use the twin (--impl python)" if IMPLEMENTATION == "python" else "set SKIPPY_WIRE_IMPL=python"
+            instead = 'use the twin (impl="python", --impl python)' if IMPLEMENTATION == "python" \
+                else "set SKIPPY_WIRE_IMPL=python"
             raise ImportError(
                 f"the compiled module skippy_wire.wire._{concept} is not built ({exc}); "
                 "install skippy_wire with its compiled modules (without SKIPPY_WIRE_PUREPYTHON; "
@@ -55,7 +56,7 @@ def cached_kernel_module(concept: str, implementation: Optional[str] = None) -> 
     defaults to the live one."""
     if implementation is not None and not isinstance(implementation, str):  # 0, [], False read as "the live one"
         raise TypeError(f"impl must be a str or None, not {type(implementation).__name__}")
-    key = (concept, implementation or IMPLEMENTATION)
+    key = (concept, IMPLEMENTATION if implementation is None else implementation)  # "": no implementation
     module = _LOADED.get(key)
     if module is None:
         module = _LOADED[key] = kernel_module(*key)

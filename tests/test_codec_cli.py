@@ -114,7 +114,8 @@ def test_the_framing_rows_time_the_live_kernels_and_the_module_commands_say_wher
              if isinstance(item, bench.Ratio) and "vs reference twin" in item.goal]
     assert [goal.detail for goal in goals] == ["the live kernels are the twin: it is timed against itself"]
     assert frame_bench.main(["--repeat", "1", "--min-time", "0.001"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == f"machine: {cpu_text()}; kernels python"
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == f"machine: {cpu_text()}; kernels python; {frame_bench.TWIN_ITSELF}"
     assert bench_gen.main(["--impl", "python", "--repeat", "1", "--min-time", "0.001"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"machine: {cpu_text()}; kernels python" and "goal v16 1-part" in out

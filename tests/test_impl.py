@@ -50,7 +50,9 @@ def test_an_impl_that_is_no_string_is_a_type_error_and_a_missing_build_names_the
     for wrong in (0, [], False):
         with pytest.raises(TypeError, match=f"^impl must be a str or None, not {type(wrong).__name__}$"):
             _impl.cached_kernel_module("frame", wrong)
+    with pytest.raises(ValueError, match="^unknown implementation ''$"):  # "" read as the live one too
+        _impl.cached_kernel_module("frame", "")
     monkeypatch.setitem(sys.modules, "skippy_wire.wire._frame", None)  # as if it were not built
     monkeypatch.setattr(_impl, "IMPLEMENTATION", "python")
-    with pytest.raises(ImportError, match=r"or use the twin \(--impl python\)$"):
+    with pytest.raises(ImportError, match=r'or use the twin \(impl="python", --impl python\)$'):
         _impl.kernel_module("frame", "cython")

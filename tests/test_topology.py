@@ -318,7 +318,8 @@ def test_rates_and_tbf_sizing():
     assert parse_rate("1gbit") == 10**9 and parse_rate("unlimited") is None and parse_rate(None) is None
     assert format_rate(parse_rate("20mbit")) == "20mbit" and format_rate(None) == "unlimited"
     # exact, in the largest unit that names it: read back, the same rate ("%g" cut 12345678bit to 12.3457mbit)
-    for text, name in (("1.5mbit", "1500kbit"), ("0.1gbit", "100mbit"), ("12345678bit", "12345678bit")):
+    for text, name in (("1.5mbit", "1500kbit"), ("0.1gbit", "100mbit"), ("12345678bit", "12345678bit"),
+                       ("2.01mbit", "2010kbit"), ("4.1mbit", "4100kbit")):  # (a float made 2009999bit)
         assert format_rate(parse_rate(text)) == name and parse_rate(name) == parse_rate(text)
     for bad in ("fast", "10 parsecs", "1bit"):
         with pytest.raises(ValueError):

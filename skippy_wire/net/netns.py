@@ -28,6 +28,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ..errors import NetnsError
 
@@ -61,7 +62,7 @@ def parse_rate(text: str | None) -> int | None:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not m or m.group(2) not in _RATE_UNITS:
         raise ValueError(f"rate must look like 100mbit, 20mbit, 1gbit or unlimited, not {text!r}")
-    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    bits = int(Fraction(m.group(1)) * _RATE_UNITS[m.group(2)])  # exact: a float made 2.01mbit 2009999 bits
     if bits < 8000:
         raise ValueError(f"rate {text!r} is below 8kbit")
     if bits > MAX_RATE_BITS:

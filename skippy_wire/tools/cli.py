@@ -37,7 +37,7 @@ COMMANDS = {
     "conformance": ("skippy_wire.tools.conformance", "run golden-vector files (*.jsonl) against an implementation"),
     "bench": ("skippy_wire.tools.bench", "measure codec and framing throughput against reference encoders"),
     "bench-backend": ("skippy_wire.tools.backend_bench", "stage backend prefill/decode side by side with llama.cpp"),
-    "verify-exhaustive": ("skippy_wire.tools.verify", "check every f32 bit pattern through the compiled encoders"),
+    "verify-exhaustive": ("skippy_wire.tools.verify", "check every f32 bit pattern through the live encoders"),
     "demo": ("skippy_wire.tools.demo", "encode a realistic activation through every codec"),
 }
 #: The commands that serve tokens: their threads wake each other for every token, so run as

@@ -1,4 +1,4 @@
-"""``skippy-wire verify-exhaustive``: every f32 bit pattern through the compiled encoders.
+"""``skippy-wire verify-exhaustive``: every f32 bit pattern through the live encoders.
 
 All 2^32 f32 bit patterns are split into chunks (2^22 patterns by default) and spread over
 worker processes (one per core by default).  For each chunk, with ``x`` the patterns:
@@ -342,7 +342,8 @@ def _widen_oracle(codec: int, h: np.ndarray) -> np.ndarray:
     return h.view(np.float16).astype(np.float32).view(np.uint32)
 
 
-def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAMPLES, kernel=None) -> ChunkResult:
+def check_chunk(start: int, count: int, impl: str = _impl.IMPLEMENTATION, samples: int = SAMPLES,
+                kernel=None) -> ChunkResult:
     """Run every check on the patterns ``start .. start + count - 1``."""
     if kernel is None:
         kernel = kernel_module("codec", impl)
@@ -391,7 +392,7 @@ def check_chunk(start: int, count: int, impl: str = "cython", samples: int = SAM
     return res
 
 
-def check_decode16(impl: str = "cython", kernel=None) -> ChunkResult:
+def check_decode16(impl: str = _impl.IMPLEMENTATION, kernel=None) -> ChunkResult:
     """All 65,536 patterns of each 16-bit format through the raw widening and the decoder."""
     if kernel is None:
         kernel = kernel_module("codec", impl)
