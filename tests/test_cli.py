@@ -919,6 +919,12 @@ def test_cluster_options_that_would_shape_or_measure_nothing_are_usage_errors(ca
                        "argument --measure-seconds: must be 0 (no measurement) or at least 0.05, got 1e-9")
 
 
+def test_cluster_quiet_answers_to_llama_cpp_s_log_disable_as_run_s_does():
+    """The docs say cluster's --quiet is "as for run"; --log-disable was an unrecognized argument."""
+    for build in (cluster.build_parser, cluster_bench.build_parser):
+        assert build().parse_args(["--log-disable"]).quiet is True
+
+
 def test_bench_cluster_runs_one_host_once_a_codec(capsys, monkeypatch, tiny_model):
     """Each rate and delay gave one host the same row, labelled as if shaped."""
     runs = []

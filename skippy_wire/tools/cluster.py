@@ -337,7 +337,7 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
                    help="keep each stage's log in DIR/stageK.log, and the topology file in DIR/topology.json "
                         "(bench-cluster: in a directory of its own per run, DIR/2hosts-100mbit-0ms-bf16; "
                         "default: a temporary directory, removed)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", "--log-disable", action="store_true", help="no progress lines (as run's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
