@@ -5,10 +5,10 @@ the wrong type, a ValueError for a value out of range, naming the argument."""
 from __future__ import annotations
 
 import numbers
-import operator
 
 from ..wire.activation_frame import PROTOCOL_VERSIONS
 from ..wire.constants import MAX_WAIT_S
+from ..wire.field_checks import wire_int
 from ..wire.protocol import protocol_version
 
 
@@ -16,9 +16,7 @@ def int_argument(name: str, value, least: int, most: int | None = None) -> int:
     """``value`` of the argument ``name``: an integer (a bool is none; numpy's are) from ``least``
     (to ``most``), as an int."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
+        value = wire_int(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if value < least or (most is not None and value > most):

@@ -8,13 +8,13 @@ result objects with named fields; this module holds the policy upstream puts aro
 
 from __future__ import annotations
 
-import operator
 import sys
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import StageArgumentError, StageRuntimeError, Status
 from . import _ggml
+from ..wire.field_checks import wire_int
 from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame, PackedFrame
 
 # The compiled backend is imported here, at module top; it is missing only from a
@@ -50,11 +50,9 @@ def checked_add(count: int, delta: int) -> int:
 
 
 def _integer(value: Any, what: str) -> int:
-    # operator.index, not int(): a float or a numeric string is not silently truncated (nor a bool taken as 1).
+    # not int(): a float or a numeric string is not silently truncated (nor a bool taken as 1)
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
+        return wire_int(value)
     except TypeError:
         raise StageArgumentError(f"{what} must be an integer, not {type(value).__name__}") from None
 

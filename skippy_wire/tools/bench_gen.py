@@ -22,9 +22,9 @@ from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16, GgmlT
 from ..wire.constants import ActivationCodec
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
 from ..wire.protocol import WireProtocol
-from .bench_rows import Ratio, Row, cpu_text, paired_seconds
+from .bench_rows import Ratio, Row, add_timing_options, cpu_text, paired_seconds
 from .cli import guarded
-from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
+from .options import Parser, doc_summary
 
 V16_GOAL_RATIO = 0.9
 N_EMBD = 4096
@@ -93,8 +93,7 @@ def main(argv=None) -> int:
     parser = Parser(prog="python -m skippy_wire.tools.bench_gen", description=doc_summary(__doc__))
     parser.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=None,
                         help="kernels measured (default: the live ones)")
-    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
-    parser.add_argument("--min-time", type=seconds(), default=0.2, help="seconds per timing round")
+    add_timing_options(parser, 0.2)
     opts = parser.parse_args(argv)
     print(f"machine: {cpu_text()}; kernels {opts.impl or _impl.IMPLEMENTATION}")
     for item in frame_gen_rows(opts):

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Union
 from ..stage.models import model_shape, smollm2_path
 from ..stage.threads import available_cpus
 from .cli import guarded
-from .options import int_at_least, once_each
+from .options import MAX_ROUNDS, int_at_least, int_between, once_each, seconds
 from .signals import exiting_on_signals
 
 
@@ -168,6 +168,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def add_timing_options(parser: argparse.ArgumentParser, min_time: float) -> None:
+    """``--repeat`` (timing rounds, 5) and ``--min-time`` (seconds a round, ``min_time``) of a
+    module's own benchmark command."""
+    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
+    parser.add_argument("--min-time", type=seconds(), default=min_time, help="seconds per timing round")
 
 
 def cpu_text() -> str:

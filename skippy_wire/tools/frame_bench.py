@@ -22,9 +22,9 @@ from .. import _impl
 from ..wire.constants import ActivationCodec
 from ..wire.frame import StageMessageDecoder
 from ..wire.messages import SamplingConfig, StageStateHeader, StageWireMessage, WireMessageKind
-from .bench_rows import Ratio, Row, cpu_text, paired_seconds
+from .bench_rows import Ratio, Row, add_timing_options, cpu_text, paired_seconds
 from .cli import guarded
-from .options import MAX_ROUNDS, Parser, doc_summary, int_between, seconds
+from .options import Parser, doc_summary
 
 ROUND_TRIP_GOAL_OPS = 150_000
 ROUND_TRIP_GOAL_RATIO = 10.0
@@ -94,8 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Print the rows (``python -m skippy_wire.tools.frame_bench``); status 0 whatever the
     goal, as ``skippy-wire bench``."""
     parser = Parser(prog="python -m skippy_wire.tools.frame_bench", description=doc_summary(__doc__))
-    parser.add_argument("--repeat", type=int_between(1, MAX_ROUNDS), default=5, help="timing rounds (the best is kept)")
-    parser.add_argument("--min-time", type=seconds(), default=0.05, help="seconds per timing round")
+    add_timing_options(parser, 0.05)
     opts = parser.parse_args(argv)
     print(f"machine: {cpu_text()}; kernels {_impl.IMPLEMENTATION}"
           + (f"; {TWIN_ITSELF}" if _impl.IMPLEMENTATION == "python" else ""))

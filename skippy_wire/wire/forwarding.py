@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import operator
 import struct
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from .constants import (
     wrapped_i32,
 )
 from ..errors import ForwardingError, WireError
+from .field_checks import wire_int
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
 from .messages import StageStateHeader, StageWireMessage, WireMessageKind, f32_bits
 
@@ -189,7 +189,7 @@ def forwarded_stage_message_timed(
                  ("output", output, ActivationFrameV1))
     _check_types(("incoming.state", incoming.state, StageStateHeader), ("output.desc", output.desc, ActivationDescV1))
     try:  # numpy's integers are integers; a bool is none
-        activation_width = operator.index(None if isinstance(activation_width, bool) else activation_width)
+        activation_width = wire_int(activation_width)
     except TypeError:
         raise TypeError(f"activation_width must be an int, not {type(activation_width).__name__}") from None
     codec_module = _impl.cached_kernel_module("codec", impl)

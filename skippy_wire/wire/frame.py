@@ -34,7 +34,7 @@ from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, Wi
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
                         ActivationCodec, CodecPolicy)
 from .field_checks import (byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range,
-                           flat_bytes, int_list)
+                           flat_bytes, int_list, wire_int)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -515,7 +515,7 @@ def send_reply_predicted_tokens_with_window_and_stats(
     tokens = int_list("predicted_tokens", tokens)  # what write_reply takes as one, or its error
     first = tokens[0] if tokens else 0
     try:
-        fits = not isinstance(first, bool) and I32_MIN <= operator.index(first) <= I32_MAX
+        fits = I32_MIN <= wire_int(first) <= I32_MAX
     except TypeError:
         fits = False
     predicted = first if fits else 0  # (else the writer names it, as one of ``tokens``)

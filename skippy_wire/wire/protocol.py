@@ -20,7 +20,6 @@ state version Y"), ``received`` and ``expected`` name both versions.
 from __future__ import annotations
 
 import io
-import operator
 import struct
 from typing import Any, Optional
 
@@ -30,7 +29,7 @@ from . import frame as _v15
 from .activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, ActivationFrameV16
 from .agreement import ActivationAgreement
 from .constants import ActivationCodec
-from .field_checks import check_writable, flat_bytes
+from .field_checks import check_writable, flat_bytes, wire_int
 from .messages import StageWireMessage
 
 #: Offsets in a stage message's 80-byte prefix: the state header's version word, and the
@@ -76,7 +75,7 @@ def protocol_version(version) -> int:
     """``version`` as an int, a state version this package speaks (numpy's integers are
     integers; 16.0 and True are no versions)."""
     try:
-        number = None if isinstance(version, bool) else operator.index(version)
+        number = wire_int(version)
     except TypeError:
         number = None
     if number not in PROTOCOL_VERSIONS:
