@@ -255,6 +255,18 @@ def test_dimensions_outside_i32_are_rejected(codec_impl):
         codec_impl.activation_shape(1.0, 2, 0)
 
 
+def test_a_bool_is_no_codec_id_or_dimension(codec_impl):
+    # as everywhere on the wire: True was codec 1 (RawF32V1) or a dimension of 1
+    payload = f32(1.0, 2.0)
+    for args in ((True, 1, 2, payload, 0), (RAW, True, 2, payload, 0), (RAW, 1, 2, payload, False)):
+        with pytest.raises(TypeError, match="a bool is not a wire integer"):
+            codec_impl.encode_activation(*args)
+    with pytest.raises(TypeError, match="a bool is not a wire integer"):
+        codec_impl.activation_wire_bytes(RAW, 1, True, 0)
+    with pytest.raises(TypeError, match="a bool is not a wire integer"):
+        codec_impl.select_lossless_codec(1, 2, payload, 0, [True, 3])
+
+
 def test_state_flags_outside_i32_are_rejected_not_truncated(codec_impl):
     """2**32 read as 0 and 2**32 + 0x40 as a doubling flag: upstream's flag word is an i32."""
     import skippy_wire as sw

@@ -161,7 +161,8 @@ def test_stage_message_rejects_codec_mismatch_and_malformed_compact_header(impl)
     assert str(err(impl, bytes(bad), 2)) == "unknown stage activation codec"
 
 
-@pytest.mark.parametrize("codec_arg, policy_arg", [(3.0, None), ("bf16", None), (F16, 1.0), (F16, "auto")])
+@pytest.mark.parametrize("codec_arg, policy_arg", [(3.0, None), ("bf16", None), (True, None), (F16, 1.0), (F16, "auto"),
+                                                   (F16, True)])
 def test_a_reader_s_codec_or_policy_argument_that_is_no_integer_is_a_type_error(impl, codec_arg, policy_arg):
     # as the codec functions say of it: 3.0 was taken as BF16 and "bf16" read as corrupt data (InvalidDataError)
     for read in (lambda data: frame.read_stage_message(data, 2, codec_arg, policy_arg, impl=impl),
@@ -212,6 +213,16 @@ def test_writers_refuse_a_kind_their_readers_refuse(impl, version, kind):
         protocol.write_stage_message(msg, protocol=version, impl=impl)
     with pytest.raises(InvalidInputError, match="kind value 7 is no stage reply kind"):
         frame.write_reply(StageReply(kind=7), impl=impl)
+
+
+@pytest.mark.parametrize("version", [15, 16, 17])
+@pytest.mark.parametrize("codec", [0, 5, 9, -1])
+def test_writers_refuse_an_activation_codec_their_readers_refuse(impl, version, codec):
+    # before: the bytes were written, and every reader refused them ("unknown stage activation codec")
+    state = StageStateHeader(version=version)
+    state.activation_codec = codec
+    with pytest.raises(InvalidInputError, match=f"state.activation_codec value {codec} is no stage activation codec"):
+        protocol.write_stage_message(StageWireMessage(K.STOP, 0, 0, state), protocol=version, impl=impl)
 
 
 def test_discard_stale_windows_is_written_from_state_version_16(impl):

@@ -385,6 +385,8 @@ def test_reader_arguments_are_checked_alike_in_every_version(impl):
             WireProtocol(16, impl=impl).read_from_buffer(data, codec=codec, policy=policy)
     with pytest.raises(TypeError, match="n_embd must be an int, not float"):
         WireProtocol(15, impl=impl).read_from_buffer(data, 4.0)
+    with pytest.raises(TypeError, match="n_embd must be an int, not bool"):  # True read as a width of 1
+        WireProtocol(15, impl=impl).read_from_buffer(data, True)
     with pytest.raises(TypeError, match="offset must be an int, not str"):
         WireProtocol(17, impl=impl).read_from_buffer(data, offset="0")
     for version in (16, 17):

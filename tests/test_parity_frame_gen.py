@@ -61,6 +61,8 @@ def test_a_part_with_fewer_than_four_axes_is_an_input_error(dims, strides):
     ("parts.0.dimensions.1", 2**63, "parts[0].dimensions[1]"),
     ("parts.0.byte_strides.0", -1, "parts[0].byte_strides[0]"),
     ("parts.0.payload_offset", 1.5, "parts[0].payload_offset"),
+    ("token_count", True, "token_count"),  # a bool is no wire integer: True was a count of 1
+    ("parts.0.rank", True, "parts[0].rank"),
 ])
 def test_a_field_beyond_its_wire_type_is_named_alike(path, value, name):
     case = _first(16, "activation_frame")
@@ -99,7 +101,8 @@ def test_a_float_is_not_an_integer_field():
 
 
 @pytest.mark.parametrize("field, value", [("kind", 1.0), ("token_count", None), ("pos_start", 2.0),
-                                          ("state.activation_codec", None)])
+                                          ("state.activation_codec", None), ("kind", True), ("token_count", True),
+                                          ("state.activation_codec", True)])
 @pytest.mark.parametrize("version", [16, 17])
 def test_a_message_field_of_the_wrong_type_is_named_alike(version, field, value):
     from skippy_wire.tools.vector_cases import message_from_case
@@ -115,3 +118,18 @@ def test_a_message_field_of_the_wrong_type_is_named_alike(version, field, value)
         setattr(msg.state if owner else msg, name, value)
         outcomes.append(_failure(lambda: WireProtocol(version, impl=impl).write(msg, agreement)))
     assert outcomes[0] == outcomes[1] == (InvalidInputError, f"{field} value {value!r} does not fit its wire type")
+
+
+@pytest.mark.parametrize("version", [16, 17])
+def test_a_bool_is_no_frame_codec(version):
+    # as a message's fields: True was RawF32V1 to every frame function
+    from skippy_wire.wire.protocol import WireProtocol
+
+    case = _first(16, "activation_frame")
+    desc, payload = desc_from_case(case["desc"]), bytes.fromhex(case["payload_hex"])
+    for impl in IMPLS:
+        wire = WireProtocol(version, impl=impl)
+        for call in (lambda: wire.encode_frame(True, desc, payload), lambda: wire.frame_wire_bytes(True, desc),
+                     lambda: wire.select_frame_codec(desc, payload, [True, 3])):
+            with pytest.raises(TypeError, match="a bool is not a wire integer"):
+                call()

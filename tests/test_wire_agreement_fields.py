@@ -83,6 +83,8 @@ def _dims(*dims):
     (_set("profiles.0.id", 2**32 + 1), "profiles[0].id"),
     (_set("profiles.0.id", -1), "profiles[0].id"),
     (_set("profiles.0.id", 1.0), "profiles[0].id"),
+    (_set("profiles.0.id", True), "profiles[0].id"),  # a bool is no wire integer: it was profile 1
+    (_set("profiles.0.max_tokens", True), "profiles[0].max_tokens"),
     (_set("profiles.0.producer_stage_index", 2**31), "profiles[0].producer_stage_index"),
     (_set("profiles.0.layer_end", 2**31), "profiles[0].layer_end"),
     (_set("profiles.0.max_tokens", None), "profiles[0].max_tokens"),

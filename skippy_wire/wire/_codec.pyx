@@ -11,7 +11,6 @@ releases the GIL around payload-sized work and turns kernel statuses into except
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_CheckExact
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize
-from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -22,7 +21,7 @@ import numpy as np
 import sys
 
 from ..errors import InvalidDataError, InvalidInputError
-from .field_checks import flat_bytes
+from .field_checks import flat_bytes, wire_int
 
 cnp.import_array()
 
@@ -109,16 +108,16 @@ def _set_nogil_threshold(size_t nbytes):
 
 
 cdef int _codec_id(object codec) except -1:
-    codec = PyNumber_Index(codec)
+    codec = wire_int(codec)
     if not (MIN_CODEC <= codec <= MAX_CODEC):
         raise_status(E_UNKNOWN_CODEC)  # 6.1: ids 0, 5, ... are invalid
     return <int>codec
 
 
 cdef int _dims(object token_count, object n_embd, object state_flags, Dims *d) except -1:
-    token_count = PyNumber_Index(token_count)
-    n_embd = PyNumber_Index(n_embd)
-    state_flags = PyNumber_Index(state_flags)
+    token_count = wire_int(token_count)
+    n_embd = wire_int(n_embd)
+    state_flags = wire_int(state_flags)
     if not (-2147483648 <= token_count <= 2147483647 and -2147483648 <= n_embd <= 2147483647):
         raise InvalidInputError(DIMENSION_RANGE)
     if not -2147483648 <= state_flags <= 2147483647:

@@ -16,7 +16,6 @@ This file: descriptors and frames.  ``_frame_gen_check.pxi``: the writer's value
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.dict cimport PyDict_Copy
-from cpython.number cimport PyNumber_Index
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF
 from libc.stdint cimport int32_t, uint16_t, uint32_t, int64_t, uint64_t, uint8_t
@@ -33,7 +32,6 @@ cdef extern from "Python.h":
     int PyObject_GenericSetDict(object, object, void*) except -1
 
 import dataclasses
-import operator
 
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .activation_frame import ActivationFrameV16, ActivationPartV16
@@ -129,7 +127,7 @@ cdef int _raise(str text) except -1:
 
 
 cdef int _codec_id(object codec) except -1:
-    cdef object c = operator.index(codec)
+    cdef object c = wire_int(codec)
     if not 1 <= c <= 4:
         _raise(E_CODEC)
     return <int>c
@@ -167,20 +165,20 @@ cdef int _from_object(object obj, Desc* d) except -1:
     cdef Part* p
     cdef int f = 0  # the field being converted (_FIELD_NAMES), of part i, axis k: for the error
     try:
-        d.version = PyNumber_Index(obj.version)
+        d.version = wire_int(obj.version)
         f = 1
-        d.producer = PyNumber_Index(obj.producer_stage_index)
+        d.producer = wire_int(obj.producer_stage_index)
         f = 2
-        d.layer_start = PyNumber_Index(obj.layer_start)
+        d.layer_start = wire_int(obj.layer_start)
         f = 3
-        d.layer_end = PyNumber_Index(obj.layer_end)
+        d.layer_end = wire_int(obj.layer_end)
         f = 4
-        d.tokens = PyNumber_Index(obj.token_count)
+        d.tokens = wire_int(obj.token_count)
         f = 5
-        d.sequences = PyNumber_Index(obj.sequence_count)
+        d.sequences = wire_int(obj.sequence_count)
         d.count = <uint32_t>n
         f = 6
-        d.payload = PyNumber_Index(obj.payload_bytes)
+        d.payload = wire_int(obj.payload_bytes)
         _copy32(d.frontier, obj.frontier_identity, "frontier_identity")
         for i in range(n):
             part = parts[i]
@@ -189,13 +187,13 @@ cdef int _from_object(object obj, Desc* d) except -1:
             p = &d.parts[i]
             _copy32(p.identity, part.identity, f"parts[{i}].identity")
             f = 7
-            p.ggml_type = PyNumber_Index(part.ggml_type)
+            p.ggml_type = wire_int(part.ggml_type)
             f = 8
-            p.rank = PyNumber_Index(part.rank)
+            p.rank = wire_int(part.rank)
             f = 9
-            p.token_axis = PyNumber_Index(part.token_axis)
+            p.token_axis = wire_int(part.token_axis)
             f = 10
-            p.flags = PyNumber_Index(part.flags)
+            p.flags = wire_int(part.flags)
             # tuples: a snapshot that converting an item cannot shrink, indexed unchecked below
             f = 15
             dims = tuple(part.dimensions)
@@ -205,13 +203,13 @@ cdef int _from_object(object obj, Desc* d) except -1:
                 raise InvalidInputError(PART_AXES_TEXT)
             for k in range(4):
                 f = 11
-                p.dims[k] = PyNumber_Index(dims[k])
+                p.dims[k] = wire_int(dims[k])
                 f = 12
-                p.strides[k] = PyNumber_Index(strides[k])
+                p.strides[k] = wire_int(strides[k])
             f = 13
-            p.offset = PyNumber_Index(part.payload_offset)
+            p.offset = wire_int(part.payload_offset)
             f = 14
-            p.nbytes = PyNumber_Index(part.payload_bytes)
+            p.nbytes = wire_int(part.payload_bytes)
     except (OverflowError, TypeError, IndexError):
         name = _FIELD_NAMES[f]
         if f >= 7:
@@ -495,7 +493,7 @@ def validate_frame(desc, payload_len=None):
     _from_object(desc, &d)
     cdef int64_t n = -1
     if payload_len is not None:
-        length = operator.index(payload_len)
+        length = wire_int(payload_len)
         # a length no payload can have mismatches at step 4 (MAX + 1 exceeds any valid total)
         n = length if 0 <= length <= MAX_BYTES else MAX_BYTES + 1
     _validate(&d, n)

@@ -31,7 +31,7 @@ cdef bint _admitted(object dim, int axis, object rank, object token_axis):
 
 cdef int _int_field(object value, object low, object high, str name) except -1:
     try:
-        value = PyNumber_Index(value)
+        value = wire_int(value)
     except TypeError:
         value = None
     if value is None or not low <= value <= high:
@@ -117,7 +117,7 @@ def validate_agreement(agreement):
         _raise(E_AGREEMENT)
     ids = set()
     for profile in agreement.profiles:
-        profile_id = PyNumber_Index(profile.id)  # a 0-d array is an index but no set member
+        profile_id = wire_int(profile.id)  # a 0-d array is an index but no set member
         if profile_id == 0 or profile_id in ids:
             _raise(E_PROFILE_ID)
         ids.add(profile_id)
@@ -126,7 +126,7 @@ def validate_agreement(agreement):
             _raise(E_PROFILE)
         identities = set()
         for part in profile.parts:
-            ggml_type = PyNumber_Index(part.ggml_type)
+            ggml_type = wire_int(part.ggml_type)
             if not (0 <= ggml_type <= 0xFFFFFFFF) or _element_bytes(ggml_type) == 0:
                 _raise(E_GGML_TYPE)
             identity = bytes(part.identity)

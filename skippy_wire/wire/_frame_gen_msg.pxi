@@ -257,7 +257,7 @@ def read_stage_message_from_buffer(int version, data, expected_codec=None, int p
 
 cdef object _checked_activation(int version, object msg, object agreement):
     """A.7.2 step 5 / B.7.2 step 4: the activation the message may carry (reframed for v17)."""
-    kind = operator.index(msg.kind)
+    kind = wire_int(msg.kind)
     state = msg.state
     activation = msg.activation
     cdef _Buffer buf = _Buffer(activation)
@@ -269,7 +269,7 @@ cdef object _checked_activation(int version, object msg, object agreement):
     if <uint64_t>buf.view.len > MAX_BYTES:
         raise InvalidInputError(E_WIRE_MAX)
     try:
-        codec_value = operator.index(state.activation_codec)
+        codec_value = wire_int(state.activation_codec)
     except TypeError:
         raise out_of_range_error(msg) from None
     cdef int codec = _codec_id(codec_value)
@@ -287,8 +287,8 @@ def write_stage_message(int version, msg, agreement=None):
         raise ValueError(f"state version {version} is not 16 or 17")
     cdef Py_ssize_t emitted = 20
     try:  # the first fields on the wire, integers that fit (as the twin packs them first)
-        kind, pos_start, token_count = operator.index(msg.kind), operator.index(msg.pos_start), \
-            operator.index(msg.token_count)
+        kind, pos_start, token_count = wire_int(msg.kind), wire_int(msg.pos_start), \
+            wire_int(msg.token_count)
         struct_prefix(kind, pos_start, token_count, 0, 0)
         len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
         wire_int(msg.state.source_stage_index)  # compared below: a state of the wrong shape is named

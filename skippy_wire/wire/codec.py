@@ -19,8 +19,8 @@ object without the buffer protocol ``TypeError("a bytes-like object is required,
 
 Arguments are checked by the kernels themselves, identically in both implementations:
 codecs and dimensions accept anything with ``__index__`` (``ActivationCodec``, numpy
-integers), an unknown codec id raises "unknown stage activation codec", a non-integer
-``TypeError``.
+integers) but a bool, an unknown codec id raises "unknown stage activation codec", a
+non-integer (or a bool) ``TypeError``.
 
 Every protocol error is an :class:`~skippy_wire.errors.InvalidDataError` whose text is
 the exact upstream message, raised in the upstream check order.  Payload-sized work in

@@ -25,6 +25,9 @@ from .messages import (DISCARD_STALE_WINDOWS, SAMPLING_WIRE_ORDER, SamplingConfi
 MESSAGE_KINDS = {15: frozenset(WireMessageKind)}
 MESSAGE_KINDS[16] = MESSAGE_KINDS[17] = MESSAGE_KINDS[15] | {DISCARD_STALE_WINDOWS}
 
+#: The wire ids a message's ``state.activation_codec`` may hold (those its readers take).
+ACTIVATION_CODEC_IDS = frozenset(ActivationCodec)
+
 #: The state header's i32 fields, in wire order.
 I32_STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
                     "decode_step", "current_token", "source_stage_index", "activation_codec")
@@ -112,20 +115,29 @@ def check_known_kind(kind: Any, known: Collection[int], what: str) -> None:
     """A writer refuses a ``kind`` that is not in ``known``, the kinds its readers take: upstream's
     kinds are enums its writers cannot step outside, but a Python caller could write bytes every
     reader refuses.  A kind of the wrong type is left to the kernel, which names it."""
+    _refuse_unknown(kind, known, f"kind value {kind!r} is no {what} kind")
+
+
+def _refuse_unknown(value: Any, known: Collection[int], text: str) -> None:
+    """InvalidInputError(``text``) when the integer ``value`` is not in ``known``; a value of
+    the wrong type is left to the kernel, which names it."""
     try:
-        value = wire_int(kind)
+        number = wire_int(value)
     except TypeError:
         return
-    if value not in known:
-        raise InvalidInputError(f"kind value {kind!r} is no {what} kind")
+    if number not in known:
+        raise InvalidInputError(text)
 
 
 def check_writable(msg: StageWireMessage, version: int = 15) -> None:
-    """Refuse up front what a writer of state ``version`` would write silently wrong: a kind
-    its readers refuse, and a sampling block's string lists that are no lists of strings (a
+    """Refuse up front what a writer of state ``version`` would write silently wrong: a kind or
+    an activation codec its readers refuse, and a sampling block's string lists that are no lists of strings (a
     bare ``str`` would be written one character per entry, and an iterator without a length
     is used up by measuring it)."""
     check_known_kind(msg.kind, MESSAGE_KINDS[version], f"state version {version} stage message")
+    codec = getattr(msg.state, "activation_codec", None)  # an enum upstream, as the kind
+    _refuse_unknown(codec, ACTIVATION_CODEC_IDS,
+                    f"state.activation_codec value {codec!r} is no stage activation codec")
     sampling = msg.sampling
     if sampling is not None:
         for name in ("dry_sequence_breakers", "samplers"):

@@ -24,7 +24,6 @@ takes ``impl="cython"|"python"`` (``send_ready`` and ``recv_ready`` run no kerne
 
 from __future__ import annotations
 
-import operator
 import struct
 import sys
 from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
@@ -102,9 +101,10 @@ def _check_type(value: Any, cls: type, what: str) -> None:
 
 
 def _check_int(value: Any, name: str) -> int:
-    """``value`` as an int (anything with ``__index__``); else a TypeError naming ``name``."""
+    """``value`` as an int (anything with ``__index__`` but a bool); else a TypeError naming
+    ``name``."""
     try:
-        return operator.index(value)
+        return wire_int(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
 

@@ -18,7 +18,6 @@ Conventions shared with ``skippy_wire.wire._codec`` (same names, signatures, beh
 from __future__ import annotations
 
 import array
-import operator
 import struct
 import sys
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
 from .. import constants as _texts
-from ..field_checks import flat_bytes
+from ..field_checks import flat_bytes, wire_int
 from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES, state_flags_word
 
 RAW_F32_V1 = 1
@@ -68,16 +67,16 @@ def _checked_mul(a: int, b: int, text: str) -> int:
 
 
 def _codec_id(codec: int) -> int:
-    codec = operator.index(codec)
+    codec = wire_int(codec)
     if codec not in (RAW_F32_V1, F16_RNE_V1, BF16_RNE_V1, S8_ROW_F32_RNE_V1):
         raise _err("unknown stage activation codec")  # 6.1: ids 0, 5, ... are invalid
     return int(codec)
 
 
 def _dims(token_count: int, n_embd: int, state_flags: int) -> tuple[int, int, int]:
-    token_count = operator.index(token_count)
-    n_embd = operator.index(n_embd)
-    state_flags = operator.index(state_flags)
+    token_count = wire_int(token_count)
+    n_embd = wire_int(n_embd)
+    state_flags = wire_int(state_flags)
     if not (I32_MIN <= token_count <= I32_MAX and I32_MIN <= n_embd <= I32_MAX):
         raise InvalidInputError(DIMENSION_RANGE)
     return int(token_count), int(n_embd), state_flags_word(state_flags)

@@ -19,7 +19,6 @@ in the header codec, returned by the reader re-encoded with RawF32V1.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import struct
 
 from ...errors import InvalidDataError, InvalidInputError, WireError
@@ -142,7 +141,7 @@ def read_stage_message_from_buffer(version: int, data, expected_codec=None, poli
 
 def _checked_activation(version: int, msg: StageWireMessage, agreement) -> memoryview:
     """A.7.2 step 5 / B.7.2 step 4: the activation the message may carry (reframed for v17)."""
-    kind = operator.index(msg.kind)
+    kind = wire_int(msg.kind)
     state = msg.state
     activation = byte_view(msg.activation, "activation")
     if kind in ACTIVATIONLESS or state.source_stage_index < 0:
@@ -152,7 +151,7 @@ def _checked_activation(version: int, msg: StageWireMessage, agreement) -> memor
     if len(activation) > MAX_BYTES:
         raise InvalidInputError("activation payload byte count exceeds maximum")
     try:
-        codec = operator.index(state.activation_codec)
+        codec = wire_int(state.activation_codec)
     except TypeError:
         raise out_of_range_error(msg) from None
     codec = codec_id(codec)
@@ -169,7 +168,7 @@ def write_stage_message(version: int, msg: StageWireMessage, agreement=None) -> 
     if version not in VERSIONS:
         raise ValueError(f"state version {version} is not 16 or 17")
     try:
-        prefix = struct.pack("<iii", *map(operator.index, (msg.kind, msg.pos_start, msg.token_count)))
+        prefix = struct.pack("<iii", *map(wire_int, (msg.kind, msg.pos_start, msg.token_count)))
         len(msg.tokens), len(msg.positions)  # lists (a generator is named by the checks)
         wire_int(msg.state.source_stage_index)  # compared below: a state of the wrong shape is named
     except (struct.error, OverflowError, TypeError, ValueError, AttributeError):

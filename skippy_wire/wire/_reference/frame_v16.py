@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import struct
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..constants import DESCRIPTOR_RANGE_TEXT, PART_AXES_TEXT
+from ..field_checks import wire_int
 from . import codec as _codec
 from .frame import byte_view
 
@@ -41,7 +41,7 @@ def _err(text: str) -> InvalidDataError:
 
 
 def codec_id(codec) -> int:
-    codec = int(operator.index(codec))
+    codec = int(wire_int(codec))
     if codec not in (RAW, F16, BF16, S8):
         raise _err("unknown stage activation codec")
     return codec
@@ -51,7 +51,7 @@ def _field(code: str, value, name: str) -> None:
     """``value`` fits the descriptor field's wire type (the compiled twin converts each one
     to its C type before any rule of A.5 is checked)."""
     try:
-        struct.pack("<" + code, value)
+        struct.pack("<" + code, wire_int(value))
     except (struct.error, TypeError, OverflowError):
         raise InvalidInputError(f"{DESCRIPTOR_RANGE_TEXT}: {name}") from None
 
@@ -104,11 +104,11 @@ def check_fields(desc: ActivationFrameV16) -> None:
 def _plain(desc: ActivationFrameV16) -> ActivationFrameV16:
     """``desc`` with its integers as Python ints, as the compiled twin reads them (a numpy
     uint32 ``flags`` would overflow in ``~``, an int8 dimension wrap in a product)."""
-    ints = {name: operator.index(getattr(desc, name)) for _, name in _FRAME_FIELDS}
+    ints = {name: wire_int(getattr(desc, name)) for _, name in _FRAME_FIELDS}
     parts = [dataclasses.replace(
-        p, **{name: operator.index(getattr(p, name)) for _, name in _PART_FIELDS},
-        dimensions=tuple(map(operator.index, p.dimensions)), byte_strides=tuple(map(operator.index, p.byte_strides)),
-        payload_offset=operator.index(p.payload_offset), payload_bytes=operator.index(p.payload_bytes))
+        p, **{name: wire_int(getattr(p, name)) for _, name in _PART_FIELDS},
+        dimensions=tuple(map(wire_int, p.dimensions)), byte_strides=tuple(map(wire_int, p.byte_strides)),
+        payload_offset=wire_int(p.payload_offset), payload_bytes=wire_int(p.payload_bytes))
         for p in desc.parts]
     return dataclasses.replace(desc, **ints, parts=parts)
 
@@ -151,7 +151,7 @@ def validate_frame(desc: ActivationFrameV16, payload_len=None) -> ActivationFram
 def validate_layout(desc: ActivationFrameV16, payload_len=None) -> ActivationFrameV16:
     """A.5 from the payload size on, for a ``desc`` that :func:`check_desc` gave."""
     if payload_len is not None:
-        payload_len = operator.index(payload_len)
+        payload_len = wire_int(payload_len)
     if desc.payload_bytes > MAX_BYTES:
         raise _err("decoded activation payload byte count exceeds maximum")
     if payload_len is not None and payload_len != desc.payload_bytes:

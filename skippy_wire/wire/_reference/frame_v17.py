@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import operator
 import struct
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..agreement import ActivationAgreement, ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
 from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
-from ..field_checks import wire_bool
+from ..field_checks import wire_bool, wire_int
 from . import frame_v16 as _v16
 from .frame import byte_view
 
@@ -43,7 +42,7 @@ def _dimension_ok(d, axis: int, rank: int, token_axis: int) -> bool:
 
 def _int_field(value, low: int, high: int, name: str) -> None:
     try:
-        value = operator.index(value)
+        value = wire_int(value)
     except TypeError:
         value = None
     if value is None or not low <= value <= high:
@@ -114,7 +113,7 @@ def validate_agreement(agreement: ActivationAgreement) -> None:
         raise _err("invalid activation agreement")
     ids = set()
     for p in agreement.profiles:
-        profile_id = operator.index(p.id)  # a 0-d array is an index but no set member
+        profile_id = wire_int(p.id)  # a 0-d array is an index but no set member
         if profile_id == 0 or profile_id in ids:
             raise _err("duplicate or zero activation profile ID")
         ids.add(profile_id)
@@ -123,7 +122,7 @@ def validate_agreement(agreement: ActivationAgreement) -> None:
             raise _err("invalid activation profile")
         seen = []
         for part in p.parts:
-            if operator.index(part.ggml_type) not in _v16.ELEMENT_BYTES:
+            if wire_int(part.ggml_type) not in _v16.ELEMENT_BYTES:
                 raise _err("activation part has unsupported ggml type")
             if not 1 <= part.rank <= 4 or part.token_axis >= part.rank or bytes(part.identity) in seen:
                 raise _err("invalid activation part profile")
@@ -249,12 +248,12 @@ def agreed_decode(agreement: ActivationAgreement, codec, data):
             if not pp.optional:
                 raise _err("required activation part absent")
             continue
-        dims, strides, stride = [], [], _v16.ELEMENT_BYTES[operator.index(pp.ggml_type)]
+        dims, strides, stride = [], [], _v16.ELEMENT_BYTES[wire_int(pp.ggml_type)]
         for d in pp.dimensions:  # each axis's stride is checked before the next value is read
             if d is TOKENS:
                 v = tokens
             elif isinstance(d, Fixed):
-                v = operator.index(d.value)  # a numpy integer would wrap in the products below
+                v = wire_int(d.value)  # a numpy integer would wrap in the products below
             else:
                 if len(view) < pos + 8:
                     raise UnexpectedEofError()
