@@ -65,6 +65,8 @@ class FakeBackend:
         session.freed = True
 
     def trim(self, session: FakeSession, n: int) -> None:
+        if not 0 <= n <= session.token_count:  # as the runtime: a trim never grows a session
+            raise ValueError("cannot trim session beyond current token count")
         session.token_count = n
         del session.history[n:]
 
@@ -755,6 +757,20 @@ def test_a_trim_past_what_a_session_holds_is_refused_before_it_takes_a_lane(chai
     assert f"TRIM_SESSION to position {position}, but session 5 holds 0 tokens" in caplog.text
     assert [b.sessions for b in chain.backends] == [[], []]  # no session opened for it
     with PipelineClient(*chain.entry, timeout=10) as client:  # nor for a held one's trim past its end
+        for msg in prefill_messages(PROMPT, 16, 1, 5):
+            client.request(msg)
+        with pytest.raises(PipelineError, match="closed the connection"):
+            client.request(StageWireMessage(kind, len(PROMPT) + 1, 0, StageStateHeader.new(kind), 1, 5))
+    assert f"TRIM_SESSION to position {len(PROMPT) + 1}, but session 5 holds {len(PROMPT)} tokens" in caplog.text
+
+
+def test_a_trim_past_what_a_session_holds_is_refused_with_a_step_computed_ahead(chain_factory, caplog):
+    # A one-stage pipeline computes a greedy session's next step ahead: that step is not one the
+    # peer asked for, so a trim to just past the prompt is past what the session holds.
+    chain = chain_factory([(0, 6)])
+    kind = WireMessageKind.TRIM_SESSION
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    with PipelineClient(*chain.entry, timeout=10) as client:
         for msg in prefill_messages(PROMPT, 16, 1, 5):
             client.request(msg)
         with pytest.raises(PipelineError, match="closed the connection"):

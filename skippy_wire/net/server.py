@@ -418,7 +418,7 @@ class StageServer:
             raise StageError(f"{kind.name} for session {msg.session_id}, which was freed: it computed nothing for "
                              f"more than {self.idle_timeout:g} s (--idle-timeout)")
         if kind == K.TRIM_SESSION:  # checked before a session is opened for it: a lane and a cache
-            have = 0 if session is None else session.runtime.token_count
+            have = 0 if session is None else session.asked_tokens
             if not 0 <= msg.pos_start <= have:
                 raise StageError(f"TRIM_SESSION to position {msg.pos_start}, but session {msg.session_id} "
                                  f"holds {have} tokens")

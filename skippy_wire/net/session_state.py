@@ -95,6 +95,12 @@ class ServedSession:
     #: holds a lane only while it computes now and then (the idle timeout).
     last_compute: float = field(default_factory=time.monotonic)
 
+    @property
+    def asked_tokens(self) -> int:
+        """The tokens the peer's messages put in this session: a step computed ahead, which
+        no message has asked for yet, is not one of them."""
+        return self.runtime.token_count if self.ahead is None else self.ahead.pos
+
 
 #: How many freed session ids a connection remembers.
 FREED_IDS_KEPT = 64
