@@ -347,6 +347,13 @@ def test_n_sampled_choices_repeat_with_their_seed(api):
     assert [c.text for c in _complete(api, max_tokens=12, temperature=1.0, seed=11, n=3).choices] == texts
 
 
+def test_n_choices_near_the_last_seed_differ(api):
+    # -2 is 4294967294: its choices sampled with 4294967295 and 0, which the backend draws alike
+    texts = [c.text for c in _complete(api, max_tokens=12, temperature=1.0, seed=-2, n=3).choices]
+    assert texts[1] != texts[2]
+    assert texts[2] == _complete(api, max_tokens=12, temperature=1.0, seed=1).choices[0].text  # on from 1
+
+
 def test_disconnect_mid_stream_frees_the_sessions(api):
     # Four lanes per stage: leave more streams than that mid-way; if their sessions were
     # not freed on every stage, the four concurrent requests after them would find no lane.

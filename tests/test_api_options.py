@@ -48,7 +48,8 @@ def test_llama_server_names_for_the_token_budget():
 
 def test_top_p_0_and_min_p_1_keep_only_the_best_token():
     # the wire applies both filters only for 0 < p < 1; llama.cpp keeps the best candidate
-    for body in ({"top_p": 0}, {"min_p": 1}, {"top_p": 0.0, "top_k": 40}):
+    # as f32, as both read them: 1e-50 is 0 there and 0.99999999 is 1 (they turned the filter off)
+    for body in ({"top_p": 0}, {"min_p": 1}, {"top_p": 0.0, "top_k": 40}, {"top_p": 1e-50}, {"min_p": 0.99999999}):
         assert parse_options({"temperature": 1, **body}).sampling.wire().top_k == 1
     assert parse_options({"temperature": 1, "top_p": 0.5, "min_p": 0.5}).sampling.wire().top_k == 0
 
@@ -258,10 +259,12 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_by_its_size():
 
 
 def test_tokenize_takes_a_bounded_text():
-    check_tokenize_size("x" * MAX_TOKENIZE_BYTES)
-    for text in ("x" * (MAX_TOKENIZE_BYTES + 1), "é" * (MAX_TOKENIZE_BYTES // 2 + 1)):
+    check_tokenize_size(["x" * MAX_TOKENIZE_BYTES])
+    check_tokenize_size(["x" * (MAX_TOKENIZE_BYTES // 2), 7, "x" * (MAX_TOKENIZE_BYTES // 2)])
+    for pieces in (["x" * (MAX_TOKENIZE_BYTES + 1)], ["é" * (MAX_TOKENIZE_BYTES // 2 + 1)],
+                   ["x" * MAX_TOKENIZE_BYTES, 1, "x"], [1] * (MAX_TOKENIZE_BYTES + 1)):
         with pytest.raises(BadRequest, match="/tokenize takes at most") as err:
-            check_tokenize_size(text)
+            check_tokenize_size(pieces)
         assert err.value.param == "content"
 
 

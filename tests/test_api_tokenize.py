@@ -44,6 +44,18 @@ def test_tokenize_gives_the_tokenizer_s_ids_and_detokenize_the_text_back(client)
     assert raw == "a 😀<|im_start|>".encode() and any(isinstance(p["piece"], list) for p in pieces)
 
 
+def test_tokenize_takes_texts_and_token_ids_mixed_as_llama_server(client):
+    # llama-server's tokenize_mixed: ids as given, each text tokenized in place (a 400 here before)
+    hi, there = (client.tokenizer.encode(t, add_bos=False) for t in ("Hi", " there"))
+    assert client.post("/tokenize", json={"content": [6004, " there", 17]}).json() == {"tokens": [6004, *there, 17]}
+    assert client.post("/tokenize", json={"content": ["Hi", " there"]}).json() == {"tokens": hi + there}
+    pieces = client.post("/tokenize", json={"content": [*hi, " there"], "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "Hi there"
+    for content in ([client.tokenizer.n_vocab, "x"], [-1], ["x", True], ["x", 1.5], [["x"]]):
+        r = client.post("/tokenize", json={"content": content})
+        assert r.status_code == 400 and "'content'" in r.json()["error"]["message"], (content, r.text)
+
+
 def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path):
     # As llama.cpp: SmolLM2's GGUF says add_bos_token false, the tiny model's says true.
     hi = client.tokenizer.encode("Hi", add_bos=False)
@@ -54,8 +66,12 @@ def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path)
     with TestClient(api.app()) as tiny:
         plain = tiny.post("/tokenize", json={"content": "Hi"}).json()["tokens"]
         special = tiny.post("/tokenize", json={"content": "Hi", "add_special": True}).json()["tokens"]
+        mixed = [tiny.post("/tokenize", json={"content": content, "add_special": True}).json()["tokens"]
+                 for content in (["Hi", "Hi"], [5, "Hi"])]
     api.close()
     assert special == [engine.tokenizer.bos_id] + plain
+    # a list: BOS only before a text that opens it, as llama-server's tokenize_mixed
+    assert mixed[0] == special + plain and mixed[1] == [5] + plain
 
 
 def test_an_empty_prompt_is_the_bos_alone_where_the_model_adds_one(client, tmp_path):

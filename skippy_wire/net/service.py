@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ..errors import PipelineClosed, PipelineError, PipelineMismatch, PipelineTimeout, SkippyError
 from ..wire.constants import F32_SMALLEST
-from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage
+from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage, as_f32
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient, check_model_id
 from .schedule import check_generation, context_room, prefill_messages
@@ -89,8 +89,9 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
     def __post_init__(self) -> None:
         self.top_k = max(0, self.top_k)
         # llama.cpp keeps only the best candidate at top_p 0 or min_p 1, where the wire's
-        # filters apply only for 0 < p < 1 and would let every candidate through.
-        if self.top_p <= 0.0 or self.min_p >= 1.0:
+        # filters apply only for 0 < p < 1 and would let every candidate through; as the wire's
+        # f32 (1e-50 is 0 there, 0.99999999 is 1).
+        if as_f32(self.top_p) <= 0.0 or as_f32(self.min_p) >= 1.0:
             self.top_k = 1
 
     def penalized(self) -> bool:

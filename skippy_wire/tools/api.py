@@ -51,7 +51,7 @@ from .llama_sampling import given_sampling
 from .api_prompts import PromptReader
 from .api_params import (BadRequest, add_text_biases, check_answer_size, check_context, check_detokenize_count,
                          check_text, check_token_ids, parse_detokenize, parse_options, parse_tokenize,
-                         suppress_end_of_generation)
+                         suppress_end_of_generation, tokenize_content)
 from .cli import package_version
 from .error_shapes import NOT_SERVED, ErrorObjects, not_served
 from .http_events import EventStream
@@ -267,10 +267,9 @@ class Api:
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _tokenized(self, fields: tuple) -> dict:
-        content, add_special, parse_special, with_pieces = fields
+        pieces, add_special, parse_special, with_pieces = fields
         tokenizer = self.engine.tokenizer
-        # add_special: the special tokens the model asks for (BOS where it adds one), as llama.cpp
-        tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
+        tokens = tokenize_content(tokenizer, pieces, add_special, parse_special)
         if with_pieces:  # llama-server's: a piece that is part of a character, as its byte values
             return {"tokens": [{"id": t, "piece": llama_piece(tokenizer.token_bytes(t))} for t in tokens]}
         return {"tokens": tokens}

@@ -89,11 +89,12 @@ class GenerationJob:
 
     def _sampling(self, index: int):
         """The sampling of choice ``index``: a request's seed seeds its first choice of each
-        prompt, the next seed the second, and so on (one seed, ``n`` different samples)."""
+        prompt, the next seed the second, and so on (one seed, ``n`` different samples).  Past
+        2^32 - 1 the seeds go on from 1: seed 0 draws as 2^32 - 1 does (the backend's)."""
         sampling, choice = self.options.sampling, index % self.options.n
         if choice == 0 or sampling.seed is None:  # no seed: each generation draws its own
             return sampling
-        return dataclasses.replace(sampling, seed=(sampling.seed + choice) % SEED_RANGE)
+        return dataclasses.replace(sampling, seed=(sampling.seed + choice - 1) % (SEED_RANGE - 1) + 1)
 
     @staticmethod
     def _lane_done(future: asyncio.Future, give_back: Callable[[], None]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ from ..net.service import WHOLE_HISTORY, SamplingParams
 from ..stage.chat import MESSAGES
 from ..stage.models import SURROGATE
 from ..wire.constants import DEFAULT_SAMPLERS, MAX_STAGE_LOGIT_BIAS
+from ..wire.messages import as_f32
 from .llama_sampling import (LLAMA_DEFAULT_SEED, LLAMA_SAMPLING, MAX_NATIVE_TEMPERATURE, MAX_REPEAT_PENALTY, SEED_RANGE,
                              SHARED_SAMPLING)
 from .http_front import MAX_BODY_BYTES
@@ -70,11 +70,7 @@ def _holds(test: Callable[[float], bool], value) -> bool:
     infinite past its range; 0.50000001 is 0.5 there)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    try:
-        value = struct.unpack("<f", struct.pack("<f", value))[0]
-    except OverflowError:
-        value = math.inf if value > 0 else -math.inf
-    return test(value)
+    return test(as_f32(value))
 
 
 def _where(test: Callable[[float], bool]) -> Callable[[Any, dict], bool]:
@@ -256,9 +252,13 @@ def _size_over(text: str, limit: int) -> Optional[str]:
     return str(size) if size > limit else None
 
 
-def check_tokenize_size(text: str) -> None:
-    """``/tokenize`` takes at most :data:`MAX_TOKENIZE_BYTES` of text (its memory, above)."""
-    size = _size_over(text, MAX_TOKENIZE_BYTES)
+def check_tokenize_size(pieces: list) -> None:
+    """``/tokenize`` takes at most :data:`MAX_TOKENIZE_BYTES` of text (its memory, above) and
+    as many token ids with it."""
+    if len(pieces) > MAX_TOKENIZE_BYTES:
+        raise BadRequest(f"'content' holds {len(pieces)} pieces; /tokenize takes at most {MAX_TOKENIZE_BYTES} "
+                         "(tokenize a long list in parts)", "content")
+    size = _size_over("".join(p for p in pieces if isinstance(p, str)), MAX_TOKENIZE_BYTES)
     if size is not None:
         raise BadRequest(f"'content' is {size} bytes; /tokenize takes at most {MAX_TOKENIZE_BYTES} (tokenize a long "
                          "text in parts)", "content")
@@ -520,17 +520,30 @@ def parse_template_options(body: dict) -> tuple[bool, dict]:
     return _flag(body, "add_generation_prompt", True), extra
 
 
-def parse_tokenize(body: dict) -> tuple[str, bool, bool, bool]:
+def parse_tokenize(body: dict) -> tuple[list, bool, bool, bool]:
     """llama-server's ``/tokenize`` body: ``content`` (absent: no text, as llama-server takes
-    it), then ``add_special`` (default false), ``parse_special`` (default true) and
-    ``with_pieces`` (default false); a text over :data:`MAX_TOKENIZE_BYTES` is refused here,
-    before the request queues for the tokenizer (behind a long prompt, say)."""
+    it), a text or a list of texts and token ids, as its ``tokenize_mixed`` reads it; then
+    ``add_special`` (default false), ``parse_special`` (default true) and ``with_pieces``
+    (default false).  A text over :data:`MAX_TOKENIZE_BYTES` is refused here, before the
+    request queues for the tokenizer (behind a long prompt, say)."""
     content = _given(body, "content", "")
-    if not isinstance(content, str):
-        raise BadRequest("'content' must be a string", "content", INVALID_TYPE)
-    check_tokenize_size(content)
-    return (content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
+    pieces = [content] if isinstance(content, str) else content
+    if not (isinstance(pieces, list) and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in pieces)):
+        raise BadRequest("'content' must be a string or a list of texts and token ids", "content", INVALID_TYPE)
+    check_tokenize_size(pieces)
+    return (pieces, _flag(body, "add_special", False), _flag(body, "parse_special", True),
             _flag(body, "with_pieces", False))
+
+
+def tokenize_content(tokenizer, pieces: list, add_special: bool, parse_special: bool) -> list[int]:
+    """``/tokenize``'s tokens of ``pieces`` (:func:`parse_tokenize`), as llama-server's
+    ``tokenize_mixed``: token ids as given (within the vocabulary), each text tokenized in place,
+    ``add_special`` adding the special tokens the model asks for (BOS where it adds one) only
+    before a text that opens the content."""
+    check_token_ids([p for p in pieces if not isinstance(p, str)], tokenizer.n_vocab, "content")
+    return [token for i, piece in enumerate(pieces) for token in (
+        tokenizer.encode(piece, add_bos=None if add_special and i == 0 else False, parse_special=parse_special)
+        if isinstance(piece, str) else [piece])]
 
 
 def parse_detokenize(body: dict, tokenizer) -> list[int]:
@@ -549,7 +562,7 @@ def parse_detokenize(body: dict, tokenizer) -> list[int]:
 
 
 __all__ = ["BadRequest", "INVALID_TYPE", "MESSAGES_CODES", "Options", "parse_options", "parse_template_options",
-           "parse_tokenize",
+           "parse_tokenize", "tokenize_content",
            "parse_detokenize", "check_text", "check_token_ids", "check_context",
            "check_detokenize_count", "check_answer_size",
            "suppress_end_of_generation", "add_text_biases", "UNTIL_FULL",

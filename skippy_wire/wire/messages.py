@@ -165,6 +165,11 @@ def f32_bits(value: float) -> int:
         return 0xFF800000 if value < 0 else 0x7F800000
 
 
+def as_f32(value: float) -> float:
+    """``value`` as the f32 the wire carries it as (round to nearest, overflow to infinity)."""
+    return f32_from_bits(f32_bits(value))
+
+
 def f32_from_bits(bits: int) -> float:
     """A float for an f32 bit pattern; exact for every non-NaN, an :class:`F32` for NaNs."""
     if (bits & 0x7F800000) == 0x7F800000 and (bits & 0x007FFFFF):
