@@ -13,9 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from process_helpers import thread_slices
 
@@ -247,8 +249,7 @@ def test_layers_that_would_not_compute_the_model_once_in_order_are_refused_befor
     ({"tls": 5}, TypeError, "tls must be a TlsConfig, not int"),
     ({"startup_timeout": 0}, ValueError, "startup_timeout must be a number of seconds above 0 and at most 1000000, "
                                          "got 0"),
-    ({"reply_timeout": "5"}, ValueError, "reply_timeout must be a number of seconds above 0 and at most 1000000, "
-                                         "got '5'"),
+    ({"reply_timeout": "5"}, TypeError, "reply_timeout must be a number of seconds, not str"),
     ({"io_timeout": float("inf")}, ValueError,  # the stage refused it once started, in its command line's words
      "io_timeout must be a number of seconds above 0 and at most 1000000, got inf"),
     ({"session_events_kept": -1}, ValueError, "session_events_kept must be at least 0, got -1"),
@@ -258,7 +259,8 @@ def test_layers_that_would_not_compute_the_model_once_in_order_are_refused_befor
     ({"layers": [("0", "2"), ("2", "4")]}, TypeError, "layers[0] must be an int, not str"),
     ({"layers": [(0, 2, 4)]}, TypeError, "layers[0] must be a (start, end) pair of layer indices, got (0, 2, 4)"),
     ({"stages": 3, "layers": [(0, 2), (2, 4)]}, ValueError, "stages is 3, but layers gives 2 ranges"),
-    ({"on_progress": 5}, TypeError, "on_progress must be callable or None, not int")])
+    ({"on_progress": 5}, TypeError, "on_progress must be callable or None, not int"),
+    ({"threads": "x"}, TypeError, "threads must be an int or None, not str")])  # a ValueError after the model read
 def test_launch_arguments_are_checked_in_the_callers_words_before_any_stage_starts(tiny_model, monkeypatch,
                                                                                    arguments, error, text):
     # A stage refused them only once started, in a PipelineError quoting its command line,
@@ -269,6 +271,26 @@ def test_launch_arguments_are_checked_in_the_callers_words_before_any_stage_star
     with pytest.raises(error) as caught:
         launch_pipeline(tiny_model, **{"stages": 2, "threads": 1, **arguments})
     assert str(caught.value) == text
+
+
+def test_numpy_and_fraction_arguments_reach_the_stages_as_plain_numbers(tiny_model, monkeypatch):
+    # their repr reached a stage's command line ("--reply-timeout np.float64(6.0)", "--io-timeout 10/3")
+    # and it refused to start; np.int64 threads were a ValueError
+    started = []
+
+    def recorded(index, layers, args, **_kwargs):
+        started.append(args)
+        raise KeyboardInterrupt  # no stage starts: one command line is enough
+
+    monkeypatch.setattr("skippy_wire.net.supervision.StageProcess", recorded)
+    with pytest.raises(KeyboardInterrupt):
+        launch_pipeline(tiny_model, np.int64(2), threads=np.int64(1), ctx_size=np.int32(64),
+                        layers=[(np.int64(0), np.int64(2)), (np.int64(2), np.int64(4))],
+                        reply_timeout=np.float64(10), io_timeout=Fraction(10, 3), startup_timeout=np.float32(60))
+    args = started[0]
+    value = dict(zip(args, args[1:]))
+    assert value["--threads"] == "1" and value["--ctx-size"] == "64" and value["--layer-start"] == "2"
+    assert float(value["--reply-timeout"]) < 10 and value["--io-timeout"] == str(10 / 3)
 
 
 @pytest.mark.parametrize("kept", [3, 0])
@@ -564,3 +586,41 @@ def test_a_generation_ends_where_the_launched_stages_context_does(tiny_model):
             with pytest.raises(ValueError, match="^the prompt's 17 tokens do not fit the stages' context of 16 "):
                 client.generate(list(range(1, 18)), max_tokens=1)
             assert client.alive() and client.generate(PROMPT, max_tokens=2).stop_reason == "max_tokens"
+
+
+class _FakeStage:
+    """A stage process that only notes its termination (``interrupt``: Ctrl-C meets it)."""
+
+    def __init__(self, port: int, log: list, interrupt: bool = False) -> None:
+        self.host, self.port, self.log, self.interrupt = "127.0.0.1", port, log, interrupt
+
+    def terminate(self) -> None:
+        self.log.append(self.port)
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+
+def test_closing_a_pipeline_twice_leaves_a_newer_one_on_its_address_known(monkeypatch):
+    # the old pipeline's second close() forgot the newer one: a client then named no failed stage
+    from skippy_wire.net import supervision
+
+    monkeypatch.setattr(supervision, "_LAUNCHED", {})
+    log: list = []
+    old = supervision.StageCluster([_FakeStage(5000, log)], Path("m.gguf"), "raw-f32-v1", "fixed", 1)
+    supervision._LAUNCHED[old.entry] = old
+    old.close()
+    new = supervision.StageCluster([_FakeStage(5000, log)], Path("m.gguf"), "raw-f32-v1", "fixed", 1)
+    supervision._LAUNCHED[new.entry] = new
+    old.close()
+    assert supervision.launched_cluster("127.0.0.1", 5000) is new
+
+
+def test_an_interrupted_close_still_terminates_every_stage():
+    # Ctrl-C in stage 0's termination left the later stages running (and their ports held)
+    from skippy_wire.net import supervision
+
+    log: list = []
+    stages = [_FakeStage(5000, log, interrupt=True), _FakeStage(5001, log), _FakeStage(5002, log)]
+    with pytest.raises(KeyboardInterrupt):
+        supervision.StageCluster(stages, Path("m.gguf"), "raw-f32-v1", "fixed", 1).close()
+    assert log == [5000, 5001, 5002]

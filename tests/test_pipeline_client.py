@@ -14,7 +14,7 @@ import pytest
 from test_server import PROMPT, Chain, fake_reference
 
 from skippy_wire.errors import PipelineError
-from skippy_wire.net.driver import PipelineClient
+from skippy_wire.net.driver import STOP_CONTEXT_FULL, PipelineClient
 from skippy_wire.net.schedule import prefill_messages
 from skippy_wire.wire.constants import READY_BYTES
 from skippy_wire.wire.frame import write_reply
@@ -86,6 +86,26 @@ def test_a_connection_closed_while_idle_is_opened_again(chain):
         assert client.sent_bytes >= sent + again.sent_bytes  # the counts go on from the old connection's
 
 
+def test_a_connection_opened_again_knows_the_pipeline_now_on_the_address(chain, monkeypatch):
+    """A pipeline started anew on the address is another one: the client kept the old one's
+    context (a request over the new one's refused as too long, or run past its end) and named
+    the old one's stages when one failed."""
+    from skippy_wire.net import supervision
+
+    monkeypatch.setitem(supervision._LAUNCHED, chain.entry, SimpleNamespace(ctx_size=512, log_marks=lambda: None))
+    with PipelineClient(*chain.entry, timeout=10) as client:
+        client.generate(PROMPT, max_tokens=2, chunk_size=4)
+        assert client.ctx_size == 512
+        restarted = SimpleNamespace(ctx_size=len(PROMPT) + 2, log_marks=lambda: None)
+        monkeypatch.setitem(supervision._LAUNCHED, chain.entry, restarted)
+        client._peer.sock.shutdown(socket.SHUT_RDWR)
+        result = client.generate(PROMPT, max_tokens=5, chunk_size=4)
+        assert client._stages is restarted and client.ctx_size == len(PROMPT) + 2
+    with PipelineClient(*chain.entry, timeout=10, ctx_size=len(PROMPT) + 2) as told:
+        expected = told.generate(PROMPT, max_tokens=5, chunk_size=4)
+    assert result.tokens == expected.tokens and result.stop_reason == expected.stop_reason == STOP_CONTEXT_FULL
+
+
 def test_a_connection_closed_while_capturing_is_not_opened_again(chain, tmp_path):
     """A new connection would start the capture files over."""
     with PipelineClient(*chain.entry, timeout=10, capture=tmp_path / "hop0") as client:
@@ -100,7 +120,8 @@ def test_a_connection_closed_while_capturing_is_not_opened_again(chain, tmp_path
     ({"host": None}, TypeError, "host must be a host name or address (a str), not None"),
     ({"protocol": 99}, ValueError, "protocol must be one of 15, 16, 17, got 99"),
     ({"protocol": "15"}, ValueError, "protocol must be one of 15, 16, 17, got '15'"),
-    ({"poll_s": "x"}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got 'x'"),
+    ({"poll_s": "x"}, TypeError, "poll_s must be a number of seconds, not str"),
+    ({"timeout": "5"}, TypeError, "timeout must be a number of seconds, not str"),  # a ValueError
     ({"poll_s": -1}, ValueError, "poll_s must be a number of seconds from 0 to 1000000, got -1"),
     # raw AttributeErrors once used ('str' object has no attribute 'client_context')
     ({"tls": "x"}, TypeError, "tls must be a TlsConfig or None, not str"),
@@ -151,6 +172,24 @@ def test_stages_launched_on_127_0_0_1_are_known_when_reached_as_localhost(chain,
     monkeypatch.setitem(supervision._LAUNCHED, chain.entry, launched)
     with PipelineClient("localhost", chain.entry[1], timeout=10) as client:
         assert client._stages is launched and client.ctx_size == 12
+
+
+def test_a_request_that_is_no_message_is_a_type_error(chain):
+    with PipelineClient(*chain.entry, timeout=10) as client:  # an AttributeError from the writer
+        with pytest.raises(TypeError, match="^request expects a StageWireMessage, not NoneType$"):
+            client.request(None)
+        assert client.generate(PROMPT, max_tokens=2, chunk_size=4).tokens == fake_reference(PROMPT, 2)
+
+
+@pytest.mark.parametrize("arguments, error, text", [
+    ({"sampling": {}}, TypeError, "sampling must be a SamplingConfig or None, not dict"),  # the runtime's ValueError
+    ({"threads": "x"}, TypeError, "threads must be an int or None, not str")])  # a ValueError, the model read first
+def test_generate_local_checks_its_arguments_as_generate_does(arguments, error, text):
+    from skippy_wire.net.driver import generate_local
+
+    with pytest.raises(error) as caught:
+        generate_local("no-such-model.gguf", [1, 2], **arguments)
+    assert str(caught.value) == text
 
 
 @pytest.mark.parametrize("ctx_size, error, text", [(0, ValueError, "ctx_size must be from 1 to 16777216, got 0"),

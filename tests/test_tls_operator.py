@@ -21,7 +21,7 @@ import pytest
 from skippy_wire.errors import PipelineMismatch, SetupClosed, StageError
 from skippy_wire.net.driver import PipelineClient
 from skippy_wire.net.server import StageServer
-from skippy_wire.net.tls import TlsConfig, accept_tls, connect_tls, handshake_failure
+from skippy_wire.net.tls import TlsConfig, accept_tls, connect_tls, handshake_failure, link_error
 from skippy_wire.tools import serve
 from test_server import FakeBackend
 
@@ -506,3 +506,8 @@ def test_a_driver_refused_by_stage_0_s_certificate_is_a_mismatch_no_wait_mends(p
             assert client.alive()
     finally:
         server.shutdown()
+
+
+def test_a_link_s_socket_error_is_said_in_words():
+    # "downstream H:P did not send READY: [Errno 104] Connection reset by peer"
+    assert link_error(ConnectionResetError(104, "Connection reset by peer")) == "connection reset by peer"

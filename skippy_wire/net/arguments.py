@@ -27,9 +27,11 @@ def int_argument(name: str, value, least: int, most: int | None = None) -> int:
 
 def seconds_argument(name: str, value, *, zero: bool = False) -> float:
     """``value`` of the argument ``name``: a number of seconds above 0 (``zero``: from 0), at
-    most :data:`MAX_WAIT_S`, as a float (numpy's numbers are numbers)."""
-    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if not (number and (0 <= value if zero else 0 < value) and value <= MAX_WAIT_S):  # NaN fails every test
+    most :data:`MAX_WAIT_S`, as a float (numpy's numbers are numbers; anything else, a bool or
+    a string, is a TypeError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not ((0 <= value if zero else 0 < value) and value <= MAX_WAIT_S):  # NaN fails every test
         bound = f"from 0 to {MAX_WAIT_S}" if zero else f"above 0 and at most {MAX_WAIT_S}"
         raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")
     return float(value)

@@ -1,10 +1,8 @@
 """The pipeline driver: generate text through running stages, or through one in-process stage.
 
 * :class:`PipelineClient` holds the one persistent TCP connection to stage 0 and runs a
-  generation: ConfigureGeneration, the prompt in chunks (PrefillEmbd ...,
-  PrefillFinalEmbd), one DecodeEmbd per generated token, Stop.  Every request has a
-  timeout; a stage that closes, stalls or answers garbage turns into a
-  :class:`PipelineError` with the reason.
+  generation (the schedule below).  Every request has a timeout; a stage that closes,
+  stalls or answers garbage turns into a :class:`PipelineError` with the reason.
 * :func:`generate_local` runs the same schedule on one in-process stage owning every
   layer: the reference the multi-process result must match (``run --check``).
 
@@ -195,15 +193,24 @@ class PipelineClient:
         self._link_failed = False  # a send or a wait of the request failed: what is in flight is unknown
         check_model_id(model_id, protocol, identity)
         self._endpoint, self._setup = (host, port), (capture, protocol, identity, tls, poll_s, model_id)
-        # the stages behind it: given, or the ones this process launched there
-        self._stages = stages if stages is not None else launched_cluster(host, port)
-        self._topology = driven_topology(host, port)  # or when a topology file describes them
-        self._marks = self._log_marks()
+        self._given = stages, ctx_size
+        self._look_up_stages()
         self._connect()
-        #: The context every stage holds, where known (given, or the stages' this process
-        #: launched, or the topology's it drives); None: not known here.
-        self.ctx_size = ctx_size or next((known.ctx_size for known in (self._stages, self._topology)
-                                          if known is not None and known.ctx_size), None)
+
+    def _look_up_stages(self) -> None:
+        """The stages behind stage 0's address (given, or the ones this process launched there,
+        or a topology file describes; :meth:`_connect` looks again by the address reached)."""
+        (host, port), (stages, _) = self._endpoint, self._given
+        self._stages = stages if stages is not None else launched_cluster(host, port)
+        self._topology = driven_topology(host, port)
+        self._marks = self._log_marks()
+
+    @property
+    def ctx_size(self) -> int | None:
+        """The context every stage holds, where known (given, or the stages' this process
+        launched, or the topology's it drives); None: not known here."""
+        return self._given[1] or next((known.ctx_size for known in (self._stages, self._topology)
+                                       if known is not None and known.ctx_size), None)
 
     def _connect(self) -> None:
         """The connection to stage 0 and its READY handshake (v17: the stage setup)."""
@@ -247,6 +254,7 @@ class PipelineClient:
             return
         old = self._peer
         old.close()
+        self._look_up_stages()  # a pipeline started anew on the address is another one
         self._connect()
         self._peer.sent += old.sent
         self._peer.reader.count += old.reader.count
@@ -353,6 +361,8 @@ class PipelineClient:
         """Send one message and return its reply (a ``StageReply``); :attr:`sent_at` is
         when its write began (perf_counter): a write that waits while stage 0 already runs
         counts in the round trip, so the round trip holds every stage's compute."""
+        if not isinstance(msg, StageWireMessage):  # an AttributeError once sent
+            raise TypeError(f"request expects a StageWireMessage, not {type(msg).__name__}")
         self._marks = self._log_marks()
         with self._one_request():
             try:
@@ -419,12 +429,16 @@ class PipelineClient:
         request_id, session_id = int_argument("request_id", request_id, 0, U64_MAX), \
             int_argument("session_id", session_id, 0, U64_MAX)
         instance_argument("sampling", sampling, SamplingConfig)
-        room = max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
+        def room_after_prompt() -> int:  # the tokens the stages' context leaves after the prompt
+            return max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
+
+        room_after_prompt()  # a prompt too long is refused before anything is sent
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         self._marks = self._log_marks()
         with self._one_request():
             self._reopen_if_dropped()
+            room = room_after_prompt()  # the stages reached again may be others, with another context
             sent0, recv0 = self.sent_bytes, self.received_bytes
             opened = False
             try:
@@ -549,11 +563,13 @@ def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DE
     of ``ctx_size`` bounding it as :class:`PipelineClient`'s ``ctx_size`` bounds a pipeline's."""
     prompt, max_tokens, chunk_size = check_generation(prompt, max_tokens, chunk_size, is_eog=is_eog)
     int_argument("ctx_size", ctx_size, 1, MAX_CTX_SIZE)  # the runtime's own words named arguments not given
+    instance_argument("sampling", sampling, SamplingConfig)  # as generate() (the runtime's was a ValueError)
+    threads = resolved_threads(threads)  # before the model is read
     room = context_room(len(prompt), max_tokens, ctx_size)
     # in the main thread, Ctrl-C stops a long prefill at once; the model and its session are
     # freed on the way out, also by an exception (one kept referenced held them, ~500 MB)
     with interruptible_compute(), StageModel.open(model, 0, model_shape(model)[0], stage_index=0, ctx_size=ctx_size,
-                                                  n_threads=resolved_threads(threads)) as stage, \
+                                                  n_threads=threads) as stage, \
             stage.create_session() as session:
         result = GenerationResult(list(prompt))
         started = time.perf_counter()

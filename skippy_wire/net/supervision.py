@@ -68,7 +68,8 @@ _LOG_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) stage\[
 #: What a stage logs about its connection before the cause ("connection 3 from H:P: ").
 _CONNECTION_PREFIX = re.compile(r"^connection \d+ from [^ ]+: ")
 #: Errors that only report a neighbour going away: the cause is elsewhere.
-_RELAYED = ("closed the connection", "reset the connection", "disconnected in the middle", "stalled for more than")
+_RELAYED = ("closed the connection", "reset the connection", "disconnected in the middle", "stalled for more than",
+            "cannot connect to downstream", "did not send READY")
 
 
 def stage_reply_timeouts(reply_timeout: float, stages: int) -> list[float]:
@@ -370,10 +371,11 @@ class StageCluster:
         return min(found)[3] if found else None
 
     def close(self) -> None:
-        _LAUNCHED.pop(self.entry, None)
+        if _LAUNCHED.get(self.entry) is self:  # a later pipeline on the same address is not ours
+            del _LAUNCHED[self.entry]
         # Stage 0 first: it closes its downstream connection cleanly before the next dies.
-        for stage in self.stages:
-            stage.terminate()
+        # Every stage, even when one's termination is interrupted (Ctrl-C) or fails.
+        _terminate_all(self.stages)
 
     def __enter__(self) -> "StageCluster":
         return self
@@ -389,6 +391,15 @@ class StageCluster:
         while time.monotonic() < deadline and any(len(s.session_events) < count for s in self.stages):
             time.sleep(0.01)
         return [list(s.session_events) for s in self.stages]
+
+
+def _terminate_all(stages: list[StageProcess]) -> None:
+    """Terminate ``stages`` in order, every one of them whatever ends another's termination."""
+    if stages:
+        try:
+            stages[0].terminate()
+        finally:
+            _terminate_all(stages[1:])
 
 
 #: The pipelines :func:`launch_pipeline` started and that still run, by stage 0's address.
@@ -441,22 +452,24 @@ def check_memory_fits(model: Path, ctx_size: int, advice: str = "give a smaller 
 
 
 def _check_launch(stages, layers, ctx_size, codec, policy, protocols, extra_args, stage_args, tls, timeouts,
-                  session_events_kept, on_progress) -> None:
+                  session_events_kept, on_progress) -> tuple:
     """``launch_pipeline``'s arguments, checked in the caller's words before a stage starts (a
-    stage would refuse most of them only when started, quoting its command line)."""
+    stage would refuse most of them only when started, quoting its command line); ``stages``,
+    ``layers``, ``ctx_size``, ``session_events_kept`` and the ``timeouts`` as plain Python
+    numbers (a numpy or Fraction one reached a stage's command line in its repr)."""
     if stages is not None:
-        int_argument("stages", stages, 1)
+        stages = int_argument("stages", stages, 1)
     for index, pair in enumerate(layers or ()):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise TypeError(f"layers[{index}] must be a (start, end) pair of layer indices, got {pair!r}")
-        for bound in pair:  # a float reached a stage's command line as "15.0"
-            int_argument(f"layers[{index}]", bound, 0)
+        # a float reached a stage's command line as "15.0"
+        layers[index] = tuple(int_argument(f"layers[{index}]", bound, 0) for bound in pair)
     if stages is not None and layers is not None and stages != len(layers):
         raise ValueError(f"stages is {stages}, but layers gives {len(layers)} ranges")
     if on_progress is not None and not callable(on_progress):
         raise TypeError(f"on_progress must be callable or None, not {type(on_progress).__name__}")
-    int_argument("ctx_size", ctx_size, 0, MAX_CTX_SIZE)  # 0: the model's training context, as -c 0
-    int_argument("session_events_kept", session_events_kept, 0)
+    ctx_size = int_argument("ctx_size", ctx_size, 0, MAX_CTX_SIZE)  # 0: the model's training context, as -c 0
+    session_events_kept = int_argument("session_events_kept", session_events_kept, 0)
     for name, value in (("codec", codec), ("policy", policy)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a name string, not {type(value).__name__}")
@@ -468,9 +481,8 @@ def _check_launch(stages, layers, ctx_size, codec, policy, protocols, extra_args
             raise TypeError(f"{name} must be a list of serve arguments (strings), got {args!r}")
     if tls is not None and not isinstance(tls, TlsConfig):
         raise TypeError(f"tls must be a TlsConfig, not {type(tls).__name__}")
-    for name, value in timeouts.items():
-        if value is not None:
-            seconds_argument(name, value)
+    timeouts = {name: None if value is None else seconds_argument(name, value) for name, value in timeouts.items()}
+    return stages, layers, ctx_size, session_events_kept, timeouts
 
 
 def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str = "raw-f32-v1", policy: str = "fixed",
@@ -504,9 +516,12 @@ def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str 
     if isinstance(extra_args, Iterable) and not isinstance(extra_args, (str, bytes)):
         extra_args = list(extra_args)  # (a generator is read once)
     layers = list(layers) if layers is not None else None
-    _check_launch(stages, layers, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args,
-                  stage_args, tls, {"startup_timeout": startup_timeout, "io_timeout": io_timeout,
-                                    "reply_timeout": reply_timeout}, session_events_kept, on_progress)
+    stages, layers, ctx_size, session_events_kept, timeouts = _check_launch(
+        stages, layers, ctx_size, codec, policy, list(protocols) if protocols else [protocol], extra_args, stage_args,
+        tls, {"startup_timeout": startup_timeout, "io_timeout": io_timeout, "reply_timeout": reply_timeout},
+        session_events_kept, on_progress)
+    startup_timeout, io_timeout, reply_timeout = timeouts.values()
+    threads = resolved_threads(threads)  # before the model is read
     model = Path(model)
     check_memory_fits(model, ctx_size)
     try:
@@ -525,7 +540,6 @@ def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str 
     if set(stage_args or ()) - set(range(len(layers))):
         raise ValueError(f"stage_args names stages {sorted(stage_args)}, "
                          f"but there are {len(layers)} (0..{len(layers) - 1})")
-    threads = resolved_threads(threads)
     if on_progress is not None and oversubscription(threads):
         on_progress(f"warning: -t {threads}: {oversubscription(threads)}")
     log_dir = Path(log_dir) if log_dir else None
@@ -569,8 +583,7 @@ def launch_pipeline(model: str | Path, stages: int | None = None, *, codec: str 
                             f"({time.perf_counter() - started:.2f} s)")
             downstream = proc.address
     except BaseException:
-        for proc in procs:
-            proc.terminate()
+        _terminate_all(procs)
         raise
     cluster = StageCluster(procs, model, codec, policy, threads, log_dir, protocols[0], identity, ctx_size or None)
     _LAUNCHED[cluster.entry] = cluster

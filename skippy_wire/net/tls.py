@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import SetupClosed, StageError, special_file
+from ..errors import SetupClosed, StageError, os_reason, special_file
 
 #: Sent in the clear to a plain peer of a TLS stage, where it expects READY or a setup reply.
 TLS_REQUIRED_NOTICE = b"STLS"
@@ -197,9 +197,12 @@ def refuses_certificate(exc: ssl.SSLError) -> bool:
 
 
 def link_error(exc: BaseException):
-    """``exc`` from a link's first read, a TLS failure in words (with TLS 1.3 a peer refuses
-    this side's certificate after the handshake, at the first read)."""
-    return tls_failure(exc) if isinstance(exc, ssl.SSLError) else exc
+    """``exc`` from a link's first read in words: a TLS failure (with TLS 1.3 a peer refuses
+    this side's certificate after the handshake, at the first read), a socket's error without
+    Python's "[Errno 104]"."""
+    if isinstance(exc, ssl.SSLError):
+        return tls_failure(exc)
+    return os_reason(exc) if isinstance(exc, OSError) else exc
 
 
 @dataclass(frozen=True)

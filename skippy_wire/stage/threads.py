@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 #: A thread count that asks for :func:`default_threads` (``-t -1``, a topology file's
@@ -25,12 +26,17 @@ def default_threads() -> int:
 
 def resolved_threads(threads: int | None) -> int:
     """``threads`` for a stage an embedder starts: None is :func:`default_threads`; anything
-    else must be 1 to :data:`MAX_THREADS` (0 is no default: ValueError, as ``-t 0``)."""
+    else is an integer (numpy's are; TypeError) from 1 to :data:`MAX_THREADS` (0 is no
+    default: ValueError, as ``-t 0``)."""
     if threads is None:
         return default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+    # numbers.Integral, not the wire's integer check: the CLI reads this module before a
+    # stage asks for its scheduler slice, and that check's numpy would start threads first
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads must be an int or None, not {type(threads).__name__}")
+    if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be between 1 and {MAX_THREADS} (None: the default), got {threads!r}")
-    return threads
+    return int(threads)
 
 
 def available_cpus() -> int:
