@@ -37,7 +37,6 @@ cdef extern from "Python.h":
     ctypedef struct PyTypeObject:
         PyObject* (*tp_new)(PyTypeObject*, PyObject*, PyObject*)
     Py_ssize_t Py_REFCNT(object)
-    int PyObject_GenericSetDict(object, object, void*) except -1
     double PyFloat_AsDouble(object) except? -1.0
     bint PyLong_Check(object)
     object PyNumber_Index(object)
@@ -120,7 +119,9 @@ cdef inline object _instance(type cls, dict values):
         raise_current()
     obj = <object>raw  # takes a second reference ...
     Py_DECREF(obj)     # ... and drops the one tp_new returned
-    PyObject_GenericSetDict(obj, values, NULL)
+    # through the type's __dict__ descriptor: CPython 3.13 keeps a plain instance's attributes
+    # inline, and PyObject_GenericSetDict left them there (every attribute missing)
+    obj.__dict__ = values
     return obj
 
 

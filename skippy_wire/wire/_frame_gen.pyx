@@ -29,7 +29,6 @@ from skippy_wire.wire._le_bytes cimport ld_u32, ld_u64, st_u32, st_u64
 cdef extern from "Python.h":
     ctypedef struct PyTypeObject:
         PyObject* (*tp_new)(PyTypeObject*, PyObject*, PyObject*)
-    int PyObject_GenericSetDict(object, object, void*) except -1
 
 import dataclasses
 
@@ -55,7 +54,8 @@ from .constants import (
     MAX_STAGE_STATE_IMPORT_BYTES,
 )
 from .messages import SAMPLING_WIRE_ORDER, LogitBias, SamplingConfig, StageStateHeader, StageWireMessage, f32_from_bits
-from .field_checks import check_admission, holds_objects, out_of_range_error, wire_bool, wire_int
+from .constants import wire_int
+from .field_checks import check_admission, holds_objects, out_of_range_error, wire_bool
 from . import _codec
 from . import _frame
 

@@ -55,7 +55,7 @@ cdef object _instance(type cls, dict values):
         raise MemoryError()
     obj = <object>raw
     Py_DECREF(obj)
-    PyObject_GenericSetDict(obj, values, NULL)
+    obj.__dict__ = values  # as _frame's _instance (CPython 3.13's inline attributes)
     return obj
 
 
