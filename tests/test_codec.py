@@ -288,6 +288,9 @@ def test_state_flags_outside_i32_are_rejected_not_truncated(codec_impl):
     for frame_flags in (-1, 2**64):
         with pytest.raises(InvalidInputError, match="^activation frame flags must fit in a u64$"):
             sw.activation_state_flags_from_frame_flags(frame_flags)
+    for convert in (sw.activation_state_flags_from_frame_flags, sw.activation_frame_flags_from_state_flags):
+        with pytest.raises(TypeError, match="a bool is not a wire integer"):  # True was flag bit 0
+            convert(True)
 
 
 def test_f16_range_boundaries(codec_impl):

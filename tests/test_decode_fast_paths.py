@@ -290,6 +290,7 @@ def test_packed_wire_input_refuses_what_the_frame_refuses():
     ((2**40, 0, 15), "activation producer_stage_index 1099511627776 exceeds 2147483647"),
     ((1, -2**31 - 1, 15), "activation layer_start -2147483649 is below -2147483648"),
     ((1, 0, 1.5), "activation layer_end must be an integer, not float"),
+    ((True, 0, 15), "activation producer_stage_index must be an integer, not bool"),  # was stage 1
 ])
 def test_a_wire_frame_s_origin_beyond_i32_is_refused_by_name_when_built(origin, text):
     # frame_from_wire built it, and its first use failed in struct's words

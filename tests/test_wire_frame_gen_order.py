@@ -135,6 +135,9 @@ def _golden_message_case() -> dict:
     (lambda m: setattr(m.state, "activation_codec", "x"), "state.activation_codec value 'x' does not fit its wire type"),
     (lambda m: setattr(m, "sampling", SamplingConfig(dry_sequence_breakers=(s for s in ["a"]))),
      "sampling.dry_sequence_breakers must be a list of strings, not generator"),
+    # the size was given (or "unknown stage activation codec") where the writer refuses
+    (lambda m: setattr(m.state, "activation_codec", 9), "state.activation_codec value 9 is no stage activation codec"),
+    (lambda m: setattr(m, "kind", 99), "kind value 99 is no state version 17 stage message kind"),
 ])
 def test_the_size_of_a_message_names_a_wrong_field_as_the_writer_does(edit, text):
     # message_wire_bytes skipped the writer's checks: AttributeError, TypeError, or a

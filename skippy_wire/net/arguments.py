@@ -7,8 +7,7 @@ from __future__ import annotations
 import numbers
 
 from ..wire.activation_frame import PROTOCOL_VERSIONS
-from ..wire.constants import MAX_WAIT_S
-from ..wire.field_checks import wire_int
+from ..wire.constants import MAX_WAIT_S, wire_int
 from ..wire.protocol import protocol_version
 
 

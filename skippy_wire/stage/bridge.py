@@ -11,14 +11,13 @@ the runtime's multipart frame itself: :func:`frame_to_v16` / :func:`frame_from_v
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Optional
 
 from ..errors import ActivationFrameError
 from ..wire import forwarding
 from ..wire.activation_frame import ActivationFrameV16, ActivationPartV16
 from ..wire.agreement import TOKENS, ActivationPartProfile, ActivationProfile, Fixed
-from ..wire.constants import I32_MAX, I32_MIN, I64_MAX
+from ..wire.constants import I32_MAX, I32_MIN, I64_MAX, wire_int
 from .activation import (ACTIVATION_MAX_DIMS, ACTIVATION_MAX_PARTS, GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32,
                          U32_MAX, ActivationBoundaryDesc, ActivationDesc, ActivationFrame, ActivationPartDesc,
                          PackedFrame, ggml_type_bytes)
@@ -28,10 +27,10 @@ STAGE_PROFILE_ID = 1
 
 
 def _wire_count(value, what: str, low: int, high: int) -> int:
-    # operator.index, not int(): 1.5 tokens is refused, not truncated.  The range is checked
-    # before any size is derived, so a refusal names the count, not a negative byte size.
+    # an integer, not int(): 1.5 tokens (or True) is refused, not truncated.  The range is
+    # checked before any size is derived, so a refusal names the count, not a negative byte size.
     try:
-        number = operator.index(value)
+        number = wire_int(value)
     except TypeError:
         raise ActivationFrameError(f"activation {what} must be an integer, not {type(value).__name__}") from None
     if number < low:

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import StageArgumentError, StageRuntimeError, Status
 from . import _ggml
-from ..wire.field_checks import wire_int
+from ..wire.constants import wire_int
 from .activation import I32_MAX, I32_MIN, U64_MAX, ActivationDesc, ActivationFrame, PackedFrame
 
 # The compiled backend is imported here, at module top; it is missing only from a

@@ -21,7 +21,8 @@ import numpy as np
 import sys
 
 from ..errors import InvalidDataError, InvalidInputError
-from .field_checks import flat_bytes, wire_int
+from .constants import wire_int
+from .field_checks import flat_bytes
 
 cnp.import_array()
 

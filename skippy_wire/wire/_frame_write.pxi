@@ -72,7 +72,7 @@ from cpython.bool cimport PyBool_Check
 from .field_checks import BOOL_TYPES, NOT_INT_LISTS, wire_bool
 
 # Wire integers accept ints and integer-likes (``__index__``: IntEnum, numpy ints), never
-# floats or bools (field_checks.wire_int); a value outside the wire type raises OverflowError,
+# floats or bools (constants.wire_int); a value outside the wire type raises OverflowError,
 # one of the wrong type TypeError (the caller names the field).
 cdef inline object _idx(object v):
     if PyLong_Check(v):  # ints and IntEnums as they are

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+from typing import Any
 
 from ..errors import InvalidInputError
 
@@ -238,9 +239,17 @@ _FRAME_TO_STATE = (
 )
 
 
+def wire_int(value: Any) -> int:
+    """A wire integer's value: an int or an integer-like (``__index__``: IntEnum, numpy
+    ints), never a bool or a float (TypeError)."""
+    if isinstance(value, bool):
+        raise TypeError(f"a bool is not a wire integer: {value!r}")
+    return operator.index(value)
+
+
 def state_flags_word(state_flags: int) -> int:
     """``state_flags`` as an int of upstream's i32 flag word; else InvalidInputError."""
-    value = operator.index(state_flags)
+    value = wire_int(state_flags)
     if not I32_MIN <= value <= I32_MAX:
         raise InvalidInputError(STATE_FLAGS_RANGE_TEXT)
     return value
@@ -248,7 +257,7 @@ def state_flags_word(state_flags: int) -> int:
 
 def activation_state_flags_from_frame_flags(frame_flags: int) -> int:
     """Frame flag bits 0/1/2 to state flag bits 6/7/8; every other bit is dropped."""
-    frame_flags = operator.index(frame_flags)
+    frame_flags = wire_int(frame_flags)
     if not 0 <= frame_flags <= U64_MAX:
         raise InvalidInputError(FRAME_FLAGS_RANGE_TEXT)
     return sum(state for frame, state in _FRAME_TO_STATE if frame_flags & frame)

@@ -1,7 +1,7 @@
 """What each wire field accepts, and which field a value the wire cannot carry is.
 
 Both framing implementations (the Cython ``_frame``/``_frame_gen`` and the reference
-``_reference``) convert fields with :func:`wire_int`, :func:`wire_bool` and :func:`wire_f32`
+``_reference``) convert fields with :func:`.constants.wire_int`, :func:`wire_bool` and :func:`wire_f32`
 and refuse the same containers (:data:`NOT_INT_LISTS`); when a value does not fit, both raise
 :func:`out_of_range_error`, which walks the message's fields in wire order and names the
 first that does not fit (wire-format.md, "Python API").
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from .constants import (I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, NOT_BYTES_LIKE_TEXT, U32_MAX, U64_MAX, ActivationCodec,
-                        CodecPolicy)
+                        CodecPolicy, wire_int)
 from .messages import (DISCARD_STALE_WINDOWS, SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage,
                        WireMessageKind)
 
@@ -77,14 +77,6 @@ def byte_array(buf: Any, refusal: str) -> np.ndarray | None:
     if holds_objects(buf) or not buf.flags.c_contiguous:
         raise InvalidInputError(refusal)
     return np.asarray(buf).reshape(-1).view(np.uint8)
-
-
-def wire_int(value: Any) -> int:
-    """A wire integer's value: an int or an integer-like (``__index__``: IntEnum, numpy
-    ints), never a bool or a float (TypeError)."""
-    if isinstance(value, bool):
-        raise TypeError(f"a bool is not a wire integer: {value!r}")
-    return operator.index(value)
 
 
 def wire_bool(value: Any) -> int:
@@ -284,5 +276,5 @@ def check_admission(expected_codec, policy) -> None:
         ActivationCodec(expected_codec)
 
 
-__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "bytes_like_view", "check_admission", "wire_int", "wire_bool", "wire_f32",
+__all__ = ["BOOL_TYPES", "NOT_INT_LISTS", "bytes_like_view", "check_admission", "wire_bool", "wire_f32",
            "first_out_of_range", "int_list", "int_list_checks", "out_of_range_error", "type_name"]

@@ -30,10 +30,10 @@ from .constants import (
     StateFlags,
     UpstreamEnum,
     activation_state_flags_from_frame_flags,
+    wire_int,
     wrapped_i32,
 )
 from ..errors import ForwardingError, WireError
-from .field_checks import wire_int
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
 from .messages import StageStateHeader, StageWireMessage, WireMessageKind, f32_bits
 

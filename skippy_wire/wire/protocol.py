@@ -28,8 +28,8 @@ from ..errors import InvalidDataError, UnexpectedEofError, WireError
 from . import frame as _v15
 from .activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, ActivationFrameV16
 from .agreement import ActivationAgreement
-from .constants import ActivationCodec
-from .field_checks import check_writable, flat_bytes, wire_int
+from .constants import ActivationCodec, wire_int
+from .field_checks import check_writable, flat_bytes
 from .messages import StageWireMessage
 
 #: Offsets in a stage message's 80-byte prefix: the state header's version word, and the
@@ -161,7 +161,8 @@ class WireProtocol:
 
     def message_wire_bytes(self, msg: StageWireMessage, agreement: Optional[ActivationAgreement] = None) -> int:
         """The size of ``msg`` on the wire (v17: under ``agreement``, B.7.4)."""
-        if self.version == 17:
+        if self.version == 17:  # exact: a message its writer refuses is refused alike
+            check_writable(msg, self.version)
             return self._k.message_wire_bytes(msg, agreement)
         return msg.estimated_wire_bytes()
 

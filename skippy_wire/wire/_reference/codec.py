@@ -25,8 +25,9 @@ import numpy as np
 
 from ...errors import InvalidDataError, InvalidInputError
 from .. import constants as _texts
-from ..field_checks import flat_bytes, wire_int
-from ..constants import I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES, state_flags_word
+from ..constants import (I32_MAX, I32_MIN, MAX_STAGE_ACTIVATION_BYTES, MAX_STAGE_DECODED_ACTIVATION_BYTES,
+                         state_flags_word, wire_int)
+from ..field_checks import flat_bytes
 
 RAW_F32_V1 = 1
 F16_RNE_V1 = 2

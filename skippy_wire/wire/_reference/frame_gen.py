@@ -23,10 +23,10 @@ import struct
 
 from ...errors import InvalidDataError, InvalidInputError, WireError
 from ..activation_frame import ActivationFrameV16
-from ..constants import ActivationCodec, CodecPolicy
+from ..constants import ActivationCodec, CodecPolicy, wire_int
 from ..constants import MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES, MAX_STAGE_SIDEBAND_VALUES, MAX_STAGE_STATE_IMPORT_BYTES
 from ..messages import StageStateHeader, StageWireMessage
-from ..field_checks import check_admission, out_of_range_error, wire_int
+from ..field_checks import check_admission, out_of_range_error
 from . import frame as _v15
 from .frame import Cursor, byte_view, check_sideband_counts, read_sampling
 from .frame_v16 import (

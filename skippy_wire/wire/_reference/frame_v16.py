@@ -17,8 +17,7 @@ import struct
 
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
-from ..constants import DESCRIPTOR_RANGE_TEXT, PART_AXES_TEXT
-from ..field_checks import wire_int
+from ..constants import DESCRIPTOR_RANGE_TEXT, PART_AXES_TEXT, wire_int
 from . import codec as _codec
 from .frame import byte_view
 

@@ -14,8 +14,8 @@ import struct
 from ...errors import InvalidDataError, InvalidInputError, UnexpectedEofError
 from ..activation_frame import ActivationFrameV16, ActivationPartV16
 from ..agreement import ActivationAgreement, ActivationPartProfile, ActivationProfile, Dynamic, Fixed, TOKENS
-from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX
-from ..field_checks import wire_bool, wire_int
+from ..constants import AGREEMENT_RANGE_TEXT, I32_MAX, I32_MIN, U32_MAX, U64_MAX, wire_int
+from ..field_checks import wire_bool
 from . import frame_v16 as _v16
 from .frame import byte_view
 
