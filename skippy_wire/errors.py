@@ -111,11 +111,15 @@ class SetupError(WireError):
         self.detail = detail
 
 
+#: Upstream's text for a peer that closed the connection during the setup handshake.
+SETUP_CLOSED_TEXT = "stage peer closed during setup"
+
+
 class SetupClosed(SetupError):
     """The peer closed the connection during the setup handshake (upstream's text): a stage
     whose own downstream setup failed closes its upstream one, giving no reason on the wire."""
 
-    def __init__(self, message: str = "stage peer closed during setup", detail: Optional[str] = None) -> None:
+    def __init__(self, message: str = SETUP_CLOSED_TEXT, detail: Optional[str] = None) -> None:
         super().__init__(message, detail)
 
 

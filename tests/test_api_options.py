@@ -7,8 +7,9 @@ import struct
 import pytest
 
 from skippy_wire.tools import api_params
-from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, BadRequest, add_text_biases, check_text, check_text_fits,
-                                          check_tokenize_size, parse_options, suppress_end_of_generation)
+from skippy_wire.tools.api_params import (MAX_TOKENIZE_BYTES, MAX_TOKENIZE_TEXTS, BadRequest, add_text_biases,
+                                          check_text, check_text_fits, check_tokenize_size, parse_options,
+                                          suppress_end_of_generation)
 from skippy_wire.wire.constants import MAX_STAGE_LOGIT_BIAS
 
 
@@ -52,6 +53,15 @@ def test_top_p_0_and_min_p_1_keep_only_the_best_token():
     for body in ({"top_p": 0}, {"min_p": 1}, {"top_p": 0.0, "top_k": 40}, {"top_p": 1e-50}, {"min_p": 0.99999999}):
         assert parse_options({"temperature": 1, **body}).sampling.wire().top_k == 1
     assert parse_options({"temperature": 1, "top_p": 0.5, "min_p": 0.5}).sampling.wire().top_k == 0
+
+
+@pytest.mark.parametrize("field", ["top_p", "min_p"])
+def test_an_embedder_s_top_p_or_min_p_of_another_type_is_a_type_error(field):
+    from skippy_wire.net.service import SamplingParams
+
+    for value in ("0.9", None, True):  # struct.error from the f32 reading (a TypeError before it)
+        with pytest.raises(TypeError, match=f"^{field} must be a number, not "):
+            SamplingParams(**{field: value})
 
 
 def test_ignore_eos_bans_every_end_of_generation_token():
@@ -261,8 +271,10 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_by_its_size():
 def test_tokenize_takes_a_bounded_text():
     check_tokenize_size(["x" * MAX_TOKENIZE_BYTES])
     check_tokenize_size(["x" * (MAX_TOKENIZE_BYTES // 2), 7, "x" * (MAX_TOKENIZE_BYTES // 2)])
+    check_tokenize_size(["a"] * MAX_TOKENIZE_TEXTS + [1] * MAX_TOKENIZE_TEXTS)
     for pieces in (["x" * (MAX_TOKENIZE_BYTES + 1)], ["é" * (MAX_TOKENIZE_BYTES // 2 + 1)],
-                   ["x" * MAX_TOKENIZE_BYTES, 1, "x"], [1] * (MAX_TOKENIZE_BYTES + 1)):
+                   ["x" * MAX_TOKENIZE_BYTES, 1, "x"], [1] * (MAX_TOKENIZE_BYTES + 1),
+                   ["a"] * (MAX_TOKENIZE_TEXTS + 1)):
         with pytest.raises(BadRequest, match="/tokenize takes at most") as err:
             check_tokenize_size(pieces)
         assert err.value.param == "content"

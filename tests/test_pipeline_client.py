@@ -101,6 +101,11 @@ def test_a_connection_opened_again_knows_the_pipeline_now_on_the_address(chain, 
         client._peer.sock.shutdown(socket.SHUT_RDWR)
         result = client.generate(PROMPT, max_tokens=5, chunk_size=4)
         assert client._stages is restarted and client.ctx_size == len(PROMPT) + 2
+        # and a larger one takes a prompt the old one could not hold (it was refused beforehand)
+        monkeypatch.setitem(supervision._LAUNCHED, chain.entry, SimpleNamespace(ctx_size=512, log_marks=lambda: None))
+        client._peer.sock.shutdown(socket.SHUT_RDWR)
+        longer = PROMPT * 2
+        assert len(longer) > len(PROMPT) + 2 and client.generate(longer, max_tokens=2, chunk_size=4).tokens
     with PipelineClient(*chain.entry, timeout=10, ctx_size=len(PROMPT) + 2) as told:
         expected = told.generate(PROMPT, max_tokens=5, chunk_size=4)
     assert result.tokens == expected.tokens and result.stop_reason == expected.stop_reason == STOP_CONTEXT_FULL

@@ -144,11 +144,13 @@ def test_explain_waits_a_moment_for_a_killed_stage_to_be_reported_ended():
     # nor, when it died before a new connection reached it, its neighbour's failed connect
     # (stage 0 was named as the cause)
     for text in ("cannot connect to downstream 127.0.0.1:9001: connection refused",
-                 "downstream 127.0.0.1:9001 did not send READY: connection reset by peer"):
+                 "downstream 127.0.0.1:9001 did not send READY: connection reset by peer",
+                 "stage setup with downstream 127.0.0.1:9001 failed: stage peer closed during setup"):  # v17
         codes = iter([None] * 5)
         dying.popen.poll = lambda: next(codes, -9)
         line = ("2026-01-01 00:00:00,010", f"connection 1 from 127.0.0.1:40000: {text}; closing")
-        assert _explain(_fake_stage(0, [line]), dying) == "stage 1 at 127.0.0.1:9001 (layers 2..4) was killed by SIGKILL"
+        assert _explain(_fake_stage(0, [line]), dying) == \
+            "stage 1 at 127.0.0.1:9001 (layers 2..4) was killed by SIGKILL"
 
 
 def test_a_stage_gives_up_on_its_downstream_once_its_upstream_has_left(chain_factory, caplog):

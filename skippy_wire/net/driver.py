@@ -429,16 +429,13 @@ class PipelineClient:
         request_id, session_id = int_argument("request_id", request_id, 0, U64_MAX), \
             int_argument("session_id", session_id, 0, U64_MAX)
         instance_argument("sampling", sampling, SamplingConfig)
-        def room_after_prompt() -> int:  # the tokens the stages' context leaves after the prompt
-            return max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
-
-        room_after_prompt()  # a prompt too long is refused before anything is sent
         chunks = list(prefill_messages(prompt, chunk_size, request_id, session_id))
         result = GenerationResult(list(prompt))
         self._marks = self._log_marks()
         with self._one_request():
-            self._reopen_if_dropped()
-            room = room_after_prompt()  # the stages reached again may be others, with another context
+            self._reopen_if_dropped()  # (the stages reached again may be others, with another context)
+            # a prompt too long is refused before anything is sent
+            room = max_tokens if self.ctx_size is None else context_room(len(prompt), max_tokens, self.ctx_size)
             sent0, recv0 = self.sent_bytes, self.received_bytes
             opened = False
             try:

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import numbers
 import random
 import threading
 import time
@@ -87,6 +88,9 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
     -1 the whole history (the wire's default), 0 no penalties at all."""
 
     def __post_init__(self) -> None:
+        for name, value in (("top_p", self.top_p), ("min_p", self.min_p)):  # compared below, as f32
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, not {type(value).__name__}")
         self.top_k = max(0, self.top_k)
         # llama.cpp keeps only the best candidate at top_p 0 or min_p 1, where the wire's
         # filters apply only for 0 < p < 1 and would let every candidate through; as the wire's

@@ -36,6 +36,10 @@ MAX_NATIVE_STOP_STRINGS = 64
 #: byte of text: a whole 8 MiB body would take 1.6 GiB), and ``/detokenize`` gives (an 8 MiB
 #: body of long tokens would stand for 85 MiB, held until a slow client has read it).
 MAX_TOKENIZE_BYTES = 1 << 20
+#: Texts in one ``/tokenize`` list: each is a call to the tokenizer (~11 us of its one thread
+#: however short), so a million one-letter texts would hold it four times as long as 1 MiB
+#: of text in one.
+MAX_TOKENIZE_TEXTS = 1 << 16
 #: Generations in one request: its prompts (a completion's ``prompt`` as a batch) times
 #: ``n``, the choices of each; they run side by side on the lanes idle when it starts.
 MAX_PROMPTS = 64
@@ -255,10 +259,12 @@ def _size_over(text: str, limit: int) -> Optional[str]:
 def check_tokenize_size(pieces: list) -> None:
     """``/tokenize`` takes at most :data:`MAX_TOKENIZE_BYTES` of text (its memory, above) and
     as many token ids with it."""
-    if len(pieces) > MAX_TOKENIZE_BYTES:
-        raise BadRequest(f"'content' holds {len(pieces)} pieces; /tokenize takes at most {MAX_TOKENIZE_BYTES} "
-                         "(tokenize a long list in parts)", "content")
-    size = _size_over("".join(p for p in pieces if isinstance(p, str)), MAX_TOKENIZE_BYTES)
+    texts = [p for p in pieces if isinstance(p, str)]
+    for count, limit, what in ((len(pieces), MAX_TOKENIZE_BYTES, "pieces"), (len(texts), MAX_TOKENIZE_TEXTS, "texts")):
+        if count > limit:
+            raise BadRequest(f"'content' holds {count} {what}; /tokenize takes at most {limit} (tokenize a long list "
+                             "in parts)", "content")
+    size = _size_over("".join(texts), MAX_TOKENIZE_BYTES)
     if size is not None:
         raise BadRequest(f"'content' is {size} bytes; /tokenize takes at most {MAX_TOKENIZE_BYTES} (tokenize a long "
                          "text in parts)", "content")
