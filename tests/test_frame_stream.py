@@ -101,6 +101,13 @@ def test_iter_stage_messages_over_a_stream(impl):
     assert got == want * 3
     with pytest.raises(UnexpectedEofError):
         list(frame.iter_stage_messages(io.BytesIO(data[:-1]), 4, impl=impl))
+    # its bytes, as read_stage_message takes them (an AttributeError: no .read)
+    for given in (data * 2, bytearray(data * 2), memoryview(data * 2)):
+        assert [message_to_case(m) for m in frame.iter_stage_messages(given, 4, impl=impl)] == want * 2
+    with pytest.raises(UnexpectedEofError):
+        list(frame.iter_stage_messages(data[:-1], 4, impl=impl))
+    with pytest.raises(TypeError, match="a bytes-like object is required, not 'list'"):
+        list(frame.iter_stage_messages([1, 2], 4, impl=impl))
 
 
 def test_close_with_a_partial_message_is_eof(impl):

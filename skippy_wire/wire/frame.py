@@ -391,8 +391,13 @@ class RecordDecoder(_IncrementalDecoder[Any]):
 
 def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *,
                         impl: Optional[str] = None) -> Iterator[StageWireMessage]:
-    """Yield messages from ``stream`` until a clean end of input (EOF between messages)."""
+    """Yield messages from ``stream`` (or a bytes-like object, as :func:`read_stage_message`
+    takes one) until a clean end of input (EOF between messages)."""
     decoder = StageMessageDecoder(n_embd, codec, policy, impl=impl)
+    if not _is_stream(stream):  # its bytes are the whole input (an AttributeError on .read)
+        yield from decoder.feed(stream)
+        decoder.close()
+        return
     read = getattr(stream, "read1", None) or stream.read
     while True:
         chunk = read(STREAM_CHUNK_BYTES)
