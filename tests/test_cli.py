@@ -366,6 +366,16 @@ def test_connect_json_reports_null_for_what_the_driver_cannot_know(capsys, tiny_
     assert [summary[k] for k in ("stages", "codec", "policy", "threads")] == [None, None, None, None]
 
 
+def test_json_names_a_model_file_whose_name_is_not_utf8_as_it_was_given(capsys, tiny_model, fake_client, tmp_path):
+    # its raw byte made the JSON invalid (RFC 8259: UTF-8), or the write failed after the generation
+    fake_client()
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/x\xff.gguf"))
+    odd.symlink_to(tiny_model)
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(odd), "--json", "--quiet", "hi")
+    assert code == 0, err
+    assert json.loads(out.encode("utf-8"))["summary"]["model"].endswith("x\\xff.gguf")
+
+
 def test_v17_connect_checks_the_stages_model_id_as_given_or_the_file_s_stem(capsys, tiny_model, fake_client):
     client = fake_client()
     for extra, model_id in (([], None), (["--protocol", "17"], tiny_model.stem),

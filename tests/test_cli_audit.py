@@ -8,6 +8,7 @@ process; no stage process starts.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -25,7 +26,7 @@ from skippy_wire.errors import NetnsError, PipelineError
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.driver import GenerationResult
 from skippy_wire.tools import api, cluster, cluster_bench, serve
-from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe
+from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe, utf8
 from process_helpers import default_sigint
 from test_cli import (_main, _one_error_line, assert_usage_error, fake_client, fake_cluster_runs,  # noqa: F401
                       tiny_model)  # (fixtures)
@@ -389,6 +390,42 @@ def test_output_to_a_closed_stdout_is_the_quiet_exit_141_not_lost_silently(comma
     done = subprocess.run([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, timeout=60, preexec_fn=lambda: os.close(1))
     assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", done
+
+
+def test_a_long_help_into_a_pipe_nobody_reads_is_the_quiet_exit_141():
+    # argparse dropped the failed write of a help longer than stdout's buffer: exit 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "skippy_wire", "run", "--help"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+    finally:
+        os.close(write_end)
+    assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", done
+
+
+def test_a_closed_stderr_drops_the_diagnostics_and_keeps_stdout_for_the_output():
+    # Python then has no sys.stderr, and print() put the usage and the error on stdout
+    done = subprocess.run([sys.executable, "-m", "skippy_wire", "run", "--stages", "0", "hi"], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, timeout=60, preexec_fn=lambda: os.close(2))
+    assert done.returncode == 2 and done.stdout == "", done
+
+
+def test_output_is_utf8_whatever_the_locale():
+    # in the C locale stdout encoded ASCII: a generated "café" failed the run ("text is not valid UTF-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8", "LANG")}
+    env.update(LC_ALL="C", PYTHONUTF8="0")
+    code = "import sys; from skippy_wire.tools.cli import guarded; sys.exit(guarded(lambda: print('caf\\u00e9')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, env=env)
+    assert done.returncode == 0 and done.stdout == "café\n".encode("utf-8"), done
+
+
+def test_a_command_line_text_is_read_as_utf8_whatever_the_locale():
+    # the C locale's argv holds "café"'s bytes as escapes: it was refused as "not valid UTF-8"
+    assert utf8("caf\udcc3\udca9") == "café"  # as argv holds it when decoded as ASCII
+    with pytest.raises(argparse.ArgumentTypeError, match="not valid UTF-8"):
+        utf8(os.fsdecode(b"caf\xff"))
 
 
 def test_a_bench_script_stopped_by_sigterm_cleans_up_before_it_exits_143():

@@ -185,6 +185,12 @@ def guarded(run: Callable[[], int | None]) -> int:
     kernels'), so that a Ctrl-C at any moment is the quiet exit 130, not a traceback."""
     if sys.stdout is None:
         sys.stdout = ClosedStdout()
+    if sys.stderr is None:  # `2>&-`: diagnostics are dropped, as C tools drop them (print put them on stdout)
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
+    for stream in (sys.stdout, sys.stderr):  # UTF-8 whatever the locale, as llama-cli writes its text
+        if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" \
+                and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8")
     try:
         status = int(run() or 0)
         sys.stdout.flush()  # a full disk behind stdout is this command's error, not the exit's traceback

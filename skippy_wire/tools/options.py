@@ -81,6 +81,12 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return super().format_help().replace("``", "")
 
+    def _print_message(self, message: str, file=None) -> None:
+        # argparse drops a failed write: a help longer than stdout's buffer piped into `true`
+        # ended 0, not 141 (cli.guarded says why it failed)
+        if message:
+            (file or sys.stderr).write(message)
+
     def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:  # only the unknown options where there are any: `-b 512 hi` gave 512 to a PROMPT, "-b hi"
@@ -533,12 +539,13 @@ def check_codec_options(p: argparse.ArgumentParser, args) -> None:
 
 
 def utf8(text: str) -> str:
-    """A command-line string that must be valid UTF-8 (argv decodes with surrogateescape)."""
+    """A command-line string that must be valid UTF-8: argv's bytes (decoded in the locale's
+    encoding with surrogateescape: in the C locale "café" arrives as escaped bytes) read as
+    UTF-8."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeError:
         raise argparse.ArgumentTypeError("not valid UTF-8") from None
-    return text
 
 
 def apply_topology(parser: argparse.ArgumentParser, args, min_ctx_size: int = 1) -> tuple[str, int] | None:

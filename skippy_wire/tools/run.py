@@ -35,7 +35,8 @@ from .options import (DEFAULT_STAGES, EXIT_FAILURE, LOG_FORMAT, MAX_CTX_SIZE, MA
                       TRAINING_CONTEXT, UNTIL_FULL, Parser, Refused, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, apply_topology, check_codec_options, check_output_dir, context_overflow,
                       describe, error_line, file_error, given_path, int_at_least, int_between, model_file,
-                      refuse_started_stage_options, seconds, stage_address, thread_count, training_context_size, utf8)
+                      refuse_started_stage_options, seconds, shown, stage_address, thread_count, training_context_size,
+                      utf8)
 from .link_options import add_link_options, expected_model_id
 from .poll_options import add_poll_option, driver_poll_s, poll_args
 from .signals import exiting_on_signals
@@ -311,7 +312,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
 
     def progress(text: str) -> None:
         if not args.quiet:
-            print(f"[skippy-wire] {text}", file=sys.stderr, flush=True)
+            print(f"[skippy-wire] {shown(text)}", file=sys.stderr, flush=True)
 
     if args.default_prompt and _stdin_has_input():  # `echo question | skippy-wire run` answered another
         progress("stdin is not read (no prompt given: the default one); `-f -` reads the prompt from it")
@@ -377,7 +378,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
                                ctx_size=args.ctx_size)
         check = check_tokens(result.tokens, local, args.activation_codec, args.activation_codec_policy)
     if args.json:
-        summary = json_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
+        summary = json_summary(result, events, stages=args.stages, model=shown(str(model)), codec=args.activation_codec,
                                policy=args.activation_codec_policy, threads=threads, connected=connected,
                                sampling=sampling, chat=chat, completion_tokens=len(streamer.tokens),
                                protocol=args.protocol)
@@ -389,8 +390,9 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     else:
         # The summary goes to stderr, as llama-cli's timings do: stdout holds the text alone
         # (`skippy-wire run ... > out.txt`).
-        report = [format_summary(result, events, stages=args.stages, model=str(model), codec=args.activation_codec,
-                                 policy=args.activation_codec_policy, threads=threads, connected=connected,
+        report = [format_summary(result, events, stages=args.stages, model=shown(str(model)),
+                                 codec=args.activation_codec, policy=args.activation_codec_policy, threads=threads,
+                                 connected=connected,
                                  sampling=describe_sampling(sampling), chat=chat, protocol=args.protocol)]
         if args.capture:
             report.append(capture_hint(Path(args.capture)))
