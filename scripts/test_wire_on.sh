@@ -5,7 +5,7 @@
 #   bash scripts/test_wire_on.sh PYTHON [VECTOR_DIR ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python=$1; shift
+python=${1:?usage: bash scripts/test_wire_on.sh PYTHON [VECTOR_DIR ...]}; shift
 venv=.venv-wire-$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 # the versions pyproject.toml asks for, of what the wire modules build and test with

@@ -55,12 +55,14 @@ def test_top_p_0_and_min_p_1_keep_only_the_best_token():
     assert parse_options({"temperature": 1, "top_p": 0.5, "min_p": 0.5}).sampling.wire().top_k == 0
 
 
-@pytest.mark.parametrize("field", ["top_p", "min_p"])
-def test_an_embedder_s_top_p_or_min_p_of_another_type_is_a_type_error(field):
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repeat_penalty"])
+def test_an_embedder_s_sampling_field_of_another_type_is_a_type_error(field):
+    # struct.error from top_p's f32 reading, a comparison's TypeError, or None taken until the wire
     from skippy_wire.net.service import SamplingParams
 
-    for value in ("0.9", None, True):  # struct.error from the f32 reading (a TypeError before it)
-        with pytest.raises(TypeError, match=f"^{field} must be a number, not "):
+    for value in ("0.9", None, True) + ((1.5,) if field == "top_k" else ()):
+        with pytest.raises(TypeError, match=f"^{field} must be an? (number|integer), not "):
             SamplingParams(**{field: value})
 
 

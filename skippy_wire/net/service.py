@@ -88,9 +88,11 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
     -1 the whole history (the wire's default), 0 no penalties at all."""
 
     def __post_init__(self) -> None:
-        for name, value in (("top_p", self.top_p), ("min_p", self.min_p)):  # compared below, as f32
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+        for name in REQUEST_SAMPLING_FIELDS:  # compared below, or written to the wire's numbers
+            value, kind = getattr(self, name), numbers.Integral if name == "top_k" else numbers.Real
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise TypeError(f"{name} must be {'an integer' if name == 'top_k' else 'a number'}, "
+                                f"not {type(value).__name__}")
         self.top_k = max(0, self.top_k)
         # llama.cpp keeps only the best candidate at top_p 0 or min_p 1, where the wire's
         # filters apply only for 0 < p < 1 and would let every candidate through; as the wire's

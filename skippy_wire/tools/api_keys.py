@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from ..net.tls import is_loopback
 from .http_front import PUBLIC_PATHS, error_response, netloc
-from .options import file_error, given_path
+from .options import file_error, given_path, utf8
 
 #: The most characters of a key file's line, and its most lines (keys; not a whole /dev/zero).
 MAX_KEY_LINE = 4096
@@ -24,8 +24,8 @@ def as_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def key_list(value: str) -> list[str]:
-    """The keys of one ``--api-key``: llama-server's comma-separated list."""
-    keys = [key.strip() for key in value.split(",") if key.strip()]
+    """The keys of one ``--api-key``: llama-server's comma-separated list (argv's UTF-8)."""
+    keys = [key.strip() for key in utf8(value).split(",") if key.strip()]
     if not keys:
         raise argparse.ArgumentTypeError("the API key is empty")
     return keys

@@ -9,7 +9,7 @@ import ipaddress
 import urllib.parse
 
 from .llama_sampling import add_sampling_options, max_tokens
-from .options import MAX_PORT, UNTIL_FULL, Refused, address
+from .options import MAX_PORT, UNTIL_FULL, Refused, address, utf8
 from .template_options import add_chat_template_options
 
 
@@ -49,7 +49,8 @@ def listen_address(text: str) -> tuple[str, int]:
 
 
 def model_alias(text: str) -> str:
-    """``--alias``: the model id the API reports and requests may name."""
+    """``--alias``: the model id the API reports and requests may name (argv's UTF-8)."""
+    text = utf8(text)
     if not text.strip() or not text.isprintable():
         raise argparse.ArgumentTypeError(f"a model alias is printable text that is not blank, not {text!r}")
     return text

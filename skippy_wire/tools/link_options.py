@@ -9,12 +9,13 @@ from typing import Optional
 from ..net.supervision import default_model
 from ..stage.models import default_model_id
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V17
+from .options import utf8
 
 
 def add_link_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocol", type=int, default=15, choices=PROTOCOL_VERSIONS,
                    help="stage state version spoken on every link, driver included")
-    p.add_argument("--model-id", default=None,
+    p.add_argument("--model-id", default=None, type=utf8,
                    help="v17, with running stages (--connect, --topology): the model id they were given "
                         "(serve's --model-id), which stage 0's setup must report (default, as serve's: "
                         "--topology's model_id, else the model file's stem)")

@@ -38,7 +38,7 @@ from .cli import quiet_stdout
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, TRAINING_CONTEXT, Parser, add_codec_options,
                       add_gpu_layers_option, address, check_codec_options, describe, error_line,
                       given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
-                      training_context_size)
+                      training_context_size, utf8)
 from .poll_options import add_poll_option
 from .signals import exiting_on_signals
 from .tls_options import add_tls_options, tls_config
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "them (the upstream is checked against it; also the topology id without --topology; "
                         "default: --topology's ranges, else none)")
     p.set_defaults(topology_id=None)  # v17: a --topology file's id, else --plan's text
-    p.add_argument("--model-id", default=None,
+    p.add_argument("--model-id", default=None, type=utf8,
                    help="v17: the model id, the same on every stage (default: --topology's model_id, else the "
                         "model file's stem: give it where hosts name the model's file differently)")
     p.add_argument("--exit-on-stdin-eof", action="store_true",

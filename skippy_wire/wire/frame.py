@@ -31,9 +31,9 @@ from typing import Any, Generic, Iterator, Optional, Sequence, TypeVar
 from .. import _impl
 from ..errors import InvalidDataError, InvalidInputError, UnexpectedEofError, WireError
 from .constants import (I32_MAX, I32_MIN, READY_BYTES, READY_MAGIC, STAGE_WIRE_FIXED_HEADER_BYTES,
-                        ActivationCodec, CodecPolicy)
+                        ActivationCodec, CodecPolicy, wire_int)
 from .field_checks import (byte_array, bytes_like_view, check_known_kind, check_writable, first_out_of_range,
-                           flat_bytes, int_list, wire_int)
+                           flat_bytes, int_list)
 from .messages import StageWireMessage
 from .replies import StageReply, StageReplyStats, StageReplyWindow, WireReplyKind
 
@@ -394,17 +394,13 @@ def iter_stage_messages(stream, n_embd: int, codec=None, policy=None, *,
     """Yield messages from ``stream`` (or a bytes-like object, as :func:`read_stage_message`
     takes one) until a clean end of input (EOF between messages)."""
     decoder = StageMessageDecoder(n_embd, codec, policy, impl=impl)
-    if not _is_stream(stream):  # its bytes are the whole input (an AttributeError on .read)
+    if _is_stream(stream):
+        read = getattr(stream, "read1", None) or stream.read
+        while chunk := read(STREAM_CHUNK_BYTES):
+            yield from decoder.feed(chunk)
+    else:  # bytes-like: the whole input (an AttributeError on .read)
         yield from decoder.feed(stream)
-        decoder.close()
-        return
-    read = getattr(stream, "read1", None) or stream.read
-    while True:
-        chunk = read(STREAM_CHUNK_BYTES)
-        if not chunk:
-            decoder.close()
-            return
-        yield from decoder.feed(chunk)
+    decoder.close()
 
 
 # --- READY handshake (section 11.1) ------------------------------------------------------
