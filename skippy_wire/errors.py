@@ -163,6 +163,12 @@ _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), 
                (stat.S_ISSOCK, "a socket"))
 
 
+def thread_start_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``Thread.start()``'s refusal (a process or memory limit: ``ulimit -u``,
+    ``ulimit -v``): the machine's limit, to be said in one line as an OSError is, not a bug's."""
+    return isinstance(exc, RuntimeError) and str(exc) == "can't start new thread"
+
+
 def os_reason(exc: OSError) -> str:
     """An OSError's reason in words ("connection refused"), without Python's "[Errno 111]"."""
     if exc.strerror:

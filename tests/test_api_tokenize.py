@@ -20,7 +20,7 @@ def client():
     api = Api(engine, model_id="m", chat_template=ChatTemplate.from_gguf(smollm2_path(), engine.tokenizer),
               max_inflight=1)
     with TestClient(api.app()) as client:
-        client.tokenizer = engine.tokenizer
+        client.tokenizer, client.app_state_api = engine.tokenizer, api
         yield client
     api.close()
 
@@ -54,6 +54,18 @@ def test_tokenize_takes_texts_and_token_ids_mixed_as_llama_server(client):
     for content in ([client.tokenizer.n_vocab, "x"], [-1], ["x", True], ["x", 1.5], [["x"]]):
         r = client.post("/tokenize", json={"content": content})
         assert r.status_code == 400 and "'content'" in r.json()["error"]["message"], (content, r.text)
+
+
+def test_a_thread_the_machine_will_not_start_is_a_503_to_retry(client, monkeypatch):
+    # ulimit -u / -v: the tokenizer's thread failed to start: a text 500 and a traceback in the log
+    class NoThreads:
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(client.app_state_api, "_tokenizing", NoThreads())
+    r = client.post("/tokenize", json={"content": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == 503 and "cannot start a thread" in r.json()["error"]["message"]  # its shape
 
 
 def test_add_special_adds_bos_only_where_the_model_asks_for_it(client, tmp_path):

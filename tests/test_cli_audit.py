@@ -25,7 +25,7 @@ import pytest
 from skippy_wire.errors import NetnsError, PipelineError
 from skippy_wire.net.backend import RuntimeBackend
 from skippy_wire.net.driver import GenerationResult
-from skippy_wire.tools import api, cluster, cluster_bench, serve
+from skippy_wire.tools import api, cluster, cluster_bench, run, serve
 from skippy_wire.tools.options import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Parser, check_output_dir, describe, utf8
 from process_helpers import default_sigint
 from test_cli import (_main, _one_error_line, assert_usage_error, fake_client, fake_cluster_runs,  # noqa: F401
@@ -416,16 +416,50 @@ def test_output_is_utf8_whatever_the_locale():
     # in the C locale stdout encoded ASCII: a generated "café" failed the run ("text is not valid UTF-8")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8", "LANG")}
     env.update(LC_ALL="C", PYTHONUTF8="0")
-    code = "import sys; from skippy_wire.tools.cli import guarded; sys.exit(guarded(lambda: print('caf\\u00e9')))"
+    code = ("import sys; from skippy_wire.tools.cli import guarded\n"
+            "sys.exit(guarded(lambda: print('caf\\u00e9') or print('x\\udcff', file=sys.stderr)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, env=env)
     assert done.returncode == 0 and done.stdout == "café\n".encode("utf-8"), done
+    assert done.stderr == b"x\\udcff\n", done  # stderr's backslashreplace kept (not strict: an error)
 
 
 def test_a_command_line_text_is_read_as_utf8_whatever_the_locale():
     # the C locale's argv holds "café"'s bytes as escapes: it was refused as "not valid UTF-8"
+    from skippy_wire.tools.api_keys import key_list
+    from skippy_wire.tools.api_options import model_alias
+
     assert utf8("caf\udcc3\udca9") == "café"  # as argv holds it when decoded as ASCII
     with pytest.raises(argparse.ArgumentTypeError, match="not valid UTF-8"):
         utf8(os.fsdecode(b"caf\xff"))
+    # an API key so given failed every request (a 500 encoding it), an alias was refused
+    assert key_list("caf\udcc3\udca9,k2") == ["café", "k2"] and model_alias("caf\udcc3\udca9") == "café"
+    assert serve.build_parser().parse_args(["-m", "m.gguf", "--model-id", "caf\udcc3\udca9"]).model_id == "café"
+    assert run.build_parser().parse_args(["--model-id", "caf\udcc3\udca9", "hi"]).model_id == "café"
+
+
+def test_a_thread_the_machine_will_not_start_is_a_one_line_error(capsys):
+    # ulimit -u / -v: Thread.start()'s RuntimeError escaped as a traceback (run, api, bench)
+    from skippy_wire.tools import cli
+
+    def refused():
+        raise RuntimeError("can't start new thread")
+
+    assert cli.guarded(refused) == 1
+    assert capsys.readouterr().err == "skippy-wire: error: can't start new thread\n"
+    with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError is a bug's traceback still
+        cli.guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+
+
+def test_a_pool_whose_manager_thread_never_started_ends_without_a_second_error():
+    # "cannot join thread before it is started" masked the first error (verify-exhaustive under ulimit -u)
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    from skippy_wire.tools.signals import end_workers
+
+    pool = ProcessPoolExecutor(1)
+    pool._executor_manager_thread = threading.Thread(target=lambda: None)
+    end_workers(pool)
 
 
 def test_a_bench_script_stopped_by_sigterm_cleans_up_before_it_exits_143():

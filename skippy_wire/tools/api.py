@@ -58,7 +58,8 @@ from .http_events import EventStream
 from .http_loading import LoadingAnswers
 from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, RETRY_AFTER_S, IdleSheddingProtocol,
                          OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, StoppingServer,
-                         error_response, json_body, listening_socket, netloc, shutting_down_response)
+                         error_response, json_body, listening_socket, netloc, shutting_down_response,
+                         thread_refused)
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, LOG_FORMAT, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY,
                       TRAINING_CONTEXT, UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, address, apply_topology, check_codec_options,
@@ -148,7 +149,8 @@ class Api:
         middleware.append(Middleware(RefuseForeignOrigins, allowed=self.cors_origins))
         if self.api_keys:
             middleware.append(Middleware(RequireApiKey, keys=self.api_keys))
-        app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
+        handlers = {HTTPException: self._http_error, RuntimeError: thread_refused}
+        app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
         app.router.redirect_slashes = False  # "/v1/models/" is not a route: 404, not a redirect clients don't follow
         return app
 
@@ -197,9 +199,8 @@ class Api:
                              "modalities": {"vision": False, "audio": False}, "build_info": self.fingerprint})
 
     async def health(self, request: Request) -> Response:
-        """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else
-        503; within :data:`READY_TIMEOUT_S` plus :data:`HEALTH_MARGIN_S` whatever the pipeline
-        does (a probe left running then serves the next /health)."""
+        """200 once every stage answered a probe (:meth:`GenerationEngine.check_ready`), else 503; within
+        :data:`READY_TIMEOUT_S` + :data:`HEALTH_MARGIN_S` whatever the pipeline does (a late probe serves the next)."""
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().run_in_executor(self._prober, self.engine.check_ready)
             self._probe.add_done_callback(lambda probe: probe.cancelled() or probe.exception())  # read, if late

@@ -190,7 +190,7 @@ def guarded(run: Callable[[], int | None]) -> int:
     for stream in (sys.stdout, sys.stderr):  # UTF-8 whatever the locale, as llama-cli writes its text
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" \
                 and hasattr(stream, "reconfigure"):
-            stream.reconfigure(encoding="utf-8")
+            stream.reconfigure(encoding="utf-8", errors=stream.errors)  # stderr's backslashreplace kept
     try:
         status = int(run() or 0)
         sys.stdout.flush()  # a full disk behind stdout is this command's error, not the exit's traceback
@@ -209,11 +209,12 @@ def guarded(run: Callable[[], int | None]) -> int:
             return _status("EXIT_BROKEN_PIPE")
         return _failed(failed)
     except Exception as exc:
-        from ..errors import SkippyError
+        from ..errors import SkippyError, thread_start_failed
 
         if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C in a class body being made (a dataclass
             return _status("EXIT_INTERRUPTED")  # import): Python 3.11 re-raises it as RuntimeError
-        if not isinstance(exc, (SkippyError, OSError, ValueError, ImportError, MemoryError)):
+        if not isinstance(exc, (SkippyError, OSError, ValueError, ImportError, MemoryError)) \
+                and not thread_start_failed(exc):
             raise
         return _failed(exc)
 

@@ -89,7 +89,7 @@ def end_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.join(5)
-    if manager is not None:
+    if manager is not None and manager.ident is not None:  # never started: no thread to spare
         manager.join(5)
 
 
