@@ -1,14 +1,17 @@
 """Every error answer of the API as an error object in the shape of its route's API, whoever
-answered it: :class:`ErrorObjects`."""
+answered it: :class:`ErrorObjects` (and :func:`thread_refused`, a thread the machine would not start)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Optional
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
-from .http_front import error_object, error_response
+from ..errors import thread_start_failed
+from .http_front import RETRY_AFTER_S, error_object, error_response
 
 #: llama-server's routes for what it serves only when started so (embeddings, reranking,
 #: slots) or for a model that can (infill), each answered as llama-server answers without
@@ -102,4 +105,15 @@ class ErrorObjects:
         await self.app(scope, receive, sending)
 
 
-__all__ = ["NOT_SERVED", "LLAMA_PATHS", "not_served", "ErrorObjects"]
+async def thread_refused(request: Request, exc: Exception) -> Response:
+    """A request whose thread (the tokenizer's, a probe's) the machine would not start (``ulimit
+    -u``, ``-v``): a 503 in the error object's shape, to be retried, not a text 500 and a traceback."""
+    if not thread_start_failed(exc):
+        raise exc
+    logging.getLogger("uvicorn.error").error("%s: cannot start a thread (a process or memory limit); answered 503",
+                                             request.url.path)
+    return error_response(503, "the server cannot start a thread now (a process or memory limit); retry later",
+                          type_="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+__all__ = ["NOT_SERVED", "LLAMA_PATHS", "not_served", "ErrorObjects", "thread_refused"]

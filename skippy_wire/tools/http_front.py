@@ -24,7 +24,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import thread_start_failed
 from ..net.connlog import peer_text
 
 #: Routes open without the API key (as llama-server keeps its health check open, with and
@@ -103,17 +102,6 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
     body = error_object(message, type_=type_, param=param, code=code)
     body["error"].update(fields or {})
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def thread_refused(request: Request, exc: Exception) -> Response:
-    """A request whose thread (the tokenizer's, a probe's) the machine would not start (``ulimit
-    -u``, ``-v``): a 503 in the error object's shape, to be retried, not a text 500 and a traceback."""
-    if not thread_start_failed(exc):
-        raise exc
-    logging.getLogger("uvicorn.error").error("%s: cannot start a thread (a process or memory limit); answered 503",
-                                             request.url.path)
-    return error_response(503, "the server cannot start a thread now (a process or memory limit); retry later",
-                          type_="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def shutting_down_error() -> dict:
