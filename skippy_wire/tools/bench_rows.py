@@ -76,11 +76,18 @@ def paired_seconds(ours: Callable[[], object], base: Callable[[], object], repea
     return min(a), min(b)
 
 
+_progress_shown = [0]  # the width of the progress line on the terminal now
+
+
 def progress(text: str = "") -> None:
     """A live progress line for a person waiting at a terminal (stderr), replaced by the next
-    one; ``progress()`` clears it.  Logs and pipes get nothing."""
+    one; ``progress()`` clears it.  Logs and pipes get nothing.  Spaces, not an erase escape,
+    cover a longer line before it, so a terminal without escapes (TERM=dumb) shows it too."""
     if sys.stderr.isatty():
-        print("\r\033[K" + (f"[skippy-wire] {text}" if text else ""), end="", file=sys.stderr, flush=True)
+        line = f"[skippy-wire] {text}" if text else ""
+        cover = max(0, _progress_shown[0] - len(line))
+        _progress_shown[0] = len(line)
+        print("\r" + line + " " * cover + ("" if line else "\r"), end="", file=sys.stderr, flush=True)
 
 
 def script_options(doc: str, argv, types: dict[str, Callable[[str], object]] | None = None,
