@@ -300,8 +300,11 @@ def test_llama_servers_completion_route_tells_why_it_stopped(api):
     assert (cut["stop_type"], cut["stopping_word"]) == ("word", stop)
     assert cut["content"] == native["content"][:native["content"].index(stop)]
     chat = _post(api, "/apply-template", {"messages": [{"role": "user", "content": "What is 2+2?"}]}).json()
-    ended = _post(api, "/completion", {"prompt": chat["prompt"], "n_predict": 48, "temperature": 0}).json()
+    ended = _post(api, "/completion", {"prompt": chat["prompt"], "n_predict": 48, "temperature": 0,
+                                       "return_tokens": True}).json()
     assert ended["stop_type"] == "eos" and ended["tokens_predicted"] < 48
+    # the end-of-generation token was decoded too: llama-server counts it (n_decoded), as usage does
+    assert ended["tokens_predicted"] == len(ended["tokens"]) + 1 == ended["timings"]["predicted_n"]
     streamed = httpx.post(api.url + "/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0,
                                                           "stream": True}, timeout=60)
     events = [json.loads(block[len("data: "):]) for block in streamed.text.split("\n\n") if block]

@@ -252,7 +252,7 @@ class Generation:
 
     text: str = ""
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the tokens decoded, an end-of-generation one included
     finish_reason: str = "length"
     #: Why it ended, in llama-server's words: "eos" (an end-of-generation token), "word"
     #: (``stopping_word``, a stop string), "limit" (max_tokens or the context).
@@ -401,9 +401,9 @@ class GenerationEngine:
             if not 0 <= token < self.tokenizer.n_vocab:  # a stage's fault: the pipeline failed, not the request
                 raise PipelineError(f"the pipeline predicted token {token}, outside the model's vocabulary "
                                     f"[0, {self.tokenizer.n_vocab})")
+            out.completion_tokens += 1  # an end-of-generation token too, as llama-server's n_decoded
             if self.tokenizer.is_eog(token):
                 return
-            out.completion_tokens += 1
             delta = assembler.push(token)
             if delta:
                 on_text(delta, assembler.tokens[shown_tokens:])
