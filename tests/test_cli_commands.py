@@ -108,6 +108,8 @@ def test_bench_backend_describes_itself_in_full(capsys):
       "--plan", "0-3,3-4"], "--plan 0-3,3-4 does not give stage 1 its layers 2-4"),
     (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "2", "--protocol", "17", "--plan", "0-2,3-4"],
      "--plan 0-2,3-4: stage 1 starts at layer 3, not at layer 2 where the stage before it ends"),
+    (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "2", "--protocol", "17", "--plan", "1-2,2-4"],
+     "--plan 1-2,2-4: stage 0 starts at layer 1, not at layer 0 where a model's layers begin"),  # no stage before
     (["serve", "-m", "m.gguf", "--layer-start", "0", "--layer-end", "2", "--protocol", "17", "--plan", "0-2,2-2"],
      "--plan 0-2,2-2: stage 1's layers 2-2 are empty"),
     # (before the model is read: a missing file would be the error, status 1)

@@ -404,8 +404,8 @@ def main(argv=None):
                  "tokens")
     try:  # else the backend refuses its KV cache mid-table, naming neither option
         check_memory_fits(Path(path), args.prefill + args.decode + CTX_SLACK, "give a smaller --prefill or --decode")
-    except ValueError as exc:
-        ap.error(str(exc))
+    except ValueError as exc:  # a runtime failure (status 1), as run's, api's and cluster's
+        raise ToolError(str(exc)) from None
     sizes = args.batch or [2, 4]
     warning = oversubscription(max(args.threads or [default_threads()]))
     if warning:

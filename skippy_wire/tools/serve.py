@@ -263,8 +263,9 @@ def _check_plan(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--plan {args.plan}: stage {stage.stage_index}'s layers {stage.layer_start}-"
                          f"{stage.layer_end} are empty")
         if stage.layer_start != start:
+            where = "where the stage before it ends" if stage.stage_index else "where a model's layers begin"
             parser.error(f"--plan {args.plan}: stage {stage.stage_index} starts at layer {stage.layer_start}, "
-                         f"not at layer {start} where the stage before it ends")
+                         f"not at layer {start} {where}")
     mine = next((stage for stage in plan if stage.stage_index == args.stage_index), None)
     if mine is None or (mine.layer_start, mine.layer_end) != (args.layer_start, args.layer_end):
         parser.error(f"--plan {args.plan} does not give stage {args.stage_index} its layers "
