@@ -4,7 +4,9 @@ limit and buffer-type checks, on every implementation (``impl`` fixture)."""
 from __future__ import annotations
 
 import array
+import copy
 import io
+import pickle
 import struct
 
 import numpy as np
@@ -30,6 +32,7 @@ from skippy_wire.wire.constants import (
     StateFlags,
 )
 from skippy_wire.wire.messages import (
+    F32,
     SamplingConfig,
     StageStateHeader,
     StageWireMessage,
@@ -459,6 +462,23 @@ def test_stop_consumes_only_its_header(impl):
     data = frame.write_stage_message(StageWireMessage.stop(5, 6), impl=impl) + b"trailing"
     out, consumed = frame.read_stage_message_from_buffer(data, 2, impl=impl)
     assert consumed == 80 and out.kind is K.STOP and (out.request_id, out.session_id) == (5, 6)
+
+
+def test_a_nan_read_off_the_wire_is_its_own_value_in_every_message_read(impl):
+    """The compiled reader shares the values of a sampling block it has read before: a NaN's
+    F32 was mutable (changing one message's changed every later read of the same bytes), and
+    a message holding a NaN was unequal to its own copy."""
+    s = SamplingConfig(temperature=F32(0x7FC00001), logit_bias=[(3, F32(0xFFC01234))])
+    data = frame.write_stage_message(StageWireMessage.configure_generation(1, 2, 0, s), impl=impl)
+    first = frame.read_stage_message_from_buffer(data, 2, impl=impl)[0]
+    with pytest.raises(AttributeError, match="immutable"):
+        first.sampling.temperature.bits = 0x7FC0DEAD
+    again = frame.read_stage_message_from_buffer(data, 2, impl=impl)[0]
+    assert again.sampling.temperature.bits == 0x7FC00001
+    assert first == again == pickle.loads(pickle.dumps(first)) == copy.deepcopy(first)
+    assert frame.write_stage_message(again, impl=impl) == data
+    assert F32(0x7FC00001) != F32(0x7FC00002) and len({F32(0x7FC00001), F32(0x7FC00001)}) == 1
+    assert F32(0x3F800000) == 1.0 and hash(F32(0x3F800000)) == hash(1.0)
 
 
 def test_sampling_writer_truncates_lists_and_rejects_long_strings(impl):

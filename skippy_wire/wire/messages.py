@@ -125,7 +125,9 @@ class SamplingFlags(enum.IntFlag):
 # --- exact f32 values --------------------------------------------------------------------
 class F32(float):
     """A float that remembers an exact binary32 bit pattern (used for NaNs read off the wire,
-    whose payload/signalling bit a plain float cannot carry)."""
+    whose payload/signalling bit a plain float cannot carry).  Immutable, as a float is (the
+    compiled reader shares one between the messages it reads from the same bytes), and equal
+    to another F32 of the same bits, so a message holding a NaN equals its copy."""
 
     __slots__ = ("bits",)
     bits: int
@@ -134,8 +136,23 @@ class F32(float):
         if not isinstance(bits, numbers.Integral):
             raise TypeError(f"F32 takes a binary32 bit pattern (an int such as 0x7fc00001), not {type(bits).__name__}")
         self = float.__new__(cls, struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
-        self.bits = bits & 0xFFFFFFFF
+        object.__setattr__(self, "bits", int(bits) & 0xFFFFFFFF)
         return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"F32 is immutable; make another: F32({value!r:.40})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("F32 is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return self.bits == other.bits if isinstance(other, F32) else float.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((F32, self.bits)) if float.__ne__(self, self) else float.__hash__(self)  # NaN: by its bits
 
     def __repr__(self) -> str:
         return f"F32(0x{self.bits:08x})"
