@@ -189,6 +189,18 @@ def test_integer_likes_are_still_integers(impl):
     assert sw.read_stage_message(data, 4, impl=impl).tokens == [7, 8]
 
 
+@pytest.mark.parametrize("changes, text", [
+    ({"pos_start": 10**5000}, "pos_start value <an int of 16610 bits> does not fit its wire type"),
+    ({"sampling.temperature": list(range(10**6))},
+     "sampling.temperature value [0, 1, 2, 3, 4, 5, ...] is not a number"),
+    ({"tokens": [1, "x" * 10**6]}, f"tokens value '{'x' * 37}...{'x' * 38}' does not fit its wire type"),
+])
+def test_an_error_shows_a_huge_value_cut_short(changes, text):
+    """The text held the whole value (7.9 MB for a million-item list), and an int past
+    Python's printable digits lost the field's name."""
+    assert both(lambda i: sw.write_stage_message(_message(**changes), impl=i)) == (InvalidInputError, text)
+
+
 REPLY_MISTAKES = [
     (dict(predicted=True), "predicted value True does not fit its wire type"),
     (dict(predicted_tokens=b"AB"), "predicted_tokens must be a sequence of ints, not bytes"),

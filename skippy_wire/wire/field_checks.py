@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import reprlib
 from typing import Any, Collection, Iterable, Iterator, Sized
 
 import numpy as np
@@ -89,8 +90,22 @@ def wire_bool(value: Any) -> int:
     except TypeError:
         number = None
     if number not in (0, 1):
-        raise TypeError(f"not a wire boolean: {value!r}")
+        raise TypeError(f"not a wire boolean: {shown(value)}")
     return number
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlong = 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short for an error text: a field given a list of a million items, or
+    an int of more digits than Python will print, is named in one line, not in megabytes."""
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type_name(value)}>"
 
 
 def wire_f32(value: Any) -> float:
@@ -98,7 +113,7 @@ def wire_f32(value: Any) -> float:
     bool (TypeError).  A finite value beyond f32::MAX is kept (it is written as
     infinity, IEEE round to nearest, as upstream's ``as f32``)."""
     if isinstance(value, BOOL_TYPES):
-        raise TypeError(f"a bool is not a wire f32: {value!r}")
+        raise TypeError(f"a bool is not a wire f32: {shown(value)}")
     return value
 
 
@@ -107,7 +122,7 @@ def check_known_kind(kind: Any, known: Collection[int], what: str) -> None:
     """A writer refuses a ``kind`` that is not in ``known``, the kinds its readers take: upstream's
     kinds are enums its writers cannot step outside, but a Python caller could write bytes every
     reader refuses.  A kind of the wrong type is left to the kernel, which names it."""
-    _refuse_unknown(kind, known, f"kind value {kind!r} is no {what} kind")
+    _refuse_unknown(kind, known, f"kind value {shown(kind)} is no {what} kind")
 
 
 def _refuse_unknown(value: Any, known: Collection[int], text: str) -> None:
@@ -129,7 +144,7 @@ def check_writable(msg: StageWireMessage, version: int = 15) -> None:
     check_known_kind(msg.kind, MESSAGE_KINDS[version], f"state version {version} stage message")
     codec = getattr(msg.state, "activation_codec", None)  # an enum upstream, as the kind
     _refuse_unknown(codec, ACTIVATION_CODEC_IDS,
-                    f"state.activation_codec value {codec!r} is no stage activation codec")
+                    f"state.activation_codec value {shown(codec)} is no stage activation codec")
     sampling = msg.sampling
     if sampling is not None:
         for name in ("dry_sequence_breakers", "samplers"):
@@ -154,7 +169,7 @@ def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -
             except TypeError:
                 fits = False
             if not fits:
-                return InvalidInputError(f"{name} value {value!r} does not fit its wire type")
+                return InvalidInputError(f"{name} value {shown(value)} does not fit its wire type")
     except Exception as error:  # listing the fields failed: say where, never mask it with another
         return InvalidInputError(f"{what} field does not fit its wire type ({type(error).__name__}: {error})")
     return InvalidInputError(f"{what} field does not fit its wire type")
@@ -195,30 +210,30 @@ def _sampling_checks(s: Any):
         elif code == "i":
             yield f"sampling.{name}", value, I32_MIN, I32_MAX
         elif code == "f" and (isinstance(value, BOOL_TYPES) or not isinstance(value, numbers.Real)):
-            yield f"sampling.{name} value {value!r} is not a number"
+            yield f"sampling.{name} value {shown(value)} is not a number"
         elif code == "B" and not _fits(wire_bool, value):
-            yield f"sampling.{name} value {value!r} is not a bool"
+            yield f"sampling.{name} value {shown(value)} is not a bool"
         elif code == "L":
             if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
                 yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {type_name(value)}"
                 return
             for pair in list(value)[:MAX_STAGE_LOGIT_BIAS]:
                 if isinstance(pair, NOT_INT_LISTS) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
-                    yield f"sampling.logit_bias entry {pair!r} is not a (token_id, bias) pair"
+                    yield f"sampling.logit_bias entry {shown(pair)} is not a (token_id, bias) pair"
                     return
                 token, bias = pair
                 yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
                 if isinstance(bias, BOOL_TYPES) or not isinstance(bias, numbers.Real):
-                    yield f"sampling.logit_bias bias {bias!r} is not a number"
+                    yield f"sampling.logit_bias bias {shown(bias)} is not a number"
         elif code == "S":  # read more than once (sized, then written): no iterator
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not isinstance(value, Sized):
                 yield f"sampling.{name} must be a list of strings, not {type_name(value)}"
                 return
             for item in value:
                 if not isinstance(item, str):
-                    yield f"sampling.{name} entry {item!r} is not a string"
+                    yield f"sampling.{name} entry {shown(item)} is not a string"
                 elif not _utf8(item):
-                    yield f"sampling.{name} entry {item!r} is not UTF-8 text (a lone surrogate)"
+                    yield f"sampling.{name} entry {shown(item)} is not UTF-8 text (a lone surrogate)"
 
 
 def _fits(convert, value: Any) -> bool:
