@@ -481,6 +481,16 @@ def test_a_nan_read_off_the_wire_is_its_own_value_in_every_message_read(impl):
     assert F32(0x3F800000) == 1.0 and hash(F32(0x3F800000)) == hash(1.0)
 
 
+def test_a_message_repr_stays_short_whatever_it_carries(impl):
+    """A 16 MiB StateImport read off the wire had a repr of 67 million characters (512 MiB:
+    2 GB), an activation's or a reply's long token list megabytes."""
+    big = StageWireMessage(K.STATE_IMPORT, 0, 1 << 24, StageStateHeader.new(K.STATE_IMPORT), raw_bytes=bytes(1 << 24))
+    read = frame.read_stage_message_from_buffer(frame.write_stage_message(big, impl=impl), 576, impl=impl)[0]
+    assert "raw_bytes=<16777216 bytes>" in repr(read) and len(repr(read)) < 1000 and len(repr(big)) < 1000
+    reply = StageReply(predicted_tokens=list(range(1 << 20)))
+    assert "predicted_tokens=[0, 1, 2, 3, 4, 5, ...]" in repr(reply) and len(repr(reply)) < 2000
+
+
 def test_sampling_writer_truncates_lists_and_rejects_long_strings(impl):
     s = SamplingConfig(logit_bias=[(i, 0.5) for i in range(300)], dry_sequence_breakers=["a"] * 9,
                        samplers=["b"] * 17)

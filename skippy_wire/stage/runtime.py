@@ -24,7 +24,7 @@ import os
 from types import ModuleType
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..errors import StageRuntimeError
+from ..errors import StageRuntimeError as StageRuntimeError  # re-exported, named so for type checkers
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from .activation import *  # noqa: F401,F403  (re-exported public types)
 from .activation import __all__ as _activation_all

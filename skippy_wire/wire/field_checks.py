@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numbers
 import operator
-import reprlib
 from typing import Any, Collection, Iterable, Iterator, Sized
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..errors import InvalidInputError
 from .constants import (I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, NOT_BYTES_LIKE_TEXT, U32_MAX, U64_MAX, ActivationCodec,
                         CodecPolicy, wire_int)
 from .messages import (DISCARD_STALE_WINDOWS, SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage,
-                       WireMessageKind)
+                       WireMessageKind, shown)
 
 #: The message kinds a writer of each state version emits: those its readers take (23 from 16 on).
 MESSAGE_KINDS = {15: frozenset(WireMessageKind)}
@@ -92,20 +91,6 @@ def wire_bool(value: Any) -> int:
     if number not in (0, 1):
         raise TypeError(f"not a wire boolean: {shown(value)}")
     return number
-
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 80
-_SHOWN.maxlong = 60
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` cut short for an error text: a field given a list of a million items, or
-    an int of more digits than Python will print, is named in one line, not in megabytes."""
-    try:
-        return _SHOWN.repr(value)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type_name(value)}>"
 
 
 def wire_f32(value: Any) -> float:

@@ -35,7 +35,7 @@ from .constants import (
 )
 from ..errors import ForwardingError, WireError
 from .frame import MESSAGE_FLAGS_OFFSET, MESSAGE_SOURCE_STAGE_OFFSET
-from .messages import StageStateHeader, StageWireMessage, WireMessageKind, f32_bits
+from .messages import StageStateHeader, StageWireMessage, WireMessageKind, f32_bits, short_repr
 
 
 class ActivationDType(UpstreamEnum):
@@ -94,6 +94,8 @@ class ActivationFrameV1:
 
     desc: ActivationDescV1
     payload: bytes = b""
+
+    __repr__ = short_repr
 
     @classmethod
     def f32(cls, values, token_count: int, flags: int = 0, **desc) -> "ActivationFrameV1":

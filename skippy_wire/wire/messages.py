@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+import reprlib
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Optional, Sequence
@@ -120,6 +121,38 @@ DISCARD_STALE_WINDOWS = 23
 class SamplingFlags(enum.IntFlag):
     ENABLED = 1 << 0
     IGNORE_EOS = 1 << 1
+
+
+# --- reprs and error texts that stay short ----------------------------------------------
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlong = 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short for an error text or a message's repr: a field given a list of
+    a million items, or an int of more digits than Python will print, is shown in one line."""
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type(value).__name__}>"
+
+
+def short_repr(obj: Any) -> str:
+    """A dataclass's repr that stays short whatever it carries: a payload (anything with a
+    buffer) as its size, a list or a text cut short (:func:`shown`), other fields as usual."""
+    parts = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, (list, tuple, str)):
+            text = shown(value)
+        else:
+            try:
+                text = f"<{memoryview(value).nbytes} bytes>"
+            except TypeError:  # no buffer: a header, a number, an enum
+                text = repr(value)
+        parts.append(f"{f.name}={text}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
 
 
 # --- exact f32 values --------------------------------------------------------------------
@@ -363,6 +396,7 @@ class StageWireMessage:
         return fields_equal(self, other, as_list=("tokens", "positions"), as_bytes=("activation", "raw_bytes"))
 
     __hash__ = None  # type: ignore[assignment]
+    __repr__ = short_repr  # a 512 MiB StateImport's repr was 2 GB of text
 
     def __getstate__(self) -> dict:
         # pickle / deepcopy: a read message's activation is a memoryview, which cannot be
@@ -492,5 +526,5 @@ __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "fields_equal",
+    "fields_equal", "short_repr", "shown",
 ]

@@ -12,7 +12,7 @@ from typing import ClassVar, Optional, Sequence
 
 from ..errors import InvalidInputError
 from .constants import I32_MAX, I32_MIN, I64_MAX, I64_MIN, STAGE_REPLY_STATS_COUNT
-from .messages import fields_equal
+from .messages import fields_equal, short_repr
 from .field_checks import first_out_of_range, int_list_checks
 
 
@@ -181,6 +181,7 @@ class StageReply:
         return fields_equal(self, other, as_list=("predicted_tokens",))
 
     __hash__ = None  # type: ignore[assignment]
+    __repr__ = short_repr
 
 
 def _reply_checks(reply: StageReply):
