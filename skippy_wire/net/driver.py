@@ -39,7 +39,7 @@ from ..wire.activation_frame import STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION
 from ..wire.constants import MAX_CTX_SIZE, U64_MAX
 from ..wire.forwarding import DEFAULT_CTX_SIZE
 from ..wire.frame import DecodeStepWriter
-from ..wire.messages import SamplingConfig, StageWireMessage, WireMessageKind
+from ..wire.messages import SamplingConfig, StageWireMessage, TokenIds, WireMessageKind
 from ..wire.replies import WireReplyKind
 from ..wire.setup import SetupError, SetupRole, StageSetupConfig
 from .protocol_io import LinkProtocol
@@ -406,7 +406,7 @@ class PipelineClient:
         self._owed -= 1
         return reply
 
-    def generate(self, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling=None,
+    def generate(self, prompt: TokenIds, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling=None,
                  chunk_size: int = DEFAULT_CHUNK, is_eog: Callable[[int], bool] | None = None,
                  on_token: Callable[[int], None] | None = None, request_id: int = 1,
                  session_id: int = 1, before_step: Callable[[], None] | None = None) -> GenerationResult:
@@ -553,7 +553,7 @@ class PipelineClient:
 # --------------------------------------------------------------------------------------
 
 
-def generate_local(model: str | Path, prompt: list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
+def generate_local(model: str | Path, prompt: TokenIds, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    sampling=None, chunk_size: int = DEFAULT_CHUNK, is_eog=None, threads: int | None = None,
                    ctx_size: int = DEFAULT_CTX_SIZE) -> GenerationResult:
     """The same schedule on one in-process stage owning every layer (no sockets), its context

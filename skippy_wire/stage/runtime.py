@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import StageRuntimeError as StageRuntimeError  # re-exported, named so for type checkers
 from ..wire.forwarding import DEFAULT_CTX_SIZE
+from ..wire.messages import TokenIds
 from .activation import *  # noqa: F401,F403  (re-exported public types)
 from .activation import __all__ as _activation_all
 from .activation import (
@@ -286,24 +287,24 @@ class StageSession(_NativeHandle):
         self._advance(len(tokens))
         return result.predicted_token, output_frame(result.out_desc, result.out_payload, result.out_bytes)
 
-    def prefill_chunk_frame(self, token_ids: Sequence[int], input: Optional[ActivationFrame] = None,
+    def prefill_chunk_frame(self, token_ids: TokenIds, input: Optional[ActivationFrame] = None,
                             output_capacity: int = 0) -> ActivationFrame:
         """Run a prefill chunk without sampling; returns the output frame."""
         return self._prefill(token_ids, None, None, False, input, output_capacity)[1]
 
-    def prefill_chunk_frame_with_positions(self, token_ids: Sequence[int], positions: Sequence[int],
+    def prefill_chunk_frame_with_positions(self, token_ids: TokenIds, positions: TokenIds,
                                            input: Optional[ActivationFrame] = None,
                                            output_capacity: int = 0) -> ActivationFrame:
         """As :meth:`prefill_chunk_frame` with explicit positions (empty = contiguous)."""
         return self._prefill(token_ids, positions, None, False, input, output_capacity)[1]
 
-    def prefill_chunk_frame_sampled(self, token_ids: Sequence[int], sampling: Any = None,
+    def prefill_chunk_frame_sampled(self, token_ids: TokenIds, sampling: Any = None,
                                     input: Optional[ActivationFrame] = None,
                                     output_capacity: int = 0) -> Tuple[int, ActivationFrame]:
         """Prefill and sample the last row (terminal); ``(-1, frame)`` on other stages."""
         return self._prefill(token_ids, None, sampling, True, input, output_capacity)
 
-    def prefill_chunk_frame_sampled_with_positions(self, token_ids: Sequence[int], positions: Sequence[int],
+    def prefill_chunk_frame_sampled_with_positions(self, token_ids: TokenIds, positions: TokenIds,
                                                    sampling: Any = None, input: Optional[ActivationFrame] = None,
                                                    output_capacity: int = 0) -> Tuple[int, ActivationFrame]:
         return self._prefill(token_ids, positions, sampling, True, input, output_capacity)
@@ -344,7 +345,7 @@ class StageSession(_NativeHandle):
 
     # -- verify
 
-    def verify_tokens_frame(self, token_ids: Sequence[int], input: Optional[ActivationFrame] = None,
+    def verify_tokens_frame(self, token_ids: TokenIds, input: Optional[ActivationFrame] = None,
                             output_capacity: int = 0) -> Tuple[List[int], Optional[NativeMtpDraft], ActivationFrame]:
         return self.verify_tokens_frame_sampled(token_ids, None, input, output_capacity, 0)
 

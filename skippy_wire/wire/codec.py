@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Optional, Union, overload
+from typing import TYPE_CHECKING, Optional, SupportsIndex, Union, overload
 
 import numpy as np
 
@@ -75,7 +75,9 @@ if TYPE_CHECKING:
     #: only for Python >= 3.12, so arrays are named explicitly.
     BufferLike: TypeAlias = Union[Buffer, np.ndarray]
 
-CodecLike = Union[ActivationCodec, int]
+#: A codec or a dimension argument takes anything with ``__index__`` (a numpy integer too).
+IntLike = SupportsIndex
+CodecLike = Union[ActivationCodec, IntLike]
 
 _kernels: ModuleType | None = None
 
@@ -88,7 +90,7 @@ def kernels() -> ModuleType:
     return _kernels
 
 
-def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tuple[int, int, int]:
+def activation_shape(token_count: IntLike, n_embd: IntLike, state_flags: IntLike = 0) -> tuple[int, int, int]:
     """Rows and columns of a frame (wire-format.md 5.1).
 
     Parameters: ``token_count`` (i32, >= 0), ``n_embd`` (i32, > 0), ``state_flags``
@@ -103,7 +105,7 @@ def activation_shape(token_count: int, n_embd: int, state_flags: int = 0) -> tup
     return kernels().activation_shape(token_count, n_embd, state_flags)
 
 
-def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int = 0) -> int:
+def activation_f32_bytes(token_count: IntLike, n_embd: IntLike, state_flags: IntLike = 0) -> int:
     """Byte size of a frame as f32 (wire-format.md 5.2; upstream
     ``activation_wire_bytes_with_state_flags``).  ``n_embd = 0`` is allowed and gives 0;
     there is no maximum check.
@@ -114,7 +116,7 @@ def activation_f32_bytes(token_count: int, n_embd: int, state_flags: int = 0) ->
     return kernels().activation_f32_bytes(token_count, n_embd, state_flags)
 
 
-def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state_flags: int = 0) -> int:
+def activation_wire_bytes(codec: CodecLike, token_count: IntLike, n_embd: IntLike, state_flags: IntLike = 0) -> int:
     """Encoded payload size of a frame in ``codec`` (wire-format.md 5.3).
 
     Raises :class:`InvalidDataError`: "unknown stage activation codec", "negative
@@ -127,17 +129,17 @@ def activation_wire_bytes(codec: CodecLike, token_count: int, n_embd: int, state
 
 
 @overload
-def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
-                      *, out: None = None) -> bytes: ...
+def encode_activation(codec: CodecLike, token_count: IntLike, n_embd: IntLike, payload: BufferLike,
+                      state_flags: IntLike = 0, *, out: None = None) -> bytes: ...
 @overload
-def encode_activation(codec: CodecLike, token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
-                      *, out: BufferLike) -> memoryview: ...
+def encode_activation(codec: CodecLike, token_count: IntLike, n_embd: IntLike, payload: BufferLike,
+                      state_flags: IntLike = 0, *, out: BufferLike) -> memoryview: ...
 def encode_activation(
     codec: CodecLike,
-    token_count: int,
-    n_embd: int,
+    token_count: IntLike,
+    n_embd: IntLike,
     payload: BufferLike,
-    state_flags: int = 0,
+    state_flags: IntLike = 0,
     *,
     out: Optional[BufferLike] = None,
 ) -> bytes | memoryview:
@@ -179,7 +181,8 @@ def encode_activation(
     )
 
 
-def encode_f32_activation_payload(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0) -> bytes:
+def encode_f32_activation_payload(token_count: IntLike, n_embd: IntLike, payload: BufferLike,
+                                  state_flags: IntLike = 0) -> bytes:
     """Raw f32 encode with the f32 size checks first (wire-format.md 7.2).
 
     Returns the payload bytes unchanged.  Raises as :func:`encode_activation`; a zero
@@ -190,7 +193,8 @@ def encode_f32_activation_payload(token_count: int, n_embd: int, payload: Buffer
     )
 
 
-def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: BufferLike, state_flags: int = 0) -> np.ndarray:
+def decode_activation(codec: CodecLike, token_count: IntLike, n_embd: IntLike, wire: BufferLike,
+                      state_flags: IntLike = 0) -> np.ndarray:
     """Decode an activation wire payload (wire-format.md 7.4 and 6.3).
 
     Returns a new 1-D ``float32`` array with every value, bit patterns preserved, whose
@@ -208,7 +212,7 @@ def decode_activation(codec: CodecLike, token_count: int, n_embd: int, wire: Buf
     )
 
 
-def select_lossless_codec(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
+def select_lossless_codec(token_count: IntLike, n_embd: IntLike, payload: BufferLike, state_flags: IntLike = 0,
                           permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> ActivationCodec:
     """The AutoLosslessV1 selector (wire-format.md 7.3 and 8.1).
 
@@ -227,7 +231,7 @@ def select_lossless_codec(token_count: int, n_embd: int, payload: BufferLike, st
     )
 
 
-def select_and_encode_lossless(token_count: int, n_embd: int, payload: BufferLike, state_flags: int = 0,
+def select_and_encode_lossless(token_count: IntLike, n_embd: IntLike, payload: BufferLike, state_flags: IntLike = 0,
                                permitted: Iterable[CodecLike] = LOSSLESS_CODECS) -> tuple[ActivationCodec, bytes]:
     """:func:`select_lossless_codec` and :func:`encode_activation` in one pass over the
     payload where possible.  Returns ``(codec, encoded bytes)``; raises as the two do."""

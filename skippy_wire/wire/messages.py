@@ -24,7 +24,7 @@ import numbers
 import reprlib
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -372,6 +372,10 @@ class RequestEpoch(NamedTuple):
 
 _POSITIONED_KINDS = frozenset({2, 8, 9, 21})
 
+#: Token ids or positions as the writers and the runtime take them: a list, a tuple, an
+#: ``array('i')`` or an integer ndarray.
+TokenIds = Union[Sequence[int], np.ndarray]
+
 
 @dataclass(eq=False)
 class StageWireMessage:
@@ -385,8 +389,8 @@ class StageWireMessage:
     session_id: int = 0
     sampling: Optional[SamplingConfig] = None
     chat_sampling_metadata: Optional[str] = None
-    tokens: Sequence[int] = field(default_factory=list)
-    positions: Sequence[int] = field(default_factory=list)
+    tokens: TokenIds = field(default_factory=list)
+    positions: TokenIds = field(default_factory=list)
     activation: Any = b""
     raw_bytes: Any = b""
 
@@ -526,5 +530,5 @@ __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "fields_equal", "short_repr", "shown",
+    "TokenIds", "fields_equal", "short_repr", "shown",
 ]
