@@ -109,6 +109,7 @@ class Model:
 class Session:
     """A native session; made only by ``Model.create_session()`` (``Session()`` raises TypeError)."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None: ...  # raises TypeError, as said above
     @property
     def position(self) -> int: ...
     @property
