@@ -478,6 +478,7 @@ def test_a_nan_read_off_the_wire_is_its_own_value_in_every_message_read(impl):
     assert first == again == pickle.loads(pickle.dumps(first)) == copy.deepcopy(first)
     assert frame.write_stage_message(again, impl=impl) == data
     assert F32(0x7FC00001) != F32(0x7FC00002) and len({F32(0x7FC00001), F32(0x7FC00001)}) == 1
+    assert F32(0) == F32(0x80000000) == 0.0 and F32(0x7FC00001) != F32(0x3F800000)  # floats but NaNs: as floats
     assert F32(0x3F800000) == 1.0 and hash(F32(0x3F800000)) == hash(1.0)
 
 
@@ -489,6 +490,12 @@ def test_a_message_repr_stays_short_whatever_it_carries(impl):
     assert "raw_bytes=<16777216 bytes>" in repr(read) and len(repr(read)) < 1000 and len(repr(big)) < 1000
     reply = StageReply(predicted_tokens=list(range(1 << 20)))
     assert "predicted_tokens=[0, 1, 2, 3, 4, 5, ...]" in repr(reply) and len(repr(reply)) < 2000
+    # token ids in an array are ids, not a payload; a released buffer is shown, not raised
+    released = memoryview(b"abcd")
+    released.release()
+    ids = StageWireMessage(K.DECODE_EMBD, tokens=np.arange(1 << 20, dtype=np.int32), activation=released)
+    assert "tokens=array([0, 1, 2, 3, 4, 5, ...], dtype=int32, shape=(1048576,))" in repr(ids)
+    assert "activation=<released memory" in repr(ids)
 
 
 def test_sampling_writer_truncates_lists_and_rejects_long_strings(impl):

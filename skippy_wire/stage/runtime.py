@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ..errors import StageRuntimeError as StageRuntimeError  # re-exported, named so for type checkers
 from ..wire.forwarding import DEFAULT_CTX_SIZE
@@ -349,7 +349,7 @@ class StageSession(_NativeHandle):
                             output_capacity: int = 0) -> Tuple[List[int], Optional[NativeMtpDraft], ActivationFrame]:
         return self.verify_tokens_frame_sampled(token_ids, None, input, output_capacity, 0)
 
-    def verify_tokens_frame_sampled(self, token_ids: Sequence[int], sampling: Any = None,
+    def verify_tokens_frame_sampled(self, token_ids: TokenIds, sampling: Any = None,
                                     input: Optional[ActivationFrame] = None, output_capacity: int = 0,
                                     max_draft_tokens: int = 0) -> Tuple[List[int], Optional[NativeMtpDraft], ActivationFrame]:
         """Verify a speculative window in one forward; predicted token per row (terminal).
@@ -361,7 +361,7 @@ class StageSession(_NativeHandle):
             raise StageRuntimeError("verify_tokens_frame requires at least one token")
         return self._verify(token_ids, sampling, input, output_capacity, max_draft_tokens)
 
-    def verify_tokens_sampled_mtp(self, token_ids: Sequence[int], sampling: Any = None,
+    def verify_tokens_sampled_mtp(self, token_ids: TokenIds, sampling: Any = None,
                                   max_draft_tokens: int = 0) -> Tuple[List[int], Optional[NativeMtpDraft]]:
         """Verify without frames; empty tokens return ``([], None)`` without a native call."""
         if len(token_ids) == 0:
@@ -369,7 +369,7 @@ class StageSession(_NativeHandle):
         predicted, draft, _ = self._verify(token_ids, sampling, None, 0, max_draft_tokens)
         return predicted, draft
 
-    def verify_tokens_sampled(self, token_ids: Sequence[int], sampling: Any = None) -> List[int]:
+    def verify_tokens_sampled(self, token_ids: TokenIds, sampling: Any = None) -> List[int]:
         if len(token_ids) == 0:
             return []
         return self._verify(token_ids, sampling, None, 0, 0)[0]

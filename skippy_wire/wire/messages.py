@@ -19,6 +19,7 @@ Representation choices:
 
 from __future__ import annotations
 
+import array
 import enum
 import numbers
 import reprlib
@@ -124,9 +125,29 @@ class SamplingFlags(enum.IntFlag):
 
 
 # --- reprs and error texts that stay short ----------------------------------------------
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 80
-_SHOWN.maxlong = 60
+class _ShortRepr(reprlib.Repr):
+    """reprlib's cut-short repr, bytes-likes included (reprlib would make their whole repr first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 80
+        self.maxlong = 60
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        return repr(value) if len(value) <= 32 else f"<{len(value)} bytes: {bytes(value[:16])!r}...>"
+
+    repr_bytearray = repr_bytes
+
+    def repr_ndarray(self, value: np.ndarray, level: int) -> str:  # one line, its first items
+        items = self.repr_list(value.ravel()[:self.maxlist + 1].tolist(), level)
+        return f"array({items}, dtype={value.dtype}, shape={value.shape})"
+
+
+_SHOWN = _ShortRepr()
+#: The fields :func:`short_repr` shows as their size: a message's and a frame's payloads.
+_PAYLOAD_FIELDS = frozenset({"activation", "raw_bytes", "payload"})
+#: Values :func:`short_repr` cuts short (other fields, a header or a number, are shown whole).
+_LONG_VALUES = (list, tuple, str, bytes, bytearray, np.ndarray, array.array)
 
 
 def shown(value: Any) -> str:
@@ -139,18 +160,19 @@ def shown(value: Any) -> str:
 
 
 def short_repr(obj: Any) -> str:
-    """A dataclass's repr that stays short whatever it carries: a payload (anything with a
-    buffer) as its size, a list or a text cut short (:func:`shown`), other fields as usual."""
+    """A dataclass's repr that stays short whatever it carries: a payload as its size, token
+    ids and texts cut short (:func:`shown`), other fields as usual."""
     parts = []
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if isinstance(value, (list, tuple, str)):
-            text = shown(value)
-        else:
+        text = None
+        if f.name in _PAYLOAD_FIELDS:
             try:
                 text = f"<{memoryview(value).nbytes} bytes>"
-            except TypeError:  # no buffer: a header, a number, an enum
-                text = repr(value)
+            except (TypeError, ValueError):  # no buffer, or a released one: as any other value
+                pass
+        if text is None:
+            text = shown(value) if isinstance(value, _LONG_VALUES) else repr(value)
         parts.append(f"{f.name}={text}")
     return f"{type(obj).__name__}({', '.join(parts)})"
 
@@ -173,13 +195,15 @@ class F32(float):
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"F32 is immutable; make another: F32({value!r:.40})")
+        raise AttributeError("F32 is immutable (its bits are fixed when it is made)")
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError("F32 is immutable")
+        raise AttributeError("F32 is immutable (its bits are fixed when it is made)")
 
     def __eq__(self, other: object) -> bool:
-        return self.bits == other.bits if isinstance(other, F32) else float.__eq__(self, other)
+        if isinstance(other, F32) and float.__ne__(self, self):  # two NaNs: by their bits
+            return self.bits == other.bits
+        return float.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
         return not self == other
