@@ -194,7 +194,8 @@ def test_integer_likes_are_still_integers(impl):
     ({"sampling.temperature": list(range(10**6))},
      "sampling.temperature value [0, 1, 2, 3, 4, 5, ...] is not a number"),
     ({"tokens": [1, "x" * 10**6]}, f"tokens value '{'x' * 37}...{'x' * 38}' does not fit its wire type"),
-    ({"sampling.top_p": bytes(10**6)}, "sampling.top_p value <1000000 bytes: b'" + "\\x00" * 16 + "'...> is not a number"),
+    ({"sampling.top_p": bytes(10**6)},
+     "sampling.top_p value <1000000 bytes: b'" + "\\x00" * 16 + "'...> is not a number"),
 ])
 def test_an_error_shows_a_huge_value_cut_short(changes, text):
     """The text held the whole value (7.9 MB for a million-item list), and an int past
