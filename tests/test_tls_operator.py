@@ -508,6 +508,26 @@ def test_a_driver_refused_by_stage_0_s_certificate_is_a_mismatch_no_wait_mends(p
         server.shutdown()
 
 
+def test_a_peer_refused_after_its_handshake_reads_the_alert_even_when_it_writes_first(pki):
+    """Under TLS 1.3 a v17 driver (or stage) writes its Hello after its side of the handshake;
+    written after stage 0 had refused its certificate and closed, the write drew a reset that
+    discarded the alert: "the peer closed the connection" (and `api` waited for good), where
+    the alert says "unknown ca", a mismatch no wait mends."""
+    server = StageServer(FakeBackend(0, 6), serve.stage_config(0, 0, 6, "raw-f32-v1", "fixed"),
+                         tls=_config(pki, "node.pem", "node.key"))
+    server.start()
+    try:
+        context = _config(pki, "stranger.pem", "stranger.key", "ca.pem").client_context()
+        sock = socket.create_connection(server.address, timeout=5)
+        with context.wrap_socket(sock, server_hostname=server.address[0]) as tls:
+            time.sleep(0.3)  # stage 0 has refused the certificate by now
+            tls.sendall(b"hello")
+            with pytest.raises(ssl.SSLError, match="UNKNOWN_CA"):
+                tls.recv(1)
+    finally:
+        server.shutdown()
+
+
 def test_a_link_s_socket_error_is_said_in_words():
     # "downstream H:P did not send READY: [Errno 104] Connection reset by peer"
     assert link_error(ConnectionResetError(104, "Connection reset by peer")) == "connection reset by peer"

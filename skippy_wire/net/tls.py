@@ -34,6 +34,9 @@ from ..errors import SetupClosed, StageError, os_reason, special_file
 TLS_REQUIRED_NOTICE = b"STLS"
 #: How long a TLS stage waits for a new peer's ClientHello before taking it for plain.
 PLAIN_PEER_GRACE_SECONDS = 2.0
+#: How long a stage that refused a peer's handshake keeps reading what the peer sends next,
+#: so that its alert reaches the peer rather than being discarded by a reset (below).
+ALERT_LINGER_SECONDS = 1.0
 #: The first byte of a TLS handshake record.
 TLS_HANDSHAKE_RECORD = 0x16
 #: The record's major version byte (TLS 1.0-1.3 all write 3).
@@ -342,9 +345,27 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> 
     except ssl.SSLError as exc:
         if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or exc.reason == "UNEXPECTED_EOF_WHILE_READING":
             raise SetupClosed() from None
+        _linger_for_alert(sock)
         raise StageError(f"TLS handshake failed: {tls_failure(exc)}") from None
     sock.close()
     return tls
+
+
+def _linger_for_alert(sock: socket.socket) -> None:
+    """After refusing a peer's certificate: under TLS 1.3 the peer's handshake is over before
+    ours, and it may write its first message (a v17 Hello) next; once this side has closed,
+    that write is answered with a reset, which discards the alert unread at the peer's end
+    ("the peer closed the connection" instead of "unknown ca").  So end the sending side
+    and read what comes, until the peer closes or :data:`ALERT_LINGER_SECONDS` pass."""
+    deadline = time.monotonic() + ALERT_LINGER_SECONDS
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(4096):
+                break
+    except OSError:  # a timeout, or the peer gone
+        pass
 
 
 class HandshakeTimeout(TimeoutError):
