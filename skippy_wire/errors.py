@@ -113,6 +113,10 @@ class SetupError(WireError):
 
 #: Upstream's text for a peer that closed the connection during the setup handshake.
 SETUP_CLOSED_TEXT = "stage peer closed during setup"
+#: What a stage logs of a downstream that never answered a new link (v15 and v16: READY; v17:
+#: the setup); the driver's cause finder knows them as a neighbour's report, not a cause.
+DOWNSTREAM_NO_READY = "did not send READY"
+DOWNSTREAM_SETUP_UNANSWERED = "did not answer the stage setup"
 
 
 class SetupClosed(SetupError):

@@ -33,7 +33,8 @@ import struct
 import time
 from typing import Optional
 
-from ..errors import InvalidDataError, StageError, StateVersionMismatch, TlsRequired, WireError
+from ..errors import (DOWNSTREAM_NO_READY, DOWNSTREAM_SETUP_UNANSWERED, InvalidDataError, StageError,
+                      StateVersionMismatch, TlsRequired, WireError)
 from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -191,6 +192,11 @@ class LinkProtocol:
     @property
     def agreement(self):
         return self.conn.agreement
+
+    @property
+    def unanswered(self) -> str:
+        """How a stage says its downstream never answered this link's opening."""
+        return DOWNSTREAM_SETUP_UNANSWERED if self.version == STAGE_STATE_VERSION_V17 else DOWNSTREAM_NO_READY
 
     def mismatch(self, peer_version, peer_text: Optional[str] = None) -> StateVersionMismatch:
         return StateVersionMismatch(peer_version, self.version, peer_text=peer_text, who=self.who, me=self.me)

@@ -357,7 +357,7 @@ class StageServer:
         except (WireError, OSError) as exc:
             peer.close()
             why = "it closed the connection (its log says why)" if isinstance(exc, PeerClosedError) else link_error(exc)
-            raise StageError(f"downstream {host}:{port} did not send READY: {why}") from exc
+            raise StageError(f"downstream {host}:{port} {link.unanswered}: {why}") from exc
         return link
 
     def _read_message(self, link: LinkProtocol, clog: ShedAwareLog, sessions: dict, freed: FreedSessions,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import SETUP_CLOSED_TEXT, PipelineError
+from ..errors import DOWNSTREAM_NO_READY, DOWNSTREAM_SETUP_UNANSWERED, SETUP_CLOSED_TEXT, PipelineError
 from ..stage.models import default_model_id, kv_cache_bytes, model_shape, smollm2_path
 from ..stage.native import memory_available
 from ..stage.threads import oversubscription, resolved_threads
@@ -69,7 +69,7 @@ _LOG_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) stage\[
 _CONNECTION_PREFIX = re.compile(r"^connection \d+ from [^ ]+: ")
 #: Errors that only report a neighbour going away: the cause is elsewhere.
 _RELAYED = ("closed the connection", "reset the connection", "disconnected in the middle", "stalled for more than",
-            "cannot connect to downstream", "did not send READY", SETUP_CLOSED_TEXT)
+            "cannot connect to downstream", DOWNSTREAM_NO_READY, DOWNSTREAM_SETUP_UNANSWERED, SETUP_CLOSED_TEXT)
 
 
 def stage_reply_timeouts(reply_timeout: float, stages: int) -> list[float]:
