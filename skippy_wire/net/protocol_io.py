@@ -49,7 +49,7 @@ from ..wire.forwarding import (
 from ..wire.frame import MESSAGE_SIDEBAND_COUNTS_OFFSET, RecordDecoder, recv_ready, write_stage_message
 from ..wire.frame import kernels as frame_kernels
 from ..wire.protocol import VERSION_WORD_OFFSET, StageConnection, protocol_version
-from .tls import TLS_REQUIRED_NOTICE
+from .tls import TLS_REQUIRED_NOTICE, drain_before_close
 from .transport import UPSTREAM_CHECK_S, PeerClosedError
 from ..wire.setup import (
     SETUP_MAGIC,
@@ -208,12 +208,9 @@ class LinkProtocol:
         try:
             sock.settimeout(1.0)
             sock.sendall(version_notice(self.version))
-            sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + NOTICE_WAIT_SECONDS
-            while time.monotonic() < deadline and sock.recv(1 << 16):
-                pass
         except OSError:
-            pass
+            return
+        drain_before_close(sock, NOTICE_WAIT_SECONDS)
 
     # --- opening ----------------------------------------------------------------------
     def connect(self, role: SetupRole = SetupRole.ACTIVATION, setup=None, output=None, *,

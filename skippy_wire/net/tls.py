@@ -345,24 +345,25 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> 
     except ssl.SSLError as exc:
         if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or exc.reason == "UNEXPECTED_EOF_WHILE_READING":
             raise SetupClosed() from None
-        _linger_for_alert(sock)
+        # Under TLS 1.3 the peer's handshake is over before ours, and it may write its first
+        # message (a v17 Hello) next: into a closed socket, that write draws a reset, which
+        # discards our alert unread ("the peer closed the connection" instead of "unknown ca").
+        drain_before_close(sock, ALERT_LINGER_SECONDS)
         raise StageError(f"TLS handshake failed: {tls_failure(exc)}") from None
     sock.close()
     return tls
 
 
-def _linger_for_alert(sock: socket.socket) -> None:
-    """After refusing a peer's certificate: under TLS 1.3 the peer's handshake is over before
-    ours, and it may write its first message (a v17 Hello) next; once this side has closed,
-    that write is answered with a reset, which discards the alert unread at the peer's end
-    ("the peer closed the connection" instead of "unknown ca").  So end the sending side
-    and read what comes, until the peer closes or :data:`ALERT_LINGER_SECONDS` pass."""
-    deadline = time.monotonic() + ALERT_LINGER_SECONDS
+def drain_before_close(sock: socket.socket, seconds: float) -> None:
+    """End this side's sending and read (and drop) what the peer still sends, until it closes
+    or ``seconds`` pass: closed with unread bytes, the socket would send a reset, which discards
+    at the peer's end what this side said last (a version notice, a TLS alert) before it is read."""
+    deadline = time.monotonic() + seconds
     try:
         sock.shutdown(socket.SHUT_WR)
         while (left := deadline - time.monotonic()) > 0:
             sock.settimeout(left)
-            if not sock.recv(4096):
+            if not sock.recv(1 << 16):
                 break
     except OSError:  # a timeout, or the peer gone
         pass
@@ -407,4 +408,5 @@ def connect_tls(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.
 
 __all__ = ["PLAIN_EXPOSED_WARNING", "TLS_REQUIRED_NOTICE", "PLAIN_PEER_GRACE_SECONDS", "TLS_HANDSHAKE_RECORD",
            "TLS_CLIENT_ON_PLAIN_STAGE", "starts_tls_handshake", "handshake_failure",
-           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure", "link_error"]
+           "TLS_OPTIONS_TOGETHER", "TlsConfig", "is_loopback", "accept_tls", "connect_tls", "tls_failure", "link_error",
+           "drain_before_close"]
