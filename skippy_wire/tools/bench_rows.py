@@ -76,17 +76,18 @@ def paired_seconds(ours: Callable[[], object], base: Callable[[], object], repea
     return min(a), min(b)
 
 
-_progress_shown = [0]  # the width of the progress line on the terminal now
+_progress_width = 0  # of the progress line on the terminal now
 
 
 def progress(text: str = "") -> None:
     """A live progress line for a person waiting at a terminal (stderr), replaced by the next
     one; ``progress()`` clears it.  Logs and pipes get nothing.  Spaces, not an erase escape,
     cover a longer line before it, so a terminal without escapes (TERM=dumb) shows it too."""
+    global _progress_width
     if sys.stderr.isatty():
         line = f"[skippy-wire] {text}" if text else ""
-        cover = max(0, _progress_shown[0] - len(line))
-        _progress_shown[0] = len(line)
+        cover = max(0, _progress_width - len(line))
+        _progress_width = len(line)
         print("\r" + line + " " * cover + ("" if line else "\r"), end="", file=sys.stderr, flush=True)
 
 

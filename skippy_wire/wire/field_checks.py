@@ -19,7 +19,7 @@ from ..errors import InvalidInputError
 from .constants import (I32_MAX, I32_MIN, MAX_STAGE_LOGIT_BIAS, NOT_BYTES_LIKE_TEXT, U32_MAX, U64_MAX, ActivationCodec,
                         CodecPolicy, wire_int)
 from .messages import (DISCARD_STALE_WINDOWS, SAMPLING_WIRE_ORDER, SamplingConfig, StageStateHeader, StageWireMessage,
-                       WireMessageKind, shown)
+                       WireMessageKind, cut_repr)
 
 #: The message kinds a writer of each state version emits: those its readers take (23 from 16 on).
 MESSAGE_KINDS = {15: frozenset(WireMessageKind)}
@@ -89,7 +89,7 @@ def wire_bool(value: Any) -> int:
     except TypeError:
         number = None
     if number not in (0, 1):
-        raise TypeError(f"not a wire boolean: {shown(value)}")
+        raise TypeError(f"not a wire boolean: {cut_repr(value)}")
     return number
 
 
@@ -98,7 +98,7 @@ def wire_f32(value: Any) -> float:
     bool (TypeError).  A finite value beyond f32::MAX is kept (it is written as
     infinity, IEEE round to nearest, as upstream's ``as f32``)."""
     if isinstance(value, BOOL_TYPES):
-        raise TypeError(f"a bool is not a wire f32: {shown(value)}")
+        raise TypeError(f"a bool is not a wire f32: {cut_repr(value)}")
     return value
 
 
@@ -107,7 +107,7 @@ def check_known_kind(kind: Any, known: Collection[int], what: str) -> None:
     """A writer refuses a ``kind`` that is not in ``known``, the kinds its readers take: upstream's
     kinds are enums its writers cannot step outside, but a Python caller could write bytes every
     reader refuses.  A kind of the wrong type is left to the kernel, which names it."""
-    _refuse_unknown(kind, known, f"kind value {shown(kind)} is no {what} kind")
+    _refuse_unknown(kind, known, f"kind value {cut_repr(kind)} is no {what} kind")
 
 
 def _refuse_unknown(value: Any, known: Collection[int], text: str) -> None:
@@ -129,7 +129,7 @@ def check_writable(msg: StageWireMessage, version: int = 15) -> None:
     check_known_kind(msg.kind, MESSAGE_KINDS[version], f"state version {version} stage message")
     codec = getattr(msg.state, "activation_codec", None)  # an enum upstream, as the kind
     _refuse_unknown(codec, ACTIVATION_CODEC_IDS,
-                    f"state.activation_codec value {shown(codec)} is no stage activation codec")
+                    f"state.activation_codec value {cut_repr(codec)} is no stage activation codec")
     sampling = msg.sampling
     if sampling is not None:
         for name in ("dry_sequence_breakers", "samplers"):
@@ -154,7 +154,7 @@ def first_out_of_range(checks: Iterable[tuple[str, Any, int, int]], what: str) -
             except TypeError:
                 fits = False
             if not fits:
-                return InvalidInputError(f"{name} value {shown(value)} does not fit its wire type")
+                return InvalidInputError(f"{name} value {cut_repr(value)} does not fit its wire type")
     except Exception as error:  # listing the fields failed: say where, never mask it with another
         return InvalidInputError(f"{what} field does not fit its wire type ({type(error).__name__}: {error})")
     return InvalidInputError(f"{what} field does not fit its wire type")
@@ -195,30 +195,30 @@ def _sampling_checks(s: Any):
         elif code == "i":
             yield f"sampling.{name}", value, I32_MIN, I32_MAX
         elif code == "f" and (isinstance(value, BOOL_TYPES) or not isinstance(value, numbers.Real)):
-            yield f"sampling.{name} value {shown(value)} is not a number"
+            yield f"sampling.{name} value {cut_repr(value)} is not a number"
         elif code == "B" and not _fits(wire_bool, value):
-            yield f"sampling.{name} value {shown(value)} is not a bool"
+            yield f"sampling.{name} value {cut_repr(value)} is not a bool"
         elif code == "L":
             if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
                 yield f"sampling.logit_bias must be a list of (token_id, bias) pairs, not {type_name(value)}"
                 return
             for pair in list(value)[:MAX_STAGE_LOGIT_BIAS]:
                 if isinstance(pair, NOT_INT_LISTS) or not isinstance(pair, Iterable) or len(list(pair)) != 2:
-                    yield f"sampling.logit_bias entry {shown(pair)} is not a (token_id, bias) pair"
+                    yield f"sampling.logit_bias entry {cut_repr(pair)} is not a (token_id, bias) pair"
                     return
                 token, bias = pair
                 yield "sampling.logit_bias token_id", token, I32_MIN, I32_MAX
                 if isinstance(bias, BOOL_TYPES) or not isinstance(bias, numbers.Real):
-                    yield f"sampling.logit_bias bias {shown(bias)} is not a number"
+                    yield f"sampling.logit_bias bias {cut_repr(bias)} is not a number"
         elif code == "S":  # read more than once (sized, then written): no iterator
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not isinstance(value, Sized):
                 yield f"sampling.{name} must be a list of strings, not {type_name(value)}"
                 return
             for item in value:
                 if not isinstance(item, str):
-                    yield f"sampling.{name} entry {shown(item)} is not a string"
+                    yield f"sampling.{name} entry {cut_repr(item)} is not a string"
                 elif not _utf8(item):
-                    yield f"sampling.{name} entry {shown(item)} is not UTF-8 text (a lone surrogate)"
+                    yield f"sampling.{name} entry {cut_repr(item)} is not UTF-8 text (a lone surrogate)"
 
 
 def _fits(convert, value: Any) -> bool:

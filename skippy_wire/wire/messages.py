@@ -150,7 +150,7 @@ _PAYLOAD_FIELDS = frozenset({"activation", "raw_bytes", "payload"})
 _LONG_VALUES = (list, tuple, str, bytes, bytearray, np.ndarray, array.array)
 
 
-def shown(value: Any) -> str:
+def cut_repr(value: Any) -> str:
     """``repr(value)`` cut short for an error text or a message's repr: a field given a list of
     a million items, or an int of more digits than Python will print, is shown in one line."""
     try:
@@ -161,7 +161,7 @@ def shown(value: Any) -> str:
 
 def short_repr(obj: Any) -> str:
     """A dataclass's repr that stays short whatever it carries: a payload as its size, token
-    ids and texts cut short (:func:`shown`), other fields as usual."""
+    ids and texts cut short (:func:`cut_repr`), other fields as usual."""
     parts = []
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -172,7 +172,7 @@ def short_repr(obj: Any) -> str:
             except (TypeError, ValueError):  # no buffer, or a released one: as any other value
                 pass
         if text is None:
-            text = shown(value) if isinstance(value, _LONG_VALUES) else repr(value)
+            text = cut_repr(value) if isinstance(value, _LONG_VALUES) else repr(value)
         parts.append(f"{f.name}={text}")
     return f"{type(obj).__name__}({', '.join(parts)})"
 
@@ -554,5 +554,5 @@ __all__ = [
     "ACTIVATIONLESS_READ_KINDS", "ACTIVATIONLESS_WRITE_KINDS", "F32", "LogitBias", "RequestEpoch",
     "SAMPLING_F32_FIELDS", "SAMPLING_FIELDS", "SAMPLING_WIRE_ORDER", "SamplingConfig", "SamplingFlags", "StageStateHeader",
     "StageWireMessage", "WireMessageKind", "WireStagePhase", "f32_bits", "f32_from_bits",
-    "TokenIds", "fields_equal", "short_repr", "shown",
+    "TokenIds", "cut_repr", "fields_equal", "short_repr",
 ]
