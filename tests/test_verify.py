@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import signal
 import subprocess
 import sys
 import tracemalloc
 import types
+from multiprocessing import queues
 
 import numpy as np
 import pytest
 
-from skippy_wire.tools import verify
+from skippy_wire.tools import cli, verify
 from skippy_wire.tools.progress_bar import Progress
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError
@@ -100,6 +103,61 @@ def test_the_wall_time_estimate_counts_the_cores_there_are_not_the_workers(capsy
     assert verify.main(["--impl", "python", "--limit", "16", "--workers", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "with 2 worker(s)" in out and "on 1 idle core(s))" in out
+
+
+#: The chunk whose worker :func:`_killed_at_second_chunk` kills.
+SECOND_CHUNK = 0x1000
+
+
+def _killed_at_second_chunk(start, count, impl, samples):
+    """A worker's check that dies as the OOM killer ends a process (module level: spawn imports it)."""
+    if start == SECOND_CHUNK:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return verify.check_chunk(start, count, impl, samples)
+
+
+def test_a_worker_killed_is_a_crash_and_the_rest_unchecked_not_a_traceback():
+    """A worker killed mid-run broke the pool: the next submit raised BrokenProcessPool out of
+    the command as a traceback."""
+    args = verify.parse_args(["--limit", "0x8000", "--chunk", "0x1000", "--workers", "2"])
+    chunks = list(verify._chunks(args.start, args.limit, args.chunk))
+    results: list = []
+    failures = verify._run_pool(args, 2, chunks, results, None, check=_killed_at_second_chunk)
+    assert any(line.startswith("chunk 0x00001000+4096: not checked: a worker process ended abruptly")
+               for line in failures), failures
+    # every pattern is checked or said unchecked (the chunks in flight, then those after them)
+    unchecked = 0
+    for line in failures:
+        if m := re.fullmatch(r"chunk 0x[0-9a-f]{8}\+(\d+): not checked: .*", line):
+            unchecked += int(m[1])
+        else:
+            first, last = re.fullmatch(r"patterns 0x([0-9a-f]{8})..0x([0-9a-f]{8}) not checked: the worker pool broke",
+                                       line).groups()
+            unchecked += int(last, 16) - int(first, 16) + 1
+    assert sum(r.stats.get("patterns", 0) for r in results) + unchecked == 0x8000
+
+
+def test_a_pool_that_cannot_start_a_thread_is_one_line_not_a_hang(capsys, monkeypatch):
+    """Under `ulimit -u` the pool's manager thread died starting its queue's feeder thread:
+    its traceback was printed and the command waited for good on futures no one settles."""
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(queues.Queue, "_start_thread", refused)
+
+    def waited_too_long(*_):
+        raise TimeoutError("still waiting on the pool")
+
+    previous = signal.signal(signal.SIGALRM, waited_too_long)
+    signal.alarm(60)
+    try:
+        status = cli.main(["verify-exhaustive", "--limit", "0x4000", "--chunk", "0x1000", "--workers", "2",
+                           "--no-progress"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert status == 1
+    assert capsys.readouterr().err == "skippy-wire: error: can't start new thread\n"
 
 
 # --------------------------------------------------------------------------- mutants

@@ -43,9 +43,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 
@@ -444,13 +447,30 @@ def _chunks(start: int, limit: int, size: int):
         pos += n
 
 
-def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list[str]:
-    """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks.  A stop signal is
-    seen between waits (:data:`STOP_CHECK_S`), not raised inside the pool's code, whose locks it could leave held."""
+@contextlib.contextmanager
+def _thread_failures_kept():
+    """Keep what ends a thread (``threading.excepthook``) instead of printing its traceback:
+    a pool whose manager thread cannot start a thread (``ulimit -u``) dies that way and
+    never settles its futures, so the waiting loop must see it."""
+    kept: list[BaseException] = []
+    printing = threading.excepthook
+    threading.excepthook = lambda failed: kept.append(failed.exc_value or failed.exc_type())
+    try:
+        yield kept
+    finally:
+        threading.excepthook = printing
+
+
+def _run_pool(args, workers: int, chunks: list, results: list, progress, check=None) -> list[str]:
+    """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks (a worker that
+    ends abruptly, killed or out of memory, breaks the pool: the chunks after it are said unchecked).  A stop
+    signal is seen between waits (:data:`STOP_CHECK_S`), not raised inside the pool's code, whose locks it
+    could leave held.  ``check``: what a worker runs on a chunk, :func:`check_chunk`."""
+    check = check or check_chunk
     failures: list[str] = []
-    done, mismatches = 0, sum(r.mismatches for r in results)
+    done, mismatches, broken = 0, sum(r.mismatches for r in results), False
     pool = None
-    with signals_deferred() as stop:
+    with signals_deferred() as stop, _thread_failures_kept() as thread_failures:
         try:
             # The workers and multiprocessing's resource tracker start deaf to a stop (this
             # process ends them); spawn: no fork of a (possibly threaded) parent.
@@ -459,17 +479,24 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list
                                            initializer=ignore_stop_signals)
                 pending, todo = {}, iter(chunks)
                 for start, n in todo:
-                    pending[pool.submit(check_chunk, start, n, args.impl, args.samples)] = (start, n)
+                    pending[pool.submit(check, start, n, args.impl, args.samples)] = (start, n)
                     if len(pending) >= 2 * workers:
                         break
             while pending and not stop:
                 finished, _ = wait(pending, timeout=STOP_CHECK_S, return_when=FIRST_COMPLETED)
                 if stop:
                     break
+                if thread_failures:
+                    raise thread_failures[0]
                 for fut in finished:
                     start, n = pending.pop(fut)
                     try:
                         r = fut.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        failures.append(f"chunk 0x{start:08x}+{n}: not checked: a worker process ended abruptly "
+                                        "(killed, or out of memory)")
+                        r = ChunkResult(start, n)
                     except Exception as exc:  # noqa: BLE001 - a crashed chunk is a failure
                         failures.append(f"chunk 0x{start:08x}+{n}: {type(exc).__name__}: {exc}")
                         r = ChunkResult(start, n)
@@ -478,9 +505,13 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress) -> list
                     mismatches += r.mismatches
                     if progress:
                         progress.update(done, mismatches)
-                    nxt = next(todo, None)
+                    nxt = None if broken else next(todo, None)
                     if nxt is not None:
-                        pending[pool.submit(check_chunk, nxt[0], nxt[1], args.impl, args.samples)] = nxt
+                        pending[pool.submit(check, nxt[0], nxt[1], args.impl, args.samples)] = nxt
+            unchecked = list(todo) if broken else []
+            if unchecked:
+                first, last = unchecked[0][0], unchecked[-1][0] + unchecked[-1][1] - 1
+                failures.append(f"patterns 0x{first:08x}..0x{last:08x} not checked: the worker pool broke")
         except BaseException:
             if pool is not None:
                 end_workers(pool)
