@@ -477,6 +477,39 @@ def test_a_downstream_that_answers_twice_is_refused_not_relayed_a_reply_late(cap
         listener.close()
 
 
+@pytest.mark.parametrize("begun, said", [(0, "sent no reply within 1 s"),
+                                          (10, "sent 10 bytes of a reply and no more within 1 s")])
+def test_a_downstream_that_stops_in_a_reply_is_not_said_silent(caplog, begun, said):
+    """A downstream that sent a reply's first bytes, then nothing, was said to have sent no reply."""
+    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def stops_in_a_reply() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(READY_BYTES)
+            conn.recv(65536)
+            conn.sendall(predicted_reply_bytes(7)[:begun])
+            done.wait(10)
+
+    threading.Thread(target=stops_in_a_reply, daemon=True).start()
+    server = StageServer(FakeBackend(0, 3), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
+                         downstream=listener.getsockname()[:2], reply_timeout=1.0)
+    server.start()
+    try:
+        with pytest.raises(PipelineError), PipelineClient(*server.address, timeout=5) as client:
+            client.generate(PROMPT, max_tokens=3, chunk_size=16)
+        deadline = time.monotonic() + 5
+        while said not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert said in caplog.text, caplog.text
+    finally:
+        done.set()
+        server.shutdown()
+        listener.close()
+
+
 def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_factory, caplog):
     from skippy_wire.wire.frame import StageReplyDecoder
 

@@ -398,7 +398,9 @@ class LinkProtocol:
             self.unread_replies = 0
             return replies
         except (socket.timeout, TimeoutError):
-            raise StageError(f"{self.who} sent no reply within {timeout:g} s") from None
+            begun = reader.partial  # a reply begun and left unfinished is not silence
+            sent = f"sent {begun} bytes of a reply and no more" if begun else "sent no reply"
+            raise StageError(f"{self.who} {sent} within {timeout:g} s") from None
         except PeerClosedError:
             raise StageError(f"{self.who} closed the connection in the middle of a reply") from None
         except ConnectionError as exc:
