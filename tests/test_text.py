@@ -56,3 +56,14 @@ def test_generated_control_tokens_show_no_text(tokenizer):
     assert shown == assembler.text == "Parisassistant\nLyon"
     assert tokenizer.decode(ids, special=False) == shown
     assert tokenizer.decode(ids) == "Paris<|im_start|>assistant\nLyon"  # the default keeps them
+
+
+def test_a_character_cut_short_at_the_end_is_no_stop_string(tokenizer):
+    """A generation cut by max_tokens in the middle of a character ends in U+FFFD, which a
+    stop string of "\ufffd" matched: finish_reason "stop" for text the model never wrote."""
+    ids = tokenizer.encode("東京は")
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    assembler = TextAssembler(tokenizer, ["\ufffd"])
+    shown = "".join(assembler.push(t) for t in ids[:cut]) + assembler.finish()
+    assert not assembler.stopped
+    assert shown == assembler.text == tokenizer.decode(ids[:cut])  # shown as the decode shows it

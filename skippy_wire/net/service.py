@@ -191,10 +191,12 @@ class TextAssembler:
         return self._advance(text, final=False)
 
     def finish(self) -> str:
-        """The held-back rest once generation has ended."""
+        """The held-back rest once generation has ended.  A character its last token left
+        incomplete shows as U+FFFD but, as in llama-server, is no text a stop string matches."""
         if self.stopped:
             return ""
-        return self._advance(self._decode(), final=True)
+        text = self._decode()
+        return self._advance(text, final=True, complete=len(text.rstrip("\ufffd")))
 
     def _scan(self, text: str, start: int) -> tuple[int, list[int]]:
         """Advance every stop string's automaton from its state at ``start`` over
@@ -222,14 +224,14 @@ class TextAssembler:
             states.append(q)
         return cut, states
 
-    def _advance(self, text: str, *, final: bool) -> str:
+    def _advance(self, text: str, *, final: bool, complete: int | None = None) -> str:
         if self.stopped:  # the text stays cut at the earliest stop string, shown already
             return ""
         # ``text`` extends the text of the last push (a push passes the decoded text, or the whole
         # characters before an incomplete one, which every later decode begins with), so no stop
         # string can lie wholly in ``text[:self._fed]``: none was found there.  A final text may end
         # in an incomplete character that a later token would redecode, so its states are not kept.
-        cut, states = self._scan(text, self._fed)
+        cut, states = self._scan(text if complete is None else text[:complete], self._fed)
         if not final:
             self._matched, self._fed = states, len(text)
         if cut >= 0:
