@@ -784,9 +784,12 @@ def test_llama_servers_routes_refuse_in_its_error_shape_whoever_refuses():
             error = r.json()["error"]
             assert r.status_code == status and set(error) == {"code", "message", "type"}, r.text
             assert error["code"] == status and error["type"] == kind and error["message"], r.text
+            if status == 401:  # llama-server's words (they said how to send a key, in words of their own)
+                assert error["message"] == "Invalid API Key"
         assert client.get("/tokenize", headers={"Authorization": "Bearer k"}).headers["allow"] == "POST"
         r = client.get("/v1/models")  # OpenAI's routes keep OpenAI's object
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["message"] == "Invalid API Key"
 
 
 def test_health_is_open_under_either_of_its_paths():

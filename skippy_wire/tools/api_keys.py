@@ -65,8 +65,9 @@ def open_api_warning(host: str, port: int, api_keys: Sequence[str]) -> Optional[
 class RequireApiKey:
     """ASGI middleware: every route but :data:`PUBLIC_PATHS` needs one of the ``keys``
     (``--api-key``) in ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (the two headers
-    llama-server reads), else 401 with an OpenAI error object.  Each is compared with every key
-    in constant time (which key, if any, is not told by the time taken)."""
+    llama-server reads), else 401 "Invalid API Key" (llama-server's words) in an error object.
+    Each is compared with every key in constant time (which key, if any, is not told by the
+    time taken)."""
 
     def __init__(self, app, keys: str | Sequence[str]) -> None:
         self.app, self.expected = app, [key.encode() for key in as_keys(keys)]
@@ -82,8 +83,7 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._admits(dict(scope["headers"])):
-            response = error_response(401, "invalid or missing API key (Authorization: Bearer KEY, or X-Api-Key: KEY)",
-                                      type_="authentication_error", code="invalid_api_key",
+            response = error_response(401, "Invalid API Key", type_="authentication_error", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})  # RFC 9110 11.6.1: a 401 names its scheme
             await response(scope, receive, send)
             return
