@@ -8,6 +8,7 @@ TypeError."""
 from __future__ import annotations
 
 import array
+import mmap
 import struct
 
 import ml_dtypes
@@ -82,6 +83,29 @@ def test_non_contiguous_buffers_are_refused_the_same_way(codec_impl):
             with pytest.raises(InvalidInputError) as info:
                 call()
             assert str(info.value) == "payload must be a C-contiguous buffer", name
+
+
+def _gone_buffers():
+    released = memoryview(bytearray(32))
+    released.release()
+    closed = mmap.mmap(-1, 32)
+    closed.close()
+    yield released, "operation forbidden on released memoryview object"
+    yield closed, "mmap closed or invalid"
+
+
+def test_a_buffer_that_is_gone_is_said_gone_not_non_contiguous(codec_impl):
+    """The compiled codec said "payload must be a C-contiguous buffer" (and "out must ...")
+    of a released memoryview or a closed mmap, where the twin says Python's ValueError."""
+    for buf, said in _gone_buffers():
+        for call in (
+            lambda: codec_impl.encode_activation(1, 1, 8, buf, 0),
+            lambda: codec_impl.encode_activation(1, 1, 8, bytes(32), 0, out=buf),
+            lambda: codec_impl.decode_activation(1, 1, 8, buf, 0),
+            lambda: codec_impl.is_bf16_exact(buf),
+        ):
+            with pytest.raises(ValueError, match=f"^{said}$"):
+                call()
 
 
 def test_objects_without_a_buffer_raise_type_error(codec_impl):

@@ -145,7 +145,9 @@ cdef int _get_buffer(object obj, Py_buffer *view, int flags, str non_contiguous)
     except TypeError:  # no buffer protocol at all: the twin's words (not memoryview's)
         raise TypeError(NOT_BYTES_LIKE.format(type(obj).__name__)) from None
     except Exception:
-        raise InvalidInputError(non_contiguous) from None
+        if not isinstance(obj, cnp.ndarray):  # (an array's memory cannot be gone; its dtype may not export)
+            memoryview(obj)  # a buffer that cannot be had at all (released, a closed mmap): the twin's error
+        raise InvalidInputError(non_contiguous) from None  # else its layout is what failed
     return 0
 
 
