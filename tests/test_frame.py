@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from skippy_wire.wire import codec, frame, protocol
-from skippy_wire.wire.replies import StageReply
+from skippy_wire.wire.replies import NativeMtpDraft, StageReply
 from skippy_wire.tools.vector_cases import sampling_to_case
 from skippy_wire.wire.constants import (
     ACTIVATION_FLAG_GEMMA3N_ALTUP,
@@ -496,6 +496,14 @@ def test_a_message_repr_stays_short_whatever_it_carries(impl):
     ids = StageWireMessage(K.DECODE_EMBD, tokens=np.arange(1 << 20, dtype=np.int32), activation=released)
     assert "tokens=array([0, 1, 2, 3, 4, 5, ...], dtype=int32, shape=(1048576,))" in repr(ids)
     assert "activation=<released memory" in repr(ids)
+    # nested: a reply's draft, a message's sampling block; an int past Python's printable digits
+    reply = StageReply(native_mtp_draft=NativeMtpDraft(list(range(1 << 18))))
+    assert "token_ids=[0, 1, 2, 3, 4, 5, ...]" in repr(reply) and len(repr(reply)) < 2000
+    biases = SamplingConfig(logit_bias=[(i, 0.5) for i in range(10**5)])
+    sampling = StageWireMessage.configure_generation(1, 2, 0, biases)
+    assert len(repr(sampling)) < 4000
+    huge = StageWireMessage(K.PREFILL_EMBD, request_id=10**5000, state=StageStateHeader(seq_id=10**5000))
+    assert "request_id=<an int of 16610 bits>" in repr(huge) and "seq_id=<an int of 16610 bits>" in repr(huge)
 
 
 def test_sampling_writer_truncates_lists_and_rejects_long_strings(impl):

@@ -146,7 +146,8 @@ class _ShortRepr(reprlib.Repr):
 _SHOWN = _ShortRepr()
 #: The fields :func:`short_repr` shows as their size: a message's and a frame's payloads.
 _PAYLOAD_FIELDS = frozenset({"activation", "raw_bytes", "payload"})
-#: Values :func:`short_repr` cuts short (other fields, a header or a number, are shown whole).
+#: Values :func:`short_repr` cuts short, with plain ints (an int past Python's printable digits
+#: raised); others, a header or an enum, show their own repr.
 _LONG_VALUES = (list, tuple, str, bytes, bytearray, np.ndarray, array.array)
 
 
@@ -172,7 +173,7 @@ def short_repr(obj: Any) -> str:
             except (TypeError, ValueError):  # no buffer, or a released one: as any other value
                 pass
         if text is None:
-            text = cut_repr(value) if isinstance(value, _LONG_VALUES) else repr(value)
+            text = cut_repr(value) if isinstance(value, _LONG_VALUES) or type(value) is int else repr(value)
         parts.append(f"{f.name}={text}")
     return f"{type(obj).__name__}({', '.join(parts)})"
 
@@ -260,6 +261,8 @@ class StageStateHeader:
     seq_id: int = 0
     phase: int = WireStagePhase.PREFILL
     flags: int = 0
+
+    __repr__ = short_repr  # a field given an int of 5,000 digits: repr raised
     checkpoint_generation: int = 0
     prompt_token_count: int = 0
     decode_step: int = -1
@@ -351,6 +354,8 @@ class SamplingConfig:
     mirostat_learning_rate: float = _wire("f", 0.1)
     samplers: list = _wire("S", DEFAULT_SAMPLERS)
     ignore_eos: bool = _wire("B", False)
+
+    __repr__ = short_repr  # 100,000 logit biases made a 13.7 MB repr
 
     def enabled(self) -> bool:
         return bool(self.flags & SamplingFlags.ENABLED)

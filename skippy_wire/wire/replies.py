@@ -73,6 +73,8 @@ class StageReplyStats:
     prefill_compute_token_count_at_slowest_rate: int = 0
     prefill_compute_observation_count: int = 0
 
+    __repr__ = short_repr
+
     def as_tuple(self) -> tuple:
         d = self.__dict__
         return tuple(d[name] for name in STATS_FIELDS)
@@ -157,6 +159,8 @@ class NativeMtpDraft:
 
     token_ids: list = field(default_factory=list)
     proposal_compute_us: int = 0
+
+    __repr__ = short_repr  # a reply's repr showed a 262,144-token draft whole
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, NativeMtpDraft):
