@@ -101,6 +101,11 @@ class _FailingChain:
     # an empty text was padded with spaces to --prompt-tokens
     (["cluster", "--prompt-tokens", "8", "-n", "2", ""], "the prompt must have at least one token"),
     (["bench-cluster", "--prompt", ""], "the prompt must have at least one token"),
+    # without --prompt-tokens an empty prompt went on to make the namespaces and start the stages
+    (["cluster", "-n", "2", ""], "the prompt must have at least one token"),
+    # a non-UTF-8 prompt was said as "text holds a lone surrogate U+DCE9 at index 3", after the hosts were made
+    (["cluster", "-n", "2", os.fsdecode(b"caf\xe9")], "argument prompt: not valid UTF-8"),
+    (["bench-cluster", "--prompt", os.fsdecode(b"caf\xe9")], "argument --prompt: not valid UTF-8"),
 ])
 def test_a_cluster_prompt_is_sized_before_it_is_made(capsys, monkeypatch, tiny_model, argv, message):
     from skippy_wire.tools import cluster_bench

@@ -33,7 +33,7 @@ from ..wire.constants import named_codec_setting
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, MAX_THREADS, TRAINING_CONTEXT, Parser,
                       add_codec_options, check_output_dir, context_overflow, describe, error_line, file_error,
                       given_path, int_at_least, int_between, milliseconds, model_file, seconds, thread_count,
-                      training_context_size)
+                      training_context_size, utf8)
 from .signals import exiting_on_signals, signals_deferred
 from .run import DEFAULT_RAW_PROMPT
 from .run_report import TextStreamer, format_summary, merge_session_events, warn_if_unended
@@ -89,10 +89,10 @@ class ClusterResult:
 def prompt_ids(tokenizer, text: str, count: int | None) -> list[int]:
     """``text`` as token ids; with ``count``, repeated and cut to exactly ``count`` tokens."""
     ids = tokenizer.encode(text)
+    if not text or not ids:  # nothing to prefill (or to repeat: it was padded with spaces)
+        raise ValueError(EMPTY_PROMPT)
     if count is None:
         return ids
-    if not text or not ids:  # no text to repeat (it was padded with spaces)
-        raise ValueError(EMPTY_PROMPT)
     reps = 1
     while len(ids) < count:
         reps *= 2
@@ -343,7 +343,8 @@ def add_cluster_options(p: argparse.ArgumentParser, *, max_tokens: int = 16, pro
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Run a pipeline over namespace hosts joined by shaped links (root; see "
                                       "docs/pipeline.md).")
-    p.add_argument("prompt", nargs="?", default=DEFAULT_RAW_PROMPT, help="text to continue (default: %(default)r)")
+    p.add_argument("prompt", nargs="?", type=utf8, default=DEFAULT_RAW_PROMPT,
+                   help="text to continue (default: %(default)r)")
     p.add_argument("--hosts", type=int_at_least(1), default=2, help="stage hosts (namespaces), one stage each")
     p.add_argument("--rate", type=link_rate, default="unlimited", help="link rate for tc tbf, e.g. 100mbit")
     p.add_argument("--delay-ms", type=milliseconds, default=0.0,

@@ -30,7 +30,7 @@ from .cluster import (ClusterOptions, add_cluster_options, check_tokens, context
                       local_reference, progress_printer, prompt_ids, require_namespace_hosts, run_cluster)
 from .bench_rows import comma_list, cpu_text
 from .options import (EXIT_FAILURE, EXIT_INTERRUPTED, MAX_CTX_SIZE, Parser, check_output_dir, check_output_file,
-                      describe, doc_summary, error_line, file_error, int_list, milliseconds)
+                      describe, doc_summary, error_line, file_error, int_list, milliseconds, utf8)
 from .signals import exiting_on_signals
 
 #: Row names -> (activation codec identity, policy): the codecs' short names (fixed policy)
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of one-way ms")
     p.add_argument("--codecs", type=comma_list(codec_row), default=",".join(CODECS),
                    help="comma list of " + ", ".join(CODECS))
-    p.add_argument("--prompt", default="Once upon a time, in a small village by the sea, there lived a fisherman "
+    p.add_argument("--prompt", type=utf8, default="Once upon a time, in a small village by the sea, there lived a fisherman "
                                        "who knew every wave by name and every star by heart.",
                    help="text repeated and cut to --prompt-tokens")
     p.add_argument("--json", default=None, metavar="FILE",
