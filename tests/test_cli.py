@@ -1004,6 +1004,10 @@ def test_the_capture_hint_names_a_file_that_was_written(tmp_path):
     assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop0-messages.bin`)")
     (tmp_path / "hop1-messages.bin").write_bytes(b"")
     assert capture_hint(tmp_path).endswith(f"inspect {tmp_path}/hop1-messages.bin`)")
+    # a folder name's byte that is not UTF-8 as given (it was Python's surrogate, \udcff)
+    odd = tmp_path / os.fsdecode(b"cap\xff")
+    assert capture_hint(odd) == f"  captures in {tmp_path}/cap\\xff/ (inspect with `skippy-wire inspect " \
+                                f"{tmp_path}/cap\\xff/hop0-messages.bin`)"
 
 
 def test_serve_started_with_stdin_closed_exits_as_at_stdin_eof(tiny_model):

@@ -30,7 +30,7 @@ from . import conformance_gen
 from ..wire.constants import ActivationCodec
 from ..errors import Mismatch, os_reason
 from ..wire.frame import reader_expectation
-from .options import Parser, describe, doc_summary, error_line, given_path, int_at_least
+from .options import Parser, describe, doc_summary, error_line, given_path, int_at_least, shown
 from .vector_cases import (check_error, check_read, diff, hex_diff, malformed_bytes, message_from_case, message_to_case,
                            outcome, read_expectation, require_ok)
 
@@ -292,9 +292,9 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
     out = sys.stdout if out is None else out
 
     def say(text: str) -> None:
-        # a lone surrogate (a JSON "\ud800" escape in an id or a note, a path's byte that
-        # is not UTF-8) as its escape: stdout's encoder would refuse it and stop the run
-        print(text.encode("utf-8", "backslashreplace").decode("utf-8"), file=out)
+        # a path's byte that is not UTF-8 as \xff, as given; another lone surrogate (a JSON
+        # "\ud800" escape in an id or a note) as its escape: stdout's encoder would refuse it
+        print(shown(text).encode("utf-8", "backslashreplace").decode("utf-8"), file=out)
 
     runner = Runner(impl)
     passed = failed = 0

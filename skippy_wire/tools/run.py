@@ -411,7 +411,7 @@ def capture_hint(capture: Path) -> str:
     --topology)."""
     hop1, hop0 = capture / "hop1-messages.bin", capture / "hop0-messages.bin"
     first = hop1 if hop1.exists() else hop0
-    return f"  captures in {capture}/ (inspect with `skippy-wire inspect {first}`)"
+    return shown(f"  captures in {capture}/ (inspect with `skippy-wire inspect {first}`)")
 
 
 def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, progress):
