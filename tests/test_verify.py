@@ -71,6 +71,12 @@ def test_cli_rejects_bad_range():
         verify.main(["--start", "0xffffffff", "--limit", "2"])
 
 
+def test_every_count_of_patterns_takes_hex_as_the_range_does():
+    """--samples (at most 2^26, as --chunk) refused 0x10, which --start, --limit and --chunk take."""
+    args = verify.parse_args(["--start", "0x10", "--limit", "0x20", "--chunk", "0x10", "--samples", "0x10"])
+    assert (args.start, args.limit, args.chunk, args.samples) == (16, 32, 16, 16)
+
+
 def test_progress_bar_plain_text():
     stream = io.StringIO()
     bar = Progress(100, stream=stream)

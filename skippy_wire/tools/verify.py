@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes (default: one per core; 1: in this process)")
     p.add_argument("--impl", choices=_impl.IMPLEMENTATIONS, default=_impl.IMPLEMENTATION,
                    help=f"kernels under test (default: the live ones, {_impl.IMPLEMENTATION})")
-    p.add_argument("--samples", type=int_between(0, MAX_CHUNK), default=SAMPLES,
+    p.add_argument("--samples", type=int_between(0, MAX_CHUNK, base=0), default=SAMPLES,
                    help="error and inexact elements checked alone per chunk (at most 2^26, a chunk's most)")
     p.add_argument("--show", type=int_at_least(0), default=20, help="mismatches to print")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on stderr)")
