@@ -115,6 +115,18 @@ def test_a_stdout_that_cannot_be_written_is_named_in_one_line(words, unbuffered)
     assert done.stderr == "skippy-wire: error: cannot write to stdout: no space left on device\n"
 
 
+def test_a_stderr_that_cannot_be_written_drops_the_diagnostics_not_the_work():
+    """``2>/dev/full``: a progress line's failed write stopped `run` before it generated (status
+    1, nothing on stdout), and a usage error's status 2 became 1."""
+    code = ("import sys; from skippy_wire.tools.cli import guarded\n"
+            "sys.exit(guarded(lambda: print('progress', file=sys.stderr, flush=True) or print('the text') or 0))")
+    for argv, status, out in (([sys.executable, "-c", code], 0, "the text\n"),
+                              ([sys.executable, "-m", "skippy_wire", "demo", "--seed", "x"], 2, "")):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=full, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (status, out), done
+
+
 def test_a_ctrl_c_while_a_class_is_made_is_the_quiet_exit_130(capsys):
     """A Ctrl-C while an import made a dataclass reached the command as Python 3.11's
     "RuntimeError: Error calling __set_name__": a traceback and status 1."""

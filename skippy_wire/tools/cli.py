@@ -11,7 +11,8 @@ another's imports, and owns the one place where failures become what the user se
 * Ctrl-C: exit 130 quietly (the subcommand's ``with``/``finally`` blocks have already
   stopped its stage processes; SIGTERM and SIGHUP unwind the same way inside the commands
   that start processes, see :func:`skippy_wire.tools.signals.exiting_on_signals`);
-* a closed stdout (``skippy-wire run | head``): exit 141 quietly.
+* a closed stdout (``skippy-wire run | head``): exit 141 quietly; a closed or failing
+  stderr drops the diagnostics (:class:`ForgivingStderr`), the command goes on.
 
 Importing this module loads only the standard library's basics (and the package's empty
 ``__init__``): everything else, numpy and the compiled kernels included, is imported inside
@@ -119,6 +120,41 @@ class ClosedStdout(io.TextIOBase):
             raise BrokenPipeError(errno.EPIPE, "stdout is closed")
 
 
+class ForgivingStderr:
+    """``sys.stderr`` whose first failed write (``2>/dev/full``, a pipe whose reader left)
+    drops the diagnostics from then on, as a closed stderr's are: a progress line that
+    cannot be written neither stops a generation nor turns a usage error's status 2 into 1.
+    Everything else is the stream's own."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self._drop()
+
+    def _drop(self) -> None:
+        try:  # the descriptor too: what the stream still holds then flushes there, not at the exit as an error
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+            self.stream.flush()
+        except (OSError, ValueError):  # no descriptor (io.UnsupportedOperation is both)
+            self.stream = open(os.devnull, "w", encoding="utf-8")
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def quiet_stdout() -> None:
     """After a BrokenPipeError: point stdout at /dev/null so the exit flush stays silent (and
     later writes, as ``serve``'s events, vanish without another error)."""
@@ -191,6 +227,8 @@ def guarded(run: Callable[[], int | None]) -> int:
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" \
                 and hasattr(stream, "reconfigure"):
             stream.reconfigure(encoding="utf-8", errors=stream.errors)  # stderr's backslashreplace kept
+    if not isinstance(sys.stderr, ForgivingStderr):
+        sys.stderr = ForgivingStderr(sys.stderr)
     try:
         status = int(run() or 0)
         sys.stdout.flush()  # a full disk behind stdout is this command's error, not the exit's traceback
