@@ -27,7 +27,8 @@ from skippy_wire.net.supervision import default_model, launch_pipeline, split_la
 from skippy_wire.net.wakeup_slice import SHORT_SLICE_NS
 from skippy_wire.stage.models import model_shape
 from skippy_wire.stage.runtime import StageModel
-from skippy_wire.tools.run_report import TextStreamer, decode_path_lines, format_summary, merge_session_events
+from skippy_wire.tools.run_report import (TextStreamer, decode_path_lines, format_summary, json_summary,
+                                          merge_session_events)
 from skippy_wire.wire.messages import StageWireMessage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,15 @@ def test_summary_reports_rates_hops_codecs_and_encode_time():
     assert "activation encode: 0.30 ms total, 100.0 us/frame" in text
     assert "stage 0: compute 9.0 ms, 5 messages, 2 of 2 decode steps computed ahead" in text
     assert "stage 1: compute 8.0 ms, 5 messages\n" in text + "\n"
+
+
+def test_the_json_summary_counts_an_end_of_generation_token_as_the_api_does():
+    """``completion_tokens`` left out the end-of-generation token that ``tokens`` held and the
+    API's ``usage.completion_tokens`` counts: one object said 11 and held 12 tokens."""
+    result = GenerationResult([1, 2, 3], [5, 6, 0], stop_reason="eog")
+    summary = json_summary(result, None, stages=2, model="m.gguf", codec="raw-f32-v1", policy="fixed",
+                           threads=1, connected=None, sampling=None, chat=True)
+    assert summary["completion_tokens"] == len(summary["tokens"]) == 3
 
 
 def test_merge_session_events_sums_counters():

@@ -380,8 +380,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
     if args.json:
         summary = json_summary(result, events, stages=args.stages, model=shown(str(model)), codec=args.activation_codec,
                                policy=args.activation_codec_policy, threads=threads, connected=connected,
-                               sampling=sampling, chat=chat, completion_tokens=len(streamer.tokens),
-                               protocol=args.protocol)
+                               sampling=sampling, chat=chat, protocol=args.protocol)
         document = {"text": streamer.printed, "prompt": args.prompt, "summary": summary}
         if check is not None:
             document["check"] = check

@@ -174,10 +174,12 @@ def warn_if_unended(result: GenerationResult, cause: str | None = None) -> None:
 
 def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | None, *, stages: int, model: str,
                  codec: str, policy: str, threads: int, connected: str | None, sampling, chat: bool,
-                 completion_tokens: int, protocol: int = 15) -> dict:
+                 protocol: int = 15) -> dict:
     """The summary of ``--json``: the figures of :func:`format_summary` as numbers.  With
     ``connected`` the stages are someone else's: their count, codec, policy and threads are
-    null, as the text summary leaves them out (the state version is the driver's own)."""
+    null, as the text summary leaves them out (the state version is the driver's own).
+    ``completion_tokens`` counts the tokens decoded, an end-of-generation one included, as
+    the API's ``usage`` and llama-server's ``tokens_predicted`` do."""
     mine = connected is None
     return {
         "model": Path(model).name, "connected": connected, "stages": stages if mine else None,
@@ -188,7 +190,7 @@ def json_summary(result: GenerationResult, cluster_events: list[list[dict]] | No
             "top_p": sampling.top_p, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
             "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
             "repeat_last_n": sampling.penalty_last_n},
-        "prompt_tokens": len(result.prompt_tokens), "completion_tokens": completion_tokens,
+        "prompt_tokens": len(result.prompt_tokens), "completion_tokens": len(result.tokens),
         "tokens": list(result.tokens), "stop_reason": result.stop_reason,
         "prefill_ms": result.prefill_s * 1000, "prefill_tok_s": result.prefill_tok_s,
         "decode_tokens": result.decode_tokens, "decode_ms": result.decode_s * 1000,
@@ -208,10 +210,6 @@ class TextStreamer:
         self._text = TextAssembler(tokenizer)
         self.printed = ""
         self._line_open = False  # something is on the current line of ``out``
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._text.tokens
 
     def _out(self, text: str) -> None:
         self.out.write(text)
