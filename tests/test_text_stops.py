@@ -148,9 +148,11 @@ class EndsInALeadByte(ApiTokenizer):
         return b"".join(b"\xe2" if t == self.last else b"a" for t in ids).decode("utf-8", errors="replace")
 
 
-def test_a_stop_string_found_as_generation_ends_is_finish_reason_stop():
-    # "\ufffd" is decided only when the held-back rest is flushed: the text was cut there,
-    # yet finish_reason said "length"
+def test_a_character_left_incomplete_as_generation_ends_is_no_stop_string():
+    # "\ufffd" is decided only when the held-back rest is flushed.  The text was once cut
+    # there with finish_reason "length"; then cut there with "stop", for a character the
+    # model never wrote.  As llama-server (which looks for stop strings in whole characters
+    # only): the text keeps its replacement character, and the limit ended it.
     prompt = [1, 2, 3]
     tokens = fake_reference(prompt, 3)
     chain = Chain([(0, 3), (3, 6)])
@@ -161,7 +163,7 @@ def test_a_stop_string_found_as_generation_ends_is_finish_reason_stop():
     finally:
         engine.close()
         chain.close()
-    assert (out.text, out.finish_reason, out.stop_type, out.stopping_word) == ("aa", "stop", "word", "\ufffd")
+    assert (out.text, out.finish_reason, out.stop_type, out.stopping_word) == ("aa\ufffd", "length", "limit", "")
 
 
 def test_one_stop_string_given_as_a_str_is_one_stop_string():
