@@ -22,7 +22,7 @@ import pytest
 from skippy_wire.tools import cli, verify
 from skippy_wire.tools.progress_bar import Progress
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
-from skippy_wire.errors import InvalidDataError
+from skippy_wire.errors import InvalidDataError, ToolError
 
 #: Neighbourhoods where the rules change: zero and subnormals, f16 subnormal/normal
 #: boundary, 1.0, the f16 overflow tie (65520 = 0x477ff000), the bf16 overflow tie
@@ -132,6 +132,11 @@ def test_a_worker_killed_is_a_crash_and_the_rest_unchecked_not_a_traceback():
     assert any(line.startswith("chunk 0x00001000+4096: not checked: a worker process ended abruptly")
                for line in failures), failures
     # every pattern is checked or said unchecked (the chunks in flight, then those after them)
+    assert _accounted(failures, results) == 0x8000
+
+
+def _accounted(failures: list[str], results: list) -> int:
+    """Patterns checked plus those the failures say were not."""
     unchecked = 0
     for line in failures:
         if m := re.fullmatch(r"chunk 0x[0-9a-f]{8}\+(\d+): not checked: .*", line):
@@ -140,7 +145,44 @@ def test_a_worker_killed_is_a_crash_and_the_rest_unchecked_not_a_traceback():
             first, last = re.fullmatch(r"patterns 0x([0-9a-f]{8})..0x([0-9a-f]{8}) not checked: the worker pool broke",
                                        line).groups()
             unchecked += int(last, 16) - int(first, 16) + 1
-    assert sum(r.stats.get("patterns", 0) for r in results) + unchecked == 0x8000
+    return sum(r.stats.get("patterns", 0) for r in results) + unchecked
+
+
+def test_a_pool_broken_before_a_submit_leaves_the_rest_unchecked_not_a_traceback(monkeypatch):
+    """A worker killed between a chunk's answer and the next submit: submit() raised
+    BrokenProcessPool out of the command."""
+    class BreaksAtTheFifthSubmit(verify.ProcessPoolExecutor):
+        submitted = 0
+
+        def submit(self, *args, **kwargs):
+            BreaksAtTheFifthSubmit.submitted += 1
+            if BreaksAtTheFifthSubmit.submitted == 5:
+                raise verify.BrokenProcessPool("A child process terminated abruptly")
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "ProcessPoolExecutor", BreaksAtTheFifthSubmit)
+    args = verify.parse_args(["--limit", "0x8000", "--chunk", "0x1000", "--workers", "2"])
+    results: list = []
+    failures = verify._run_pool(args, 2, list(verify._chunks(args.start, args.limit, args.chunk)), results, None)
+    assert failures == ["patterns 0x00004000..0x00007fff not checked: the worker pool broke"]
+    assert _accounted(failures, results) == 0x8000
+
+
+def test_what_broke_the_pool_itself_is_said_from_python_3_12s_cause():
+    """Python 3.12 keeps the manager thread's failure as the cause of every future's
+    BrokenProcessPool (before, that thread died): it was said as a killed worker."""
+    from concurrent.futures.process import _RemoteTraceback
+
+    killed = verify.BrokenProcessPool("A child process terminated abruptly")
+    assert verify._raise_what_broke_the_pool(killed) is None
+    refused = verify.BrokenProcessPool("A process in the process pool was terminated abruptly")
+    refused.__cause__ = _RemoteTraceback("\n'''\nTraceback (most recent call last):\n  File \"x.py\", line 1, "
+                                         "in run\nRuntimeError: can't start new thread\n'''")
+    with pytest.raises(RuntimeError, match="^can't start new thread$"):
+        verify._raise_what_broke_the_pool(refused)
+    refused.__cause__ = _RemoteTraceback("\n'''\nTraceback (most recent call last):\nEOFError: Ran out of input\n'''")
+    with pytest.raises(ToolError, match="^the worker pool failed: EOFError: Ran out of input$"):
+        verify._raise_what_broke_the_pool(refused)
 
 
 def test_a_pool_that_cannot_start_a_thread_is_one_line_not_a_hang(capsys, monkeypatch):

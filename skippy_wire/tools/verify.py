@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -461,6 +462,19 @@ def _thread_failures_kept():
         threading.excepthook = printing
 
 
+def _raise_what_broke_the_pool(exc: BrokenProcessPool) -> None:
+    """Raise what broke the pool when it was the pool's own manager thread, not a worker
+    that ended: from Python 3.12 that thread keeps its failure as the cause (one it could
+    not start under ``ulimit -u``: the one-line "can't start new thread", as before 3.12)."""
+    if exc.__cause__ is None:  # a worker ended
+        return
+    lines = [line for line in str(exc.__cause__).splitlines() if line.strip(" '\"")]
+    last = lines[-1] if lines else "?"
+    if last == "RuntimeError: can't start new thread":
+        raise RuntimeError("can't start new thread")
+    raise ToolError(f"the worker pool failed: {last}")
+
+
 def _run_pool(args, workers: int, chunks: list, results: list, progress, check=None) -> list[str]:
     """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks (a worker that
     ends abruptly, killed or out of memory, breaks the pool: the chunks after it are said unchecked).  A stop
@@ -469,7 +483,18 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
     check = check or check_chunk
     failures: list[str] = []
     done, mismatches, broken = 0, sum(r.mismatches for r in results), False
-    pool = None
+    pool, pending, todo = None, {}, iter(chunks)
+
+    def submit(chunk) -> bool:
+        """Hand ``chunk`` to the pool; False (the chunk kept for the unchecked) once it is broken."""
+        nonlocal todo
+        try:
+            pending[pool.submit(check, chunk[0], chunk[1], args.impl, args.samples)] = chunk
+            return True
+        except BrokenProcessPool:  # its futures in flight say why
+            todo = itertools.chain([chunk], todo)
+            return False
+
     with signals_deferred() as stop, _thread_failures_kept() as thread_failures:
         try:
             # The workers and multiprocessing's resource tracker start deaf to a stop (this
@@ -477,10 +502,8 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
             with stop_signals_blocked():
                 pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
                                            initializer=ignore_stop_signals)
-                pending, todo = {}, iter(chunks)
-                for start, n in todo:
-                    pending[pool.submit(check, start, n, args.impl, args.samples)] = (start, n)
-                    if len(pending) >= 2 * workers:
+                for chunk in todo:
+                    if not submit(chunk) or len(pending) >= 2 * workers:
                         break
             while pending and not stop:
                 finished, _ = wait(pending, timeout=STOP_CHECK_S, return_when=FIRST_COMPLETED)
@@ -492,7 +515,8 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
                     start, n = pending.pop(fut)
                     try:
                         r = fut.result()
-                    except BrokenProcessPool:
+                    except BrokenProcessPool as exc:
+                        _raise_what_broke_the_pool(exc)
                         broken = True
                         failures.append(f"chunk 0x{start:08x}+{n}: not checked: a worker process ended abruptly "
                                         "(killed, or out of memory)")
@@ -507,8 +531,8 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
                         progress.update(done, mismatches)
                     nxt = None if broken else next(todo, None)
                     if nxt is not None:
-                        pending[pool.submit(check, nxt[0], nxt[1], args.impl, args.samples)] = nxt
-            unchecked = list(todo) if broken else []
+                        broken = not submit(nxt)
+            unchecked = [] if stop else list(todo)
             if unchecked:
                 first, last = unchecked[0][0], unchecked[-1][0] + unchecked[-1][1] - 1
                 failures.append(f"patterns 0x{first:08x}..0x{last:08x} not checked: the worker pool broke")
