@@ -215,14 +215,15 @@ def test_text_that_is_not_utf8_is_shown_escaped(tmp_path, capsys):
     """A case id or note holding a lone surrogate (a JSON escape), or a file name with a
     byte that is not UTF-8, is printed as its escape: a strict stdout (a UTF-8 locale, the
     capture here) would refuse it and stop the run.  The name's byte as given, ``\\xff``
-    (it was ``\\udcff``, Python's surrogate, which no shell reads back as the name)."""
+    (it was ``\\udcff``, Python's surrogate, which no command takes back as the name); a
+    JSON escape as written."""
     import os
 
     path = tmp_path / os.fsdecode(b"cases-\xff.jsonl")
     path.write_text('{"id": "z-\\ud800", "group": "mystery", "note": "\\udcff"}\nnot json\n')
     assert conformance.main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert f"FAIL z-\\ud800 [mystery] {tmp_path}/cases-\\xff.jsonl:1\n     note: \\xff\n" in out
+    assert f"FAIL z-\\ud800 [mystery] {tmp_path}/cases-\\xff.jsonl:1\n     note: \\udcff\n" in out
     assert f"FAIL {tmp_path}/cases-\\xff.jsonl:2: not JSON" in out
     assert out.rstrip().endswith("conformance: 0 passed, 2 failed")
 

@@ -292,20 +292,21 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
     out = sys.stdout if out is None else out
 
     def say(text: str) -> None:
-        # a path's byte that is not UTF-8 as \xff, as given; another lone surrogate (a JSON
-        # "\ud800" escape in an id or a note) as its escape: stdout's encoder would refuse it
-        print(shown(text).encode("utf-8", "backslashreplace").decode("utf-8"), file=out)
+        # a lone surrogate (a JSON "\ud800" escape in an id or a note) as its escape: stdout's
+        # encoder would refuse it and stop the run
+        print(text.encode("utf-8", "backslashreplace").decode("utf-8"), file=out)
 
     runner = Runner(impl)
     passed = failed = 0
     per_group: dict[str, list[int]] = {}
     for path, why in _files(paths):
+        where = shown(str(path))  # a byte of its name that is not UTF-8 as \xff, as given
         for lineno, case, problem in _cases(path) if why is None else [(0, None, f"cannot read it: {why}")]:
             if case is None:
                 failed += 1
                 per_group.setdefault(NOT_A_CASE, [0, 0])[1] += 1
                 if failed <= max_report:
-                    say(f"FAIL {path}{f':{lineno}' if lineno else ''}: {problem}")
+                    say(f"FAIL {where}{f':{lineno}' if lineno else ''}: {problem}")
                 continue
             group = str(case.get("group"))
             tally = per_group.setdefault(group, [0, 0])
@@ -316,7 +317,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
                 failed += 1
                 tally[1] += 1
                 if failed <= max_report:
-                    say(f"FAIL {case.get('id', '?')} [{group}] {path}:{lineno}")
+                    say(f"FAIL {case.get('id', '?')} [{group}] {where}:{lineno}")
                     say(f"     note: {case.get('note', '')}")
                     say(f"     {exc}")
                 continue
@@ -327,7 +328,7 @@ def run(paths: list[str], impl: str, *, max_report: int = 10, out=None, verbose:
                     # a KeyError is a case written without a field its group needs
                     why = (f"the case has no field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args
                            else f"runner error {type(exc).__name__}: {exc}")
-                    say(f"FAIL {case.get('id', '?')} [{group}] {path}:{lineno}: {why}")
+                    say(f"FAIL {case.get('id', '?')} [{group}] {where}:{lineno}: {why}")
                 continue
             passed += 1
             tally[0] += 1
