@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from skippy_wire.wire import codec, frame, protocol
-from skippy_wire.wire.replies import NativeMtpDraft, StageReply
+from skippy_wire.wire.replies import NativeMtpDraft, StageReply, StageReplyWindow
 from skippy_wire.tools.vector_cases import sampling_to_case
 from skippy_wire.wire.constants import (
     ACTIVATION_FLAG_GEMMA3N_ALTUP,
@@ -497,7 +497,7 @@ def test_a_message_repr_stays_short_whatever_it_carries(impl):
     assert "tokens=array([0, 1, 2, 3, 4, 5, ...], dtype=int32, shape=(1048576,))" in repr(ids)
     assert "activation=<released memory" in repr(ids)
     # nested: a reply's draft, a message's sampling block; an int past Python's printable digits
-    reply = StageReply(native_mtp_draft=NativeMtpDraft(list(range(1 << 18))))
+    reply = StageReply(native_mtp_draft=NativeMtpDraft(list(range(1 << 18))), window=StageReplyWindow(10**5000))
     assert "token_ids=[0, 1, 2, 3, 4, 5, ...]" in repr(reply) and len(repr(reply)) < 2000
     biases = SamplingConfig(logit_bias=[(i, 0.5) for i in range(10**5)])
     sampling = StageWireMessage.configure_generation(1, 2, 0, biases)

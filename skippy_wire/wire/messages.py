@@ -261,14 +261,14 @@ class StageStateHeader:
     seq_id: int = 0
     phase: int = WireStagePhase.PREFILL
     flags: int = 0
-
-    __repr__ = short_repr  # a field given an int of 5,000 digits: repr raised
     checkpoint_generation: int = 0
     prompt_token_count: int = 0
     decode_step: int = -1
     current_token: int = -1
     source_stage_index: int = -1
     activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
+
+    __repr__ = short_repr  # a field given an int of 5,000 digits: repr raised
 
     @classmethod
     def new(cls, kind: int, version: int = STAGE_STATE_VERSION) -> "StageStateHeader":

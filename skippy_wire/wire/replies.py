@@ -152,6 +152,8 @@ class StageReplyWindow:
 
     window_id: int = 0
 
+    __repr__ = short_repr
+
 
 @dataclass
 class NativeMtpDraft:
