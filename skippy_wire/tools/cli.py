@@ -143,16 +143,25 @@ class ForgivingStderr:
             self._drop()
 
     def _drop(self) -> None:
-        try:  # the descriptor too: what the stream still holds then flushes there, not at the exit as an error
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.stream.fileno())
-            os.close(devnull)
-            self.stream.flush()
-        except (OSError, ValueError):  # no descriptor (io.UnsupportedOperation is both)
+        # the descriptor too: what the stream still holds then flushes there, not at the exit as an error
+        if not _point_at_devnull(self.stream):
             self.stream = open(os.devnull, "w", encoding="utf-8")
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
+
+
+def _point_at_devnull(stream) -> bool:
+    """Point ``stream``'s descriptor at /dev/null and flush it there; False where it has no
+    descriptor (io.UnsupportedOperation is an OSError and a ValueError) or that fails."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        stream.flush()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def quiet_stdout() -> None:
@@ -161,12 +170,7 @@ def quiet_stdout() -> None:
     if isinstance(sys.stdout, ClosedStdout):  # no descriptor to point elsewhere
         sys.stdout = open(os.devnull, "w", encoding="utf-8")
         return
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    _point_at_devnull(sys.stdout)
 
 
 def dispatch(args: list[str], own_process: bool = False) -> int:

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of one-way ms")
     p.add_argument("--codecs", type=comma_list(codec_row), default=",".join(CODECS),
                    help="comma list of " + ", ".join(CODECS))
-    p.add_argument("--prompt", type=utf8, default="Once upon a time, in a small village by the sea, there lived a fisherman "
-                                       "who knew every wave by name and every star by heart.",
+    p.add_argument("--prompt", type=utf8,
+                   default="Once upon a time, in a small village by the sea, there lived a fisherman "
+                           "who knew every wave by name and every star by heart.",
                    help="text repeated and cut to --prompt-tokens")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the rows as JSON; -: on stdout, the table then on stderr (default: none)")
