@@ -192,7 +192,9 @@ class TextAssembler:
 
     def finish(self) -> str:
         """The held-back rest once generation has ended.  A character its last token left
-        incomplete shows as U+FFFD but, as in llama-server, is no text a stop string matches."""
+        incomplete shows as U+FFFD but, as in llama-server, is no text a stop string matches
+        (decoded text cannot tell it from a U+FFFD the model wrote last: that one is taken
+        for incomplete too)."""
         if self.stopped:
             return ""
         text = self._decode()
