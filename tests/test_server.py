@@ -449,53 +449,23 @@ def test_activation_sidebands_are_refused_before_stage_0_computes(chain_factory,
     _still_serves(chain)
 
 
-def test_a_downstream_that_answers_twice_is_refused_not_relayed_a_reply_late(caplog):
-    """The second reply was relayed as the answer to the next message: every token shifted by one, silently."""
-    caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def answers_twice() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(READY_BYTES)
-            while conn.recv(65536):
-                conn.sendall(predicted_reply_bytes(7) * 2)
-
-    threading.Thread(target=answers_twice, daemon=True).start()
-    server = StageServer(FakeBackend(0, 3), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
-                         downstream=listener.getsockname()[:2], reply_timeout=5.0)
-    server.start()
-    try:
-        with pytest.raises(PipelineError), PipelineClient(*server.address, timeout=5) as client:
-            client.generate(PROMPT, max_tokens=3, chunk_size=16)
-        deadline = time.monotonic() + 5
-        while "sent bytes nobody asked for" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert "downstream 127.0.0.1:" in caplog.text and "sent bytes nobody asked for; closing" in caplog.text
-    finally:
-        server.shutdown()
-        listener.close()
-
-
-@pytest.mark.parametrize("begun, said", [(0, "sent no reply within 1 s"),
-                                          (10, "sent 10 bytes of a reply and no more within 1 s")])
-def test_a_downstream_that_stops_in_a_reply_is_not_said_silent(caplog, begun, said):
-    """A downstream that sent a reply's first bytes, then nothing, was said to have sent no reply."""
+def _fails_behind_a_fake_downstream(caplog, answer, reply_timeout: float, said: str) -> None:
+    """A generation through a stage whose downstream sends READY, then ``answer(conn)``: it
+    fails, and the stage's log says ``said``."""
     caplog.set_level(logging.INFO, logger="skippy_wire.net.server")
     listener = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
 
-    def stops_in_a_reply() -> None:
+    def downstream() -> None:
         conn, _ = listener.accept()
         with conn:
             conn.sendall(READY_BYTES)
-            conn.recv(65536)
-            conn.sendall(predicted_reply_bytes(7)[:begun])
+            answer(conn)
             done.wait(10)
 
-    threading.Thread(target=stops_in_a_reply, daemon=True).start()
+    threading.Thread(target=downstream, daemon=True).start()
     server = StageServer(FakeBackend(0, 3), stage_config(0, 0, 3, "raw-f32-v1", "fixed"),
-                         downstream=listener.getsockname()[:2], reply_timeout=1.0)
+                         downstream=listener.getsockname()[:2], reply_timeout=reply_timeout)
     server.start()
     try:
         with pytest.raises(PipelineError), PipelineClient(*server.address, timeout=5) as client:
@@ -508,6 +478,27 @@ def test_a_downstream_that_stops_in_a_reply_is_not_said_silent(caplog, begun, sa
         done.set()
         server.shutdown()
         listener.close()
+
+
+def test_a_downstream_that_answers_twice_is_refused_not_relayed_a_reply_late(caplog):
+    """The second reply was relayed as the answer to the next message: every token shifted by one, silently."""
+    def answers_twice(conn) -> None:
+        while conn.recv(65536):
+            conn.sendall(predicted_reply_bytes(7) * 2)
+
+    _fails_behind_a_fake_downstream(caplog, answers_twice, 5.0, "sent bytes nobody asked for; closing")
+    assert "downstream 127.0.0.1:" in caplog.text
+
+
+@pytest.mark.parametrize("begun, said", [(0, "sent no reply within 1 s"),
+                                          (10, "sent 10 bytes of a reply and no more within 1 s")])
+def test_a_downstream_that_stops_in_a_reply_is_not_said_silent(caplog, begun, said):
+    """A downstream that sent a reply's first bytes, then nothing, was said to have sent no reply."""
+    def stops_in_a_reply(conn) -> None:
+        conn.recv(65536)
+        conn.sendall(predicted_reply_bytes(7)[:begun])
+
+    _fails_behind_a_fake_downstream(caplog, stops_in_a_reply, 1.0, said)
 
 
 def test_pipelined_messages_are_answered_in_order_then_garbage_closes(chain_factory, caplog):
