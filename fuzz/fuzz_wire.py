@@ -15,9 +15,10 @@ crash; libFuzzer then writes the input to ``crash-*`` and stops.
     # replay one input:
     .venv/bin/python fuzz/fuzz_wire.py crash-<sha1>
 
-The corpus directory is created and seeded from ../shared/vectors/public on first use
-(SKIPPY_WIRE_VECTORS overrides).  Python code of skippy_wire is coverage-instrumented;
-the Cython extensions are not (they are black boxes here, checked differentially).
+The corpus directory is created and seeded from the vendored v15 vectors
+(tests/golden/v15; SKIPPY_WIRE_VECTORS overrides) on first use.  Python code of
+skippy_wire is coverage-instrumented; the Cython extensions are not (they are black boxes
+here, checked differentially).
 """
 
 from __future__ import annotations
@@ -39,16 +40,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-#: FUZZ_INSTRUMENT=0: no Python coverage instrumentation (faster; libFuzzer then mutates
-#: the seed corpus without coverage feedback, which is what it gets from the compiled
-#: kernels in any case).
-if os.environ.get("FUZZ_INSTRUMENT", "1") == "1":
-    with atheris.instrument_imports(include=["skippy_wire", "wire_targets"]):
-        import wire_targets
-else:
+#: FUZZ_INSTRUMENT=0: only the harness is coverage-instrumented, not skippy_wire's Python
+#: code (faster): the harness's outcome branches (``wire_targets._hint``) are then
+#: libFuzzer's whole signal, as they are of the compiled kernels in any case.  Without
+#: any, libFuzzer keeps no seed and mutates one byte.
+with atheris.instrument_imports(include=["skippy_wire", "wire_targets"]
+                                if os.environ.get("FUZZ_INSTRUMENT", "1") == "1" else ["wire_targets"]):
     import wire_targets
 
-TARGETS = wire_targets.Targets()
+    TARGETS = wire_targets.Targets()  # here: it imports the reference readers and codecs
 _t0 = time.monotonic()
 
 
@@ -97,6 +97,9 @@ def _seed(corpus: Path) -> None:
     corpus.mkdir(parents=True, exist_ok=True)
     if any(corpus.iterdir()):
         return
+    vectors = wire_targets.vectors_dir()
+    if not (vectors / "frame.jsonl").is_file():
+        sys.exit(f"fuzz: no frame vectors to seed {corpus} from in {vectors} (SKIPPY_WIRE_VECTORS names the folder)")
     for data in wire_targets.seed_inputs():
         (corpus / hashlib.sha1(data).hexdigest()).write_bytes(data)
 

@@ -453,8 +453,9 @@ class Targets:
 
 
 def vectors_dir() -> Path:
+    """The v15 golden vectors the corpus is seeded from: the copy vendored under tests/golden."""
     here = Path(__file__).resolve().parents[1]
-    return Path(os.environ.get("SKIPPY_WIRE_VECTORS", here.parent / "shared" / "vectors" / "public"))
+    return Path(os.environ.get("SKIPPY_WIRE_VECTORS", here / "tests" / "golden" / "v15"))
 
 
 def _frame_opt(n_embd: int, codec_id: int | None) -> int:

@@ -264,3 +264,14 @@ def test_a_misspelt_fuzz_mode_is_refused(mode):
                           env={**os.environ, "FUZZ_MODE": mode}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr == f"fuzz: FUZZ_MODE={mode!r} is none of differential, compiled, reference\n"
+
+
+def test_the_harness_corpus_is_seeded_from_the_vendored_vectors(monkeypatch):
+    """The seeds came from ../shared/vectors/public: without it beside the checkout every
+    frame and malformed vector was skipped in silence (8 seeds, no frame among them)."""
+    monkeypatch.delenv("SKIPPY_WIRE_VECTORS", raising=False)
+    assert wire_targets.vectors_dir() == Path(__file__).resolve().parent / "golden" / "v15"
+    frame_seeds = [s for s in wire_targets.seed_inputs() if s[0] == wire_targets.Targets.TARGETS.index(
+        wire_targets.Targets.frame_read)]
+    cases = (wire_targets.vectors_dir() / "frame.jsonl").read_text().splitlines()
+    assert len(frame_seeds) >= len(cases) // 2
