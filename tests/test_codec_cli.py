@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,8 @@ def test_bench_runs_and_prints_ratio_rows(capsys, monkeypatch):
     for op in ("encode bf16", "encode f16", "select+encode (bf16-exact)", "decode bf16", "decode f16"):
         assert f"{op} vs " in out
     assert "goals met" in out and "left out" not in out
+    # the count is the last line, as the help says (a note came after it: `tail -1` read the note)
+    assert re.fullmatch(r"\d+/\d+ goals met", out.rstrip().splitlines()[-1]), out
     assert bench.main(["--sizes", "2x64", "--repeat", "1", "--min-time", "0.001", "--no-threads"]) == 0
     out = capsys.readouterr().out  # the judged size left out: said, not silently "all met"
     assert "vs ml_dtypes" not in out and "judged at 1x64, which --sizes left out: not measured" in out

@@ -258,12 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in ratios:
             note = f"  ({r.detail})" if r.detail else ""
             print(f"{r.goal.ljust(gwidth)}  {r.ratio:6.2f}x  {r.target:6.2f}x  {'yes' if r.met else 'NO'}{note}")
+    if not interrupted:  # what was not measured, before the count: the last line
+        if JUDGED not in opts.sizes:
+            print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
+        if not opts.threads:
+            print(f"(the 2-thread scaling goal was skipped ({'--quick' if opts.quick else '--no-threads'}): not measured)")
+    if ratios:
         print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
     if interrupted:
         print(f"[skippy-wire bench] interrupted after {len(rows)} rows", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if JUDGED not in opts.sizes:
-        print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
-    if not opts.threads:
-        print(f"(the 2-thread scaling goal was skipped ({'--quick' if opts.quick else '--no-threads'}): not measured)")
     return 0
