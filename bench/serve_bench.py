@@ -33,6 +33,7 @@ and yield to the stages (``net.driver.yielding_to_stages``).
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import concurrent.futures
 import http.client
@@ -181,9 +182,18 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
     return {"agg_tok_s": len(result.tokens) / wall, "decode_tok_s": result.decode_tok_s}
 
 
+def whole_model_split(text: str) -> list[int]:
+    """``--split``: layers per stage, adding up to the model's (a usage error else)."""
+    counts = int_list(1, repeats=True)(text) if text else []
+    n_layer = model_shape(default_model())[0]
+    if counts and sum(counts) != n_layer:
+        raise argparse.ArgumentTypeError(f"the counts must add up to the model's {n_layer} layers, not {sum(counts)}")
+    return counts
+
+
 def main(argv=None) -> int:
     args = script_options(__doc__, argv, types={"ahead": one_of("on", "off"), "poll-ms": poll_window,
-                                                "split": lambda text: int_list(1, repeats=True)(text) if text else [],
+                                                "split": whole_model_split,
                                                 # a prompt each; with one, "concurrent" was the one request again
                                                 "concurrency": int_between(2, len(PROMPTS)),
                                                 "tokens": int_between(2, MAX_TOKENS),  # a decode rate needs two
@@ -196,11 +206,6 @@ def main(argv=None) -> int:
         layers = [(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(counts))]
         args.stages = len(counts)
     model = default_model()
-    n_layer = model_shape(model)[0]
-    if layers and layers[-1][1] != n_layer:
-        print(f"serve_bench.py: error: argument --split: the counts must add up to the model's {n_layer} layers, "
-              f"not {layers[-1][1]}", file=sys.stderr)
-        return 2  # a usage error, as argparse's
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))
     atexit.register(shutil.rmtree, trace_dir, True)

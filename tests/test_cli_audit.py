@@ -379,10 +379,12 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
      "argument --split: the counts must add up to the model's 30 layers, not 20"),
 ])
 def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script, args, message):
-    """Each was a traceback (some after the stages had started and warmed up)."""
+    """Each was a traceback (some after the stages had started and warmed up); an uneven
+    --split was the error line without argparse's usage block."""
     done = subprocess.run([sys.executable, str(BENCH_DIR / script), *args], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == f"{script}: error: {message}", done.stderr
+    assert done.stderr.startswith("usage: "), done.stderr
 
 
 @pytest.mark.parametrize("command", [["-m", "skippy_wire", "demo"],
