@@ -179,7 +179,7 @@ def main(argv=None) -> int:
               f"{polled_p90 * 1e6:.0f} |", flush=True)
     idle_gaps = [g / 1000.0 for g in gaps]
     if args.compute_steps:
-        _idle_table(f"one decode step of layers 0-15 (1 thread), median of {args.compute_steps}",
+        _idle_table(f"one decode step of layers 0..15 (1 thread), median of {args.compute_steps}",
                     compute_after_idle(idle_gaps, args.compute_steps), "ms", 1e3)
     _idle_table(f"one raw-f32 activation encode ({N_EMBD} values), median of {args.count}",
                 call_after_idle(idle_gaps, args.count), "us", 1e6)
