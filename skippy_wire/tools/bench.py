@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         if JUDGED not in opts.sizes:
             print(f"(the codec goals are judged at {_label(JUDGED)}, which --sizes left out: not measured)")
         if not opts.threads:
-            print(f"(the 2-thread scaling goal was skipped ({'--quick' if opts.quick else '--no-threads'}): not measured)")
+            skipped_by = "--quick" if opts.quick else "--no-threads"
+            print(f"(the 2-thread scaling goal was skipped ({skipped_by}): not measured)")
     if ratios:
         print(f"\n{sum(r.met for r in ratios)}/{len(ratios)} goals met")
     if interrupted:
