@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from skippy_wire.tools import cli, verify
+from skippy_wire.tools.pool_failures import raise_what_broke_the_pool
 from skippy_wire.tools.progress_bar import Progress
 from skippy_wire._impl import IMPLEMENTATION, kernel_module
 from skippy_wire.errors import InvalidDataError, ToolError
@@ -174,15 +175,15 @@ def test_what_broke_the_pool_itself_is_said_from_python_3_12s_cause():
     from concurrent.futures.process import _RemoteTraceback
 
     killed = verify.BrokenProcessPool("A child process terminated abruptly")
-    assert verify._raise_what_broke_the_pool(killed) is None
+    assert raise_what_broke_the_pool(killed) is None
     refused = verify.BrokenProcessPool("A process in the process pool was terminated abruptly")
     refused.__cause__ = _RemoteTraceback("\n'''\nTraceback (most recent call last):\n  File \"x.py\", line 1, "
                                          "in run\nRuntimeError: can't start new thread\n'''")
     with pytest.raises(RuntimeError, match="^can't start new thread$"):
-        verify._raise_what_broke_the_pool(refused)
+        raise_what_broke_the_pool(refused)
     refused.__cause__ = _RemoteTraceback("\n'''\nTraceback (most recent call last):\nEOFError: Ran out of input\n'''")
     with pytest.raises(ToolError, match="^the worker pool failed: EOFError: Ran out of input$"):
-        verify._raise_what_broke_the_pool(refused)
+        raise_what_broke_the_pool(refused)
 
 
 def test_a_pool_that_cannot_start_a_thread_is_one_line_not_a_hang(capsys, monkeypatch):

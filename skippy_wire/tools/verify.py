@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import itertools
 import sys
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -62,6 +60,7 @@ from ..errors import InvalidDataError, ToolError
 from ..stage.threads import available_cpus
 from ..wire.constants import ActivationCodec
 from .options import MAX_THREADS, Parser, doc_summary, int_at_least, int_between
+from .pool_failures import raise_what_broke_the_pool, thread_failures_kept
 from .progress_bar import Progress
 from .signals import end_workers, exiting_on_signals, ignore_stop_signals, signals_deferred, stop_signals_blocked
 
@@ -448,33 +447,6 @@ def _chunks(start: int, limit: int, size: int):
         pos += n
 
 
-@contextlib.contextmanager
-def _thread_failures_kept():
-    """Keep what ends a thread (``threading.excepthook``) instead of printing its traceback:
-    a pool whose manager thread cannot start a thread (``ulimit -u``) dies that way and
-    never settles its futures, so the waiting loop must see it."""
-    kept: list[BaseException] = []
-    printing = threading.excepthook
-    threading.excepthook = lambda failed: kept.append(failed.exc_value or failed.exc_type())
-    try:
-        yield kept
-    finally:
-        threading.excepthook = printing
-
-
-def _raise_what_broke_the_pool(exc: BrokenProcessPool) -> None:
-    """Raise what broke the pool when it was the pool's own manager thread, not a worker
-    that ended: from Python 3.12 that thread keeps its failure as the cause (one it could
-    not start under ``ulimit -u``: the one-line "can't start new thread", as before 3.12)."""
-    if exc.__cause__ is None:  # a worker ended
-        return
-    lines = [line for line in str(exc.__cause__).splitlines() if line.strip(" '\"")]
-    last = lines[-1] if lines else "?"
-    if last == "RuntimeError: can't start new thread":
-        raise RuntimeError("can't start new thread")
-    raise ToolError(f"the worker pool failed: {last}")
-
-
 def _run_pool(args, workers: int, chunks: list, results: list, progress, check=None) -> list[str]:
     """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks (a worker that
     ends abruptly, killed or out of memory, breaks the pool: the chunks after it are said unchecked).  A stop
@@ -495,7 +467,7 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
             todo = itertools.chain([chunk], todo)
             return False
 
-    with signals_deferred() as stop, _thread_failures_kept() as thread_failures:
+    with signals_deferred() as stop, thread_failures_kept() as thread_failures:
         try:
             # The workers and multiprocessing's resource tracker start deaf to a stop (this
             # process ends them); spawn: no fork of a (possibly threaded) parent.
@@ -516,7 +488,7 @@ def _run_pool(args, workers: int, chunks: list, results: list, progress, check=N
                     try:
                         r = fut.result()
                     except BrokenProcessPool as exc:
-                        _raise_what_broke_the_pool(exc)
+                        raise_what_broke_the_pool(exc)
                         broken = True
                         failures.append(f"chunk 0x{start:08x}+{n}: not checked: a worker process ended abruptly "
                                         "(killed, or out of memory)")
