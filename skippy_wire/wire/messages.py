@@ -146,9 +146,9 @@ class _ShortRepr(reprlib.Repr):
 _SHOWN = _ShortRepr()
 #: The fields :func:`short_repr` shows as their size: a message's and a frame's payloads.
 _PAYLOAD_FIELDS = frozenset({"activation", "raw_bytes", "payload"})
-#: Values :func:`short_repr` cuts short, with plain ints (an int past Python's printable digits
-#: raised); others, a header or an enum, show their own repr.
-_LONG_VALUES = (list, tuple, str, bytes, bytearray, np.ndarray, array.array)
+#: Values :func:`short_repr` cuts short (an int too: one past Python's printable digits raised);
+#: others, a header, show their own repr.
+_LONG_VALUES = (list, tuple, str, bytes, bytearray, np.ndarray, array.array, int)
 
 
 def cut_repr(value: Any) -> str:
@@ -173,12 +173,16 @@ def short_repr(obj: Any) -> str:
             except (TypeError, ValueError):  # no buffer, or a released one: as any other value
                 pass
         if text is None:
-            text = cut_repr(value) if isinstance(value, _LONG_VALUES) or type(value) is int else repr(value)
+            text = cut_repr(value) if isinstance(value, _LONG_VALUES) else repr(value)
         parts.append(f"{f.name}={text}")
     return f"{type(obj).__name__}({', '.join(parts)})"
 
 
 # --- exact f32 values --------------------------------------------------------------------
+#: What setting or deleting an attribute of an :class:`F32` raises.
+_F32_IMMUTABLE = "F32 is immutable (its bits are fixed when it is made)"
+
+
 class F32(float):
     """A float that remembers an exact binary32 bit pattern (used for NaNs read off the wire,
     whose payload/signalling bit a plain float cannot carry).  Immutable, as a float is (the
@@ -196,10 +200,10 @@ class F32(float):
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("F32 is immutable (its bits are fixed when it is made)")
+        raise AttributeError(_F32_IMMUTABLE)
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError("F32 is immutable (its bits are fixed when it is made)")
+        raise AttributeError(_F32_IMMUTABLE)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, F32) and float.__ne__(self, self):  # two NaNs: by their bits
