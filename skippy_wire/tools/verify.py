@@ -447,12 +447,11 @@ def _chunks(start: int, limit: int, size: int):
         pos += n
 
 
-def _run_pool(args, workers: int, chunks: list, results: list, progress, check=None) -> list[str]:
+def _run_pool(args, workers: int, chunks: list, results: list, progress, check=check_chunk) -> list[str]:
     """Check ``chunks`` over worker processes, 2 in flight each; returns the crashed chunks (a worker that
     ends abruptly, killed or out of memory, breaks the pool: the chunks after it are said unchecked).  A stop
     signal is seen between waits (:data:`STOP_CHECK_S`), not raised inside the pool's code, whose locks it
-    could leave held.  ``check``: what a worker runs on a chunk, :func:`check_chunk`."""
-    check = check or check_chunk
+    could leave held.  ``check``: what a worker runs on a chunk."""
     failures: list[str] = []
     done, mismatches, broken = 0, sum(r.mismatches for r in results), False
     pool, pending, todo = None, {}, iter(chunks)
