@@ -34,7 +34,7 @@ from test_server import Chain
 
 from skippy_wire.net.service import Admission, Cancelled, Generation, GenerationEngine
 from skippy_wire.stage.chat import ChatTemplate
-from skippy_wire.tools import http_front
+from skippy_wire.tools import error_shapes, http_front
 from skippy_wire.tools.api import Api
 from skippy_wire.tools.api_keys import open_api_warning
 from skippy_wire.tools.api_options import web_origin
@@ -162,10 +162,13 @@ def test_requests_being_served_are_never_shed(gated):
         # Every other connection serves a request: nothing to shed, so the newcomer gets 503,
         # as an OpenAI error object with Retry-After (not uvicorn's plain text).
         refused = httpx.get(url + "/ok", timeout=10)
-        assert refused.status_code == 503 and refused.headers["retry-after"] == str(http_front.RETRY_AFTER_S)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == str(error_shapes.RETRY_AFTER_S)
         assert refused.json()["error"]["type"] == "server_error"
         assert refused.json()["error"]["code"] == "too_many_connections"
         assert refused.headers["x-request-id"].startswith("req_")
+        llama = httpx.post(url + "/completion", timeout=10)  # llama-server's route: its shape
+        assert llama.status_code == 503 and llama.json() == {"error": {
+            "code": 503, "message": "every connection is serving a request; retry later", "type": "unavailable_error"}}
         gate.open.set()
         assert [f.result().text for f in waiting] == ["done"] * busy
     assert httpx.get(url + "/ok", timeout=10).text == "ok"
@@ -670,6 +673,38 @@ def test_a_transfer_coding_not_supported_is_a_501_that_says_so(coding):
             error = json.loads(response.read())["error"]
     assert response.status == 501 and error["type"] == "not_supported_error"
     assert "Transfer-Encoding" in error["message"], error
+
+
+_GZIP_HEAD = b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("requests, status, llama", [
+    ([b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n900000\r\n"], 413, True),
+    ([b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 17_000 + b"\r\n\r\n"], 431, True),
+    ([b"POST /completion?x=1" + _GZIP_HEAD], 501, True),  # a head h11 refuses: its route as it arrived
+    ([b"POST http://h/apply-template" + _GZIP_HEAD], 501, True),
+    ([b"POST /v1/completions" + _GZIP_HEAD], 501, False),
+    ([b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /detokenize" + _GZIP_HEAD], 501, True),
+    ([b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /v1/chat/completions" + _GZIP_HEAD], 501, False)])
+def test_a_request_refused_by_the_http_layer_gets_its_routes_error_shape(requests, status, llama):
+    """On llama-server's routes a body past the limit in chunks, a head too large or a transfer
+    coding refused were answered in OpenAI's shape (``code`` null where llama-server's clients
+    read the status), while the same refusal from a Content-Length got llama-server's; and
+    their JSON was spaced unlike every other answer's.  (Earlier requests on the connection
+    are answered first; the refused one is the last.)"""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn():
+        with _connect(url) as s:
+            for request in requests:
+                s.sendall(request)
+                response = http.client.HTTPResponse(s)
+                response.begin()
+                body = response.read()
+    answer = json.loads(body)
+    assert response.status == status and body == json.dumps(answer, separators=(",", ":")).encode()
+    if llama:
+        assert set(answer["error"]) == {"code", "message", "type"} and answer["error"]["code"] == status
+    else:
+        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["code"] is None
 
 
 def test_a_stream_whose_client_reset_writes_nothing_more_and_asyncio_logs_nothing():

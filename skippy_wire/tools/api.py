@@ -53,12 +53,12 @@ from .api_params import (BadRequest, add_text_biases, check_answer_size, check_c
                          check_text, check_token_ids, parse_detokenize, parse_options, parse_tokenize,
                          suppress_end_of_generation, tokenize_content)
 from .cli import package_version
-from .error_shapes import NOT_SERVED, ErrorObjects, not_served, thread_refused
+from .error_shapes import NOT_SERVED, RETRY_AFTER_S, ErrorObjects, error_response, not_served, thread_refused
 from .http_events import EventStream
 from .http_loading import LoadingAnswers
-from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, RETRY_AFTER_S, IdleSheddingProtocol,
-                         OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds, StoppingServer,
-                         error_response, json_body, listening_socket, netloc, shutting_down_response)
+from .http_front import (CORS_EXPOSED, CORS_HEADERS, HTTP_METHODS, MAX_HEAD_BYTES, IdleSheddingProtocol, StoppingServer,
+                         json_body, listening_socket, netloc, shutting_down_response)
+from .http_middleware import OriginForm, RefuseAmbiguousLength, RefuseForeignOrigins, RequestIds
 from .options import (DEFAULT_STAGES, EXIT_HANGUP, LOG_FORMAT, MAX_CTX_SIZE, MAX_PORT, STARTED_STAGES_ONLY,
                       TRAINING_CONTEXT, UNTIL_FULL, DefaultsFormatter, Parser, StartedStagesOption, add_codec_options,
                       add_gpu_layers_option, address, apply_topology, check_codec_options,

@@ -22,8 +22,8 @@ from starlette.requests import Request
 
 from ..errors import PipelineError
 from .api_params import Options
+from .error_shapes import error_object
 from .http_events import sse
-from .http_front import error_object
 from .llama_sampling import SEED_RANGE
 
 #: Seconds between checks that the client of a waiting request (queued, or generating

@@ -10,7 +10,8 @@ import hmac
 from typing import Optional, Sequence
 
 from ..net.tls import is_loopback
-from .http_front import PUBLIC_PATHS, error_response, netloc
+from .error_shapes import error_response
+from .http_front import PUBLIC_PATHS, netloc
 from .options import file_error, given_path, utf8
 
 #: The most characters of a key file's line, and its most lines (keys; not a whole /dev/zero).

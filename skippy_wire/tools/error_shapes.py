@@ -1,5 +1,7 @@
 """Every error answer of the API as an error object in the shape of its route's API, whoever
-answered it: :class:`ErrorObjects` (and :func:`thread_refused`, a thread the machine would not start)."""
+answered it: OpenAI's objects, llama-server's on its own routes (:func:`for_route`), the
+middleware that reshapes what libraries answer (:class:`ErrorObjects`), and
+:func:`thread_refused`, a thread the machine would not start."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import thread_start_failed
-from .http_front import RETRY_AFTER_S, error_object, error_response
+
+#: Seconds a client is told to wait before retrying a refused (503) request.
+RETRY_AFTER_S = 1
+#: Headers of an answer after which the connection closes (the rest of a body left unread
+#: would otherwise be read and dropped for as long as the peer sends it).
+CLOSE = {"Connection": "close"}
 
 #: llama-server's routes for what it serves only when started so (embeddings, reranking,
 #: slots) or for a model that can (infill), each answered as llama-server answers without
@@ -27,6 +34,21 @@ LLAMA_PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-temp
                          *(path for path in NOT_SERVED if not path.startswith("/v1/") and "{" not in path)})
 
 
+def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None) -> dict:
+    """An OpenAI error object (also what a stream sends once its head has gone)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
+                   param: Optional[str] = None, code: Optional[str] = None, headers=None,
+                   fields: Optional[dict] = None) -> JSONResponse:
+    """An OpenAI error object as a response; ``fields``: members beside its four (llama-server's)."""
+    body = error_object(message, type_=type_, param=param, code=code)
+    body["error"].update(fields or {})
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def not_served(what: str):
     """The endpoint of a :data:`NOT_SERVED` route."""
     async def endpoint(request):
@@ -34,7 +56,7 @@ def not_served(what: str):
     return endpoint
 
 
-def _llama_route(path: str) -> bool:
+def llama_route(path: str) -> bool:
     return path in LLAMA_PATHS or path.startswith("/slots/")
 
 
@@ -48,6 +70,11 @@ def llama_error(status: int, answer: dict) -> dict:
         "unavailable_error" if status == 503 else error.get("type")
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
     return {**answer, "error": {"code": status, "message": error.get("message"), "type": kind, **extra}}
+
+
+def for_route(status: int, answer: dict, path: Optional[str]) -> dict:
+    """OpenAI's error object ``answer`` in the shape of the route at ``path`` (None: not known)."""
+    return llama_error(status, answer) if path is not None and llama_route(path) else answer
 
 
 def _error_object_bytes(status: int, body: bytes, llama: bool) -> Optional[bytes]:
@@ -91,7 +118,7 @@ class ErrorObjects:
             body.extend(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            shaped = _error_object_bytes(held["status"], bytes(body), _llama_route(scope["path"]))
+            shaped = _error_object_bytes(held["status"], bytes(body), llama_route(scope["path"]))
             if shaped is None:
                 await send(held)
                 await send({"type": "http.response.body", "body": bytes(body)})
@@ -116,4 +143,5 @@ async def thread_refused(request: Request, exc: Exception) -> Response:
                           type_="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-__all__ = ["NOT_SERVED", "LLAMA_PATHS", "not_served", "ErrorObjects", "thread_refused"]
+__all__ = ["RETRY_AFTER_S", "CLOSE", "NOT_SERVED", "LLAMA_PATHS", "error_object", "error_response", "not_served", "llama_route",
+           "llama_error", "for_route", "ErrorObjects", "thread_refused"]

@@ -1,7 +1,7 @@
-"""The HTTP front end's plumbing beneath the routes of :mod:`.api`: OpenAI error objects,
-the routes open without an API key (:mod:`.api_keys`), bounded request-body reads, and the
-uvicorn protocol that sheds idle connections at the connection limit and answers an OpenAI
-error beyond it (docs/security.md "The HTTP endpoint")."""
+"""The HTTP front end's plumbing beneath the routes of :mod:`.api`: the routes open without
+an API key (:mod:`.api_keys`), bounded request-body reads, and the uvicorn protocol that
+sheds idle connections at the connection limit and answers an error object beyond it
+(docs/security.md "The HTTP endpoint")."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import signal
 import socket
 import sys
 import time
-import uuid
 from http import HTTPStatus
 from typing import Callable, Optional
-from urllib.parse import unquote
 
 import h11
 import uvicorn
@@ -25,6 +23,8 @@ from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..net.connlog import peer_text
+from .error_shapes import CLOSE, RETRY_AFTER_S, error_object, error_response, for_route
+from .http_middleware import RequestIds, new_request_id, route_path
 
 #: Routes open without the API key (as llama-server keeps its health check open, with and
 #: without the /v1 prefix, as the route answers).
@@ -55,8 +55,6 @@ LINGER_BYTES = MAX_BODY_BYTES
 #: buffer full) before the connection closes: nginx's ``send_timeout`` default.  A stream
 #: whose client stopped reading would otherwise hold its connection for good.
 STALLED_READER_S = 60
-#: Seconds a client is told to wait before retrying a refused (503) request.
-RETRY_AFTER_S = 1
 #: Request headers a browser page may send cross-origin (``--cors-origin``): any, as
 #: llama-server allows them.  OpenAI's JavaScript client sends its ``X-Stainless-*`` headers
 #: on every request, and a preflight that refused one would block every call it makes.
@@ -66,8 +64,6 @@ CORS_EXPOSED = ["X-Request-Id", "Retry-After"]
 #: The methods HTTP defines (RFC 9110 9.3, and PATCH, RFC 5789): one on a path without it
 #: is 405 with Allow; any other method is 501 (RFC 9110 9.1).
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
-#: A client's own ``X-Request-Id`` that is echoed: visible ASCII, not too long.
-_CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -84,26 +80,6 @@ def netloc(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def error_object(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None) -> dict:
-    """An OpenAI error object (also what a stream sends once its head has gone)."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-#: Headers of an answer after which the connection closes (the rest of a body left unread
-#: would otherwise be read and dropped for as long as the peer sends it).
-CLOSE = {"Connection": "close"}
-
-
-def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
-                   param: Optional[str] = None, code: Optional[str] = None, headers=None,
-                   fields: Optional[dict] = None) -> JSONResponse:
-    """An OpenAI error object as a response; ``fields``: members beside its four (llama-server's)."""
-    body = error_object(message, type_=type_, param=param, code=code)
-    body["error"].update(fields or {})
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def shutting_down_error() -> dict:
     """What a request still unanswered when the server stops is told (uvicorn cancels what
     outlives its graceful period, and would log a traceback and send a text 500)."""
@@ -114,92 +90,10 @@ def shutting_down_response() -> JSONResponse:
     return JSONResponse(shutting_down_error(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-class RefuseAmbiguousLength:
-    """ASGI middleware: a request with both ``Content-Length`` and ``Transfer-Encoding`` gets
-    400 and its connection closes (RFC 9112 6.3): a proxy in front that went by the other
-    header would take the rest of its body for a request of its own (request smuggling)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            names = {name for name, _ in scope["headers"]}
-            if b"content-length" in names and b"transfer-encoding" in names:
-                response = error_response(400, "a request may not carry both Content-Length and Transfer-Encoding",
-                                          headers=CLOSE)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RefuseForeignOrigins:
-    """ASGI middleware: a request that changes something (a POST) from a web page of an
-    origin not given with ``--cors-origin`` gets 403.  CORS only keeps such a page from
-    reading the answer; a "simple" POST (``Content-Type: text/plain``) needs no preflight,
-    so without this any site a user visits could make a local API generate.  Browsers send
-    ``Origin`` with every such request; command-line and SDK clients send none."""
-
-    def __init__(self, app, allowed: tuple[str, ...] = ()) -> None:
-        self.app, self.allowed = app, {origin.lower().encode() for origin in allowed}
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
-            origin = dict(scope["headers"]).get(b"origin")
-            if origin is not None and origin.lower() not in self.allowed and b"*" not in self.allowed:
-                shown = origin.decode("latin-1")[:200]
-                response = error_response(403, f"a request from the web page origin {shown!r} is refused "
-                                          "(--cors-origin ORIGIN allows one)", code="origin_not_allowed")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-#: The scheme and authority of an absolute-form request target (``POST http://host/v1/...``).
-_ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/]*")
-
-
-class OriginForm:
-    """ASGI middleware: a request whose target is in absolute form, as a client sends it to
-    a proxy, is routed on its path (RFC 9112 3.2.2: a server must accept that form; uvicorn
-    passes the whole URL on as the path, which no route matched)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        absolute = scope["type"] == "http" and _ABSOLUTE_FORM.match(scope["raw_path"])
-        if absolute:
-            raw_path = scope["raw_path"][absolute.end():] or b"/"
-            scope = {**scope, "raw_path": raw_path, "path": unquote(raw_path.decode("ascii"))}
-        await self.app(scope, receive, send)
-
-
-def new_request_id() -> bytes:
-    return b"req_" + uuid.uuid4().hex.encode()
-
-
-class RequestIds:
-    """ASGI middleware: every response carries ``X-Request-Id``, as OpenAI's do (its clients
-    expose it as ``_request_id``, to quote in a report): the client's own where it sent a
-    usable one, so both sides log the same id, else a new ``req_`` one."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"")
-        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else new_request_id()
-
-        async def sending(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
-            await send(message)
-
-        await self.app(scope, receive, sending)
+#: Bytes of a request head kept as it arrives: the route of one that does not parse (its
+#: method and target; llama-server's paths are short) picks its error object's shape.
+_HEAD_PEEK_BYTES = 256
+_REQUEST_TARGET = re.compile(rb"[!-~]+ ([!-~]+) ")
 
 
 class BodyTooLarge(Exception):
@@ -242,10 +136,12 @@ async def _gather(request: Request) -> bytes:
 
 
 async def too_many_connections(scope, receive, send) -> None:
-    """The answer to a request beyond the connection limit: an OpenAI error object where
-    uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
-    response = error_response(503, "every connection is serving a request; retry later", type_="server_error",
-                              code="too_many_connections", headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
+    """The answer to a request beyond the connection limit: an error object in its route's
+    shape where uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
+    answer = error_object("every connection is serving a request; retry later", type_="server_error",
+                          code="too_many_connections")
+    response = JSONResponse(for_route(503, answer, scope["path"]), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
     await response(scope, receive, send)
 
 
@@ -296,12 +192,15 @@ class IdleSheddingProtocol(H11Protocol):
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self.logger = _ProtocolLog(self.logger)
         self.protocol_error: Optional[h11.RemoteProtocolError] = None  # why the last request did not parse
+        self.request_path: Optional[str] = None  # the route of the request whose head has arrived
+        self.head_start = b""  # the start of a head still arriving (_HEAD_PEEK_BYTES)
         next_event = self.conn.next_event
 
         def remembering_next_event():
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
+                    self.request_path = route_path(event.target)
                     if _head_bytes(event) > MAX_HEAD_BYTES:
                         raise RefusedRequest(f"request head over {MAX_HEAD_BYTES >> 10} KiB", error_status_hint=431)
                     self.body_pieces = self.body_bytes = 0
@@ -366,6 +265,7 @@ class IdleSheddingProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self.quiet_since = self.loop.time()
+        self.request_path, self.head_start = None, b""  # (the next request's head may be parsed at once)
         super().on_response_complete()
         if self.conn.their_state is h11.SEND_BODY:  # answered (401, 404, 413 ...) before its body ended
             self.transport.close()
@@ -396,6 +296,8 @@ class IdleSheddingProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering is None:
+            if self.conn.their_state is h11.IDLE and len(self.head_start) < _HEAD_PEEK_BYTES:
+                self.head_start += data[:_HEAD_PEEK_BYTES - len(self.head_start)]
             super().data_received(data)
             return
         self.lingering += len(data)
@@ -421,8 +323,9 @@ class IdleSheddingProtocol(H11Protocol):
         twice per request, advising a WebSocket library this API has no use for."""
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request it cannot parse (a malformed head), as an OpenAI
-        error object where uvicorn sends ``text/plain``, 431 for a head over h11's size limit,
+        """uvicorn's answer to a request it cannot parse (a malformed head), as an error object
+        in its route's shape where uvicorn sends ``text/plain`` (OpenAI's where the head shows
+        no route), 431 for a head over h11's size limit,
         501 naming the transfer coding refused; logged with the peer and h11's reason
         (uvicorn's line gives neither); the connection then closes."""
         error, self.protocol_error = self.protocol_error, None
@@ -431,7 +334,10 @@ class IdleSheddingProtocol(H11Protocol):
         self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
         said = isinstance(error, RefusedRequest) or status == 501  # h11's 501 reasons are fixed texts
         type_ = "not_supported_error" if status == 501 else "invalid_request_error"
-        body = json.dumps(error_object(str(error) if said else msg, type_=type_)).encode()
+        path = self.request_path
+        if path is None and (line := _REQUEST_TARGET.match(self.head_start)):
+            path = route_path(line[1])
+        body = JSONResponse(for_route(status, error_object(str(error) if said else msg, type_=type_), path)).body
         headers = [*self.server_state.default_headers,  # Date and Server, as every other answer
                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), (b"x-request-id", new_request_id())]

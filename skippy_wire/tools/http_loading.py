@@ -12,8 +12,7 @@ import threading
 import time
 from email.utils import formatdate
 
-from .error_shapes import llama_error
-from .http_front import RETRY_AFTER_S, error_object
+from .error_shapes import RETRY_AFTER_S, error_object, llama_error
 
 #: llama-server's answer while it loads its model.
 LOADING_ERROR = llama_error(503, error_object("Loading model"))
