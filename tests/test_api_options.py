@@ -169,6 +169,8 @@ def test_given_values_are_still_checked(body, param):
     ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"n_probs": 3}, "n_probs"),
+    ({"n_indent": 4}, "n_indent"),  # llama-server stops at a line indented less: ignored, the text would differ
+    ({"t_max_predict_ms": 1}, "t_max_predict_ms"),
     # an audio reply (OpenAI's gpt-4o-audio): text alone would silently drop what was asked
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -201,7 +203,8 @@ def test_what_asks_for_nothing_passes():
     assert parse_options({"stream": True, "stream_options": {"include_usage": None}}).include_usage is False
     # llama-server's web UI sends its sampling controls at their defaults
     web_ui = {"grammar": "", "mirostat": 0, "typical_p": 1, "tfs_z": 1.0, "dynatemp_range": 0, "xtc_probability": 0,
-              "dry_multiplier": 0, "top_n_sigma": -1, "n_probs": 0, "samplers": "edkypmxt", "cache_prompt": True}
+              "dry_multiplier": 0, "top_n_sigma": -1, "n_probs": 0, "samplers": "edkypmxt", "cache_prompt": True,
+              "n_indent": 0, "t_max_predict_ms": -1}
     assert parse_options(web_ui).max_tokens is None
 
 

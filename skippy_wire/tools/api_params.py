@@ -106,7 +106,10 @@ _LLAMA_OFF = {"grammar": (lambda value, body: value == "", None),
               "xtc_probability": (_xtc_off, "xtc"),
               "dry_multiplier": (_dry_off, "dry"),
               "top_n_sigma": (_where(lambda v: v <= 0), "top_n_sigma"),
-              "n_probs": (_where(lambda v: v <= 0), None)}
+              "n_probs": (_where(lambda v: v <= 0), None),
+              # its stops at a line indented less than n_indent, at a new line after a time
+              "n_indent": (_where(lambda v: v <= 0), None),
+              "t_max_predict_ms": (_where(lambda v: v <= 0), None)}
 #: llama-server's sampler names (common/sampling.cpp's, read exactly) by their letters, and
 #: the chain it runs when a request names none (the wire's default, named as llama-server names it).
 _LLAMA_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
