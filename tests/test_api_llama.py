@@ -123,6 +123,26 @@ def test_a_stream_is_pieces_then_the_final_object_and_no_done():
     assert final["tokens_predicted"] == 11
 
 
+def test_timings_per_token_puts_the_timings_so_far_on_every_streamed_event():
+    """llama-server's timings_per_token was read and ignored: no event carried timings."""
+    keys = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+            "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+    with TestClient(_fake_api(ScriptedEngine()).app()) as client:
+        *pieces, final = _events(_post(client, {"prompt": "Say hi", "stream": True, "timings_per_token": True}).text)
+        assert [set(p["timings"]) for p in pieces] == [keys] * 3 and final["timings"]["predicted_n"] == 11
+        assert [(p["timings"]["prompt_n"], p["timings"]["predicted_n"]) for p in pieces] == [(6, 3), (6, 5), (6, 11)]
+        elapsed = [p["timings"]["prompt_ms"] + p["timings"]["predicted_ms"] for p in pieces]
+        assert elapsed == sorted(elapsed) and all(t >= 0 for t in elapsed)
+        assert all("timings" not in p for p in _events(_post(client, {"prompt": "Say hi", "stream": True}).text)[:-1])
+        chat = {"messages": [{"role": "user", "content": "Say hi"}], "stream": True, "timings_per_token": True}
+        chunks = [json.loads(line[6:]) for line in client.post("/v1/chat/completions", json=chat).text.splitlines()
+                  if line.startswith("data: {")]
+        texts = [c for c in chunks if c["choices"][0]["delta"].get("content")]
+        assert [c["timings"]["predicted_n"] for c in texts] == [3, 5, 11]
+        reply = _post(client, {"prompt": "Say hi", "stream": True, "timings_per_token": "yes"})
+        assert reply.status_code == 400 and reply.json()["error"]["message"] == "'timings_per_token' must be a boolean"
+
+
 def test_a_batch_of_prompts_gives_a_list_in_order():
     with TestClient(_fake_api(ScriptedEngine(), max_inflight=2).app()) as client:
         body = _post(client, {"prompt": ["one", "three"]}).json()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from starlette.requests import Request
 
 from ..errors import PipelineError
+from ..net.service import Generation
 from .api_params import Options
 from .error_shapes import error_object
 from .http_events import sse
@@ -40,6 +41,9 @@ class GenerationJob:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.cancel = threading.Event()
+        # when each generation began, and what of it a stream has shown (timings_per_token)
+        self.began = [0.0] * len(prompts)
+        self.shown = [Generation(prompt_tokens=len(prompt)) for prompt in prompts]
 
     def _start(self, on_text: Callable[[int, str, list[int]], None],
                on_done: Callable[[int, Any], None]) -> asyncio.Future:
@@ -61,6 +65,7 @@ class GenerationJob:
                     index = None if failed.is_set() else next(indices, None)
                 if index is None:
                     return
+                self.began[index] = time.perf_counter()
                 try:
                     results[index] = engine.generate(
                         self.prompts[index], max_tokens=self.max_tokens[index], sampling=self._sampling(index),
@@ -162,7 +167,17 @@ class GenerationJob:
         return [self._chunk(index, "", None, first=True) for index in range(len(self.prompts))] if self.chat else []
 
     def _text_event(self, index: int, text: str, tokens: list[int]) -> str:
-        return self._chunk(index, text, None)
+        return self._chunk(index, text, None, timings=self._show(index, tokens))
+
+    def _show(self, index: int, tokens: list[int]) -> Optional[dict]:
+        """Counts ``tokens`` as streamed by generation ``index``; its ``timings`` so far when the
+        request asked for them (llama-server's ``timings_per_token``; its first text stands for
+        its first token)."""
+        shown, now = self.shown[index], time.perf_counter() - self.began[index]
+        if shown.first_token_s is None:
+            shown.first_token_s = now
+        shown.completion_tokens, shown.elapsed_s = shown.completion_tokens + len(tokens), now
+        return llama_timings(shown) if self.options.timings_per_token else None
 
     def _end_event(self, index: int, result) -> str:
         return self._chunk(index, None if self.chat else "", result.finish_reason,

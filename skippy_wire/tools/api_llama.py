@@ -37,7 +37,6 @@ class LlamaCompletionJob(GenerationJob):
         fields = body.get("response_fields")
         self.response_fields = fields if isinstance(fields, list) and all(isinstance(f, str) for f in fields) \
             else None
-        self.predicted = [0] * len(prompts)  # tokens streamed so far, per generation
 
     def error_event(self, status: int, answer: dict) -> str:
         return sse(llama_error(status, answer))  # llama-server's shape, as its answers' errors
@@ -90,10 +89,10 @@ class LlamaCompletionJob(GenerationJob):
         return []
 
     def _text_event(self, index: int, text: str, tokens: list[int]) -> str:
-        self.predicted[index] += len(tokens)
+        timings = self._show(index, tokens)
         return sse({"index": index, "content": text, "tokens": tokens, "stop": False, "id_slot": ANY_SLOT,
-                    "tokens_predicted": self.predicted[index],
-                    "tokens_evaluated": len(self.prompts[index])})
+                    "tokens_predicted": self.shown[index].completion_tokens,
+                    "tokens_evaluated": len(self.prompts[index]), **({"timings": timings} if timings else {})})
 
     def _end_event(self, index: int, result) -> str:
         return sse(self._picked(self._final(index, result, streamed=True)))

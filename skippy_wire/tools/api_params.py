@@ -315,6 +315,7 @@ class Options:
     bias_texts: list = field(default_factory=list)  # ``logit_bias`` texts, [(text, bias)], to tokenize
     # temperature, top_k, top_p, min_p and repeat_last_n as asked (what runs may differ): reported back
     asked: dict = field(default_factory=dict)
+    timings_per_token: bool = False  # llama-server's: each streamed event carries the timings so far
 
 
 def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
@@ -513,7 +514,8 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
     stream, include_usage = _stream(body)
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
     n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
-    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts, asked)
+    return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts, asked,
+                   _flag(body, "timings_per_token", False))
 
 
 def parse_template_options(body: dict) -> tuple[bool, dict]:
