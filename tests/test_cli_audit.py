@@ -138,10 +138,11 @@ def test_run_cluster_leaves_no_temporary_directory_on_failure(monkeypatch, tmp_p
 
 def test_the_summary_goes_to_stderr_and_stdout_holds_the_text_alone(capsys, tiny_model, fake_client):
     fake_client(" world")
-    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hello")
+    code, out, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "--protocol",
+                           "16", "hello")
     assert code == 0, err
     assert out == "hello world\n"  # `skippy-wire run ... > out.txt`
-    assert "summary: the pipeline at 127.0.0.1:9, tiny.gguf" in err and "decode:" in err
+    assert "summary: the pipeline at 127.0.0.1:9, tiny.gguf, state version 16" in err and "decode:" in err
 
 
 def _differing(monkeypatch, tokens):

@@ -530,7 +530,7 @@ def test_run_connects_to_running_stages(tiny_model, capsys, monkeypatch):
         assert main(["hello", "--connect", address, "--model", str(tiny_model), "--max-tokens", "5", "--seed", "7",
                      "--check", "--quiet"]) == 0
     out, err = capsys.readouterr()
-    assert f"summary: the pipeline at {address}, tiny.gguf" in err
+    assert f"summary: the pipeline at {address}, tiny.gguf, state version 15" in err
     assert "check: OK, 5 tokens identical" in err
     # stdout holds the text alone (`run ... > out.txt`): the raw prompt, its continuation, a newline
     assert out.startswith("hello") and out.endswith("\n") and out.count("\n") <= 6 and "summary" not in out

@@ -46,7 +46,7 @@ def format_summary(result: GenerationResult, cluster_events: list[list[dict]] | 
                    model: str, codec: str, policy: str, threads: int | None, connected: str | None = None,
                    sampling: str | None = None, chat: bool = False, protocol: int = 15) -> str:
     if connected:
-        lines = [f"summary: the pipeline at {connected}, {Path(model).name}"]
+        lines = [f"summary: the pipeline at {connected}, {Path(model).name}, state version {protocol}"]
     else:
         lines = [f"summary: {stages} stage process{'es' if stages != 1 else ''} on 127.0.0.1, "
                  f"{Path(model).name}, state version {protocol}, codec {codec}, policy {policy}, "
