@@ -385,7 +385,7 @@ def test_v17_connect_checks_the_stages_model_id_as_given_or_the_file_s_stem(caps
         assert client.kwargs["model_id"] == model_id and client.kwargs["protocol"] == (17 if extra else 15)
 
 
-def test_a_link_closed_on_the_first_tokens_asks_whether_connect_reached_stage_0(capsys, tiny_model, fake_client):
+def test_a_link_closed_on_the_first_tokens_says_what_a_later_stage_at_connect_would_do(capsys, tiny_model, fake_client):
     def closed(on_first_tokens: bool):
         def close():
             exc = PipelineClosed("stage 0 at 127.0.0.1:9 closed the connection during PREFILL_FINAL_EMBD (session 1)")
@@ -397,7 +397,8 @@ def test_a_link_closed_on_the_first_tokens_asks_whether_connect_reached_stage_0(
         fake_client(text, then=closed(hinted))
         code, _, err = _main(capsys, "run", "--connect", "127.0.0.1:9", "-m", str(tiny_model), "--quiet", "hi")
         assert code == 1
-        assert _one_error_line(err).endswith("; is it stage 0? a later stage refuses a driver's tokens") == hinted
+        assert _one_error_line(err).endswith(
+            "; if 127.0.0.1:9 is not stage 0, that is why: a later stage refuses a driver's tokens") == hinted
 
 
 def test_a_capture_on_a_full_disk_is_said_once_and_the_text_whole(tmp_path, tiny_model):

@@ -431,8 +431,9 @@ def _generate(args, cluster, entry, prompt, sampling, is_eog, streamer, chat, pr
             warn_if_unended(result)  # the text is whole: said, not a failure
     except PipelineError as exc:  # names the stage that failed and why, when they are ours
         streamer.end_line()
-        # someone else's stages: a later stage closes the link on a driver's first tokens
-        hint = "; is it stage 0? a later stage refuses a driver's tokens" \
+        # someone else's stages: a later stage closes the link on a driver's first tokens, as a
+        # stage 0 does whose downstream failed on them (before v17 nothing tells the two apart)
+        hint = "; if %s:%d is not stage 0, that is why: a later stage refuses a driver's tokens" % args.connect \
             if args.connect and isinstance(exc, PipelineClosed) and exc.on_first_tokens else ""
         raise PipelineError(f"request failed: {exc}{hint}") from None
     return result, (cluster.session_events() if not args.connect else None)
