@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from skippy_wire.errors import PipelineError, PipelineMismatch
+from skippy_wire.errors import PipelineError, PipelineMismatch, StageError
 from skippy_wire.net import protocol_io
 from skippy_wire.net.driver import PipelineClient, generate_local
 from skippy_wire.net.protocol_io import (
     VERSION_NOTICE_MAGIC,
+    LinkProtocol,
     driver_identity,
     parse_plan,
     parse_version_notice,
@@ -28,6 +29,7 @@ from skippy_wire.net.protocol_io import (
     version_notice,
 )
 from skippy_wire.net.server import StageServer
+from skippy_wire.net.transport import Peer
 from skippy_wire.net.supervision import launch_pipeline
 from skippy_wire.stage.models import write_tiny_llama_gguf
 from skippy_wire.tools.inspect import main as inspect_main
@@ -432,3 +434,23 @@ def test_a_setup_refused_further_down_is_a_closed_handshake_with_a_hint(chains):
         PipelineClient(host, port, timeout=5, protocol=17)
     assert str(info.value) == (f"stage 0 at {host}:{port} closed the connection during the setup handshake (a stage "
                                "failed or refused the setup; the stages' logs say which and why)")
+
+
+def test_a_downstream_that_closes_or_resets_is_said_in_words(monkeypatch):
+    """A send to a closed downstream logged "closed the connection ([Errno 32] Broken pipe)"."""
+    def raising(exc):
+        def fail(*args):
+            raise exc
+        return fail
+
+    a, b = socket.socketpair()
+    with a, b:
+        link = LinkProtocol(15, Peer(a), who="downstream 10.0.0.2:9000")
+        monkeypatch.setattr(link.peer, "send", raising(BrokenPipeError(32, "Broken pipe")))
+        with pytest.raises(StageError) as closed:
+            link.send_within(b"x", 1.0)
+        monkeypatch.setattr(link.peer.reader, "read", raising(ConnectionResetError(104, "Connection reset by peer")))
+        with pytest.raises(StageError) as reset:
+            link.read_owed_replies(1.0, 0.0)
+    assert str(closed.value) == "downstream 10.0.0.2:9000 closed the connection (broken pipe)"
+    assert str(reset.value) == "downstream 10.0.0.2:9000 reset the connection (connection reset by peer)"

@@ -34,7 +34,7 @@ import time
 from typing import Optional
 
 from ..errors import (DOWNSTREAM_NO_READY, DOWNSTREAM_SETUP_UNANSWERED, InvalidDataError, StageError,
-                      StateVersionMismatch, TlsRequired, WireError)
+                      StateVersionMismatch, TlsRequired, WireError, os_reason)
 from ..stage.bridge import f32_part_payload, frame_from_v16, frame_to_v1, frame_to_v16
 from ..stage.activation import ActivationBoundaryDesc, ActivationDesc, ActivationFrame
 from ..wire.activation_frame import PROTOCOL_VERSIONS, STAGE_STATE_VERSION_V15, STAGE_STATE_VERSION_V17
@@ -370,7 +370,7 @@ class LinkProtocol:
         except (socket.timeout, TimeoutError):
             raise StageError(f"{self.who} took no data for {timeout} s") from None
         except ConnectionError as exc:
-            raise StageError(f"{self.who} closed the connection ({exc})") from None
+            raise StageError(f"{self.who} closed the connection ({os_reason(exc)})") from None
 
     def read_owed_replies(self, timeout: float, poll_s: float) -> list:
         """Every reply the downstream owes (overlapped chunks' Acks first), the last one the
@@ -404,7 +404,7 @@ class LinkProtocol:
         except PeerClosedError:
             raise StageError(f"{self.who} closed the connection in the middle of a reply") from None
         except ConnectionError as exc:
-            raise StageError(f"{self.who} reset the connection ({exc.strerror or exc})") from None
+            raise StageError(f"{self.who} reset the connection ({os_reason(exc)})") from None
         except WireError as exc:
             raise StageError(f"{self.who} sent a malformed reply ({exc.kind}: {exc})") from None
         finally:
