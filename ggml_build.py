@@ -50,10 +50,10 @@ GGML_VERSION = "0.20.2"
 GGML_SDIST_SHA256 = "e47ff53506342959ffb3ce15380b82828fea10ec5f208f9ef6915895f1a7a176"
 GGML_SDIST_NAME = f"libggml_python-{GGML_DIST_VERSION}"
 
-ENV_MODE = "SKIPPY_WIRE_GGML"  # "source" (default) or "wheel" (force the portable fallback)
+ENV_MODE = runtime.MODE_ENV  # "source" (default) or "wheel" (force the portable fallback)
 ENV_CACHE = "SKIPPY_WIRE_GGML_CACHE"
 MODE_SOURCE = "source"
-MODE_WHEEL = "wheel"
+MODE_WHEEL = runtime.WHEEL_BUILD
 FALLBACK_WARNING = (
     "skippy_wire WARNING: ggml from the prebuilt libggml-python wheel (portable AVX2 build, "
     "slower on this CPU): {reason}"
@@ -305,7 +305,7 @@ def resolve(wheel_root) -> GgmlBuild:
     if mode not in (MODE_SOURCE, MODE_WHEEL):
         raise SystemExit(f"{ENV_MODE} must be {MODE_SOURCE!r} or {MODE_WHEEL!r}, not {mode!r}")
     if mode == MODE_WHEEL:
-        return wheel_build(wheel_root(), f"forced by {ENV_MODE}={MODE_WHEEL}")
+        return wheel_build(wheel_root(), runtime.FORCED_REASON)
     if sys.platform != "linux":
         return wheel_build(wheel_root(), f"the source build supports Linux only (this is {sys.platform})")
     try:

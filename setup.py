@@ -102,8 +102,6 @@ def link_ggml(ext: Extension, record: Path) -> None:
     """Resolve ggml (built from source for this CPU, or the wheel's) and link ``ext``
     against it; what it links is written to ``record`` (beside the built module, read at
     run time by skippy_wire.stage._ggml.build_info())."""
-    import sysconfig
-
     ggml = ggml_build.resolve(_libggml_root)
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(ggml.info(), indent=1) + "\n")
@@ -117,18 +115,13 @@ def link_ggml(ext: Extension, record: Path) -> None:
         ext.libraries += ["pthread", "m"]
         ext.extra_link_args += ["-Wl,--exclude-libs,ALL"]
         return
-    # Portable fallback: the libggml-python wheel's shared libraries.  Where they are at run
-    # time: next to the installed extension ($ORIGIN/..), in this interpreter's site-packages
-    # (an editable/in-tree build made under pip's build isolation, whose own libggml copy is
-    # deleted afterwards), and where the build found them.  skippy_wire.stage._ggml.preload()
-    # is the last resort.
-    lib64 = str(ggml.lib_dir)
-    rpaths = ["$ORIGIN/../../libggml/lib64", str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64")]
-    if lib64 not in rpaths:
-        rpaths.append(lib64)
-    ext.library_dirs.append(lib64)
+    # Portable fallback: the libggml-python wheel's shared libraries, found at run time next
+    # to the installed extension ($ORIGIN/../..) and nowhere else this machine names: a wheel
+    # is shipped, and pip's isolated build folder under /tmp, gone once built, is anyone's to
+    # make again.  skippy_wire.stage._ggml.load_backend() preloads them for other layouts.
+    ext.library_dirs.append(str(ggml.lib_dir))
     ext.libraries += ["ggml-base", "ggml-cpu"]
-    ext.extra_link_args += [f"-Wl,-rpath,{r}" for r in rpaths]
+    ext.extra_link_args += ["-Wl,-rpath,$ORIGIN/../../libggml/lib64"]
 
 
 EXTENSIONS = {

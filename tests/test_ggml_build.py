@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,41 @@ def test_forced_fallback_warns_at_build(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv(ggml_build.ENV_MODE, "fast")
     with pytest.raises(SystemExit):
         ggml_build.resolve(lambda: tmp_path)
+
+
+def test_a_forced_fallback_is_not_told_to_install_cmake(monkeypatch, tmp_path):
+    """A portable build asked for with SKIPPY_WIRE_GGML=wheel was told, on every command, to
+    reinstall with cmake available (which changes nothing while the setting stays)."""
+    monkeypatch.setenv(ggml_build.ENV_MODE, ggml_build.MODE_WHEEL)
+    text = _ggml.fallback_warning(ggml_build.resolve(lambda: tmp_path).info())
+    assert text.endswith(": forced by SKIPPY_WIRE_GGML=wheel; reinstall without SKIPPY_WIRE_GGML=wheel to build it")
+
+
+def test_a_wheel_fallback_backend_looks_for_ggml_beside_itself_only(monkeypatch, tmp_path):
+    """Its RUNPATH also named the build machine's venv and pip's isolated build folder under
+    /tmp (gone once built, anyone's to make again with a libggml of their own)."""
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)  # setup.py's functions, nothing built
+    setup_py = runpy.run_path(str(ROOT / "setup.py"), run_name="setup_py_under_test")
+    monkeypatch.setenv(ggml_build.ENV_MODE, ggml_build.MODE_WHEEL)
+    ext = setup_py["backend_extension"]()
+    setup_py["link_ggml"](ext, tmp_path / "record.json")
+    assert [arg for arg in ext.extra_link_args if "rpath" in arg] == ["-Wl,-rpath,$ORIGIN/../../libggml/lib64"]
+    assert ext.libraries[-2:] == ["ggml-base", "ggml-cpu"]
+
+
+def test_no_backend_is_an_import_error_without_a_fallback_warning(monkeypatch):
+    """A pure-Python install warned that its backend links the wheel, then had none."""
+    monkeypatch.setattr(_ggml, "build_info", lambda path=None: {"source": "unknown", "reason": "no build record"})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(_ggml.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "skippy_wire.stage._backend" else find_spec(name, *a))
+    with warnings.catch_warnings(record=True) as said, \
+            pytest.raises(ImportError, match=r"^No module named 'skippy_wire\.stage\._backend'$"):
+        warnings.simplefilter("always")
+        _ggml.load_backend()
+    assert not said, [str(w.message) for w in said]
 
 
 def test_impossible_source_build_falls_back_loudly(monkeypatch, capsys, tmp_path):

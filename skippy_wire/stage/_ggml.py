@@ -11,10 +11,11 @@ instruction sets this CPU lacks, and warns (``GgmlFallbackWarning``) when the ba
 links the portable libggml-python wheel instead of the source build.
 
 Portable fallback: the backend links ``libggml-base.so.0`` and ``libggml-cpu.so.0`` from the
-wheel's ``lib64/`` (runtime.md §5.1).  Its rpath covers the installed layout
-(``$ORIGIN/../libggml/lib64``) and the build machine's absolute path; ``preload()`` is the
-fallback for anything else (an in-tree build whose venv moved): loading both libraries
-with RTLD_GLOBAL lets the dynamic loader satisfy the extension's NEEDED entries by SONAME.
+wheel's ``lib64/`` (runtime.md §5.1).  Its rpath covers the installed layout alone
+(``$ORIGIN/../../libggml/lib64``: no path of the build machine, whose pip build folder under
+/tmp anyone could make again); ``preload()`` covers anything else (an in-tree build,
+libggml in another site-packages): loading both libraries with RTLD_GLOBAL lets the
+dynamic loader satisfy the extension's NEEDED entries by SONAME.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ _preloaded: list[ctypes.CDLL] = []
 BUILD_INFO = Path(__file__).with_name("_ggml_build.json")
 SOURCE_BUILD = "sdist"
 WHEEL_BUILD = "wheel"
+#: The build's setting that forces the wheel (``ggml_build.py`` reads it), and the reason recorded then.
+MODE_ENV = "SKIPPY_WIRE_GGML"
+FORCED_REASON = f"forced by {MODE_ENV}={WHEEL_BUILD}"
 FALLBACK_TEXT = (
     "skippy_wire's ggml backend links the portable libggml-python wheel (AVX2 kernels), not ggml "
-    "built for this CPU: {reason}; reinstall with cmake available to build it"
+    "built for this CPU: {reason}; {advice}"
 )
 CPU_MISMATCH_TEXT = (
     "skippy_wire's ggml was built for CPU features this machine lacks ({missing}); reinstall skippy_wire here"
@@ -95,7 +99,10 @@ def fallback_warning(info: dict) -> str | None:
     """The fallback warning text for ``info``, or None for the source build."""
     if info.get("source") == SOURCE_BUILD:
         return None
-    return FALLBACK_TEXT.format(reason=info.get("reason") or "unknown build")
+    reason = info.get("reason") or "unknown build"
+    advice = f"reinstall without {MODE_ENV}={WHEEL_BUILD} to build it" if reason == FORCED_REASON else \
+        "reinstall with cmake available to build it"
+    return FALLBACK_TEXT.format(reason=reason, advice=advice)
 
 
 def check(info: dict, flags: set[str] | None = None) -> None:
@@ -110,7 +117,10 @@ def check(info: dict, flags: set[str] | None = None) -> None:
 
 def load_backend() -> ModuleType:
     """Import ``skippy_wire.stage._backend`` after ``check()``, preloading the wheel's ggml
-    first if the rpath did not resolve it (fallback build)."""
+    first if the rpath did not resolve it (fallback build); an ImportError, and no warning,
+    where the backend is not built (a pure-Python install)."""
+    if importlib.util.find_spec("skippy_wire.stage._backend") is None:
+        raise ModuleNotFoundError("No module named 'skippy_wire.stage._backend'", name="skippy_wire.stage._backend")
     check(build_info())
     try:
         return importlib.import_module("skippy_wire.stage._backend")
