@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -98,10 +99,11 @@ def backend_extension() -> Extension:
     )
 
 
-def link_ggml(ext: Extension, record: Path) -> None:
+def link_ggml(ext: Extension, record: Path, in_tree: bool = False) -> None:
     """Resolve ggml (built from source for this CPU, or the wheel's) and link ``ext``
     against it; what it links is written to ``record`` (beside the built module, read at
-    run time by skippy_wire.stage._ggml.build_info())."""
+    run time by skippy_wire.stage._ggml.build_info()); ``in_tree``: an in-place or editable
+    build, whose module stays in this checkout."""
     ggml = ggml_build.resolve(_libggml_root)
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(ggml.info(), indent=1) + "\n")
@@ -116,12 +118,16 @@ def link_ggml(ext: Extension, record: Path) -> None:
         ext.extra_link_args += ["-Wl,--exclude-libs,ALL"]
         return
     # Portable fallback: the libggml-python wheel's shared libraries, found at run time next
-    # to the installed extension ($ORIGIN/../..) and nowhere else this machine names: a wheel
-    # is shipped, and pip's isolated build folder under /tmp, gone once built, is anyone's to
-    # make again.  skippy_wire.stage._ggml.load_backend() preloads them for other layouts.
+    # to the installed extension ($ORIGIN/../..), and for a module left in this checkout in
+    # this interpreter's site-packages; never where the build found them (pip's isolated
+    # build folder under /tmp, gone once built, is anyone's to make again), nor, in a wheel,
+    # anywhere on this machine.  skippy_wire.stage._ggml.load_backend() preloads them otherwise.
+    rpaths = ["$ORIGIN/../../libggml/lib64"]
+    if in_tree:
+        rpaths.append(str(Path(sysconfig.get_paths()["purelib"]) / "libggml" / "lib64"))
     ext.library_dirs.append(str(ggml.lib_dir))
     ext.libraries += ["ggml-base", "ggml-cpu"]
-    ext.extra_link_args += ["-Wl,-rpath,$ORIGIN/../../libggml/lib64"]
+    ext.extra_link_args += [f"-Wl,-rpath,{r}" for r in rpaths]
 
 
 EXTENSIONS = {
@@ -158,13 +164,18 @@ class build_ext(_build_ext):
     """Compiles each extension: Cython first, and for the backend ggml (:func:`link_ggml`)."""
 
     record = None  # the backend's build record, where this build wrote it
+    in_tree = False  # an in-place or editable build (run() builds with inplace off, then copies)
+
+    def run(self) -> None:
+        self.in_tree = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
 
     def build_extension(self, ext: Extension) -> None:
         from Cython.Build import cythonize
 
         if ext.name == "skippy_wire.stage._backend":
             self.record = Path(self.get_ext_fullpath(ext.name)).with_name(RECORD_NAME)
-            link_ggml(ext, self.record)
+            link_ggml(ext, self.record, self.in_tree)
         print(f"skippy_wire: compiling {ext.name}", file=sys.stderr)
         ext.sources = cythonize([ext], compiler_directives={"language_level": "3", "embedsignature": True},
                                 quiet=True)[0].sources

@@ -126,11 +126,20 @@ def test_a_wheel_fallback_backend_looks_for_ggml_beside_itself_only(monkeypatch,
 
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)  # setup.py's functions, nothing built
     setup_py = runpy.run_path(str(ROOT / "setup.py"), run_name="setup_py_under_test")
+    link_ggml = setup_py["link_ggml"]
+    isolated = tmp_path / "pip-build-env" / "libggml"  # where the build finds the wheel
+    monkeypatch.setitem(link_ggml.__globals__, "_libggml_root", lambda: isolated)
     monkeypatch.setenv(ggml_build.ENV_MODE, ggml_build.MODE_WHEEL)
-    ext = setup_py["backend_extension"]()
-    setup_py["link_ggml"](ext, tmp_path / "record.json")
-    assert [arg for arg in ext.extra_link_args if "rpath" in arg] == ["-Wl,-rpath,$ORIGIN/../../libggml/lib64"]
-    assert ext.libraries[-2:] == ["ggml-base", "ggml-cpu"]
+    rpaths = {}
+    for in_tree in (False, True):
+        ext = setup_py["backend_extension"]()
+        link_ggml(ext, tmp_path / "record.json", in_tree)
+        assert ext.libraries[-2:] == ["ggml-base", "ggml-cpu"] and str(isolated / "lib64") in ext.library_dirs
+        rpaths[in_tree] = [arg.removeprefix("-Wl,-rpath,") for arg in ext.extra_link_args if "rpath" in arg]
+    assert rpaths[False] == ["$ORIGIN/../../libggml/lib64"]  # a wheel names no path of this machine
+    # a module left in the checkout finds the wheel's libraries in this interpreter's site-packages
+    purelib = setup_py["sysconfig"].get_paths()["purelib"]
+    assert rpaths[True] == ["$ORIGIN/../../libggml/lib64", purelib + "/libggml/lib64"]
 
 
 def test_no_backend_is_an_import_error_without_a_fallback_warning(monkeypatch):

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import gzip
 import http.client
+import io
 import json
 import re
 import logging
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -169,6 +171,11 @@ def test_requests_being_served_are_never_shed(gated):
         llama = httpx.post(url + "/completion", timeout=10)  # llama-server's route: its shape
         assert llama.status_code == 503 and llama.json() == {"error": {
             "code": 503, "message": "every connection is serving a request; retry later", "type": "unavailable_error"}}
+        with _connect(url) as s:  # the same route in absolute form, as sent to a proxy
+            s.sendall(b"POST http://h/completion HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n")
+            absolute = http.client.HTTPResponse(s)
+            absolute.begin()
+            assert absolute.status == 503 and json.loads(absolute.read()) == llama.json()
         gate.open.set()
         assert [f.result().text for f in waiting] == ["done"] * busy
     assert httpx.get(url + "/ok", timeout=10).text == "ok"
@@ -685,7 +692,9 @@ _GZIP_HEAD = b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
     ([b"POST http://h/apply-template" + _GZIP_HEAD], 501, True),
     ([b"POST /v1/completions" + _GZIP_HEAD], 501, False),
     ([b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /detokenize" + _GZIP_HEAD], 501, True),
-    ([b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /v1/chat/completions" + _GZIP_HEAD], 501, False)])
+    ([b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /v1/chat/completions" + _GZIP_HEAD], 501, False),
+    ([b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\nPOST /tokenize" + _GZIP_HEAD], 501, True),  # pipelined
+    ([b"POST /completion?q=" + b"a" * 300 + _GZIP_HEAD], 501, True)])
 def test_a_request_refused_by_the_http_layer_gets_its_routes_error_shape(requests, status, llama):
     """On llama-server's routes a body past the limit in chunks, a head too large or a transfer
     coding refused were answered in OpenAI's shape (``code`` null where llama-server's clients
@@ -694,11 +703,15 @@ def test_a_request_refused_by_the_http_layer_gets_its_routes_error_shape(request
     are answered first; the refused one is the last.)"""
     with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn():
         with _connect(url) as s:
+            # one buffer for every answer: a reader per answer drops what it read past its own
+            answers = io.BufferedReader(socket.SocketIO(s, "rb"))
+            answers.close = lambda: None  # (http.client closes its reader after each answer)
             for request in requests:
                 s.sendall(request)
-                response = http.client.HTTPResponse(s)
-                response.begin()
-                body = response.read()
+                for _ in range(request.count(b" HTTP/1.1\r\n")):  # (pipelined: two in one write)
+                    response = http.client.HTTPResponse(SimpleNamespace(makefile=lambda *args: answers))
+                    response.begin()
+                    body = response.read()
     answer = json.loads(body)
     assert response.status == status and body == json.dumps(answer, separators=(",", ":")).encode()
     if llama:

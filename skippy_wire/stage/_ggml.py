@@ -11,11 +11,12 @@ instruction sets this CPU lacks, and warns (``GgmlFallbackWarning``) when the ba
 links the portable libggml-python wheel instead of the source build.
 
 Portable fallback: the backend links ``libggml-base.so.0`` and ``libggml-cpu.so.0`` from the
-wheel's ``lib64/`` (runtime.md §5.1).  Its rpath covers the installed layout alone
-(``$ORIGIN/../../libggml/lib64``: no path of the build machine, whose pip build folder under
-/tmp anyone could make again); ``preload()`` covers anything else (an in-tree build,
-libggml in another site-packages): loading both libraries with RTLD_GLOBAL lets the
-dynamic loader satisfy the extension's NEEDED entries by SONAME.
+wheel's ``lib64/`` (runtime.md §5.1).  Its rpath covers the installed layout
+(``$ORIGIN/../../libggml/lib64``) and, for a module built in place, the interpreter's
+site-packages, never where the build found them (pip's build folder under /tmp, anyone's to
+make again); ``load_backend()`` preloads them for anything else (libggml in another
+site-packages, a venv moved): loading both libraries with RTLD_GLOBAL lets the dynamic
+loader satisfy the extension's NEEDED entries by SONAME.
 """
 
 from __future__ import annotations

@@ -143,5 +143,5 @@ async def thread_refused(request: Request, exc: Exception) -> Response:
                           type_="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-__all__ = ["RETRY_AFTER_S", "CLOSE", "NOT_SERVED", "LLAMA_PATHS", "error_object", "error_response", "not_served", "llama_route",
-           "llama_error", "for_route", "ErrorObjects", "thread_refused"]
+__all__ = ["RETRY_AFTER_S", "CLOSE", "NOT_SERVED", "LLAMA_PATHS", "error_object", "error_response", "not_served",
+           "llama_route", "llama_error", "for_route", "ErrorObjects", "thread_refused"]

@@ -93,7 +93,7 @@ def shutting_down_response() -> JSONResponse:
 #: Bytes of a request head kept as it arrives: the route of one that does not parse (its
 #: method and target; llama-server's paths are short) picks its error object's shape.
 _HEAD_PEEK_BYTES = 256
-_REQUEST_TARGET = re.compile(rb"[!-~]+ ([!-~]+) ")
+_REQUEST_TARGET = re.compile(rb"[!-~]+ ([!->@-~]+)[ ?]")  # its path: up to the query or the version
 
 
 class BodyTooLarge(Exception):
@@ -140,7 +140,7 @@ async def too_many_connections(scope, receive, send) -> None:
     shape where uvicorn would send ``text/plain`` "Service Unavailable", and the connection closed."""
     answer = error_object("every connection is serving a request; retry later", type_="server_error",
                           code="too_many_connections")
-    response = JSONResponse(for_route(503, answer, scope["path"]), status_code=503,
+    response = JSONResponse(for_route(503, answer, route_path(scope["raw_path"])), status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE})
     await response(scope, receive, send)
 
@@ -193,10 +193,12 @@ class IdleSheddingProtocol(H11Protocol):
         self.logger = _ProtocolLog(self.logger)
         self.protocol_error: Optional[h11.RemoteProtocolError] = None  # why the last request did not parse
         self.request_path: Optional[str] = None  # the route of the request whose head has arrived
-        self.head_start = b""  # the start of a head still arriving (_HEAD_PEEK_BYTES)
+        self.head_start = b""  # the start of the next request's head as h11 holds it (_HEAD_PEEK_BYTES)
         next_event = self.conn.next_event
 
         def remembering_next_event():
+            if self.conn.their_state is h11.IDLE and len(self.head_start) < _HEAD_PEEK_BYTES:
+                self.head_start = self.conn.trailing_data[0][:_HEAD_PEEK_BYTES]  # a head maybe pipelined
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
@@ -296,8 +298,6 @@ class IdleSheddingProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering is None:
-            if self.conn.their_state is h11.IDLE and len(self.head_start) < _HEAD_PEEK_BYTES:
-                self.head_start += data[:_HEAD_PEEK_BYTES - len(self.head_start)]
             super().data_received(data)
             return
         self.lingering += len(data)
