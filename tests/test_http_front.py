@@ -720,6 +720,33 @@ def test_a_request_refused_by_the_http_layer_gets_its_routes_error_shape(request
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["code"] is None
 
 
+@pytest.mark.parametrize("request_head, version", [(b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n", "9.9"),
+                                                   (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "2.0"),  # HTTP/2's preface
+                                                   (b"GET /v1/models HTTP/0.9\r\n\r\n", "0.9")])
+def test_an_http_version_other_than_1_x_is_a_505(request_head, version):
+    """They were served as HTTP/1.1 (HTTP/2's preface a 501 for its PRI method, then a 400)."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn():
+        with _connect(url) as s:
+            s.sendall(request_head)
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            error = json.loads(response.read())["error"]
+            assert s.recv(1) == b""  # then the connection closes
+    assert response.status == 505 and error["type"] == "not_supported_error"
+    assert error["message"] == f"HTTP/{version} is not supported: this server speaks HTTP/1.1"
+
+
+def test_options_star_is_named_as_sent():
+    """Its 404 said "Invalid URL (OPTIONS /*)"."""
+    with serving(_fake_api().app(), limit_concurrency=LIMIT) as url, logged_by_uvicorn():
+        with _connect(url) as s:
+            s.sendall(b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            message = json.loads(response.read())["error"]["message"]
+    assert response.status == 404 and message == "Invalid URL (OPTIONS *)"
+
+
 def test_a_stream_whose_client_reset_writes_nothing_more_and_asyncio_logs_nothing():
     """Pieces written after a reset, before the loop told the request its client had gone
     (here after a stall of the loop), each logged asyncio's "socket.send() raised exception."."""

@@ -156,7 +156,7 @@ class Api:
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         # Routing's errors: 404 for an unknown route (in OpenAI's words), 405 with Allow, and
         # 501 for a method HTTP does not define, on any path (RFC 9110 9.1).
-        where = f"{request.method} {request.url.path}"
+        where = f"{request.method} {request.scope['path']}"  # as sent (its URL says `OPTIONS *` as "/*")
         if exc.status_code in (404, 405) and request.method not in HTTP_METHODS:
             return error_response(501, f"Method not implemented ({where})")
         message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}.get(exc.status_code,

@@ -203,6 +203,9 @@ class IdleSheddingProtocol(H11Protocol):
                 event = next_event()
                 if isinstance(event, h11.Request):
                     self.request_path = route_path(event.target)
+                    if event.http_version not in (b"1.0", b"1.1"):  # HTTP/2's preface, 9.9, 0.9 (RFC 9110 15.6.6)
+                        raise RefusedRequest(f"HTTP/{event.http_version.decode()} is not supported: this server "
+                                             "speaks HTTP/1.1", error_status_hint=505)
                     if _head_bytes(event) > MAX_HEAD_BYTES:
                         raise RefusedRequest(f"request head over {MAX_HEAD_BYTES >> 10} KiB", error_status_hint=431)
                     self.body_pieces = self.body_bytes = 0
@@ -333,7 +336,7 @@ class IdleSheddingProtocol(H11Protocol):
         peer = "%s:%d" % tuple(self.client[:2]) if self.client else "a peer"
         self.logger.warning("invalid HTTP request from %s (%s); closing", peer, peer_text(error or "no reason given"))
         said = isinstance(error, RefusedRequest) or status == 501  # h11's 501 reasons are fixed texts
-        type_ = "not_supported_error" if status == 501 else "invalid_request_error"
+        type_ = "not_supported_error" if status in (501, 505) else "invalid_request_error"
         path = self.request_path
         if path is None and (line := _REQUEST_TARGET.match(self.head_start)):
             path = route_path(line[1])
