@@ -60,6 +60,12 @@ class RefuseForeignOrigins:
 _ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/]*")
 
 
+def _origin_form(raw_path: bytes) -> bytes:
+    """A target's path in origin form: an absolute-form one less its scheme and authority."""
+    absolute = _ABSOLUTE_FORM.match(raw_path)
+    return (raw_path[absolute.end():] or b"/") if absolute else raw_path
+
+
 class OriginForm:
     """ASGI middleware: a request whose target is in absolute form, as a client sends it to
     a proxy, is routed on its path (RFC 9112 3.2.2: a server must accept that form; uvicorn
@@ -69,9 +75,7 @@ class OriginForm:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        absolute = scope["type"] == "http" and _ABSOLUTE_FORM.match(scope["raw_path"])
-        if absolute:
-            raw_path = scope["raw_path"][absolute.end():] or b"/"
+        if scope["type"] == "http" and (raw_path := _origin_form(scope["raw_path"])) != scope["raw_path"]:
             scope = {**scope, "raw_path": raw_path, "path": unquote(raw_path.decode("ascii"))}
         await self.app(scope, receive, send)
 
@@ -79,10 +83,8 @@ class OriginForm:
 def route_path(target: bytes) -> Optional[str]:
     """The path a request target is routed on (as uvicorn and :class:`OriginForm` read it);
     None for one that is not ASCII."""
-    absolute = _ABSOLUTE_FORM.match(target)
-    raw_path = (target[absolute.end():] if absolute else target).partition(b"?")[0]
     try:
-        return unquote(raw_path.decode("ascii")) or "/"
+        return unquote(_origin_form(target.partition(b"?")[0]).decode("ascii")) or "/"
     except UnicodeDecodeError:
         return None
 
