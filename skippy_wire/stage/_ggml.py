@@ -37,7 +37,8 @@ SOURCE_BUILD = "sdist"
 WHEEL_BUILD = "wheel"
 #: The build's setting that forces the wheel (``ggml_build.py`` reads it), and the reason recorded then.
 MODE_ENV = "SKIPPY_WIRE_GGML"
-FORCED_REASON = f"forced by {MODE_ENV}={WHEEL_BUILD}"
+_FORCED = f"{MODE_ENV}={WHEEL_BUILD}"
+FORCED_REASON = f"forced by {_FORCED}"
 FALLBACK_TEXT = (
     "skippy_wire's ggml backend links the portable libggml-python wheel (AVX2 kernels), not ggml "
     "built for this CPU: {reason}; {advice}"
@@ -101,7 +102,7 @@ def fallback_warning(info: dict) -> str | None:
     if info.get("source") == SOURCE_BUILD:
         return None
     reason = info.get("reason") or "unknown build"
-    advice = f"reinstall without {MODE_ENV}={WHEEL_BUILD} to build it" if reason == FORCED_REASON else \
+    advice = f"reinstall without {_FORCED} to build it" if reason == FORCED_REASON else \
         "reinstall with cmake available to build it"
     return FALLBACK_TEXT.format(reason=reason, advice=advice)
 
