@@ -31,8 +31,8 @@ class ScriptedEngine(FakeEngine):
         self.tokenizer = ByteTokenizer()
         self.pieces, self.stop_type, self.stopping_word = pieces, stop_type, stopping_word
 
-    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
-        self.requests.append({"max_tokens": max_tokens, "sampling": sampling, "stop": stop})
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled, **ends) -> Generation:
+        self.requests.append({"max_tokens": max_tokens, "sampling": sampling, "stop": stop, **ends})
         self.prompts.append(bytes(prompt).decode())
         for piece in self.pieces:
             on_text(piece, list(piece.encode()))
@@ -199,6 +199,17 @@ def test_truncated_says_whether_a_generation_ran_out_of_context_before_n_predict
             assert _post(client, body).json()["truncated"] is truncated, n_predict  # 4 tokens of room
     with TestClient(_fake_api(ScriptedEngine(stop_type="eos")).app()) as client:
         assert _post(client, {"prompt": [65] * 60, "n_predict": 10}).json()["truncated"] is False
+
+
+def test_llama_servers_ends_of_a_text_reach_the_engine_on_every_route_and_are_no_truncation():
+    engine = ScriptedEngine(pieces=("x",), stop_type="limit")  # n_indent ended it: 1 token of 4 of room
+    with TestClient(_fake_api(engine).app()) as client:
+        body = _post(client, {"prompt": [65] * 60, "n_indent": 4, "t_max_predict_ms": 250}).json()
+        assert body["stop_type"] == "limit" and body["truncated"] is False, body
+        assert client.post("/v1/completions", json={"prompt": "hi", "n_indent": 2}).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n_indent": -1, "t_max_predict_ms": 1000}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert [(r["min_indent"], r["line_time_limit_s"]) for r in engine.requests] == [(4, 0.25), (2, 0.0), (-1, 1.0)]
 
 
 def test_llama_servers_defaults_and_limits_on_its_own_route():

@@ -169,8 +169,9 @@ def test_given_values_are_still_checked(body, param):
     ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"n_probs": 3}, "n_probs"),
-    ({"n_indent": 4}, "n_indent"),  # llama-server stops at a line indented less: ignored, the text would differ
-    ({"t_max_predict_ms": 1}, "t_max_predict_ms"),
+    ({"n_indent": "4"}, "n_indent"),
+    ({"t_max_predict_ms": 1.5}, "t_max_predict_ms"),
+    ({"n_indent": 2**31}, "n_indent"),  # llama-server's an int32
     # an audio reply (OpenAI's gpt-4o-audio): text alone would silently drop what was asked
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -181,6 +182,15 @@ def test_what_the_stages_cannot_honour_or_a_wrong_type_is_refused(body, param):
     with pytest.raises(BadRequest) as err:
         parse_options(body)
     assert err.value.param == param
+
+
+def test_llama_servers_ends_of_a_text_are_read_on_every_route():
+    # honoured by the engine (test_text_stops); off at 0 or below, as there
+    assert (parse_options({}).n_indent, parse_options({}).t_max_predict_ms) == (0, 0)
+    for chat, native in ((False, False), (True, False), (False, True)):
+        options = parse_options({"n_indent": 4, "t_max_predict_ms": 250}, chat=chat, native=native)
+        assert (options.n_indent, options.t_max_predict_ms) == (4, 250)
+    assert parse_options({"n_indent": 2.0, "t_max_predict_ms": 5.0}, native=True).n_indent == 2
 
 
 def test_a_user_id_is_a_string():

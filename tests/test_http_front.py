@@ -383,7 +383,7 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.prompts: list[str] = []
-        self.requests: list[dict] = []  # each generate()'s max_tokens and sampling
+        self.requests: list[dict] = []  # each generate()'s max_tokens, sampling, min_indent and line_time_limit_s
 
     def check_ready(self) -> None:
         pass
@@ -391,9 +391,9 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
-    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled, **ends) -> Generation:
         self.prompts.append(bytes(prompt).decode())
-        self.requests.append({"max_tokens": max_tokens, "sampling": sampling})
+        self.requests.append({"max_tokens": max_tokens, "sampling": sampling, **ends})
         assert self.gate.wait(30)
         if cancelled.is_set():
             raise Cancelled("stop")
@@ -935,7 +935,7 @@ def test_a_request_whose_client_left_before_admission_never_generates():
 class FloodingEngine(FakeEngine):
     """Streams 256 KiB pieces of text, ten a second, until cancelled (64 at most)."""
 
-    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled) -> Generation:
+    def generate(self, prompt, *, max_tokens, sampling, stop, on_text, cancelled, **ends) -> Generation:
         for _ in range(64):
             if cancelled.is_set():
                 self.counters["flood_cancelled"] += 1

@@ -3,7 +3,7 @@ SmolLM2 vocabulary: the pieces add up to the whole decode, whatever the text."""
 
 import pytest
 
-from skippy_wire.net.service import TextAssembler
+from skippy_wire.net.text import TextAssembler
 from skippy_wire.stage.models import Tokenizer, smollm2_path
 
 TEXTS = [

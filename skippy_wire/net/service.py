@@ -41,6 +41,7 @@ from ..wire.messages import SamplingConfig, SamplingFlags, StageWireMessage, as_
 from ..wire.replies import WireReplyKind
 from .driver import SESSION_END_UNANSWERED, PipelineClient, check_model_id
 from .schedule import check_generation, context_room, prefill_messages
+from .text import TextAssembler
 
 log = logging.getLogger("skippy_wire.net.service")
 
@@ -130,126 +131,6 @@ class SamplingParams(make_dataclass("SamplingParamsFields", [
             logit_bias=sorted((int(t), float(b)) for t, b in self.logit_bias.items()), **fields)
 
 
-class TextAssembler:
-    """Detokenise incrementally and apply stop strings.
-
-    ``push(token)`` returns the text that is safe to show now: text that could still turn
-    into a stop string, or an incomplete UTF-8 sequence, is held back until it is decided.
-    ``stopped`` turns True when a stop string appeared; ``text`` is everything before it
-    (cut at the earliest occurrence of any stop string).  Control tokens add no text, as
-    llama.cpp renders generated text.
-
-    Each push decodes only the tokens since the last complete character (byte-level
-    vocabularies decode by concatenation), so a token costs the same at any length.  Stop
-    strings are matched the same way: each has a Knuth-Morris-Pratt automaton whose state,
-    the longest suffix of the text so far that begins the stop string, is advanced over the
-    new characters only.  That state is both the match (when it covers the whole stop
-    string) and the length to hold back, so a token costs its own characters (amortised),
-    not the text's length or the stop strings' squared.
-    """
-
-    def __init__(self, tokenizer, stop: str | Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string: one stop string
-        self.tokens: list[int] = []
-        self.text = ""
-        self.shown = 0
-        self.stopped = False
-        self.stopping_word = ""  # the stop string that stopped the text
-        self._decoded = ""  # the text of tokens[:self._decoded_tokens], ending on a whole character
-        self._decoded_tokens = 0
-        self._fail = [self._failure(s) for s in self.stop]
-        # Each stop string's automaton state over self._decoded[:self._fed]: the length of
-        # the longest suffix of that text which is a (proper) prefix of the stop string.
-        self._matched = [0] * len(self.stop)
-        self._fed = 0
-
-    @staticmethod
-    def _failure(s: str) -> memoryview:
-        """KMP's failure function: ``fail[i]`` is the length of the longest proper prefix of
-        ``s[:i + 1]`` that is also its suffix (unsigned 32-bit cells, 4 bytes a character)."""
-        fail = memoryview(bytearray(4 * len(s))).cast("I")
-        k = 0
-        for i in range(1, len(s)):
-            c = s[i]
-            while k and s[k] != c:
-                k = fail[k - 1]
-            if s[k] == c:
-                k += 1
-            fail[i] = k
-        return fail
-
-    def _decode(self) -> str:
-        return self._decoded + self.tokenizer.decode(self.tokens[self._decoded_tokens:], special=False)
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self._decode()
-        if text.endswith("\ufffd"):  # a character still incomplete: the whole ones before it are scanned now
-            return self._advance(text.rstrip("\ufffd"), final=False)
-        self._decoded, self._decoded_tokens = text, len(self.tokens)
-        return self._advance(text, final=False)
-
-    def finish(self) -> str:
-        """The held-back rest once generation has ended.  A character its last token left
-        incomplete shows as U+FFFD but, as in llama-server, is no text a stop string matches
-        (decoded text cannot tell it from a U+FFFD the model wrote last: that one is taken
-        for incomplete too)."""
-        if self.stopped:
-            return ""
-        text = self._decode()
-        return self._advance(text, final=True, complete=len(text.rstrip("\ufffd")))
-
-    def _scan(self, text: str, start: int) -> tuple[int, list[int]]:
-        """Advance every stop string's automaton from its state at ``start`` over
-        ``text[start:]``: the earliest index at which a stop string begins (-1: none; the
-        string is ``stopping_word``), and the states at the end of ``text`` (meaningful only
-        where none began)."""
-        cut, states = -1, []
-        for s, fail, q in zip(self.stop, self._fail, self._matched):
-            m, first, i, n = len(s), s[0], start, len(text)
-            while i < n:
-                if not q:  # nothing of s under way: skip to where it could begin
-                    i = text.find(first, i)
-                    if i < 0:
-                        break
-                c = text[i]
-                while q and s[q] != c:
-                    q = fail[q - 1]
-                if s[q] == c:
-                    q += 1
-                    if q == m:  # the first occurrence of s ends at i
-                        if cut < 0 or i + 1 - m < cut:
-                            cut, self.stopping_word = i + 1 - m, s
-                        break
-                i += 1
-            states.append(q)
-        return cut, states
-
-    def _advance(self, text: str, *, final: bool, complete: int | None = None) -> str:
-        if self.stopped:  # the text stays cut at the earliest stop string, shown already
-            return ""
-        # ``text`` extends the text of the last push (a push passes the decoded text, or the whole
-        # characters before an incomplete one, which every later decode begins with), so no stop
-        # string can lie wholly in ``text[:self._fed]``: none was found there.  A final text may end
-        # in an incomplete character that a later token would redecode, so its states are not kept.
-        cut, states = self._scan(text if complete is None else text[:complete], self._fed)
-        if not final:
-            self._matched, self._fed = states, len(text)
-        if cut >= 0:
-            self.stopped = True
-            text = text[:cut]
-            safe = len(text)
-        elif final:
-            safe = len(text)
-        else:
-            safe = len(text) - max(states, default=0)
-        self.text = text
-        delta = text[self.shown:safe] if safe > self.shown else ""
-        self.shown = max(self.shown, safe)
-        return delta
-
-
 @dataclass
 class Generation:
     """What one request produced."""
@@ -259,7 +140,8 @@ class Generation:
     completion_tokens: int = 0  # the tokens decoded, an end-of-generation one included
     finish_reason: str = "length"
     #: Why it ended, in llama-server's words: "eos" (an end-of-generation token), "word"
-    #: (``stopping_word``, a stop string), "limit" (max_tokens or the context).
+    #: (``stopping_word``, a stop string), "limit" (max_tokens, the context, a line indented
+    #: less than ``min_indent`` or a new line past ``line_time_limit_s``).
     stop_type: str = "limit"
     stopping_word: str = ""
     tokens: list[int] = field(default_factory=list)  # the generated tokens (no end-of-generation one)
@@ -382,10 +264,14 @@ class GenerationEngine:
 
     def generate(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams | None,
                  stop: str | Sequence[str], on_text: Callable[[str, list[int]], None],
-                 cancelled: threading.Event | None = None) -> Generation:
+                 cancelled: threading.Event | None = None, min_indent: int = 0,
+                 line_time_limit_s: float = 0.0) -> Generation:
         """Generate after ``prompt``; ``on_text(text, tokens)`` receives each new piece of
         text and the tokens generated since the last piece.  ``sampling`` None is greedy (as
-        a PipelineClient's); ``cancelled``, once set, stops it between two tokens."""
+        a PipelineClient's); ``cancelled``, once set, stops it between two tokens.  As
+        llama-server's ``n_indent`` and ``t_max_predict_ms``, the text ends at a line indented
+        less than ``min_indent`` (:class:`TextAssembler`), and at the first new line once the
+        generation has run ``line_time_limit_s`` past its first token (above 0 each)."""
         started = time.perf_counter()
         sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
         cancelled = threading.Event() if cancelled is None else cancelled
@@ -394,12 +280,13 @@ class GenerationEngine:
                                                  on_text=on_text)
         context_room(len(prompt), max_tokens, self.ctx_size)  # a prompt too long: before a connection is taken
         out = Generation(prompt_tokens=len(prompt))
-        assembler = TextAssembler(self.tokenizer, stop)
+        assembler = TextAssembler(self.tokenizer, stop, min_indent)
         session = next(self._ids)
         shown_tokens = 0  # assembler.tokens passed to on_text so far
+        out_of_time = False  # a new line came past line_time_limit_s
 
         def on_token(token: int) -> None:
-            nonlocal shown_tokens
+            nonlocal shown_tokens, out_of_time
             if out.first_token_s is None:
                 out.first_token_s = time.perf_counter() - started
             if not 0 <= token < self.tokenizer.n_vocab:  # a stage's fault: the pipeline failed, not the request
@@ -412,7 +299,9 @@ class GenerationEngine:
             if delta:
                 on_text(delta, assembler.tokens[shown_tokens:])
                 shown_tokens = len(assembler.tokens)
-            if assembler.stopped or cancelled.is_set():
+                out_of_time = (line_time_limit_s > 0 and "\n" in delta
+                               and time.perf_counter() - started - out.first_token_s > line_time_limit_s)
+            if assembler.stopped or out_of_time or cancelled.is_set():
                 raise Cancelled("stop")
 
         def before_step() -> None:
@@ -482,8 +371,10 @@ class GenerationEngine:
         if tail:
             on_text(tail, assembler.tokens[shown_tokens:])
         out.text, out.tokens = assembler.text, assembler.tokens
-        if assembler.stopped:  # also one found only in the held-back rest, as generation ended
+        if assembler.stopping_word:  # also one found only in the held-back rest, as generation ended
             out.finish_reason, out.stop_type, out.stopping_word = "stop", "word", assembler.stopping_word
+        elif assembler.under_indented or out_of_time:  # llama-server's limits
+            out.finish_reason, out.stop_type = "length", "limit"
         elif out.finish_reason == "stop":
             out.stop_type = "eos"
         out.elapsed_s = time.perf_counter() - started

@@ -70,7 +70,7 @@ class GenerationJob:
                     results[index] = engine.generate(
                         self.prompts[index], max_tokens=self.max_tokens[index], sampling=self._sampling(index),
                         stop=o.stop, on_text=lambda text, tokens, i=index: on_text(i, text, tokens),
-                        cancelled=self.cancel)
+                        cancelled=self.cancel, min_indent=o.n_indent, line_time_limit_s=o.t_max_predict_ms / 1000)
                 except BaseException:
                     failed.set()
                     raise

@@ -81,9 +81,10 @@ class LlamaCompletionJob(GenerationJob):
 
     def _ran_out_of_context(self, index: int, result) -> bool:
         """llama-server's ``truncated``: the generation stopped at the context's end, before
-        ``n_predict`` (its limit was the context's room, not the one asked for)."""
-        asked = self.options.max_tokens
-        return result.stop_type == "limit" and (asked is None or asked > self.max_tokens[index])
+        ``n_predict`` (its limit was the context's room, not the one asked for, and it was
+        reached: not an ``n_indent`` or ``t_max_predict_ms`` end)."""
+        asked, room = self.options.max_tokens, self.max_tokens[index]
+        return result.stop_type == "limit" and (asked is None or asked > room) and result.completion_tokens >= room
 
     def _opening_events(self) -> list[str]:
         return []

@@ -44,7 +44,7 @@ MAX_TOKENIZE_TEXTS = 1 << 16
 #: ``n``, the choices of each; they run side by side on the lanes idle when it starts.
 MAX_PROMPTS = 64
 #: Characters in one stop string at most.  Matching costs each generated token only its own
-#: characters (``TextAssembler`` in ``skippy_wire.net.service`` advances an automaton per
+#: characters (``TextAssembler`` in ``skippy_wire.net.text`` advances an automaton per
 #: stop string), but a request's memory must stay bounded: a stop string and its
 #: automaton's table take up to 8 bytes a character, so 4 of these at most 2 MiB.
 MAX_STOP_CHARS = 65536
@@ -106,10 +106,7 @@ _LLAMA_OFF = {"grammar": (lambda value, body: value == "", None),
               "xtc_probability": (_xtc_off, "xtc"),
               "dry_multiplier": (_dry_off, "dry"),
               "top_n_sigma": (_where(lambda v: v <= 0), "top_n_sigma"),
-              "n_probs": (_where(lambda v: v <= 0), None),
-              # its stops at a line indented less than n_indent, at a new line after a time
-              "n_indent": (_where(lambda v: v <= 0), None),
-              "t_max_predict_ms": (_where(lambda v: v <= 0), None)}
+              "n_probs": (_where(lambda v: v <= 0), None)}
 #: llama-server's sampler names (common/sampling.cpp's, read exactly) by their letters, and
 #: the chain it runs when a request names none (the wire's default, named as llama-server names it).
 _LLAMA_SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
@@ -316,6 +313,10 @@ class Options:
     # temperature, top_k, top_p, min_p and repeat_last_n as asked (what runs may differ): reported back
     asked: dict = field(default_factory=dict)
     timings_per_token: bool = False  # llama-server's: each streamed event carries the timings so far
+    # llama-server's ends of a text, off at 0 or below: at a line indented by fewer spaces and
+    # tabs (after the first), and at a new line once this many ms have passed since the first token
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
 
 
 def _check_unsupported(body: dict, chat: bool, samplers: tuple) -> None:
@@ -515,7 +516,8 @@ def parse_options(body: dict, *, chat: bool = False, native: bool = False, serve
     # llama-server's /completion names the choices n_cmpl, and reads n when it is absent
     n = count("n_cmpl" if native and body.get("n_cmpl") is not None else "n", 1, 1, MAX_PROMPTS)
     return Options(max_tokens, sampling, stop, stream, include_usage, n, samplers, bias_texts, asked,
-                   _flag(body, "timings_per_token", False))
+                   _flag(body, "timings_per_token", False), count("n_indent", 0, -(2**31), 2**31 - 1),
+                   count("t_max_predict_ms", 0, -(2**63), 2**63 - 1))
 
 
 def parse_template_options(body: dict) -> tuple[bool, dict]:
