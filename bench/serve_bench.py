@@ -1,7 +1,7 @@
 """Serving throughput of ``skippy-wire api`` against one request and against ``run``.
 
-    python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2] [--ahead on]
-                                [--split 15,15] [--poll-ms auto]
+    python bench/serve_bench.py [--rounds 3] [--tokens 64] [--concurrency 4] [--stages 2 | --split 15,15]
+                                [--ahead on] [--poll-ms auto]
 
 Starts the stage processes once (1 thread each) with a compute trace, then, alternating in
 rounds, measures on the same stages:
@@ -23,7 +23,8 @@ against the one-request figures of the same run; the two that the goals name are
 as the median and range of each round's own ratio, which the host's drift between rounds does
 not enter.  ``--ahead off`` starts the stages with
 ``serve --no-decode-ahead`` (docs/pipeline.md, "Decode ahead"); ``--split`` gives each
-stage's number of layers (default: an even split), and the fraction of the time each stage
+stage's number of layers (default: an even split over ``--stages``; given both, they must
+agree), and the fraction of the time each stage
 computed with the concurrent requests is printed too, over the whole round and over the
 decode window (the stage that computes nearly all of the window bounds the throughput).
 ``--poll-ms`` is given to the stages (``serve --poll-ms``; ``auto``, the default, is what
@@ -59,6 +60,7 @@ from skippy_wire.tools.poll_options import poll_args, poll_window
 
 CTX_SIZE = 1024  # every stage's context
 MAX_TOKENS = CTX_SIZE - 64  # new tokens a request may ask for: each prompt is under 64 tokens
+DEFAULT_STAGES = 2  # without --stages or --split
 PROMPTS = [f"Once upon a time, in a small town by the sea, there lived a {job} named {name}, who"
            for name, job in (("Anna", "baker"), ("Ben", "sailor"), ("Cleo", "painter"), ("Dan", "doctor"),
                              ("Eve", "pilot"), ("Finn", "teacher"), ("Gus", "farmer"), ("Hana", "singer"))]
@@ -182,6 +184,12 @@ def run_round(entry, tokenizer, tokens: int) -> dict:
     return {"agg_tok_s": len(result.tokens) / wall, "decode_tok_s": result.decode_tok_s}
 
 
+def _split_conflict(args) -> str | None:
+    if args.split and args.stages and args.stages != len(args.split):
+        return f"--split {','.join(map(str, args.split))} makes {len(args.split)} stages, not --stages {args.stages}"
+    return None
+
+
 def whole_model_split(text: str) -> list[int]:
     """``--split``: layers per stage, adding up to the model's (a usage error else)."""
     counts = int_list(1, repeats=True)(text) if text else []
@@ -197,14 +205,16 @@ def main(argv=None) -> int:
                                                 # a prompt each; with one, "concurrent" was the one request again
                                                 "concurrency": int_between(2, len(PROMPTS)),
                                                 "tokens": int_between(2, MAX_TOKENS),  # a decode rate needs two
-                                                "stages": within_layers(int_at_least(1))},
-                          rounds=3, tokens=64, concurrency=4, stages=2, ahead="on", split="", **{"poll-ms": "auto"})
+                                                # empty: DEFAULT_STAGES, or --split's count
+                                                "stages": lambda text: text and within_layers(int_at_least(1))(text)},
+                          conflicts=_split_conflict, said={"stages": f"{DEFAULT_STAGES}, or --split's count"},
+                          rounds=3, tokens=64, concurrency=4, stages="", ahead="on", split="", **{"poll-ms": "auto"})
     poll_ms = args.poll_ms
     layers = None
+    args.stages = args.stages or len(args.split) or DEFAULT_STAGES
     if args.split:
         counts = args.split
         layers = [(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(counts))]
-        args.stages = len(counts)
     model = default_model()
     tokenizer = Tokenizer.from_gguf(model)
     trace_dir = Path(tempfile.mkdtemp(prefix="skippy-serve-bench-"))

@@ -378,6 +378,8 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
     # failed only when a stage started, about --downstream
     ("serve_bench.py", ["--split", "10,10"],
      "argument --split: the counts must add up to the model's 30 layers, not 20"),
+    # --stages was silently replaced by the split's count
+    ("serve_bench.py", ["--split", "10,20", "--stages", "3"], "--split 10,20 makes 2 stages, not --stages 3"),
 ])
 def test_the_bench_scripts_refuse_values_they_cannot_use_before_starting(script, args, message):
     """Each was a traceback (some after the stages had started and warmed up); an uneven
@@ -796,6 +798,15 @@ def _bench_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_wake_bench_polls_a_message_larger_than_the_socket_buffer_and_ranks_its_p90():
+    wake = _bench_module("wake_bench")
+    # both ends polling, a plain sendall on the non-blocking socket raised BlockingIOError
+    # past the socket's buffer (4 MiB at most by default), within the --size accepted
+    assert len(wake.round_trips(16 << 20, 0.0, 2, poll=True)) == 2
+    assert wake.percentile_90([float(i) for i in range(1, 11)]) == 9.0  # was the largest of 10
+    assert wake.percentile_90([float(i) for i in range(1, 21)]) == 18.0 and wake.percentile_90([5.0]) == 5.0
 
 
 def _children(pid: int) -> list[int]:

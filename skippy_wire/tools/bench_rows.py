@@ -92,16 +92,24 @@ def progress(text: str = "") -> None:
 
 
 def script_options(doc: str, argv, types: dict[str, Callable[[str], object]] | None = None,
-                   **defaults) -> argparse.Namespace:
+                   conflicts: Callable[[argparse.Namespace], str | None] = lambda args: None,
+                   said: dict[str, str] | None = None, **defaults) -> argparse.Namespace:
     """The command line of a ``bench/`` script: one ``--NAME`` option per default, described
     by the first paragraph of the script's ``doc``; an int is at least 1, another value is
     its default's type or what ``types`` names for it (a string default then converted too),
-    so a value the script cannot use is a usage error before anything starts."""
+    so a value the script cannot use is a usage error before anything starts, as are options
+    that ``conflicts`` finds at odds (its text says how).  ``said`` words a default for the
+    help where its value would not say it."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], allow_abbrev=False)  # as every command
     for name, default in defaults.items():
         kind = (types or {}).get(name) or (int_at_least(1) if type(default) is int else type(default))
-        p.add_argument(f"--{name}", type=kind, default=default, help=f"default: {default or 'none'}")
-    return p.parse_args(argv)
+        p.add_argument(f"--{name}", type=kind, default=default,
+                       help=f"default: {(said or {}).get(name) or default or 'none'}")
+    args = p.parse_args(argv)
+    problem = conflicts(args)
+    if problem:
+        p.error(problem)
+    return args
 
 
 def script_main(main: Callable[[], int]) -> int:
